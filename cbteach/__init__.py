@@ -1,0 +1,20 @@
+"""cbteach: learn continuous batching for LLM inference by running a real, small engine.
+
+The pieces, in the order the course meets them:
+
+* :func:`load_model` -- the embedded "bierce" model (or any hub model when online);
+* :func:`static_batching` -- the baseline: padded waves behind a batch barrier;
+* :class:`Engine` -- continuous batching: iteration-level scheduling, ragged packing with
+  block-diagonal causal masks, and a KV cache that is either concatenated (``kv="concat"``)
+  or paged (``kv="paged"``);
+* :class:`Request` in, :class:`Completion` out, a :class:`StepRecord` for every step.
+"""
+from .engine import Engine
+from .models import load_model
+from .records import SeqStep, StepRecord
+from .request import Completion, Request
+from .static import StaticResult, static_batching
+
+__all__ = ["Engine", "Request", "Completion", "StepRecord", "SeqStep", "load_model", "static_batching",
+           "StaticResult"]
+__version__ = "0.1.0"

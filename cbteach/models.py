@@ -1,0 +1,64 @@
+"""Loading models: the embedded "bierce" model from the package, or any causal LM from the hub.
+
+``load_model()`` with no arguments never touches the network: bierce's weights, config and
+tokenizer ship inside the package (``cbteach/bierce/``). Any other name is a Hugging Face hub id
+for online users; offline, an uncached id fails with one clear error naming the embedded default.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+BIERCE_DIR = Path(__file__).parent / "bierce"
+DEFAULT_MODEL = "bierce"
+
+
+def pick_device(device=None) -> torch.device:
+    """``device`` if given, else cuda, then mps, then cpu -- whichever this machine has first."""
+    if device is not None:
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def pick_dtype(device: torch.device, dtype=None) -> torch.dtype:
+    """``dtype`` if given, else bf16 on CUDA and fp32 elsewhere (CPU and MPS are exact and fast enough in fp32)."""
+    if dtype is not None:
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype, None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError("dtype must be a torch.dtype or a name such as 'float32' or 'bfloat16'")
+        return dtype
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def load_model(name: str = DEFAULT_MODEL, device=None, dtype=None):
+    """Return ``(model, tokenizer)``, the model in eval mode on ``device`` in ``dtype``.
+
+    ``name="bierce"`` loads the embedded model; anything else is passed to transformers'
+    ``AutoModelForCausalLM`` / ``AutoTokenizer`` as a hub id or a local directory.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"model name must be a non-empty string such as {DEFAULT_MODEL!r} or 'gpt2'")
+    dev = pick_device(device)
+    dt = pick_dtype(dev, dtype)
+    source = BIERCE_DIR if name == DEFAULT_MODEL else name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dt)
+    except (OSError, ValueError) as err:
+        if name == DEFAULT_MODEL:
+            raise
+        raise ValueError(
+            f"could not load model {name!r}: it is not a local directory and not in the Hugging Face cache, "
+            f"and the hub could not be reached (offline?). The course runs offline on the embedded model: "
+            f"use load_model({DEFAULT_MODEL!r}). Cause: {type(err).__name__}: {str(err).splitlines()[0]}"
+        ) from None
+    return model.to(dev).eval(), tokenizer

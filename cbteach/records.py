@@ -1,0 +1,105 @@
+"""Step records: what the engine did on each forward step, kept so it can be counted and drawn.
+
+Every call to :meth:`cbteach.Engine.step` returns a :class:`StepRecord`. The notebooks, the demo
+and the visualisers read nothing else, so a record carries the whole story of a step -- who ran,
+how many tokens each fed and from which position, who was admitted, preempted or finished -- and
+can rebuild the packed row and its attention mask on demand (they are not stored, which keeps
+records cheap).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .packing import block_diagonal_causal_mask, per_sequence_causal_mask
+
+
+@dataclass
+class SeqStep:
+    """One sequence's part in one step."""
+
+    request_id: object
+    slot: int
+    kind: str  # "prefill" (prompt tokens, or recompute after preemption) or "decode" (one new token)
+    num_cached: int  # tokens already in the KV cache before this step
+    num_new: int  # tokens fed this step
+    token_ids: list[int]  # the tokens fed
+    sampled: int | None = None  # token produced at the end of this step (None for a partial prefill chunk)
+    finish_reason: str | None = None  # "eos" or "length" if the sequence finished on this step
+
+    @property
+    def positions(self) -> range:
+        return range(self.num_cached, self.num_cached + self.num_new)
+
+
+@dataclass
+class StepRecord:
+    """What happened on one engine step."""
+
+    step: int
+    kv_kind: str  # "concat" or "paged": decides the key layout of the mask
+    seqs: list[SeqStep] = field(default_factory=list)
+    admitted: list = field(default_factory=list)
+    finished: list = field(default_factory=list)
+    preempted: list = field(default_factory=list)
+    num_waiting: int = 0
+    start_time: float = 0.0  # seconds since the engine started
+    duration: float = 0.0  # whole step, scheduling to bookkeeping
+    forward_time: float = 0.0  # the model's forward pass alone
+    kv_bytes_copied: int = 0  # concat cache: gather + scatter traffic this step
+    kv_copy_time: float = 0.0
+    kv_usage: dict | None = None  # paged cache: pool state after the step
+
+    # -- derived views ---------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        """Length of the packed row."""
+        return sum(s.num_new for s in self.seqs)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_new for s in self.seqs if s.kind == "prefill")
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(s.num_new for s in self.seqs if s.kind == "decode")
+
+    @property
+    def is_fused(self) -> bool:
+        """True when a prefill rode in the same forward pass as other sequences' decodes."""
+        kinds = {s.kind for s in self.seqs}
+        return kinds == {"prefill", "decode"}
+
+    @property
+    def input_ids(self) -> list[int]:
+        return [t for s in self.seqs for t in s.token_ids]
+
+    @property
+    def position_ids(self) -> list[int]:
+        return [p for s in self.seqs for p in s.positions]
+
+    @property
+    def num_cached(self) -> list[int]:
+        return [s.num_cached for s in self.seqs]
+
+    @property
+    def num_new(self) -> list[int]:
+        return [s.num_new for s in self.seqs]
+
+    def mask(self) -> torch.Tensor:
+        """The boolean ``[queries, keys]`` attention mask the model used on this step."""
+        if self.kv_kind == "paged":
+            return per_sequence_causal_mask(self.num_cached, self.num_new)
+        return block_diagonal_causal_mask(self.num_cached, self.num_new)
+
+    def __repr__(self) -> str:
+        parts = [f"{s.request_id}:{s.kind[0]}{s.num_new}" for s in self.seqs]
+        extra = ""
+        if self.admitted:
+            extra += f", admitted={self.admitted}"
+        if self.finished:
+            extra += f", finished={self.finished}"
+        if self.preempted:
+            extra += f", preempted={self.preempted}"
+        return f"StepRecord(step={self.step}, tokens={self.num_tokens} [{' '.join(parts)}]{extra})"

@@ -1,0 +1,150 @@
+"""Requests in, completions out -- and the validation that keeps bad input away from the engine.
+
+A :class:`Request` is what a user asks for: a prompt and how many tokens they are willing to wait
+for. A :class:`Completion` is what they get back. In between, the engine keeps a
+:class:`Sequence`: the request's live state, above all ``num_computed_tokens`` -- how many of its
+tokens already have keys and values in the KV cache. Everything a scheduler decides is phrased in
+terms of that number: tokens ``[num_computed_tokens:]`` of ``prompt + output`` still have to go
+through the model.
+
+Validation happens when a request is *added* (see :func:`validate_request`), never mid-run, so a
+bad request is refused with a ``ValueError`` before it can disturb requests already running.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Sequence as Seq
+
+_auto_ids = itertools.count()
+
+
+@dataclass
+class Request:
+    """One generation request.
+
+    ``prompt`` is a string (needs a tokenizer) or a list of token ids. ``max_new_tokens`` caps the
+    output; the model may stop earlier by producing EOS. ``arrival_time`` (seconds after the engine
+    starts) and ``priority`` are for schedulers that care about them.
+    """
+
+    prompt: str | Seq[int]
+    max_new_tokens: int
+    request_id: object = None
+    arrival_time: float = 0.0
+    priority: int = 0
+
+    def __init__(self, prompt, max_new_tokens, *, request_id=None, arrival_time=0.0, priority=0):
+        self.prompt = prompt
+        self.max_new_tokens = max_new_tokens
+        self.request_id = request_id if request_id is not None else f"req-{next(_auto_ids)}"
+        self.arrival_time = arrival_time
+        self.priority = priority
+
+
+@dataclass
+class Completion:
+    """The result of one request. ``output_ids`` ends with the EOS id when ``finish_reason == "eos"``.
+
+    Times are seconds since the engine started: ``first_token_time - arrival_time`` is the
+    time to first token (TTFT); gaps between ``token_times`` are inter-token latencies.
+    """
+
+    request_id: object
+    prompt_ids: list[int]
+    output_ids: list[int]
+    finish_reason: str
+    text: str | None = None
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+
+    def __repr__(self) -> str:
+        shown = repr(self.text[:40] + ("…" if len(self.text) > 40 else "")) if self.text is not None else ""
+        return (f"Completion({self.request_id!r}, {len(self.prompt_ids)} prompt + "
+                f"{len(self.output_ids)} new tokens, {self.finish_reason}{', ' + shown if shown else ''})")
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request's live state inside the engine."""
+
+    request: Request
+    prompt_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    slot: int | None = None  # which batch slot it occupies (for timelines)
+    block_table: list[int] = field(default_factory=list)  # paged KV only
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    @property
+    def request_id(self):
+        return self.request.request_id
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while the sequence still has tokens it has not computed apart from its last sample."""
+        return self.num_computed_tokens < self.num_tokens - 1 or not self.output_ids
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, prompt={len(self.prompt_ids)}, out={len(self.output_ids)}, "
+                f"computed={self.num_computed_tokens})")
+
+
+def max_positions(config) -> int | None:
+    """How many positions the model supports (``max_position_embeddings`` or GPT-2's ``n_positions``)."""
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def validate_request(request, *, tokenizer, vocab_size: int, max_pos: int | None) -> list[int]:
+    """Check a request and return its prompt as token ids; raise ``ValueError`` saying what is wrong.
+
+    Checked: the prompt's type, that it is not empty, that its ids are inside the vocabulary,
+    that ``max_new_tokens`` is an integer >= 1, and that prompt + ``max_new_tokens`` fits in the
+    model's positions.
+    """
+    if not isinstance(request, Request):
+        raise ValueError(f"expected a cbteach.Request, got {type(request).__name__}")
+    rid = request.request_id
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError(f"request {rid!r}: a text prompt needs a tokenizer; pass one to the engine "
+                             "or give the prompt as a list of token ids")
+        ids = list(tokenizer(prompt)["input_ids"])
+    else:
+        try:
+            ids = list(prompt.tolist() if hasattr(prompt, "tolist") else prompt)
+        except TypeError:
+            raise ValueError(f"request {rid!r}: prompt must be a str or a list of token ids, "
+                             f"got {type(prompt).__name__}") from None
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError(f"request {rid!r}: prompt token ids must be ints")
+    if not ids:
+        raise ValueError(f"request {rid!r}: the prompt is empty; give at least one token")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"request {rid!r}: token id {bad[0]} is outside the vocabulary; "
+                         f"ids must be in [0, {vocab_size})")
+    mnt = request.max_new_tokens
+    if not isinstance(mnt, int) or isinstance(mnt, bool) or mnt < 1:
+        raise ValueError(f"request {rid!r}: max_new_tokens must be an integer >= 1, got {mnt!r}")
+    if max_pos is not None and len(ids) + mnt > max_pos:
+        raise ValueError(f"request {rid!r}: prompt ({len(ids)} tokens) + max_new_tokens ({mnt}) = "
+                         f"{len(ids) + mnt} exceeds the model's {max_pos} positions")
+    return ids
