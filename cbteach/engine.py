@@ -53,7 +53,7 @@ class Engine:
         if kv == "paged":
             from .kv_paged import PagedKVCache
 
-            self.kv = PagedKVCache.for_model(model, self.info, **paged_args)
+            self.kv = PagedKVCache.for_model(model, self.info, max_batch_size=max_batch_size, **paged_args)
         else:
             if paged_args:
                 raise ValueError(f"{sorted(paged_args)} only apply to kv='paged'")
