@@ -61,6 +61,7 @@ class Engine:
         self.scheduler = Scheduler(max_batch_size, self.kv, token_budget=token_budget)
         self.records: list[StepRecord] = []
         self.completions: dict[object, Completion] = {}
+        self.sequences: dict[object, Sequence] = {}  # every request ever added, by id
         self._seen_ids: set = set()
         self._t0: float | None = None
 
@@ -73,7 +74,9 @@ class Engine:
             raise ValueError(f"duplicate request_id {request.request_id!r}: every request needs its own id")
         self.kv.check_fits(len(prompt_ids) + request.max_new_tokens, request.request_id)
         self._seen_ids.add(request.request_id)
-        self.scheduler.add(Sequence(request=request, prompt_ids=prompt_ids))
+        seq = Sequence(request=request, prompt_ids=prompt_ids)
+        self.sequences[request.request_id] = seq
+        self.scheduler.add(seq)
         return request.request_id
 
     def has_unfinished(self) -> bool:
@@ -195,7 +198,7 @@ class Engine:
         seq.token_times.append(now)
 
     def _finish_reason(self, seq: Sequence) -> str | None:
-        if seq.output_ids[-1] in self.info.eos_ids:
+        if seq.output_ids[-1] in self.info.eos_ids and not seq.request.ignore_eos:
             return "eos"
         if len(seq.output_ids) >= seq.request.max_new_tokens:
             return "length"

@@ -24,8 +24,9 @@ class Request:
     """One generation request.
 
     ``prompt`` is a string (needs a tokenizer) or a list of token ids. ``max_new_tokens`` caps the
-    output; the model may stop earlier by producing EOS. ``arrival_time`` (seconds after the engine
-    starts) and ``priority`` are for schedulers that care about them.
+    output; the model may stop earlier by producing EOS, unless ``ignore_eos`` (for benchmarks that
+    need long, predictable outputs). ``arrival_time`` (seconds after the engine starts) and
+    ``priority`` are for schedulers that care about them.
     """
 
     prompt: str | Seq[int]
@@ -33,13 +34,16 @@ class Request:
     request_id: object = None
     arrival_time: float = 0.0
     priority: int = 0
+    ignore_eos: bool = False
 
-    def __init__(self, prompt, max_new_tokens, *, request_id=None, arrival_time=0.0, priority=0):
+    def __init__(self, prompt, max_new_tokens, *, request_id=None, arrival_time=0.0, priority=0,
+                 ignore_eos=False):
         self.prompt = prompt
         self.max_new_tokens = max_new_tokens
         self.request_id = request_id if request_id is not None else f"req-{next(_auto_ids)}"
         self.arrival_time = arrival_time
         self.priority = priority
+        self.ignore_eos = ignore_eos
 
 
 @dataclass

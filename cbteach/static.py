@@ -135,7 +135,7 @@ def _run_wave(model, info, tokenizer, reqs, prompts, wave, batch_size, pad_id, t
                 slots.append(SlotStep(reqs[i].request_id, kind, useful, input_ids.shape[1] - useful))
                 outputs[i].append(next_tokens[i])
                 times[i].append(now)
-                if next_tokens[i] in info.eos_ids:
+                if next_tokens[i] in info.eos_ids and not reqs[i].ignore_eos:
                     done[i] = "eos"
                 elif len(outputs[i]) >= reqs[i].max_new_tokens:
                     done[i] = "length"

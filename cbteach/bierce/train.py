@@ -93,12 +93,15 @@ def batches(docs: list[list[int]], seq_len: int, batch_size: int, rng: random.Ra
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=HERE)
-    p.add_argument("--steps", type=int, default=1200)
+    p.add_argument("--steps", type=int, default=900)
     p.add_argument("--seq-len", type=int, default=384)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1911)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     random.seed(args.seed)
     torch.manual_seed(args.seed)

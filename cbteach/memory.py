@@ -1,0 +1,74 @@
+"""KV-cache memory accounting: where the bytes go, paged versus a contiguous reservation.
+
+Before PagedAttention, serving systems such as Orca gave each request one contiguous KV region
+big enough for its worst case, ``prompt + max_new_tokens`` tokens, reserved at admission. Three
+kinds of waste follow (Kwon et al., SOSP'23, Figure 2 and section 3):
+
+* **reserved** -- slots kept for tokens the request has not generated *yet*;
+* **internal fragmentation** -- slots for tokens it will *never* generate, because it stops at
+  EOS long before ``max_new_tokens``;
+* **external fragmentation** -- gaps between regions that are too small for the next request
+  (an allocator matter, not counted here: we report the lower bound without it).
+
+A paged cache allocates a block only when the last one is full, so at any moment its waste is
+below one block per sequence. :func:`accounting` replays a paged engine run step by step and puts
+the two side by side: *KV utilisation* is tokens stored / slots set aside, the number the vLLM
+paper reports as 20.4-38.2% for Orca and 96.3% for vLLM.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class StepMemory:
+    step: int
+    num_sequences: int
+    tokens_stored: int  # tokens whose K/V are in the cache
+    paged_slots: int  # slots in the blocks the paged cache has handed out
+    paged_internal: int  # of those, empty (the last block of each sequence, partly filled)
+    contiguous_slots: int  # what prompt + max_new_tokens per live request would reserve
+    contiguous_unused: int  # of those, empty: reserved for later or never to be used
+
+    @property
+    def paged_utilisation(self) -> float:
+        return self.tokens_stored / self.paged_slots if self.paged_slots else 1.0
+
+    @property
+    def contiguous_utilisation(self) -> float:
+        return self.tokens_stored / self.contiguous_slots if self.contiguous_slots else 1.0
+
+
+def accounting(engine) -> list[StepMemory]:
+    """Per-step memory use of a finished or running ``kv="paged"`` engine (reads its step records)."""
+    if engine.kv.kind != "paged":
+        raise ValueError("memory accounting needs an Engine(..., kv='paged') run: only the paged pool "
+                         "records block tables per step")
+    out = []
+    for rec in engine.records:
+        usage = rec.kv_usage
+        live = usage["block_tables"]
+        # Tokens stored per live sequence = those computed by the end of this step.
+        stored = usage["num_tokens"]
+        reserve = 0
+        for rid in live:
+            seq = engine.sequences[rid]
+            reserve += len(seq.prompt_ids) + seq.request.max_new_tokens
+        slots = usage["num_used_blocks"] * usage["block_size"]
+        out.append(StepMemory(step=rec.step, num_sequences=len(live), tokens_stored=stored, paged_slots=slots,
+                              paged_internal=slots - stored, contiguous_slots=reserve,
+                              contiguous_unused=reserve - stored))
+    return out
+
+
+def summary(steps: list[StepMemory]) -> dict:
+    """Utilisation over a whole run, weighting each step by the memory it held."""
+    stored = sum(s.tokens_stored for s in steps)
+    paged = sum(s.paged_slots for s in steps)
+    contiguous = sum(s.contiguous_slots for s in steps)
+    return {
+        "paged_utilisation": stored / paged if paged else 1.0,
+        "contiguous_utilisation": stored / contiguous if contiguous else 1.0,
+        "peak_paged_slots": max((s.paged_slots for s in steps), default=0),
+        "peak_contiguous_slots": max((s.contiguous_slots for s in steps), default=0),
+    }

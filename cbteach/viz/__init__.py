@@ -1,0 +1,23 @@
+"""Pictures of continuous batching, drawn from what the engine really did.
+
+* :mod:`~cbteach.viz.mask` -- the attention mask of a packed step, as text or a heatmap
+  (also ``python -m cbteach mask --cached 3,0,5 --new 1,4,1``);
+* :mod:`~cbteach.viz.timeline` -- slot timelines of static and continuous runs, and the share of
+  slot-steps each wastes;
+* :mod:`~cbteach.viz.stepper` -- one engine step at a time: packed row, mask, slots;
+* :mod:`~cbteach.viz.pool` -- the paged KV cache's block pool and block tables.
+
+Everything reads :class:`~cbteach.StepRecord` / :class:`~cbteach.StaticResult` objects, and the
+masks come from :mod:`cbteach.packing` itself, so a picture cannot drift from the engine.
+Needs matplotlib (and ipywidgets for the sliders): ``pip install cbteach[lab]``.
+"""
+from .mask import cli, mask_ascii, mask_heatmap
+from .pool import draw_pool, draw_pool_step, pool_slider, stored_tokens
+from .stepper import draw_step, step_through
+from .style import request_colors, seq_letter
+from .timeline import (plot_timeline, plot_timelines, slot_states_continuous, slot_states_static, waste_breakdown,
+                       wasted_fraction)
+
+__all__ = ["mask_ascii", "mask_heatmap", "cli", "slot_states_static", "slot_states_continuous", "wasted_fraction",
+           "waste_breakdown", "plot_timeline", "plot_timelines", "draw_step", "step_through", "draw_pool",
+           "draw_pool_step", "pool_slider", "stored_tokens", "request_colors", "seq_letter"]

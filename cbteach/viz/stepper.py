@@ -1,0 +1,179 @@
+"""Step through an engine run, one forward pass at a time.
+
+For each :class:`~cbteach.StepRecord` :func:`draw_step` draws the three things that make a
+continuous-batching step:
+
+1. **the packed row** -- every token the model sees this step, in order, one box per token,
+   coloured by request; hatched boxes are prefill tokens (a prompt, or a chunk of one), solid
+   boxes decode tokens (one per running sequence). No padding anywhere;
+2. **the attention mask** that keeps the packed sequences apart (:func:`cbteach.viz.mask.mask_heatmap`);
+3. **the slots** -- which request held each batch slot, and what it did.
+
+:func:`step_through` wraps it in a slider with a play button for notebooks.
+"""
+from __future__ import annotations
+
+from matplotlib.ticker import MaxNLocator
+
+from .mask import mask_heatmap
+from .style import (STATE_COLORS, fits, get_axes, label_if_fits, record_request_colors, seq_letter, text_color_on,
+                    tint)
+from .timeline import num_slots, slot_states_continuous
+
+
+def _check_index(records, index):
+    if not records:
+        raise ValueError("there are no step records to draw; run the engine first")
+    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(records):
+        raise ValueError(f"step index must be an integer in 0..{len(records) - 1}, got {index!r}")
+
+
+def _what(rec) -> str:
+    if not rec.seqs:
+        return "nothing to run (waiting for requests)"
+    if rec.is_fused:
+        return f"fuses prefill ({rec.num_prefill_tokens} tokens) and decode ({rec.num_decode_tokens}) in one pass"
+    return "prefill only" if rec.num_decode_tokens == 0 else "decode only"
+
+
+def _packed_row(rec, colors, ax):
+    """Draw the packed row's boxes on ``ax``; return the labels to place once the layout is final.
+
+    Labels come back as ``(token labels, group labels)``: ``(x, text, background)`` for each
+    token (``A\\np3``: sequence A, position 3) and ``(x0, x1, letter, long text)`` for each sequence.
+    """
+    from matplotlib.patches import Patch, Rectangle
+
+    n = rec.num_tokens
+    ax.set_title(f"Packed row: {n} tokens, one forward pass, no padding", fontsize=10)
+    ax.set_xlabel("index in the packed row")
+    ax.set_ylabel("tokens")
+    ax.set_yticks([])
+    if n == 0:
+        ax.text(0.5, 0.5, "(no tokens this step)", ha="center", va="center", transform=ax.transAxes)
+        ax.set_xticks([])
+        return [], []
+    ax.set_xlim(0, n)
+    ax.set_ylim(0, 1.7)
+    if n <= 40:  # a tick under each box while they stay readable
+        ax.set_xticks([i + 0.5 for i in range(n)], [str(i) for i in range(n)], fontsize=7)
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    tokens, groups, x = [], [], 0
+    for i, s in enumerate(rec.seqs):
+        # Prefill tokens pale and hatched, decode tokens solid: the two kinds of work one pass mixes.
+        color = colors.get(s.request_id, "#888888")
+        face = tint(color, 0.45) if s.kind == "prefill" else color
+        for j in range(s.num_new):
+            ax.add_patch(Rectangle((x + j, 0), 1, 1, facecolor=face, hatch="//" if s.kind == "prefill" else None,
+                                   edgecolor="white", linewidth=0.8, gid="token"))
+            tokens.append((x + j, f"{seq_letter(i)}\np{s.num_cached + j}", face))
+        ax.add_patch(Rectangle((x, 0), s.num_new, 1, fill=False, edgecolor="black", linewidth=1.2))
+        groups.append((x, x + s.num_new, seq_letter(i), f"{seq_letter(i)} = {s.request_id}: {s.kind} {s.num_new}"))
+        x += s.num_new
+    ax.legend(handles=[Patch(facecolor="#cccccc", hatch="//", edgecolor="#555555", label="prefill token"),
+                       Patch(facecolor="#777777", label="decode token")],
+              loc="upper right", fontsize=7, ncol=2, frameon=False)
+    return tokens, groups
+
+
+def _label_row(ax, tokens, groups):
+    """Token and sequence labels, only where they fit (a sequence falls back to its letter alone)."""
+    # All token labels or none: a row labelled only up to p9 would look like p10 onwards were different.
+    if tokens and fits(ax, 1, max((t[1] for t in tokens), key=len), fontsize=7):
+        for x, text, face in tokens:
+            label_if_fits(ax, x, x + 1, 0.5, text, fontsize=7, color=text_color_on(face))
+    for x0, x1, letter, text in groups:
+        if label_if_fits(ax, x0, x1, 1.3, text) is None:
+            label_if_fits(ax, x0, x1, 1.3, letter)
+
+
+def draw_slots(states, *, ax=None, title="Slots this step"):
+    """One bar per batch slot, coloured by its state (``[(state, request_id), ...]``)."""
+    fig, ax = get_axes(ax, figsize=(3, 2))
+    for slot, (state, rid) in enumerate(states):
+        ax.barh(slot, 1, height=0.8, color=STATE_COLORS[state],
+                edgecolor="#bbbbbb" if state == "empty" else "#555555")
+        text = state if rid is None else f"{rid}: {state}"
+        ax.text(0.5, slot, text, ha="center", va="center", fontsize=8, color=text_color_on(STATE_COLORS[state]))
+    ax.set_xlim(0, 1)
+    ax.set_ylim(len(states) - 0.5, -0.5)
+    ax.set_yticks(range(len(states)))
+    ax.set_xticks([])
+    ax.set_xlabel("state this step")
+    ax.set_ylabel("slot")
+    ax.set_title(title, fontsize=10)
+    return ax
+
+
+def draw_step(records, index: int, *, fig=None, max_batch_size: int | None = None):
+    """Draw step ``index`` of an engine run (packed row, mask, slots) and return the figure.
+
+    ``records`` is the engine's ``records`` list (the whole run: colours and slot history need it).
+    ``max_batch_size`` defaults to the highest slot the run used + 1. Pass ``fig`` to redraw in place.
+    """
+    records = list(records)
+    _check_index(records, index)
+    rec = records[index]
+    slots = num_slots(records) if max_batch_size is None else max_batch_size
+    states = slot_states_continuous(records[: index + 1], max(slots, 1))[index]
+    if fig is None:
+        import matplotlib.pyplot as plt
+
+        fig = plt.figure(figsize=(12, 7.5))
+    else:
+        fig.clear()
+    grid = fig.add_gridspec(2, 2, height_ratios=[1, 3.2], width_ratios=[3, 1])
+    ax_row, ax_mask, ax_slots = fig.add_subplot(grid[0, :]), fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1])
+    ax_row.set_gid("packed_row")  # names for code (and tests) that look the panels up
+    ax_mask.set_gid("mask")
+    ax_slots.set_gid("slots")
+    labels = _packed_row(rec, record_request_colors(records), ax_row)
+    mask_heatmap(rec, ax=ax_mask)
+    draw_slots(states, ax=ax_slots, title=f"Slots ({len(states)})")
+    events = [f"{name}: {', '.join(map(str, ids))}" for name, ids in
+              (("admitted", rec.admitted), ("finished", rec.finished), ("preempted", rec.preempted)) if ids]
+    events.append(f"waiting: {rec.num_waiting}")
+    fig.suptitle(f"Step {rec.step} (of 0..{len(records) - 1}): {rec.num_tokens} tokens -- {_what(rec)}\n"
+                 + " · ".join(events), fontsize=11)
+    fig.tight_layout()
+    fig.tight_layout()  # again: the square mask cells move its legend after the first pass
+    _label_row(ax_row, *labels)
+    return fig
+
+
+def player(num_steps: int, draw, *, interval_ms: int = 1200):
+    """A ``step`` slider with a play button over ``0..num_steps-1`` that shows ``draw(i)``'s figure.
+
+    Shared by :func:`step_through` and :func:`cbteach.viz.pool.pool_slider`. The slider is also
+    reachable as ``widget.slider``.
+    """
+    import ipywidgets as widgets
+    import matplotlib.pyplot as plt
+    from IPython.display import display
+
+    slider = widgets.IntSlider(value=0, min=0, max=num_steps - 1, description="step", continuous_update=False)
+    play = widgets.Play(value=0, min=0, max=num_steps - 1, interval=interval_ms, description="play")
+    widgets.jslink((play, "value"), (slider, "value"))  # the browser moves the slider while playing
+    out = widgets.Output()
+
+    def redraw(change=None):
+        with out:
+            out.clear_output(wait=True)
+            fig = draw(slider.value)
+            display(fig)
+            plt.close(fig)  # shown once as an image; keeping it would pile figures up in pyplot
+
+    slider.observe(redraw, names="value")
+    redraw()
+    box = widgets.VBox([widgets.HBox([play, slider]), out])
+    box.slider = slider
+    return box
+
+
+def step_through(records, *, max_batch_size: int | None = None, interval_ms: int = 1200):
+    """A notebook widget: a ``step`` slider and a play button over the run, redrawing :func:`draw_step`."""
+    records = list(records)
+    _check_index(records, 0)
+    return player(len(records), lambda i: draw_step(records, i, max_batch_size=max_batch_size),
+                  interval_ms=interval_ms)

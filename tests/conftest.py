@@ -1,0 +1,61 @@
+"""Shared fixtures: tiny random-weight models of the three architectures, and the reference.
+
+The reference is always transformers' own ``model.generate`` on one prompt at a time -- never an
+earlier output of cbteach.
+"""
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest
+import torch
+
+torch.set_num_threads(1)  # tiny models: one thread is as fast, and runs side by side stay predictable
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
+
+EOS = 5  # a token id inside the tiny vocabularies, so random models do stop by themselves sometimes
+VOCAB = 97
+ARCHS = ("gpt2", "llama", "qwen2")
+
+
+def tiny_model(arch: str, attn: str = "sdpa", seed: int = 0):
+    """A 2-layer random-weight model; GQA for Llama and Qwen2, learned positions for GPT-2."""
+    if arch == "gpt2":
+        cfg = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                         eos_token_id=EOS, bos_token_id=1)
+        cls = GPT2LMHeadModel
+    elif arch == "llama":
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                          eos_token_id=EOS, bos_token_id=1, pad_token_id=EOS)
+        cls = LlamaForCausalLM
+    elif arch == "qwen2":
+        cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=256,
+                          eos_token_id=EOS, bos_token_id=1, pad_token_id=EOS)
+        cls = Qwen2ForCausalLM
+    else:
+        raise ValueError(arch)
+    cfg._attn_implementation = attn
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    model.generation_config.eos_token_id = EOS
+    model.generation_config.pad_token_id = EOS
+    return model
+
+
+def reference(model, prompt_ids, max_new_tokens, eos_id=EOS):
+    """Greedy per-prompt ``generate``: the ground truth every strategy must reproduce."""
+    ids = torch.tensor([list(prompt_ids)])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                         max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=eos_id)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@pytest.fixture(scope="session")
+def bierce():
+    from cbteach import load_model
+
+    return load_model("bierce", device="cpu")
