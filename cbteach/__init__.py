@@ -18,3 +18,6 @@ from .static import StaticResult, static_batching
 __all__ = ["Engine", "Request", "Completion", "StepRecord", "SeqStep", "load_model", "static_batching",
            "StaticResult"]
 __version__ = "0.1.0"
+# The one place the repository URL lives; every notebook's Colab install cell must match it
+# (tests/test_notebooks.py checks).
+REPO_URL = "https://github.com/cbteach/cbteach"

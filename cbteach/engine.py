@@ -54,9 +54,7 @@ class Engine:
             from .kv_paged import PagedKVCache
 
             self.kv = PagedKVCache.for_model(model, self.info, max_batch_size=max_batch_size, **paged_args)
-        else:
-            if paged_args:
-                raise ValueError(f"{sorted(paged_args)} only apply to kv='paged'")
+        else:  # paged-pool options are accepted and ignored, so one call can switch kv= back and forth
             self.kv = ConcatKVCache(self.info.num_layers)
         self.scheduler = Scheduler(max_batch_size, self.kv, token_budget=token_budget)
         self.records: list[StepRecord] = []

@@ -1,0 +1,132 @@
+"""The paged KV cache: exact output for every block size, and the pool's invariants at every step."""
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cbteach import Engine, Request
+from cbteach.kv_paged import BlockAllocator, PoolExhausted
+from cbteach.memory import accounting, summary
+from conftest import ARCHS, VOCAB, reference, tiny_model
+
+workloads = st.lists(
+    st.tuples(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=64), st.integers(1, 128)),
+    min_size=1, max_size=8)
+
+_models = {}
+
+
+def paged_model(arch):
+    if arch not in _models:
+        _models[arch] = tiny_model(arch)
+    return _models[arch]
+
+
+def check_invariants(eng):
+    """Checked after every step: ownership, block counts, and the usage numbers."""
+    owners = {}
+    for seq in eng.scheduler.running:
+        assert len(seq.block_table) == math.ceil(seq.num_computed_tokens / eng.kv.block_size), seq
+        for b in seq.block_table:
+            assert b not in owners, f"block {b} owned by {owners[b]} and {seq.request_id}"
+            owners[b] = seq.request_id
+    for seq in eng.scheduler.waiting:
+        assert seq.block_table == []
+    ref = eng.kv.allocator.ref_counts
+    assert sum(1 for c in ref if c > 0) == len(owners)
+    usage = eng.kv_usage()
+    assert usage["num_free_blocks"] == usage["num_blocks"] - len(owners)
+    assert usage["num_tokens"] == sum(s.num_computed_tokens for s in eng.scheduler.running)
+    assert 0.0 <= usage["utilisation"] <= 1.0
+
+
+def run_checked(eng, reqs):
+    for r in reqs:
+        eng.add_request(r)
+    while eng.has_unfinished():
+        eng.step()
+        check_invariants(eng)
+    usage = eng.kv_usage()
+    assert usage["num_free_blocks"] == usage["num_blocks"], "blocks leaked"
+    assert all(c == 0 for c in eng.kv.allocator.ref_counts)
+    return [eng.completions[r.request_id] for r in reqs]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@given(work=workloads, batch=st.integers(1, 8))
+@settings(max_examples=4, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+def test_paged_matches_generate(arch, block_size, work, batch):
+    model = paged_model(arch)
+    reqs = [Request(p, n) for p, n in work]
+    eng = Engine(model, max_batch_size=batch, kv="paged", block_size=block_size)
+    got = run_checked(eng, reqs)
+    for c, r in zip(got, reqs):
+        assert c.output_ids == reference(model, r.prompt, r.max_new_tokens)
+
+
+@pytest.mark.parametrize("num_blocks", [14, 20, 40])
+def test_small_pool_preempts_and_stays_exact(num_blocks):
+    model = paged_model("llama")
+    g = torch.Generator().manual_seed(3)
+    reqs = [Request(torch.randint(6, VOCAB, (int(n),), generator=g).tolist(), int(m))
+            for n, m in [(20, 30), (5, 40), (30, 10), (12, 25), (2, 35), (25, 20)]]
+    eng = Engine(model, max_batch_size=4, kv="paged", block_size=4, num_blocks=num_blocks)
+    got = run_checked(eng, reqs)
+    assert [c.output_ids for c in got] == [reference(model, r.prompt, r.max_new_tokens) for r in reqs]
+    if num_blocks == 14:
+        assert any(r.preempted for r in eng.records), "a 14-block pool must preempt this workload"
+
+
+def test_kv_memory_bytes_sizes_the_pool():
+    model = tiny_model("llama")
+    # 2 layers x (K+V) x 2 kv heads x 16 dims x 4 bytes = 512 bytes per token
+    eng = Engine(model, max_batch_size=2, kv="paged", block_size=8, kv_memory_bytes=512 * 8 * 10 + 100)
+    assert eng.kv_usage()["num_blocks"] == 10
+    assert eng.kv.k[0].shape == (10, 8, 2, 16)
+
+
+def test_allocator():
+    a = BlockAllocator(2)
+    b0, b1 = a.allocate(), a.allocate()
+    with pytest.raises(PoolExhausted, match="all 2 KV blocks are in use"):
+        a.allocate()
+    a.fork(b0)
+    a.release(b0)
+    assert a.num_free == 0
+    a.release(b0)
+    a.release(b1)
+    assert a.num_free == 2 and a.ref_counts == [0, 0]
+    with pytest.raises(ValueError, match="released twice"):
+        a.release(b0)
+
+
+def test_usage_and_accounting_numbers():
+    model = tiny_model("gpt2")
+    eng = Engine(model, max_batch_size=3, kv="paged", block_size=4)
+    reqs = [Request([7] * 5, 3), Request([8] * 9, 6), Request([9], 2)]
+    for r in reqs:
+        eng.add_request(r)
+    rec = eng.step()  # all three prefill: 5, 9 and 1 tokens -> 2 + 3 + 1 blocks
+    u = rec.kv_usage
+    assert (u["num_used_blocks"], u["num_tokens"]) == (6, 15)
+    assert u["utilisation"] == pytest.approx(15 / 24)
+    assert u["internal_fragmentation"] == 24 - 15
+    while eng.has_unfinished():
+        eng.step()
+    steps = accounting(eng)
+    first = steps[0]
+    assert first.contiguous_slots == (5 + 3) + (9 + 6) + (1 + 2)
+    assert first.tokens_stored == 15
+    s = summary(steps)
+    assert 0 < s["contiguous_utilisation"] <= s["paged_utilisation"] <= 1
+
+
+def test_model_still_generates_normally_after_paged_engine():
+    model = tiny_model("qwen2")
+    before = reference(model, [7, 8, 9], 10)
+    Engine(model, max_batch_size=2, kv="paged").run([Request([7, 8, 9], 10)])
+    assert model.config._attn_implementation == "cbteach_paged"
+    assert reference(model, [7, 8, 9], 10) == before
