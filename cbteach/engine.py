@@ -103,7 +103,8 @@ class Engine:
         record.num_waiting = len(self.scheduler.waiting)
         record.kv_usage = self.kv.usage() if self.kv.kind == "paged" else None
         record.duration = self.clock() - start
-        self.records.append(record)
+        if scheduled:  # an idle step (waiting for arrivals) leaves no trace in the history
+            self.records.append(record)
         return record
 
     def run(self, requests, progress: bool = False) -> list[Completion]:
@@ -116,6 +117,7 @@ class Engine:
         self._validate_all(requests)
         for r in requests:
             self.add_request(r)
+        ours = {r.request_id for r in requests}
         bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -124,7 +126,7 @@ class Engine:
         while self.has_unfinished():
             record = self.step()
             if bar is not None:
-                bar.update(sum(1 for rid in record.finished if rid in {r.request_id for r in requests}))
+                bar.update(sum(1 for rid in record.finished if rid in ours))
             if not record.seqs:
                 self._wait_for_arrival()
         if bar is not None:

@@ -40,7 +40,12 @@ class Scheduler:
         self.running: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """Queue in arrival order (stable: equal arrival times keep the order they were added in)."""
+        t = seq.request.arrival_time
+        i = len(self.waiting)
+        while i > 0 and self.waiting[i - 1].request.arrival_time > t and self.waiting[i - 1].num_preemptions == 0:
+            i -= 1
+        self.waiting.insert(i, seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

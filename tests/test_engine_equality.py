@@ -148,3 +148,17 @@ def test_eos_comes_from_generation_config_without_tokenizer():
     model.generation_config.eos_token_id = [EOS, 11]
     eng = Engine(model, max_batch_size=2)
     assert eng.info.eos_ids == {EOS, 11}
+
+
+def test_arrival_times_are_respected_and_fcfs_by_arrival():
+    model = model_for("llama")
+    late = Request([7, 8], 4, request_id="late", arrival_time=0.05)
+    early = Request([9, 10], 4, request_id="early", arrival_time=0.0)
+    eng = Engine(model, max_batch_size=1)
+    got = eng.run([late, early])
+    assert [c.request_id for c in got] == ["late", "early"]  # results in request order
+    first = eng.records[0]
+    assert first.admitted == ["early"]
+    assert got[0].first_token_time >= 0.05 and got[0].arrival_time == 0.05
+    assert all(r.seqs for r in eng.records)
+    check(got, model, [late, early])

@@ -1,0 +1,83 @@
+"""Notebook 02: predict how many steps continuous batching takes, with a tiny FCFS slot-refill simulator.
+
+The check runs the real :class:`~cbteach.Engine` on requests whose output lengths are forced
+(``ignore_eos=True``, ``max_new_tokens`` = the length) and compares its step count with the
+learner's simulator, on the notebook's workload and on a few small cases chosen to catch the usual
+mistakes.
+"""
+from __future__ import annotations
+
+import math
+
+from ..engine import Engine
+from ..request import Request
+from . import report
+
+# (answer lengths, max_batch_size): one wave, one slot, more slots than requests, a long request
+# first (short ones refill around it), a long request last (FCFS cannot pull it forward), a mix.
+CASES = [([5], 1), ([7, 3, 5], 1), ([2, 2, 2], 8), ([10, 1, 1, 1, 1, 1, 1], 2), ([1, 1, 1, 1, 1, 9], 2),
+         ([4, 8, 2, 6, 3, 7, 1, 5], 3)]
+
+
+def engine_steps(model, lengths, batch_size: int) -> int:
+    """Steps the real engine takes to produce exactly ``lengths[i]`` new tokens for request ``i``."""
+    reqs = [Request([1 + i % 5] * (1 + i % 4), int(n), request_id=f"r{i}", ignore_eos=True)
+            for i, n in enumerate(lengths)]
+    engine = Engine(model, None, max_batch_size=batch_size)
+    engine.run(reqs)
+    return len(engine.records)
+
+
+def _static_steps(lengths, b):
+    return sum(max(lengths[i:i + b]) for i in range(0, len(lengths), b))
+
+
+def _hint(model, lengths, b, got, expected) -> str:
+    n = len(lengths)
+    if got == _static_steps(lengths, b) and b < n:
+        return ("that is static batching's count (each wave waits for its longest request); here a slot is "
+                "refilled as soon as its request finishes")
+    if got == max(math.ceil(sum(lengths) / b), max(lengths)):
+        return ("that is the lower bound, a perfect packing; FCFS admits requests in order, so a long request "
+                "that comes late cannot start early")
+    if got == math.ceil(sum(lengths) / b):
+        return "that is sum / slots, which ignores that one request alone can take longer than that"
+    if got in (expected + 1, expected - 1):
+        return ("off by one: the prefill step already produces the first new token, so a request with L new "
+                "tokens holds its slot for exactly L steps")
+    if b < n and got == engine_steps(model, [x + 1 for x in lengths], b) - 1:
+        return ("you left a slot empty for one step after each finish; the engine frees the slot during the step "
+                "the request finishes, and the next request prefills in it on the very next step")
+    if b < n and got == max(sum(lengths[s::b]) for s in range(b)):
+        return ("you gave request i to slot i % slots; the engine gives the next request in the queue to "
+                "whichever slot frees first")
+    if got == sum(lengths):
+        return "that is the total number of new tokens: with one slot it is right, with more they run side by side"
+    return "follow the slots step by step: who is admitted when, and when does each finish?"
+
+
+def check_fcfs_simulator(simulate, model, lengths=None, batch_size=None) -> bool:
+    """``simulate(lengths, batch_size)`` should return the engine's step count for any workload.
+
+    ``model`` is any causal LM the engine can run (the notebook's bierce); the step count does not
+    depend on it, because the lengths are forced. ``lengths``/``batch_size``: the notebook's workload,
+    checked first.
+    """
+    if not callable(simulate):
+        return report(False, "", f"pass your function itself (simulate, not simulate(...)); got "
+                                 f"{type(simulate).__name__}")
+    cases = ([(list(lengths), batch_size)] if lengths is not None else []) + CASES
+    for case_lengths, b in cases:
+        expected = engine_steps(model, case_lengths, b)
+        try:
+            got = simulate(list(case_lengths), b)
+        except Exception as err:  # the learner's code: say what failed, and on which input
+            return report(False, "", f"simulate({case_lengths}, {b}) raised {type(err).__name__}: {err}")
+        if isinstance(got, bool) or not isinstance(got, int):
+            return report(False, "", f"simulate({case_lengths}, {b}) returned {got!r}; it should return a whole "
+                                     "number of steps (an int)")
+        if got != expected:
+            shown = case_lengths if len(case_lengths) <= 12 else f"{case_lengths[:12]}... ({len(case_lengths)} requests)"
+            return report(False, "", f"simulate({shown}, {b}) = {got}, but the engine took {expected} steps "
+                                     f"({_hint(model, case_lengths, b, got, expected)})")
+    return report(True, f"your simulator matches the engine's step count on all {len(cases)} workloads", "")
