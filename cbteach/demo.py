@@ -16,7 +16,7 @@ from .request import Request
 from .static import static_batching
 
 # Headwords whose bierce definitions run from a line to a paragraph (tokens shown when run).
-DEMO_PROMPTS = ["CYNIC, n.", "EXECUTIVE, n.", "BRUTE, n.", "ALONE, adj.", "ABSURDITY, n.", "TRUCE, n."]
+DEMO_PROMPTS = ["EXECUTIVE, n.", "TRUCE, n.", "ABSURDITY, n.", "ALONE, adj.", "LAWYER, n.", "CYNIC, n."]
 
 
 def _short(text: str, width: int = 60) -> str:
@@ -28,7 +28,7 @@ def run_demo(model_name: str = "bierce", batch_size: int = 3, max_new_tokens: in
     from .viz.mask import mask_ascii
 
     model, tok = load_model(model_name, device="cpu")
-    requests = [Request(p, max_new_tokens, request_id=chr(ord("A") + i)) for i, p in enumerate(DEMO_PROMPTS)]
+    requests = [Request(p, max_new_tokens, request_id=f"r{i}") for i, p in enumerate(DEMO_PROMPTS)]
     out(f"cbteach demo: {len(requests)} requests on {model_name!r}, batch size {batch_size}, "
         f"max_new_tokens {max_new_tokens}\n")
 
@@ -47,8 +47,8 @@ def run_demo(model_name: str = "bierce", batch_size: int = 3, max_new_tokens: in
                 continue
             c = next(c for c in static if c.request_id == rid)
             idle = sum(1 for s in steps if s.slots[slot].state == "idle")
-            out(f"  slot {slot}: {rid} {len(c.output_ids):4d} tokens, then idle {idle:4d} steps  "
-                f"{_short(requests[ord(rid) - 65].prompt + ' ' + c.text, 50)}")
+            out(f"  slot {slot}: {rid:3s} {len(c.output_ids):4d} tokens, then idle {idle:4d} steps  "
+                f"{_short(requests[int(rid[1:])].prompt + ' ' + c.text, 50)}")
         out(f"  -- batch barrier after step {steps[-1].step}: the next wave starts only now --")
     w = static.waste()
     n_tokens = sum(len(c.output_ids) for c in static)
@@ -64,7 +64,10 @@ def run_demo(model_name: str = "bierce", batch_size: int = 3, max_new_tokens: in
     for r in engine.records:
         for rid in r.admitted:
             slot = next(s.slot for s in r.seqs if s.request_id == rid)
-            out(f"step {r.step:4d}: admit  {rid} into slot {slot}")
+            prev = engine.records[r.step - 1].seqs if r.step else []
+            freed = next((s.request_id for s in prev if s.slot == slot and s.finish_reason), None)
+            out(f"step {r.step:4d}: admit  {rid} into slot {slot}" + (f"  (freed by {freed} on step {r.step - 1})"
+                                                                       if freed else ""))
         for rid in r.finished:
             c = engine.completions[rid]
             out(f"step {r.step:4d}: finish {rid} ({c.finish_reason}, {len(c.output_ids)} tokens)")

@@ -139,6 +139,10 @@ def mask_ascii(source=None, *, cached=None, new=None, layout=None) -> str:
         return label.ljust(width) + "  " + "".join(c if isinstance(c, str) else cell(c) for c in cols)
 
     out = [_title(layout, num_q, num_k), "# = may attend, . = blocked, | = cached keys | this step's keys"]
+    if source is not None and getattr(source, "seqs", None):
+        # A real step: say which request each letter stands for.
+        out.append("sequences: " + ", ".join(f"{seq_letter(i)} = request {s.request_id}"
+                                             for i, s in enumerate(source.seqs)))
     # Multi-letter names (after Z) take one header line per letter, right-aligned like numbers.
     for i in range(letter_len):
         out.append(line("seq" if i == letter_len - 1 else "", lambda c: seq_letter(c[1]).rjust(letter_len)[i]))

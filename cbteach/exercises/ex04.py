@@ -1,0 +1,51 @@
+"""Notebook 04: predict how many bytes the concatenating KV cache copies over a whole run.
+
+The check serves the learner's requests on a fresh :class:`cbteach.Engine` (``kv="concat"``) and
+adds up what the engine measured on every step (``StepRecord.kv_bytes_copied``), so the answer is
+compared with what really happened, not with a formula.
+"""
+from __future__ import annotations
+
+from ..engine import Engine
+from ..modelinfo import describe
+from ..request import Request
+from . import report
+
+
+def measure_total_bytes_copied(model, tokenizer, requests, max_batch_size: int):
+    """Serve fresh copies of ``requests`` and return ``(total bytes copied, the step records)``."""
+    fresh = [Request(r.prompt, r.max_new_tokens, request_id=r.request_id, ignore_eos=r.ignore_eos)
+             for r in requests]
+    engine = Engine(model, tokenizer, max_batch_size=max_batch_size, kv="concat")
+    engine.run(fresh)
+    return sum(r.kv_bytes_copied for r in engine.records), engine.records
+
+
+def check_total_bytes_copied(model, tokenizer, requests, max_batch_size: int, answer) -> bool:
+    """``answer``: the bytes gathered plus scattered over every step of serving ``requests``."""
+    if not isinstance(answer, (int, float)) or isinstance(answer, bool):
+        return report(False, "", f"answer should be a number of bytes, got {type(answer).__name__}")
+    if not all(r.ignore_eos for r in requests):
+        return report(False, "", "give every request ignore_eos=True: only then is its length known in advance")
+    total, records = measure_total_bytes_copied(model, tokenizer, requests, max_batch_size)
+    if answer == total:
+        return report(True, f"{total:,} bytes over {len(records)} steps, exactly what the engine measured", "")
+    info = describe(model)
+    per_token = info.kv_bytes_per_token
+    cached = sum(sum(r.num_cached) for r in records)
+    new = sum(sum(r.num_new) for r in records)
+    near = {
+        per_token * cached: "that is the gather alone; the scatter copies every history again",
+        per_token * (cached + new): "that is the scatter alone; the gather copies the cached part first",
+        per_token * 2 * cached: "the scatter also writes this step's new keys and values",
+        per_token * (cached + 2 * new): "the gather reads only what was cached before the step, "
+                                        "the new tokens are added by the scatter",
+        total // info.num_layers: "that is one layer; every layer has its own cache",
+        total // 2: "count keys and values, both",
+        total // info.dtype.itemsize: "those are elements; multiply by the bytes per element",
+    }
+    hint = near.get(answer)
+    if hint is None and answer > 0 and abs(answer - total) / total < 0.2:
+        hint = "close: check the number of steps each request runs (its prefill step, then one per extra token)"
+    return report(False, "", f"{answer:,} is not the {total:,} bytes the engine copied"
+                             + (f" -- {hint}" if hint else "; check the formula step by step"))
