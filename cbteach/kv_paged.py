@@ -21,7 +21,6 @@ everything the request never generates.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from collections import deque
 
@@ -29,7 +28,7 @@ import torch
 
 from . import paged_attention
 from .kv_concat import CopyStats
-from .packing import PackedBatch, additive_mask, per_sequence_causal_mask
+from .packing import PackedBatch
 
 
 class PoolExhausted(RuntimeError):
@@ -145,17 +144,20 @@ class PagedKVCache:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def prepare(self, seqs, batch: PackedBatch, dtype) -> dict:
-        """Work out where this step's K/V go (slot mapping) and what each query may read."""
+        """Work out where this step's K/V go (slot mapping) and what each sequence's queries read."""
         device = batch.input_ids.device
-        slot_mapping, context_slots = [], []
+        slot_mapping, context_slots, masks = [], [], []
         for seq, c, n in zip(seqs, batch.num_cached, batch.num_new):
-            ctx = self.slots(seq, 0, c + n)
+            ctx = self.slots(seq, 0, c + n).to(device)
             context_slots.append(ctx)
             slot_mapping.append(ctx[c:])
-        mask = per_sequence_causal_mask(batch.num_cached, batch.num_new, device=device)
+            # This sequence's diagonal block of per_sequence_causal_mask: query j sees keys 0..c+j.
+            masks.append(None if n == 1 else
+                         torch.ones(n, c + n, dtype=torch.bool, device=device).tril(diagonal=c))
+        cu = batch.cu_seqlens
         self._step = paged_attention.PagedStep(
-            cache=self, slot_mapping=torch.cat(slot_mapping).to(device),
-            context_slots=torch.cat(context_slots).to(device), mask=additive_mask(mask, dtype))
+            cache=self, slot_mapping=torch.cat(slot_mapping), context_slots=context_slots, masks=masks,
+            query_spans=[slice(a, b) for a, b in zip(cu[:-1], cu[1:])])
         return {}
 
     def forward_context(self, seqs, batch):
@@ -164,7 +166,7 @@ class PagedKVCache:
     def finish(self, seqs, batch, forward_kwargs) -> None:
         # Nothing to scatter: the attention function already wrote the new K/V into their slots.
         # What we do count is the gather inside attention, which a fused kernel would read in place.
-        n = len(self._step.context_slots)
+        n = sum(len(s) for s in self._step.context_slots)
         per_token = 2 * self.k[0][0, 0].nbytes  # K and V of one token in one layer
         self.last_copy = CopyStats(bytes_gathered=n * per_token * len(self.k))
         self._step = None

@@ -44,12 +44,15 @@ def load_model(name: str = DEFAULT_MODEL, device=None, dtype=None):
     ``AutoModelForCausalLM`` / ``AutoTokenizer`` as a hub id or a local directory.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     if not isinstance(name, str) or not name:
         raise ValueError(f"model name must be a non-empty string such as {DEFAULT_MODEL!r} or 'gpt2'")
     dev = pick_device(device)
     dt = pick_dtype(dev, dtype)
     source = BIERCE_DIR if name == DEFAULT_MODEL else name
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a 2M-parameter model loads in an instant; no bar needed
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dt)
@@ -61,4 +64,7 @@ def load_model(name: str = DEFAULT_MODEL, device=None, dtype=None):
             f"and the hub could not be reached (offline?). The course runs offline on the embedded model: "
             f"use load_model({DEFAULT_MODEL!r}). Cause: {type(err).__name__}: {str(err).splitlines()[0]}"
         ) from None
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     return model.to(dev).eval(), tokenizer

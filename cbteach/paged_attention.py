@@ -5,13 +5,16 @@ transformers lets a model's attention layers call any function registered with
 then hands us its queries and this step's new keys and values (RoPE already applied), and we:
 
 1. **write** the new K/V into the pool at their ``slot_mapping`` slots (in place, no copies of history);
-2. **read** each sequence's whole context through its block table -- here a gather of the slots
-   into a temporary packed tensor, ``[A's context | B's context | ...]``;
-3. **attend** with ``scaled_dot_product_attention`` and the per-sequence causal mask.
+2. for each sequence of the packed row, **read** its context through its block table (a gather of
+   its slots) and **attend** its queries to it with ``scaled_dot_product_attention`` -- causal
+   within the sequence, and never looking at another sequence's keys. Together these per-sequence
+   calls are exactly the diagonal blocks of the block-diagonal mask
+   (:func:`cbteach.packing.per_sequence_causal_mask`), without computing the blocked ones.
 
-Step 2 is where a real paged-attention kernel (vLLM's) differs: it reads the blocks where they lie
-inside the attention loop. A gather followed by sdpa computes the same numbers with stock PyTorch,
-so it is the honest choice for a CPU course; its cost is reported as ``kv_bytes_copied``.
+The gather in step 2 is where a real paged-attention kernel (vLLM's) differs: it reads the blocks
+where they lie inside the attention loop. A gather followed by sdpa computes the same numbers
+with stock PyTorch, so it is the honest choice for a CPU course; its cost is reported as
+``kv_bytes_copied``.
 
 The engine passes per-step metadata (slot mapping, context slots, mask) through a *forward
 context* -- a module-level variable set for the duration of one forward pass, as vLLM does -- so no
@@ -31,10 +34,13 @@ NAME = "cbteach_paged"
 
 @dataclass
 class PagedStep:
+    """What one forward pass needs to know, computed once per step (not once per layer)."""
+
     cache: object  # the PagedKVCache
     slot_mapping: torch.Tensor  # [num_new_tokens]: where each new token's K/V go
-    context_slots: torch.Tensor  # [num_context_tokens]: every scheduled sequence's slots, in order
-    mask: torch.Tensor  # [1, 1, num_new_tokens, num_context_tokens] additive
+    query_spans: list[slice]  # sequence i's queries are query[:, :, query_spans[i]]
+    context_slots: list[torch.Tensor]  # sequence i's context (cached + new) slots, in position order
+    masks: list[torch.Tensor | None]  # sequence i's causal mask [new, context]; None for one query
 
 
 _current: PagedStep | None = None
@@ -68,17 +74,14 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     flat_k[step.slot_mapping] = key[0].transpose(0, 1).to(flat_k.dtype)
     flat_v[step.slot_mapping] = value[0].transpose(0, 1).to(flat_v.dtype)
 
-    # 2. read every scheduled sequence's context through its block table
-    k = flat_k[step.context_slots].transpose(0, 1)[None]  # [1, kv_heads, context, head_dim]
-    v = flat_v[step.context_slots].transpose(0, 1)[None]
-
-    # 3. attend; grouped-query attention shares each KV head among heads // kv_heads query heads
-    groups = query.shape[1] // num_kv_heads
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(query, k.to(query.dtype), v.to(query.dtype),
-                                         attn_mask=step.mask, scale=scaling)
+    # 2. per sequence: read its context through its block table, attend its own queries to it
+    out = torch.empty_like(query)
+    gqa = query.shape[1] != num_kv_heads  # grouped-query attention: heads share KV heads
+    for span, slots, mask in zip(step.query_spans, step.context_slots, step.masks):
+        k = flat_k[slots].transpose(0, 1)[None].to(query.dtype)  # [1, kv_heads, context, head_dim]
+        v = flat_v[slots].transpose(0, 1)[None].to(query.dtype)
+        out[:, :, span] = F.scaled_dot_product_attention(query[:, :, span], k, v, attn_mask=mask,
+                                                         scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -34,18 +34,19 @@ def check_total_bytes_copied(model, tokenizer, requests, max_batch_size: int, an
     per_token = info.kv_bytes_per_token
     cached = sum(sum(r.num_cached) for r in records)
     new = sum(sum(r.num_new) for r in records)
-    near = {
-        per_token * cached: "that is the gather alone; the scatter copies every history again",
-        per_token * (cached + new): "that is the scatter alone; the gather copies the cached part first",
-        per_token * 2 * cached: "the scatter also writes this step's new keys and values",
-        per_token * (cached + 2 * new): "the gather reads only what was cached before the step, "
-                                        "the new tokens are added by the scatter",
-        total // info.num_layers: "that is one layer; every layer has its own cache",
-        total // 2: "count keys and values, both",
-        total // info.dtype.itemsize: "those are elements; multiply by the bytes per element",
-    }
-    hint = near.get(answer)
-    if hint is None and answer > 0 and abs(answer - total) / total < 0.2:
-        hint = "close: check the number of steps each request runs (its prefill step, then one per extra token)"
-    return report(False, "", f"{answer:,} is not the {total:,} bytes the engine copied"
-                             + (f" -- {hint}" if hint else "; check the formula step by step"))
+    near = [  # (a tempting wrong total, what it means); several can coincide, so all that match are named
+        (per_token * cached, "that is the gather alone; the scatter copies every history again"),
+        (per_token * (cached + new), "that is the scatter alone; the gather copies the cached part first"),
+        (per_token * 2 * cached, "the scatter also writes this step's new keys and values"),
+        (per_token * (cached + 2 * new), "the gather copies only what was cached before the step; "
+                                         "the new tokens are added by the scatter"),
+        (total // info.num_layers, "that is one layer; every layer has its own cache"),
+        (total // 2, "count keys and values, both"),
+        (total // info.dtype.itemsize, "those are elements; multiply by the bytes per element"),
+    ]
+    hints = [hint for value, hint in near if answer == value]
+    if not hints and answer > 0 and abs(answer - total) / total < 0.2:
+        hints.append("close: check the number of steps each request runs (its prefill step, then one per "
+                     "further token)")
+    detail = (" -- " + " -- or ".join(hints)) if hints else "; check the formula step by step"
+    return report(False, "", f"{answer:,} is not the {total:,} bytes the engine copied{detail}")
