@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(PY) -m cbteach demo
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed browser-deps
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider tests notebooks \
 		--nbval --nbval-sanitize-with notebooks/sanitize.cfg
 
@@ -34,6 +34,12 @@ student: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) -m cbteach bench
+
+# The browser test drives JupyterLab in Debian's Chromium (Playwright's own browser download is
+# not reachable here). Where Chromium cannot be installed (no root, no apt) the test skips and says so.
+browser-deps:
+	@command -v chromium >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q chromium) >/dev/null 2>&1 \
+		|| echo "note: chromium could not be installed; tests/test_browser.py will be skipped"
 
 clean:
 	rm -rf $(VENV) student .pytest_cache .hypothesis

@@ -28,7 +28,12 @@ class StepMemory:
     paged_slots: int  # slots in the blocks the paged cache has handed out
     paged_internal: int  # of those, empty (the last block of each sequence, partly filled)
     contiguous_slots: int  # what prompt + max_new_tokens per live request would reserve
-    contiguous_unused: int  # of those, empty: reserved for later or never to be used
+    contiguous_reserved: int  # of those, empty now but filled later by tokens not generated yet
+    contiguous_internal: int  # of those, never filled: the request stops before max_new_tokens
+
+    @property
+    def contiguous_unused(self) -> int:
+        return self.contiguous_reserved + self.contiguous_internal
 
     @property
     def paged_utilisation(self) -> float:
@@ -48,16 +53,18 @@ def accounting(engine) -> list[StepMemory]:
     for rec in engine.records:
         usage = rec.kv_usage
         live = usage["block_tables"]
-        # Tokens stored per live sequence = those computed by the end of this step.
-        stored = usage["num_tokens"]
-        reserve = 0
+        stored = usage["num_tokens"]  # tokens computed by the end of this step, all live sequences
+        reserve = internal = 0
         for rid in live:
             seq = engine.sequences[rid]
             reserve += len(seq.prompt_ids) + seq.request.max_new_tokens
+            done = engine.completions.get(rid)
+            if done is not None:  # we know how long it got: the rest of its region is never used
+                internal += seq.request.max_new_tokens - len(done.output_ids)
         slots = usage["num_used_blocks"] * usage["block_size"]
         out.append(StepMemory(step=rec.step, num_sequences=len(live), tokens_stored=stored, paged_slots=slots,
                               paged_internal=slots - stored, contiguous_slots=reserve,
-                              contiguous_unused=reserve - stored))
+                              contiguous_reserved=reserve - stored - internal, contiguous_internal=internal))
     return out
 
 
@@ -66,8 +73,13 @@ def summary(steps: list[StepMemory]) -> dict:
     stored = sum(s.tokens_stored for s in steps)
     paged = sum(s.paged_slots for s in steps)
     contiguous = sum(s.contiguous_slots for s in steps)
+    reserved = sum(s.contiguous_reserved for s in steps)
+    internal = sum(s.contiguous_internal for s in steps)
     return {
         "paged_utilisation": stored / paged if paged else 1.0,
+        "paged_internal_fraction": (paged - stored) / paged if paged else 0.0,
+        "contiguous_reserved_fraction": reserved / contiguous if contiguous else 0.0,
+        "contiguous_internal_fraction": internal / contiguous if contiguous else 0.0,
         "contiguous_utilisation": stored / contiguous if contiguous else 1.0,
         "peak_paged_slots": max((s.paged_slots for s in steps), default=0),
         "peak_contiguous_slots": max((s.contiguous_slots for s in steps), default=0),

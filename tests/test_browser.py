@@ -124,6 +124,7 @@ def lab(tmp_path):
 @pytest.fixture
 def browser_page(tmp_path):
     """A fresh headless Chromium page that may only reach 127.0.0.1."""
+    pytest.importorskip("jupyterlab", reason="JupyterLab is not installed (pip install 'cbteach[lab]')")
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
@@ -207,7 +208,7 @@ ERROR_OUTPUTS = """
 WIDGET_IMAGE = ".jp-OutputArea-output .widget-output img, .jp-OutputArea-output .jupyter-widgets-output-area img"
 
 
-def test_notebook_03_runs_and_step_slider_redraws(lab, browser_page):
+def test_notebook_03_runs_and_step_slider_redraws(browser_page, lab):  # browser first: skip before starting a server
     base, token = lab
     page = browser_page
     page.set_default_timeout(30_000)

@@ -120,8 +120,16 @@ def test_usage_and_accounting_numbers():
     first = steps[0]
     assert first.contiguous_slots == (5 + 3) + (9 + 6) + (1 + 2)
     assert first.tokens_stored == 15
+    for m in steps:
+        assert m.tokens_stored + m.contiguous_reserved + m.contiguous_internal == m.contiguous_slots
+        assert m.contiguous_reserved >= 0 and m.contiguous_internal >= 0
+    # every request is live on step 0, so its whole never-generated tail counts as internal there
+    assert first.contiguous_internal == sum(r.max_new_tokens - len(eng.completions[r.request_id].output_ids)
+                                            for r in reqs)
     s = summary(steps)
     assert 0 < s["contiguous_utilisation"] <= s["paged_utilisation"] <= 1
+    assert s["contiguous_utilisation"] + s["contiguous_reserved_fraction"] + s["contiguous_internal_fraction"] \
+        == pytest.approx(1.0)
 
 
 def test_model_still_generates_normally_after_paged_engine():
