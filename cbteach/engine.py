@@ -66,16 +66,7 @@ class Engine:
     # -- public API --------------------------------------------------------------------------
     def add_request(self, request: Request):
         """Validate and queue a request; returns its ``request_id``. Bad input raises ``ValueError``."""
-        prompt_ids = validate_request(request, tokenizer=self.tokenizer, vocab_size=self.info.vocab_size,
-                                      max_pos=self.info.max_positions)
-        if request.request_id in self._seen_ids:
-            raise ValueError(f"duplicate request_id {request.request_id!r}: every request needs its own id")
-        self.kv.check_fits(len(prompt_ids) + request.max_new_tokens, request.request_id)
-        self._seen_ids.add(request.request_id)
-        seq = Sequence(request=request, prompt_ids=prompt_ids)
-        self.sequences[request.request_id] = seq
-        self.scheduler.add(seq)
-        return request.request_id
+        return self._enqueue(request, self._check(request))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -114,9 +105,13 @@ class Engine:
         leaves the engine as it was.
         """
         requests = list(requests)
-        self._validate_all(requests)
-        for r in requests:
-            self.add_request(r)
+        taken: set = set()
+        checked = []
+        for r in requests:  # check them all before queuing any
+            checked.append(self._check(r, taken))
+            taken.add(r.request_id)
+        for r, prompt_ids in zip(requests, checked):
+            self._enqueue(r, prompt_ids)
         ours = {r.request_id for r in requests}
         bar = None
         if progress:
@@ -134,15 +129,21 @@ class Engine:
         return [self.completions[r.request_id] for r in requests]
 
     # -- internals ---------------------------------------------------------------------------
-    def _validate_all(self, requests):
-        ids = [r.request_id for r in requests if isinstance(r, Request)]
-        dup = {i for i in ids if ids.count(i) > 1} | (set(ids) & self._seen_ids)
-        if dup:
-            raise ValueError(f"duplicate request_id(s) {sorted(map(str, dup))}: every request needs its own id")
-        for r in requests:
-            ids = validate_request(r, tokenizer=self.tokenizer, vocab_size=self.info.vocab_size,
-                                   max_pos=self.info.max_positions)
-            self.kv.check_fits(len(ids) + r.max_new_tokens, r.request_id)
+    def _check(self, request, taken=()) -> list[int]:
+        """Everything that can be wrong with a request, found before it touches the engine."""
+        prompt_ids = validate_request(request, tokenizer=self.tokenizer, vocab_size=self.info.vocab_size,
+                                      max_pos=self.info.max_positions)
+        if request.request_id in self._seen_ids or request.request_id in taken:
+            raise ValueError(f"duplicate request_id {request.request_id!r}: every request needs its own id")
+        self.kv.check_fits(len(prompt_ids) + request.max_new_tokens, request.request_id)
+        return prompt_ids
+
+    def _enqueue(self, request: Request, prompt_ids: list[int]):
+        self._seen_ids.add(request.request_id)
+        seq = Sequence(request=request, prompt_ids=prompt_ids)
+        self.sequences[request.request_id] = seq
+        self.scheduler.add(seq)
+        return request.request_id
 
     def _wait_for_arrival(self):
         nxt = self.scheduler.next_arrival()
