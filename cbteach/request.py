@@ -13,7 +13,8 @@ bad request is refused with a ``ValueError`` before it can disturb requests alre
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+import numbers
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Sequence as Seq
 
 _auto_ids = itertools.count()
@@ -26,24 +27,21 @@ class Request:
     ``prompt`` is a string (needs a tokenizer) or a list of token ids. ``max_new_tokens`` caps the
     output; the model may stop earlier by producing EOS, unless ``ignore_eos`` (for benchmarks that
     need long, predictable outputs). ``arrival_time`` (seconds after the engine starts) and
-    ``priority`` are for schedulers that care about them.
+    ``priority`` are for schedulers that care about them. Without a ``request_id`` one is made up.
+    Nothing is checked here: the engine checks a request when it is added.
     """
 
     prompt: str | Seq[int]
     max_new_tokens: int
+    _: KW_ONLY
     request_id: object = None
     arrival_time: float = 0.0
     priority: int = 0
     ignore_eos: bool = False
 
-    def __init__(self, prompt, max_new_tokens, *, request_id=None, arrival_time=0.0, priority=0,
-                 ignore_eos=False):
-        self.prompt = prompt
-        self.max_new_tokens = max_new_tokens
-        self.request_id = request_id if request_id is not None else f"req-{next(_auto_ids)}"
-        self.arrival_time = arrival_time
-        self.priority = priority
-        self.ignore_eos = ignore_eos
+    def __post_init__(self):
+        if self.request_id is None:
+            self.request_id = f"req-{next(_auto_ids)}"
 
 
 @dataclass
@@ -137,8 +135,9 @@ def validate_request(request, *, tokenizer, vocab_size: int, max_pos: int | None
         except TypeError:
             raise ValueError(f"request {rid!r}: prompt must be a str or a list of token ids, "
                              f"got {type(prompt).__name__}") from None
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
             raise ValueError(f"request {rid!r}: prompt token ids must be ints")
+        ids = [int(t) for t in ids]  # numpy or torch integers become plain ints
     if not ids:
         raise ValueError(f"request {rid!r}: the prompt is empty; give at least one token")
     bad = [t for t in ids if not 0 <= t < vocab_size]
@@ -146,7 +145,7 @@ def validate_request(request, *, tokenizer, vocab_size: int, max_pos: int | None
         raise ValueError(f"request {rid!r}: token id {bad[0]} is outside the vocabulary; "
                          f"ids must be in [0, {vocab_size})")
     mnt = request.max_new_tokens
-    if not isinstance(mnt, int) or isinstance(mnt, bool) or mnt < 1:
+    if not isinstance(mnt, numbers.Integral) or isinstance(mnt, bool) or mnt < 1:
         raise ValueError(f"request {rid!r}: max_new_tokens must be an integer >= 1, got {mnt!r}")
     if max_pos is not None and len(ids) + mnt > max_pos:
         raise ValueError(f"request {rid!r}: prompt ({len(ids)} tokens) + max_new_tokens ({mnt}) = "

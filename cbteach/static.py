@@ -93,20 +93,21 @@ def static_batching(model, tokenizer, requests, batch_size: int, progress: bool 
     model.eval()
     t0 = time.perf_counter()
     steps: list[StaticStep] = []
-    completions: dict[int, Completion] = {}
+    completions: list[Completion] = []
     waves = range(0, len(requests), batch_size)
     if progress:
         from tqdm.auto import tqdm
 
         waves = tqdm(waves, desc="waves", unit="wave")
     for w, first in enumerate(waves):
-        idx = list(range(first, min(first + batch_size, len(requests))))
-        _run_wave(model, info, tokenizer, [requests[i] for i in idx], [prompts[i] for i in idx], w,
-                  batch_size, pad_id, t0, steps, completions, first)
-    return StaticResult([completions[i] for i in range(len(requests))], steps, batch_size)
+        wave = slice(first, first + batch_size)
+        completions += _run_wave(model, info, tokenizer, requests[wave], prompts[wave], w, batch_size, pad_id,
+                                 t0, steps)
+    return StaticResult(completions, steps, batch_size)
 
 
-def _run_wave(model, info, tokenizer, reqs, prompts, wave, batch_size, pad_id, t0, steps, completions, first):
+def _run_wave(model, info, tokenizer, reqs, prompts, wave, batch_size, pad_id, t0, steps) -> list[Completion]:
+    """Prefill one left-padded wave, decode it until every request is done; append to ``steps``."""
     n = len(reqs)
     width = max(len(p) for p in prompts)
     rows = [[pad_id] * (width - len(p)) + p for p in prompts]
@@ -148,8 +149,8 @@ def _run_wave(model, info, tokenizer, reqs, prompts, wave, batch_size, pad_id, t
         input_ids = torch.tensor(feed, device=info.device)[:, None]
         mask = torch.cat([mask, torch.ones(n, 1, dtype=mask.dtype, device=info.device)], dim=1)
         positions = positions[:, -1:] + 1
-    for i, r in enumerate(reqs):
-        completions[first + i] = Completion(
-            request_id=r.request_id, prompt_ids=list(prompts[i]), output_ids=outputs[i], finish_reason=done[i],
-            text=tokenizer.decode(outputs[i], skip_special_tokens=True) if tokenizer is not None else None,
-            arrival_time=r.arrival_time, first_token_time=times[i][0], token_times=times[i], finish_time=times[i][-1])
+    return [Completion(
+        request_id=r.request_id, prompt_ids=list(prompts[i]), output_ids=outputs[i], finish_reason=done[i],
+        text=tokenizer.decode(outputs[i], skip_special_tokens=True) if tokenizer is not None else None,
+        arrival_time=r.arrival_time, first_token_time=times[i][0], token_times=times[i], finish_time=times[i][-1])
+        for i, r in enumerate(reqs)]

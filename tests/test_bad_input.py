@@ -120,3 +120,14 @@ def test_sliding_window_models_are_refused():
                       max_window_layers=0)
     with pytest.raises(ValueError, match="sliding-window"):
         Engine(Qwen2ForCausalLM(cfg), max_batch_size=2)
+
+
+def test_tensor_and_numpy_inputs_are_accepted(model):
+    import numpy as np
+    import torch
+
+    reqs = [Request(torch.tensor([7, 8, 9]), np.int64(6)), Request(np.array([10, 11]), 4), Request((12,), 3)]
+    got = Engine(model, max_batch_size=2).run(reqs)
+    assert [c.output_ids for c in got] == [reference(model, [7, 8, 9], 6), reference(model, [10, 11], 4),
+                                           reference(model, [12], 3)]
+    assert all(type(t) is int for c in got for t in c.prompt_ids)
