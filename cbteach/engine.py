@@ -55,7 +55,7 @@ class Engine:
 
             self.kv = PagedKVCache.for_model(model, self.info, max_batch_size=max_batch_size, **paged_args)
         else:  # paged-pool options are accepted and ignored, so one call can switch kv= back and forth
-            self.kv = ConcatKVCache(self.info.num_layers)
+            self.kv = ConcatKVCache(self.info.num_layers, cache_kwarg=self.info.cache_kwarg)
         self.scheduler = Scheduler(max_batch_size, self.kv, token_budget=token_budget)
         self.records: list[StepRecord] = []
         self.completions: dict[object, Completion] = {}
@@ -161,8 +161,6 @@ class Engine:
         batch = pack(chunks, starts, device=self.info.device)
 
         kwargs = self.kv.prepare(seqs, batch, self.info.dtype)
-        if "past_key_values" in kwargs:
-            kwargs[self.info.cache_kwarg] = kwargs.pop("past_key_values")
         last = batch.last_token_index
         if self.info.accepts_logits_to_keep:
             kwargs["logits_to_keep"] = torch.tensor(last, device=self.info.device)

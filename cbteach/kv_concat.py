@@ -5,7 +5,8 @@ Each sequence keeps, per layer, a ``[1, num_kv_heads, num_tokens, head_dim]`` te
 one of values. Every step:
 
 1. **gather** -- concatenate the in-flight sequences' caches along time into one packed cache
-   (``[A cached | B cached | ...]``) and hand it to the model as ``past_key_values``;
+   (``[A cached | B cached | ...]``) and hand it to the model as its past keys and values
+   (the ``past_key_values`` argument, called ``cache`` in recent transformers);
 2. the model appends this step's new keys and values after them (``[... | A new | B new]``) and
    attends through the block-diagonal mask from :mod:`cbteach.packing`;
 3. **scatter** -- cut the new keys and values out of the packed cache and append each piece to
@@ -52,8 +53,9 @@ class ConcatKVCache:
 
     kind = "concat"
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, cache_kwarg: str = "past_key_values"):
         self.num_layers = num_layers
+        self.cache_kwarg = cache_kwarg  # forward()'s name for it: "cache" in recent transformers 5.x
         self.kv: dict[object, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.last_copy = CopyStats()
 
@@ -73,7 +75,7 @@ class ConcatKVCache:
         self.last_copy = stats
         self._packed = cache
         mask = block_diagonal_causal_mask(batch.num_cached, batch.num_new, device=batch.input_ids.device)
-        return {"past_key_values": cache, "attention_mask": additive_mask(mask, dtype)}
+        return {self.cache_kwarg: cache, "attention_mask": additive_mask(mask, dtype)}
 
     def finish(self, seqs, batch: PackedBatch, forward_kwargs: dict) -> None:
         """Scatter this step's new keys and values back to each sequence's own cache."""
