@@ -12,8 +12,11 @@ One call to :meth:`Engine.step` is one forward pass of the model:
 4. each sequence that has now computed all its tokens samples its next token greedily from the
    logits at its last position, and leaves if that token is EOS or its ``max_new_tokens`` is reached.
 
-Greedy decoding in fp32 gives token for token what per-prompt ``model.generate`` gives; the tests
-check exactly that against transformers.
+Greedy decoding in fp32 gives token for token what per-prompt ``model.generate`` gives when the
+model's ``generation_config`` asks for plain greedy search (no repetition penalty and the like,
+which the engine does not implement and warns about); the tests check exactly that against
+transformers. (Different packing changes fp32 rounding, so an exact tie between two logits could in
+principle break the other way; the tests have never seen it.)
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from .kv_concat import ConcatKVCache
 from .packing import pack
 from .records import SeqStep, StepRecord
 from .request import Completion, Request, Sequence, validate_request
-from .scheduler import Scheduler
+from .scheduler import Scheduler, check_batch_size
 
 KV_KINDS = ("concat", "paged")
 
@@ -42,6 +45,7 @@ class Engine:
     def __init__(self, model, tokenizer=None, *, max_batch_size: int, kv: str = "concat", **policy):
         if kv not in KV_KINDS:
             raise ValueError(f"kv must be one of {KV_KINDS}, got {kv!r}")
+        check_batch_size(max_batch_size)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.info = modelinfo.describe(model, tokenizer)
@@ -148,11 +152,8 @@ class Engine:
     def _wait_for_arrival(self):
         nxt = self.scheduler.next_arrival()
         now = self.clock()
-        if nxt is None or nxt <= now:
-            if not self.scheduler.running:
-                raise RuntimeError("the scheduler made no progress with requests waiting; this is a bug")
-            return
-        time.sleep(nxt - now)
+        if nxt is not None and nxt > now:  # nothing to do until the next request arrives
+            time.sleep(nxt - now)
 
     def _forward(self, scheduled: list[tuple[Sequence, int]], record: StepRecord) -> None:
         seqs = [s for s, _ in scheduled]
@@ -169,7 +170,7 @@ class Engine:
             out = self.model(input_ids=batch.input_ids, position_ids=batch.position_ids,
                              use_cache=self.kv.kind == "concat", **kwargs)
         record.forward_time = time.perf_counter() - t0
-        self.kv.finish(seqs, batch, kwargs)
+        self.kv.after_forward(seqs, batch)
         record.kv_bytes_copied = self.kv.last_copy.bytes_copied
         record.kv_copy_time = self.kv.last_copy.seconds
 

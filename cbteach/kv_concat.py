@@ -77,7 +77,7 @@ class ConcatKVCache:
         mask = block_diagonal_causal_mask(batch.num_cached, batch.num_new, device=batch.input_ids.device)
         return {self.cache_kwarg: cache, "attention_mask": additive_mask(mask, dtype)}
 
-    def finish(self, seqs, batch: PackedBatch, forward_kwargs: dict) -> None:
+    def after_forward(self, seqs, batch: PackedBatch) -> None:
         """Scatter this step's new keys and values back to each sequence's own cache."""
         t0 = time.perf_counter()
         cache, self._packed = self._packed, None

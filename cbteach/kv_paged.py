@@ -92,7 +92,9 @@ class PagedKVCache:
     @classmethod
     def for_model(cls, model, info, *, block_size=16, num_blocks=None, kv_memory_bytes=None, max_batch_size=8):
         """Size a pool for ``model``: ``num_blocks`` directly, or as many as ``kv_memory_bytes`` holds,
-        or by default enough for ``max_batch_size`` sequences of the model's full length."""
+        or by default enough for ``max_batch_size`` sequences of the model's full length (capped at
+        4,096 positions each, so a long-context hub model does not ask for hundreds of GB; pass
+        ``num_blocks`` or ``kv_memory_bytes`` to size it yourself)."""
         if num_blocks is not None and kv_memory_bytes is not None:
             raise ValueError("give num_blocks or kv_memory_bytes, not both")
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
@@ -103,10 +105,11 @@ class PagedKVCache:
                 raise ValueError(f"kv_memory_bytes={kv_memory_bytes} holds no block of {block_size} tokens "
                                  f"({info.kv_bytes_per_token * block_size} bytes each)")
         if num_blocks is None:
-            num_blocks = max_batch_size * math.ceil((info.max_positions or 2048) / block_size)
-        paged_attention.install(model)
-        return cls(num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
-                   num_blocks=num_blocks, block_size=block_size, dtype=info.dtype, device=info.device)
+            num_blocks = max_batch_size * math.ceil(min(info.max_positions or 4096, 4096) / block_size)
+        cache = cls(num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
+                    num_blocks=num_blocks, block_size=block_size, dtype=info.dtype, device=info.device)
+        paged_attention.install(model)  # only once the pool exists: a failed Engine leaves the model alone
+        return cache
 
     # -- allocation -------------------------------------------------------------------------
     def blocks_needed(self, num_tokens: int) -> int:
@@ -163,7 +166,7 @@ class PagedKVCache:
     def forward_context(self, seqs, batch):
         return paged_attention.forward_context(self._step)
 
-    def finish(self, seqs, batch, forward_kwargs) -> None:
+    def after_forward(self, seqs, batch) -> None:
         # Nothing to scatter: the attention function already wrote the new K/V into their slots.
         # What we do count is the gather inside attention, which a fused kernel would read in place.
         n = sum(len(s) for s in self._step.context_slots)

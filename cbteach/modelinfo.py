@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -29,16 +30,33 @@ class ModelInfo:
 
 
 def eos_ids_for(model, tokenizer=None) -> frozenset:
-    """EOS ids: the tokenizer's if one is given, else the model's ``generation_config`` (as ``generate`` does)."""
-    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
-    if eos is None:
-        gen = getattr(model, "generation_config", None)
-        eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    """EOS ids: those of the model's ``generation_config`` (what ``generate`` stops on), plus the
+    tokenizer's EOS when a tokenizer is given (chat models often list several, e.g. end-of-turn)."""
+    ids: set = set()
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
     if eos is None:
         eos = getattr(model.config, "eos_token_id", None)
-    if eos is None:
-        return frozenset()
-    return frozenset([eos] if isinstance(eos, int) else eos)
+    if eos is not None:
+        ids.update([eos] if isinstance(eos, int) else eos)
+    tok_eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    if tok_eos is not None:
+        ids.add(tok_eos)
+    return frozenset(ids)
+
+
+# Settings that make ``generate``'s greedy search differ from a plain argmax; the engine has none.
+_IGNORED_GENERATION = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_new_tokens": None,
+                       "min_length": 0, "suppress_tokens": None, "begin_suppress_tokens": None,
+                       "bad_words_ids": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
+                       "encoder_repetition_penalty": 1.0, "sequence_bias": None}
+
+
+def ignored_generation_settings(model) -> dict:
+    """Settings in the model's ``generation_config`` that the engine's plain argmax does not apply."""
+    gen = getattr(model, "generation_config", None)
+    return {k: getattr(gen, k) for k, neutral in _IGNORED_GENERATION.items()
+            if gen is not None and getattr(gen, k, neutral) not in (neutral, None, [], 0)}
 
 
 def describe(model, tokenizer=None) -> ModelInfo:
@@ -53,6 +71,10 @@ def describe(model, tokenizer=None) -> ModelInfo:
     hidden = getattr(text_config, "hidden_size", None) or text_config.n_embd
     head_dim = getattr(text_config, "head_dim", None) or hidden // num_heads
     num_layers = getattr(text_config, "num_hidden_layers", None) or text_config.n_layer
+    ignored = ignored_generation_settings(model)
+    if ignored:
+        warnings.warn(f"the model's generation_config sets {ignored}; cbteach decodes with a plain argmax, so "
+                      "its output will differ from model.generate", stacklevel=3)
     params = inspect.signature(model.forward).parameters
     param = next(model.parameters())
     return ModelInfo(

@@ -19,7 +19,9 @@ with stock PyTorch, so it is the honest choice for a CPU course; its cost is rep
 The engine passes per-step metadata (slot mapping, context slots, mask) through a *forward
 context* -- a module-level variable set for the duration of one forward pass, as vLLM does -- so no
 extra arguments need to travel through the model's layers. Outside that context (say the user
-calls ``model.generate`` on the same model) the function is plain sdpa.
+calls ``model.generate`` on the same model) the function is plain sdpa -- so a model that used
+``eager`` attention before an ``Engine(kv="paged")`` uses sdpa afterwards, with the same results up
+to float rounding.
 """
 from __future__ import annotations
 

@@ -21,7 +21,9 @@ class SeqStep:
 
     request_id: object
     slot: int
-    kind: str  # "prefill" (prompt tokens, or recompute after preemption) or "decode" (one new token)
+    # "decode": it feeds the one token it sampled last step, everything before it already cached;
+    # "prefill": anything else -- prompt tokens, a chunk of them, or recomputing after a preemption.
+    kind: str
     num_cached: int  # tokens already in the KV cache before this step
     num_new: int  # tokens fed this step
     token_ids: list[int]  # the tokens fed
@@ -47,7 +49,7 @@ class StepRecord:
     start_time: float = 0.0  # seconds since the engine started
     duration: float = 0.0  # whole step, scheduling to bookkeeping
     forward_time: float = 0.0  # the model's forward pass alone
-    kv_bytes_copied: int = 0  # concat cache: gather + scatter traffic this step
+    kv_bytes_copied: int = 0  # concat: gather + scatter; paged: the gather attention reads
     kv_copy_time: float = 0.0
     kv_usage: dict | None = None  # paged cache: pool state after the step
 

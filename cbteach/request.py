@@ -13,6 +13,7 @@ bad request is refused with a ``ValueError`` before it can disturb requests alre
 from __future__ import annotations
 
 import itertools
+import math
 import numbers
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Sequence as Seq
@@ -94,11 +95,6 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
-    @property
-    def is_prefill(self) -> bool:
-        """True while the sequence still has tokens it has not computed apart from its last sample."""
-        return self.num_computed_tokens < self.num_tokens - 1 or not self.output_ids
-
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, prompt={len(self.prompt_ids)}, out={len(self.output_ids)}, "
                 f"computed={self.num_computed_tokens})")
@@ -123,7 +119,16 @@ def validate_request(request, *, tokenizer, vocab_size: int, max_pos: int | None
     if not isinstance(request, Request):
         raise ValueError(f"expected a cbteach.Request, got {type(request).__name__}")
     rid = request.request_id
+    try:
+        hash(rid)
+    except TypeError:
+        raise ValueError(f"request_id must be hashable (a str or an int, say), got {type(rid).__name__}") from None
+    at = request.arrival_time
+    if not isinstance(at, numbers.Real) or isinstance(at, bool) or not math.isfinite(at) or at < 0:
+        raise ValueError(f"request {rid!r}: arrival_time must be a finite number of seconds >= 0, got {at!r}")
     prompt = request.prompt
+    if isinstance(prompt, (bytes, bytearray)):
+        raise ValueError(f"request {rid!r}: prompt must be a str or a list of token ids, not bytes")
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError(f"request {rid!r}: a text prompt needs a tokenizer; pass one to the engine "

@@ -25,13 +25,18 @@ from collections import deque
 from .request import Sequence
 
 
+def check_batch_size(max_batch_size) -> None:
+    if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
+
+
 class Scheduler:
     """First-come-first-served iteration-level scheduler with an optional per-step token budget."""
 
     def __init__(self, max_batch_size: int, kv, token_budget: int | None = None):
-        if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
-        if token_budget is not None and (not isinstance(token_budget, int) or token_budget < 1):
+        check_batch_size(max_batch_size)
+        if token_budget is not None and (not isinstance(token_budget, int) or isinstance(token_budget, bool)
+                                         or token_budget < 1):
             raise ValueError(f"token_budget must be None or an integer >= 1, got {token_budget!r}")
         self.max_batch_size = max_batch_size
         self.token_budget = token_budget
@@ -43,6 +48,7 @@ class Scheduler:
         """Queue in arrival order (stable: equal arrival times keep the order they were added in)."""
         t = seq.request.arrival_time
         i = len(self.waiting)
+        # Preempted sequences were pushed back to the front on purpose: never queue ahead of them.
         while i > 0 and self.waiting[i - 1].request.arrival_time > t and self.waiting[i - 1].num_preemptions == 0:
             i -= 1
         self.waiting.insert(i, seq)

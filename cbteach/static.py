@@ -10,8 +10,8 @@ Only then does the next wave start -- the *batch barrier*. Two kinds of waste fo
   until the slowest member of its wave finishes. Nobody can take the slot mid-wave.
 
 Left padding (pads before the prompt) with a 2-D attention mask and ``position_ids`` counted from
-each prompt's first real token is how ``generate`` batches too, so every request still gets exactly
-the tokens it would get alone. Each step is recorded slot by slot (:class:`StaticStep`), so the
+each prompt's first real token is how ``generate`` batches too, so every request still gets the
+tokens it would get alone (the tests check it token for token against per-prompt ``generate``). Each step is recorded slot by slot (:class:`StaticStep`), so the
 waste can be counted and drawn.
 """
 from __future__ import annotations
@@ -148,7 +148,9 @@ def _run_wave(model, info, tokenizer, reqs, prompts, wave, batch_size, pad_id, t
         feed = [pad_id if done[i] else outputs[i][-1] for i in range(n)]
         input_ids = torch.tensor(feed, device=info.device)[:, None]
         mask = torch.cat([mask, torch.ones(n, 1, dtype=mask.dtype, device=info.device)], dim=1)
-        positions = positions[:, -1:] + 1
+        # A finished row's throw-away token keeps its last position: it must not walk past the
+        # model's positions (GPT-2's learned position table has only n_positions rows).
+        positions = positions[:, -1:] + torch.tensor([[0 if d else 1] for d in done], device=info.device)
     return [Completion(
         request_id=r.request_id, prompt_ids=list(prompts[i]), output_ids=outputs[i], finish_reason=done[i],
         text=tokenizer.decode(outputs[i], skip_special_tokens=True) if tokenizer is not None else None,

@@ -2,7 +2,7 @@
 import pytest
 
 from cbteach import Engine, Request, static_batching
-from conftest import VOCAB, reference, tiny_model
+from conftest import EOS, VOCAB, reference, tiny_model
 
 MAXPOS = 256
 
@@ -131,3 +131,50 @@ def test_tensor_and_numpy_inputs_are_accepted(model):
     assert [c.output_ids for c in got] == [reference(model, [7, 8, 9], 6), reference(model, [10, 11], 4),
                                            reference(model, [12], 3)]
     assert all(type(t) is int for c in got for t in c.prompt_ids)
+
+
+@pytest.mark.parametrize("arrival", [float("nan"), float("inf"), -1.0, "soon", None])
+def test_bad_arrival_time(model, arrival):
+    eng = Engine(model, max_batch_size=2)
+    with pytest.raises(ValueError, match="arrival_time must be a finite number of seconds >= 0"):
+        eng.run([Request([7], 2), Request([8], 2, arrival_time=arrival)])
+    assert not eng.has_unfinished() and not eng.sequences  # nothing was queued
+
+
+def test_unhashable_id_bytes_prompt_and_bool_budget(model):
+    eng = Engine(model, max_batch_size=2)
+    with pytest.raises(ValueError, match="request_id must be hashable"):
+        eng.add_request(Request([7], 2, request_id=["a"]))
+    with pytest.raises(ValueError, match="not bytes"):
+        eng.add_request(Request(b"\x07\x08", 2))
+    with pytest.raises(ValueError, match="token_budget"):
+        Engine(model, max_batch_size=2, token_budget=True)
+
+
+def test_failed_paged_engine_leaves_the_model_alone():
+    m = tiny_model("llama", attn="eager")
+    with pytest.raises(ValueError, match="num_blocks must be an integer >= 1"):
+        Engine(m, max_batch_size=2, kv="paged", num_blocks=0)
+    with pytest.raises(ValueError, match="max_batch_size must be an integer >= 1"):
+        Engine(m, max_batch_size=0, kv="paged")
+    assert m.config._attn_implementation == "eager"
+
+
+def test_static_finished_rows_stay_inside_the_position_table():
+    gpt2 = tiny_model("gpt2")  # n_positions = 256, learned position embeddings
+    reqs = [Request([7] * 255, 1), Request([8], 3)]
+    got = static_batching(gpt2, None, reqs, 2)
+    assert [c.output_ids for c in got] == [reference(gpt2, r.prompt, r.max_new_tokens) for r in reqs]
+
+
+def test_eos_ids_union_and_ignored_generation_settings():
+    from types import SimpleNamespace
+
+    from cbteach.modelinfo import eos_ids_for
+
+    m = tiny_model("qwen2")
+    assert eos_ids_for(m) == {EOS}
+    assert eos_ids_for(m, SimpleNamespace(eos_token_id=9)) == {EOS, 9}
+    m.generation_config.repetition_penalty = 1.05
+    with pytest.warns(UserWarning, match="repetition_penalty"):
+        Engine(m, max_batch_size=2)
