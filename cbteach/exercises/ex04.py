@@ -49,4 +49,5 @@ def check_total_bytes_copied(model, tokenizer, requests, max_batch_size: int, an
         hints.append("close: check the number of steps each request runs (its prefill step, then one per "
                      "further token)")
     detail = (" -- " + " -- or ".join(hints)) if hints else "; check the formula step by step"
-    return report(False, "", f"{answer:,} is not the {total:,} bytes the engine copied{detail}")
+    side = "too high" if answer > total else "too low"
+    return report(False, "", f"{answer:,} is {side} for the bytes the engine copied{detail}")

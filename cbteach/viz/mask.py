@@ -138,7 +138,8 @@ def mask_ascii(source=None, *, cached=None, new=None, layout=None) -> str:
     def line(label, cell):
         return label.ljust(width) + "  " + "".join(c if isinstance(c, str) else cell(c) for c in cols)
 
-    out = [_title(layout, num_q, num_k), "# = may attend, . = blocked, | = cached keys | this step's keys"]
+    out = [_title(layout, num_q, num_k),
+           "# = may attend, . = blocked, | = cached keys | this step's keys, pos = position mod 10"]
     if source is not None and getattr(source, "seqs", None):
         # A real step: say which request each letter stands for.
         out.append("sequences: " + ", ".join(f"{seq_letter(i)} = request {s.request_id}"

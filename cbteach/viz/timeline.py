@@ -158,13 +158,24 @@ def _draw(ax, source, max_batch_size, name, num_steps=None):
 
 
 def _label(ax, states, pads, slots):
-    """Request ids inside the bars that are wide enough (after the layout is final)."""
+    """Each request's id once per stay in a slot (after the layout is final): on its useful bar if
+    the id fits there, else on its idle bar -- never twice, and never where it would spill over."""
     for slot in range(slots):
         column = [(states[t][slot][0], states[t][slot][1], pads[t][slot]) for t in range(len(states))]
+        stays: dict = {}  # (request id, first step of the stay) -> its segments
+        stay = None
         for start, length, (state, rid, pad) in _segments(column):
-            if rid is not None:
-                label_if_fits(ax, start + pad * length, start + length, slot, str(rid),
-                              color=text_color_on(STATE_COLORS[state]))
+            if rid is None:
+                stay = None
+                continue
+            if stay is None or stay[0] != rid:
+                stay = (rid, start)
+            stays.setdefault(stay, []).append((start + pad * length, start + length, state))
+        for (rid, _), segments in stays.items():
+            ordered = [s for s in segments if s[2] in USEFUL] + [s for s in segments if s[2] not in USEFUL]
+            for x0, x1, state in ordered:
+                if label_if_fits(ax, x0, x1, slot, str(rid), color=text_color_on(STATE_COLORS[state])):
+                    break
 
 
 def _legend(ax):
