@@ -88,14 +88,24 @@ def _label_row(ax, tokens, groups):
             label_if_fits(ax, x0, x1, 1.3, letter)
 
 
-def draw_slots(states, *, ax=None, title="Slots this step"):
-    """One bar per batch slot, coloured by its state (``[(state, request_id), ...]``)."""
+def draw_slots(states, *, ax=None, title="Slots this step", colors=None, letters=None):
+    """One bar per batch slot (``states`` is ``[(state, request_id), ...]``).
+
+    Bars are coloured by state; with ``colors`` (request id -> colour, as in the packed row) a
+    working slot takes its request's colour instead -- pale and hatched for prefill, solid for
+    decode -- so the same request looks the same in every panel. ``letters`` (request id -> the
+    step's sequence letter) prefixes the label.
+    """
     fig, ax = get_axes(ax, figsize=(3, 2))
     for slot, (state, rid) in enumerate(states):
-        ax.barh(slot, 1, height=0.8, color=STATE_COLORS[state],
+        face = STATE_COLORS[state]
+        if colors and rid in colors and state in ("prefill", "decode"):
+            face = tint(colors[rid], 0.45) if state == "prefill" else colors[rid]
+        ax.barh(slot, 1, height=0.8, color=face, hatch="//" if colors and state == "prefill" else None,
                 edgecolor="#bbbbbb" if state == "empty" else "#555555")
-        text = state if rid is None else f"{rid}: {state}"
-        ax.text(0.5, slot, text, ha="center", va="center", fontsize=8, color=text_color_on(STATE_COLORS[state]))
+        name = f"{letters[rid]} = {rid}" if letters and rid in letters else rid
+        text = state if rid is None else f"{name}: {state}"
+        ax.text(0.5, slot, text, ha="center", va="center", fontsize=8, color=text_color_on(face))
     ax.set_xlim(0, 1)
     ax.set_ylim(len(states) - 0.5, -0.5)
     ax.set_yticks(range(len(states)))
@@ -128,9 +138,11 @@ def draw_step(records, index: int, *, fig=None, max_batch_size: int | None = Non
     ax_row.set_gid("packed_row")  # names for code (and tests) that look the panels up
     ax_mask.set_gid("mask")
     ax_slots.set_gid("slots")
-    labels = _packed_row(rec, record_request_colors(records), ax_row)
+    colors = record_request_colors(records)
+    labels = _packed_row(rec, colors, ax_row)
     mask_heatmap(rec, ax=ax_mask)
-    draw_slots(states, ax=ax_slots, title=f"Slots ({len(states)})")
+    letters = {s.request_id: seq_letter(i) for i, s in enumerate(rec.seqs)}
+    draw_slots(states, ax=ax_slots, title=f"Slots ({len(states)})", colors=colors, letters=letters)
     events = [f"{name}: {', '.join(map(str, ids))}" for name, ids in
               (("admitted", rec.admitted), ("finished", rec.finished), ("preempted", rec.preempted)) if ids]
     events.append(f"waiting: {rec.num_waiting}")
