@@ -79,7 +79,8 @@ def cli(argv=None) -> int:
     for name, r in tp.items():
         extra = f"  KV utilisation {r['paged_utilisation']:.1%} (contiguous {r['contiguous_utilisation']:.1%})" \
             if "paged_utilisation" in r else ""
-        print(f"  {name:7s} {r['seconds']:7.2f} s  {r['tokens_per_s']:7.0f} tok/s  {r['steps']:5d} steps{extra}")
+        same = "" if "identical_to_static" not in r else f"  same tokens as static: {r['identical_to_static']}"
+        print(f"  {name:7s} {r['seconds']:7.2f} s  {r['tokens_per_s']:7.0f} tok/s  {r['steps']:5d} steps{extra}{same}")
     print(f"step time vs history: {a.batch_size} sequences decoding {a.history} tokens")
     sh = step_time_vs_history(model, tok, a.batch_size, a.history)
     for kv, r in sh.items():

@@ -36,3 +36,14 @@ def test_student_copy(tmp_path):
     assert main(["student", str(src), str(tmp_path / "out")]) == 0
     out = json.loads((tmp_path / "out" / "01_x.ipynb").read_text())
     assert "42" not in out["cells"][0]["source"] and out["cells"][1]["source"] == "check(x)"
+
+
+def test_bench_runs_small_and_writes_json(tmp_path, capsys):
+    args = ["bench", "--requests", "4", "--batch-size", "2", "--max-new-tokens", "8", "--history", "6",
+            "--out", str(tmp_path)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert out.count("same tokens as static: True") == 2
+    data = json.loads((tmp_path / "bench-bierce.json").read_text())
+    assert set(data["step_time_vs_history"]) == {"concat", "paged"}
+    assert data["throughput"]["paged"]["paged_utilisation"] > data["throughput"]["paged"]["contiguous_utilisation"]
