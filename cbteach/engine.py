@@ -29,7 +29,7 @@ from .kv_concat import ConcatKVCache
 from .packing import pack
 from .records import SeqStep, StepRecord
 from .request import Completion, Request, Sequence, validate_request
-from .scheduler import Scheduler, check_batch_size
+from .scheduler import Scheduler, check_batch_size, check_token_budget
 
 KV_KINDS = ("concat", "paged")
 
@@ -46,10 +46,11 @@ class Engine:
         if kv not in KV_KINDS:
             raise ValueError(f"kv must be one of {KV_KINDS}, got {kv!r}")
         check_batch_size(max_batch_size)
+        token_budget = policy.pop("token_budget", None)
+        check_token_budget(token_budget)  # everything checked before the paged cache touches the model
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.info = modelinfo.describe(model, tokenizer)
-        token_budget = policy.pop("token_budget", None)
         paged_args = {k: policy.pop(k) for k in ("block_size", "num_blocks", "kv_memory_bytes") if k in policy}
         if policy:
             raise ValueError(f"unknown engine option(s) {sorted(policy)}; allowed: token_budget, and with "
@@ -64,7 +65,6 @@ class Engine:
         self.records: list[StepRecord] = []
         self.completions: dict[object, Completion] = {}
         self.sequences: dict[object, Sequence] = {}  # every request ever added, by id
-        self._seen_ids: set = set()
         self._t0: float | None = None
 
     # -- public API --------------------------------------------------------------------------
@@ -137,13 +137,12 @@ class Engine:
         """Everything that can be wrong with a request, found before it touches the engine."""
         prompt_ids = validate_request(request, tokenizer=self.tokenizer, vocab_size=self.info.vocab_size,
                                       max_pos=self.info.max_positions)
-        if request.request_id in self._seen_ids or request.request_id in taken:
+        if request.request_id in self.sequences or request.request_id in taken:
             raise ValueError(f"duplicate request_id {request.request_id!r}: every request needs its own id")
         self.kv.check_fits(len(prompt_ids) + request.max_new_tokens, request.request_id)
         return prompt_ids
 
     def _enqueue(self, request: Request, prompt_ids: list[int]):
-        self._seen_ids.add(request.request_id)
         seq = Sequence(request=request, prompt_ids=prompt_ids)
         self.sequences[request.request_id] = seq
         self.scheduler.add(seq)
@@ -158,7 +157,7 @@ class Engine:
     def _forward(self, scheduled: list[tuple[Sequence, int]], record: StepRecord) -> None:
         seqs = [s for s, _ in scheduled]
         starts = [s.num_computed_tokens for s in seqs]
-        chunks = [s.all_ids[c : c + n] for (s, n), c in zip(scheduled, starts)]
+        chunks = [s.token_ids(c, c + n) for (s, n), c in zip(scheduled, starts)]
         batch = pack(chunks, starts, device=self.info.device)
 
         kwargs = self.kv.prepare(seqs, batch, self.info.dtype)

@@ -87,9 +87,12 @@ class Sequence:
     def request_id(self):
         return self.request.request_id
 
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens ``start..end-1`` of prompt + output, without building the whole list every step."""
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[max(0, start - p) : end - p]
 
     @property
     def num_tokens(self) -> int:

@@ -30,14 +30,18 @@ def check_batch_size(max_batch_size) -> None:
         raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
 
 
+def check_token_budget(token_budget) -> None:
+    if token_budget is not None and (not isinstance(token_budget, int) or isinstance(token_budget, bool)
+                                     or token_budget < 1):
+        raise ValueError(f"token_budget must be None or an integer >= 1, got {token_budget!r}")
+
+
 class Scheduler:
     """First-come-first-served iteration-level scheduler with an optional per-step token budget."""
 
     def __init__(self, max_batch_size: int, kv, token_budget: int | None = None):
         check_batch_size(max_batch_size)
-        if token_budget is not None and (not isinstance(token_budget, int) or isinstance(token_budget, bool)
-                                         or token_budget < 1):
-            raise ValueError(f"token_budget must be None or an integer >= 1, got {token_budget!r}")
+        check_token_budget(token_budget)
         self.max_batch_size = max_batch_size
         self.token_budget = token_budget
         self.kv = kv
