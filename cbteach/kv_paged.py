@@ -29,6 +29,7 @@ import torch
 from . import paged_attention
 from .kv_concat import CopyStats
 from .packing import PackedBatch
+from .request import check_positive_int
 
 
 class PoolExhausted(RuntimeError):
@@ -76,9 +77,8 @@ class PagedKVCache:
 
     def __init__(self, *, num_layers, num_kv_heads, head_dim, num_blocks, block_size=16,
                  dtype=torch.float32, device="cpu"):
-        for name, value in (("block_size", block_size), ("num_blocks", num_blocks)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        check_positive_int("block_size", block_size)
+        check_positive_int("num_blocks", num_blocks)
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -97,8 +97,7 @@ class PagedKVCache:
         ``num_blocks`` or ``kv_memory_bytes`` to size it yourself)."""
         if num_blocks is not None and kv_memory_bytes is not None:
             raise ValueError("give num_blocks or kv_memory_bytes, not both")
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-            raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+        check_positive_int("block_size", block_size)  # before it divides the memory budget
         if kv_memory_bytes is not None:
             num_blocks = int(kv_memory_bytes // (info.kv_bytes_per_token * block_size))
             if num_blocks < 1:

@@ -103,6 +103,12 @@ class Sequence:
                 f"computed={self.num_computed_tokens})")
 
 
+def check_positive_int(name: str, value) -> None:
+    """Raise ``ValueError`` unless ``value`` is an integer >= 1 (``True`` is not a size)."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
 def max_positions(config) -> int | None:
     """How many positions the model supports (``max_position_embeddings`` or GPT-2's ``n_positions``)."""
     for name in ("max_position_embeddings", "n_positions", "max_seq_len"):

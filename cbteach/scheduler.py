@@ -22,18 +22,16 @@ from __future__ import annotations
 
 from collections import deque
 
-from .request import Sequence
+from .request import Sequence, check_positive_int
 
 
 def check_batch_size(max_batch_size) -> None:
-    if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
-        raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
+    check_positive_int("max_batch_size", max_batch_size)
 
 
 def check_token_budget(token_budget) -> None:
-    if token_budget is not None and (not isinstance(token_budget, int) or isinstance(token_budget, bool)
-                                     or token_budget < 1):
-        raise ValueError(f"token_budget must be None or an integer >= 1, got {token_budget!r}")
+    if token_budget is not None:
+        check_positive_int("token_budget (or None)", token_budget)
 
 
 class Scheduler:

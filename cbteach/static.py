@@ -23,7 +23,7 @@ import torch
 from transformers import DynamicCache
 
 from . import modelinfo
-from .request import Completion, validate_request
+from .request import Completion, check_positive_int, validate_request
 
 SLOT_STATES = ("prefill", "decode", "idle", "empty")
 
@@ -79,8 +79,7 @@ class StaticResult(list):
 @torch.inference_mode()
 def static_batching(model, tokenizer, requests, batch_size: int, progress: bool = False) -> StaticResult:
     """Serve ``requests`` in waves of ``batch_size`` with a batch barrier; returns a :class:`StaticResult`."""
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    check_positive_int("batch_size", batch_size)
     info = modelinfo.describe(model, tokenizer)
     requests = list(requests)
     ids = [r.request_id for r in requests]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from matplotlib.ticker import MaxNLocator
 
+from ..request import check_positive_int
 from .style import STATE_COLORS, STATE_HATCH, get_axes, label_if_fits, text_color_on
 
 STATES = ("prefill", "decode", "idle", "empty")
@@ -61,8 +62,7 @@ def slot_states_continuous(records, max_batch_size: int) -> list[list[tuple[str,
     sequence still holds it -- it ran before and has neither finished nor been preempted -- but
     was not scheduled this step, and ``empty`` otherwise.
     """
-    if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
-        raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
+    check_positive_int("max_batch_size", max_batch_size)
     holders: dict = {}  # request id -> slot, for every sequence that holds a slot right now
     out = []
     for rec in records:
