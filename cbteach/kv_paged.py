@@ -187,4 +187,5 @@ class PagedKVCache:
             "internal_fragmentation": used * self.block_size - tokens,
             "utilisation": tokens / (used * self.block_size) if used else 0.0,
             "block_tables": {rid: list(s.block_table) for rid, s in self.seqs.items()},
+            "seq_num_tokens": {rid: s.num_computed_tokens for rid, s in self.seqs.items()},
         }

@@ -39,6 +39,7 @@ def check_invariants(eng):
     usage = eng.kv_usage()
     assert usage["num_free_blocks"] == usage["num_blocks"] - len(owners)
     assert usage["num_tokens"] == sum(s.num_computed_tokens for s in eng.scheduler.running)
+    assert usage["seq_num_tokens"] == {s.request_id: s.num_computed_tokens for s in eng.scheduler.running}
     assert 0.0 <= usage["utilisation"] <= 1.0
 
 

@@ -21,24 +21,12 @@ _GAP = 0.06  # space between cells, in cell widths
 
 
 def stored_tokens(records, index: int) -> dict:
-    """Tokens each live sequence has in the KV cache after step ``index`` (request id -> count).
-
-    Rebuilt from the records: after a step a sequence has ``num_cached + num_new`` tokens
-    stored; it loses them all when preempted or finished. ``PagedKVCache.usage()`` only has the
-    total, so this is what lets :func:`draw_pool` show how full each request's last block is.
-    """
-    records = list(records)
+    """Tokens each live sequence has in the KV cache after step ``index`` (request id -> count),
+    as the pool reported them (``seq_num_tokens`` of ``PagedKVCache.usage()``)."""
+    records = _paged_records(records)
     if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(records):
         raise ValueError(f"step index must be in 0..{len(records) - 1}, got {index!r}")
-    tokens: dict = {}
-    for rec in records[: index + 1]:
-        for rid in rec.preempted:
-            tokens.pop(rid, None)
-        for s in rec.seqs:
-            tokens[s.request_id] = s.num_cached + s.num_new
-        for rid in rec.finished:
-            tokens.pop(rid, None)
-    return tokens
+    return dict(records[index].kv_usage["seq_num_tokens"])
 
 
 def _columns(num_blocks: int) -> int:
@@ -53,13 +41,7 @@ def _fill(usage, tokens) -> dict:
     bs, fill = usage["block_size"], {}
     tables = usage["block_tables"]
     if tokens is None:
-        # Without per-request counts we still know two cases: one owner, or no empty slot at all.
-        if len(tables) == 1 and "num_tokens" in usage:
-            tokens = {rid: usage["num_tokens"] for rid in tables}
-        elif usage.get("internal_fragmentation") == 0:
-            tokens = {rid: len(t) * bs for rid, t in tables.items()}
-        else:
-            return {}
+        return fill
     for rid, table in tables.items():
         n = tokens.get(rid)
         if n is None or math.ceil(n / bs) != len(table):  # inconsistent: show ownership only
@@ -74,7 +56,7 @@ def draw_pool(usage: dict, *, ax=None, colors: dict | None = None, tokens: dict 
     """Draw a paged-cache pool (``PagedKVCache.usage()``) as a grid of blocks; return the axes.
 
     ``colors`` maps request id -> colour (default: in block-table order); ``tokens`` maps request
-    id -> tokens stored (see :func:`stored_tokens`) and turns on the per-block fill levels.
+    id -> tokens stored (default: the usage's own ``seq_num_tokens``) and turns on the per-block fill levels.
     Each block cell is a patch with ``gid = "block <id>"``; free blocks are white.
     """
     from matplotlib.patches import Rectangle
@@ -91,6 +73,8 @@ def draw_pool(usage: dict, *, ax=None, colors: dict | None = None, tokens: dict 
             if not 0 <= block < n:
                 raise ValueError(f"request {rid!r} owns block {block}, outside the pool's 0..{n - 1}")
             owner.setdefault(block, rid)  # a block shared by several (prefix caching) shows its first owner
+    if tokens is None:
+        tokens = usage.get("seq_num_tokens")  # what PagedKVCache.usage() reports per sequence
     fill = _fill(usage, tokens)
     cols = _columns(n)
     rows = math.ceil(n / cols)
