@@ -26,7 +26,7 @@ class ModelInfo:
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V one token occupies across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
 
 def eos_ids_for(model, tokenizer=None) -> frozenset:
