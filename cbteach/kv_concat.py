@@ -6,15 +6,27 @@ one of values. Every step:
 
 1. **gather** -- concatenate the in-flight sequences' caches along time into one packed cache
    (``[A cached | B cached | ...]``) and hand it to the model as its past keys and values
-   (the ``past_key_values`` argument, called ``cache`` in recent transformers);
+   (a transformers ``DynamicCache``, passed as ``past_key_values`` -- called ``cache`` in recent
+   transformers);
 2. the model appends this step's new keys and values after them (``[... | A new | B new]``) and
-   attends through the block-diagonal mask from :mod:`cbteach.packing`;
+   attends through the block-diagonal mask from :mod:`cbteach.packing`, passed as a 4-D
+   ``attention_mask`` (so the model's attention must honour one: ``eager`` or ``sdpa``);
 3. **scatter** -- cut the new keys and values out of the packed cache and append each piece to
    its sequence's own cache.
 
-Steps 1 and 3 copy every sequence's whole history, every step, in every layer -- the copy grows
-with the history even though only one new token per sequence was computed. :attr:`last_copy`
-reports the bytes and seconds this costs. The paged cache (:mod:`cbteach.kv_paged`) removes it.
+Every one of those is a copy of every sequence's whole history, every step, in every layer --
+even though only one new token per sequence was computed. Counting all of them, with ``C``
+cached and ``N`` new tokens' worth of K/V in a step:
+
+* our gather writes ``C`` (one ``torch.cat``);
+* ``DynamicCache.update`` on the fresh cache concatenates our gathered tensor onto an empty one:
+  ``C`` again;
+* the model's own ``update`` appends the new K/V: ``C + N``;
+* our scatter rebuilds each sequence's cache with its new tokens: ``C + N``.
+
+That is ``4C + 2N`` bytes moved per step, reported as :attr:`KVTraffic.bytes_copied` (measured on
+the real tensors, and checked against a count of the copy operations in the tests). The paged
+cache (:mod:`cbteach.kv_paged`) moves only the ``N`` new tokens' K/V.
 """
 from __future__ import annotations
 
@@ -25,20 +37,26 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from .packing import PackedBatch, additive_mask, block_diagonal_causal_mask
+from . import attn_metadata
+from .kv_manager import UnboundedKVManager
+from .packing import additive_mask, block_diagonal_causal_mask
+
+MASK_HONOURING = ("eager", "sdpa")  # attention implementations that obey a 4-D attention_mask
 
 
 @dataclass
-class CopyStats:
-    """What one step's gather and scatter cost."""
+class KVTraffic:
+    """K/V bytes one step moved, by what moved them.
 
-    bytes_gathered: int = 0
-    bytes_scattered: int = 0
+    ``bytes_copied`` -- history copied by the cache between steps (concat's gather and scatter);
+    ``bytes_read`` -- what attention read from a paged pool through the block tables;
+    ``bytes_written`` -- this step's new K/V stored in a paged pool; ``seconds`` -- time spent copying.
+    """
+
+    bytes_copied: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
     seconds: float = 0.0
-
-    @property
-    def bytes_copied(self) -> int:
-        return self.bytes_gathered + self.bytes_scattered
 
 
 def layer_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,75 +66,79 @@ def layer_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     return cache.key_cache[layer], cache.value_cache[layer]  # transformers < 4.56
 
 
-class ConcatKVCache:
-    """Per-sequence caches, gathered into one ``DynamicCache`` before each step and scattered after."""
+class ConcatKVCache(UnboundedKVManager):
+    """Per-sequence caches, gathered into one ``DynamicCache`` before each step and scattered after.
+
+    It is its own KV manager: memory grows with the sequences, so room is never refused.
+    """
 
     kind = "concat"
 
-    def __init__(self, num_layers: int, cache_kwarg: str = "past_key_values"):
+    def __init__(self, num_layers: int, cache_kwarg: str = "past_key_values", attn_implementation: str = "sdpa",
+                 dtype: torch.dtype = torch.float32):
+        if attn_implementation not in MASK_HONOURING:
+            raise ValueError(
+                f"kv='concat' needs an attention implementation that honours a 4-D attention mask "
+                f"({' or '.join(MASK_HONOURING)}); this model uses {attn_implementation!r}, which would attend "
+                "across the packed sequences. Call model.set_attn_implementation('sdpa') first, or use kv='paged'")
         self.num_layers = num_layers
+        self.dtype = dtype  # of the additive mask: the model's
         self.cache_kwarg = cache_kwarg  # forward()'s name for it: "cache" in recent transformers 5.x
         self.kv: dict[object, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self.last_copy = CopyStats()
+        self.last_traffic = KVTraffic()
+        self.manager = self
+        self._packed = None
+        self._order: list = []
 
-    def prepare(self, seqs, batch: PackedBatch, dtype: torch.dtype) -> dict:
+    def build_metadata(self, token_ids, seqs, num_computed, num_scheduled, device):
+        self._order = [s.request_id for s in seqs]
+        return attn_metadata.build(token_ids, num_computed, num_scheduled, device)
+
+    def forward_kwargs(self, meta) -> dict:
         """Gather the in-flight caches and build the mask; returns extra kwargs for the forward pass."""
         t0 = time.perf_counter()
-        stats = CopyStats()
+        traffic = KVTraffic()
         cache = DynamicCache()
         for layer in range(self.num_layers):
-            parts = [self.kv[s.request_id][layer] for s, c in zip(seqs, batch.num_cached) if c > 0]
+            parts = [self.kv[rid][layer] for rid, c in zip(self._order, meta.num_computed_tokens) if c > 0]
             if parts:
-                k = torch.cat([p[0] for p in parts], dim=2)
+                k = torch.cat([p[0] for p in parts], dim=2)  # our gather: C
                 v = torch.cat([p[1] for p in parts], dim=2)
-                stats.bytes_gathered += k.nbytes + v.nbytes
-                cache.update(k, v, layer)
-        stats.seconds = time.perf_counter() - t0
-        self.last_copy = stats
-        self._packed = cache
-        mask = block_diagonal_causal_mask(batch.num_cached, batch.num_new, device=batch.input_ids.device)
-        return {self.cache_kwarg: cache, "attention_mask": additive_mask(mask, dtype)}
+                cache.update(k, v, layer)  # DynamicCache concatenates onto an empty tensor: C again
+                traffic.bytes_copied += 2 * (k.nbytes + v.nbytes)
+        traffic.seconds = time.perf_counter() - t0
+        self.last_traffic, self._packed = traffic, cache
+        device = meta.input_ids.device
+        mask = block_diagonal_causal_mask(meta.num_computed_tokens, meta.num_scheduled_tokens, device=device)
+        return {self.cache_kwarg: cache, "attention_mask": additive_mask(mask, self.dtype), "use_cache": True}
 
-    def after_forward(self, seqs, batch: PackedBatch) -> None:
+    def attention(self, model):
+        return contextlib.nullcontext()  # the model's own attention, with our 4-D mask
+
+    def after_forward(self, meta) -> KVTraffic:
         """Scatter this step's new keys and values back to each sequence's own cache."""
         t0 = time.perf_counter()
         cache, self._packed = self._packed, None
-        total_cached = sum(batch.num_cached)
+        total_cached = sum(meta.num_computed_tokens)
         for layer in range(self.num_layers):
             k_all, v_all = layer_kv(cache, layer)
-            new_k = k_all[:, :, total_cached:].split(batch.num_new, dim=2)
-            new_v = v_all[:, :, total_cached:].split(batch.num_new, dim=2)
-            for seq, k, v in zip(seqs, new_k, new_v):
-                layers = self.kv.setdefault(seq.request_id, [None] * self.num_layers)
+            self.last_traffic.bytes_copied += k_all.nbytes + v_all.nbytes  # the model's update: C + N
+            new_k = k_all[:, :, total_cached:].split(meta.num_scheduled_tokens, dim=2)
+            new_v = v_all[:, :, total_cached:].split(meta.num_scheduled_tokens, dim=2)
+            for rid, k, v in zip(self._order, new_k, new_v):
+                layers = self.kv.setdefault(rid, [None] * self.num_layers)
                 if layers[layer] is None:
                     k, v = k.clone(), v.clone()  # own the memory: the packed cache is freed after the step
                 else:
                     k = torch.cat([layers[layer][0], k], dim=2)
                     v = torch.cat([layers[layer][1], v], dim=2)
                 layers[layer] = (k, v)
-                self.last_copy.bytes_scattered += k.nbytes + v.nbytes
-        self.last_copy.seconds += time.perf_counter() - t0
+                self.last_traffic.bytes_copied += k.nbytes + v.nbytes  # our scatter: C + N in all
+        self.last_traffic.seconds += time.perf_counter() - t0
+        return self.last_traffic
 
     def free(self, seq) -> None:
         self.kv.pop(seq.request_id, None)
-
-    def num_cached_tokens(self, seq) -> int:
-        layers = self.kv.get(seq.request_id)
-        return 0 if not layers or layers[0] is None else layers[0][0].shape[2]
-
-    # This cache grows without bound (until the machine runs out of memory), so there is
-    # nothing to reserve and nothing to refuse; the paged cache gives these real work.
-    def can_allocate(self, seq, num_new_tokens: int) -> bool:
-        return True
-
-    def allocate(self, seq, num_new_tokens: int) -> None:
-        pass
-
-    def check_fits(self, num_tokens: int, request_id) -> None:
-        pass
-
-    def forward_context(self, seqs, batch):
-        return contextlib.nullcontext()
 
     def usage(self) -> dict:
         """Sequences and tokens held right now."""

@@ -22,6 +22,7 @@ class ModelInfo:
     device: torch.device
     cache_kwarg: str  # "cache" in transformers >= 5.x, "past_key_values" before
     accepts_logits_to_keep: bool
+    attn_implementation: str = "sdpa"
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -30,8 +31,10 @@ class ModelInfo:
 
 
 def eos_ids_for(model, tokenizer=None) -> frozenset:
-    """EOS ids: those of the model's ``generation_config`` (what ``generate`` stops on), plus the
-    tokenizer's EOS when a tokenizer is given (chat models often list several, e.g. end-of-turn)."""
+    """The ids a request stops on: exactly those ``generate`` stops on -- the model's
+    ``generation_config.eos_token_id`` (falling back to ``config.eos_token_id``). The tokenizer's
+    EOS is deliberately *not* added: where it differs, ``generate`` would keep going, and so must we.
+    ``tokenizer`` is accepted for symmetry and ignored."""
     ids: set = set()
     gen = getattr(model, "generation_config", None)
     eos = getattr(gen, "eos_token_id", None) if gen is not None else None
@@ -39,10 +42,38 @@ def eos_ids_for(model, tokenizer=None) -> frozenset:
         eos = getattr(model.config, "eos_token_id", None)
     if eos is not None:
         ids.update([eos] if isinstance(eos, int) else eos)
-    tok_eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
-    if tok_eos is not None:
-        ids.add(tok_eos)
-    return frozenset(ids)
+    return frozenset(int(i) for i in ids)
+
+
+# RoPE variants whose frequencies depend on the longest sequence in the forward pass. In a packed
+# row that length is the *whole row's*, so a long neighbour would change a short request's logits.
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def check_supported(config, max_pos) -> None:
+    """Refuse, with the reason, models whose attention the engine's masks cannot reproduce exactly."""
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    window = getattr(config, "sliding_window", None)
+    windowed = [t for t in layer_types if t != "full_attention"]
+    uses_window = bool(windowed) or (
+        getattr(config, "use_sliding_window", True) is not False and isinstance(window, int) and window > 0
+        and (max_pos is None or window < max_pos))  # a window as long as the model never bites
+    if uses_window:
+        kind = f"layer types {sorted(set(windowed))}" if windowed else f"sliding_window={window}"
+        raise ValueError(f"this model uses sliding-window or local attention ({kind}); cbteach's masks are full "
+                         "causal, so its output would differ from generate's once a sequence outgrows the window. "
+                         "Use a full-attention model (Llama, Qwen2 with use_sliding_window=False, GPT-2, bierce)")
+    if getattr(config, "attention_chunk_size", None):
+        raise ValueError(f"this model uses chunked attention (attention_chunk_size="
+                         f"{config.attention_chunk_size}); cbteach's masks are full causal. Use a full-attention model")
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_types = {r.get("rope_type", r.get("type")) for r in (rope.values() if all(isinstance(v, dict) for v in
+                  rope.values()) and rope else [rope]) if isinstance(r, dict)}
+    bad = sorted(t for t in rope_types if t in LENGTH_DEPENDENT_ROPE)
+    if bad:
+        raise ValueError(f"this model's RoPE ({bad[0]!r}) picks its frequencies from the longest sequence in the "
+                         "forward pass; in a packed batch that is the whole row, so neighbours would change each "
+                         "other's output. Use a model with position-independent RoPE (default, linear, llama3, yarn)")
 
 
 # Settings that make ``generate``'s greedy search differ from a plain argmax; the engine has none.
@@ -62,10 +93,7 @@ def ignored_generation_settings(model) -> dict:
 def describe(model, tokenizer=None) -> ModelInfo:
     config = model.config
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    layer_types = getattr(text_config, "layer_types", None) or []
-    if getattr(text_config, "use_sliding_window", False) or "sliding_attention" in layer_types:
-        raise ValueError("models with sliding-window attention are not supported: the engine's masks "
-                         "are full causal; set use_sliding_window=False in the config")
+    check_supported(text_config, max_positions(text_config))
     num_heads = getattr(text_config, "num_attention_heads", None) or text_config.n_head
     num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
     hidden = getattr(text_config, "hidden_size", None) or text_config.n_embd
@@ -88,4 +116,5 @@ def describe(model, tokenizer=None) -> ModelInfo:
         device=param.device,
         cache_kwarg="cache" if "cache" in params else "past_key_values",
         accepts_logits_to_keep="logits_to_keep" in params,
+        attn_implementation=getattr(config, "_attn_implementation", None) or "eager",
     )

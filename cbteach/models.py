@@ -27,14 +27,21 @@ def pick_device(device=None) -> torch.device:
 
 
 def pick_dtype(device: torch.device, dtype=None) -> torch.dtype:
-    """``dtype`` if given, else bf16 on CUDA and fp32 elsewhere (CPU and MPS are exact and fast enough in fp32)."""
+    """``dtype`` if given, else fp32 -- on every device.
+
+    The course's promise is that batching changes nothing: every strategy gives token for token
+    what ``model.generate`` gives one prompt at a time. That holds in fp32. In bf16 or fp16 the
+    *shape* of a batch changes the order of floating-point reductions, and with it the last bits of
+    the logits, so two greedy runs can part ways at a near-tie (notebook 01 shows it). Low precision
+    is therefore an explicit choice: ``load_model(dtype="bfloat16")``.
+    """
     if dtype is not None:
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype, None)
             if not isinstance(dtype, torch.dtype):
                 raise ValueError("dtype must be a torch.dtype or a name such as 'float32' or 'bfloat16'")
         return dtype
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return torch.float32
 
 
 def load_model(name: str = DEFAULT_MODEL, device=None, dtype=None):

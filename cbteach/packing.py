@@ -30,19 +30,19 @@ class PackedBatch:
     """One step's packed input.
 
     ``input_ids`` and ``position_ids`` are ``[1, total_tokens]``. Sequence ``i`` owns tokens
-    ``cu_seqlens[i]:cu_seqlens[i + 1]`` of the row; it had ``num_cached[i]`` tokens in the cache
-    before this step and feeds ``num_new[i]`` now.
+    ``cu_seqlens[i]:cu_seqlens[i + 1]`` of the row; it had ``num_computed_tokens[i]`` tokens in the cache
+    before this step and feeds ``num_scheduled_tokens[i]`` now.
     """
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
-    num_cached: list[int]
-    num_new: list[int]
+    num_computed_tokens: list[int]
+    num_scheduled_tokens: list[int]
 
     @property
     def cu_seqlens(self) -> list[int]:
         out = [0]
-        for n in self.num_new:
+        for n in self.num_scheduled_tokens:
             out.append(out[-1] + n)
         return out
 
@@ -52,12 +52,16 @@ class PackedBatch:
         return [end - 1 for end in self.cu_seqlens[1:]]
 
 
-def pack(chunks: list[list[int]], num_cached: list[int], device=None) -> PackedBatch:
-    """Concatenate each sequence's new tokens into one row, with per-sequence positions."""
-    if len(chunks) != len(num_cached):
-        raise ValueError("pack() needs one num_cached entry per chunk")
+def pack(chunks: list[list[int]], num_computed_tokens: list[int], device=None) -> PackedBatch:
+    """Concatenate each sequence's new tokens into one row, with per-sequence positions.
+
+    ``device`` is where the tensors are made: pass the model's (``model.device``), so the same
+    code runs on CPU, CUDA and MPS.
+    """
+    if len(chunks) != len(num_computed_tokens):
+        raise ValueError("pack() needs one num_computed_tokens entry per chunk")
     ids, pos = [], []
-    for chunk, start in zip(chunks, num_cached):
+    for chunk, start in zip(chunks, num_computed_tokens):
         if not chunk:
             raise ValueError("every packed sequence must feed at least one token")
         ids.extend(chunk)
@@ -65,51 +69,59 @@ def pack(chunks: list[list[int]], num_cached: list[int], device=None) -> PackedB
     return PackedBatch(
         input_ids=torch.tensor([ids], dtype=torch.long, device=device),
         position_ids=torch.tensor([pos], dtype=torch.long, device=device),
-        num_cached=list(num_cached),
-        num_new=[len(c) for c in chunks],
+        num_computed_tokens=list(num_computed_tokens),
+        num_scheduled_tokens=[len(c) for c in chunks],
     )
 
 
-def _check_lengths(num_cached, num_new):
-    if len(num_cached) != len(num_new):
-        raise ValueError(f"num_cached has {len(num_cached)} entries but num_new has {len(num_new)}")
-    if any(c < 0 for c in num_cached) or any(n < 0 for n in num_new):
+def _check_lengths(cached, new):
+    if len(cached) != len(new):
+        raise ValueError(f"num_computed_tokens has {len(cached)} entries but num_scheduled_tokens has {len(new)}")
+    if any(c < 0 for c in cached) or any(n < 0 for n in new):
         raise ValueError("sequence lengths must be >= 0")
 
 
-def block_diagonal_causal_mask(num_cached: list[int], num_new: list[int], device=None) -> torch.Tensor:
+def _ranges(lengths, device, starts=None):
+    """``[0..n0-1, 0..n1-1, ...]`` (or counting from ``starts``) as one tensor."""
+    starts = starts or [0] * len(lengths)
+    parts = [torch.arange(s, s + n, device=device) for s, n in zip(starts, lengths)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
+
+
+def _owner(lengths, device):
+    """For every element of the concatenated pieces, which piece it belongs to."""
+    return torch.repeat_interleave(torch.arange(len(lengths), device=device),
+                                   torch.tensor(lengths, dtype=torch.long, device=device))
+
+
+def block_diagonal_causal_mask(num_computed_tokens: list[int], num_scheduled_tokens: list[int],
+                               device=None) -> torch.Tensor:
     """Boolean ``[queries, keys]`` mask, True = may attend, keys laid out ``[all cached | all new]``.
 
-    Query ``j`` of sequence ``s`` (at position ``num_cached[s] + j``) sees all of ``s``'s cached
-    keys and ``s``'s new keys ``0..j``.
+    Query ``j`` of sequence ``s`` (at position ``num_computed_tokens[s] + j``) sees all of ``s``'s
+    cached keys and ``s``'s new keys ``0..j``. This is the layout of the concatenating cache.
     """
-    _check_lengths(num_cached, num_new)
-    q_seq = torch.repeat_interleave(torch.arange(len(num_new), device=device),
-                                    torch.tensor(num_new, dtype=torch.long, device=device))
-    q_idx = torch.cat([torch.arange(n, device=device) for n in num_new]) if num_new else q_seq
-    c_seq = torch.repeat_interleave(torch.arange(len(num_cached), device=device),
-                                    torch.tensor(num_cached, dtype=torch.long, device=device))
+    cached, new = num_computed_tokens, num_scheduled_tokens
+    _check_lengths(cached, new)
+    q_seq, q_idx, c_seq = _owner(new, device), _ranges(new, device), _owner(cached, device)
     cached_part = q_seq[:, None] == c_seq[None, :]
     new_part = (q_seq[:, None] == q_seq[None, :]) & (q_idx[None, :] <= q_idx[:, None])
     return torch.cat([cached_part, new_part], dim=1)
 
 
-def per_sequence_causal_mask(num_cached: list[int], num_new: list[int], device=None) -> torch.Tensor:
+def per_sequence_causal_mask(num_computed_tokens: list[int], num_scheduled_tokens: list[int],
+                             device=None) -> torch.Tensor:
     """Boolean ``[queries, keys]`` mask with keys laid out ``[A's context | B's context | ...]``.
 
-    Each sequence's context is its cached keys followed by its new keys, ``num_cached[s] +
-    num_new[s]`` long. Query ``j`` of ``s`` sees keys of ``s`` at positions ``<= num_cached[s] + j``.
+    Each sequence's context is its cached keys followed by its new keys. Query ``j`` of ``s`` sees
+    keys of ``s`` at positions ``<= num_computed_tokens[s] + j``. This is what a variable-length
+    attention kernel, or the paged cache reading each sequence through its block table, sees.
     """
-    _check_lengths(num_cached, num_new)
-    ctx = [c + n for c, n in zip(num_cached, num_new)]
-    new_t = torch.tensor(num_new, dtype=torch.long, device=device)
-    ctx_t = torch.tensor(ctx, dtype=torch.long, device=device)
-    seqs = torch.arange(len(num_new), device=device)
-    q_seq = torch.repeat_interleave(seqs, new_t)
-    q_pos = torch.cat([torch.arange(c, c + n, device=device) for c, n in zip(num_cached, num_new)]) \
-        if num_new else q_seq
-    k_seq = torch.repeat_interleave(seqs, ctx_t)
-    k_pos = torch.cat([torch.arange(n, device=device) for n in ctx]) if ctx else k_seq
+    cached, new = num_computed_tokens, num_scheduled_tokens
+    _check_lengths(cached, new)
+    ctx = [c + n for c, n in zip(cached, new)]
+    q_seq, q_pos = _owner(new, device), _ranges(new, device, starts=cached)
+    k_seq, k_pos = _owner(ctx, device), _ranges(ctx, device)
     return (q_seq[:, None] == k_seq[None, :]) & (k_pos[None, :] <= q_pos[:, None])
 
 

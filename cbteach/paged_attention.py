@@ -1,98 +1,114 @@
 """Paged attention as a transformers attention function: the model code stays untouched.
 
 transformers lets a model's attention layers call any function registered with
-``AttentionInterface``. We register ``"cbteach_paged"`` and switch the model to it. Each layer
-then hands us its queries and this step's new keys and values (RoPE already applied), and we:
+``AttentionInterface``. We register ``"cbteach_paged"``, and the paged cache switches the model to
+it *only for the duration of one engine step* (:func:`switched`); before and after, the model is
+exactly as the user left it, so ``model.generate`` or transformers' own continuous batching keep
+working on it. Each layer hands us its queries and this step's new keys and values (RoPE already
+applied), plus the step's :class:`~cbteach.attn_metadata.AttentionMetadata`, which the engine passes
+as an extra forward argument (``cbteach_step=...``): transformers forwards unknown keyword
+arguments from ``model(...)`` down to the attention function, so the metadata travels with the
+call itself -- no global state another thread could pick up. Then:
 
-1. **write** the new K/V into the pool at their ``slot_mapping`` slots (in place, no copies of history);
-2. for each sequence of the packed row, **read** its context through its block table (a gather of
-   its slots) and **attend** its queries to it with ``scaled_dot_product_attention`` -- causal
-   within the sequence, and never looking at another sequence's keys. Together these per-sequence
-   calls are exactly the diagonal blocks of the block-diagonal mask
-   (:func:`cbteach.packing.per_sequence_causal_mask`), without computing the blocked ones.
+1. **write** -- the new K/V go into the pool at their ``slot_mapping`` slots (in place);
+2. **read** -- each sequence's context is gathered through its block table;
+3. **attend** -- queries attend only their own sequence's causal past.
 
-The gather in step 2 is where a real paged-attention kernel (vLLM's) differs: it reads the blocks
-where they lie inside the attention loop. A gather followed by sdpa computes the same numbers
-with stock PyTorch, so it is the honest choice for a CPU course; its cost is reported as
-``kv_bytes_copied``.
+Two versions of steps 2-3 live here and are tested equal:
 
-The engine passes per-step metadata (slot mapping, context slots, mask) through a *forward
-context* -- a module-level variable set for the duration of one forward pass, as vLLM does -- so no
-extra arguments need to travel through the model's layers. Outside that context (say the user
-calls ``model.generate`` on the same model) the function is plain sdpa -- so a model that used
-``eager`` attention before an ``Engine(kv="paged")`` uses sdpa afterwards, with the same results up
-to float rounding.
+* :func:`reference_attention` -- the readable one notebook 05 teaches: a Python loop over the
+  sequences, one ``scaled_dot_product_attention`` call each. Together those calls are exactly the
+  diagonal blocks of the block-diagonal mask.
+* :func:`vectorised_attention` -- what the engine runs: a constant number of calls per layer
+  (one per :class:`~cbteach.attn_metadata.AttentionGroup`: decodes, prefills), gathering all of a
+  group's blocks at once through a padded block-table tensor, with a mask that hides the padding.
+
+A real paged-attention kernel (vLLM's) reads the blocks where they lie inside the attention loop;
+a gather followed by ``scaled_dot_product_attention`` computes the same numbers with stock
+PyTorch on any device. The bytes the gather reads are reported as ``kv_bytes_read``.
+
+No attention mask is built for our function: transformers only builds masks for implementations
+that registered a mask function, and we register none.
 """
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 NAME = "cbteach_paged"
-
-
-@dataclass
-class PagedStep:
-    """What one forward pass needs to know, computed once per step (not once per layer)."""
-
-    cache: object  # the PagedKVCache
-    slot_mapping: torch.Tensor  # [num_new_tokens]: where each new token's K/V go
-    query_spans: list[slice]  # sequence i's queries are query[:, :, query_spans[i]]
-    context_slots: list[torch.Tensor]  # sequence i's context (cached + new) slots, in position order
-    masks: list[torch.Tensor | None]  # sequence i's causal mask [new, context]; None for one query
-
-
-_current: PagedStep | None = None
-
-
-@contextlib.contextmanager
-def forward_context(step: PagedStep):
-    global _current
-    previous, _current = _current, step
-    try:
-        yield
-    finally:
-        _current = previous
+STEP_KWARG = "cbteach_step"  # the forward argument that carries the step's AttentionMetadata
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """``query`` is ``[1, heads, new, head_dim]``; ``key``/``value`` are ``[1, kv_heads, new, head_dim]``."""
-    step = _current
-    if step is None:  # not inside an engine step: behave like the stock sdpa implementation
+    """``query`` is ``[1, heads, T, head_dim]``; ``key``/``value`` are ``[1, kv_heads, T, head_dim]``."""
+    meta = kwargs.pop(STEP_KWARG, None)
+    if meta is None:
+        # Not an engine step: another caller (say a thread running model.generate while the engine
+        # steps) reached the model in the instant it was switched. Behave like stock sdpa; with no
+        # mask built for us, sdpa is causal for multi-token queries -- right for unpadded inputs.
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
     layer = module.layer_idx
-    k_pool, v_pool = step.cache.k[layer], step.cache.v[layer]
-    num_kv_heads, head_dim = k_pool.shape[2], k_pool.shape[3]
-    flat_k = k_pool.view(-1, num_kv_heads, head_dim)  # slot-major view of the pool
-    flat_v = v_pool.view(-1, num_kv_heads, head_dim)
-
-    # 1. write this step's keys and values into their slots
-    flat_k[step.slot_mapping] = key[0].transpose(0, 1).to(flat_k.dtype)
-    flat_v[step.slot_mapping] = value[0].transpose(0, 1).to(flat_v.dtype)
-
-    # 2. per sequence: read its context through its block table, attend its own queries to it
-    out = torch.empty_like(query)
-    gqa = query.shape[1] != num_kv_heads  # grouped-query attention: heads share KV heads
-    for span, slots, mask in zip(step.query_spans, step.context_slots, step.masks):
-        k = flat_k[slots].transpose(0, 1)[None].to(query.dtype)  # [1, kv_heads, context, head_dim]
-        v = flat_v[slots].transpose(0, 1)[None].to(query.dtype)
-        out[:, :, span] = F.scaled_dot_product_attention(query[:, :, span], k, v, attn_mask=mask,
-                                                         scale=scaling, enable_gqa=gqa)
+    meta.pool.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    out = vectorised_attention(query, layer, meta, scaling)  # [1, heads, T, head_dim]
     return out.transpose(1, 2).contiguous(), None
 
 
-def install(model) -> None:
-    """Register the function with transformers and switch ``model`` to it (idempotent)."""
+def vectorised_attention(query, layer: int, meta, scaling=None) -> torch.Tensor:
+    """Attend every query of the packed row with one call per attention group."""
+    _, H, T, D = query.shape
+    # Row T is a zero "scratch" query: padded positions of a group read it and write their output
+    # back to it, so no data-dependent shapes (no host sync) are needed to drop the padding.
+    q_rows = torch.cat([query[0], query.new_zeros(H, 1, D)], dim=1)  # [H, T + 1, D]
+    out = query.new_zeros(H, T + 1, D)
+    for group in meta.groups:
+        k, v = meta.pool.read(layer, group.block_tables)  # [G, K, kv_heads, D]
+        q = q_rows[:, group.q_index].transpose(0, 1)  # [G, H, Q, D]
+        k, v = k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)  # [G, kv_heads, K, D]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scaling,
+                                           enable_gqa=H != k.shape[1])
+        out[:, group.q_index.flatten()] = o.transpose(0, 1).reshape(H, -1, D)
+    return out[None, :, :T]
+
+
+def reference_attention(query, layer: int, meta, scaling=None) -> torch.Tensor:
+    """The same result, one sequence at a time: read its context slots, attend its own queries."""
+    out = torch.empty_like(query)
+    bs = meta.block_size
+    for i, (c, n) in enumerate(zip(meta.num_computed_tokens, meta.num_scheduled_tokens)):
+        start = int(meta.query_start_loc[i])
+        pos = torch.arange(c + n, device=query.device)
+        slots = meta.block_tables[i, pos // bs] * bs + pos % bs  # block_table[p // B] * B + p % B
+        k, v = meta.pool.read_slots(layer, slots)  # [context, kv_heads, D]
+        k, v = k.transpose(0, 1)[None].to(query.dtype), v.transpose(0, 1)[None].to(query.dtype)
+        # query j (at position c + j) sees keys 0..c+j: the sequence's block of the causal mask
+        mask = None if n == 1 else torch.ones(n, c + n, dtype=torch.bool, device=query.device).tril(diagonal=c)
+        out[:, :, start:start + n] = F.scaled_dot_product_attention(
+            query[:, :, start:start + n], k, v, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != k.shape[1])
+    return out
+
+
+def register() -> None:
+    """Make ``"cbteach_paged"`` known to transformers (idempotent; no mask function on purpose)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(NAME, paged_attention_forward)
-    AttentionMaskInterface.register(NAME, sdpa_mask)  # outside the engine, masks as for sdpa
-    if model.config._attn_implementation != NAME:
-        model.set_attn_implementation(NAME)
+
+
+@contextlib.contextmanager
+def switched(model):
+    """Run the model with paged attention inside the block, and restore its own implementation after."""
+    register()
+    before = model.config._attn_implementation
+    if before == NAME:
+        yield
+        return
+    model.set_attn_implementation(NAME)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)

@@ -4,7 +4,7 @@ Every call to :meth:`cbteach.Engine.step` returns a :class:`StepRecord`. The not
 and the visualisers read nothing else, so a record carries the whole story of a step -- who ran,
 how many tokens each fed and from which position, who was admitted, preempted or finished -- and
 can rebuild the packed row and its attention mask on demand (they are not stored, which keeps
-records cheap).
+records cheap). A long run or a benchmark can keep none: ``Engine(..., keep_records=False)``.
 """
 from __future__ import annotations
 
@@ -24,15 +24,15 @@ class SeqStep:
     # "decode": it feeds the one token it sampled last step, everything before it already cached;
     # "prefill": anything else -- prompt tokens, a chunk of them, or recomputing after a preemption.
     kind: str
-    num_cached: int  # tokens already in the KV cache before this step
-    num_new: int  # tokens fed this step
+    num_computed_tokens: int  # tokens already in the KV cache before this step
+    num_scheduled_tokens: int  # tokens fed this step
     token_ids: list[int]  # the tokens fed
     sampled: int | None = None  # token produced at the end of this step (None for a partial prefill chunk)
     finish_reason: str | None = None  # "eos" or "length" if the sequence finished on this step
 
     @property
     def positions(self) -> range:
-        return range(self.num_cached, self.num_cached + self.num_new)
+        return range(self.num_computed_tokens, self.num_computed_tokens + self.num_scheduled_tokens)
 
 
 @dataclass
@@ -49,23 +49,24 @@ class StepRecord:
     start_time: float = 0.0  # seconds since the engine started
     duration: float = 0.0  # whole step, scheduling to bookkeeping
     forward_time: float = 0.0  # the model's forward pass alone
-    kv_bytes_copied: int = 0  # concat: gather + scatter; paged: the gather attention reads
+    kv_bytes_copied: int = 0  # concat: K/V history copied by gather, DynamicCache and scatter (paged: 0)
+    kv_bytes_read: int = 0  # paged: K/V that attention read through the block tables (concat: 0)
     kv_copy_time: float = 0.0
-    kv_usage: dict | None = None  # paged cache: pool state after the step
+    kv_usage: dict | None = None  # paged cache: pool state after the step (block tables, fill)
 
     # -- derived views ---------------------------------------------------------------------
     @property
     def num_tokens(self) -> int:
         """Length of the packed row."""
-        return sum(s.num_new for s in self.seqs)
+        return sum(s.num_scheduled_tokens for s in self.seqs)
 
     @property
     def num_prefill_tokens(self) -> int:
-        return sum(s.num_new for s in self.seqs if s.kind == "prefill")
+        return sum(s.num_scheduled_tokens for s in self.seqs if s.kind == "prefill")
 
     @property
     def num_decode_tokens(self) -> int:
-        return sum(s.num_new for s in self.seqs if s.kind == "decode")
+        return sum(s.num_scheduled_tokens for s in self.seqs if s.kind == "decode")
 
     @property
     def is_fused(self) -> bool:
@@ -82,21 +83,22 @@ class StepRecord:
         return [p for s in self.seqs for p in s.positions]
 
     @property
-    def num_cached(self) -> list[int]:
-        return [s.num_cached for s in self.seqs]
+    def num_computed_tokens(self) -> list[int]:
+        return [s.num_computed_tokens for s in self.seqs]
 
     @property
-    def num_new(self) -> list[int]:
-        return [s.num_new for s in self.seqs]
+    def num_scheduled_tokens(self) -> list[int]:
+        return [s.num_scheduled_tokens for s in self.seqs]
 
     def mask(self) -> torch.Tensor:
-        """The boolean ``[queries, keys]`` attention mask the model used on this step."""
+        """The boolean ``[queries, keys]`` attention mask of this step (paged: in the per-sequence
+        layout its attention reads; concat: in the cached-then-new layout of the packed cache)."""
         if self.kv_kind == "paged":
-            return per_sequence_causal_mask(self.num_cached, self.num_new)
-        return block_diagonal_causal_mask(self.num_cached, self.num_new)
+            return per_sequence_causal_mask(self.num_computed_tokens, self.num_scheduled_tokens)
+        return block_diagonal_causal_mask(self.num_computed_tokens, self.num_scheduled_tokens)
 
     def __repr__(self) -> str:
-        parts = [f"{s.request_id}:{s.kind[0]}{s.num_new}" for s in self.seqs]
+        parts = [f"{s.request_id}:{s.kind[0]}{s.num_scheduled_tokens}" for s in self.seqs]
         extra = ""
         if self.admitted:
             extra += f", admitted={self.admitted}"

@@ -12,11 +12,14 @@ bad request is refused with a ``ValueError`` before it can disturb requests alre
 """
 from __future__ import annotations
 
+import enum
 import itertools
 import math
 import numbers
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Sequence as Seq
+
+from .sampling import GREEDY, SamplingParams
 
 _auto_ids = itertools.count()
 
@@ -36,9 +39,10 @@ class Request:
     max_new_tokens: int
     _: KW_ONLY
     request_id: object = None
-    arrival_time: float = 0.0
+    arrival_time: float | None = None
     priority: int = 0
     ignore_eos: bool = False
+    sampling_params: SamplingParams = GREEDY
 
     def __post_init__(self):
         if self.request_id is None:
@@ -49,8 +53,9 @@ class Request:
 class Completion:
     """The result of one request. ``output_ids`` ends with the EOS id when ``finish_reason == "eos"``.
 
-    Times are seconds since the engine started: ``first_token_time - arrival_time`` is the
-    time to first token (TTFT); gaps between ``token_times`` are inter-token latencies.
+    Times are seconds on the engine's clock (since the engine was created): ``first_token_time -
+    arrival_time`` is the time to first token (TTFT); gaps between ``token_times`` are
+    inter-token latencies.
     """
 
     request_id: object
@@ -69,16 +74,38 @@ class Completion:
                 f"{len(self.output_ids)} new tokens, {self.finish_reason}{', ' + shown if shown else ''})")
 
 
+class RequestStatus(enum.Enum):
+    """Where a request is in its life. Only the scheduler moves a request from one to the next."""
+
+    WAITING = "waiting"  # queued, never run (or not arrived yet)
+    RUNNING = "running"  # in the batch: it has a slot and KV blocks
+    PREEMPTED = "preempted"  # taken out of the batch to free KV room; queued again, to be recomputed
+    FINISHED = "finished"  # stopped at EOS or max_new_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self is RequestStatus.FINISHED
+
+
 @dataclass(eq=False)
 class Sequence:
-    """A request's live state inside the engine."""
+    """A request's live state inside the engine.
+
+    ``num_computed_tokens`` is the number everything turns on: tokens ``[0, num_computed_tokens)``
+    of ``prompt + output`` have their keys and values in the KV cache; the rest must still go
+    through the model.
+    """
 
     request: Request
     prompt_ids: list[int]
+    arrival_time: float = 0.0  # on the engine's clock
+    status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     slot: int | None = None  # which batch slot it occupies (for timelines)
     block_table: list[int] = field(default_factory=list)  # paged KV only
+    generator: object = None  # torch.Generator of a seeded, sampled request
+    finish_reason: str | None = None  # "eos" or "length" once finished
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     num_preemptions: int = 0
@@ -133,8 +160,13 @@ def validate_request(request, *, tokenizer, vocab_size: int, max_pos: int | None
     except TypeError:
         raise ValueError(f"request_id must be hashable (a str or an int, say), got {type(rid).__name__}") from None
     at = request.arrival_time
-    if not isinstance(at, numbers.Real) or isinstance(at, bool) or not math.isfinite(at) or at < 0:
-        raise ValueError(f"request {rid!r}: arrival_time must be a finite number of seconds >= 0, got {at!r}")
+    if at is not None and (not isinstance(at, numbers.Real) or isinstance(at, bool) or not math.isfinite(at)
+                           or at < 0):
+        raise ValueError(f"request {rid!r}: arrival_time must be None (now) or a finite number of seconds >= 0, "
+                         f"got {at!r}")
+    if not isinstance(request.sampling_params, SamplingParams):
+        raise ValueError(f"request {rid!r}: sampling_params must be a cbteach.sampling.SamplingParams, "
+                         f"got {type(request.sampling_params).__name__}")
     prompt = request.prompt
     if isinstance(prompt, (bytes, bytearray)):
         raise ValueError(f"request {rid!r}: prompt must be a str or a list of token ids, not bytes")

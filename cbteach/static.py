@@ -24,6 +24,7 @@ from transformers import DynamicCache
 
 from . import modelinfo
 from .request import Completion, check_positive_int, validate_request
+from .sampling import make_generator, sample, stop_reason
 
 SLOT_STATES = ("prefill", "decode", "idle", "empty")
 
@@ -117,12 +118,14 @@ def _run_wave(model, info, tokenizer, reqs, prompts, wave, batch_size, pad_id, t
     outputs: list[list[int]] = [[] for _ in range(n)]
     times: list[list[float]] = [[] for _ in range(n)]
     done = [None] * n  # finish reason per slot
+    params = [r.sampling_params for r in reqs]
+    generators = [make_generator(p) for p in params]
     kind = "prefill"
     while True:
         start = time.perf_counter() - t0
         out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                     use_cache=True, **{info.cache_kwarg: cache})
-        next_tokens = out.logits[:, -1].argmax(-1).tolist()
+        next_tokens = sample(out.logits[:, -1], params, generators)
         now = time.perf_counter() - t0
         slots = []
         for i in range(batch_size):
@@ -135,10 +138,7 @@ def _run_wave(model, info, tokenizer, reqs, prompts, wave, batch_size, pad_id, t
                 slots.append(SlotStep(reqs[i].request_id, kind, useful, input_ids.shape[1] - useful))
                 outputs[i].append(next_tokens[i])
                 times[i].append(now)
-                if next_tokens[i] in info.eos_ids and not reqs[i].ignore_eos:
-                    done[i] = "eos"
-                elif len(outputs[i]) >= reqs[i].max_new_tokens:
-                    done[i] = "length"
+                done[i] = stop_reason(outputs[i], reqs[i].max_new_tokens, info.eos_ids, reqs[i].ignore_eos)
         steps.append(StaticStep(len(steps), wave, kind, slots, start, time.perf_counter() - t0 - start))
         if all(done):
             break
@@ -153,5 +153,5 @@ def _run_wave(model, info, tokenizer, reqs, prompts, wave, batch_size, pad_id, t
     return [Completion(
         request_id=r.request_id, prompt_ids=list(prompts[i]), output_ids=outputs[i], finish_reason=done[i],
         text=tokenizer.decode(outputs[i], skip_special_tokens=True) if tokenizer is not None else None,
-        arrival_time=r.arrival_time, first_token_time=times[i][0], token_times=times[i], finish_time=times[i][-1])
+        arrival_time=0.0, first_token_time=times[i][0], token_times=times[i], finish_time=times[i][-1])
         for i, r in enumerate(reqs)]

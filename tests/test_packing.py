@@ -9,14 +9,14 @@ from cbteach.packing import additive_mask, block_diagonal_causal_mask, pack, per
 lengths = st.lists(st.tuples(st.integers(0, 6), st.integers(1, 5)), min_size=0, max_size=5)
 
 
-def brute_force(num_cached, num_new, layout):
+def brute_force(num_computed_tokens, num_scheduled_tokens, layout):
     """Spell out every (query, key) pair: same sequence and key position <= query position."""
-    queries = [(s, c + j) for s, (c, n) in enumerate(zip(num_cached, num_new)) for j in range(n)]
+    queries = [(s, c + j) for s, (c, n) in enumerate(zip(num_computed_tokens, num_scheduled_tokens)) for j in range(n)]
     if layout == "concat":
-        keys = [(s, p) for s, c in enumerate(num_cached) for p in range(c)]
-        keys += [(s, c + j) for s, (c, n) in enumerate(zip(num_cached, num_new)) for j in range(n)]
+        keys = [(s, p) for s, c in enumerate(num_computed_tokens) for p in range(c)]
+        keys += [(s, c + j) for s, (c, n) in enumerate(zip(num_computed_tokens, num_scheduled_tokens)) for j in range(n)]
     else:
-        keys = [(s, p) for s, (c, n) in enumerate(zip(num_cached, num_new)) for p in range(c + n)]
+        keys = [(s, p) for s, (c, n) in enumerate(zip(num_computed_tokens, num_scheduled_tokens)) for p in range(c + n)]
     return torch.tensor([[qs == ks and kp <= qp for ks, kp in keys] for qs, qp in queries],
                         dtype=torch.bool).reshape(len(queries), len(keys))
 
@@ -41,9 +41,9 @@ def test_pack_positions_and_offsets():
 def test_pack_rejects_empty_chunk_and_mismatch():
     with pytest.raises(ValueError, match="at least one token"):
         pack([[1], []], [0, 0])
-    with pytest.raises(ValueError, match="one num_cached entry per chunk"):
+    with pytest.raises(ValueError, match="one num_computed_tokens entry per chunk"):
         pack([[1]], [0, 0])
-    with pytest.raises(ValueError, match="num_cached has 1 entries but num_new has 2"):
+    with pytest.raises(ValueError, match="num_computed_tokens has 1 entries but num_scheduled_tokens has 2"):
         block_diagonal_causal_mask([1], [1, 1])
 
 

@@ -7,9 +7,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cbteach import Engine, Request
-from cbteach.kv_paged import BlockAllocator, PoolExhausted
+from cbteach.kv_manager import BlockAllocator, PoolExhausted
 from cbteach.memory import accounting, summary
-from conftest import ARCHS, VOCAB, reference, tiny_model
+from conftest import ARCHS, EOS, VOCAB, reference, tiny_model
 
 workloads = st.lists(
     st.tuples(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=64), st.integers(1, 128)),
@@ -34,7 +34,7 @@ def check_invariants(eng):
             owners[b] = seq.request_id
     for seq in eng.scheduler.waiting:
         assert seq.block_table == []
-    ref = eng.kv.allocator.ref_counts
+    ref = eng.kv.manager.allocator.ref_counts
     assert sum(1 for c in ref if c > 0) == len(owners)
     usage = eng.kv_usage()
     assert usage["num_free_blocks"] == usage["num_blocks"] - len(owners)
@@ -51,7 +51,7 @@ def run_checked(eng, reqs):
         check_invariants(eng)
     usage = eng.kv_usage()
     assert usage["num_free_blocks"] == usage["num_blocks"], "blocks leaked"
-    assert all(c == 0 for c in eng.kv.allocator.ref_counts)
+    assert all(c == 0 for c in eng.kv.manager.allocator.ref_counts)
     return [eng.completions[r.request_id] for r in reqs]
 
 
@@ -86,7 +86,7 @@ def test_kv_memory_bytes_sizes_the_pool():
     # 2 layers x (K+V) x 2 kv heads x 16 dims x 4 bytes = 512 bytes per token
     eng = Engine(model, max_batch_size=2, kv="paged", block_size=8, kv_memory_bytes=512 * 8 * 10 + 100)
     assert eng.kv_usage()["num_blocks"] == 10
-    assert eng.kv.k[0].shape == (10, 8, 2, 16)
+    assert eng.kv.pool.k[0].shape == (10, 8, 2, 16)
 
 
 def test_allocator():
@@ -133,9 +133,26 @@ def test_usage_and_accounting_numbers():
         == pytest.approx(1.0)
 
 
-def test_model_still_generates_normally_after_paged_engine():
-    model = tiny_model("qwen2")
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_model_is_left_as_it_was_found(attn):
+    """The paged engine switches attention only during its steps: afterwards the model is the user's again."""
+    model = tiny_model("qwen2", attn)
     before = reference(model, [7, 8, 9], 10)
     Engine(model, max_batch_size=2, kv="paged").run([Request([7, 8, 9], 10)])
-    assert model.config._attn_implementation == "cbteach_paged"
+    assert model.config._attn_implementation == attn
     assert reference(model, [7, 8, 9], 10) == before
+
+
+def test_transformers_continuous_batching_works_after_a_paged_engine():
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    model = tiny_model("llama")
+    prompts = [[7, 8, 9], [10, 11]]
+    Engine(model, max_batch_size=2, kv="paged").run([Request(p, 8) for p in prompts])
+    gen = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=EOS, pad_token_id=EOS)
+    cb = ContinuousBatchingConfig(page_size=16, num_blocks=16, max_requests_per_batch=2, max_batch_tokens=64)
+    out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb,
+                               progress_bar=False, warmup=False)
+    got = sorted(o.generated_tokens for o in out.values())
+    assert got == sorted(reference(model, p, 8) for p in prompts)

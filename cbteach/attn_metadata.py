@@ -1,0 +1,109 @@
+"""One step's attention metadata: built once per step, moved to the device in one transfer.
+
+Every layer of the model needs the same facts about the packed row: where each sequence's queries
+start, how long each sequence's context is, where this step's keys and values go in the paged pool
+(the **slot mapping**) and which blocks to read (the **block tables**). Computing them once per
+step -- not once per layer, not with Python loops over tokens -- is what production engines do
+(vLLM's ``CommonAttentionMetadata``: ``query_start_loc``, ``seq_lens``, ``block_table_tensor``,
+``slot_mapping``). The host sends a handful of short integer lists in **one** copy; everything
+that grows with the number of tokens (positions, slot mapping, masks) is computed from them on
+the device.
+
+For the vectorised paged attention the sequences are split into two :class:`AttentionGroup`\\ s --
+*decodes* (one query each) and *prefills* (several) -- each attended with a single call: queries
+padded to the group's longest, keys read through the group's block tables and padded to its
+longest context, and a mask that keeps every query inside its own sequence's causal past.
+Two groups instead of one keep a long prompt from padding every decode in the step to its length.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences attended together. ``G`` sequences, ``Q`` queries each (padded), ``K`` keys (padded).
+
+    ``q_index[g, j]`` is the row of the packed batch holding query ``j`` of the group's sequence
+    ``g``; padding points at row ``T`` (one past the end: a scratch row that is never read back).
+    ``mask[g, 0, j, k]`` is True when that query may attend key position ``k``.
+    """
+
+    q_index: torch.Tensor  # [G, Q] long
+    block_tables: torch.Tensor  # [G, K // block_size] long
+    mask: torch.Tensor  # [G, 1, Q, K] bool
+
+
+@dataclass
+class AttentionMetadata:
+    """What one forward pass needs; tensors are on the model's device."""
+
+    num_computed_tokens: list[int]  # per sequence, host copy (tokens already in the KV cache)
+    num_scheduled_tokens: list[int]  # per sequence, host copy (tokens fed this step)
+    input_ids: torch.Tensor  # [1, T]
+    positions: torch.Tensor  # [1, T]: each token's position inside its own sequence
+    query_start_loc: torch.Tensor  # [B + 1]: sequence i owns rows query_start_loc[i]:query_start_loc[i+1]
+    seq_lens: torch.Tensor  # [B]: context length after this step (computed + scheduled)
+    logits_indices: torch.Tensor  # [B]: row of each sequence's last token, whose logits we sample
+    block_size: int | None = None  # paged only, from here down
+    slot_mapping: torch.Tensor | None = None  # [T]: pool slot where each new token's K/V are written
+    block_tables: torch.Tensor | None = None  # [B, max_blocks], padded with block 0
+    groups: list[AttentionGroup] = field(default_factory=list)
+    pool: object = None  # the PagedKVPool the attention function reads and writes
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[1]
+
+
+def build(token_ids: list[int], num_computed_tokens: list[int], num_scheduled_tokens: list[int], device,
+          block_tables: list[list[int]] | None = None, block_size: int | None = None) -> AttentionMetadata:
+    """Metadata for a packed row of ``token_ids`` (each sequence's scheduled tokens, in order)."""
+    B, T = len(num_scheduled_tokens), len(token_ids)
+    if B == 0 or len(num_computed_tokens) != B or sum(num_scheduled_tokens) != T or min(num_scheduled_tokens) < 1:
+        raise ValueError("build() needs >= 1 sequence, each feeding >= 1 token, and one count per sequence")
+    paged = block_tables is not None
+    width = max(len(t) for t in block_tables) if paged else 0
+    decodes = [i for i, n in enumerate(num_scheduled_tokens) if n == 1]
+    prefills = [i for i, n in enumerate(num_scheduled_tokens) if n > 1]
+    host = [token_ids, num_computed_tokens, num_scheduled_tokens]
+    if paged:
+        host += [[b for t in block_tables for b in list(t) + [0] * (width - len(t))], decodes, prefills]
+    # The one host -> device transfer of the step.
+    flat = torch.tensor([x for part in host for x in part], dtype=torch.long).to(device, non_blocking=True)
+    parts = flat.split([len(p) for p in host])
+    ids, computed, scheduled = parts[0], parts[1], parts[2]
+
+    qsl = torch.zeros(B + 1, dtype=torch.long, device=device)
+    qsl[1:] = scheduled.cumsum(0)
+    seq_of_token = torch.repeat_interleave(torch.arange(B, device=device), scheduled, output_size=T)
+    positions = torch.arange(T, device=device) - qsl[seq_of_token] + computed[seq_of_token]
+    meta = AttentionMetadata(
+        num_computed_tokens=list(num_computed_tokens), num_scheduled_tokens=list(num_scheduled_tokens),
+        input_ids=ids[None], positions=positions[None], query_start_loc=qsl, seq_lens=computed + scheduled,
+        logits_indices=qsl[1:] - 1)
+    if not paged:
+        return meta
+    tables = parts[3].view(B, width)
+    meta.block_size, meta.block_tables = block_size, tables
+    meta.slot_mapping = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+    for members, idx in ((decodes, parts[4]), (prefills, parts[5])):
+        if members:
+            meta.groups.append(_group(meta, members, idx, [len(block_tables[i]) for i in members], T, device))
+    return meta
+
+
+def _group(meta: AttentionMetadata, members: list[int], idx: torch.Tensor, num_blocks: list[int], T: int,
+           device) -> AttentionGroup:
+    q_len = max(meta.num_scheduled_tokens[i] for i in members)
+    j = torch.arange(q_len, device=device)[None]  # [1, Q]
+    n_sched = (meta.query_start_loc[idx + 1] - meta.query_start_loc[idx])[:, None]
+    valid = j < n_sched  # [G, Q]
+    q_index = torch.where(valid, meta.query_start_loc[idx][:, None] + j, T)
+    q_pos = torch.where(valid, (meta.seq_lens[idx][:, None] - n_sched) + j, 0)  # padding sees key 0 only
+    nb = max(num_blocks)
+    keys = torch.arange(nb * meta.block_size, device=device)
+    mask = (keys[None, None, :] <= q_pos[:, :, None])[:, None]  # [G, 1, Q, K]: causal, own sequence only
+    return AttentionGroup(q_index=q_index, block_tables=meta.block_tables[idx, :nb], mask=mask)

@@ -1,0 +1,146 @@
+"""Who owns which KV blocks: the allocator and the block tables, apart from the memory that holds K/V.
+
+The paged KV cache has two halves, as in vLLM (its ``KVCacheManager`` and the model runner's KV
+tensors):
+
+* this module, the **KV manager**, is bookkeeping only -- a free list of block ids, a reference
+  count per block, and one **block table** per sequence (``seq.block_table[i]`` is the block that
+  holds the sequence's tokens ``i * block_size ... (i + 1) * block_size - 1``). The scheduler asks
+  it for room (:meth:`KVCacheManager.allocate_slots`) before it schedules a single token;
+* :mod:`cbteach.kv_paged`'s **pool** is the memory the blocks name, written at a slot mapping and
+  read through block tables by the attention function.
+
+Keeping them apart means a change to how K/V are *stored* (int8, swapped to the CPU, handed to
+another engine) touches the pool, and a change to *who gets room* (prefix sharing, watermarks)
+touches the manager -- never attention, never the scheduler's loop.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from .request import check_positive_int
+
+
+class PoolExhausted(RuntimeError):
+    """The block pool has no free block left."""
+
+
+class BlockAllocator:
+    """Hands out block ids from a free list and counts references to each block."""
+
+    def __init__(self, num_blocks: int):
+        check_positive_int("num_blocks", num_blocks)
+        self.num_blocks = num_blocks
+        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.ref_counts = [0] * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_blocks)
+
+    def allocate(self) -> int:
+        if not self.free_blocks:
+            raise PoolExhausted(f"all {self.num_blocks} KV blocks are in use")
+        block = self.free_blocks.popleft()
+        self.ref_counts[block] = 1
+        return block
+
+    def fork(self, block: int) -> int:
+        """Share ``block`` with one more owner (how prefix caching shares a prompt's blocks)."""
+        if self.ref_counts[block] < 1:
+            raise ValueError(f"block {block} is free; only an allocated block can be shared")
+        self.ref_counts[block] += 1
+        return block
+
+    def release(self, block: int) -> None:
+        if self.ref_counts[block] < 1:
+            raise ValueError(f"block {block} released twice")
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self.free_blocks.append(block)
+
+
+class KVCacheManager:
+    """Block tables and allocation for a pool of ``num_blocks`` blocks of ``block_size`` tokens."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        check_positive_int("block_size", block_size)
+        check_positive_int("num_blocks", num_blocks)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.allocator = BlockAllocator(num_blocks)
+        self.seqs: dict[object, object] = {}  # sequences holding blocks, by request id
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.block_size)
+
+    def num_allocatable_tokens(self, seq) -> int:
+        """How many more tokens ``seq`` could be given right now: its last block's empty slots plus
+        every free block. The scheduler shrinks a prefill chunk to this before it preempts anyone."""
+        room = (len(seq.block_table) + self.allocator.num_free) * self.block_size
+        return max(0, room - seq.num_computed_tokens)
+
+    def allocate_slots(self, seq, num_new_tokens: int) -> list[int] | None:
+        """Make room for ``num_new_tokens`` more tokens of ``seq``; return the blocks added (often none:
+        a new block is taken only when the last one is full), or ``None`` -- with nothing changed --
+        when the pool has too few free blocks."""
+        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if need > self.allocator.num_free:
+            return None
+        new = [self.allocator.allocate() for _ in range(need)]
+        seq.block_table.extend(new)
+        self.seqs[seq.request_id] = seq
+        return new
+
+    def free(self, seq) -> None:
+        """Give back every block of ``seq`` (finished, aborted or preempted)."""
+        for block in seq.block_table:
+            self.allocator.release(block)
+        seq.block_table = []
+        self.seqs.pop(seq.request_id, None)
+
+    def check_fits(self, num_tokens: int, request_id) -> None:
+        """Refuse a request that could never fit, even alone in the pool (its last token is never stored)."""
+        need = self.blocks_needed(num_tokens - 1)
+        if need > self.num_blocks:
+            raise ValueError(f"request {request_id!r} needs up to {need} KV blocks of {self.block_size} tokens "
+                             f"but the pool has only {self.num_blocks}; raise num_blocks or shorten it")
+
+    def usage(self) -> dict:
+        """The pool's bookkeeping right now: blocks, tokens stored, how well the used blocks are filled."""
+        used = self.num_blocks - self.allocator.num_free
+        tokens = sum(s.num_computed_tokens for s in self.seqs.values())
+        return {
+            "num_blocks": self.num_blocks,
+            "num_free_blocks": self.allocator.num_free,
+            "num_used_blocks": used,
+            "block_size": self.block_size,
+            "num_tokens": tokens,
+            "internal_fragmentation": used * self.block_size - tokens,
+            "utilisation": tokens / (used * self.block_size) if used else 0.0,
+            "block_tables": {rid: tuple(s.block_table) for rid, s in self.seqs.items()},
+            "seq_num_tokens": {rid: s.num_computed_tokens for rid, s in self.seqs.items()},
+        }
+
+
+class UnboundedKVManager:
+    """The concatenating cache's manager: memory grows with the sequences, so room is never refused."""
+
+    num_free_blocks = math.inf
+
+    def num_allocatable_tokens(self, seq) -> float:
+        return math.inf
+
+    def allocate_slots(self, seq, num_new_tokens: int) -> list[int]:
+        return []
+
+    def free(self, seq) -> None:
+        pass
+
+    def check_fits(self, num_tokens: int, request_id) -> None:
+        pass

@@ -1,0 +1,84 @@
+"""Choosing the next token, and deciding when a request is done -- one place for every batcher.
+
+Static batching and the continuous engine both end a forward pass with a row of logits per
+request. What happens next is the same for both, so it lives here:
+
+* :func:`sample` turns each request's logits into a token. The course decodes **greedily**
+  (``temperature=0``, the default), because greedy output can be checked token for token against
+  ``model.generate``. :class:`SamplingParams` also carries ``temperature``, ``top_p`` and ``seed``
+  per request, as serving engines do (vLLM's ``SamplingParams``); a seeded request draws from its
+  own ``torch.Generator``, so its tokens do not depend on who else is in the batch.
+* :func:`stop_reason` says whether a request has finished: ``"eos"`` when it produced one of the
+  model's stop ids (exactly the ones ``generate`` stops on: the generation config's
+  ``eos_token_id``), ``"length"`` at ``max_new_tokens``, else ``None``.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens. ``temperature=0`` means greedy (argmax), the default."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        t, p = self.temperature, self.top_p
+        if not isinstance(t, numbers.Real) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if not isinstance(p, numbers.Real) or isinstance(p, bool) or not 0 < p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+        if self.seed is not None and (not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+GREEDY = SamplingParams()
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list | None = None) -> list[int]:
+    """One token per row of ``logits`` (``[num_requests, vocab]``), following each row's params.
+
+    All-greedy batches (the course's case) are one ``argmax``. Other rows are sampled one by one:
+    temperature scaling, then nucleus (top-p) filtering, then a draw from the row's generator.
+    """
+    tokens = logits.argmax(dim=-1).tolist()
+    for i, p in enumerate(params):
+        if p.greedy:
+            continue
+        probs = torch.softmax(logits[i].float() / p.temperature, dim=-1)
+        if p.top_p < 1.0:
+            sorted_p, order = probs.sort(descending=True)
+            # keep the smallest prefix whose mass reaches top_p (always at least the top token)
+            drop = sorted_p.cumsum(0) - sorted_p >= p.top_p
+            sorted_p[drop] = 0.0
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+        gen = generators[i] if generators is not None else None
+        tokens[i] = int(torch.multinomial(probs.cpu(), 1, generator=gen))
+    return tokens
+
+
+def make_generator(params: SamplingParams) -> torch.Generator | None:
+    """A CPU generator for a seeded request (None: the global RNG)."""
+    if params.seed is None:
+        return None
+    return torch.Generator().manual_seed(int(params.seed))
+
+
+def stop_reason(output_ids: list[int], max_new_tokens: int, eos_ids, ignore_eos: bool = False) -> str | None:
+    """``"eos"``, ``"length"`` or ``None`` (keep going) after the last token was appended."""
+    if output_ids and output_ids[-1] in eos_ids and not ignore_eos:
+        return "eos"
+    if len(output_ids) >= max_new_tokens:
+        return "length"
+    return None

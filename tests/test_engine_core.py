@@ -1,0 +1,292 @@
+"""The engine core after the expert review: each hole it found has a test here, plus the split step.
+
+Holes: sliding windows and chunked attention refused; length-dependent RoPE refused; no admission in
+a step that preempted, and prefill chunks shrunk before anyone is preempted; arrival times on the
+engine clock; step metadata travels with the forward call (no global another caller could pick
+up); concat refuses attention that ignores a 4-D mask; stop ids are generate's; the concat cache's
+copies are counted as they happen; records can be switched off. And the vectorised paged attention
+equals the per-sequence reference.
+"""
+import threading
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM
+
+from cbteach import Engine, Request
+from cbteach import attn_metadata, paged_attention
+from cbteach.kv_paged import PagedKVPool
+from cbteach.request import RequestStatus
+from cbteach.scheduler import Scheduler
+from conftest import EOS, VOCAB, reference, tiny_model
+
+SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, eos_token_id=EOS, bos_token_id=1, pad_token_id=EOS)
+
+
+def _model(cls, cfg):
+    torch.manual_seed(0)
+    cfg._attn_implementation = "sdpa"
+    m = cls(cfg).eval()
+    m.generation_config.eos_token_id = EOS
+    m.generation_config.pad_token_id = EOS
+    return m
+
+
+# -- 1. sliding windows and chunked attention ----------------------------------------------------
+@pytest.mark.parametrize("kv", ["concat", "paged"])
+def test_sliding_window_model_is_refused_with_the_reason(kv):
+    model = _model(MistralForCausalLM, MistralConfig(sliding_window=6, max_position_embeddings=256, **SMALL))
+    with pytest.raises(ValueError, match="sliding-window.*sliding_window=6.*full-attention model"):
+        Engine(model, max_batch_size=2, kv=kv)
+    assert model.config._attn_implementation == "sdpa"  # a refused engine leaves the model alone
+
+
+def test_full_attention_configs_are_accepted_and_exact():
+    # Mistral without a window, and a window no sequence can outgrow, are plain causal attention.
+    for window in (None, 256):
+        model = _model(MistralForCausalLM, MistralConfig(sliding_window=window, max_position_embeddings=256, **SMALL))
+        prompt = list(range(6, 30))
+        got = Engine(model, max_batch_size=2, kv="paged", block_size=4).run([Request(prompt, 12), Request([9], 5)])
+        assert got[0].output_ids == reference(model, prompt, 12)
+
+
+def test_chunked_attention_is_refused():
+    cfg = LlamaConfig(max_position_embeddings=256, **SMALL)
+    cfg.attention_chunk_size = 8
+    with pytest.raises(ValueError, match="chunked attention"):
+        Engine(_model(LlamaForCausalLM, cfg), max_batch_size=2)
+
+
+# -- 2. RoPE whose frequencies depend on the longest sequence -------------------------------------
+def test_length_dependent_rope_is_refused():
+    dyn = LlamaConfig(max_position_embeddings=256, rope_scaling={"rope_type": "dynamic", "factor": 2.0}, **SMALL)
+    with pytest.raises(ValueError, match="'dynamic'.*packed batch"):
+        Engine(_model(LlamaForCausalLM, dyn), max_batch_size=2)
+    head_dim = SMALL["hidden_size"] // SMALL["num_attention_heads"]
+    long = Phi3Config(max_position_embeddings=64, original_max_position_embeddings=16,
+                      rope_scaling={"type": "longrope", "short_factor": [1.0] * (head_dim // 2),
+                                    "long_factor": [2.0] * (head_dim // 2)}, **SMALL)
+    with pytest.raises(ValueError, match="'longrope'"):
+        Engine(_model(Phi3ForCausalLM, long), max_batch_size=2, kv="paged")
+    linear = LlamaConfig(max_position_embeddings=256, rope_scaling={"rope_type": "linear", "factor": 2.0}, **SMALL)
+    Engine(_model(LlamaForCausalLM, linear), max_batch_size=2)  # position-independent: fine
+
+
+# -- 3. preemption: never re-admitted in the step that preempted ----------------------------------
+def _pressure_workload():
+    g = torch.Generator().manual_seed(3)
+    return [Request(torch.randint(6, VOCAB, (int(n),), generator=g).tolist(), int(m), request_id=i)
+            for i, (n, m) in enumerate([(20, 30), (5, 40), (30, 10), (12, 25), (2, 35), (25, 20)])]
+
+
+def test_no_admission_in_a_step_that_preempted():
+    model = tiny_model("llama")
+    reqs = _pressure_workload()
+    eng = Engine(model, max_batch_size=4, kv="paged", block_size=4, num_blocks=14, token_budget=8)
+    got = eng.run(reqs)
+    assert [c.output_ids for c in got] == [reference(model, r.prompt, r.max_new_tokens) for r in reqs]
+    preempting = [r for r in eng.records if r.preempted]
+    assert preempting, "a 14-block pool must preempt this workload"
+    assert all(not r.admitted for r in preempting)
+    assert max(r.num_tokens for r in eng.records) <= 8
+    # Every token fed beyond the first pass over prompt + output is recomputation after a preemption.
+    needed = sum(len(c.prompt_ids) + len(c.output_ids) - 1 for c in got)
+    fed = sum(r.num_tokens for r in eng.records)
+    assert fed < 1.5 * needed, f"{fed} tokens fed for {needed} needed: preemption thrashes"
+
+
+def test_prefill_chunk_shrinks_to_free_blocks_instead_of_preempting():
+    model = tiny_model("llama")
+    # 4 blocks of 4 = 16 slots. A decodes in 1 block; B's 13-token prompt fits in the other 3
+    # blocks only in part at first (12 slots): it must be chunked, and nobody preempted.
+    a, b = Request([7, 8, 9], 3), Request(list(range(10, 23)), 2)
+    eng = Engine(model, max_batch_size=2, kv="paged", block_size=4, num_blocks=4)
+    got = eng.run([a, b])
+    assert not any(r.preempted for r in eng.records)
+    assert [c.output_ids for c in got] == [reference(model, r.prompt, r.max_new_tokens) for r in (a, b)]
+
+
+def test_scheduler_output_and_statuses():
+    model = tiny_model("gpt2")
+    eng = Engine(model, max_batch_size=2, token_budget=5)
+    ids = [eng.add_request(Request([7, 8, 9, 10, 11, 12], 2)), eng.add_request(Request([13], 1))]
+    plan = eng.scheduler.schedule(eng.now())
+    assert plan.num_scheduled_tokens == [5] and plan.total_num_scheduled_tokens == 5  # chunk of the budget
+    assert eng.sequences[ids[0]].status is RequestStatus.RUNNING
+    assert eng.sequences[ids[1]].status is RequestStatus.WAITING
+    out = eng.runner.execute(plan)
+    assert out.sampled == [None]  # a partial prefill samples nothing
+    eng.scheduler.update_from_output(plan, out.sampled, eng.now())
+    assert eng.sequences[ids[0]].num_computed_tokens == 5
+    while eng.has_unfinished():
+        eng.step()
+    assert all(eng.sequences[i].status is RequestStatus.FINISHED for i in ids)
+
+
+# -- 4. arrival times ---------------------------------------------------------------------------
+def test_a_request_added_without_arrival_time_arrives_when_added():
+    model = tiny_model("llama")
+    eng = Engine(model, max_batch_size=2)
+    eng.run([Request([7, 8], 3)])
+    before = eng.now()
+    rid = eng.add_request(Request([9, 10], 3))  # the engine may have idled for a long time before this
+    while eng.has_unfinished():
+        eng.step()
+    c = eng.completions[rid]
+    assert c.arrival_time >= before
+    assert c.first_token_time >= c.arrival_time
+
+
+def test_explicit_arrival_times_in_a_second_run_count_from_that_run():
+    model = tiny_model("llama")
+    eng = Engine(model, max_batch_size=2)
+    eng.run([Request([7, 8], 3)])
+    start = eng.now()
+    got = eng.run([Request([9], 2, arrival_time=0.0), Request([10], 2, arrival_time=0.02)])
+    assert got[0].arrival_time >= start
+    assert got[1].arrival_time - got[0].arrival_time == pytest.approx(0.02, abs=1e-6)
+    assert got[1].first_token_time >= got[1].arrival_time
+
+
+# -- 5. step metadata travels with the forward call ----------------------------------------------
+def test_generate_inside_an_engine_step_is_not_disturbed():
+    """With a module-global step, a model call made while the engine's forward runs picked up the
+    engine's metadata. Here a hook on the first layer calls generate in the middle of a paged step."""
+    model = tiny_model("llama")
+    expected = reference(model, [11, 12, 13], 6)
+    seen = []
+
+    def hook(module, args):
+        if not seen:
+            seen.append(None)  # guard against recursion through generate's own forward
+            seen.append(reference(model, [11, 12, 13], 6))
+
+    handle = model.model.layers[0].register_forward_pre_hook(hook)
+    try:
+        eng = Engine(model, max_batch_size=2, kv="paged", block_size=4)
+        got = eng.run([Request([7, 8, 9], 8)])
+    finally:
+        handle.remove()
+    assert seen[1] == expected
+    assert got[0].output_ids == reference(model, [7, 8, 9], 8)
+
+
+def test_generate_in_another_thread_while_the_engine_steps():
+    model = tiny_model("qwen2")
+    prompts = [[7, 8, 9], [20, 21]]
+    expected_engine = [reference(model, p, 30) for p in prompts]
+    expected_other = reference(model, [30, 31, 32, 33], 5)
+    result = {}
+
+    def serve():
+        result["engine"] = Engine(model, max_batch_size=2, kv="paged").run([Request(p, 30) for p in prompts])
+
+    t = threading.Thread(target=serve)
+    t.start()
+    others = [reference(model, [30, 31, 32, 33], 5) for _ in range(5)]
+    t.join()
+    assert [c.output_ids for c in result["engine"]] == expected_engine
+    assert all(o == expected_other for o in others)
+
+
+# -- 6. concat needs attention that honours a 4-D mask --------------------------------------------
+def test_concat_refuses_attention_that_ignores_the_mask():
+    model = tiny_model("llama")
+    model.config._attn_implementation = "flash_attention_2"  # stands in for any mask-ignoring kernel
+    with pytest.raises(ValueError, match="honours a 4-D attention mask.*set_attn_implementation\\('sdpa'\\)"):
+        Engine(model, max_batch_size=2, kv="concat")
+
+
+# -- 7. stop ids are generate's --------------------------------------------------------------------
+def test_tokenizer_eos_that_generate_ignores_does_not_stop_a_request():
+    from types import SimpleNamespace
+
+    model = tiny_model("llama")
+    prompt = [7, 8, 9]
+    expected = reference(model, prompt, 12)
+    tok_eos = expected[2]  # a token generate produces and goes past
+    assert tok_eos != EOS
+    tok = SimpleNamespace(eos_token_id=tok_eos, decode=lambda ids, **kw: " ".join(map(str, ids)))
+    got = Engine(model, tok, max_batch_size=2).run([Request(prompt, 12)])
+    assert got[0].output_ids == expected
+
+
+# -- 8. the concat cache's copies, counted as they happen -----------------------------------------
+def test_concat_bytes_copied_equals_the_copies_torch_performs():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = tiny_model("llama")  # GQA: attention's own tensors have 4 heads, the cache's 2
+    kv_heads, head_dim = 2, 16
+
+    class CountKVCopies(TorchDispatchMode):
+        bytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            kv_shaped = isinstance(out, torch.Tensor) and out.dim() == 4 and out.shape[1:4:2] == (kv_heads, head_dim)
+            along_time = func is torch.ops.aten.cat.default and (args[1] if len(args) > 1 else 0) in (2, -2)
+            if kv_shaped and (along_time or func is torch.ops.aten.clone.default):  # not RoPE's cat on dim -1
+                self.bytes += out.nbytes
+            return out
+
+    eng = Engine(model, max_batch_size=3)
+    for r in [Request([7, 8, 9, 10], 6), Request([11], 9), Request([12, 13], 4)]:
+        eng.add_request(r)
+    while eng.has_unfinished():
+        counter = CountKVCopies()
+        with counter:
+            rec = eng.step()
+        assert rec.kv_bytes_copied == counter.bytes, f"step {rec.step}"
+
+
+# -- 9. records can be switched off ----------------------------------------------------------------
+def test_keep_records_false_keeps_no_history_and_stays_exact():
+    model = tiny_model("gpt2")
+    reqs = [Request([7, 8], 5), Request([9], 7)]
+    eng = Engine(model, max_batch_size=2, kv="paged", keep_records=False)
+    got = eng.run(reqs)
+    assert eng.records == []
+    assert [c.output_ids for c in got] == [reference(model, r.prompt, r.max_new_tokens) for r in reqs]
+
+
+# -- vectorised paged attention == the per-sequence reference -------------------------------------
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_vectorised_attention_equals_reference(block_size):
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, num_blocks = 6, 2, 8, 64
+    pool = PagedKVPool(num_layers=1, num_blocks=num_blocks, block_size=block_size, num_kv_heads=kv_heads,
+                       head_dim=dim)
+    pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=g))
+    pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=g))
+    computed, scheduled = [0, 7, 3, 0, 12, 5], [5, 1, 1, 1, 4, 1]  # prefills, decodes, a chunk
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables = []
+    for c, n in zip(computed, scheduled):
+        need = -(-(c + n) // block_size)
+        tables.append([free.pop() for _ in range(need)])
+    tokens = [0] * sum(scheduled)
+    meta = attn_metadata.build(tokens, computed, scheduled, "cpu", block_tables=tables, block_size=block_size)
+    meta.pool = pool
+    assert len(meta.groups) == 2  # decodes, prefills
+    query = torch.randn(1, heads, sum(scheduled), dim, generator=g)
+    fast = paged_attention.vectorised_attention(query, 0, meta, scaling=dim ** -0.5)
+    slow = paged_attention.reference_attention(query, 0, meta, scaling=dim ** -0.5)
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
+
+
+def test_metadata_positions_and_slot_mapping():
+    meta = attn_metadata.build([1, 2, 3, 4, 5], [0, 6, 2], [3, 1, 1], "cpu", block_tables=[[4], [0, 7], [2]],
+                               block_size=4)
+    assert meta.positions.tolist() == [[0, 1, 2, 6, 2]]
+    assert meta.query_start_loc.tolist() == [0, 3, 4, 5]
+    assert meta.seq_lens.tolist() == [3, 7, 3]
+    assert meta.logits_indices.tolist() == [2, 3, 4]
+    assert meta.slot_mapping.tolist() == [16, 17, 18, 7 * 4 + 2, 2 * 4 + 2]
+
+
+def test_a_scheduler_can_be_built_on_its_own():
+    from cbteach.kv_manager import KVCacheManager
+
+    s = Scheduler(2, KVCacheManager(num_blocks=4, block_size=4), token_budget=4)
+    assert not s.has_unfinished()
