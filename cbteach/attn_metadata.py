@@ -58,19 +58,40 @@ class AttentionMetadata:
         return self.input_ids.shape[1]
 
 
+def bucket(n: int) -> int:
+    """The next power of two >= ``n``: the few shapes a padded dimension may take."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def build(token_ids: list[int], num_computed_tokens: list[int], num_scheduled_tokens: list[int], device,
-          block_tables: list[list[int]] | None = None, block_size: int | None = None) -> AttentionMetadata:
-    """Metadata for a packed row of ``token_ids`` (each sequence's scheduled tokens, in order)."""
+          block_tables: list[list[int]] | None = None, block_size: int | None = None,
+          bucket_shapes: bool = False) -> AttentionMetadata:
+    """Metadata for a packed row of ``token_ids`` (each sequence's scheduled tokens, in order).
+
+    ``bucket_shapes`` pads each attention group's sequences, queries and blocks up to powers of two
+    with masked dummies. On a GPU every new tensor shape can cost a one-off setup (kernel plans,
+    autotuning); with buckets a run meets a handful of shapes instead of a new one every step.
+    """
     B, T = len(num_scheduled_tokens), len(token_ids)
     if B == 0 or len(num_computed_tokens) != B or sum(num_scheduled_tokens) != T or min(num_scheduled_tokens) < 1:
         raise ValueError("build() needs >= 1 sequence, each feeding >= 1 token, and one count per sequence")
     paged = block_tables is not None
-    width = max(len(t) for t in block_tables) if paged else 0
-    decodes = [i for i, n in enumerate(num_scheduled_tokens) if n == 1]
-    prefills = [i for i, n in enumerate(num_scheduled_tokens) if n > 1]
     host = [token_ids, num_computed_tokens, num_scheduled_tokens]
+    groups = []
     if paged:
-        host += [[b for t in block_tables for b in list(t) + [0] * (width - len(t))], decodes, prefills]
+        width = max(len(t) for t in block_tables)
+        width = bucket(width) if bucket_shapes else width
+        host.append([b for t in block_tables for b in list(t) + [0] * (width - len(t))])
+        for members in ([i for i, n in enumerate(num_scheduled_tokens) if n == 1],
+                        [i for i, n in enumerate(num_scheduled_tokens) if n > 1]):
+            if not members:
+                continue
+            rows = max(num_scheduled_tokens[i] for i in members), max(len(block_tables[i]) for i in members)
+            size = len(members)
+            if bucket_shapes:
+                size, rows = bucket(size), (bucket(rows[0]), min(bucket(rows[1]), width))
+            groups.append(rows)
+            host.append(members + [-1] * (size - len(members)))  # -1: a dummy row, fully masked
     # The one host -> device transfer of the step.
     flat = torch.tensor([x for part in host for x in part], dtype=torch.long).to(device, non_blocking=True)
     parts = flat.split([len(p) for p in host])
@@ -89,21 +110,20 @@ def build(token_ids: list[int], num_computed_tokens: list[int], num_scheduled_to
     tables = parts[3].view(B, width)
     meta.block_size, meta.block_tables = block_size, tables
     meta.slot_mapping = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
-    for members, idx in ((decodes, parts[4]), (prefills, parts[5])):
-        if members:
-            meta.groups.append(_group(meta, members, idx, [len(block_tables[i]) for i in members], T, device))
+    for (q_len, nb), idx in zip(groups, parts[4:]):
+        meta.groups.append(_group(meta, idx, q_len, nb, T, device))
     return meta
 
 
-def _group(meta: AttentionMetadata, members: list[int], idx: torch.Tensor, num_blocks: list[int], T: int,
-           device) -> AttentionGroup:
-    q_len = max(meta.num_scheduled_tokens[i] for i in members)
+def _group(meta: AttentionMetadata, idx: torch.Tensor, q_len: int, nb: int, T: int, device) -> AttentionGroup:
+    """``idx``: the group's sequences (``-1`` for dummy rows); ``q_len`` queries, ``nb`` blocks each."""
+    real = (idx >= 0)[:, None]
+    i = idx.clamp(min=0)
     j = torch.arange(q_len, device=device)[None]  # [1, Q]
-    n_sched = (meta.query_start_loc[idx + 1] - meta.query_start_loc[idx])[:, None]
+    n_sched = torch.where(real, (meta.query_start_loc[i + 1] - meta.query_start_loc[i])[:, None], 0)
     valid = j < n_sched  # [G, Q]
-    q_index = torch.where(valid, meta.query_start_loc[idx][:, None] + j, T)
-    q_pos = torch.where(valid, (meta.seq_lens[idx][:, None] - n_sched) + j, 0)  # padding sees key 0 only
-    nb = max(num_blocks)
+    q_index = torch.where(valid, meta.query_start_loc[i][:, None] + j, T)  # padding -> scratch row T
+    q_pos = torch.where(valid, (meta.seq_lens[i][:, None] - n_sched) + j, 0)  # padding sees key 0 only
     keys = torch.arange(nb * meta.block_size, device=device)
     mask = (keys[None, None, :] <= q_pos[:, :, None])[:, None]  # [G, 1, Q, K]: causal, own sequence only
-    return AttentionGroup(q_index=q_index, block_tables=meta.block_tables[idx, :nb], mask=mask)
+    return AttentionGroup(q_index=q_index, block_tables=meta.block_tables[i, :nb], mask=mask)

@@ -36,7 +36,7 @@ from .sampling import make_generator
 from .scheduler import Scheduler, check_batch_size, check_token_budget
 
 KV_KINDS = ("concat", "paged")
-PAGED_OPTIONS = ("block_size", "num_blocks", "kv_memory_bytes")
+PAGED_OPTIONS = ("block_size", "num_blocks", "kv_memory_bytes", "bucket_shapes")
 
 
 class Engine:
@@ -155,12 +155,15 @@ class Engine:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(requests), desc="requests", unit="req")
-        while self.has_unfinished():
-            record = self.step()
-            if bar is not None:
-                bar.update(sum(1 for rid in record.finished if rid in ours))
-            if not record.seqs:
-                self._wait_for_arrival()
+        # The paged cache switches the model's attention for each step; for a whole run it switches
+        # once (steps inside find it switched) and restores it when the run ends, however it ends.
+        with self.kv.attention(self.model):
+            while self.has_unfinished():
+                record = self.step()
+                if bar is not None:
+                    bar.update(sum(1 for rid in record.finished if rid in ours))
+                if not record.seqs:
+                    self._wait_for_arrival()
         if bar is not None:
             bar.close()
         return [self.completions[r.request_id] for r in requests]

@@ -71,19 +71,23 @@ class PagedKVCache:
     kind = "paged"
 
     def __init__(self, *, num_layers, num_kv_heads, head_dim, num_blocks, block_size=16,
-                 dtype=torch.float32, device="cpu"):
+                 dtype=torch.float32, device="cpu", bucket_shapes=None):
+        """``bucket_shapes``: pad attention shapes to powers of two (default: on CUDA only, where new
+        shapes cost a one-off setup; on a CPU the padding would only cost compute)."""
         check_positive_int("block_size", block_size)
         check_positive_int("num_blocks", num_blocks)
         self.manager = KVCacheManager(num_blocks, block_size)
         self.pool = PagedKVPool(num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
                                 num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device=device)
         self.last_traffic = KVTraffic()
+        self.bucket_shapes = torch.device(device).type == "cuda" if bucket_shapes is None else bool(bucket_shapes)
 
     block_size = property(lambda self: self.manager.block_size)
     num_blocks = property(lambda self: self.manager.num_blocks)
 
     @classmethod
-    def for_model(cls, info, *, block_size=16, num_blocks=None, kv_memory_bytes=None, max_batch_size=8):
+    def for_model(cls, info, *, block_size=16, num_blocks=None, kv_memory_bytes=None, max_batch_size=8,
+                  bucket_shapes=None):
         """Size a pool for the model ``info`` describes: ``num_blocks`` directly, or as many as
         ``kv_memory_bytes`` holds, or by default enough for ``max_batch_size`` sequences of the
         model's full length (capped at 4,096 positions each, so a long-context hub model does not
@@ -99,7 +103,8 @@ class PagedKVCache:
         if num_blocks is None:
             num_blocks = max_batch_size * math.ceil(min(info.max_positions or 4096, 4096) / block_size)
         return cls(num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
-                   num_blocks=num_blocks, block_size=block_size, dtype=info.dtype, device=info.device)
+                   num_blocks=num_blocks, block_size=block_size, dtype=info.dtype, device=info.device,
+                   bucket_shapes=bucket_shapes)
 
     def slots(self, seq, start: int, end: int) -> torch.Tensor:
         """Pool slots of the sequence's tokens ``start..end-1``: ``block_table[p // B] * B + p % B``.
@@ -111,7 +116,8 @@ class PagedKVCache:
     # -- one step ---------------------------------------------------------------------------
     def build_metadata(self, token_ids, seqs, num_computed, num_scheduled, device):
         meta = attn_metadata.build(token_ids, num_computed, num_scheduled, device,
-                                   block_tables=[s.block_table for s in seqs], block_size=self.block_size)
+                                   block_tables=[s.block_table for s in seqs], block_size=self.block_size,
+                                   bucket_shapes=self.bucket_shapes)
         meta.pool = self.pool
         return meta
 

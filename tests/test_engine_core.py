@@ -251,8 +251,9 @@ def test_keep_records_false_keeps_no_history_and_stays_exact():
 
 
 # -- vectorised paged attention == the per-sequence reference -------------------------------------
+@pytest.mark.parametrize("bucket_shapes", [False, True])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_vectorised_attention_equals_reference(block_size):
+def test_vectorised_attention_equals_reference(block_size, bucket_shapes):
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, dim, num_blocks = 6, 2, 8, 64
     pool = PagedKVPool(num_layers=1, num_blocks=num_blocks, block_size=block_size, num_kv_heads=kv_heads,
@@ -266,13 +267,30 @@ def test_vectorised_attention_equals_reference(block_size):
         need = -(-(c + n) // block_size)
         tables.append([free.pop() for _ in range(need)])
     tokens = [0] * sum(scheduled)
-    meta = attn_metadata.build(tokens, computed, scheduled, "cpu", block_tables=tables, block_size=block_size)
+    meta = attn_metadata.build(tokens, computed, scheduled, "cpu", block_tables=tables, block_size=block_size,
+                               bucket_shapes=bucket_shapes)
     meta.pool = pool
+    if bucket_shapes:  # 4 decodes, 2 prefills (up to 5 queries): padded to powers of two
+        assert [tuple(g.mask.shape[:3]) for g in meta.groups] == [(4, 1, 1), (2, 1, 8)]
+        assert all((g.mask.shape[3] // block_size) & (g.mask.shape[3] // block_size - 1) == 0 for g in meta.groups)
     assert len(meta.groups) == 2  # decodes, prefills
     query = torch.randn(1, heads, sum(scheduled), dim, generator=g)
     fast = paged_attention.vectorised_attention(query, 0, meta, scaling=dim ** -0.5)
     slow = paged_attention.reference_attention(query, 0, meta, scaling=dim ** -0.5)
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_bucketed_shapes_stay_exact(arch):
+    """The padding production engines use on GPUs (dummy rows, queries and blocks, all masked)."""
+    model = tiny_model(arch)
+    g = torch.Generator().manual_seed(5)
+    reqs = [Request(torch.randint(6, VOCAB, (int(n),), generator=g).tolist(), int(m))
+            for n, m in [(3, 20), (17, 9), (1, 30), (9, 14), (30, 5)]]
+    eng = Engine(model, max_batch_size=3, kv="paged", block_size=4, bucket_shapes=True, token_budget=12)
+    assert eng.kv.bucket_shapes
+    got = eng.run(reqs)
+    assert [c.output_ids for c in got] == [reference(model, r.prompt, r.max_new_tokens) for r in reqs]
 
 
 def test_metadata_positions_and_slot_mapping():
