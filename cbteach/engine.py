@@ -26,6 +26,7 @@ Every time in a :class:`~cbteach.request.Completion` is on it. A request's ``arr
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from . import modelinfo
 from .kv_concat import ConcatKVCache
@@ -33,10 +34,22 @@ from .model_runner import ModelRunner
 from .records import SeqStep, StepRecord
 from .request import Completion, Request, Sequence, validate_request
 from .sampling import make_generator
-from .scheduler import Scheduler, check_batch_size, check_token_budget
+from .policies import make_queue
+from .scheduler import PREEMPTION_MODES, Scheduler, check_batch_size, check_token_budget
 
 KV_KINDS = ("concat", "paged")
-PAGED_OPTIONS = ("block_size", "num_blocks", "kv_memory_bytes", "bucket_shapes")
+PAGED_OPTIONS = ("block_size", "num_blocks", "kv_memory_bytes", "bucket_shapes", "watermark")
+
+
+@dataclass
+class StreamEvent:
+    """One generated token, as :meth:`Engine.stream` hands it out the moment its step ends."""
+
+    request_id: object
+    token_id: int
+    text: str | None  # the decoded increment (None without a tokenizer)
+    finish_reason: str | None  # None until the request's last token
+    time: float  # engine clock
 
 
 class Engine:
@@ -45,7 +58,9 @@ class Engine:
     ``Engine(model, tokenizer, max_batch_size=8)`` keeps the concatenating KV cache;
     ``kv="paged"`` (with ``block_size``, ``num_blocks`` or ``kv_memory_bytes``) uses the paged one.
     ``token_budget`` caps the tokens of one step; longer prompts are then prefilled in chunks.
-    ``keep_records=False`` keeps no step history (long runs, benchmarks).
+    ``policy`` is ``"fcfs"`` or ``"priority"`` (or a :class:`~cbteach.policies.WaitingQueue`);
+    ``preemption`` is ``"recompute"`` or ``"swap"``; ``watermark`` (paged) is the fraction of blocks
+    an admission leaves free. ``keep_records=False`` keeps no step history (long runs, benchmarks).
     """
 
     def __init__(self, model, tokenizer=None, *, max_batch_size: int, kv: str = "concat",
@@ -55,10 +70,14 @@ class Engine:
         check_batch_size(max_batch_size)
         token_budget = policy.pop("token_budget", None)
         check_token_budget(token_budget)
+        queue = make_queue(policy.pop("policy", "fcfs"))
+        preemption = policy.pop("preemption", "recompute")
+        if preemption not in PREEMPTION_MODES:
+            raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {preemption!r}")
         paged_args = {k: policy.pop(k) for k in PAGED_OPTIONS if k in policy}
         if policy:
-            raise ValueError(f"unknown engine option(s) {sorted(policy)}; allowed: token_budget, keep_records, "
-                             f"and with kv='paged': {', '.join(PAGED_OPTIONS)}")
+            raise ValueError(f"unknown engine option(s) {sorted(policy)}; allowed: token_budget, policy, preemption, "
+                             f"keep_records, and with kv='paged': {', '.join(PAGED_OPTIONS)}")
         self.info = modelinfo.describe(model, tokenizer)  # refuses models the engine cannot run exactly
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -70,7 +89,8 @@ class Engine:
             self.kv = ConcatKVCache(self.info.num_layers, cache_kwarg=self.info.cache_kwarg,
                                     attn_implementation=self.info.attn_implementation, dtype=self.info.dtype)
         self.scheduler = Scheduler(max_batch_size, self.kv.manager, token_budget=token_budget,
-                                   eos_ids=self.info.eos_ids)
+                                   eos_ids=self.info.eos_ids, policy=queue, preemption=preemption,
+                                   swapper=self.kv if kv == "paged" else None)
         self.runner = ModelRunner(self.model, self.info, self.kv)
         self.keep_records = bool(keep_records)
         self.records: list[StepRecord] = []
@@ -106,7 +126,8 @@ class Engine:
         plan = self.scheduler.schedule(start)
         record = StepRecord(step=self._num_steps, kv_kind=self.kv.kind, start_time=start,
                             admitted=[s.request_id for s in plan.admitted],
-                            preempted=[s.request_id for s in plan.preempted])
+                            preempted=[s.request_id for s in plan.preempted],
+                            swapped_in=[s.request_id for s in plan.swapped_in])
         if plan.seqs:
             out = self.runner.execute(plan)
             now = self.now()
@@ -140,15 +161,7 @@ class Engine:
         validated before any is queued, so a bad one raises ``ValueError`` and leaves the engine as
         it was.
         """
-        requests = list(requests)
-        taken: set = set()
-        checked = []
-        for r in requests:  # check them all before queuing any
-            checked.append(self._check(r, taken))
-            taken.add(r.request_id)
-        t_run = self.now()
-        for r, prompt_ids in zip(requests, checked):
-            self._enqueue(r, prompt_ids, t_run + (r.arrival_time or 0.0))
+        requests = self._add_all(requests)
         ours = {r.request_id for r in requests}
         bar = None
         if progress:
@@ -168,6 +181,38 @@ class Engine:
             bar.close()
         return [self.completions[r.request_id] for r in requests]
 
+    def stream(self, requests=()):
+        """Add ``requests`` (validated as in :meth:`run`) and yield a :class:`StreamEvent` per generated
+        token, as soon as its step ends, until nothing is left -- also requests added or aborted
+        while streaming. The model is its own again between events."""
+        self._add_all(requests)
+        shown: dict = {}  # request id -> text handed out so far
+        while self.has_unfinished():
+            record = self.step()
+            for s in record.seqs:
+                if s.sampled is not None:
+                    yield StreamEvent(s.request_id, s.sampled, self._increment(s.request_id, shown, s.finish_reason),
+                                      s.finish_reason, self.now())
+            if not record.seqs:
+                self._wait_for_arrival()
+
+    def abort(self, request_id) -> Completion:
+        """Cancel a queued, running or swapped-out request: its KV blocks are freed at once, and its
+        :class:`Completion` (``finish_reason="aborted"``, with what it generated so far) is returned."""
+        try:
+            seq = self.sequences.get(request_id)
+        except TypeError:
+            seq = None
+        if seq is None:
+            raise ValueError(f"unknown request_id {request_id!r}: no such request was added to this engine")
+        if seq.status.is_finished:
+            raise ValueError(f"request {request_id!r} is already {seq.status.value}; only a queued, running or "
+                             "swapped-out request can be aborted")
+        self.scheduler.abort(seq)
+        seq.finish_reason = "aborted"
+        self._complete(seq, self.now())
+        return self.completions[request_id]
+
     # -- internals ---------------------------------------------------------------------------
     def _check(self, request, taken=()) -> list[int]:
         """Everything that can be wrong with a request, found before it touches the engine."""
@@ -177,6 +222,29 @@ class Engine:
             raise ValueError(f"duplicate request_id {request.request_id!r}: every request needs its own id")
         self.kv.check_fits(len(prompt_ids) + request.max_new_tokens, request.request_id)
         return prompt_ids
+
+    def _add_all(self, requests) -> list[Request]:
+        requests = list(requests)
+        taken: set = set()
+        checked = []
+        for r in requests:  # check them all before queuing any
+            checked.append(self._check(r, taken))
+            taken.add(r.request_id)
+        t_run = self.now()
+        for r, prompt_ids in zip(requests, checked):
+            self._enqueue(r, prompt_ids, t_run + (r.arrival_time or 0.0))
+        return requests
+
+    def _increment(self, request_id, shown: dict, finish_reason) -> str | None:
+        """The new text a token adds (held back while it ends in half a UTF-8 character)."""
+        if self.tokenizer is None:
+            return None
+        full = self.tokenizer.decode(self.sequences[request_id].output_ids, skip_special_tokens=True)
+        before = shown.get(request_id, "")
+        if (full.endswith("\ufffd") and not finish_reason) or not full.startswith(before):
+            return ""
+        shown[request_id] = full
+        return full[len(before):]
 
     def _enqueue(self, request: Request, prompt_ids: list[int], arrival_time: float):
         seq = Sequence(request=request, prompt_ids=prompt_ids, arrival_time=arrival_time,
@@ -190,6 +258,10 @@ class Engine:
         now = self.now()
         if nxt is not None and nxt > now:  # nothing to do until the next request arrives
             time.sleep(nxt - now)
+        elif self.scheduler.running or self.scheduler.swapped:
+            # Work is there and nothing could be scheduled: a scheduler bug, never a reason to spin.
+            raise RuntimeError(f"the scheduler made no progress with {len(self.scheduler.running)} running and "
+                               f"{len(self.scheduler.swapped)} swapped-out requests; please report this")
 
     def _complete(self, seq: Sequence, now: float) -> None:
         text = None

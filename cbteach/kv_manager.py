@@ -64,11 +64,16 @@ class BlockAllocator:
 class KVCacheManager:
     """Block tables and allocation for a pool of ``num_blocks`` blocks of ``block_size`` tokens."""
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01):
+        """``watermark``: the fraction of blocks an admission must leave free (vLLM's default, 1%), so
+        that a request let in now does not force a preemption on the very next step."""
         check_positive_int("block_size", block_size)
         check_positive_int("num_blocks", num_blocks)
+        if not isinstance(watermark, (int, float)) or isinstance(watermark, bool) or not 0 <= watermark < 1:
+            raise ValueError(f"watermark must be a fraction of the pool in [0, 1), got {watermark!r}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.watermark_blocks = int(watermark * num_blocks)
         self.allocator = BlockAllocator(num_blocks)
         self.seqs: dict[object, object] = {}  # sequences holding blocks, by request id
 
@@ -84,6 +89,10 @@ class KVCacheManager:
         every free block. The scheduler shrinks a prefill chunk to this before it preempts anyone."""
         room = (len(seq.block_table) + self.allocator.num_free) * self.block_size
         return max(0, room - seq.num_computed_tokens)
+
+    def num_admittable_tokens(self, seq) -> int:
+        """Like :meth:`num_allocatable_tokens`, less the watermark: the room an admission may use."""
+        return self.num_allocatable_tokens(seq) - self.watermark_blocks * self.block_size
 
     def allocate_slots(self, seq, num_new_tokens: int) -> list[int] | None:
         """Make room for ``num_new_tokens`` more tokens of ``seq``; return the blocks added (often none:
@@ -107,8 +116,9 @@ class KVCacheManager:
     def check_fits(self, num_tokens: int, request_id) -> None:
         """Refuse a request that could never fit, even alone in the pool (its last token is never stored)."""
         need = self.blocks_needed(num_tokens - 1)
-        if need > self.num_blocks:
-            raise ValueError(f"request {request_id!r} needs up to {need} KV blocks of {self.block_size} tokens "
+        if need + self.watermark_blocks > self.num_blocks:
+            wm = f" (plus a watermark of {self.watermark_blocks} kept free at admission)" if self.watermark_blocks else ""
+            raise ValueError(f"request {request_id!r} needs up to {need} KV blocks of {self.block_size} tokens{wm} "
                              f"but the pool has only {self.num_blocks}; raise num_blocks or shorten it")
 
     def usage(self) -> dict:
@@ -135,6 +145,8 @@ class UnboundedKVManager:
 
     def num_allocatable_tokens(self, seq) -> float:
         return math.inf
+
+    num_admittable_tokens = num_allocatable_tokens
 
     def allocate_slots(self, seq, num_new_tokens: int) -> list[int]:
         return []

@@ -22,6 +22,7 @@ everything the request never generates.
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -59,6 +60,18 @@ class PagedKVPool:
         """Gather whole blocks: ``block_tables`` ``[G, n]`` gives K and V of ``[G, n * block_size, kv_heads, D]``."""
         return self.k[layer][block_tables].flatten(1, 2), self.v[layer][block_tables].flatten(1, 2)
 
+    def copy_out(self, blocks: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """K and V of ``blocks`` in every layer, copied to host memory (swap-out)."""
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.k[0].device)
+        return [(k[idx].to("cpu"), v[idx].to("cpu")) for k, v in zip(self.k, self.v)]
+
+    def copy_in(self, blocks: list[int], data: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write host copies back into ``blocks`` (swap-in); the blocks need not be the old ones."""
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.k[0].device)
+        for k, v, (hk, hv) in zip(self.k, self.v, data):
+            k[idx] = hk.to(k.device)
+            v[idx] = hv.to(v.device)
+
     def read_slots(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather single slots: ``[n]`` slot ids give K and V of ``[n, kv_heads, D]``."""
         k, v = self.k[layer], self.v[layer]
@@ -71,15 +84,17 @@ class PagedKVCache:
     kind = "paged"
 
     def __init__(self, *, num_layers, num_kv_heads, head_dim, num_blocks, block_size=16,
-                 dtype=torch.float32, device="cpu", bucket_shapes=None):
+                 dtype=torch.float32, device="cpu", bucket_shapes=None, watermark=0.01):
         """``bucket_shapes``: pad attention shapes to powers of two (default: on CUDA only, where new
         shapes cost a one-off setup; on a CPU the padding would only cost compute)."""
         check_positive_int("block_size", block_size)
         check_positive_int("num_blocks", num_blocks)
-        self.manager = KVCacheManager(num_blocks, block_size)
+        self.manager = KVCacheManager(num_blocks, block_size, watermark=watermark)
         self.pool = PagedKVPool(num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
                                 num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device=device)
         self.last_traffic = KVTraffic()
+        self.swap_space: dict = {}  # request id -> per-layer host copies of its K/V blocks
+        self.swap_stats = {"bytes_out": 0, "bytes_in": 0, "seconds": 0.0}
         self.bucket_shapes = torch.device(device).type == "cuda" if bucket_shapes is None else bool(bucket_shapes)
 
     block_size = property(lambda self: self.manager.block_size)
@@ -87,7 +102,7 @@ class PagedKVCache:
 
     @classmethod
     def for_model(cls, info, *, block_size=16, num_blocks=None, kv_memory_bytes=None, max_batch_size=8,
-                  bucket_shapes=None):
+                  bucket_shapes=None, watermark=0.01):
         """Size a pool for the model ``info`` describes: ``num_blocks`` directly, or as many as
         ``kv_memory_bytes`` holds, or by default enough for ``max_batch_size`` sequences of the
         model's full length (capped at 4,096 positions each, so a long-context hub model does not
@@ -104,7 +119,7 @@ class PagedKVCache:
             num_blocks = max_batch_size * math.ceil(min(info.max_positions or 4096, 4096) / block_size)
         return cls(num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
                    num_blocks=num_blocks, block_size=block_size, dtype=info.dtype, device=info.device,
-                   bucket_shapes=bucket_shapes)
+                   bucket_shapes=bucket_shapes, watermark=watermark)
 
     def slots(self, seq, start: int, end: int) -> torch.Tensor:
         """Pool slots of the sequence's tokens ``start..end-1``: ``block_table[p // B] * B + p % B``.
@@ -137,6 +152,30 @@ class PagedKVCache:
         self.last_traffic = KVTraffic(bytes_read=read * per_token, bytes_written=meta.num_tokens * per_token)
         return self.last_traffic
 
+    # -- swap preemption (vLLM paper, section 4.5) ------------------------------------------------
+    def swap_out(self, seq) -> None:
+        """Copy the blocks holding ``seq``'s computed tokens to host memory, then free all its blocks."""
+        t0 = time.perf_counter()
+        keep = self.manager.blocks_needed(seq.num_computed_tokens)
+        self.swap_space[seq.request_id] = self.pool.copy_out(seq.block_table[:keep])
+        self.manager.free(seq)
+        self.swap_stats["bytes_out"] += keep * self.block_size * self.pool.bytes_per_token
+        self.swap_stats["seconds"] += time.perf_counter() - t0
+
+    def swap_in(self, seq) -> None:
+        """Give ``seq`` fresh blocks for its computed tokens and copy its K/V back into them."""
+        t0 = time.perf_counter()
+        data = self.swap_space.pop(seq.request_id)
+        if self.manager.allocate_slots(seq, 0) is None:
+            raise RuntimeError(f"no room to swap {seq!r} back in")
+        self.pool.copy_in(seq.block_table, data)
+        self.swap_stats["bytes_in"] += len(seq.block_table) * self.block_size * self.pool.bytes_per_token
+        self.swap_stats["seconds"] += time.perf_counter() - t0
+
+    def discard(self, seq) -> None:
+        """Drop a swapped-out sequence's host copy (it was aborted)."""
+        self.swap_space.pop(seq.request_id, None)
+
     # -- the manager's side -----------------------------------------------------------------
     def check_fits(self, num_tokens: int, request_id) -> None:
         self.manager.check_fits(num_tokens, request_id)
@@ -144,4 +183,4 @@ class PagedKVCache:
     def usage(self) -> dict:
         """Blocks, tokens stored and utilisation now, plus the pool's bytes."""
         return {**self.manager.usage(), "pool_bytes": self.pool.nbytes,
-                "kv_bytes_per_token": self.pool.bytes_per_token}
+                "kv_bytes_per_token": self.pool.bytes_per_token, "num_swapped": len(self.swap_space)}

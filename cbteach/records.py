@@ -45,6 +45,7 @@ class StepRecord:
     admitted: list = field(default_factory=list)
     finished: list = field(default_factory=list)
     preempted: list = field(default_factory=list)
+    swapped_in: list = field(default_factory=list)
     num_waiting: int = 0
     start_time: float = 0.0  # seconds since the engine started
     duration: float = 0.0  # whole step, scheduling to bookkeeping
@@ -106,4 +107,6 @@ class StepRecord:
             extra += f", finished={self.finished}"
         if self.preempted:
             extra += f", preempted={self.preempted}"
+        if self.swapped_in:
+            extra += f", swapped_in={self.swapped_in}"
         return f"StepRecord(step={self.step}, tokens={self.num_tokens} [{' '.join(parts)}]{extra})"

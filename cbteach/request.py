@@ -80,11 +80,13 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, never run (or not arrived yet)
     RUNNING = "running"  # in the batch: it has a slot and KV blocks
     PREEMPTED = "preempted"  # taken out of the batch to free KV room; queued again, to be recomputed
+    SWAPPED = "swapped"  # taken out of the batch, its K/V blocks copied to host memory until room returns
     FINISHED = "finished"  # stopped at EOS or max_new_tokens
+    ABORTED = "aborted"  # cancelled by Engine.abort
 
     @property
     def is_finished(self) -> bool:
-        return self is RequestStatus.FINISHED
+        return self in (RequestStatus.FINISHED, RequestStatus.ABORTED)
 
 
 @dataclass(eq=False)
@@ -167,6 +169,8 @@ def validate_request(request, *, tokenizer, vocab_size: int, max_pos: int | None
     if not isinstance(request.sampling_params, SamplingParams):
         raise ValueError(f"request {rid!r}: sampling_params must be a cbteach.sampling.SamplingParams, "
                          f"got {type(request.sampling_params).__name__}")
+    if not isinstance(request.priority, numbers.Integral) or isinstance(request.priority, bool):
+        raise ValueError(f"request {rid!r}: priority must be an int (smaller = more urgent), got {request.priority!r}")
     prompt = request.prompt
     if isinstance(prompt, (bytes, bytearray)):
         raise ValueError(f"request {rid!r}: prompt must be a str or a list of token ids, not bytes")

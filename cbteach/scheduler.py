@@ -20,23 +20,29 @@ Planning a step:
    the **token budget** allows -- chunked prefill, as in Sarathi-Serve.
 2. If the KV cache cannot hold a sequence's tokens, a prefill chunk is first **shrunk** to the
    room that is free; only a sequence that cannot get even one token forces a **preemption**: the
-   waiting queue picks a victim (FCFS: the most recently admitted sequence), whose blocks are
-   freed and which is queued again to be recomputed later from its prompt plus what it generated
-   (vLLM's recompute preemption). Nothing it produced is lost.
-3. **Then admissions**, in the waiting queue's order, while there is a free slot
+   policy (:mod:`cbteach.policies`) picks a victim, whose blocks are freed. With
+   ``preemption="recompute"`` it is queued again and later recomputed from its prompt plus what it
+   generated; with ``preemption="swap"`` its blocks are first copied to host memory and copied back
+   when room returns (the two modes of the vLLM paper, section 4.5). Nothing it produced is lost.
+3. **Swapped-out sequences come back** before anyone new is admitted, when their blocks fit again.
+4. **Then admissions**, in the waiting queue's order, while there is a free slot
    (``max_batch_size``), token budget left and KV room for the *whole* prompt (plus any output a
    preempted request must recompute), even when the budget feeds it in chunks -- but **never in a
    step that had to preempt** (vLLM V1's rule): the room is clearly short, and a request admitted
-   now would only be preempted again.
+   now would only be preempted again. An admission also leaves a small **watermark** of blocks
+   free. Under ``policy="priority"`` an urgent request that does not fit may preempt less urgent
+   running ones to get in.
 """
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass, field
 
+from .policies import make_queue
 from .request import RequestStatus, Sequence, check_positive_int
 from .sampling import stop_reason
+
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 def check_batch_size(max_batch_size) -> None:
@@ -57,7 +63,8 @@ class SchedulerOutput:
     num_scheduled_tokens: list[int] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)  # recomputed later or swapped out
+    swapped_in: list[Sequence] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -68,60 +75,41 @@ class SchedulerOutput:
         self.num_scheduled_tokens.append(int(n))
         self.num_computed_tokens.append(seq.num_computed_tokens)
 
-
-class FCFSQueue:
-    """Waiting requests in arrival order; preempted ones go back to the front. Also picks victims."""
-
-    def __init__(self):
-        self._q: deque[Sequence] = deque()
-
-    def add(self, seq: Sequence) -> None:
-        """Queue by arrival time (stable: equal times keep the order they were added in)."""
-        i = len(self._q)
-        # Preempted sequences were pushed to the front on purpose: never queue ahead of them.
-        while i > 0 and self._q[i - 1].arrival_time > seq.arrival_time and self._q[i - 1].status is RequestStatus.WAITING:
-            i -= 1
-        self._q.insert(i, seq)
-
-    def push_front(self, seq: Sequence) -> None:
-        self._q.appendleft(seq)
-
-    def peek(self) -> Sequence:
-        return self._q[0]
-
-    def pop(self) -> Sequence:
-        return self._q.popleft()
-
-    def pick_victim(self, running: list[Sequence]) -> Sequence:
-        """FCFS preempts the most recently admitted running sequence."""
-        return running[-1]
-
-    def __len__(self) -> int:
-        return len(self._q)
-
-    def __iter__(self):
-        return iter(self._q)
+    def remove(self, seq: Sequence) -> int:
+        """Take ``seq`` out of the plan (it was preempted after being scheduled); returns its tokens."""
+        if seq not in self.seqs:
+            return 0
+        i = self.seqs.index(seq)
+        self.seqs.pop(i)
+        self.num_computed_tokens.pop(i)
+        return self.num_scheduled_tokens.pop(i)
 
 
 class Scheduler:
-    """An iteration-level scheduler with an optional per-step token budget."""
+    """An iteration-level scheduler: a policy's waiting queue, the running batch, swapped-out requests."""
 
-    def __init__(self, max_batch_size: int, kv_manager, token_budget: int | None = None, eos_ids=frozenset()):
+    def __init__(self, max_batch_size: int, kv_manager, token_budget: int | None = None, eos_ids=frozenset(),
+                 policy="fcfs", preemption: str = "recompute", swapper=None):
         check_batch_size(max_batch_size)
         check_token_budget(token_budget)
+        if preemption not in PREEMPTION_MODES:
+            raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {preemption!r}")
         self.max_batch_size = max_batch_size
         self.token_budget = token_budget
         self.kv = kv_manager
         self.eos_ids = eos_ids
-        self.waiting = FCFSQueue()
-        self.running: list[Sequence] = []
+        self.waiting = make_queue(policy)
+        self.preemption = preemption
+        self.swapper = swapper  # the paged cache: copies a sequence's blocks to host memory and back
+        self.running: list[Sequence] = []  # in admission order
+        self.swapped: list[Sequence] = []  # swapped out, waiting for room to come back
 
     def add(self, seq: Sequence) -> None:
         seq.status = RequestStatus.WAITING
         self.waiting.add(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(len(self.waiting) or self.running)
+        return bool(len(self.waiting) or self.running or self.swapped)
 
     def next_arrival(self) -> float | None:
         """Earliest arrival time among waiting requests (None if nobody waits)."""
@@ -129,51 +117,55 @@ class Scheduler:
 
     def schedule(self, now: float) -> SchedulerOutput:
         """Plan one step at engine time ``now``."""
-        budget = self.token_budget if self.token_budget is not None else math.inf
         out = SchedulerOutput()
+        budget = self.token_budget if self.token_budget is not None else math.inf
 
-        # 1. Running sequences, oldest first.
+        # 1. Running sequences, in admission order; 2. shrink chunks, preempt only when nothing fits.
         for seq in list(self.running):
             if budget <= 0:
                 break
             if seq.status is not RequestStatus.RUNNING:  # preempted a moment ago to make room
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            # 2. Shrink a prefill chunk to the free room; preempt only when not one token fits.
             while (room := self.kv.num_allocatable_tokens(seq)) < 1:
                 victim = self.waiting.pick_victim(self.running)
-                self._preempt(victim)
-                out.preempted.append(victim)
+                budget += self._preempt(victim, out)
                 if victim is seq:
                     break
-            if seq.status is not RequestStatus.RUNNING:
-                continue
-            n = min(n, room)
-            if self.kv.allocate_slots(seq, n) is None:
-                raise RuntimeError(f"KV manager refused {n} tokens it reported room for ({seq!r})")
-            out.add(seq, n)
-            budget -= n
+            if seq.status is RequestStatus.RUNNING:
+                budget -= self._schedule(seq, min(n, room), out)
+        pressure = bool(out.preempted)
 
-        # 3. Admissions, in queue order, into free slots -- not in a step that had to preempt.
-        while (not out.preempted and len(self.waiting) and len(self.running) < self.max_batch_size
-               and budget > 0):
-            seq = self.waiting.peek()
-            if seq.arrival_time > now:
+        # 3. Swapped-out sequences come back first, in policy order, when their blocks fit again.
+        while not pressure and self.swapped and len(self.running) < self.max_batch_size and budget > 0:
+            seq = min(self.swapped, key=self.waiting.key)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if self.kv.num_admittable_tokens(seq) < n:  # room beyond its computed tokens' blocks
+                break
+            self.swapped.remove(seq)
+            self.swapper.swap_in(seq)
+            out.swapped_in.append(seq)
+            self._start(seq)
+            budget -= self._schedule(seq, n, out)
+
+        # 4. Admissions, in policy order -- not in a step that had to preempt, nor while any is swapped out.
+        while not pressure and not self.swapped and len(self.running) < self.max_batch_size and budget > 0:
+            seq = next((s for s in self.waiting if s.arrival_time <= now), None)
+            if seq is None or seq in out.preempted:  # never re-admitted in the step that preempted it
                 break
             remaining = seq.num_tokens - seq.num_computed_tokens
-            n = min(remaining, budget)
-            # Admit only when the whole prompt (plus any output to recompute) fits in the free room,
+            # Admit only when the whole prompt (plus any output to recompute) fits, watermark kept,
             # even if the budget feeds it in chunks: a request let in on a sliver of room would fill
             # it and be preempted again before its prefill ends.
-            if self.kv.num_allocatable_tokens(seq) < remaining or self.kv.allocate_slots(seq, n) is None:
-                break  # not enough KV room: keep it queued (nobody overtakes it)
-            self.waiting.pop()
-            seq.status = RequestStatus.RUNNING
-            seq.slot = self._free_slot()
-            self.running.append(seq)
+            if self.kv.num_admittable_tokens(seq) < remaining:
+                fits, refund = self._preempt_for(seq, remaining, out)
+                budget += refund
+                if not fits:
+                    break  # nobody overtakes it
+            self.waiting.remove(seq)
+            self._start(seq)
             out.admitted.append(seq)
-            out.add(seq, n)
-            budget -= n
+            budget -= self._schedule(seq, min(remaining, budget), out)
         return out
 
     def update_from_output(self, out: SchedulerOutput, sampled: list[int | None], now: float) -> list[Sequence]:
@@ -197,14 +189,63 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
-    def _preempt(self, seq: Sequence) -> None:
+    def abort(self, seq: Sequence) -> None:
+        """Take ``seq`` out wherever it is, and free its KV blocks (or its swapped-out copy) at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.kv.free(seq)
+        elif seq in self.swapped:
+            self.swapped.remove(seq)
+            self.swapper.discard(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = RequestStatus.ABORTED
+        seq.slot = None
+
+    # -- internals ---------------------------------------------------------------------------
+    def _schedule(self, seq: Sequence, n: int, out: SchedulerOutput) -> int:
+        if self.kv.allocate_slots(seq, n) is None:
+            raise RuntimeError(f"KV manager refused {n} tokens it reported room for ({seq!r})")
+        out.add(seq, n)
+        return n
+
+    def _start(self, seq: Sequence) -> None:
+        seq.status = RequestStatus.RUNNING
+        seq.slot = self._free_slot()
+        self.running.append(seq)
+
+    def _preempt_for(self, seq: Sequence, needed: int, out: SchedulerOutput) -> tuple[bool, int]:
+        """Priority policy: preempt less urgent running requests until ``seq`` fits.
+        Returns (whether it fits now, tokens given back by victims already scheduled this step)."""
+        refund = 0
+        if self.waiting.name != "priority":
+            return False, refund
+        lower = [r for r in self.running if r.request.priority > seq.request.priority]
+        block_size = getattr(self.kv, "block_size", 1)
+        if self.kv.num_admittable_tokens(seq) + sum(len(r.block_table) for r in lower) * block_size < needed:
+            return False, refund  # even preempting all of them would not make room: preempt nobody
+        while self.kv.num_admittable_tokens(seq) < needed:
+            lower = [r for r in self.running if r.request.priority > seq.request.priority]
+            refund += self._preempt(self.waiting.pick_victim(lower), out)
+        return True, refund
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> int:
+        """Preempt ``seq``; returns the tokens it had been scheduled for this step (now given back)."""
+        refund = out.remove(seq)
         self.running.remove(seq)
-        self.kv.free(seq)
-        seq.num_computed_tokens = 0
         seq.slot = None
         seq.num_preemptions += 1
+        out.preempted.append(seq)
+        if self.preemption == "swap" and self.swapper is not None and seq.num_computed_tokens > 0:
+            self.swapper.swap_out(seq)  # copies its blocks to host memory, then frees them
+            seq.status = RequestStatus.SWAPPED
+            self.swapped.append(seq)
+            return refund
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
         seq.status = RequestStatus.PREEMPTED
-        self.waiting.push_front(seq)
+        self.waiting.readd_preempted(seq)
+        return refund
 
     def _free_slot(self) -> int:
         used = {s.slot for s in self.running}
