@@ -38,7 +38,7 @@ from .policies import make_queue
 from .scheduler import PREEMPTION_MODES, Scheduler, check_batch_size, check_token_budget
 
 KV_KINDS = ("concat", "paged")
-PAGED_OPTIONS = ("block_size", "num_blocks", "kv_memory_bytes", "bucket_shapes", "watermark")
+PAGED_OPTIONS = ("block_size", "num_blocks", "kv_memory_bytes", "bucket_shapes", "watermark", "prefix_caching")
 
 
 @dataclass
@@ -78,6 +78,8 @@ class Engine:
         if policy:
             raise ValueError(f"unknown engine option(s) {sorted(policy)}; allowed: token_budget, policy, preemption, "
                              f"keep_records, and with kv='paged': {', '.join(PAGED_OPTIONS)}")
+        if kv == "concat" and paged_args.get("prefix_caching"):
+            raise ValueError("prefix_caching needs kv='paged': blocks are what the prefix cache shares")
         self.info = modelinfo.describe(model, tokenizer)  # refuses models the engine cannot run exactly
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -270,7 +272,8 @@ class Engine:
         self.completions[seq.request_id] = Completion(
             request_id=seq.request_id, prompt_ids=list(seq.prompt_ids), output_ids=list(seq.output_ids),
             finish_reason=seq.finish_reason, text=text, arrival_time=seq.arrival_time,
-            first_token_time=seq.first_token_time, token_times=list(seq.token_times), finish_time=now)
+            first_token_time=seq.first_token_time, token_times=list(seq.token_times), finish_time=now,
+            num_cached_prompt_tokens=seq.num_cached_prompt_tokens)
 
 
 def _kind(seq: Sequence, num_computed: int, num_scheduled: int) -> str:

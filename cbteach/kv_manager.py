@@ -17,8 +17,9 @@ touches the manager -- never attention, never the scheduler's loop.
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import OrderedDict
 
+from .prefix_cache import PrefixCache
 from .request import check_positive_int
 
 
@@ -27,12 +28,17 @@ class PoolExhausted(RuntimeError):
 
 
 class BlockAllocator:
-    """Hands out block ids from a free list and counts references to each block."""
+    """Hands out block ids from a free list and counts references to each block.
+
+    The free list is kept in release order, and blocks are handed out from its oldest end: with
+    prefix caching, a freed block keeps its K/V until it is handed out again, so the least recently
+    used cached block is the first to be overwritten (LRU eviction).
+    """
 
     def __init__(self, num_blocks: int):
         check_positive_int("num_blocks", num_blocks)
         self.num_blocks = num_blocks
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.ref_counts = [0] * num_blocks
 
     @property
@@ -42,8 +48,15 @@ class BlockAllocator:
     def allocate(self) -> int:
         if not self.free_blocks:
             raise PoolExhausted(f"all {self.num_blocks} KV blocks are in use")
-        block = self.free_blocks.popleft()
+        block, _ = self.free_blocks.popitem(last=False)
         self.ref_counts[block] = 1
+        return block
+
+    def take(self, block: int) -> int:
+        """One more owner for ``block``, free or not (a prefix-cache hit): a free one leaves the free list."""
+        if self.ref_counts[block] == 0:
+            del self.free_blocks[block]
+        self.ref_counts[block] += 1
         return block
 
     def fork(self, block: int) -> int:
@@ -58,15 +71,17 @@ class BlockAllocator:
             raise ValueError(f"block {block} released twice")
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
-            self.free_blocks.append(block)
+            self.free_blocks[block] = None
 
 
 class KVCacheManager:
     """Block tables and allocation for a pool of ``num_blocks`` blocks of ``block_size`` tokens."""
 
-    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01):
+    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01, prefix_caching: bool = False):
         """``watermark``: the fraction of blocks an admission must leave free (vLLM's default, 1%), so
-        that a request let in now does not force a preemption on the very next step."""
+        that a request let in now does not force a preemption on the very next step.
+        ``prefix_caching``: reuse full blocks of earlier requests with the same prefix
+        (:mod:`cbteach.prefix_cache`)."""
         check_positive_int("block_size", block_size)
         check_positive_int("num_blocks", num_blocks)
         if not isinstance(watermark, (int, float)) or isinstance(watermark, bool) or not 0 <= watermark < 1:
@@ -75,6 +90,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.watermark_blocks = int(watermark * num_blocks)
         self.allocator = BlockAllocator(num_blocks)
+        self.prefix_cache = PrefixCache(block_size) if prefix_caching else None
         self.seqs: dict[object, object] = {}  # sequences holding blocks, by request id
 
     @property
@@ -102,16 +118,45 @@ class KVCacheManager:
         if need > self.allocator.num_free:
             return None
         new = [self.allocator.allocate() for _ in range(need)]
+        if self.prefix_cache is not None:
+            for block in new:
+                self.prefix_cache.evict(block)  # it is about to hold other tokens
         seq.block_table.extend(new)
         self.seqs[seq.request_id] = seq
         return new
 
     def free(self, seq) -> None:
         """Give back every block of ``seq`` (finished, aborted or preempted)."""
-        for block in seq.block_table:
+        for block in reversed(seq.block_table):  # the tail goes to the free list first: evicted first
             self.allocator.release(block)
         seq.block_table = []
         self.seqs.pop(seq.request_id, None)
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget(seq)
+
+    # -- prefix caching --------------------------------------------------------------------------
+    def take_cached_prefix(self, seq) -> int:
+        """Start a block-less ``seq`` on the cached blocks of its longest cached prefix; returns the
+        tokens it skips. (Its known tokens are used: a preempted request finds its own old blocks.)"""
+        if self.prefix_cache is None or seq.block_table or seq.num_computed_tokens:
+            return 0
+        blocks = self.prefix_cache.lookup(seq.token_ids(0, seq.num_tokens))
+        seq.block_table = [self.allocator.take(b) for b in blocks]
+        seq.num_computed_tokens = len(blocks) * self.block_size
+        if blocks:
+            self.seqs[seq.request_id] = seq
+        return seq.num_computed_tokens
+
+    def on_admitted(self, seq) -> None:
+        """Count a first admission's prompt lookup in the hit statistics."""
+        if self.prefix_cache is not None and seq.num_preemptions == 0:
+            seq.num_cached_prompt_tokens = seq.num_computed_tokens
+            self.prefix_cache.record_lookup(len(seq.prompt_ids), seq.num_computed_tokens)
+
+    def on_computed(self, seq) -> None:
+        """``seq`` computed more tokens: make its newly full blocks findable."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.register(seq)
 
     def check_fits(self, num_tokens: int, request_id) -> None:
         """Refuse a request that could never fit, even alone in the pool (its last token is never stored)."""
@@ -135,6 +180,7 @@ class KVCacheManager:
             "utilisation": tokens / (used * self.block_size) if used else 0.0,
             "block_tables": {rid: tuple(s.block_table) for rid, s in self.seqs.items()},
             "seq_num_tokens": {rid: s.num_computed_tokens for rid, s in self.seqs.items()},
+            **(self.prefix_cache.stats() if self.prefix_cache is not None else {}),
         }
 
 
@@ -155,4 +201,13 @@ class UnboundedKVManager:
         pass
 
     def check_fits(self, num_tokens: int, request_id) -> None:
+        pass
+
+    def take_cached_prefix(self, seq) -> int:
+        return 0
+
+    def on_admitted(self, seq) -> None:
+        pass
+
+    def on_computed(self, seq) -> None:
         pass

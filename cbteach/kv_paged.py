@@ -84,12 +84,12 @@ class PagedKVCache:
     kind = "paged"
 
     def __init__(self, *, num_layers, num_kv_heads, head_dim, num_blocks, block_size=16,
-                 dtype=torch.float32, device="cpu", bucket_shapes=None, watermark=0.01):
+                 dtype=torch.float32, device="cpu", bucket_shapes=None, watermark=0.01, prefix_caching=False):
         """``bucket_shapes``: pad attention shapes to powers of two (default: on CUDA only, where new
         shapes cost a one-off setup; on a CPU the padding would only cost compute)."""
         check_positive_int("block_size", block_size)
         check_positive_int("num_blocks", num_blocks)
-        self.manager = KVCacheManager(num_blocks, block_size, watermark=watermark)
+        self.manager = KVCacheManager(num_blocks, block_size, watermark=watermark, prefix_caching=prefix_caching)
         self.pool = PagedKVPool(num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
                                 num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device=device)
         self.last_traffic = KVTraffic()
@@ -102,7 +102,7 @@ class PagedKVCache:
 
     @classmethod
     def for_model(cls, info, *, block_size=16, num_blocks=None, kv_memory_bytes=None, max_batch_size=8,
-                  bucket_shapes=None, watermark=0.01):
+                  bucket_shapes=None, watermark=0.01, prefix_caching=False):
         """Size a pool for the model ``info`` describes: ``num_blocks`` directly, or as many as
         ``kv_memory_bytes`` holds, or by default enough for ``max_batch_size`` sequences of the
         model's full length (capped at 4,096 positions each, so a long-context hub model does not
@@ -119,7 +119,7 @@ class PagedKVCache:
             num_blocks = max_batch_size * math.ceil(min(info.max_positions or 4096, 4096) / block_size)
         return cls(num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
                    num_blocks=num_blocks, block_size=block_size, dtype=info.dtype, device=info.device,
-                   bucket_shapes=bucket_shapes, watermark=watermark)
+                   bucket_shapes=bucket_shapes, watermark=watermark, prefix_caching=prefix_caching)
 
     def slots(self, seq, start: int, end: int) -> torch.Tensor:
         """Pool slots of the sequence's tokens ``start..end-1``: ``block_table[p // B] * B + p % B``.

@@ -67,6 +67,7 @@ class Completion:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
+    num_cached_prompt_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (vLLM's num_cached_tokens)
 
     def __repr__(self) -> str:
         shown = repr(self.text[:40] + ("…" if len(self.text) > 40 else "")) if self.text is not None else ""
@@ -108,6 +109,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)  # paged KV only
     generator: object = None  # torch.Generator of a seeded, sampled request
     finish_reason: str | None = None  # "eos" or "length" once finished
+    num_cached_prompt_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     num_preemptions: int = 0

@@ -153,6 +153,7 @@ class Scheduler:
             seq = next((s for s in self.waiting if s.arrival_time <= now), None)
             if seq is None or seq in out.preempted:  # never re-admitted in the step that preempted it
                 break
+            self.kv.take_cached_prefix(seq)  # prefix caching: start past the blocks already computed
             remaining = seq.num_tokens - seq.num_computed_tokens
             # Admit only when the whole prompt (plus any output to recompute) fits, watermark kept,
             # even if the budget feeds it in chunks: a request let in on a sliver of room would fill
@@ -161,9 +162,12 @@ class Scheduler:
                 fits, refund = self._preempt_for(seq, remaining, out)
                 budget += refund
                 if not fits:
+                    self.kv.free(seq)  # give back any cached-prefix blocks it took
+                    seq.num_computed_tokens = 0
                     break  # nobody overtakes it
             self.waiting.remove(seq)
             self._start(seq)
+            self.kv.on_admitted(seq)
             out.admitted.append(seq)
             budget -= self._schedule(seq, min(remaining, budget), out)
         return out
@@ -174,6 +178,7 @@ class Scheduler:
         finished = []
         for seq, n, token in zip(out.seqs, out.num_scheduled_tokens, sampled):
             seq.num_computed_tokens += n
+            self.kv.on_computed(seq)
             if token is None:  # a prefill chunk that did not reach the end of the known tokens
                 continue
             seq.output_ids.append(token)

@@ -1,0 +1,90 @@
+"""Automatic prefix caching: full KV blocks found again by the tokens they hold.
+
+Many requests share a beginning -- a system prompt, a few-shot preamble, the history of a chat.
+Their keys and values for that shared prefix are identical (K/V of a token depend only on the
+tokens up to it and their positions), so they need computing once. vLLM's automatic prefix
+caching does it with block hashes:
+
+* a **full** block is named by a hash of its tokens *and of everything before it* (the hash of
+  the previous block is part of the input), so equal hashes mean equal prefixes, not just equal
+  blocks: ``h_i = hash((h_{i-1}, tokens of block i))``;
+* when a block becomes full, its hash is recorded (``hash -> block``);
+* a new request looks up its prompt's block hashes in order and reuses every hit -- its block
+  table starts with those blocks (their reference counts go up) and its ``num_computed_tokens``
+  starts past them, so only the rest of the prompt is prefilled;
+* a finished request's blocks go back to the free list *with their contents*: they stay findable
+  until the allocator hands them out again, least recently used first, and only then is their
+  hash forgotten (eviction).
+
+At least the prompt's last token is always computed, even on a full hit: its logits give the
+first output token. SGLang's RadixAttention reaches the same reuse with a radix tree over tokens
+instead of a hash table.
+"""
+from __future__ import annotations
+
+
+def block_hashes(token_ids: list[int], block_size: int) -> list[int]:
+    """Chained hashes of the full blocks of ``token_ids`` (a trailing partial block has none)."""
+    out, parent = [], None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash((parent, tuple(token_ids[start:start + block_size])))
+        out.append(parent)
+    return out
+
+
+class PrefixCache:
+    """``hash -> block`` for full blocks whose K/V are in the pool, with hit statistics."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.block_of: dict[int, int] = {}
+        self.hash_of: dict[int, int] = {}
+        self.queries = 0  # prompt tokens looked up
+        self.hits = 0  # of those, found in the cache
+        self._chain: dict = {}  # request id -> (blocks hashed so far, last hash)
+
+    def lookup(self, prompt_ids: list[int]) -> list[int]:
+        """Blocks holding the longest cached prefix of the prompt, leaving at least its last token."""
+        usable = prompt_ids[:len(prompt_ids) - 1]  # the last prompt token is always computed
+        blocks = []
+        for h in block_hashes(usable, self.block_size):
+            block = self.block_of.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def record_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        self.queries += num_prompt_tokens
+        self.hits += num_hit_tokens
+
+    def register(self, seq) -> None:
+        """Record the hashes of ``seq``'s blocks that became full and computed (call after each step).
+        Only the new blocks are hashed: the chain's last hash is remembered per request."""
+        done, parent = self._chain.get(seq.request_id, (0, None))
+        full = seq.num_computed_tokens // self.block_size
+        for i in range(done, full):
+            parent = hash((parent, tuple(seq.token_ids(i * self.block_size, (i + 1) * self.block_size))))
+            block = seq.block_table[i]
+            if parent not in self.block_of and block not in self.hash_of:
+                self.block_of[parent] = block
+                self.hash_of[block] = parent
+        self._chain[seq.request_id] = (max(done, full), parent)
+
+    def forget(self, seq) -> None:
+        """``seq`` gave its blocks back (finished or preempted): restart its hash chain next time."""
+        self._chain.pop(seq.request_id, None)
+
+    def evict(self, block: int) -> None:
+        """``block`` is being handed out for new tokens: forget what it held."""
+        h = self.hash_of.pop(block, None)
+        if h is not None:
+            del self.block_of[h]
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+    def stats(self) -> dict:
+        return {"prefix_queries": self.queries, "prefix_hits": self.hits, "prefix_hit_rate": self.hit_rate,
+                "num_cached_blocks": len(self.block_of)}
