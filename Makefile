@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test test-fast lab student bench browser-deps clean
+.PHONY: demo test test-fast lab student bench gpu-check browser-deps clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,11 @@ student: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) -m cbteach bench
+
+# On a machine with a GPU: notebooks, fp32 exactness and the speed comparison in one run
+# (under 5 minutes on one H200); writes benchmarks/results/gpu.json. `--small` runs it on a CPU.
+gpu-check: $(VENV)/.installed
+	$(PY) tools/gpu_check.py
 
 # The browser test drives JupyterLab in Debian's Chromium (Playwright's own browser download is
 # not reachable here). Where Chromium cannot be installed (no root, no apt) the test skips and says so.

@@ -38,7 +38,8 @@ from .policies import make_queue
 from .scheduler import PREEMPTION_MODES, Scheduler, check_batch_size, check_token_budget
 
 KV_KINDS = ("concat", "paged")
-PAGED_OPTIONS = ("block_size", "num_blocks", "kv_memory_bytes", "bucket_shapes", "watermark", "prefix_caching")
+PAGED_OPTIONS = ("block_size", "num_blocks", "kv_memory_bytes", "bucket_shapes", "watermark", "prefix_caching",
+                 "kv_dtype")
 
 
 @dataclass
@@ -80,6 +81,8 @@ class Engine:
                              f"keep_records, and with kv='paged': {', '.join(PAGED_OPTIONS)}")
         if kv == "concat" and paged_args.get("prefix_caching"):
             raise ValueError("prefix_caching needs kv='paged': blocks are what the prefix cache shares")
+        if kv == "concat" and paged_args.get("kv_dtype") is not None:
+            raise ValueError("kv_dtype needs kv='paged': the int8 pool is a paged pool")
         self.info = modelinfo.describe(model, tokenizer)  # refuses models the engine cannot run exactly
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -114,6 +117,11 @@ class Engine:
         prompt_ids = self._check(request)
         at = self.now() if request.arrival_time is None else float(request.arrival_time)
         return self._enqueue(request, prompt_ids, at)
+
+    @property
+    def num_steps(self) -> int:
+        """Forward steps run so far (idle waits for arrivals not counted), kept even without records."""
+        return self._num_steps
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -170,9 +178,7 @@ class Engine:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(requests), desc="requests", unit="req")
-        # The paged cache switches the model's attention for each step; for a whole run it switches
-        # once (steps inside find it switched) and restores it when the run ends, however it ends.
-        with self.kv.attention(self.model):
+        with self.serving():
             while self.has_unfinished():
                 record = self.step()
                 if bar is not None:
@@ -182,6 +188,12 @@ class Engine:
         if bar is not None:
             bar.close()
         return [self.completions[r.request_id] for r in requests]
+
+    def serving(self):
+        """A context for many :meth:`step` calls in a row: the paged cache switches the model's attention
+        once for the whole block (each step inside finds it switched) instead of once per step, and
+        restores it when the block ends, however it ends. :meth:`run` uses it."""
+        return self.kv.attention(self.model)
 
     def stream(self, requests=()):
         """Add ``requests`` (validated as in :meth:`run`) and yield a :class:`StreamEvent` per generated

@@ -58,7 +58,9 @@ class PagedKVPool:
 
     def read(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather whole blocks: ``block_tables`` ``[G, n]`` gives K and V of ``[G, n * block_size, kv_heads, D]``."""
-        return self.k[layer][block_tables].flatten(1, 2), self.v[layer][block_tables].flatten(1, 2)
+        flat = block_tables.flatten()  # index_select on the block axis: one contiguous copy per block
+        shape = (block_tables.shape[0], -1, *self.k[layer].shape[2:])
+        return (self.k[layer].index_select(0, flat).view(shape), self.v[layer].index_select(0, flat).view(shape))
 
     def copy_out(self, blocks: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """K and V of ``blocks`` in every layer, copied to host memory (swap-out)."""
@@ -78,20 +80,36 @@ class PagedKVPool:
         return k.view(-1, *k.shape[2:])[slots], v.view(-1, *v.shape[2:])[slots]
 
 
+KV_DTYPES = (None, "int8")
+
+
+def _pool_class(kv_dtype):
+    """The pool that stores K/V: the model's dtype (``None``) or int8 (:mod:`cbteach.kv_int8`)."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be None (the model's dtype) or 'int8', got {kv_dtype!r}")
+    if kv_dtype == "int8":
+        from .kv_int8 import Int8KVPool
+
+        return Int8KVPool
+    return PagedKVPool
+
+
 class PagedKVCache:
     """The engine's view of the paged cache: the manager that hands out blocks, and the pool."""
 
     kind = "paged"
 
     def __init__(self, *, num_layers, num_kv_heads, head_dim, num_blocks, block_size=16,
-                 dtype=torch.float32, device="cpu", bucket_shapes=None, watermark=0.01, prefix_caching=False):
+                 dtype=torch.float32, device="cpu", bucket_shapes=None, watermark=0.01, prefix_caching=False,
+                 kv_dtype=None):
         """``bucket_shapes``: pad attention shapes to powers of two (default: on CUDA only, where new
         shapes cost a one-off setup; on a CPU the padding would only cost compute)."""
         check_positive_int("block_size", block_size)
         check_positive_int("num_blocks", num_blocks)
         self.manager = KVCacheManager(num_blocks, block_size, watermark=watermark, prefix_caching=prefix_caching)
-        self.pool = PagedKVPool(num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
-                                num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device=device)
+        pool_cls = _pool_class(kv_dtype)
+        self.pool = pool_cls(num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
+                             num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device=device)
         self.last_traffic = KVTraffic()
         self.swap_space: dict = {}  # request id -> per-layer host copies of its K/V blocks
         self.swap_stats = {"bytes_out": 0, "bytes_in": 0, "seconds": 0.0}
@@ -102,7 +120,7 @@ class PagedKVCache:
 
     @classmethod
     def for_model(cls, info, *, block_size=16, num_blocks=None, kv_memory_bytes=None, max_batch_size=8,
-                  bucket_shapes=None, watermark=0.01, prefix_caching=False):
+                  bucket_shapes=None, watermark=0.01, prefix_caching=False, kv_dtype=None):
         """Size a pool for the model ``info`` describes: ``num_blocks`` directly, or as many as
         ``kv_memory_bytes`` holds, or by default enough for ``max_batch_size`` sequences of the
         model's full length (capped at 4,096 positions each, so a long-context hub model does not
@@ -110,16 +128,20 @@ class PagedKVCache:
         if num_blocks is not None and kv_memory_bytes is not None:
             raise ValueError("give num_blocks or kv_memory_bytes, not both")
         check_positive_int("block_size", block_size)  # before it divides the memory budget
+        pool_cls = _pool_class(kv_dtype)
         if kv_memory_bytes is not None:
-            num_blocks = int(kv_memory_bytes // (info.kv_bytes_per_token * block_size))
+            per_token = info.kv_bytes_per_token if pool_cls is PagedKVPool else \
+                pool_cls.bytes_per_token_for(info.num_layers, info.num_kv_heads, info.head_dim)
+            num_blocks = int(kv_memory_bytes // (per_token * block_size))
             if num_blocks < 1:
                 raise ValueError(f"kv_memory_bytes={kv_memory_bytes} holds no block of {block_size} tokens "
-                                 f"({info.kv_bytes_per_token * block_size} bytes each)")
+                                 f"({per_token * block_size} bytes each)")
         if num_blocks is None:
             num_blocks = max_batch_size * math.ceil(min(info.max_positions or 4096, 4096) / block_size)
         return cls(num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
                    num_blocks=num_blocks, block_size=block_size, dtype=info.dtype, device=info.device,
-                   bucket_shapes=bucket_shapes, watermark=watermark, prefix_caching=prefix_caching)
+                   bucket_shapes=bucket_shapes, watermark=watermark, prefix_caching=prefix_caching,
+                   kv_dtype=kv_dtype)
 
     def slots(self, seq, start: int, end: int) -> torch.Tensor:
         """Pool slots of the sequence's tokens ``start..end-1``: ``block_table[p // B] * B + p % B``.

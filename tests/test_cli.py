@@ -46,5 +46,5 @@ def test_bench_runs_small_and_writes_json(tmp_path, capsys):
     assert out.count("same tokens as static: True") == 2
     data = json.loads((tmp_path / "bench-bierce.json").read_text())
     assert set(data["step_time_vs_history"]) == {"concat", "paged"}
-    paged = data["throughput"]["paged"]
+    paged = data["throughput"]["cbteach_paged"]
     assert 0 < paged["paged_utilisation"] <= 1 and 0 < paged["contiguous_utilisation"] <= 1

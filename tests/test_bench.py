@@ -1,0 +1,108 @@
+"""The benchmark tools, run small: shapes of what they write and the slot arithmetic they report.
+
+Nothing here is timed or compared against a speed: timings belong to ``make bench`` and
+``make gpu-check``, whose targets are printed as met / not met, never asserted.
+"""
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from cbteach import Engine, Request, static_batching
+from cbteach.bench import ENGINES, cli, ideal_speedup, slot_steps, targets
+from cbteach.bierce.corpus import headword_prompts
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- pure helpers --------------------------------------------------------------------------------
+def test_ideal_speedup_is_static_steps_over_continuous_steps():
+    assert ideal_speedup(300, 100) == 3.0
+    assert ideal_speedup(50, 50) == 1.0
+    assert math.isnan(ideal_speedup(10, 0))
+
+
+def test_slot_steps_on_hand_made_lengths():
+    # waves [10, 1] and [1, 1]: static runs 10 + 1 steps; continuous needs the longest output, 10
+    assert slot_steps([10, 1, 1, 1], 2) == {"static": 11, "continuous": 10, "ideal_speedup": 1.1}
+    # equal lengths: nothing to gain
+    assert slot_steps([5, 5, 5, 5], 2) == {"static": 10, "continuous": 10, "ideal_speedup": 1.0}
+    # many short requests behind one long one: static waits 4 times for a wave's longest
+    got = slot_steps([8, 2, 8, 2, 8, 2, 8, 2], 2)
+    assert got["static"] == 32 and got["continuous"] == 20 and got["ideal_speedup"] == 1.6
+    assert slot_steps([7], 4) == {"static": 7, "continuous": 7, "ideal_speedup": 1.0}
+
+
+def test_targets_on_hand_made_rows():
+    rows = {"static": {"seconds": 10.0, "steps": 100, "tokens_per_s": 100.0},
+            "cbteach_paged": {"seconds": 6.0, "steps": 50, "tokens_per_s": 300.0},
+            "transformers_cb": {"seconds": 5.0, "steps": None, "tokens_per_s": 250.0}}
+    t = targets(rows)
+    ideal = t["paged_vs_ideal"]
+    assert ideal["ideal_speedup"] == 2.0 and ideal["measured_speedup"] == pytest.approx(10 / 6)
+    assert ideal["value"] == pytest.approx(10 / 12) and ideal["met"] is False  # 0.83 < 0.9
+    assert t["paged_vs_transformers_cb"]["value"] == pytest.approx(1.2) and t["paged_vs_transformers_cb"]["met"] is False
+    rows["cbteach_paged"].update(seconds=5.0, tokens_per_s=400.0)
+    t = targets(rows)
+    assert t["paged_vs_ideal"]["met"] is True and t["paged_vs_transformers_cb"]["met"] is True
+    # an engine that failed or did not run: the target is not measured, not failed
+    t = targets({"static": rows["static"], "cbteach_paged": rows["cbteach_paged"], "transformers_cb": {"error": "x"}})
+    assert t["paged_vs_transformers_cb"]["met"] is None and t["paged_vs_ideal"]["met"] is True
+
+
+def test_slot_arithmetic_predicts_the_engines_step_counts(bierce):
+    model, tok = bierce
+    reqs = lambda: [Request(p, 20) for p in headword_prompts(6)]  # noqa: E731
+    res = static_batching(model, tok, reqs(), 3)
+    lengths = [len(c.output_ids) for c in res]
+    predicted = slot_steps(lengths, 3)
+    assert len(res.steps) == predicted["static"]  # exactly: one step per token of each wave's longest
+    eng = Engine(model, tok, max_batch_size=3, kv="paged")
+    eng.run(reqs())
+    assert len(eng.records) >= predicted["continuous"]  # a lower bound: a freed slot refills a step later
+
+
+# -- the commands, small -----------------------------------------------------------------------
+def test_bench_small_run_writes_every_engine(tmp_path, bierce):
+    path = tmp_path / "bench.json"
+    assert cli(["--requests", "4", "--batch-size", "2", "--max-new-tokens", "8", "--history", "6",
+                "--json", str(path), "--no-progress"]) == 0
+    data = json.loads(path.read_text())
+    rows = data["throughput"]
+    assert set(rows) == set(ENGINES)
+    for name, row in rows.items():
+        assert "error" not in row, row
+        assert row["tokens"] > 0 and row["tokens_per_s"] > 0 and row["seconds"] > 0 and row["first_run_seconds"] > 0
+    assert all(rows[n]["steps"] > 0 for n in ("static", "cbteach_concat", "cbteach_paged"))
+    assert rows["transformers_cb"]["steps"] is None  # not counted for transformers
+    assert rows["cbteach_concat"]["identical_to_static"] and rows["cbteach_paged"]["identical_to_static"]
+    assert rows["transformers_cb"]["matched"] is True  # greedy fp32: transformers' CB gives our tokens
+    assert set(data["targets"]) == {"paged_vs_ideal", "paged_vs_transformers_cb"}
+    assert all(t["met"] in (True, False) for t in data["targets"].values())
+    sh = data["step_time_vs_history"]
+    assert min(sh["concat"]["kv_bytes_copied"]) > 0 and min(sh["paged"]["kv_bytes_read"]) > 0
+    assert max(sh["paged"]["kv_bytes_copied"]) == 0 and max(sh["concat"]["kv_bytes_read"]) == 0
+
+
+def test_gpu_check_small_on_cpu(tmp_path):
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    out = tmp_path / "gpu.json"
+    code = gpu_check.main(["--small", "--skip-notebooks", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert code == 0 and "errors" not in data, data.get("errors")
+    assert isinstance(data["device"], str) and data["device"]
+    assert data["notebooks"] == {} and data["notebooks_skipped"]
+    assert set(data["exact_fp32"]) == {"static", "concat", "paged", "paged_budget32"}
+    for mode, (equal, total) in data["exact_fp32"].items():
+        assert total > 0 and equal == total, mode
+    assert set(data["throughput"]) == {"bierce", "llama_1b"}
+    for workload, rows in data["throughput"].items():
+        assert set(rows) == set(ENGINES), workload
+        assert all(isinstance(v, float) and v > 0 for v in rows.values()), rows
+        first = data["first_run_seconds"][workload]
+        assert set(first) >= {"cbteach_concat", "cbteach_paged"}
+        assert all(len(pair) == 2 and min(pair) > 0 for pair in first.values())
