@@ -35,6 +35,7 @@ from .records import SeqStep, StepRecord
 from .request import Completion, Request, Sequence, validate_request
 from .sampling import make_generator
 from .policies import make_queue
+from .speculative import make_proposer
 from .scheduler import PREEMPTION_MODES, Scheduler, check_batch_size, check_token_budget
 
 KV_KINDS = ("concat", "paged")
@@ -72,13 +73,14 @@ class Engine:
         token_budget = policy.pop("token_budget", None)
         check_token_budget(token_budget)
         queue = make_queue(policy.pop("policy", "fcfs"))
+        self.proposer = make_proposer(policy.pop("speculative", None), policy.pop("num_speculative_tokens", 3))
         preemption = policy.pop("preemption", "recompute")
         if preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {preemption!r}")
         paged_args = {k: policy.pop(k) for k in PAGED_OPTIONS if k in policy}
         if policy:
             raise ValueError(f"unknown engine option(s) {sorted(policy)}; allowed: token_budget, policy, preemption, "
-                             f"keep_records, and with kv='paged': {', '.join(PAGED_OPTIONS)}")
+                             f"speculative, num_speculative_tokens, keep_records, and with kv='paged': {', '.join(PAGED_OPTIONS)}")
         if kv == "concat" and paged_args.get("prefix_caching"):
             raise ValueError("prefix_caching needs kv='paged': blocks are what the prefix cache shares")
         if kv == "concat" and paged_args.get("kv_dtype") is not None:
@@ -102,6 +104,7 @@ class Engine:
         self.completions: dict[object, Completion] = {}
         self.sequences: dict[object, Sequence] = {}  # every request ever added, by id
         self._num_steps = 0
+        self.spec_stats = {"drafted": 0, "accepted": 0, "verify_steps": 0}  # speculative decoding
         self._t0 = time.perf_counter()
 
     # -- public API --------------------------------------------------------------------------
@@ -133,6 +136,8 @@ class Engine:
     def step(self) -> StepRecord:
         """Run one forward pass over everything scheduled and return what happened."""
         start = self.now()
+        if self.proposer is not None:
+            self._propose()
         plan = self.scheduler.schedule(start)
         record = StepRecord(step=self._num_steps, kv_kind=self.kv.kind, start_time=start,
                             admitted=[s.request_id for s in plan.admitted],
@@ -142,15 +147,19 @@ class Engine:
             out = self.runner.execute(plan)
             now = self.now()
             kinds = [_kind(s, c, n) for s, c, n in zip(plan.seqs, plan.num_computed_tokens, plan.num_scheduled_tokens)]
+            before = [len(s.output_ids) for s in plan.seqs]
             finished = self.scheduler.update_from_output(plan, out.sampled, now)
             for seq in finished:
                 self._complete(seq, now)
             record.finished = [s.request_id for s in finished]
             record.seqs = [SeqStep(request_id=s.request_id, slot=s.slot, kind=k, num_computed_tokens=c,
-                                   num_scheduled_tokens=n, token_ids=ch, sampled=tok,
-                                   finish_reason=s.finish_reason if tok is not None else None)
-                           for s, k, c, n, ch, tok in zip(plan.seqs, kinds, plan.num_computed_tokens,
-                                                          plan.num_scheduled_tokens, out.chunks, out.sampled)]
+                                   num_scheduled_tokens=n, token_ids=ch, sampled=s.output_ids[-1] if new else None,
+                                   new_token_ids=s.output_ids[b:], num_draft_tokens=d,
+                                   finish_reason=s.finish_reason if new else None)
+                           for s, k, c, n, ch, new, d, b in zip(plan.seqs, kinds, plan.num_computed_tokens,
+                                                                plan.num_scheduled_tokens, out.chunks, out.sampled,
+                                                                out.num_draft_tokens, before)]
+            self._count_speculation(record)
             record.forward_time = out.forward_time
             record.kv_bytes_copied, record.kv_bytes_read = out.traffic.bytes_copied, out.traffic.bytes_read
             record.kv_copy_time = out.traffic.seconds
@@ -204,9 +213,13 @@ class Engine:
         while self.has_unfinished():
             record = self.step()
             for s in record.seqs:
-                if s.sampled is not None:
-                    yield StreamEvent(s.request_id, s.sampled, self._increment(s.request_id, shown, s.finish_reason),
-                                      s.finish_reason, self.now())
+                seq = self.sequences[s.request_id]
+                base = len(seq.output_ids) - len(s.new_token_ids)
+                for j, token in enumerate(s.new_token_ids):  # one event per token, several after speculation
+                    last = j == len(s.new_token_ids) - 1
+                    reason = s.finish_reason if last else None
+                    yield StreamEvent(s.request_id, token, self._increment(seq, base + j + 1, shown, reason),
+                                      reason, self.now())
             if not record.seqs:
                 self._wait_for_arrival()
 
@@ -237,6 +250,22 @@ class Engine:
         self.kv.check_fits(len(prompt_ids) + request.max_new_tokens, request.request_id)
         return prompt_ids
 
+    def _propose(self) -> None:
+        """Speculative decoding: guesses for every greedy decoding sequence, at most what it may still emit."""
+        for seq in self.scheduler.running:
+            room = seq.request.max_new_tokens - len(seq.output_ids) - 1
+            if seq.output_ids and seq.num_computed_tokens == seq.num_tokens - 1 and room > 0 \
+                    and seq.request.sampling_params.greedy:
+                k = min(self.proposer.k, room)
+                seq.draft_ids = self.proposer.propose(seq.token_ids(0, seq.num_tokens), k)[:k]
+
+    def _count_speculation(self, record) -> None:
+        for s in record.seqs:
+            if s.num_draft_tokens:
+                self.spec_stats["drafted"] += s.num_draft_tokens
+                self.spec_stats["accepted"] += len(s.new_token_ids) - 1
+                self.spec_stats["verify_steps"] += 1
+
     def _add_all(self, requests) -> list[Request]:
         requests = list(requests)
         taken: set = set()
@@ -249,11 +278,13 @@ class Engine:
             self._enqueue(r, prompt_ids, t_run + (r.arrival_time or 0.0))
         return requests
 
-    def _increment(self, request_id, shown: dict, finish_reason) -> str | None:
-        """The new text a token adds (held back while it ends in half a UTF-8 character)."""
+    def _increment(self, seq: Sequence, upto: int, shown: dict, finish_reason) -> str | None:
+        """The new text the output's first ``upto`` tokens add (held back while it ends in half a UTF-8
+        character)."""
         if self.tokenizer is None:
             return None
-        full = self.tokenizer.decode(self.sequences[request_id].output_ids, skip_special_tokens=True)
+        request_id = seq.request_id
+        full = self.tokenizer.decode(seq.output_ids[:upto], skip_special_tokens=True)
         before = shown.get(request_id, "")
         if (full.endswith("\ufffd") and not finish_reason) or not full.startswith(before):
             return ""
@@ -289,6 +320,6 @@ class Engine:
 
 
 def _kind(seq: Sequence, num_computed: int, num_scheduled: int) -> str:
-    """"decode": it feeds the one token it sampled last step; "prefill": anything else (a prompt,
-    a chunk of one, or recomputing prompt + output after a preemption)."""
-    return "decode" if num_scheduled == 1 and num_computed == seq.num_tokens - 1 and seq.output_ids else "prefill"
+    """"decode": it feeds the one token it sampled last step (plus any speculative guesses);
+    "prefill": anything else (a prompt, a chunk of one, or recomputing after a preemption)."""
+    return "decode" if num_computed == seq.num_tokens - 1 and seq.output_ids else "prefill"

@@ -140,6 +140,14 @@ class ConcatKVCache(UnboundedKVManager):
     def free(self, seq) -> None:
         self.kv.pop(seq.request_id, None)
 
+    def trim(self, seq) -> None:
+        """Drop K/V past ``seq``'s computed tokens (rejected speculative guesses)."""
+        n = seq.num_computed_tokens
+        layers = self.kv.get(seq.request_id) or []
+        for i, kv in enumerate(layers):
+            if kv is not None:
+                layers[i] = (kv[0][:, :, :n], kv[1][:, :, :n])
+
     def usage(self) -> dict:
         """Sequences and tokens held right now."""
         return {"num_sequences": len(self.kv),

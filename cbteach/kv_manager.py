@@ -134,6 +134,13 @@ class KVCacheManager:
         if self.prefix_cache is not None:
             self.prefix_cache.forget(seq)
 
+    def trim(self, seq) -> None:
+        """Give back the blocks past ``seq``'s computed tokens (they held rejected speculative guesses)."""
+        keep = self.blocks_needed(seq.num_computed_tokens)
+        for block in reversed(seq.block_table[keep:]):
+            self.allocator.release(block)
+        del seq.block_table[keep:]
+
     # -- prefix caching --------------------------------------------------------------------------
     def take_cached_prefix(self, seq) -> int:
         """Start a block-less ``seq`` on the cached blocks of its longest cached prefix; returns the
@@ -205,6 +212,9 @@ class UnboundedKVManager:
 
     def take_cached_prefix(self, seq) -> int:
         return 0
+
+    def trim(self, seq) -> None:
+        pass
 
     def on_admitted(self, seq) -> None:
         pass

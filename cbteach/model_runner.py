@@ -11,7 +11,9 @@ The scheduler decides *who* runs and *how many* tokens each feeds (a
    4-D mask (concat) or the metadata for paged attention. ``logits_to_keep`` asks the model for the
    logits of each sequence's last token only;
 4. **sample** -- a sequence whose known tokens are now all computed gets one new token
-   (:mod:`cbteach.sampling`); a prefill chunk that stopped short gets ``None``.
+   (:mod:`cbteach.sampling`); a prefill chunk that stopped short gets ``None``. A sequence that
+   fed speculative guesses gets every guess the model agrees with plus one token of its own
+   (:mod:`cbteach.speculative`).
 
 It changes no request state: :meth:`~cbteach.scheduler.Scheduler.update_from_output` does that.
 """
@@ -24,14 +26,16 @@ import torch
 
 from .sampling import sample
 from .scheduler import SchedulerOutput
+from .speculative import accept
 
 
 @dataclass
 class RunnerOutput:
-    sampled: list  # per scheduled sequence: the new token id, or None for a partial prefill chunk
-    chunks: list  # per scheduled sequence: the token ids it fed
+    sampled: list  # per scheduled sequence: its new token ids (several after speculation), or None
+    chunks: list  # per scheduled sequence: the token ids it fed (guesses included)
     forward_time: float
     traffic: object  # the KV cache's KVTraffic for this step
+    num_draft_tokens: list  # per scheduled sequence: guesses fed (speculative decoding)
 
 
 class ModelRunner:
@@ -40,26 +44,41 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
-        seqs = plan.seqs
-        chunks = [s.token_ids(c, c + n) for s, c, n in zip(seqs, plan.num_computed_tokens, plan.num_scheduled_tokens)]
-        meta = self.kv.build_metadata([t for ch in chunks for t in ch], seqs, plan.num_computed_tokens,
-                                      plan.num_scheduled_tokens, self.info.device)
+        seqs, starts, counts = plan.seqs, plan.num_computed_tokens, plan.num_scheduled_tokens
+        # Speculative decoding: a decode may feed guesses past its known tokens (seq.draft_ids).
+        drafts = [max(0, c + n - s.num_tokens) for s, c, n in zip(seqs, starts, counts)]
+        chunks = [s.token_ids(c, c + n - d) + s.draft_ids[:d] for s, c, n, d in zip(seqs, starts, counts, drafts)]
+        meta = self.kv.build_metadata([t for ch in chunks for t in ch], seqs, starts, counts, self.info.device)
+        # Logits of each sequence's last token -- and of every fed token of a speculative one.
+        num_logits = [n if d else 1 for n, d in zip(counts, drafts)]
+        rows = meta.logits_indices
+        if any(drafts):
+            ends = torch.tensor(counts).cumsum(0).tolist()
+            rows = torch.tensor([i for e, k in zip(ends, num_logits) for i in range(e - k, e)], device=self.info.device)
         kwargs = self.kv.forward_kwargs(meta)
         if self.info.accepts_logits_to_keep:
-            kwargs["logits_to_keep"] = meta.logits_indices
+            kwargs["logits_to_keep"] = rows
         t0 = time.perf_counter()
         with self.kv.attention(self.model):
             out = self.model(input_ids=meta.input_ids, position_ids=meta.positions, **kwargs)
         forward_time = time.perf_counter() - t0
         traffic = self.kv.after_forward(meta)
 
-        logits = out.logits[0] if self.info.accepts_logits_to_keep else out.logits[0, meta.logits_indices]
-        done = [c + n == s.num_tokens for s, c, n in zip(seqs, plan.num_computed_tokens, plan.num_scheduled_tokens)]
-        rows = [i for i, d in enumerate(done) if d]
+        logits = out.logits[0] if self.info.accepts_logits_to_keep else out.logits[0, rows]
+        first_row = [0]
+        for k in num_logits:
+            first_row.append(first_row[-1] + k)
         sampled: list = [None] * len(seqs)
-        if rows:
-            picked = sample(logits[rows] if len(rows) < len(seqs) else logits,
-                            [seqs[i].request.sampling_params for i in rows], [seqs[i].generator for i in rows])
-            for i, token in zip(rows, picked):
-                sampled[i] = token
-        return RunnerOutput(sampled=sampled, chunks=chunks, forward_time=forward_time, traffic=traffic)
+        plain = [i for i, (s, c, n, d) in enumerate(zip(seqs, starts, counts, drafts)) if not d and c + n == s.num_tokens]
+        if plain:
+            last = [first_row[i + 1] - 1 for i in plain]
+            picked = sample(logits[last], [seqs[i].request.sampling_params for i in plain],
+                            [seqs[i].generator for i in plain])
+            for i, token in zip(plain, picked):
+                sampled[i] = [token]
+        for i, d in enumerate(drafts):
+            if d:  # greedy verification of the guesses (drafts are only made for greedy requests)
+                targets = logits[first_row[i]:first_row[i + 1]].argmax(dim=-1).tolist()
+                sampled[i] = accept(seqs[i].draft_ids[:d], targets)
+        return RunnerOutput(sampled=sampled, chunks=chunks, forward_time=forward_time, traffic=traffic,
+                            num_draft_tokens=drafts)

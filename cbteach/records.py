@@ -27,7 +27,9 @@ class SeqStep:
     num_computed_tokens: int  # tokens already in the KV cache before this step
     num_scheduled_tokens: int  # tokens fed this step
     token_ids: list[int]  # the tokens fed
-    sampled: int | None = None  # token produced at the end of this step (None for a partial prefill chunk)
+    sampled: int | None = None  # last token produced by this step (None for a partial prefill chunk)
+    new_token_ids: list[int] = field(default_factory=list)  # every token it produced (several after speculation)
+    num_draft_tokens: int = 0  # speculative guesses fed (and checked) in this step
     finish_reason: str | None = None  # "eos" or "length" if the sequence finished on this step
 
     @property

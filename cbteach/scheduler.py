@@ -126,7 +126,7 @@ class Scheduler:
                 break
             if seq.status is not RequestStatus.RUNNING:  # preempted a moment ago to make room
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.num_tokens - seq.num_computed_tokens + len(seq.draft_ids), budget)  # + speculative guesses
             while (room := self.kv.num_allocatable_tokens(seq)) < 1:
                 victim = self.waiting.pick_victim(self.running)
                 budget += self._preempt(victim, out)
@@ -172,21 +172,30 @@ class Scheduler:
             budget -= self._schedule(seq, min(remaining, budget), out)
         return out
 
-    def update_from_output(self, out: SchedulerOutput, sampled: list[int | None], now: float) -> list[Sequence]:
-        """Advance every scheduled sequence by what the step computed; append sampled tokens, stop the
-        finished ones and free their KV. Returns the sequences that finished on this step."""
+    def update_from_output(self, out: SchedulerOutput, sampled: list, now: float) -> list[Sequence]:
+        """Advance every scheduled sequence by what the step computed; append its sampled tokens
+        (``sampled[i]``: a list, several after speculative decoding, or None), stop the finished ones
+        and free their KV. Returns the sequences that finished on this step."""
         finished = []
-        for seq, n, token in zip(out.seqs, out.num_scheduled_tokens, sampled):
-            seq.num_computed_tokens += n
+        for seq, c, n, tokens in zip(out.seqs, out.num_computed_tokens, out.num_scheduled_tokens, sampled):
+            drafts = max(0, c + n - seq.num_tokens)  # speculative guesses fed past the known tokens
+            # K/V stay valid for the known tokens and the accepted guesses; rejected ones are forgotten.
+            seq.num_computed_tokens = c + n - drafts + (len(tokens) - 1 if drafts else 0)
+            seq.draft_ids = []
+            if drafts:
+                self.kv.trim(seq)  # blocks that held only rejected guesses go back to the pool
             self.kv.on_computed(seq)
-            if token is None:  # a prefill chunk that did not reach the end of the known tokens
+            if tokens is None:  # a prefill chunk that did not reach the end of the known tokens
                 continue
-            seq.output_ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            seq.token_times.append(now)
-            seq.finish_reason = stop_reason(seq.output_ids, seq.request.max_new_tokens, self.eos_ids,
-                                            seq.request.ignore_eos)
+            for token in tokens:
+                seq.output_ids.append(token)
+                seq.token_times.append(now)
+                seq.finish_reason = stop_reason(seq.output_ids, seq.request.max_new_tokens, self.eos_ids,
+                                                seq.request.ignore_eos)
+                if seq.finish_reason:
+                    break
             if seq.finish_reason:
                 seq.status = RequestStatus.FINISHED
                 self.running.remove(seq)

@@ -1,0 +1,88 @@
+"""Speculative decoding inside the batch: greedy output is exactly the non-speculative output."""
+import math
+import random
+
+import pytest
+import torch
+
+from cbteach import Engine, Request
+from cbteach.speculative import NgramProposer, accept
+from conftest import VOCAB, reference, tiny_model
+
+MODEL = tiny_model("llama")
+
+
+def test_accept_keeps_agreeing_guesses_and_the_models_own_token():
+    assert accept([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all accepted + a bonus token
+    assert accept([5, 9, 7], [5, 6, 7, 8]) == [5, 6]  # first mismatch: the model's token instead
+    assert accept([9], [5, 6]) == [5]
+    assert accept([], [4]) == [4]
+
+
+def test_ngram_proposer_looks_up_the_latest_earlier_occurrence():
+    p = NgramProposer(3)
+    assert p.propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2) == [7, 8]
+    assert p.propose([1, 2, 3], 2) == []
+    assert p.propose([4, 5, 4], 3) == [5, 4]  # the 1-gram [4] was followed by 5, 4
+
+
+def repetitive_requests(seed=0, n=6):
+    g = random.Random(seed)
+    reqs = []
+    for i in range(n):
+        motif = [g.randrange(6, VOCAB) for _ in range(g.randint(2, 5))]
+        reqs.append(Request(motif * g.randint(2, 4) + [g.randrange(6, VOCAB)], g.randint(5, 30), request_id=i))
+    return reqs
+
+
+@pytest.mark.parametrize("kv", ["concat", "paged"])
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_ngram_speculation_is_exact(kv, k):
+    reqs = repetitive_requests()
+    eng = Engine(MODEL, max_batch_size=3, kv=kv, block_size=4, speculative="ngram", num_speculative_tokens=k)
+    got = eng.run(reqs)
+    assert [c.output_ids for c in got] == [reference(MODEL, r.prompt, r.max_new_tokens) for r in reqs]
+    assert eng.spec_stats["drafted"] > 0
+    assert 0 <= eng.spec_stats["accepted"] <= eng.spec_stats["drafted"]
+    verify = [s for r in eng.records for s in r.seqs if s.num_draft_tokens]
+    assert all(s.kind == "decode" and len(s.new_token_ids) <= s.num_draft_tokens + 1 for s in verify)
+    if kv == "paged":
+        assert eng.kv_usage()["num_free_blocks"] == eng.kv.num_blocks
+
+
+def test_speculation_with_budget_small_pool_and_preemption_stays_exact():
+    for seed in range(6):
+        reqs = repetitive_requests(seed, n=5)
+        bs = 2
+        need = max(math.ceil((len(r.prompt) + r.max_new_tokens - 1) / bs) for r in reqs)
+        eng = Engine(MODEL, max_batch_size=4, kv="paged", block_size=bs, num_blocks=need + 3, token_budget=7,
+                     speculative="ngram", num_speculative_tokens=4, preemption=["recompute", "swap"][seed % 2])
+        got = eng.run(reqs)
+        assert [c.output_ids for c in got] == [reference(MODEL, r.prompt, r.max_new_tokens) for r in reqs]
+        assert max(r.num_tokens for r in eng.records) <= 7
+        assert eng.kv_usage()["num_free_blocks"] == eng.kv.num_blocks
+
+
+def test_draft_model_speculation_is_exact_and_the_same_model_accepts_everything():
+    reqs = repetitive_requests(3, n=4)
+    eng = Engine(MODEL, max_batch_size=2, kv="paged", speculative=MODEL, num_speculative_tokens=3)
+    got = eng.run(reqs)
+    assert [c.output_ids for c in got] == [reference(MODEL, r.prompt, r.max_new_tokens) for r in reqs]
+    # the target as its own draft: every guess is right (up to EOS, which generate stops at)
+    assert eng.spec_stats["accepted"] >= 0.9 * eng.spec_stats["drafted"]
+
+
+def test_streamed_speculative_tokens_are_each_an_event():
+    reqs = repetitive_requests(1, n=3)
+    eng = Engine(MODEL, max_batch_size=3, kv="paged", speculative="ngram", num_speculative_tokens=4)
+    tokens = {}
+    for ev in eng.stream(reqs):
+        tokens.setdefault(ev.request_id, []).append(ev.token_id)
+    assert [tokens[r.request_id] for r in reqs] == [reference(MODEL, r.prompt, r.max_new_tokens) for r in reqs]
+
+
+def test_bad_speculative_options_are_refused():
+    with pytest.raises(ValueError, match="speculative must be None, 'ngram' or a draft model"):
+        Engine(MODEL, max_batch_size=1, speculative="medusa")
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        Engine(MODEL, max_batch_size=1, speculative="ngram", num_speculative_tokens=0)
