@@ -66,7 +66,7 @@ class Engine:
     """
 
     def __init__(self, model, tokenizer=None, *, max_batch_size: int, kv: str = "concat",
-                 keep_records: bool = True, **policy):
+                 keep_records: bool = True, clock=None, **policy):
         if kv not in KV_KINDS:
             raise ValueError(f"kv must be one of {KV_KINDS}, got {kv!r}")
         check_batch_size(max_batch_size)
@@ -106,11 +106,12 @@ class Engine:
         self._num_steps = 0
         self.spec_stats = {"drafted": 0, "accepted": 0, "verify_steps": 0}  # speculative decoding
         self._t0 = time.perf_counter()
+        self.clock = clock  # None: wall time; a VirtualClock: simulated time (see cbteach.disagg)
 
     # -- public API --------------------------------------------------------------------------
     def now(self) -> float:
         """Seconds on the engine's clock (since the engine was created)."""
-        return time.perf_counter() - self._t0
+        return self.clock() if self.clock is not None else time.perf_counter() - self._t0
 
     def add_request(self, request: Request):
         """Validate and queue a request; returns its ``request_id``. Bad input raises ``ValueError``.
@@ -144,7 +145,10 @@ class Engine:
                             preempted=[s.request_id for s in plan.preempted],
                             swapped_in=[s.request_id for s in plan.swapped_in])
         if plan.seqs:
+            t_real = time.perf_counter()
             out = self.runner.execute(plan)
+            if self.clock is not None:  # simulated time moves by what the step really took
+                self.clock.advance(time.perf_counter() - t_real)
             now = self.now()
             kinds = [_kind(s, c, n) for s, c, n in zip(plan.seqs, plan.num_computed_tokens, plan.num_scheduled_tokens)]
             before = [len(s.output_ids) for s in plan.seqs]
@@ -302,7 +306,10 @@ class Engine:
         nxt = self.scheduler.next_arrival()
         now = self.now()
         if nxt is not None and nxt > now:  # nothing to do until the next request arrives
-            time.sleep(nxt - now)
+            if self.clock is not None:
+                self.clock.advance(nxt - now)
+            else:
+                time.sleep(nxt - now)
         elif self.scheduler.running or self.scheduler.swapped:
             # Work is there and nothing could be scheduled: a scheduler bug, never a reason to spin.
             raise RuntimeError(f"the scheduler made no progress with {len(self.scheduler.running)} running and "

@@ -92,6 +92,7 @@ class KVCacheManager:
         self.allocator = BlockAllocator(num_blocks)
         self.prefix_cache = PrefixCache(block_size) if prefix_caching else None
         self.seqs: dict[object, object] = {}  # sequences holding blocks, by request id
+        self.before_free = None  # optional callback(seq), called before a sequence's blocks are released
 
     @property
     def num_free_blocks(self) -> int:
@@ -127,6 +128,8 @@ class KVCacheManager:
 
     def free(self, seq) -> None:
         """Give back every block of ``seq`` (finished, aborted or preempted)."""
+        if self.before_free is not None:
+            self.before_free(seq)  # last look at its blocks (a disaggregated prefill hands them over)
         for block in reversed(seq.block_table):  # the tail goes to the free list first: evicted first
             self.allocator.release(block)
         seq.block_table = []

@@ -111,6 +111,7 @@ class Sequence:
     finish_reason: str | None = None  # "eos" or "length" once finished
     num_cached_prompt_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     draft_ids: list[int] = field(default_factory=list)  # speculative guesses for the next step
+    ready_time: float = 0.0  # swapped-in K/V usable from this time on (a disaggregated handover's arrival)
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     num_preemptions: int = 0

@@ -112,8 +112,10 @@ class Scheduler:
         return bool(len(self.waiting) or self.running or self.swapped)
 
     def next_arrival(self) -> float | None:
-        """Earliest arrival time among waiting requests (None if nobody waits)."""
-        return min((s.arrival_time for s in self.waiting), default=None)
+        """Earliest time something can start: a waiting request's arrival or a handed-over request's
+        ``ready_time`` (None if nobody waits)."""
+        times = [s.arrival_time for s in self.waiting] + [s.ready_time for s in self.swapped]
+        return min(times, default=None)
 
     def schedule(self, now: float) -> SchedulerOutput:
         """Plan one step at engine time ``now``."""
@@ -138,7 +140,10 @@ class Scheduler:
 
         # 3. Swapped-out sequences come back first, in policy order, when their blocks fit again.
         while not pressure and self.swapped and len(self.running) < self.max_batch_size and budget > 0:
-            seq = min(self.swapped, key=self.waiting.key)
+            ready = [s for s in self.swapped if s.ready_time <= now]  # K/V handed over from elsewhere arrive late
+            if not ready:
+                break
+            seq = min(ready, key=self.waiting.key)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if self.kv.num_admittable_tokens(seq) < n:  # room beyond its computed tokens' blocks
                 break

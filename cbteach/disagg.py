@@ -1,0 +1,109 @@
+"""Disaggregated prefill and decode, simulated on one machine.
+
+In a colocated engine a long prompt's prefill shares steps with everyone's decodes, so one arrival
+stalls every running request's next token (an inter-token-latency spike), and decodes slow each
+prefill down in turn. DistServe (Zhong et al., OSDI'24) and Splitwise (Patel et al., ISCA'24) put
+the two phases on different GPUs: a **prefill engine** computes prompts and the first token, then
+**hands the request's KV blocks over a link** to a **decode engine** that only ever decodes.
+
+Here both engines are real :class:`~cbteach.engine.Engine`\\ s with their own paged pools, run on
+one machine in *simulated* time: each has a :class:`VirtualClock` that moves by what its steps
+really took, and the two clocks run side by side as two GPUs would (whichever is behind steps
+next). A handover copies the prompt's blocks out of the prefill pool (bytes counted) and arrives
+in the decode engine ``bytes / link_bytes_per_s`` later, where it is taken in exactly like a
+swapped-out request coming back (:meth:`~cbteach.kv_paged.PagedKVCache.swap_in`): the decode
+engine's pool and manager do the work, attention is unchanged. Outputs are exact: the K/V moved are
+the K/V computed.
+"""
+from __future__ import annotations
+
+import math
+
+from .engine import Engine
+from .request import Completion, Request, RequestStatus, Sequence
+
+
+class VirtualClock:
+    """Simulated seconds: moved forward by ``advance``, read by calling it."""
+
+    def __init__(self, t: float = 0.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += max(0.0, seconds)
+
+
+class DisaggregatedServer:
+    """A prefill engine and a decode engine, each with its own pool, joined by a modelled link.
+
+    ``link_bytes_per_s`` is the handover bandwidth (default 10 GB/s, between PCIe and NVLink).
+    ``prefill_options``/``decode_options`` go to each :class:`Engine` (``num_blocks``, ``token_budget``...).
+    """
+
+    def __init__(self, model, tokenizer=None, *, max_batch_size: int = 8, block_size: int = 16,
+                 link_bytes_per_s: float = 10e9, prefill_options: dict | None = None,
+                 decode_options: dict | None = None):
+        if not isinstance(link_bytes_per_s, (int, float)) or not link_bytes_per_s > 0 or math.isinf(link_bytes_per_s):
+            raise ValueError(f"link_bytes_per_s must be a finite number > 0, got {link_bytes_per_s!r}")
+        self.link_bytes_per_s = float(link_bytes_per_s)
+        common = dict(max_batch_size=max_batch_size, kv="paged", block_size=block_size, keep_records=False)
+        self.prefill = Engine(model, tokenizer, clock=VirtualClock(), **common, **(prefill_options or {}))
+        self.decode = Engine(model, tokenizer, clock=VirtualClock(), **common, **(decode_options or {}))
+        self.prefill.kv.manager.before_free = self._hand_over
+        self.transfers = {"requests": 0, "bytes": 0, "seconds": 0.0}
+        self._originals: dict[object, Request] = {}
+        self.completions: dict[object, Completion] = {}
+
+    def run(self, requests) -> list[Completion]:
+        """Serve ``requests`` (arrival times in simulated seconds from 0); completions in request order."""
+        requests = list(requests)
+        for r in requests:  # the decode pool must hold the whole request: refuse it up front otherwise
+            prompt_len = len(self.prefill._check(r))
+            self.decode.kv.check_fits(prompt_len + r.max_new_tokens, r.request_id)
+        for r in requests:
+            self._originals[r.request_id] = r
+            self.prefill.add_request(Request(r.prompt, 1, request_id=r.request_id, arrival_time=r.arrival_time or 0.0,
+                                             ignore_eos=r.ignore_eos, sampling_params=r.sampling_params))
+        engines = (self.prefill, self.decode)
+        while any(e.has_unfinished() for e in engines):
+            busy = [e for e in engines if e.has_unfinished()]
+            eng = min(busy, key=lambda e: e.now())  # the one behind in time goes next, as two GPUs would
+            other = self.decode if eng is self.prefill else self.prefill
+            if not eng.step().seqs:  # idle: jump to its next event, or catch up with the other engine
+                nxt = eng.scheduler.next_arrival()
+                target = nxt if nxt is not None and nxt > eng.now() else other.now()
+                if target <= eng.now() and not other.has_unfinished():
+                    raise RuntimeError("disaggregated serving made no progress; please report this")
+                eng.clock.advance(target - eng.now() if target > eng.now() else 1e-6)
+        for rid, c in self.prefill.completions.items():  # finished at their first token: never handed over
+            if rid not in self.decode.sequences:
+                self.completions[rid] = c
+        self.completions.update(self.decode.completions)
+        return [self.completions[r.request_id] for r in requests]
+
+    def _hand_over(self, seq: Sequence) -> None:
+        """The prefill engine frees a request's blocks: if it goes on decoding, ship its K/V first."""
+        original = self._originals.get(seq.request_id)
+        if original is None or seq.status is not RequestStatus.FINISHED or seq.finish_reason == "eos" \
+                or original.max_new_tokens == 1:
+            return
+        kv = self.prefill.kv
+        blocks = seq.block_table[:kv.manager.blocks_needed(seq.num_computed_tokens)]
+        data = kv.pool.copy_out(blocks)
+        nbytes = len(blocks) * kv.block_size * kv.pool.bytes_per_token
+        seconds = nbytes / self.link_bytes_per_s
+        self.transfers["requests"] += 1
+        self.transfers["bytes"] += nbytes
+        self.transfers["seconds"] += seconds
+        # The decode engine takes it in like a swapped-out request coming back, once the bytes arrive.
+        moved = Sequence(request=original, prompt_ids=list(seq.prompt_ids), arrival_time=seq.arrival_time,
+                         status=RequestStatus.SWAPPED, output_ids=list(seq.output_ids),
+                         num_computed_tokens=seq.num_computed_tokens, first_token_time=seq.first_token_time,
+                         token_times=list(seq.token_times), ready_time=self.prefill.now() + seconds,
+                         generator=seq.generator)
+        self.decode.sequences[seq.request_id] = moved
+        self.decode.kv.swap_space[seq.request_id] = data
+        self.decode.scheduler.swapped.append(moved)

@@ -1,0 +1,63 @@
+"""Disaggregated prefill and decode (simulated): exact outputs, counted handovers, simulated time."""
+import math
+import random
+
+import pytest
+
+from cbteach import Engine, Request
+from cbteach.disagg import DisaggregatedServer, VirtualClock
+from cbteach.metrics import summarize
+from conftest import EOS, VOCAB, reference, tiny_model
+
+MODEL = tiny_model("llama")
+
+
+def workload(seed=0, n=8):
+    g = random.Random(seed)
+    return [Request([g.randrange(6, VOCAB) for _ in range(g.randint(1, 40))], g.randint(1, 20), request_id=i,
+                    arrival_time=round(i * 0.002, 4)) for i in range(n)]
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_outputs_are_exact_and_handovers_counted(block_size):
+    reqs = workload()
+    server = DisaggregatedServer(MODEL, max_batch_size=3, block_size=block_size, link_bytes_per_s=1e8)
+    got = server.run(reqs)
+    assert [c.output_ids for c in got] == [reference(MODEL, r.prompt, r.max_new_tokens) for r in reqs]
+    handed = [r for r, c in zip(reqs, got) if r.max_new_tokens > 1 and c.output_ids[0] != EOS]
+    per_token = server.prefill.kv.pool.bytes_per_token
+    assert server.transfers["requests"] == len(handed)
+    assert server.transfers["bytes"] == sum(math.ceil(len(r.prompt) / block_size) * block_size * per_token
+                                            for r in handed)
+    assert server.transfers["seconds"] == pytest.approx(server.transfers["bytes"] / 1e8)
+    for e in (server.prefill, server.decode):
+        assert e.kv_usage()["num_free_blocks"] == e.kv.num_blocks and not e.kv.swap_space
+    for c in got:  # simulated times are consistent
+        assert c.arrival_time <= c.first_token_time <= c.token_times[-1] == c.finish_time
+
+
+def test_a_slow_link_delays_the_second_token_by_the_transfer_time():
+    r = Request(list(range(6, 38)), 3, request_id="x")
+    fast = DisaggregatedServer(MODEL, max_batch_size=1, block_size=4, link_bytes_per_s=1e12).run([r])[0]
+    slow_server = DisaggregatedServer(MODEL, max_batch_size=1, block_size=4, link_bytes_per_s=1e4)
+    slow = slow_server.run([Request(list(range(6, 38)), 3, request_id="x")])[0]
+    assert slow.output_ids == fast.output_ids
+    gap = slow.token_times[1] - slow.token_times[0]
+    assert gap >= slow_server.transfers["seconds"] > 1.0  # 32 tokens of K/V over 10 kB/s
+
+
+def test_colocated_engine_on_a_virtual_clock_for_comparison():
+    reqs = workload(1)
+    eng = Engine(MODEL, max_batch_size=3, kv="paged", clock=VirtualClock())
+    got = eng.run(reqs)
+    assert [c.output_ids for c in got] == [reference(MODEL, r.prompt, r.max_new_tokens) for r in reqs]
+    s = summarize(got)
+    assert s["ttft_p50"] >= 0 and s["num_completed"] == len(reqs)
+
+
+def test_bad_link_and_requests_that_cannot_fit_the_decode_pool_are_refused():
+    with pytest.raises(ValueError, match="link_bytes_per_s"):
+        DisaggregatedServer(MODEL, link_bytes_per_s=0)
+    server = DisaggregatedServer(MODEL, max_batch_size=1, block_size=4, decode_options={"num_blocks": 3})
+    with pytest.raises(ValueError, match="KV blocks"):
+        server.run([Request(list(range(6, 20)), 10)])
