@@ -87,3 +87,25 @@ class Int8KVPool(PagedKVPool):
         for group, saved in zip(zip(self.k, self.v, self.k_scale, self.v_scale), data):
             for t, h in zip(group, saved):
                 t[idx] = h.to(t.device)
+
+
+@torch.no_grad()
+def kv_loss(model, token_ids: list[int], kv_dtype=None, block_size: int = 16) -> float:
+    """The model's mean next-token loss on ``token_ids`` when attention reads its K/V from a paged pool
+    stored as ``kv_dtype`` (``None``: the model's dtype, ``"int8"``): one prefill pass writes every
+    token's K/V into the pool, and every query reads them back from it -- quantised, for int8."""
+    from types import SimpleNamespace
+
+    from .kv_paged import PagedKVCache
+    from .modelinfo import describe
+
+    if len(token_ids) < 2:
+        raise ValueError("kv_loss needs at least two tokens (one prediction)")
+    info = describe(model)
+    n = len(token_ids)
+    cache = PagedKVCache.for_model(info, block_size=block_size, num_blocks=-(-n // block_size), kv_dtype=kv_dtype)
+    seq = SimpleNamespace(block_table=list(range(cache.num_blocks)))
+    meta = cache.build_metadata(list(token_ids), [seq], [0], [n], info.device)
+    with cache.attention(model):
+        logits = model(input_ids=meta.input_ids, position_ids=meta.positions, **cache.forward_kwargs(meta)).logits[0]
+    return torch.nn.functional.cross_entropy(logits[:-1].float(), meta.input_ids[0, 1:]).item()

@@ -49,3 +49,16 @@ def test_kv_memory_bytes_counts_int8_bytes_and_bad_kv_dtype_is_refused():
         Engine(model, max_batch_size=2, kv="paged", kv_dtype="int4")
     with pytest.raises(ValueError, match="kv_dtype needs kv='paged'"):
         Engine(model, max_batch_size=2, kv_dtype="int8")
+
+
+def test_kv_loss_fp32_pool_is_the_models_loss_and_int8_changes_it_a_little(bierce):
+    from cbteach.bierce.corpus import load_entries
+    from cbteach.kv_int8 import kv_loss
+
+    model, tok = bierce
+    ids = tok(" ".join(e["text"] for e in load_entries()[-3:]))["input_ids"][:200]
+    with torch.no_grad():
+        own = model(torch.tensor([ids]), labels=torch.tensor([ids])).loss.item()
+    assert kv_loss(model, ids) == pytest.approx(own, abs=1e-4)
+    int8 = kv_loss(model, ids, kv_dtype="int8")
+    assert int8 != own and abs(int8 - own) < 0.05 * own
