@@ -26,7 +26,6 @@ Every time in a :class:`~cbteach.request.Completion` is on it. A request's ``arr
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 from . import modelinfo
 from .kv_concat import ConcatKVCache
@@ -35,23 +34,13 @@ from .records import SeqStep, StepRecord
 from .request import Completion, Request, Sequence, validate_request
 from .sampling import make_generator
 from .policies import make_queue
-from .speculative import make_proposer
+from .speculative import count_speculation, make_proposer, propose_for
+from .streaming import StreamEvent, stream_events  # noqa: F401  (StreamEvent: part of the engine's API)
 from .scheduler import PREEMPTION_MODES, Scheduler, check_batch_size, check_token_budget
 
 KV_KINDS = ("concat", "paged")
 PAGED_OPTIONS = ("block_size", "num_blocks", "kv_memory_bytes", "bucket_shapes", "watermark", "prefix_caching",
                  "kv_dtype")
-
-
-@dataclass
-class StreamEvent:
-    """One generated token, as :meth:`Engine.stream` hands it out the moment its step ends."""
-
-    request_id: object
-    token_id: int
-    text: str | None  # the decoded increment (None without a tokenizer)
-    finish_reason: str | None  # None until the request's last token
-    time: float  # engine clock
 
 
 class Engine:
@@ -138,7 +127,7 @@ class Engine:
         """Run one forward pass over everything scheduled and return what happened."""
         start = self.now()
         if self.proposer is not None:
-            self._propose()
+            propose_for(self.scheduler.running, self.proposer)
         plan = self.scheduler.schedule(start)
         record = StepRecord(step=self._num_steps, kv_kind=self.kv.kind, start_time=start,
                             admitted=[s.request_id for s in plan.admitted],
@@ -163,7 +152,7 @@ class Engine:
                            for s, k, c, n, ch, new, d, b in zip(plan.seqs, kinds, plan.num_computed_tokens,
                                                                 plan.num_scheduled_tokens, out.chunks, out.sampled,
                                                                 out.num_draft_tokens, before)]
-            self._count_speculation(record)
+            count_speculation(self.spec_stats, record)
             record.forward_time = out.forward_time
             record.kv_bytes_copied, record.kv_bytes_read = out.traffic.bytes_copied, out.traffic.bytes_read
             record.kv_copy_time = out.traffic.seconds
@@ -209,23 +198,11 @@ class Engine:
         return self.kv.attention(self.model)
 
     def stream(self, requests=()):
-        """Add ``requests`` (validated as in :meth:`run`) and yield a :class:`StreamEvent` per generated
-        token, as soon as its step ends, until nothing is left -- also requests added or aborted
-        while streaming. The model is its own again between events."""
-        self._add_all(requests)
-        shown: dict = {}  # request id -> text handed out so far
-        while self.has_unfinished():
-            record = self.step()
-            for s in record.seqs:
-                seq = self.sequences[s.request_id]
-                base = len(seq.output_ids) - len(s.new_token_ids)
-                for j, token in enumerate(s.new_token_ids):  # one event per token, several after speculation
-                    last = j == len(s.new_token_ids) - 1
-                    reason = s.finish_reason if last else None
-                    yield StreamEvent(s.request_id, token, self._increment(seq, base + j + 1, shown, reason),
-                                      reason, self.now())
-            if not record.seqs:
-                self._wait_for_arrival()
+        """Add ``requests`` (validated as in :meth:`run`) and yield a
+        :class:`~cbteach.streaming.StreamEvent` per generated token, as soon as its step ends, until
+        nothing is left -- also requests added or aborted while streaming. The model is its own again
+        between events."""
+        return stream_events(self, self._add_all(requests))
 
     def abort(self, request_id) -> Completion:
         """Cancel a queued, running or swapped-out request: its KV blocks are freed at once, and its
@@ -254,22 +231,6 @@ class Engine:
         self.kv.check_fits(len(prompt_ids) + request.max_new_tokens, request.request_id)
         return prompt_ids
 
-    def _propose(self) -> None:
-        """Speculative decoding: guesses for every greedy decoding sequence, at most what it may still emit."""
-        for seq in self.scheduler.running:
-            room = seq.request.max_new_tokens - len(seq.output_ids) - 1
-            if seq.output_ids and seq.num_computed_tokens == seq.num_tokens - 1 and room > 0 \
-                    and seq.request.sampling_params.greedy:
-                k = min(self.proposer.k, room)
-                seq.draft_ids = self.proposer.propose(seq.token_ids(0, seq.num_tokens), k)[:k]
-
-    def _count_speculation(self, record) -> None:
-        for s in record.seqs:
-            if s.num_draft_tokens:
-                self.spec_stats["drafted"] += s.num_draft_tokens
-                self.spec_stats["accepted"] += len(s.new_token_ids) - 1
-                self.spec_stats["verify_steps"] += 1
-
     def _add_all(self, requests) -> list[Request]:
         requests = list(requests)
         taken: set = set()
@@ -281,19 +242,6 @@ class Engine:
         for r, prompt_ids in zip(requests, checked):
             self._enqueue(r, prompt_ids, t_run + (r.arrival_time or 0.0))
         return requests
-
-    def _increment(self, seq: Sequence, upto: int, shown: dict, finish_reason) -> str | None:
-        """The new text the output's first ``upto`` tokens add (held back while it ends in half a UTF-8
-        character)."""
-        if self.tokenizer is None:
-            return None
-        request_id = seq.request_id
-        full = self.tokenizer.decode(seq.output_ids[:upto], skip_special_tokens=True)
-        before = shown.get(request_id, "")
-        if (full.endswith("\ufffd") and not finish_reason) or not full.startswith(before):
-            return ""
-        shown[request_id] = full
-        return full[len(before):]
 
     def _enqueue(self, request: Request, prompt_ids: list[int], arrival_time: float):
         seq = Sequence(request=request, prompt_ids=prompt_ids, arrival_time=arrival_time,

@@ -83,3 +83,22 @@ def accept(drafts: list[int], targets: list[int]) -> list[int]:
             return out
     out.append(targets[len(drafts)])
     return out
+
+
+def propose_for(running, proposer) -> None:
+    """Guesses for every greedy, decoding sequence -- never more than it may still emit."""
+    for seq in running:
+        room = seq.request.max_new_tokens - len(seq.output_ids) - 1
+        if seq.output_ids and seq.num_computed_tokens == seq.num_tokens - 1 and room > 0 \
+                and seq.request.sampling_params.greedy:
+            k = min(proposer.k, room)
+            seq.draft_ids = proposer.propose(seq.token_ids(0, seq.num_tokens), k)[:k]
+
+
+def count_speculation(stats: dict, record) -> None:
+    """Add one step's guesses and acceptances to ``stats`` (``drafted``, ``accepted``, ``verify_steps``)."""
+    for s in record.seqs:
+        if s.num_draft_tokens:
+            stats["drafted"] += s.num_draft_tokens
+            stats["accepted"] += len(s.new_token_ids) - 1
+            stats["verify_steps"] += 1
