@@ -17,7 +17,10 @@ Two are built in, as in vLLM V1 (``--scheduling-policy fcfs|priority``):
   everyone less urgent or later.
 
 Writing a policy is writing such a queue: subclass :class:`WaitingQueue` and define :meth:`key`
-(smaller runs first) -- the scheduler, the invariants and the exactness tests stay the same.
+(smaller runs first), and optionally :meth:`pick_victim` and :meth:`may_preempt` -- the scheduler,
+the invariants and the exactness tests stay the same. The key is read when a request is queued,
+so a key that should change with time (aging) must be written as a fixed quantity, for example
+``arrival_time + priority * seconds_per_level``.
 """
 from __future__ import annotations
 
@@ -60,6 +63,11 @@ class WaitingQueue:
         """The running request to preempt: by default the one this policy would admit last."""
         return max(reversed(running), key=self.key)  # reversed: among equal keys, the newest
 
+    def may_preempt(self, waiting: Sequence, running: Sequence) -> bool:
+        """May ``waiting``, which does not fit, take ``running``'s KV blocks to get in? By default no:
+        a waiting request waits for room (FCFS never preempts to admit)."""
+        return False
+
     def __len__(self) -> int:
         return len(self._items)
 
@@ -100,6 +108,10 @@ class PriorityQueue(WaitingQueue):
 
     def key(self, seq: Sequence):
         return (seq.request.priority, seq.arrival_time)
+
+    def may_preempt(self, waiting: Sequence, running: Sequence) -> bool:
+        """An urgent arrival may preempt strictly less urgent running requests (under memory pressure)."""
+        return running.request.priority > waiting.request.priority
 
 
 POLICIES = {"fcfs": FCFSQueue, "priority": PriorityQueue}

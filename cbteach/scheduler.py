@@ -234,17 +234,19 @@ class Scheduler:
         self.running.append(seq)
 
     def _preempt_for(self, seq: Sequence, needed: int, out: SchedulerOutput) -> tuple[bool, int]:
-        """Priority policy: preempt less urgent running requests until ``seq`` fits.
+        """Preempt running requests the policy lets ``seq`` displace (priority: less urgent ones) until it fits.
         Returns (whether it fits now, tokens given back by victims already scheduled this step)."""
         refund = 0
-        if self.waiting.name != "priority":
+        lower = [r for r in self.running if self.waiting.may_preempt(seq, r)]
+        if not lower:
             return False, refund
-        lower = [r for r in self.running if r.request.priority > seq.request.priority]
         block_size = getattr(self.kv, "block_size", 1)
         if self.kv.num_admittable_tokens(seq) + sum(len(r.block_table) for r in lower) * block_size < needed:
             return False, refund  # even preempting all of them would not make room: preempt nobody
         while self.kv.num_admittable_tokens(seq) < needed:
-            lower = [r for r in self.running if r.request.priority > seq.request.priority]
+            lower = [r for r in self.running if self.waiting.may_preempt(seq, r)]
+            if not lower:  # shared (prefix-cached) blocks did not come free after all
+                return False, refund
             refund += self._preempt(self.waiting.pick_victim(lower), out)
         return True, refund
 
