@@ -7,16 +7,21 @@ The pieces, in the order the course meets them:
 * :class:`Engine` -- continuous batching: iteration-level scheduling, ragged packing with
   block-diagonal causal masks, and a KV cache that is either concatenated (``kv="concat"``)
   or paged (``kv="paged"``);
-* :class:`Request` in, :class:`Completion` out, a :class:`StepRecord` for every step.
+* :class:`Request` in, :class:`Completion` out, a :class:`StepRecord` for every step;
+* the scheduler's policies (:mod:`cbteach.policies`), serving metrics (:mod:`cbteach.metrics`),
+  and beyond the basics: prefix caching, speculative decoding, an int8 KV pool and a simulated
+  prefill/decode disaggregation (:mod:`cbteach.disagg`) -- all options of the same engine.
 """
 from .engine import Engine
 from .models import load_model
 from .records import SeqStep, StepRecord
-from .request import Completion, Request
+from .request import Completion, Request, RequestStatus
+from .sampling import SamplingParams
 from .static import StaticResult, static_batching
+from .streaming import StreamEvent
 
-__all__ = ["Engine", "Request", "Completion", "StepRecord", "SeqStep", "load_model", "static_batching",
-           "StaticResult"]
+__all__ = ["Engine", "Request", "Completion", "RequestStatus", "SamplingParams", "StepRecord", "SeqStep",
+           "StreamEvent", "load_model", "static_batching", "StaticResult"]
 __version__ = "0.1.0"
 # The one place the repository URL lives; every notebook's Colab install cell must match it
 # (tests/test_notebooks.py checks).
