@@ -27,10 +27,10 @@ def _short(text: str, width: int = 60) -> str:
 def run_demo(model_name: str = "bierce", batch_size: int = 3, max_new_tokens: int = 160, out=print) -> bool:
     from .viz.mask import mask_ascii
 
-    model, tok = load_model(model_name, device="cpu")
+    model, tok = load_model(model_name)  # this machine's best device (cuda, mps, else cpu), fp32
     requests = [Request(p, max_new_tokens, request_id=f"r{i}") for i, p in enumerate(DEMO_PROMPTS)]
-    out(f"cbteach demo: {len(requests)} requests on {model_name!r}, batch size {batch_size}, "
-        f"max_new_tokens {max_new_tokens}\n")
+    out(f"cbteach demo: {len(requests)} requests on {model_name!r} (device {model.device.type}, "
+        f"{str(model.dtype).removeprefix('torch.')}), batch size {batch_size}, max_new_tokens {max_new_tokens}\n")
 
     # --- static batching ------------------------------------------------------------------
     t0 = time.perf_counter()
@@ -81,7 +81,8 @@ def run_demo(model_name: str = "bierce", batch_size: int = 3, max_new_tokens: in
         if rec is None:
             continue
         out(f"== Packed row of {title}: {rec.num_tokens} tokens, no padding ==")
-        out("  " + " ".join(f"{s.request_id}:{s.kind}×{s.num_new}@{s.num_cached}" for s in rec.seqs))
+        out("  " + " ".join(f"{s.request_id}:{s.kind}×{s.num_scheduled_tokens}@{s.num_computed_tokens}"
+                            for s in rec.seqs))
         out(mask_ascii(rec) + "\n")
 
     same = [c.output_ids for c in static] == [c.output_ids for c in cont]

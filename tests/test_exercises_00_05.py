@@ -1,4 +1,6 @@
 """Self-checks of notebooks 00 and 05 accept the right answer and explain wrong ones."""
+import torch
+
 from cbteach.exercises.ex00 import check_kv_bytes_per_token, check_ratio
 from cbteach.exercises.ex05 import check_slot
 from conftest import tiny_model
@@ -12,6 +14,13 @@ def test_ex00_kv_bytes(capsys):
     assert not check_kv_bytes_per_token(model, 2 * 2 * 4 * 16 * 4)
     assert "query heads" in capsys.readouterr().out
     assert not check_kv_bytes_per_token(model, "512")
+
+
+def test_ex00_kv_bytes_follows_the_dtype(capsys):
+    model = tiny_model("llama").to(torch.bfloat16)  # 2 bytes per element
+    assert check_kv_bytes_per_token(model, 2 * 2 * 2 * 16 * 2)
+    assert "× 2 bytes (bfloat16)" in capsys.readouterr().out
+    assert not check_kv_bytes_per_token(model, 2 * 2 * 2 * 16 * 4)
 
 
 def test_ex00_ratio():

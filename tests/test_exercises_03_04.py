@@ -40,7 +40,7 @@ def test_wrong_positions_are_named(capsys):
     assert "✗" in out and "one long sequence" in out
     assert "row index 0" in out and "should be 2" in out
     assert not check_position_ids(CACHED, NEW, [0, 0, 1, 2, 0])
-    assert "num_cached" in capsys.readouterr().out
+    assert "num_computed_tokens" in capsys.readouterr().out
     assert not check_position_ids(CACHED, NEW, [2, 0, 1])
     assert "needs 5 position ids" in capsys.readouterr().out
     assert not check_position_ids(CACHED, NEW, "2 0 1 2 3")
@@ -88,9 +88,9 @@ def formula_total(model, requests):
     total = 0
     for r in requests:
         p = len(r.prompt)
-        total += per_token * p
+        total += per_token * 2 * p  # prefill: nothing cached; the model's update and our scatter copy p
         for k in range(1, r.max_new_tokens):
-            total += per_token * (2 * (p + k - 1) + 1)
+            total += per_token * (4 * (p + k - 1) + 2)
     return total
 
 
@@ -107,8 +107,8 @@ def test_formula_matches_the_engine(arch, max_batch_size):
     measured, records = measure_total_bytes_copied(model, None, _requests(), max_batch_size)
     assert measured == formula_total(model, _requests())  # the total does not depend on the batching
     per_token = describe(model).kv_bytes_per_token
-    for r in records:  # and per step: gather = history, scatter = history + new
-        assert r.kv_bytes_copied == per_token * (2 * sum(r.num_cached) + sum(r.num_new))
+    for r in records:  # and per step: gather C, DynamicCache C, model's update C + N, scatter C + N
+        assert r.kv_bytes_copied == per_token * (4 * sum(r.num_computed_tokens) + 2 * sum(r.num_scheduled_tokens))
 
 
 def test_total_bytes_check(capsys):
@@ -118,9 +118,12 @@ def test_total_bytes_check(capsys):
     assert "exactly what the engine measured" in capsys.readouterr().out
     info = describe(model)
     _, records = measure_total_bytes_copied(model, None, _requests(), 2)
-    cached = sum(sum(r.num_cached) for r in records)
+    cached = sum(sum(r.num_computed_tokens) for r in records)
     assert not check_total_bytes_copied(model, None, _requests(), 2, info.kv_bytes_per_token * cached)
     assert "gather alone" in capsys.readouterr().out
+    new = sum(sum(r.num_scheduled_tokens) for r in records)
+    assert not check_total_bytes_copied(model, None, _requests(), 2, info.kv_bytes_per_token * (2 * cached + new))
+    assert "DynamicCache" in capsys.readouterr().out
     assert not check_total_bytes_copied(model, None, _requests(), 2, right // info.num_layers)
     assert "one layer" in capsys.readouterr().out
     assert not check_total_bytes_copied(model, None, _requests(), 2, right // 4)

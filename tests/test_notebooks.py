@@ -59,3 +59,41 @@ def test_student_copy_empties_solutions_but_keeps_checks(path):
             assert new["source"] == PLACEHOLDER and new["outputs"] == []
         else:
             assert new == orig
+
+
+# Names the engine no longer has (renamed in the vLLM-style split): a notebook using one would fail to run.
+OLD_API = re.compile(r"\bnum_cached\b|\bnum_new\b|\.clock\(\)|\bkv\.k\[|\b_current\b|paged_attention_forward"
+                     r"|device available")
+# Calls that make tensors; in a notebook they must say where (the model's device), so the course runs
+# unchanged on CPU, CUDA and MPS.
+MAKES_TENSORS = re.compile(r"\b(?:torch\.(?:tensor|full|zeros|ones|arange|randn|rand|empty)|pack"
+                           r"|block_diagonal_causal_mask|per_sequence_causal_mask)\(")
+
+
+def call_arguments(src, open_paren_end):
+    """The text of a call's arguments, from just after its "(" to the matching ")"."""
+    depth = 1
+    for i in range(open_paren_end, len(src)):
+        depth += {"(": 1, ")": -1}.get(src[i], 0)
+        if depth == 0:
+            return src[open_paren_end:i]
+    return src[open_paren_end:]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_uses_the_current_api_and_the_models_device(path):
+    cs = cells(path)
+    setup = source(cs[2])
+    assert "model.device" in setup or "pick_device()" in setup, "the setup cell should say where the model runs"
+    for c in cs:
+        if c["cell_type"] != "code":
+            continue
+        src = source(c)
+        assert not OLD_API.search(src), f"old API in:\n{src}"
+        if "solution" in c.get("metadata", {}).get("tags", []):
+            continue  # exercise answers are plain data, compared on the host
+        for m in MAKES_TENSORS.finditer(src):
+            assert "device=" in call_arguments(src, m.end()), f"{m.group(0)} without device= in:\n{src}"
+        for line in src.splitlines():
+            if 'return_tensors="pt"' in line:
+                assert ".to(" in line, f"tokenizer tensors not moved to the model's device: {line}"

@@ -34,7 +34,17 @@ def solution(src):
     return cell
 
 
-def header(name, title, minutes, goals):
+SETUP = ("# NBVAL_IGNORE_OUTPUT\nimport cbteach\n"
+         "model, tok = cbteach.load_model()  # bierce, on this machine's best device (cuda, mps, else cpu), in fp32\n"
+         "print(f\"bierce is on device {model.device.type!r}, in {model.dtype}\")")
+SETUP_NO_MODEL = ("# NBVAL_IGNORE_OUTPUT\nimport cbteach\nfrom cbteach.models import pick_device\n"
+                  "print(f\"cbteach {cbteach.__version__}: load_model() will put the model on {pick_device()}, "
+                  "in float32\")")
+
+
+def header(name, title, minutes, goals, load_model=True):
+    """Title, Colab install cell and setup cell. The setup cell loads bierce and says honestly where it
+    runs (``load_model=False`` for a notebook that teaches loading itself, like 00)."""
     badge = f"[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({COLAB.format(name=name)})"
     goal_lines = "\n".join(f"- {g}" for g in goals)
     return [
@@ -47,8 +57,7 @@ def header(name, title, minutes, goals):
             "except ImportError:\n"
             "    pass"
         ),
-        code("# NBVAL_IGNORE_OUTPUT\nimport cbteach\nfrom cbteach.models import pick_device\n"
-             "print('device available:', pick_device(), '- the course runs on the CPU, where fp32 is exact')"),
+        code(SETUP if load_model else SETUP_NO_MODEL),
     ]
 
 

@@ -13,7 +13,8 @@ def check_kv_bytes_per_token(model, answer) -> bool:
         return report(False, "", f"answer should be a number of bytes, got {type(answer).__name__}")
     if answer == expected:
         return report(True, f"{expected:,} bytes per token: 2 (K and V) × {info.num_layers} layers × "
-                            f"{info.num_kv_heads} KV heads × {info.head_dim} dims × 4 bytes (fp32)", "")
+                            f"{info.num_kv_heads} KV heads × {info.head_dim} dims × {info.dtype.itemsize} bytes "
+                            f"({str(info.dtype).removeprefix('torch.')})", "")
     hints = []
     if answer == expected // 2:
         hints.append("you counted keys or values, not both")

@@ -66,7 +66,7 @@ def check_position_ids(cached, new, answer) -> bool:
         hints.append("you numbered the packed row as one long sequence; every sequence has its own positions")
     if got == [j for n in new for j in range(n)]:
         hints.append("each sequence's new tokens start after the tokens it already has in the cache "
-                     "(position num_cached, not 0)")
+                     "(position num_computed_tokens, not 0)")
     msg = f"{len(wrong)} of {len(expected)} position ids are wrong:\n" + "\n".join(lines)
     return report(False, "", msg + "".join(f"\nhint: {h}" for h in hints))
 

@@ -22,7 +22,8 @@ def measure_total_bytes_copied(model, tokenizer, requests, max_batch_size: int):
 
 
 def check_total_bytes_copied(model, tokenizer, requests, max_batch_size: int, answer) -> bool:
-    """``answer``: the bytes gathered plus scattered over every step of serving ``requests``."""
+    """``answer``: the K/V bytes copied over every step of serving ``requests`` -- our gather, the
+    ``DynamicCache``'s copy of it, the model's own append, and our scatter."""
     if not isinstance(answer, (int, float)) or isinstance(answer, bool):
         return report(False, "", f"answer should be a number of bytes, got {type(answer).__name__}")
     if not all(r.ignore_eos for r in requests):
@@ -32,14 +33,16 @@ def check_total_bytes_copied(model, tokenizer, requests, max_batch_size: int, an
         return report(True, f"{total:,} bytes over {len(records)} steps, exactly what the engine measured", "")
     info = describe(model)
     per_token = info.kv_bytes_per_token
-    cached = sum(sum(r.num_cached) for r in records)
-    new = sum(sum(r.num_new) for r in records)
+    cached = sum(sum(r.num_computed_tokens) for r in records)
+    new = sum(sum(r.num_scheduled_tokens) for r in records)
     near = [  # (a tempting wrong total, what it means); several can coincide, so all that match are named
-        (per_token * cached, "that is the gather alone; the scatter copies every history again"),
-        (per_token * (cached + new), "that is the scatter alone; the gather copies the cached part first"),
-        (per_token * 2 * cached, "the scatter also writes this step's new keys and values"),
-        (per_token * (cached + 2 * new), "the gather copies only what was cached before the step; "
-                                         "the new tokens are added by the scatter"),
+        (per_token * cached, "that is cbteach's gather alone; three more copies follow it"),
+        (per_token * (2 * cached + new), "that is cbteach's own gather and scatter; transformers' DynamicCache "
+                                         "copies too -- once when it takes the gathered history, once when the "
+                                         "model appends the new tokens"),
+        (per_token * (cached + new), "that is one copy of the packed cache; count every copy of it"),
+        (per_token * 4 * cached, "the model's update and the scatter also copy this step's new keys and values"),
+        (per_token * (4 * cached + new), "both the model's update and the scatter include the new tokens"),
         (total // info.num_layers, "that is one layer; every layer has its own cache"),
         (total // 2, "count keys and values, both"),
         (total // info.dtype.itemsize, "those are elements; multiply by the bytes per element"),

@@ -51,13 +51,13 @@ def resolve(source=None, *, cached=None, new=None, layout=None):
     if source is not None:
         if cached is not None or new is not None:
             raise ValueError("give either a StepRecord or cached=/new= lists, not both")
-        if not all(hasattr(source, a) for a in ("num_cached", "num_new", "kv_kind", "mask")):
+        if not all(hasattr(source, a) for a in ("num_computed_tokens", "num_scheduled_tokens", "kv_kind", "mask")):
             raise ValueError(f"source must be a cbteach.StepRecord, got {type(source).__name__}")
         if layout is not None and layout != source.kv_kind:
             raise ValueError(f"this record's keys use the {source.kv_kind!r} layout; "
                              f"layout={layout!r} would draw a mask the engine did not use")
         # The record rebuilds its mask with the same packing function the engine called.
-        return list(source.num_cached), list(source.num_new), source.kv_kind, source.mask()
+        return list(source.num_computed_tokens), list(source.num_scheduled_tokens), source.kv_kind, source.mask()
     if cached is None or new is None:
         raise ValueError("give a StepRecord, or both cached= and new= (one length per sequence)")
     cached, new = _int_list(cached, "cached"), _int_list(new, "new")

@@ -64,13 +64,13 @@ def _packed_row(rec, colors, ax):
         # Prefill tokens pale and hatched, decode tokens solid: the two kinds of work one pass mixes.
         color = colors.get(s.request_id, "#888888")
         face = tint(color, 0.45) if s.kind == "prefill" else color
-        for j in range(s.num_new):
+        for j in range(s.num_scheduled_tokens):
             ax.add_patch(Rectangle((x + j, 0), 1, 1, facecolor=face, hatch="//" if s.kind == "prefill" else None,
                                    edgecolor="white", linewidth=0.8, gid="token"))
-            tokens.append((x + j, f"{seq_letter(i)}\np{s.num_cached + j}", face))
-        ax.add_patch(Rectangle((x, 0), s.num_new, 1, fill=False, edgecolor="black", linewidth=1.2))
-        groups.append((x, x + s.num_new, seq_letter(i), f"{seq_letter(i)} = {s.request_id}: {s.kind} {s.num_new}"))
-        x += s.num_new
+            tokens.append((x + j, f"{seq_letter(i)}\np{s.num_computed_tokens + j}", face))
+        ax.add_patch(Rectangle((x, 0), s.num_scheduled_tokens, 1, fill=False, edgecolor="black", linewidth=1.2))
+        groups.append((x, x + s.num_scheduled_tokens, seq_letter(i), f"{seq_letter(i)} = {s.request_id}: {s.kind} {s.num_scheduled_tokens}"))
+        x += s.num_scheduled_tokens
     ax.legend(handles=[Patch(facecolor="#cccccc", hatch="//", edgecolor="#555555", label="prefill token"),
                        Patch(facecolor="#777777", label="decode token")],
               loc="upper right", fontsize=7, ncol=2, frameon=False)
