@@ -50,8 +50,9 @@ class DisaggregatedServer:
             raise ValueError(f"link_bytes_per_s must be a finite number > 0, got {link_bytes_per_s!r}")
         self.link_bytes_per_s = float(link_bytes_per_s)
         common = dict(max_batch_size=max_batch_size, kv="paged", block_size=block_size, keep_records=False)
-        self.prefill = Engine(model, tokenizer, clock=VirtualClock(), **common, **(prefill_options or {}))
-        self.decode = Engine(model, tokenizer, clock=VirtualClock(), **common, **(decode_options or {}))
+        # Each phase may be sized on its own (DistServe's point): its options override the common ones.
+        self.prefill = Engine(model, tokenizer, clock=VirtualClock(), **{**common, **(prefill_options or {})})
+        self.decode = Engine(model, tokenizer, clock=VirtualClock(), **{**common, **(decode_options or {})})
         self.prefill.kv.manager.before_free = self._hand_over
         self.transfers = {"requests": 0, "bytes": 0, "seconds": 0.0}
         self._originals: dict[object, Request] = {}

@@ -7,7 +7,7 @@ caching does it with block hashes:
 
 * a **full** block is named by a hash of its tokens *and of everything before it* (the hash of
   the previous block is part of the input), so equal hashes mean equal prefixes, not just equal
-  blocks: ``h_i = hash((h_{i-1}, tokens of block i))``;
+  blocks: ``h_i = sha256(h_{i-1}, tokens of block i)``;
 * when a block becomes full, its hash is recorded (``hash -> block``);
 * a new request looks up its prompt's block hashes in order and reuses every hit -- its block
   table starts with those blocks (their reference counts go up) and its ``num_computed_tokens``
@@ -22,12 +22,23 @@ instead of a hash table.
 """
 from __future__ import annotations
 
+import hashlib
+import struct
+
+
+def chain_hash(parent: int, tokens) -> int:
+    """A block's name: SHA-256 of its parent's name and its token ids, as a 64-bit int. Stable across
+    processes and runs (Python's ``hash`` is not), and collisions -- which would silently reuse the
+    wrong K/V -- are out of practical reach (vLLM moved to SHA-256 for the same reasons)."""
+    data = struct.pack(f"<Q{len(tokens)}q", parent, *tokens)
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little")
+
 
 def block_hashes(token_ids: list[int], block_size: int) -> list[int]:
     """Chained hashes of the full blocks of ``token_ids`` (a trailing partial block has none)."""
-    out, parent = [], None
+    out, parent = [], 0
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash((parent, tuple(token_ids[start:start + block_size])))
+        parent = chain_hash(parent, token_ids[start:start + block_size])
         out.append(parent)
     return out
 
@@ -61,10 +72,10 @@ class PrefixCache:
     def register(self, seq) -> None:
         """Record the hashes of ``seq``'s blocks that became full and computed (call after each step).
         Only the new blocks are hashed: the chain's last hash is remembered per request."""
-        done, parent = self._chain.get(seq.request_id, (0, None))
+        done, parent = self._chain.get(seq.request_id, (0, 0))
         full = seq.num_computed_tokens // self.block_size
         for i in range(done, full):
-            parent = hash((parent, tuple(seq.token_ids(i * self.block_size, (i + 1) * self.block_size))))
+            parent = chain_hash(parent, seq.token_ids(i * self.block_size, (i + 1) * self.block_size))
             block = seq.block_table[i]
             if parent not in self.block_of and block not in self.hash_of:
                 self.block_of[parent] = block

@@ -61,3 +61,13 @@ def test_bad_link_and_requests_that_cannot_fit_the_decode_pool_are_refused():
     server = DisaggregatedServer(MODEL, max_batch_size=1, block_size=4, decode_options={"num_blocks": 3})
     with pytest.raises(ValueError, match="KV blocks"):
         server.run([Request(list(range(6, 20)), 10)])
+
+
+def test_each_phase_can_be_sized_on_its_own():
+    server = DisaggregatedServer(MODEL, max_batch_size=2, block_size=4,
+                                 prefill_options={"max_batch_size": 1, "token_budget": 16},
+                                 decode_options={"max_batch_size": 4, "num_blocks": 40})
+    assert server.prefill.scheduler.max_batch_size == 1 and server.decode.scheduler.max_batch_size == 4
+    reqs = workload(2, n=5)
+    got = server.run(reqs)
+    assert [c.output_ids for c in got] == [reference(MODEL, r.prompt, r.max_new_tokens) for r in reqs]

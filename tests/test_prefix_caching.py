@@ -116,3 +116,13 @@ def test_block_hashes_chain_the_prefix():
 def test_prefix_caching_needs_the_paged_cache():
     with pytest.raises(ValueError, match="prefix_caching needs kv='paged'"):
         Engine(MODEL, max_batch_size=1, kv="concat", prefix_caching=True)
+
+
+def test_block_hashes_are_stable_across_processes():
+    import subprocess
+    import sys
+
+    code = "from cbteach.prefix_cache import block_hashes; print(block_hashes(list(range(10)), 4))"
+    runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={"PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
+    assert len(runs) == 1 and runs.pop().strip() == str(block_hashes(list(range(10)), 4))

@@ -1,0 +1,232 @@
+"""Notebook 08: predict what the prefix cache reuses, and write speculative decoding's acceptance rule.
+
+* :func:`check_prefix_reuse` -- the learner's ``predict(prompts, block_size)`` says how many prompt
+  tokens of each request the prefix cache will supply; the check serves the prompts one at a time
+  in the real :class:`~cbteach.Engine` (``prefix_caching=True``) and compares with each
+  completion's ``num_cached_prompt_tokens``, on the notebook's prompts and on small cases built to
+  catch the usual mistakes.
+* :func:`check_accept` -- the learner's ``accept(drafts, targets)`` is compared with the engine's
+  rule (:func:`cbteach.speculative.accept`), then swapped into the engine itself: a speculative run
+  with it must give exactly the tokens of a run without speculation.
+
+Hints name the rule that was missed; the expected values are never printed.
+"""
+from __future__ import annotations
+
+import functools
+import random
+from unittest import mock
+
+import torch
+
+from .. import model_runner
+from ..engine import Engine
+from ..request import Request
+from ..speculative import accept as engine_accept
+from . import report
+
+# ---------------------------------------------------------------- prefix reuse ----------------
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    g = random.Random(seed)
+    return [g.randrange(10, 90) for _ in range(n)]
+
+
+_S = _ids(1, 10)  # a shared "system prompt" of 10 tokens
+_L = _ids(2, 13)
+# (what the case is about, prompts in arrival order, block_size)
+PREFIX_CASES = [
+    ("two prompts sharing 10 tokens, blocks of 4", [_S + _ids(3, 3), _S + _ids(4, 2)], 4),
+    ("the same 16-token prompt twice, blocks of 4", [_ids(5, 16), _ids(5, 16)], 4),
+    ("the same 17-token prompt twice, blocks of 4", [_ids(6, 17), _ids(6, 17)], 4),
+    ("a prompt that matches the first one, not the previous one",
+     [_S + _ids(7, 4), _ids(8, 9), _S + _ids(9, 3)], 4),
+    ("equal tokens after a first block that differs", [_ids(10, 4) + _S, _ids(11, 4) + _S], 4),
+    ("a prompt shorter than one block", [_ids(12, 3), _ids(12, 3)], 4),
+    ("a prompt that extends an earlier one", [_L, _L + _ids(13, 6)], 4),
+    ("a prompt that is the start of an earlier one", [_L, _L[:9], _L[:8]], 4),
+    ("the same prompts, blocks of 2", [_S + _ids(3, 3), _S + _ids(4, 2), _S[:5]], 2),
+]
+
+
+def engine_cached_tokens(model, prompts, block_size: int) -> list[int]:
+    """Prompt tokens the prefix cache supplied to each request, served one at a time in order."""
+    engine = Engine(model, None, max_batch_size=1, kv="paged", block_size=block_size, prefix_caching=True)
+    reqs = [Request(list(p), 1, request_id=i, ignore_eos=True) for i, p in enumerate(prompts)]
+    return [c.num_cached_prompt_tokens for c in engine.run(reqs)]
+
+
+def _lcp(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _model(prompts, bs, *, last_rule=True, full_blocks=True, earlier="all", chained=True, ceil=False):
+    """The engine's rule, with one part switched off at a time (to recognise a learner's mistake)."""
+    out = []
+    for j, p in enumerate(prompts):
+        usable = p[:-1] if last_rule else p
+        pool = {"all": prompts[:j], "previous": prompts[max(0, j - 1):j], "first": prompts[:1] if j else []}[earlier]
+        best = 0
+        for q in pool:
+            if chained:
+                n = _lcp(usable, q)
+            else:  # equal blocks at the same index, wherever they are
+                n = sum(bs for i in range(0, min(len(usable), len(q)) - bs + 1, bs) if usable[i:i + bs] == q[i:i + bs])
+            if full_blocks:
+                n = -(-n // bs) * bs if ceil else n // bs * bs
+            best = max(best, n)
+        out.append(best)
+    return out
+
+
+def _prefix_hint(prompts, bs, got) -> str:
+    if got[0] != 0:
+        return "the first request finds an empty cache: nothing can be reused before anything was computed"
+    if got == _model(prompts, bs, last_rule=False):
+        return ("the prompt's last token is always computed, even when the whole prompt is cached: its logits "
+                "give the first new token -- so the lookup stops one token short of the prompt")
+    if got == _model(prompts, bs, full_blocks=False, last_rule=False) or got == _model(prompts, bs, full_blocks=False):
+        return ("you counted every shared token; only *full* blocks are cached -- a shared prefix is reused in "
+                f"whole blocks of {bs}, rounded down")
+    if got == _model(prompts, bs, earlier="previous") or got == _model(prompts, bs, earlier="first"):
+        return "the cache keeps the full blocks of *every* earlier request, not only one of them"
+    if got == _model(prompts, bs, chained=False):
+        return ("a block is found by a hash of its tokens *and of everything before it*: after the first block "
+                "that differs, nothing more can be reused, even if later blocks hold the same tokens")
+    if got == _model(prompts, bs, ceil=True):
+        return "a partly filled block is never cached: round down to whole blocks, not up"
+    if any(g % bs for g in got):
+        return f"reuse always comes in whole blocks, so every answer is a multiple of the block size ({bs})"
+    return ("for each request, walk its prompt (less its last token) block by block and stop at the first "
+            "block no earlier request computed")
+
+
+def check_prefix_reuse(predict, model, prompts=None, block_size=None) -> bool:
+    """``predict(prompts, block_size)`` -> one int per prompt: the prompt tokens the prefix cache supplies.
+
+    The prompts are lists of token ids served in order, one at a time (``max_batch_size=1``), each
+    asking for a single new token, in a pool large enough that nothing is evicted. ``model`` is the
+    notebook's model (any causal LM whose vocabulary holds the ids). ``prompts``/``block_size``: the
+    notebook's case, checked first.
+    """
+    if not callable(predict):
+        return report(False, "", f"pass your function itself (predict, not predict(...)); got {type(predict).__name__}")
+    cases = ([("the notebook's prompts", [list(p) for p in prompts], block_size)] if prompts is not None else [])
+    cases += PREFIX_CASES
+    for what, case, bs in cases:
+        try:
+            got = predict([list(p) for p in case], bs)
+        except Exception as err:  # the learner's code: say what failed, and on which case
+            return report(False, "", f"predict raised {type(err).__name__}: {err} (case: {what})")
+        try:
+            got = list(got)
+        except TypeError:
+            return report(False, "", f"predict should return a list with one number per prompt, got {got!r}")
+        if len(got) != len(case) or not all(isinstance(g, int) and not isinstance(g, bool) for g in got):
+            return report(False, "", f"predict should return {len(case)} ints, one per prompt; got {got!r} "
+                                     f"(case: {what})")
+        expected = engine_cached_tokens(model, case, bs)
+        if got != expected:
+            i = next(i for i, (g, e) in enumerate(zip(got, expected)) if g != e)
+            more = "more" if got[i] > expected[i] else "fewer"
+            return report(False, "", f"case {what!r}: for request {i} you predicted {got[i]} cached tokens, "
+                                     f"{more} than the engine reused. Hint: {_prefix_hint(case, bs, got)}")
+    return report(True, f"your predictions match the engine's num_cached_prompt_tokens on all {len(cases)} cases", "")
+
+
+# ---------------------------------------------------------------- acceptance rule -------------
+
+ACCEPT_CASES = [
+    ([5, 6, 7], [5, 6, 7, 8]),  # every guess right: the bonus token too
+    ([5, 9, 7], [5, 6, 7, 8]),  # second guess wrong (the third would have matched: irrelevant)
+    ([9, 6, 7], [5, 6, 7, 8]),  # first guess wrong
+    ([4], [4, 2]),
+    ([3], [1, 2]),
+    ([], [4]),  # nothing guessed: a plain decode
+    ([1, 1, 1, 1, 1], [1, 1, 2, 1, 1, 1]),
+]
+NUM_RANDOM_ACCEPT_CASES = 200  # more, drawn from a seeded generator
+
+
+def _accept_hint(drafts, targets, got) -> str:
+    j = next((i for i, (d, t) in enumerate(zip(drafts, targets)) if d != t), len(drafts))  # first mismatch
+    if j == len(drafts) and got == targets[:j]:
+        return ("every guess was right, and the model's prediction after the last guess, targets[len(drafts)], "
+                "is a real token too: the bonus token that comes free")
+    if j < len(drafts) and got == list(drafts[:j + 1]):
+        return ("at the first mismatch keep the model's token (targets[j]), not the wrong guess: the model's "
+                "token is what greedy decoding would have produced")
+    if j < len(drafts) and got == list(targets[:j]):
+        return ("a verify step always yields at least one token more than it accepts: at the first mismatch the "
+                "model's own prediction, targets[j], is kept")
+    if len(got) > j + 1 and got[:j + 1] == list(targets[:j + 1]):
+        return ("stop at the first mismatch: every later target was predicted after a wrong guess, so it is not "
+                "what the model would say after the right token")
+    if not drafts:
+        return "with no guesses the step is a plain decode: it yields exactly the model's token, targets[0]"
+    return ("walk the guesses in order: keep targets[j] while drafts[j] == targets[j]; at the first mismatch "
+            "keep targets[j] and stop; if none mismatched, add targets[len(drafts)]")
+
+
+@functools.lru_cache(maxsize=1)
+def loop_model():
+    """A 2-layer random-weight Llama (vocabulary 97): its greedy output falls into loops within a few
+    tokens, so prompt lookup guesses right often -- a workload where speculation has work to do."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      eos_token_id=5, bos_token_id=1, pad_token_id=5)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = 5
+    return model
+
+
+def _loop_requests():
+    return [Request(_ids(100 + i, 6), 24, request_id=i, ignore_eos=True) for i in range(4)]
+
+
+def check_accept(accept) -> bool:
+    """``accept(drafts, targets)`` -> the tokens a verify step yields (``targets`` has one more entry
+    than ``drafts``: the model's prediction after the last real token and after each guess)."""
+    if not callable(accept):
+        return report(False, "", f"pass your function itself (accept, not accept(...)); got {type(accept).__name__}")
+    g = random.Random(0)
+    cases = list(ACCEPT_CASES)
+    for _ in range(NUM_RANDOM_ACCEPT_CASES):  # small alphabets: guesses are often right, as with a good proposer
+        k = g.randint(0, 6)
+        targets = [g.randrange(3) for _ in range(k + 1)]
+        cases.append(([t if g.random() < 0.7 else g.randrange(3) for t in targets[:k]], targets))
+    for drafts, targets in cases:
+        try:
+            got = accept(list(drafts), list(targets))
+        except Exception as err:  # the learner's code
+            return report(False, "", f"accept({drafts}, {targets}) raised {type(err).__name__}: {err}")
+        try:
+            got = [int(t) for t in got]
+        except (TypeError, ValueError):
+            return report(False, "", f"accept({drafts}, {targets}) returned {got!r}; it should return a list of "
+                                     "token ids")
+        if got != engine_accept(drafts, targets):
+            return report(False, "", f"accept({drafts}, {targets}) returned {got}, which is not what the engine "
+                                     f"keeps. Hint: {_accept_hint(drafts, targets, got)}")
+    # In the engine: a speculative run with the learner's rule must equal a run without speculation.
+    model = loop_model()
+    plain = [c.output_ids for c in Engine(model, None, max_batch_size=4, kv="paged").run(_loop_requests())]
+    engine = Engine(model, None, max_batch_size=4, kv="paged", speculative="ngram", num_speculative_tokens=3)
+    with mock.patch.object(model_runner, "accept", accept):
+        spec = [c.output_ids for c in engine.run(_loop_requests())]
+    if spec != plain:
+        return report(False, "", "inside the engine your rule changed the generated tokens; speculation must give "
+                                 "exactly what plain greedy decoding gives")
+    s = engine.spec_stats
+    return report(True, f"your rule matches the engine's on {len(cases)} cases, and inside the engine it kept the "
+                        f"output exact ({s['accepted']} of {s['drafted']} guesses accepted in "
+                        f"{s['verify_steps']} verify steps)", "")

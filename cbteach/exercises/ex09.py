@@ -1,0 +1,129 @@
+"""Notebook 09: what a disaggregated handover moves -- bytes of KV cache and seconds on the link.
+
+The learner writes ``handover(prompt_len, config, block_size, kv_dtype, link_bytes_per_s)`` returning
+``(bytes, seconds)``. The check runs a real :class:`~cbteach.disagg.DisaggregatedServer` with one
+request of ``prompt_len`` tokens for each case -- the notebook's model in fp32 and int8 KV, and small
+random-weight models of other shapes (grouped-query and multi-head attention) -- and compares with
+its ``.transfers``. Hints name the factor that is off; the expected numbers are never printed.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from ..disagg import DisaggregatedServer
+from ..request import Request
+from . import report
+
+# Small model shapes: (layers, query heads, KV heads, hidden size); head_dim = hidden / query heads.
+SHAPES = {"gqa": (2, 4, 2, 64), "mqa": (3, 4, 1, 32), "mha": (1, 2, 2, 32)}
+# (shape or None for the notebook's model, prompt tokens, block size, kv_dtype, link bytes/s)
+CASES = [("gqa", 16, 16, None, 10e9), ("gqa", 17, 16, None, 10e9), ("mqa", 9, 8, None, 25e9),
+         ("gqa", 5, 4, "int8", 1e9), ("mqa", 9, 8, "int8", 25e9), ("mha", 30, 16, "int8", 64e9)]
+
+
+@functools.lru_cache(maxsize=None)
+def small_model(shape: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    layers, heads, kv_heads, hidden = SHAPES[shape]
+    cfg = LlamaConfig(vocab_size=97, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+                      eos_token_id=5, bos_token_id=1, pad_token_id=5)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def measured_handover(model, prompt_len: int, block_size: int, kv_dtype=None, link_bytes_per_s: float = 10e9):
+    """``(bytes, seconds)`` a real disaggregated server moved to hand one request over."""
+    opts = {"kv_dtype": kv_dtype} if kv_dtype else None
+    server = DisaggregatedServer(model, None, max_batch_size=1, block_size=block_size,
+                                 link_bytes_per_s=link_bytes_per_s, prefill_options=opts, decode_options=opts)
+    ids = [10 + i % 80 for i in range(prompt_len)]
+    server.run([Request(ids, 3, request_id="r", ignore_eos=True)])
+    return server.transfers["bytes"], server.transfers["seconds"]
+
+
+def _factors(config):
+    layers = config.num_hidden_layers
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return layers, heads, kv_heads, head_dim
+
+
+def _bytes_hint(got, prompt_len, config, bs, kv_dtype) -> str:
+    layers, heads, kv_heads, d = _factors(config)
+    slots = lambda n: math.ceil(n / bs) * bs  # noqa: E731  n tokens take whole blocks
+    per_token = 2 * layers * kv_heads * (d + 4 if kv_dtype == "int8" else 4 * d)
+    expected = slots(prompt_len) * per_token
+    if got == prompt_len * per_token:
+        return (f"the K/V go over in whole blocks: the last block travels whole even if it is only partly "
+                f"filled (block_size {bs})")
+    if got in (slots(prompt_len + 1) * per_token, (prompt_len + 1) * per_token):
+        return ("the prefill engine computed the prompt's K/V only: the first new token was sampled but never "
+                "fed through the model, so it has no K/V yet")
+    if got * 2 == expected:
+        return "keys *and* values are stored, for every token" + (
+            " (and every layer has its own)" if layers == 2 else "") + (
+            "; fp32 takes 4 bytes per value" if kv_dtype != "int8" else "")
+    if got * layers == expected and layers > 1:
+        return "every layer has its own keys and values"
+    if kv_heads != heads and got * kv_heads == expected * heads:
+        return ("with grouped-query attention only the KV heads are cached (config.num_key_value_heads), "
+                "not the query heads")
+    if kv_dtype == "int8":
+        if got == slots(prompt_len) * 2 * layers * kv_heads * d:
+            return ("int8 values are 1 byte each, but every (token, head) also stores one float32 scale, for K "
+                    "and for V (cbteach.kv_int8)")
+        if got == slots(prompt_len) * 2 * layers * kv_heads * 4 * d:
+            return "with kv_dtype='int8' each value takes 1 byte (plus a float32 scale per token and head)"
+    if got == 8 * expected:
+        return "count bytes, not bits"
+    return ("bytes = whole blocks of the prompt × block_size × bytes per token, and bytes per token = "
+            "2 (K, V) × layers × KV heads × bytes per head")
+
+
+def check_handover(handover, model, prompt_len: int | None = None) -> bool:
+    """``handover(prompt_len, config, block_size, kv_dtype, link_bytes_per_s)`` -> ``(bytes, seconds)``.
+
+    ``model`` is the notebook's model; ``prompt_len`` the notebook's prompt, checked first in fp32 and
+    in int8 with blocks of 16 on a 10 GB/s link.
+    """
+    if not callable(handover):
+        return report(False, "", f"pass your function itself (handover, not handover(...)); got "
+                                 f"{type(handover).__name__}")
+    cases = [(None, prompt_len, 16, None, 10e9), (None, prompt_len, 16, "int8", 10e9)] if prompt_len else []
+    cases += CASES
+    for shape, n, bs, kv_dtype, link in cases:
+        m = model if shape is None else small_model(shape)
+        where = (f"prompt_len={n}, block_size={bs}, kv_dtype={kv_dtype!r}, link {link:.0e} B/s, "
+                 + ("the notebook's model" if shape is None else f"a small model ({shape}: layers, heads, kv "
+                                                                  f"heads, hidden = {SHAPES[shape]})"))
+        try:
+            got = handover(n, m.config, bs, kv_dtype, link)
+            nbytes, seconds = got
+        except Exception as err:  # the learner's code, or a result that is not a pair
+            return report(False, "", f"handover(...) failed or did not return (bytes, seconds) for {where}: "
+                                     f"{type(err).__name__}: {err}")
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (nbytes, seconds)):
+            return report(False, "", f"handover should return two numbers (bytes, seconds); got {got!r}")
+        exp_bytes, exp_seconds = measured_handover(m, n, bs, kv_dtype, link)
+        if nbytes != exp_bytes:
+            more = "more" if nbytes > exp_bytes else "fewer"
+            return report(False, "", f"for {where} you said {nbytes:,} bytes, {more} than the server moved. "
+                                     f"Hint: {_bytes_hint(nbytes, n, m.config, bs, kv_dtype)}")
+        if not math.isclose(seconds, exp_seconds, rel_tol=1e-9, abs_tol=1e-15):
+            if math.isclose(seconds, 8 * exp_seconds, rel_tol=1e-9):
+                hint = "link_bytes_per_s is already in bytes per second: no factor 8"
+            elif math.isclose(seconds * exp_seconds, 1.0, rel_tol=1e-6):
+                hint = "the division is upside down: seconds = bytes / (bytes per second)"
+            else:
+                hint = "seconds = bytes / link_bytes_per_s (the handover is modelled as bandwidth only, no latency)"
+            return report(False, "", f"the bytes are right for {where}, but {seconds!r} s is not the link time. "
+                                     f"Hint: {hint}")
+    shapes = len({c[0] for c in cases})
+    return report(True, f"bytes and link time match the disaggregated server's .transfers on all {len(cases)} "
+                        f"handovers (fp32 and int8 pools, {shapes} model shapes)", "")
