@@ -1,7 +1,8 @@
 """The benchmark tools, run small: shapes of what they write and the slot arithmetic they report.
 
 Nothing here is timed or compared against a speed: timings belong to ``make bench`` and
-``make gpu-check``, whose targets are printed as met / not met, never asserted.
+``make gpu-check``, whose targets are printed as met / not met, never asserted. What is asserted:
+every engine runs, writes every metric, honours arrival times and gives the same tokens.
 """
 import importlib.util
 import json
@@ -11,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from cbteach import Engine, Request, static_batching
-from cbteach.bench import ENGINES, cli, ideal_speedup, slot_steps, targets
+from cbteach import workloads as wl
+from cbteach.bench import (ALL_ENGINES, ENGINES, cli, compare, ideal_speedup, run_engine, slot_steps,
+                           targets)
 from cbteach.bierce.corpus import headword_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,25 +68,66 @@ def test_slot_arithmetic_predicts_the_engines_step_counts(bierce):
 
 
 # -- the commands, small -----------------------------------------------------------------------
+METRIC_KEYS = {"tokens_per_s", "requests_per_s", "goodput", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99",
+               "itl_p50", "itl_p99", "e2e_p50", "e2e_p99", "ttft_mean", "e2e_p90", "seconds", "matched"}
+
+
 def test_bench_small_run_writes_every_engine(tmp_path, bierce):
     path = tmp_path / "bench.json"
-    assert cli(["--requests", "4", "--batch-size", "2", "--max-new-tokens", "8", "--history", "6",
+    assert cli(["--requests", "4", "--max-batch-size", "2", "--max-new-tokens", "8", "--history", "6",
                 "--json", str(path), "--no-progress"]) == 0
     data = json.loads(path.read_text())
-    rows = data["throughput"]
-    assert set(rows) == set(ENGINES)
+    assert {"engines", "workload", "machine", "config", "targets"} <= set(data)
+    rows = data["engines"]
+    assert list(rows) == list(ALL_ENGINES)
     for name, row in rows.items():
         assert "error" not in row, row
+        assert METRIC_KEYS <= set(row), METRIC_KEYS - set(row)
+        assert row["matched"] is True, name  # greedy fp32: every engine gives per-prompt generate's tokens
+        assert row["reference_engine"] == "hf_generate"
         assert row["tokens"] > 0 and row["tokens_per_s"] > 0 and row["seconds"] > 0 and row["first_run_seconds"] > 0
-    assert all(rows[n]["steps"] > 0 for n in ("static", "cbteach_concat", "cbteach_paged"))
+        assert row["num_completed"] == 4 and 0 < row["ttft_p50"] <= row["ttft_p99"] <= row["e2e_p99"]
+    assert all(rows[n]["steps"] > 0 for n in ALL_ENGINES if n != "transformers_cb")
     assert rows["transformers_cb"]["steps"] is None  # not counted for transformers
+    assert rows["hf_generate"]["steps"] == rows["hf_generate"]["tokens"]  # one request at a time
+    assert rows["hf_batch_generate"]["steps"] == rows["static"]["steps"]  # the same waves
     assert rows["cbteach_concat"]["identical_to_static"] and rows["cbteach_paged"]["identical_to_static"]
-    assert rows["transformers_cb"]["matched"] is True  # greedy fp32: transformers' CB gives our tokens
+    for name in ("cbteach_paged", "cbteach_paged_budget"):
+        assert 0 < rows[name]["paged_utilisation"] <= 1 and rows[name]["preemptions"] == 0
+        assert rows[name]["peak_batch"] == 2
+    assert data["workload"]["name"] == "headwords" and data["workload"]["num_requests"] == 4
+    assert data["machine"]["device"] == "cpu" and data["machine"]["torch_threads"] == 1
     assert set(data["targets"]) == {"paged_vs_ideal", "paged_vs_transformers_cb"}
     assert all(t["met"] in (True, False) for t in data["targets"].values())
     sh = data["step_time_vs_history"]
     assert min(sh["concat"]["kv_bytes_copied"]) > 0 and min(sh["paged"]["kv_bytes_read"]) > 0
     assert max(sh["paged"]["kv_bytes_copied"]) == 0 and max(sh["concat"]["kv_bytes_read"]) == 0
+
+
+def test_every_engine_honours_arrival_times(bierce):
+    model, tok = bierce
+    work = wl.with_poisson_arrivals(wl.length_variance(tok, 5, cap=6, mean=4.0, prompt_len=6), rate=40.0)
+    got = {}
+    rows = compare(model, tok, work, 2, ("hf_batch_generate", "static", "cbteach_paged", "transformers_cb"),
+                   full_warmup=(), outputs=got, ttft_target=10.0, tpot_target=10.0)
+    for name, comps in got.items():
+        assert "error" not in rows[name], rows[name]
+        assert [c.arrival_time for c in comps][1:] == pytest.approx(work.arrival_times[1:], abs=0.05), name
+        assert all(c.first_token_time > c.arrival_time for c in comps), name
+        assert [len(c.output_ids) for c in comps] == list(work.max_new_tokens)  # ignore_eos: exact lengths
+        assert rows[name]["matched"] is True and rows[name]["reference_engine"] == "static"
+        assert rows[name]["num_good"] == 5 and rows[name]["goodput"] == rows[name]["requests_per_s"]
+
+
+def test_a_kv_budget_caps_the_batch(bierce):
+    model, tok = bierce
+    work = wl.length_variance(tok, 6, cap=12, mean=12.0, prompt_len=8)
+    roomy, _ = run_engine("cbteach_paged", model, tok, work, 6)
+    tight, comps = run_engine("cbteach_paged", model, tok, work, 6, kv_memory_bytes=3 * 16 * 2048)
+    assert roomy["peak_batch"] == 6 and tight["num_blocks"] == 3 and tight["peak_batch"] < 6
+    assert [len(c.output_ids) for c in comps] == list(work.max_new_tokens)
+    with pytest.raises(ValueError, match="unknown engine"):
+        run_engine("vllm", model, tok, work, 2)
 
 
 def test_gpu_check_small_on_cpu(tmp_path):
@@ -106,3 +150,30 @@ def test_gpu_check_small_on_cpu(tmp_path):
         first = data["first_run_seconds"][workload]
         assert set(first) >= {"cbteach_concat", "cbteach_paged"}
         assert all(len(pair) == 2 and min(pair) > 0 for pair in first.values())
+
+
+def test_bench_figures_draw_hand_made_rows():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from cbteach.viz import bench as vb
+
+    def row(tps, steps, ms):
+        return {"tokens_per_s": tps, "steps": steps, "tokens": 10 * steps, "peak_batch": steps // 2,
+                "goodput": tps / 100, **{f"{m}_{p}": ms * k / 1e3 for m in ("ttft", "tpot", "e2e")
+                                         for p, k in (("p50", 1), ("p99", 3))}}
+
+    rows = {"static": row(100.0, 20, 5.0), "cbteach_paged": row(150.0, 12, 4.0)}
+    def point(key, v):
+        return {"workload": {"params": {key: v}, "max_new_tokens": {"std": v / 2}}, "engines": rows}
+
+    assert vb.ideal_from_point(point("cap", 8), 4) == pytest.approx(20 / 12)
+    for fig in (vb.plot_engines(rows), vb.plot_variance([point("cap", c) for c in (2, 8)], batch_size=4),
+                vb.plot_latency_vs_rate([point("rate", r) for r in (1.0, 2.0)], capacity={"static": 1.5}),
+                vb.plot_memory({"contiguous": rows["static"], "paged": rows["cbteach_paged"]})):
+        assert fig.axes and all(a.get_title() and a.get_xlabel() and a.get_ylabel() for a in fig.axes)
+    for ax in (vb.plot_goodput([point("rate", r) for r in (1.0, 2.0)]), vb.plot_step_vs_batch([1, 2], [0.01, 0.012])):
+        assert ax.get_title() and ax.get_xlabel() and ax.get_ylabel()
+    plt.close("all")

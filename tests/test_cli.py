@@ -39,12 +39,23 @@ def test_student_copy(tmp_path):
 
 
 def test_bench_runs_small_and_writes_json(tmp_path, capsys):
-    args = ["bench", "--requests", "4", "--batch-size", "2", "--max-new-tokens", "8", "--history", "6",
-            "--out", str(tmp_path)]
+    args = ["bench", "--workload", "length_variance", "--cap", "6", "--requests", "4", "--batch-size", "2",
+            "--engines", "static,cbteach_paged,transformers_cb", "--history", "6", "--out", str(tmp_path)]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert out.count("same tokens as static: True") == 2
+    assert "same tokens as static" in out and out.count(" True\n") == 2  # cbteach_paged's and transformers_cb's
     data = json.loads((tmp_path / "bench-bierce.json").read_text())
     assert set(data["step_time_vs_history"]) == {"concat", "paged"}
-    paged = data["throughput"]["cbteach_paged"]
+    assert list(data["engines"]) == ["static", "cbteach_paged", "transformers_cb"]
+    assert data["workload"]["name"] == "length_variance" and data["workload"]["params"]["cap"] == 6
+    paged = data["engines"]["cbteach_paged"]
     assert 0 < paged["paged_utilisation"] <= 1 and 0 < paged["contiguous_utilisation"] <= 1
+    assert paged["matched"] is True and paged["ttft_p99"] > 0 and paged["tpot_p50"] > 0
+    # a rate sweep: one point per rate, every point with its engines
+    args = ["bench", "--workload", "poisson", "--sweep", "20,40", "--requests", "3", "--max-new-tokens", "6",
+            "--engines", "static,cbteach_paged", "--history", "0", "--json", str(tmp_path / "sweep.json")]
+    assert main(args) == 0
+    data = json.loads((tmp_path / "sweep.json").read_text())
+    assert [p["workload"]["params"]["rate"] for p in data["sweep"]] == [20.0, 40.0]
+    assert all(set(p["engines"]) == {"static", "cbteach_paged"} for p in data["sweep"])
+    assert data["engines"] == data["sweep"][-1]["engines"]
