@@ -1,0 +1,114 @@
+"""The experiments of notebook 07 and the step-time-vs-history sweep, on top of the bench's engines."""
+from __future__ import annotations
+
+import platform
+import statistics
+
+from .bench_engines import PAGE
+from .bierce.corpus import headword_prompts
+from .engine import Engine
+from .request import Request
+
+
+# -- experiments of notebook 07 --------------------------------------------------------------------
+def kv_bytes_per_token(model) -> int:
+    """K and V bytes of one token, all layers (what a KV memory budget is divided by)."""
+    from .modelinfo import describe
+
+    return describe(model).kv_bytes_per_token
+
+
+def contiguous_batch_size(kv_tokens: int, workload, reserve_new_tokens: int) -> int:
+    """How many requests a contiguous KV cache of ``kv_tokens`` admits at once when each reserves its
+    worst case, ``prompt + reserve_new_tokens`` (the longest prompt of ``workload``: every slot must fit any)."""
+    return max(1, kv_tokens // (max(workload.prompt_lengths) + reserve_new_tokens))
+
+
+def memory_bound(model, tok, workload, kv_tokens: int, reserve_new_tokens: int, max_batch_size: int = 64,
+                 block_size: int = PAGE) -> dict:
+    """vLLM's memory-bound comparison on one KV budget of ``kv_tokens`` tokens.
+
+    ``contiguous`` emulates a system that reserves ``prompt + reserve_new_tokens`` per request at
+    admission (Orca with a maximum-length reservation): our paged engine with the same pool, its batch
+    capped at the number of reservations that fit (:func:`contiguous_batch_size`), so the pool is never
+    the limit -- the reservation arithmetic is. ``paged`` is the same pool handed out block by block,
+    up to ``max_batch_size`` sequences (preempting when it runs out). Returns ``{"contiguous": row,
+    "paged": row}`` (rows of :func:`run_engine`, with ``kv_tokens`` and ``max_batch_size`` added)."""
+    budget = kv_tokens * kv_bytes_per_token(model)
+    out = {}
+    for label, b in (("contiguous", contiguous_batch_size(kv_tokens, workload, reserve_new_tokens)),
+                     ("paged", max_batch_size)):
+        from .bench import run_engine  # the bench's measuring loop (bench imports this module)
+
+        row, _ = run_engine("cbteach_paged", model, tok, workload, b, kv_memory_bytes=budget)
+        out[label] = {**row, "kv_tokens": kv_tokens, "max_batch_size": b}
+    return out
+
+
+def decode_step_times(model, batch_sizes=(1, 2, 4, 8, 16, 32), steps: int = 24, prompt_len: int = 8) -> list[float]:
+    """Median seconds of a decode-only step with ``b`` sequences, for each ``b`` in ``batch_sizes``."""
+    out = []
+    for b in batch_sizes:
+        eng = Engine(model, None, max_batch_size=b, kv="paged")
+        eng.run([Request([1 + (i + k) % 50 for k in range(prompt_len)], steps, ignore_eos=True) for i in range(b)])
+        decode = [r.duration for r in eng.records if len(r.seqs) == b and all(s.kind == "decode" for s in r.seqs)]
+        out.append(statistics.median(decode))
+    return out
+
+
+def random_llama(device="cuda", dtype=None, **shape):
+    """A random-weight ``LlamaForCausalLM`` of TinyLlama-1.1B's shape (or ``shape``), built from a config:
+    nothing is downloaded. Greedy outputs of random weights are gibberish, but their cost is real."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dims = {**dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
+                   intermediate_size=5632), **shape}
+    cfg = LlamaConfig(vocab_size=32000, max_position_embeddings=2048, rms_norm_eps=1e-5, bos_token_id=1,
+                      eos_token_id=2, pad_token_id=0, tie_word_embeddings=False, **dims)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = 2, 0
+    return model.to(dtype or torch.float32).eval()
+
+
+def headword_requests(n: int, max_new_tokens: int):
+    prompts = headword_prompts(n)
+    return lambda: [Request(p, max_new_tokens) for p in prompts]
+
+
+def step_time_vs_history(model, tok, batch_size=8, steps=512, prompt="CYNIC, n.") -> dict:
+    """Per decode step: history length, step and forward seconds, ``kv_bytes_copied`` (concat) and
+    ``kv_bytes_read`` (paged) while ``batch_size`` sequences decode ``steps`` tokens."""
+    out = {}
+    for kv in ("concat", "paged"):
+        eng = Engine(model, tok, max_batch_size=batch_size, kv=kv)
+        eng.run([Request(prompt, steps, ignore_eos=True) for _ in range(batch_size)])
+        decode = [r for r in eng.records if r.seqs and all(s.kind == "decode" for s in r.seqs)]
+        out[kv] = {"history": [r.seqs[0].num_computed_tokens for r in decode],
+                   "step_seconds": [r.duration for r in decode],
+                   "forward_seconds": [r.forward_time for r in decode],
+                   "kv_bytes_copied": [r.kv_bytes_copied for r in decode],
+                   "kv_bytes_read": [r.kv_bytes_read for r in decode]}
+    return out
+
+
+def machine_info(model=None) -> dict:
+    """Where the numbers come from: processor, threads, versions, the model's device and dtype."""
+    import os
+
+    import torch
+    import transformers
+
+    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+            "torch": torch.__version__, "transformers": transformers.__version__}
+    if model is not None:
+        p = next(model.parameters())
+        info.update(device=str(p.device), dtype=str(p.dtype).replace("torch.", ""),
+                    parameters=sum(q.numel() for q in model.parameters()))
+        if p.device.type == "cuda":
+            info["gpu"] = torch.cuda.get_device_name(p.device)
+    return info
