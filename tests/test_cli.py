@@ -28,7 +28,7 @@ def test_help_and_mask(capsys):
 def test_student_copy(tmp_path):
     src = tmp_path / "nbs"
     src.mkdir()
-    nb = {"cells": [{"cell_type": "code", "source": "x = 42", "metadata": {"tags": ["solution"]},
+    nb = {"cells": [{"cell_type": "code", "source": "x = 6 * 7  # 42", "metadata": {"tags": ["solution"]},
                      "outputs": [], "execution_count": 1},
                     {"cell_type": "code", "source": "check(x)", "metadata": {}, "outputs": [],
                      "execution_count": 2}], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
@@ -36,6 +36,7 @@ def test_student_copy(tmp_path):
     assert main(["student", str(src), str(tmp_path / "out")]) == 0
     out = json.loads((tmp_path / "out" / "01_x.ipynb").read_text())
     assert "42" not in out["cells"][0]["source"] and out["cells"][1]["source"] == "check(x)"
+    assert "x = ..." in out["cells"][0]["source"]  # the stub names what to write
 
 
 def test_bench_runs_small_and_writes_json(tmp_path, capsys):

@@ -1,4 +1,5 @@
 """The course's own rules for every notebook (nbval runs them; this checks their shape)."""
+import ast
 import json
 import re
 from pathlib import Path
@@ -6,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import cbteach
-from cbteach.student import PLACEHOLDER, strip_solutions
+from cbteach.student import PLACEHOLDER, is_check, strip_solutions
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
@@ -56,9 +57,23 @@ def test_student_copy_empties_solutions_but_keeps_checks(path):
     assert n >= 1
     for orig, new in zip(nb["cells"], student["cells"]):
         if "solution" in orig.get("metadata", {}).get("tags", []):
-            assert new["source"] == PLACEHOLDER and new["outputs"] == []
+            assert new["source"].startswith(PLACEHOLDER) and new["outputs"] == []
+            assert not new["metadata"].get("jupyter", {}).get("source_hidden")  # visible: the learner types here
+            exec(compile(new["source"], "stub", "exec"), {})  # the stub runs
+            solution = "".join(orig["source"])
+            assert solution.strip() not in new["source"]
+            for node in ast.walk(ast.parse(new["source"])):  # it keeps given data, never a computed answer
+                if isinstance(node, ast.Assign):
+                    ast.literal_eval(node.value)
+                if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                    assert all(isinstance(n, (ast.Expr, ast.Assign, ast.FunctionDef)) for n in node.body)
+        elif is_check(orig):  # a check's stored output would show the answer
+            assert new["source"] == orig["source"] and new["outputs"] == []
         else:
             assert new == orig
+    assert any(is_check(c) for c in nb["cells"]), "every notebook has a self-check cell"
+    cleared, _ = strip_solutions(nb, clear_outputs=True)
+    assert all(not c.get("outputs") for c in cleared["cells"])
 
 
 # Names the engine no longer has (renamed in the vLLM-style split): a notebook using one would fail to run.
