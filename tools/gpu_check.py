@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))  # runs from a checkout, installed or not
 import torch  # noqa: E402
 
 from cbteach import Engine, Request, load_model, static_batching  # noqa: E402
-from cbteach.bench import ENGINES, clean, compare, headword_requests  # noqa: E402
+from cbteach.bench import ENGINES, clean, compare, headword_requests, random_llama  # noqa: E402
 from cbteach.bierce.corpus import headword_prompts  # noqa: E402
 from cbteach.models import pick_device  # noqa: E402
 
@@ -116,19 +116,6 @@ def exact_fp32(device, n, max_new, batch) -> dict:
     return out
 
 
-def llama_1b(device, shape: dict):
-    """A random-weight LlamaForCausalLM of TinyLlama-1.1B's shape (or ``shape``), bf16, from a config."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=32000, max_position_embeddings=2048, rms_norm_eps=1e-5, bos_token_id=1,
-                      eos_token_id=2, pad_token_id=0, tie_word_embeddings=False, **shape)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg)
-    return model.to(torch.bfloat16).eval()
-
-
 def llama_requests(n, prompt_range, out_median, out_cap, vocab=32000, seed=0):
     """Prompts of random tokens, output lengths log-normal (most short, a few long), ignore_eos."""
     rng = random.Random(seed)
@@ -196,7 +183,7 @@ def main(argv=None) -> int:
     save()
 
     def llama():
-        model = llama_1b(device, sizes["llama"])
+        model = random_llama(device, torch.bfloat16, **sizes["llama"])  # TinyLlama-1.1B-shaped, bf16
         reqs = llama_requests(sizes["llama_n"], sizes["prompt"], sizes["out_median"], sizes["out_cap"])
         lens = [r.max_new_tokens for r in reqs()]
         log(f"llama_1b: {sum(q.numel() for q in model.parameters()) / 1e9:.2f} B params, outputs "

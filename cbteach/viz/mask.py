@@ -162,8 +162,6 @@ def mask_heatmap(source=None, *, cached=None, new=None, layout=None, ax=None):
     boundaries, the dashed line the cached/new boundary of the concat layout.
     """
     from matplotlib.colors import ListedColormap
-    from matplotlib.patches import Patch
-    from matplotlib.transforms import offset_copy
 
     cached, new, layout, mask = resolve(source, cached=cached, new=new, layout=layout)
     num_q, num_k = mask.shape
@@ -211,13 +209,21 @@ def mask_heatmap(source=None, *, cached=None, new=None, layout=None, ax=None):
         starts = [0] + bounds[:-1]
         ax.set_yticks([(a + b - 1) / 2 for a, b in zip(starts, bounds) if b > a],
                       [seq_letter(s) for s, (a, b) in enumerate(zip(starts, bounds)) if b > a])
+    mask_legend(ax, "attend: key made this step", below_points=36)
+    return ax
+
+
+def mask_legend(ax, new_key_label: str, below_points: float) -> None:
+    """The mask pictures' legend (cached key, this step's key, blocked), a fixed distance below the
+    axes -- clear of tick labels and the x label at any figure size."""
+    from matplotlib.patches import Patch
+    from matplotlib.transforms import offset_copy
+
     ax.legend(handles=[Patch(color=CACHED_KEY_COLOR, label="attend: cached key"),
-                       Patch(color=NEW_KEY_COLOR, label="attend: key made this step"),
+                       Patch(color=NEW_KEY_COLOR, label=new_key_label),
                        Patch(facecolor=BLOCKED_COLOR, edgecolor="#999999", label="blocked")],
               loc="upper center", bbox_to_anchor=(0.5, 0), ncol=3, fontsize=7, frameon=False,
-              # a fixed distance below the axes, clear of tick labels and the x label at any size
-              bbox_transform=offset_copy(ax.transAxes, fig=ax.figure, y=-36, units="points"))
-    return ax
+              bbox_transform=offset_copy(ax.transAxes, fig=ax.figure, y=-below_points, units="points"))
 
 
 def _parse_lengths(text: str) -> list[int]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from .mask import key_groups
+from .mask import key_groups, mask_legend
 from .style import (BLOCKED_COLOR, CACHED_KEY_COLOR, NEW_KEY_COLOR, get_axes, palette_color, seq_letter,
                     text_color_on, tint)
 
@@ -137,8 +137,6 @@ def draw_verify_step(record, *, ax=None, context: int = 3):
     drawn); the step's own keys are all drawn. Rows are annotated with what became of each guess.
     """
     from matplotlib.colors import ListedColormap
-    from matplotlib.patches import Patch
-    from matplotlib.transforms import offset_copy
 
     if not getattr(record, "seqs", None) or not hasattr(record, "mask"):
         raise ValueError("record must be a cbteach.StepRecord of a step that ran (engine.records[i])")
@@ -187,11 +185,7 @@ def draw_verify_step(record, *, ax=None, context: int = 3):
                  f"({record.num_tokens} in the packed row)", fontsize=10)
     ax.set_xlabel(f"key (each sequence: its last {context} cached keys | the keys fed this step)")
     ax.set_ylabel("query (packed row: last token, then guesses)")
-    ax.legend(handles=[Patch(color=CACHED_KEY_COLOR, label="attend: cached key"),
-                       Patch(color=NEW_KEY_COLOR, label="attend: key fed this step"),
-                       Patch(facecolor=BLOCKED_COLOR, edgecolor="#999999", label="blocked")],
-              loc="upper center", bbox_to_anchor=(0.5, 0), ncol=3, fontsize=7, frameon=False,
-              bbox_transform=offset_copy(ax.transAxes, fig=ax.figure, y=-44, units="points"))
+    mask_legend(ax, "attend: key fed this step", below_points=44)
     return ax
 
 
