@@ -1,8 +1,7 @@
-"""Self-checks of notebooks 00 and 05 accept the right answer and explain wrong ones."""
+"""Self-checks of notebook 00 accept the right answer and explain wrong ones."""
 import torch
 
 from cbteach.exercises.ex00 import check_kv_bytes_per_token, check_ratio
-from cbteach.exercises.ex05 import check_slot
 from conftest import tiny_model
 
 
@@ -26,11 +25,3 @@ def test_ex00_kv_bytes_follows_the_dtype(capsys):
 def test_ex00_ratio():
     assert check_ratio([3, 30, 12], 10.0)
     assert not check_ratio([3, 30, 12], 4.0)
-
-
-def test_ex05_slot(capsys):
-    assert check_slot(11 * 16 + 5, 3)
-    assert not check_slot(2 * 16 + 5, 3)
-    assert "table index" in capsys.readouterr().out
-    assert not check_slot(11 * 16 + 5, 0)
-    assert "empty=0 is wrong" in capsys.readouterr().out
