@@ -80,17 +80,19 @@ class PagedKVPool:
         return k.view(-1, *k.shape[2:])[slots], v.view(-1, *v.shape[2:])[slots]
 
 
-KV_DTYPES = (None, "int8")
+KV_DTYPES = (None, "int8", "int8_block")
 
 
 def _pool_class(kv_dtype):
-    """The pool that stores K/V: the model's dtype (``None``) or int8 (:mod:`cbteach.kv_int8`)."""
+    """The pool that stores K/V: the model's dtype (``None``) or int8 (:mod:`cbteach.kv_int8`) with a
+    scale per token and head (``"int8"``) or per block and head (``"int8_block"``)."""
     if kv_dtype not in KV_DTYPES:
-        raise ValueError(f"kv_dtype must be None (the model's dtype) or 'int8', got {kv_dtype!r}")
-    if kv_dtype == "int8":
-        from .kv_int8 import Int8KVPool
+        raise ValueError(f"kv_dtype must be None (the model's dtype), 'int8' (a scale per token and head) or "
+                         f"'int8_block' (a scale per block and head), got {kv_dtype!r}")
+    if kv_dtype is not None:
+        from .kv_int8 import Int8BlockKVPool, Int8KVPool
 
-        return Int8KVPool
+        return Int8KVPool if kv_dtype == "int8" else Int8BlockKVPool
     return PagedKVPool
 
 
@@ -130,12 +132,14 @@ class PagedKVCache:
         check_positive_int("block_size", block_size)  # before it divides the memory budget
         pool_cls = _pool_class(kv_dtype)
         if kv_memory_bytes is not None:
-            per_token = info.kv_bytes_per_token if pool_cls is PagedKVPool else \
-                pool_cls.bytes_per_token_for(info.num_layers, info.num_kv_heads, info.head_dim)
-            num_blocks = int(kv_memory_bytes // (per_token * block_size))
+            per_block = block_size * (info.kv_bytes_per_token if pool_cls is PagedKVPool else
+                                      pool_cls.bytes_per_token_for(info.num_layers, info.num_kv_heads, info.head_dim,
+                                                                   block_size=block_size))
+            per_block = round(per_block)  # a whole number of bytes (block scales are 4 bytes per block)
+            num_blocks = int(kv_memory_bytes // per_block)
             if num_blocks < 1:
                 raise ValueError(f"kv_memory_bytes={kv_memory_bytes} holds no block of {block_size} tokens "
-                                 f"({per_token * block_size} bytes each)")
+                                 f"({per_block} bytes each)")
         if num_blocks is None:
             num_blocks = max_batch_size * math.ceil(min(info.max_positions or 4096, 4096) / block_size)
         return cls(num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
@@ -171,7 +175,8 @@ class PagedKVCache:
         # vectorised gather reads whole blocks of every sequence in a group).
         per_token = self.pool.bytes_per_token
         read = sum(g.block_tables.numel() * self.block_size for g in meta.groups)
-        self.last_traffic = KVTraffic(bytes_read=read * per_token, bytes_written=meta.num_tokens * per_token)
+        self.last_traffic = KVTraffic(bytes_read=round(read * per_token),
+                                      bytes_written=round(meta.num_tokens * per_token))
         return self.last_traffic
 
     # -- swap preemption (vLLM paper, section 4.5) ------------------------------------------------
@@ -181,7 +186,7 @@ class PagedKVCache:
         keep = self.manager.blocks_needed(seq.num_computed_tokens)
         self.swap_space[seq.request_id] = self.pool.copy_out(seq.block_table[:keep])
         self.manager.free(seq)
-        self.swap_stats["bytes_out"] += keep * self.block_size * self.pool.bytes_per_token
+        self.swap_stats["bytes_out"] += round(keep * self.block_size * self.pool.bytes_per_token)
         self.swap_stats["seconds"] += time.perf_counter() - t0
 
     def swap_in(self, seq) -> None:
@@ -191,7 +196,7 @@ class PagedKVCache:
         if self.manager.allocate_slots(seq, 0) is None:
             raise RuntimeError(f"no room to swap {seq!r} back in")
         self.pool.copy_in(seq.block_table, data)
-        self.swap_stats["bytes_in"] += len(seq.block_table) * self.block_size * self.pool.bytes_per_token
+        self.swap_stats["bytes_in"] += round(len(seq.block_table) * self.block_size * self.pool.bytes_per_token)
         self.swap_stats["seconds"] += time.perf_counter() - t0
 
     def discard(self, seq) -> None:
