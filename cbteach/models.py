@@ -1,7 +1,9 @@
 """Loading models: the embedded "bierce" model from the package, or any causal LM from the hub.
 
 ``load_model()`` with no arguments never touches the network: bierce's weights, config and
-tokenizer ship inside the package (``cbteach/bierce/``). Any other name is a Hugging Face hub id
+tokenizer ship inside the package (``cbteach/bierce/``), and so does its small draft model for
+speculative decoding, ``load_model("bierce-draft")`` (``cbteach/bierce/draft/``, trained by the
+same script on the same tokenizer). Any other name is a Hugging Face hub id
 for online users; offline, an uncached id fails with one clear error naming the embedded default.
 """
 from __future__ import annotations
@@ -12,6 +14,8 @@ import torch
 
 BIERCE_DIR = Path(__file__).parent / "bierce"
 DEFAULT_MODEL = "bierce"
+DRAFT_MODEL = "bierce-draft"  # bierce's speculative-decoding draft: same tokenizer, a sixth of the size
+EMBEDDED = {DEFAULT_MODEL: BIERCE_DIR, DRAFT_MODEL: BIERCE_DIR / "draft"}
 
 
 def pick_device(device=None) -> torch.device:
@@ -47,8 +51,9 @@ def pick_dtype(device: torch.device, dtype=None) -> torch.dtype:
 def load_model(name: str = DEFAULT_MODEL, device=None, dtype=None):
     """Return ``(model, tokenizer)``, the model in eval mode on ``device`` in ``dtype``.
 
-    ``name="bierce"`` loads the embedded model; anything else is passed to transformers'
-    ``AutoModelForCausalLM`` / ``AutoTokenizer`` as a hub id or a local directory.
+    ``name="bierce"`` loads the embedded model and ``"bierce-draft"`` its draft model (with
+    bierce's tokenizer); anything else is passed to transformers' ``AutoModelForCausalLM`` /
+    ``AutoTokenizer`` as a hub id or a local directory.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -57,14 +62,15 @@ def load_model(name: str = DEFAULT_MODEL, device=None, dtype=None):
         raise ValueError(f"model name must be a non-empty string such as {DEFAULT_MODEL!r} or 'gpt2'")
     dev = pick_device(device)
     dt = pick_dtype(dev, dtype)
-    source = BIERCE_DIR if name == DEFAULT_MODEL else name
+    source = EMBEDDED.get(name, name)
+    tokenizer_source = BIERCE_DIR if name in EMBEDDED else name
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a 2M-parameter model loads in an instant; no bar needed
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dt)
     except (OSError, ValueError) as err:
-        if name == DEFAULT_MODEL:
+        if name in EMBEDDED:
             raise
         raise ValueError(
             f"could not load model {name!r}: it is not a local directory and not in the Hugging Face cache, "

@@ -86,3 +86,20 @@ def test_bad_speculative_options_are_refused():
         Engine(MODEL, max_batch_size=1, speculative="medusa")
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         Engine(MODEL, max_batch_size=1, speculative="ngram", num_speculative_tokens=0)
+
+
+def test_bierce_draft_model_is_embedded_and_its_guesses_verify_exactly(bierce):
+    from cbteach import load_model
+    from cbteach.bierce.corpus import headword_prompts
+
+    model, tok = bierce
+    draft, draft_tok = load_model("bierce-draft", device="cpu")
+    assert draft_tok.get_vocab() == tok.get_vocab()  # a draft must speak the target's token ids
+    assert draft.config.vocab_size == model.config.vocab_size
+    assert sum(p.numel() for p in draft.parameters()) < sum(p.numel() for p in model.parameters()) / 3
+    reqs = lambda: [Request(p, 30) for p in headword_prompts(6)]  # noqa: E731
+    plain = Engine(model, tok, max_batch_size=6, kv="paged").run(reqs())
+    spec = Engine(model, tok, max_batch_size=6, kv="paged", speculative=draft, num_speculative_tokens=3)
+    assert [c.output_ids for c in spec.run(reqs())] == [c.output_ids for c in plain]
+    s = spec.spec_stats
+    assert s["drafted"] > 0 and 0 < s["accepted"] < s["drafted"]

@@ -1,6 +1,7 @@
 """Train "bierce", the course's embedded model, from scratch on the CPU.
 
     python -m cbteach.bierce.train            # writes tokenizer.json, config.json, model.safetensors
+    python -m cbteach.bierce.train --draft    # bierce's draft model, in bierce/draft/ (same tokenizer)
 
 What gets built, and why each choice:
 
@@ -13,6 +14,11 @@ What gets built, and why each choice:
 * **Data** -- one dictionary entry per document, EOS after each. Training windows mostly start at
   an entry's first token, so a bare headword prompt such as ``"CYNIC, n."`` at position 0 looks
   exactly like training data, and the model learns when an entry is over.
+
+* **Draft model** (``--draft``) -- the same script and data, a model about a sixth of bierce's size
+  (2 layers, hidden size 96, 3 query heads, 1 KV head), trained on bierce's *own* tokenizer (a
+  draft must speak the target's vocabulary: speculative decoding compares token ids). It is the
+  small, fast guesser for ``Engine(..., speculative=load_draft_model())`` (notebook 08).
 
 The seed is fixed; the run is deterministic on one machine (thread scheduling may change the last
 digits elsewhere). The README records how long it took on the course's 2-core reference machine.
@@ -54,12 +60,17 @@ def train_tokenizer(texts: list[str], out_dir: Path):
     return fast
 
 
-def make_model(vocab_size: int, eos_id: int):
+SIZES = {"bierce": dict(hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=6,
+                        num_key_value_heads=2),
+         "draft": dict(hidden_size=96, intermediate_size=256, num_hidden_layers=2, num_attention_heads=3,
+                       num_key_value_heads=1)}
+
+
+def make_model(vocab_size: int, eos_id: int, size: str = "bierce"):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=192, intermediate_size=512, num_hidden_layers=4,
-        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=4096,
+        vocab_size=vocab_size, **SIZES[size], max_position_embeddings=4096,
         rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
         bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
     )
@@ -92,7 +103,8 @@ def batches(docs: list[list[int]], seq_len: int, batch_size: int, rng: random.Ra
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=HERE)
+    p.add_argument("--out", type=Path, default=None, help="default: bierce/ (bierce/draft/ with --draft)")
+    p.add_argument("--draft", action="store_true", help="train the small draft model on bierce's tokenizer")
     p.add_argument("--steps", type=int, default=900)
     p.add_argument("--seq-len", type=int, default=384)
     p.add_argument("--batch-size", type=int, default=16)
@@ -109,14 +121,21 @@ def main(argv=None):
     t0 = time.time()
 
     texts = [e["text"] for e in load_entries()]
-    tokenizer = train_tokenizer(texts, args.out)
+    args.out = args.out or (HERE / "draft" if args.draft else HERE)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.draft:  # the target's tokenizer, as it is: the draft's token ids must mean the same
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(HERE)
+    else:
+        tokenizer = train_tokenizer(texts, args.out)
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
     docs = [tokenizer(t)["input_ids"] + [eos_id] for t in texts]
     lengths = sorted(len(d) for d in docs)
     print(f"{len(docs)} entries, {sum(lengths)} tokens, median {lengths[len(lengths) // 2]}, "
           f"max {lengths[-1]}")
 
-    model = make_model(len(tokenizer), eos_id)
+    model = make_model(len(tokenizer), eos_id, "draft" if args.draft else "bierce")
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f}M parameters")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.05)
