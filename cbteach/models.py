@@ -14,7 +14,7 @@ import torch
 
 BIERCE_DIR = Path(__file__).parent / "bierce"
 DEFAULT_MODEL = "bierce"
-DRAFT_MODEL = "bierce-draft"  # bierce's speculative-decoding draft: same tokenizer, a sixth of the size
+DRAFT_MODEL = "bierce-draft"  # bierce's speculative-decoding draft: same tokenizer, a fifth of the size
 EMBEDDED = {DEFAULT_MODEL: BIERCE_DIR, DRAFT_MODEL: BIERCE_DIR / "draft"}
 
 

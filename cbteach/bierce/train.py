@@ -15,7 +15,7 @@ What gets built, and why each choice:
   an entry's first token, so a bare headword prompt such as ``"CYNIC, n."`` at position 0 looks
   exactly like training data, and the model learns when an entry is over.
 
-* **Draft model** (``--draft``) -- the same script and data, a model about a sixth of bierce's size
+* **Draft model** (``--draft``) -- the same script and data, a model a fifth of bierce's size
   (2 layers, hidden size 96, 3 query heads, 1 KV head), trained on bierce's *own* tokenizer (a
   draft must speak the target's vocabulary: speculative decoding compares token ids). It is the
   small, fast guesser for ``Engine(..., speculative=load_draft_model())`` (notebook 08).
