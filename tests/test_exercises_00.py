@@ -1,27 +1,190 @@
-"""Self-checks of notebook 00 accept the right answer and explain wrong ones."""
+"""The self-check of notebook 00 (greedy decoding with a KV cache) accepts a right loop, on more than one
+architecture, and names what is wrong in the usual wrong ones -- without ever showing the right tokens
+or the right count."""
+import pytest
 import torch
 
-from cbteach.exercises.ex00 import check_kv_bytes_per_token, check_ratio
-from conftest import tiny_model
+from cbteach.exercises.ex00 import check_greedy_decode, generate_with_work
+from conftest import EOS, tiny_model
+
+PROMPT = [3, 7, 11, 2, 9, 4]
 
 
-def test_ex00_kv_bytes(capsys):
-    model = tiny_model("llama")  # 2 layers, 2 KV heads of 16 dims, fp32
-    assert check_kv_bytes_per_token(model, 2 * 2 * 2 * 16 * 4)
-    assert not check_kv_bytes_per_token(model, 2 * 2 * 16 * 4)
-    assert "one layer" in capsys.readouterr().out
-    assert not check_kv_bytes_per_token(model, 2 * 2 * 4 * 16 * 4)
-    assert "query heads" in capsys.readouterr().out
-    assert not check_kv_bytes_per_token(model, "512")
+def ids_for(model):
+    return torch.tensor([PROMPT], device=model.device)
 
 
-def test_ex00_kv_bytes_follows_the_dtype(capsys):
-    model = tiny_model("llama").to(torch.bfloat16)  # 2 bytes per element
-    assert check_kv_bytes_per_token(model, 2 * 2 * 2 * 16 * 2)
-    assert "× 2 bytes (bfloat16)" in capsys.readouterr().out
-    assert not check_kv_bytes_per_token(model, 2 * 2 * 2 * 16 * 4)
+# -- a right answer, and wrong ones a learner plausibly writes -------------------------------------------
+
+def right(model, input_ids, max_new_tokens, eos_id):
+    new, cache, x = [], None, input_ids  # prefill: the whole prompt, no cache yet
+    for _ in range(max_new_tokens):
+        out = model(input_ids=x, cache=cache, use_cache=True)
+        cache = out.cache
+        next_id = out.logits[0, -1].argmax().item()
+        new.append(next_id)
+        if next_id == eos_id:
+            break
+        x = torch.tensor([[next_id]], device=model.device)  # decode: only the new token
+    return new
 
 
-def test_ex00_ratio():
-    assert check_ratio([3, 30, 12], 10.0)
-    assert not check_ratio([3, 30, 12], 4.0)
+def old_name(model, input_ids, max_new_tokens, eos_id):
+    """The same loop with the pre-transformers-5 keyword, past_key_values: also right."""
+    new, past, x = [], None, input_ids
+    for _ in range(max_new_tokens):
+        out = model(input_ids=x, past_key_values=past, use_cache=True)
+        past = out.cache
+        new.append(out.logits[0, -1].argmax().item())
+        if new[-1] == eos_id:
+            break
+        x = torch.tensor([[new[-1]]], device=model.device)
+    return new
+
+
+def no_cache(model, input_ids, max_new_tokens, eos_id):
+    seq, new = input_ids, []
+    for _ in range(max_new_tokens):
+        next_id = model(input_ids=seq).logits[0, -1].argmax().item()
+        new.append(next_id)
+        if next_id == eos_id:
+            break
+        seq = torch.cat([seq, torch.tensor([[next_id]], device=model.device)], dim=1)
+    return new
+
+
+def cache_dropped(model, input_ids, max_new_tokens, eos_id):
+    new, x = [], input_ids
+    for _ in range(max_new_tokens):
+        new.append(model(input_ids=x, use_cache=True).logits[0, -1].argmax().item())
+        if new[-1] == eos_id:
+            break
+        x = torch.tensor([[new[-1]]], device=model.device)
+    return new
+
+
+def refeeds_with_cache(model, input_ids, max_new_tokens, eos_id):
+    new, cache, seq = [], None, input_ids
+    for _ in range(max_new_tokens):
+        out = model(input_ids=seq, cache=cache, use_cache=True)
+        cache = out.cache
+        new.append(out.logits[0, -1].argmax().item())
+        if new[-1] == eos_id:
+            break
+        seq = torch.cat([seq, torch.tensor([[new[-1]]], device=model.device)], dim=1)
+    return new
+
+
+def ignores_eos(model, input_ids, max_new_tokens, eos_id):
+    return right(model, input_ids, max_new_tokens, eos_id=-1)
+
+
+def drops_eos(model, input_ids, max_new_tokens, eos_id):
+    return [t for t in right(model, input_ids, max_new_tokens, eos_id) if t != eos_id]
+
+
+def one_pass_too_many(model, input_ids, max_new_tokens, eos_id):
+    out = model(input_ids=input_ids, use_cache=True)
+    new = []
+    for _ in range(max_new_tokens):
+        new.append(out.logits[0, -1].argmax().item())
+        out = model(input_ids=torch.tensor([[new[-1]]], device=model.device), cache=out.cache, use_cache=True)
+        if new[-1] == eos_id:
+            break
+    return new
+
+
+def first_position(model, input_ids, max_new_tokens, eos_id):
+    out = model(input_ids=input_ids, use_cache=True)
+    return [out.logits[0, 0].argmax().item()] * max_new_tokens
+
+
+def with_prompt(model, input_ids, max_new_tokens, eos_id):
+    return input_ids[0].tolist() + right(model, input_ids, max_new_tokens, eos_id)
+
+
+def calls_generate(model, input_ids, max_new_tokens, eos_id):
+    return model.generate(input_ids, max_new_tokens=max_new_tokens)[0].tolist()
+
+
+def stub(model, input_ids, max_new_tokens, eos_id):
+    ...  # the student copy's stub: returns None
+
+
+def raises(model, input_ids, max_new_tokens, eos_id):
+    return model(input_ids[0]).logits  # a 1-D input
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "gpt2"])
+def model(request):
+    return tiny_model(request.param)
+
+
+@pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")  # old_name uses the old keyword
+def test_right_loop_passes_on_each_architecture(model, capsys):
+    assert check_greedy_decode(right, model, ids_for(model), 20, EOS)
+    out = capsys.readouterr().out
+    assert out.startswith("✓") and f"{len(PROMPT)} + " in out
+    assert check_greedy_decode(old_name, model, ids_for(model), 20, EOS)
+
+
+def test_the_check_measures_generate_live(model):
+    """The reference work is what generate really fed: the prompt once, then one position per step."""
+    tokens, calls = generate_with_work(model, ids_for(model), 10, EOS)
+    assert [fed for fed, _, _ in calls] == [len(PROMPT)] + [1] * (len(tokens) - 1)
+    _, calls = generate_with_work(model, ids_for(model), 10, EOS, use_cache=False)
+    assert [fed for fed, _, _ in calls] == [len(PROMPT) + k for k in range(len(calls))]
+
+
+HINTS = [
+    (no_cache, "whole sequence through the model again"),
+    (cache_dropped, "without the cache"),
+    (refeeds_with_cache, "earlier tokens again together with the cache"),
+    (ignores_eos, "kept going after EOS"),
+    (drops_eos, "left out the EOS token"),
+    (one_pass_too_many, "one forward pass too many"),
+    (with_prompt, "returned the prompt too"),
+    (calls_generate, "called model.generate"),
+    (stub, "returned None"),
+    (raises, "raised"),
+]
+
+
+@pytest.mark.parametrize("wrong, hint", HINTS, ids=[w.__name__ for w, _ in HINTS])
+def test_wrong_loops_get_the_right_hint_and_not_the_answer(model, wrong, hint, capsys):
+    assert not check_greedy_decode(wrong, model, ids_for(model), 20, EOS)
+    out = capsys.readouterr().out
+    assert out.startswith("✗") and hint in out, out
+    for ids, n, eos in [(ids_for(model), 20, EOS), (ids_for(model), 12, EOS)]:
+        expected, calls = generate_with_work(model, ids, n, eos)
+        assert str(expected) not in out and str(expected)[1:-1] not in out  # never the right tokens
+    assert "expected" not in out.lower()
+
+
+def test_wrong_first_token_is_named_without_the_value(capsys):
+    model = tiny_model("llama")
+    assert not check_greedy_decode(first_position, model, ids_for(model), 20, EOS)
+    out = capsys.readouterr().out
+    right_first = right(model, ids_for(model), 1, EOS)[0]
+    assert "first new token already differs" in out and str(right_first) not in out.split("model.generate (", 1)[1]
+
+
+def test_no_cache_hint_shows_only_the_learners_own_count(capsys):
+    model = tiny_model("llama")
+    assert not check_greedy_decode(no_cache, model, ids_for(model), 20, EOS)
+    out = capsys.readouterr().out
+    _, calls = generate_with_work(model, ids_for(model), 20, EOS)
+    assert str(sum(fed for fed, _, _ in calls)) not in out  # generate's count (the answer) is not shown
+
+
+def test_not_a_function(capsys):
+    model = tiny_model("llama")
+    assert not check_greedy_decode([1, 2, 3], model, ids_for(model), 5, EOS)
+    assert "pass your function itself" in capsys.readouterr().out
+
+
+def test_the_model_is_left_as_it_was():
+    model = tiny_model("llama")
+    check_greedy_decode(calls_generate, model, ids_for(model), 5, EOS)
+    assert "generate" not in vars(model) and not model._forward_pre_hooks
+    assert model.generate(ids_for(model), max_new_tokens=2, do_sample=False).shape[1] == len(PROMPT) + 2

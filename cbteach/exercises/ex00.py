@@ -1,34 +1,208 @@
-"""Notebook 00: how many bytes of KV cache does one token cost?"""
+"""Notebook 00: write greedy decoding with a KV cache, and check it against what the model really does.
+
+The learner writes ``greedy_decode(model, input_ids, max_new_tokens, eos_id)``: one *prefill* pass
+over the prompt, then one *decode* pass per new token that feeds only that token and the cache.
+The check runs it with a forward pre-hook on the model that records, for every forward pass, how
+many positions it was fed and how many were already in the cache it was given. It then compares,
+case by case, with transformers' own greedy ``model.generate`` run live on the same model:
+
+* the tokens must be ``generate``'s, EOS included;
+* the positions fed must be those ``generate`` feeds with its cache (``use_cache=True``): the
+  prompt once, then one per decode step -- not the whole sequence again at every step.
+"""
 from __future__ import annotations
 
-from ..modelinfo import describe
+from contextlib import contextmanager
+
+import torch
+
 from . import report
 
-
-def check_kv_bytes_per_token(model, answer) -> bool:
-    """``answer`` should be the bytes of K and V that one token occupies across all layers."""
-    info = describe(model)
-    expected = info.kv_bytes_per_token
-    if not isinstance(answer, (int, float)):
-        return report(False, "", f"answer should be a number of bytes, got {type(answer).__name__}")
-    if answer == expected:
-        return report(True, f"{expected:,} bytes per token: 2 (K and V) × {info.num_layers} layers × "
-                            f"{info.num_kv_heads} KV heads × {info.head_dim} dims × {info.dtype.itemsize} bytes "
-                            f"({str(info.dtype).removeprefix('torch.')})", "")
-    hints = []
-    if answer == expected // 2:
-        hints.append("you counted keys or values, not both")
-    if answer * info.num_layers == expected:
-        hints.append("you counted one layer; every layer has its own cache")
-    q_heads = model.config.num_attention_heads
-    if answer == expected // info.num_kv_heads * q_heads:
-        hints.append("you used the query heads; with grouped-query attention only the KV heads are cached")
-    return report(False, "", f"{answer:,} is not right ({'; '.join(hints) or 'check each factor'})")
+CACHE_KWARGS = ("cache", "past_key_values")  # transformers 5 renamed past_key_values to cache
 
 
-def check_ratio(lengths, answer) -> bool:
-    """``answer`` should be the longest answer length divided by the shortest."""
-    expected = max(lengths) / min(lengths)
-    ok = isinstance(answer, (int, float)) and abs(answer - expected) < 1e-9
-    return report(ok, f"the longest answer is {expected:.1f}x the shortest",
-                  f"{answer!r} is not max(lengths) / min(lengths)")
+def _cached(cache) -> int:
+    """How many positions a cache object already holds (0 for none, or an empty one)."""
+    if cache is None:
+        return 0
+    try:
+        return int(cache.get_seq_length())
+    except (AttributeError, TypeError):
+        return 0
+
+
+@contextmanager
+def recorded_forwards(model):
+    """Record ``(fed, cached, on_model_device)`` for every call of ``model(...)`` inside the block:
+    positions fed, positions already in the cache passed in, and whether the input was on
+    ``model.device``."""
+    calls = []
+
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None and kwargs.get("inputs_embeds") is not None:
+            ids = kwargs["inputs_embeds"][..., 0]
+        cache = next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
+        if torch.is_tensor(ids):
+            calls.append((int(ids.shape[-1]), _cached(cache), ids.device == model.device))
+
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield calls
+    finally:
+        handle.remove()
+
+
+def generate_with_work(model, input_ids, max_new_tokens: int, eos_id: int, use_cache: bool = True):
+    """Greedy ``model.generate``'s new tokens and its recorded forward passes (the reference)."""
+    with recorded_forwards(model) as calls, torch.no_grad():
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=eos_id,
+                             use_cache=use_cache)
+    return out[0, input_ids.shape[1]:].tolist(), calls
+
+
+def _as_ids(got):
+    """The learner's answer as a list of ints, or None if it is not a flat sequence of token ids."""
+    if torch.is_tensor(got):
+        got = got.reshape(-1) if got.dim() <= 1 or got.shape[0] == 1 else None
+    if got is None or isinstance(got, (str, bytes, dict)) or not hasattr(got, "__iter__"):
+        return None
+    out = []
+    for t in got:
+        if torch.is_tensor(t) and t.numel() == 1:
+            t = t.item()
+        if isinstance(t, bool) or not isinstance(t, int):
+            return None
+        out.append(t)
+    return out
+
+
+def _run(fn, model, input_ids, n, eos_id):
+    """Call the learner's function with the forward passes recorded and ``model.generate`` barred."""
+    used_generate = []
+
+    def no_generate(*args, **kwargs):
+        used_generate.append(True)
+        raise RuntimeError("the check does not let greedy_decode call model.generate")
+
+    model.generate = no_generate  # on this instance only; removed below
+    try:
+        with recorded_forwards(model) as calls, torch.no_grad():
+            try:
+                got = fn(model, input_ids.clone(), n, eos_id)
+            except Exception as err:  # the learner's code: say what failed
+                got = err
+    finally:
+        del model.generate
+    return got, calls, bool(used_generate)
+
+
+def _work_hint(calls) -> str | None:
+    """What the pattern of forward passes says about how the cache was used (None: nothing wrong)."""
+    later = calls[1:]
+    if any(fed > 1 and cached == 0 for fed, cached in later):
+        return ("you ran the whole sequence through the model again at every step: that recomputes every "
+                "earlier token's keys and values (and its MLP); keep the cache the model returns, pass it back, "
+                "and feed only the newest token")
+    if any(fed > 1 and cached > 0 for fed, cached in later):
+        return ("you fed earlier tokens again together with the cache: their keys and values are already in it, "
+                "so each decode step should feed only the token chosen in the step before")
+    if any(fed == 1 and cached == 0 for fed, cached in later):
+        return ("a decode step fed the new token without the cache, so the model saw it with no context; pass "
+                "the cache from the previous step's output (out.cache) back in as cache=")
+    return None
+
+
+def _token_hint(got, expected, prompt, n, eos_id) -> str:
+    ended = len(expected) < n or (expected and expected[-1] == eos_id)
+    if got[:len(prompt)] == prompt and got[len(prompt):] == expected:
+        return "you returned the prompt too; return only the new tokens"
+    if ended and len(got) > len(expected) and got[:len(expected)] == expected:
+        return "you kept going after EOS: stop right after appending eos_id"
+    if ended and got == expected[:-1]:
+        return "you left out the EOS token; generate keeps it in its output: append it, then stop"
+    if not got:
+        return "you returned no tokens; even max_new_tokens=1 makes one (the prefill's argmax)"
+    if len(got) > len(expected) and got[:len(expected)] == expected:
+        return f"you made {len(got)} tokens; max_new_tokens={n} counts every new token, the prefill's included"
+    if len(got) < len(expected) and expected[:len(got)] == got:
+        return (f"you stopped after {len(got)} tokens; go on until max_new_tokens={n} tokens or until you "
+                "append eos_id")
+    k = next(i for i, (a, b) in enumerate(zip(got + [None], expected + [None])) if a != b)
+    if k == 0:
+        return ("the first new token already differs: it is the argmax of the prefill's logits at the last "
+                "prompt position, logits[0, -1]")
+    return (f"tokens 0-{k - 1} agree but token {k} differs: at each step take the argmax at the last position, "
+            "and feed back the token you just chose, with the cache")
+
+
+def _case(input_ids, n, eos_id) -> str:
+    return f"greedy_decode(model, <{input_ids.shape[1]}-token prompt>, max_new_tokens={n}, eos_id={eos_id})"
+
+
+def _cases(model, input_ids, max_new_tokens, eos_id):
+    """The notebook's case, a prefill-only case, a case without EOS, and one that stops on a token the
+    model really produces (picked live, so every model, even a random one, gets an EOS case)."""
+    cases = [(input_ids, max_new_tokens, eos_id), (input_ids, 1, eos_id)]
+    base, _ = generate_with_work(model, input_ids, 12, eos_id)
+    if base[-1] != eos_id and max_new_tokens != 12:
+        cases.append((input_ids, 12, eos_id))
+    firsts = [j for j, t in enumerate(base) if t not in base[:j] and t != eos_id]
+    if firsts:
+        cases.append((input_ids, len(base), base[firsts[-1]]))
+    return cases
+
+
+def check_greedy_decode(greedy_decode, model, input_ids, max_new_tokens: int, eos_id: int) -> bool:
+    """``greedy_decode(model, input_ids, max_new_tokens, eos_id)`` should return the list of new token
+    ids that greedy ``model.generate`` returns, feeding the model what ``generate`` feeds with its cache.
+
+    ``input_ids``: the notebook's prompt, shape ``[1, P]`` on ``model.device``; checked first, then a
+    few cases made from it.
+    """
+    if not callable(greedy_decode):
+        return report(False, "", f"pass your function itself (greedy_decode, not greedy_decode(...)); got "
+                                 f"{type(greedy_decode).__name__}")
+    prompt = input_ids[0].tolist()
+    cases = _cases(model, input_ids, max_new_tokens, eos_id)
+    n_new = None  # new tokens of the notebook's case (the first)
+    for ids, n, eos in cases:
+        expected, ref_calls = generate_with_work(model, ids, n, eos)
+        got, calls, used_generate = _run(greedy_decode, model, ids, n, eos)
+        where = _case(ids, n, eos)
+        if used_generate:
+            return report(False, "", "write the loop yourself: your function called model.generate")
+        hint = _work_hint([c[:2] for c in calls])
+        if isinstance(got, Exception):
+            why = f" (before that, {hint})" if hint else ""
+            return report(False, "", f"{where} raised {type(got).__name__}: {got}{why}")
+        ids_got = _as_ids(got)
+        if ids_got is None:
+            return report(False, "", f"{where} returned {type(got).__name__ if got is not None else 'None'}; "
+                                     "it should return the new token ids, a list of ints")
+        if not calls:
+            return report(False, "", "the check saw no forward pass; call the model itself, model(input_ids=..., "
+                                     "cache=..., use_cache=True), not model.forward")
+        if not all(on_device for _, _, on_device in calls):
+            return report(False, "", "a forward pass got its input on another device; make every tensor with "
+                                     "device=model.device")
+        if hint:
+            return report(False, "", f"{where}: {hint}")
+        if ids_got != expected:
+            return report(False, "", f"{where} gave other tokens than model.generate "
+                                     f"({_token_hint(ids_got, expected, prompt, n, eos)})")
+        fed, ref_fed = sum(c[0] for c in calls), sum(c[0] for c in ref_calls)
+        if len(calls) == len(ref_calls) + 1 and fed == ref_fed + 1:
+            return report(False, "", f"{where}: right tokens, but one forward pass too many: the token chosen in "
+                                     "the last step is returned, it needs no forward pass of its own")
+        if fed != ref_fed:
+            return report(False, "", f"{where}: right tokens, but your loop fed the model {fed} positions in "
+                                     f"{len(calls)} forward passes, and generate with its cache fed "
+                                     f"{'fewer' if fed > ref_fed else 'more'}")
+        n_new = len(expected) if n_new is None else n_new
+    _, no_cache = generate_with_work(model, input_ids, max_new_tokens, eos_id, use_cache=False)
+    p = input_ids.shape[1]
+    return report(True, f"same tokens as model.generate in all {len(cases)} cases, and the same work: for the "
+                        f"notebook's prompt your loop fed {p} + {n_new - 1} = {p + n_new - 1} positions "
+                        f"(P + N - 1); without a cache generate fed {sum(c[0] for c in no_cache)}", "")
