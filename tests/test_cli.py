@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from cbteach.__main__ import main
 
 
@@ -23,6 +25,39 @@ def test_help_and_mask(capsys):
     assert main([]) == 0
     assert main(["mask", "--cached", "1,0", "--new", "1,2"]) == 0
     assert "#" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("layout", ["concat", "per-sequence", "paged"])
+def test_mask_layouts_and_png(layout, tmp_path, capsys):
+    png = tmp_path / f"{layout}.png"
+    assert main(["mask", "--cached", "3,0,5", "--new", "1,4,1", "--layout", layout, "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert f"({layout} layout" in out and f"heatmap saved to {png}" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_mask_paged_options(capsys):
+    assert main(["mask", "--cached", "3,0,5", "--new", "1,4,1", "--layout", "paged", "--block-size", "2",
+                 "--block-tables", "9,4;1,0;2,6,3"]) == 0
+    out = capsys.readouterr().out
+    assert "block_size 2" in out and "6 queries x 16 slots (14 keys, 2 empty)" in out
+    blk = next(ln for ln in out.splitlines() if ln.startswith("blk")).split()[1:]
+    assert blk == ["9", ":4", ":-", "1", ":0", "2", ":6", ":3"]  # A padded to C's 3 blocks (one group)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--layout", "ragged"], "invalid choice: 'ragged' (choose from 'concat', 'per-sequence', 'paged')"),
+    (["--layout", "paged", "--block-size", "0"], "'0' is not an integer >= 1"),
+    (["--layout", "concat", "--block-size", "4"], "apply only to --layout paged"),
+    (["--layout", "paged", "--block-tables", "0;1"], "block_tables has 2 entries for 3 sequences"),
+    (["--layout", "paged", "--block-tables", "0;1;2"], "its block table needs at least 2 blocks of 4, got 1"),
+    (["--layout", "paged", "--block-tables", "0;x;2,3"], "block tables look like 0,1;2;3,4"),
+])
+def test_mask_bad_arguments_are_argparse_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["mask", "--cached", "3,0,5", "--new", "1,4,1", *argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def test_student_copy(tmp_path):

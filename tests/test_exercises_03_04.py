@@ -61,7 +61,7 @@ def test_mask_hints(capsys):
     assert not check_mask(CACHED, NEW, torch.ones(q, k, dtype=torch.bool).tril(k - q))
     assert "plain causal" in capsys.readouterr().out
     assert not check_mask(CACHED, NEW, per_sequence_causal_mask(CACHED, NEW))
-    assert "paged layout" in capsys.readouterr().out
+    assert "per-sequence layout" in capsys.readouterr().out
     assert not check_mask(CACHED, NEW, torch.ones(q, sum(NEW), dtype=torch.bool).tril())
     assert "include the 5 cached" in capsys.readouterr().out
     assert not check_mask(CACHED, NEW, block_diagonal_causal_mask(CACHED, NEW).float())

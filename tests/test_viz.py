@@ -59,7 +59,7 @@ def run():
 
 # -- mask: text ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("layout,make", [("concat", block_diagonal_causal_mask),
-                                         ("paged", per_sequence_causal_mask)])
+                                         ("per-sequence", per_sequence_causal_mask)])
 def test_ascii_mask_is_the_packing_mask(layout, make):
     text = mask_ascii(cached=[3, 0, 5], new=[1, 4, 1], layout=layout)
     labels, drawn = parse_ascii(text)
@@ -71,7 +71,7 @@ def test_ascii_mask_is_the_packing_mask(layout, make):
 def test_ascii_mask_layouts_differ_in_key_order():
     header = [ln for ln in mask_ascii(cached=[3, 0, 5], new=[1, 4, 1]).splitlines() if ln.startswith("seq")][0]
     assert header.split()[1:] == ["AAA", "CCCCC", "|", "A", "BBBB", "C"]
-    paged = [ln for ln in mask_ascii(cached=[3, 0, 5], new=[1, 4, 1], layout="paged").splitlines()
+    paged = [ln for ln in mask_ascii(cached=[3, 0, 5], new=[1, 4, 1], layout="per-sequence").splitlines()
              if ln.startswith("seq")][0]
     assert paged.split()[1:] == ["AAA|A", "|BBBB", "CCCCC|C"]
 
@@ -253,7 +253,7 @@ def test_one_colour_per_request_across_pictures(run):
     records = run["paged"]
     i = next(i for i, r in enumerate(records) if [s.kind for s in r.seqs][:1] == ["decode"])
     rid = records[i].seqs[0].request_id
-    token = next(p for p in _panel(draw_step(records, i), "packed_row").patches if p.get_gid() == "token")
+    token = next(p for p in _panel(draw_step(records, i), "packed_row").patches if p.get_gid() == "request")
     pool_ax = draw_pool_step(records, i).axes[0]
     block = records[i].kv_usage["block_tables"][rid][0]
     cell = next(p for p in pool_ax.patches if p.get_gid() == f"block {block}")

@@ -106,7 +106,7 @@ def check_mask(cached, new, answer) -> bool:
     if torch.equal(got, torch.ones(q, k, dtype=torch.bool).tril(k - q)):
         hints.append("that is a plain causal mask over the packed row: it lets sequences see each other")
     if torch.equal(got, per_sequence_causal_mask(cached, new)):
-        hints.append("that is the paged layout ([A all | B all]); the concat cache puts every cached key "
+        hints.append("that is the per-sequence layout ([A all | B all]); the concat cache puts every cached key "
                      "first ([A cached | B cached | A new | B new])")
     msg = f"{len(wrong)} of {q * k} entries are wrong:\n" + "\n".join(lines)
     return report(False, "", msg + "".join(f"\nhint: {h}" for h in hints))

@@ -4,7 +4,8 @@
   (also ``python -m cbteach mask --cached 3,0,5 --new 1,4,1``);
 * :mod:`~cbteach.viz.timeline` -- slot timelines of static and continuous runs, and the share of
   slot-steps each wastes;
-* :mod:`~cbteach.viz.stepper` -- one engine step at a time: packed row, mask, slots;
+* :mod:`~cbteach.viz.stepper` -- one engine step at a time: packed row, mask, slots; and
+  ``mask_explorer()``, a widget that redraws a mask from typed lengths;
 * :mod:`~cbteach.viz.pool` -- the paged KV cache's block pool and block tables.
 
 Everything reads :class:`~cbteach.StepRecord` / :class:`~cbteach.StaticResult` objects, and the
@@ -13,11 +14,11 @@ Needs matplotlib (and ipywidgets for the sliders): ``pip install cbteach[lab]``.
 """
 from .mask import cli, mask_ascii, mask_heatmap
 from .pool import draw_pool, draw_pool_step, pool_slider, stored_tokens
-from .stepper import draw_step, step_through
+from .stepper import draw_step, mask_explorer, step_through
 from .style import request_colors, seq_letter
 from .timeline import (plot_timeline, plot_timelines, slot_states_continuous, slot_states_static, waste_breakdown,
                        wasted_fraction)
 
 __all__ = ["mask_ascii", "mask_heatmap", "cli", "slot_states_static", "slot_states_continuous", "wasted_fraction",
-           "waste_breakdown", "plot_timeline", "plot_timelines", "draw_step", "step_through", "draw_pool",
+           "waste_breakdown", "plot_timeline", "plot_timelines", "draw_step", "mask_explorer", "step_through", "draw_pool",
            "draw_pool_step", "pool_slider", "stored_tokens", "request_colors", "seq_letter"]

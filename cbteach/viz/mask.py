@@ -2,34 +2,66 @@
 
 A continuous-batching step packs several sequences into one row, so one attention call serves
 them all. What keeps them apart is the mask: query token ``q`` may attend key ``k`` only if both
-belong to the same sequence and ``k`` is not in ``q``'s future. This module draws that mask.
+belong to the same sequence and ``k`` is not in ``q``'s future. This module draws that mask in
+three **layouts** -- the same rule, with the keys in the order a given cache hands them over:
+
+* ``"per-sequence"`` -- each sequence's keys in one piece, ``[A cached|A new, B cached|B new]``:
+  what a variable-length kernel (FlashAttention's varlen mode) sees. Plainly block diagonal.
+* ``"concat"`` -- ``[A cached, B cached, ... | A new, B new, ...]``: the concatenating cache of
+  notebooks 03-04 puts every cached key first, then the step appends its new keys.
+* ``"paged"`` -- each sequence's keys read **slot by slot through its block table** (PagedAttention,
+  Kwon et al., SOSP'23; notebook 05): whole blocks, so the slots after a sequence's last token, and
+  any blocks its table is padded with to match the longest in its attention group, are masked.
 
 The ``#``/``.`` pattern is never worked out here: it is read from
-:func:`cbteach.packing.block_diagonal_causal_mask` (the ``"concat"`` key layout,
-``[A cached, B cached, ... | A new, B new, ...]``) or :func:`cbteach.packing.per_sequence_causal_mask`
-(the ``"paged"`` layout, ``[A cached|A new, B cached|B new, ...]``) -- or, for a real step, from
+:func:`cbteach.packing.block_diagonal_causal_mask`, :func:`cbteach.packing.per_sequence_causal_mask`,
+the paged engine's own :func:`cbteach.attn_metadata.build` -- or, for a real step, from
 :meth:`cbteach.StepRecord.mask` -- so the picture *is* the mask the engine gave the model.
 
 Try it from a shell::
 
     python -m cbteach mask --cached 3,0,5 --new 1,4,1
-    python -m cbteach mask --cached 3,0,5 --new 1,4,1 --layout paged --png mask.png
+    python -m cbteach mask --cached 3,0,5 --new 1,4,1 --layout paged --block-size 4 --png mask.png
 """
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
+from ..attn_metadata import build
 from ..packing import block_diagonal_causal_mask, per_sequence_causal_mask
 from .style import BLOCKED_COLOR, CACHED_KEY_COLOR, NEW_KEY_COLOR, get_axes, seq_letter
 
-LAYOUTS = ("concat", "paged")
+LAYOUTS = ("concat", "per-sequence", "paged")
+RECORD_LAYOUTS = {"concat": ("concat",), "paged": ("per-sequence", "paged")}  # by StepRecord.kv_kind
+DEFAULT_BLOCK_SIZE = 4  # small, so a picture fits a screen; the engine's default is 16
+EMPTY_SLOT_COLOR = "#cfcfcf"
 EMPTY_MESSAGE = "(empty step: no queries)"
 
 
-def _int_list(value, name: str) -> list[int]:
-    """Validate one list of per-sequence lengths."""
+class Key(NamedTuple):
+    """One key column: its sequence, where it comes from, its position (None: an empty slot)."""
+    seq: int
+    part: str  # "cached", "new" (made this step) or "empty" (paged: a slot with no token)
+    pos: int | None
+    block: int | None = None  # paged: the block id from the block table (None: table padding)
+    offset: int | None = None  # paged: the slot's offset inside its block
+
+
+@dataclass
+class MaskView:
+    """What a picture needs: the lengths, the layout, the boolean mask and its key columns."""
+    cached: list[int]
+    new: list[int]
+    layout: str
+    mask: torch.Tensor
+    keys: list[Key]
+    block_size: int | None = None
+
+
+def _int_list(value, name: str, minimum: int = 0) -> list[int]:
     try:
         items = list(value)
     except TypeError:
@@ -37,47 +69,113 @@ def _int_list(value, name: str) -> list[int]:
     for x in items:
         if not isinstance(x, int) or isinstance(x, bool):
             raise ValueError(f"{name} must hold integers, got {x!r}")
-        if x < 0:
-            raise ValueError(f"{name} must hold lengths >= 0, got {x}")
+        if x < minimum:
+            raise ValueError(f"{name} must hold values >= {minimum}, got {x}")
     return items
 
 
-def resolve(source=None, *, cached=None, new=None, layout=None):
-    """Turn the public arguments into ``(cached, new, layout, mask)``.
+def default_block_tables(cached, new, block_size: int) -> list[list[int]]:
+    """Blocks handed out in order -- A gets 0, 1, ..., then B the next ones: enough for each context."""
+    counts = [-(-(c + n) // block_size) for c, n in zip(cached, new)]
+    return [list(range(sum(counts[:s]), sum(counts[:s + 1]))) for s in range(len(counts))]
 
-    ``source`` is a :class:`~cbteach.StepRecord` (its layout is its ``kv_kind``), or ``None`` with
-    plain lists ``cached`` and ``new``, one entry per sequence (layout ``"concat"`` unless given).
+
+def paged_mask(cached, new, block_size: int = DEFAULT_BLOCK_SIZE, block_tables=None):
+    """``(mask, keys)`` as paged attention sees the step: per sequence, every slot of its blocks.
+
+    The engine's :func:`cbteach.attn_metadata.build` makes the masks, one per attention group
+    (decodes, prefills): keys ``0 .. blocks x block_size`` of each sequence's gathered blocks
+    (tables padded to the group's longest), a query allowed positions ``<=`` its own. Here the
+    groups' masks are laid side by side. (On CUDA the engine also rounds group shapes up to powers
+    of two, ``bucket_shapes``; the picture leaves that out.)
     """
+    cached, new = _int_list(cached, "cached"), _int_list(new, "new")
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+    tables = default_block_tables(cached, new, block_size) if block_tables is None else list(block_tables)
+    if len(tables) != len(new):
+        raise ValueError(f"block_tables has {len(tables)} entries for {len(new)} sequences: give one per sequence")
+    tables = [_int_list(t, "each block table") for t in tables]
+    for s, (c, n, t) in enumerate(zip(cached, new, tables)):
+        if len(t) * block_size < c + n:
+            raise ValueError(f"sequence {seq_letter(s)} has {c + n} tokens: its block table needs at least "
+                             f"{-(-(c + n) // block_size)} blocks of {block_size}, got {len(t)}")
+    live = [s for s, n in enumerate(new) if n]  # a sequence with no query this step is not attended
+    rows, width = {}, {s: len(t) for s, t in enumerate(tables)}
+    if live:
+        meta = build([0] * sum(new), [cached[s] for s in live], [new[s] for s in live], "cpu",
+                     block_tables=[tables[s] for s in live], block_size=block_size)
+        starts = meta.query_start_loc.tolist()
+        for g in meta.groups:
+            for i, first_row in enumerate(g.q_index[:, 0].tolist()):
+                s = live[starts.index(first_row)]
+                rows[s], width[s] = g.mask[i, 0, :new[s]], g.block_tables.shape[1]
+    keys, mask = [], torch.zeros(sum(new), sum(width.values()) * block_size, dtype=torch.bool)
+    for s, table in enumerate(tables):
+        if s in rows:
+            mask[sum(new[:s]):sum(new[:s + 1]), len(keys):len(keys) + width[s] * block_size] = rows[s]
+        for b in range(width[s]):
+            for o in range(block_size):
+                p = b * block_size + o
+                part = "empty" if b >= len(table) or p >= cached[s] + new[s] else "cached" if p < cached[s] else "new"
+                keys.append(Key(s, part, None if part == "empty" else p, table[b] if b < len(table) else None, o))
+    return mask, keys
+
+
+def resolve(source=None, *, cached=None, new=None, layout=None, block_size=None, block_tables=None) -> MaskView:
+    """Turn the public arguments into a :class:`MaskView`.
+
+    ``source`` is a :class:`~cbteach.StepRecord` (a concat step is drawn ``"concat"``; a paged step
+    ``"per-sequence"``, or ``"paged"`` through the block tables its record kept), or ``None`` with
+    plain lists ``cached`` and ``new``, one entry per sequence (layout ``"concat"`` unless given).
+    ``block_size`` and ``block_tables`` are for the paged layout (default: 4, blocks in order).
+    """
+    if layout is not None and layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if source is not None:
         if cached is not None or new is not None:
             raise ValueError("give either a StepRecord or cached=/new= lists, not both")
         if not all(hasattr(source, a) for a in ("num_computed_tokens", "num_scheduled_tokens", "kv_kind", "mask")):
             raise ValueError(f"source must be a cbteach.StepRecord, got {type(source).__name__}")
-        if layout is not None and layout != source.kv_kind:
-            raise ValueError(f"this record's keys use the {source.kv_kind!r} layout; "
+        allowed = RECORD_LAYOUTS.get(source.kv_kind, (source.kv_kind,))
+        layout = layout or allowed[0]
+        if layout not in allowed:
+            raise ValueError(f"this record is a {source.kv_kind!r} step, drawn in layout {allowed}; "
                              f"layout={layout!r} would draw a mask the engine did not use")
+        cached, new = list(source.num_computed_tokens), list(source.num_scheduled_tokens)
+        if layout == "paged":
+            usage = source.kv_usage or {}
+            tables = [usage.get("block_tables", {}).get(s.request_id) for s in source.seqs]
+            if None in tables:
+                raise ValueError(f"step {source.step}'s record lacks a block table (a sequence that finished "
+                                 "freed its blocks); draw it with layout='per-sequence'")
+            mask, keys = paged_mask(cached, new, usage["block_size"], tables)
+            return MaskView(cached, new, layout, mask, keys, usage["block_size"])
         # The record rebuilds its mask with the same packing function the engine called.
-        return list(source.num_computed_tokens), list(source.num_scheduled_tokens), source.kv_kind, source.mask()
+        return MaskView(cached, new, layout, source.mask(), _plain_keys(cached, new, layout))
     if cached is None or new is None:
         raise ValueError("give a StepRecord, or both cached= and new= (one length per sequence)")
     cached, new = _int_list(cached, "cached"), _int_list(new, "new")
     if len(cached) != len(new):
         raise ValueError(f"cached has {len(cached)} entries but new has {len(new)}: "
                          "give one cached and one new length per sequence")
-    layout = "concat" if layout is None else layout
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    make = per_sequence_causal_mask if layout == "paged" else block_diagonal_causal_mask
-    return cached, new, layout, make(cached, new)
+    layout = layout or "concat"
+    if layout != "paged" and (block_size is not None or block_tables is not None):
+        raise ValueError(f"block_size and block_tables apply only to layout='paged', not {layout!r}")
+    if layout == "paged":
+        bs = DEFAULT_BLOCK_SIZE if block_size is None else block_size
+        return MaskView(cached, new, layout, *paged_mask(cached, new, bs, block_tables), bs)
+    make = block_diagonal_causal_mask if layout == "concat" else per_sequence_causal_mask
+    return MaskView(cached, new, layout, make(cached, new), _plain_keys(cached, new, layout))
 
 
 def key_groups(cached: list[int], new: list[int], layout: str) -> list[tuple[int, str, int, int]]:
     """The key axis cut into runs ``(sequence, "cached" | "new", start, stop)``, empty runs left out.
 
-    This is the *order* of keys each cache hands to attention -- the one thing the picture must
-    know to name its columns. (Which entries are allowed still comes from the packing functions.)
+    ``layout`` is ``"concat"`` or ``"per-sequence"`` (``"paged"``, a paged record's ``kv_kind``,
+    means its ``mask()``'s per-sequence order). Which entries are allowed comes from packing.
     """
-    if layout == "paged":
+    if layout in ("per-sequence", "paged"):
         parts = [(s, part, n) for s in range(len(new)) for part, n in (("cached", cached[s]), ("new", new[s]))]
     else:
         parts = [(s, "cached", c) for s, c in enumerate(cached)] + [(s, "new", n) for s, n in enumerate(new)]
@@ -89,86 +187,114 @@ def key_groups(cached: list[int], new: list[int], layout: str) -> list[tuple[int
     return groups
 
 
+def _plain_keys(cached, new, layout) -> list[Key]:
+    return [Key(s, part, (0 if part == "cached" else cached[s]) + k - start)
+            for s, part, start, stop in key_groups(cached, new, layout) for k in range(start, stop)]
+
+
 def query_labels(cached: list[int], new: list[int]) -> list[str]:
     """``"B p7"`` for each query of the packed row: its sequence's letter and its position in it."""
     return [f"{seq_letter(s)} p{c + j}" for s, (c, n) in enumerate(zip(cached, new)) for j in range(n)]
 
 
-def _columns(cached, new, layout):
-    """Key columns for the text picture: ``(key index, sequence, position)``, with separator strings.
-
-    A space parts two sequences' keys; ``|`` parts cached keys from this step's keys -- once for
-    the whole row in the concat layout, once per sequence in the paged layout.
-    """
-    cols, prev = [], None
-    for s, part, start, stop in key_groups(cached, new, layout):
-        gap = " " if prev else ""
-        if part == "new" and layout == "paged":
-            cols.append("|" if prev and prev[:2] == (s, "cached") else gap + "|")
-        elif part == "new" and (prev is None or prev[1] == "cached"):
-            cols.append(gap + "| ")  # the concat layout's single cached | new boundary
-        else:
-            cols.append(gap)
-        first_pos = 0 if part == "cached" else cached[s]
-        cols += [(k, s, first_pos + k - start) for k in range(start, stop)]
-        prev = (s, part)
-    return cols
+def _separator(layout: str, prev: Key | None, cur: Key) -> str:
+    """Text between two key columns: a space parts sequences; ``|`` parts cached keys from this
+    step's (once for the concat layout, per sequence otherwise); ``:`` parts paged blocks."""
+    gap = "" if prev is None else " "
+    if layout == "paged":
+        return gap if prev is None or prev.seq != cur.seq else (":" if cur.offset == 0 else "")
+    if prev is not None and (prev.seq, prev.part) == (cur.seq, cur.part):
+        return ""
+    if cur.part == "new" and layout == "per-sequence":
+        return "|" if prev is not None and (prev.seq, prev.part) == (cur.seq, "cached") else gap + "|"
+    if cur.part == "new" and (prev is None or prev.part == "cached"):
+        return gap + "| "
+    return gap
 
 
-def _title(layout, num_q, num_k, sep="x"):
-    return f"Block-diagonal causal mask ({layout} layout): {num_q} queries {sep} {num_k} keys"
+def _title(view: MaskView, sep="x") -> str:
+    q, k = view.mask.shape
+    if view.layout == "paged":
+        empty = sum(key.part == "empty" for key in view.keys)
+        return (f"Paged attention mask (paged layout, block_size {view.block_size}): "
+                f"{q} queries {sep} {k} slots ({k - empty} keys, {empty} empty)")
+    return f"Block-diagonal causal mask ({view.layout} layout): {q} queries {sep} {k} keys"
 
 
-def mask_ascii(source=None, *, cached=None, new=None, layout=None) -> str:
+LEGEND = {"paged": "# = may attend, . = blocked, - = empty slot (masked), : = block boundary\n"
+                   "the blk line gives each block's id (- = block-table padding), pos = position mod 10",
+          None: "# = may attend, . = blocked, | = cached keys | this step's keys, pos = position mod 10"}
+
+
+def mask_ascii(source=None, *, cached=None, new=None, layout=None, block_size=None, block_tables=None) -> str:
     """The mask as text: rows are queries, columns keys, ``#`` = may attend, ``.`` = blocked.
 
     Sequences are lettered A, B, C... in packed-row order. The header gives each key column's
     sequence and its position in that sequence (last digit); ``|`` separates cached keys from the
-    keys this step makes. Each row is labelled ``"B p7"``: query of sequence B at position 7.
+    keys this step makes. Each row is labelled ``"B p7"``: query of sequence B at position 7. In
+    the paged layout a ``blk`` line names each block and ``-`` marks slots that hold no token.
     """
-    cached, new, layout, mask = resolve(source, cached=cached, new=new, layout=layout)
-    num_q, num_k = mask.shape
+    view = resolve(source, cached=cached, new=new, layout=layout, block_size=block_size, block_tables=block_tables)
+    num_q, num_k = view.mask.shape
     if num_q == 0:
-        return EMPTY_MESSAGE + (f" -- {num_k} cached keys, nothing attends them" if num_k else "")
-    cols = _columns(cached, new, layout)
-    rows = query_labels(cached, new)
+        return EMPTY_MESSAGE + (f" -- {sum(view.cached)} cached keys, nothing attends them" if num_k else "")
+    cols, prev = [], None
+    for k, key in enumerate(view.keys):
+        cols += [_separator(view.layout, prev, key), (k, key)]
+        prev = key
+    rows = query_labels(view.cached, view.new)
+    q_seq = [s for s, n in enumerate(view.new) for _ in range(n)]
     width = max(len(r) for r in rows + ["seq"])
-    letter_len = max(len(seq_letter(c[1])) for c in cols if not isinstance(c, str))
 
     def line(label, cell):
-        return label.ljust(width) + "  " + "".join(c if isinstance(c, str) else cell(c) for c in cols)
+        return (label.ljust(width) + "  " + "".join(c if isinstance(c, str) else cell(*c) for c in cols)).rstrip()
 
-    out = [_title(layout, num_q, num_k),
-           "# = may attend, . = blocked, | = cached keys | this step's keys, pos = position mod 10"]
-    if source is not None and getattr(source, "seqs", None):
-        # A real step: say which request each letter stands for.
+    def vertical(label, text_of):  # one header line per character, right-aligned like numbers
+        n = max(len(text_of(key)) for key in view.keys)
+        return [line(label if i == n - 1 else "", lambda k, key: text_of(key).rjust(n)[i] if text_of(key) else " ")
+                for i in range(n)]
+
+    out = [_title(view), LEGEND.get(view.layout, LEGEND[None])]
+    if source is not None and getattr(source, "seqs", None):  # a real step: which request each letter is
         out.append("sequences: " + ", ".join(f"{seq_letter(i)} = request {s.request_id}"
                                              for i, s in enumerate(source.seqs)))
-    # Multi-letter names (after Z) take one header line per letter, right-aligned like numbers.
-    for i in range(letter_len):
-        out.append(line("seq" if i == letter_len - 1 else "", lambda c: seq_letter(c[1]).rjust(letter_len)[i]))
-    out.append(line("pos", lambda c: str(c[2] % 10)))
-    m = mask.tolist()
+    out += vertical("seq", lambda key: seq_letter(key.seq))
+    if view.layout == "paged":
+        ids = {key.block: "-" if key.block is None else str(key.block) for key in view.keys}
+        if max(len(t) for t in ids.values()) <= view.block_size:  # ids written across their block
+            out.append(line("blk", lambda k, key: ids[key.block].ljust(view.block_size)[key.offset]))
+        else:
+            out += vertical("blk", lambda key: ids[key.block] if key.offset == 0 else "")
+    out.append(line("pos", lambda k, key: "-" if key.pos is None else str(key.pos % 10)))
+    m = view.mask.tolist()
     for q, label in enumerate(rows):
-        out.append(line(label, lambda c: "#" if m[q][c[0]] else "."))
+        out.append(line(label, lambda k, key: "#" if m[q][k] else "-" if key.part == "empty"
+                        and key.seq == q_seq[q] else "."))
     return "\n".join(out)
 
 
-def mask_heatmap(source=None, *, cached=None, new=None, layout=None, ax=None):
+def figsize(num_q: int, num_k: int) -> tuple[float, float]:
+    """A heatmap's figure size: cells about a third of an inch, within sensible bounds."""
+    return max(5.0, min(14.0, 0.35 * num_k + 2.5)), max(3.5, min(10.0, 0.35 * num_q + 2.5))
+
+
+def mask_heatmap(source=None, *, cached=None, new=None, layout=None, block_size=None, block_tables=None, ax=None):
     """Draw the mask as a heatmap on ``ax`` (a new figure if None) and return the axes.
 
     Allowed entries are shaded by where the key comes from -- light for keys read from the KV
-    cache, dark for keys made this step -- blocked entries are white. Grey lines mark sequence
-    boundaries, the dashed line the cached/new boundary of the concat layout.
+    cache, dark for keys made this step -- blocked entries are white, empty paged slots grey.
+    Grey lines mark sequence boundaries, dashed lines the cached/new boundary, dotted lines blocks.
     """
     from matplotlib.colors import ListedColormap
 
-    cached, new, layout, mask = resolve(source, cached=cached, new=new, layout=layout)
+    view = resolve(source, cached=cached, new=new, layout=layout, block_size=block_size, block_tables=block_tables)
+    mask, keys, paged = view.mask, view.keys, view.layout == "paged"
     num_q, num_k = mask.shape
-    fig, ax = get_axes(ax, figsize=(max(4.0, min(12.0, 0.35 * num_k + 2)), max(3.0, min(9.0, 0.35 * num_q + 2))))
-    ax.set_title(_title(layout, num_q, num_k, "×"), fontsize=10)
-    where = "all cached | all new" if layout == "concat" else "each sequence: cached | new"
-    ax.set_xlabel(f"key ({layout} layout: {where})")
+    fig, ax = get_axes(ax, figsize=figsize(num_q, num_k))
+    ax.set_title(_title(view, "×"), fontsize=10)
+    where = {"concat": "concat layout: all cached | all new", "per-sequence": "per-sequence layout: each "
+             "sequence's cached | new", "paged": "paged layout: slots read through each block table"}
+    ax.set_xlabel(f"key ({where[view.layout]})" + ("\n(ticks: sequence, block id)" if paged else ""))
     ax.set_ylabel("query (packed-row token)")
     if num_q == 0:
         ax.text(0.5, 0.5, EMPTY_MESSAGE, ha="center", va="center", transform=ax.transAxes)
@@ -176,105 +302,74 @@ def mask_heatmap(source=None, *, cached=None, new=None, layout=None, ax=None):
         ax.set_yticks([])
         return ax
 
-    groups = key_groups(cached, new, layout)
-    shade = mask.to(torch.int64).numpy().copy()  # 1 = allowed; cached keys stay 1, new keys become 2
-    for _, part, start, stop in groups:
-        shade[:, start:stop] *= 1 if part == "cached" else 2
-    ax.imshow(shade, cmap=ListedColormap([BLOCKED_COLOR, CACHED_KEY_COLOR, NEW_KEY_COLOR]), vmin=0, vmax=2,
-              interpolation="nearest", aspect="equal" if max(num_k / num_q, num_q / num_k) <= 4 else "auto")
-    # Cell edges make single entries countable on small masks.
-    if num_q * num_k <= 2500:
+    code = torch.tensor([{"cached": 1, "new": 2, "empty": 0}[key.part] for key in keys])
+    shade = mask.to(torch.int64) * code[None]  # 1 = cached key allowed, 2 = new key allowed, 0 = blocked
+    q_seq = torch.tensor([s for s, n in enumerate(view.new) for _ in range(n)])
+    k_seq, empty = torch.tensor([key.seq for key in keys]), torch.tensor([key.part == "empty" for key in keys])
+    shade[(q_seq[:, None] == k_seq[None, :]) & empty[None, :]] = 3  # a sequence's own empty slots
+    ax.imshow(shade.numpy(), cmap=ListedColormap([BLOCKED_COLOR, CACHED_KEY_COLOR, NEW_KEY_COLOR, EMPTY_SLOT_COLOR]),
+              vmin=0, vmax=3, interpolation="nearest",
+              aspect="equal" if max(num_k / num_q, num_q / num_k) <= 4 else "auto")
+    if num_q * num_k <= 2500:  # cell edges make single entries countable on small masks
         ax.set_xticks([x - 0.5 for x in range(num_k + 1)], minor=True)
         ax.set_yticks([y - 0.5 for y in range(num_q + 1)], minor=True)
         ax.grid(which="minor", color="#dddddd", linewidth=0.6)
         ax.tick_params(which="minor", length=0)
-        # A sequence's centre tick can sit on a cell edge; keep that edge's grid line anyway.
         ax.xaxis.remove_overlapping_locs = ax.yaxis.remove_overlapping_locs = False
 
-    # Sequence boundaries: between key runs of different sequences, and between query groups.
-    for (s0, p0, _, stop), (s1, p1, _, _) in zip(groups, groups[1:]):
-        cut = p0 == "cached" and p1 == "new" and (layout == "concat" or s0 == s1)
-        ax.axvline(stop - 0.5, color="black" if cut else "#555555", linewidth=1.4 if cut else 1.0,
-                   linestyle="--" if cut else "-")
-    bounds = [sum(new[: s + 1]) for s in range(len(new))]
+    runs = []  # (first column, last column + 1, label) of each tick's span
+    for k, (a, b) in enumerate(zip([None] + keys, keys)):
+        sep = _separator(view.layout, a, b)
+        if k and sep.strip(" ") in ("|", "| "):
+            ax.axvline(k - 0.5, color="black", linewidth=1.4, linestyle="--")
+        elif k and sep == ":":
+            ax.axvline(k - 0.5, color="#888888", linewidth=0.8, linestyle=":")
+        elif k and sep:
+            ax.axvline(k - 0.5, color="#555555", linewidth=1.0)
+        if k == 0 or sep or (not paged and (a.seq, a.part) != (b.seq, b.part)):
+            blk = "" if not paged else "\npad" if b.block is None else f"\n{b.block}"
+            runs.append([k, k + 1, seq_letter(b.seq) + blk])
+        else:
+            runs[-1][1] = k + 1
+    bounds = [sum(view.new[: s + 1]) for s in range(len(view.new))]
     for b in bounds[:-1]:
         if 0 < b < num_q:
             ax.axhline(b - 0.5, color="#555555", linewidth=1.0)
-
-    ax.set_xticks([(a + b - 1) / 2 for _, _, a, b in groups],
-                  [seq_letter(s) for s, _, _, _ in groups])
+    if paged and len(runs) > 24:  # too many blocks to name: one tick per sequence
+        merged = {}
+        for a, b, label in runs:
+            merged.setdefault(label.split("\n")[0], [a, b])[1] = b
+        runs = [(a, b, letter) for letter, (a, b) in merged.items()]
+    ax.set_xticks([(a + b - 1) / 2 for a, b, _ in runs], [label for *_, label in runs],
+                  fontsize=7 if paged else None)
     if num_q <= 40:  # one label per query while they stay readable, else one per sequence
-        ax.set_yticks(range(num_q), query_labels(cached, new), fontsize=8)
+        ax.set_yticks(range(num_q), query_labels(view.cached, view.new), fontsize=8)
     else:
         starts = [0] + bounds[:-1]
         ax.set_yticks([(a + b - 1) / 2 for a, b in zip(starts, bounds) if b > a],
                       [seq_letter(s) for s, (a, b) in enumerate(zip(starts, bounds)) if b > a])
-    mask_legend(ax, "attend: key made this step", below_points=36)
+    mask_legend(ax, "attend: key made this step", below_points=60 if paged else 36, empty=paged)
     return ax
 
 
-def mask_legend(ax, new_key_label: str, below_points: float) -> None:
-    """The mask pictures' legend (cached key, this step's key, blocked), a fixed distance below the
-    axes -- clear of tick labels and the x label at any figure size."""
+def mask_legend(ax, new_key_label: str, below_points: float, empty: bool = False) -> None:
+    """The mask pictures' legend (cached key, this step's key, blocked; ``empty``: the paged empty
+    slot), a fixed distance below the axes -- clear of tick labels and the x label at any size."""
     from matplotlib.patches import Patch
     from matplotlib.transforms import offset_copy
 
-    ax.legend(handles=[Patch(color=CACHED_KEY_COLOR, label="attend: cached key"),
-                       Patch(color=NEW_KEY_COLOR, label=new_key_label),
-                       Patch(facecolor=BLOCKED_COLOR, edgecolor="#999999", label="blocked")],
-              loc="upper center", bbox_to_anchor=(0.5, 0), ncol=3, fontsize=7, frameon=False,
-              bbox_transform=offset_copy(ax.transAxes, fig=ax.figure, y=-below_points, units="points"))
-
-
-def _parse_lengths(text: str) -> list[int]:
-    """argparse type for ``"3,0,5"`` (an empty string is an empty list: a step with no sequences)."""
-    text = text.strip()
-    if not text:
-        return []
-    out = []
-    for item in text.split(","):
-        try:
-            value = int(item.strip())
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{item.strip()!r} is not an integer; "
-                                             "give comma-separated token counts like 3,0,5") from None
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"{value} is negative; token counts must be >= 0")
-        out.append(value)
-    return out
+    handles = [Patch(color=CACHED_KEY_COLOR, label="attend: cached key"),
+               Patch(color=NEW_KEY_COLOR, label=new_key_label),
+               Patch(facecolor=BLOCKED_COLOR, edgecolor="#999999", label="blocked")]
+    if empty:
+        handles.append(Patch(color=EMPTY_SLOT_COLOR, label="empty slot (masked)"))
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0), ncol=len(handles), fontsize=7,
+              frameon=False, bbox_transform=offset_copy(ax.transAxes, fig=ax.figure, y=-below_points, units="points"))
 
 
 def cli(argv=None) -> int:
-    """``python -m cbteach mask``: print a packed step's mask, optionally save the heatmap as PNG."""
-    parser = argparse.ArgumentParser(
-        prog="python -m cbteach mask",
-        description="Print the attention mask of one packed step: one query row per new token, "
-                    "one column per key, # = may attend, . = blocked.")
-    parser.add_argument("--cached", type=_parse_lengths, required=True,
-                        help="tokens each sequence already has in the KV cache, e.g. 3,0,5")
-    parser.add_argument("--new", type=_parse_lengths, required=True,
-                        help="tokens each sequence feeds this step, e.g. 1,4,1 (prefill > 1, decode = 1)")
-    parser.add_argument("--layout", choices=LAYOUTS, default="concat",
-                        help="key order: concat = [all cached | all new], paged = [each sequence's "
-                             "cached|new] (default: concat)")
-    parser.add_argument("--png", metavar="FILE", help="also save the heatmap to this PNG file")
-    args = parser.parse_args(argv)
-    if len(args.cached) != len(args.new):
-        parser.error(f"--cached has {len(args.cached)} entries but --new has {len(args.new)}; "
-                     "give one of each per sequence")
-    print(mask_ascii(cached=args.cached, new=args.new, layout=args.layout))
-    if args.png:
-        # A bare Agg figure: no pyplot, no GUI backend, works on a headless machine.
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
+    """``python -m cbteach mask``: print a packed step's mask, optionally save the heatmap as PNG
+    (the arguments are parsed in :mod:`cbteach.__main__`, the home of the whole command line)."""
+    from ..__main__ import mask_command
 
-        q, k = sum(args.new), sum(args.cached) + sum(args.new)
-        fig = Figure(figsize=(max(5.0, min(14.0, 0.35 * k + 2.5)), max(3.5, min(10.0, 0.35 * q + 2.5))))
-        FigureCanvasAgg(fig)
-        mask_heatmap(cached=args.cached, new=args.new, layout=args.layout, ax=fig.add_subplot())
-        try:
-            fig.savefig(args.png, dpi=120, bbox_inches="tight")
-        except OSError as e:
-            parser.error(f"cannot write {args.png}: {e}")
-        print(f"heatmap saved to {args.png}")
-    return 0
+    return mask_command(argv)

@@ -4,20 +4,22 @@ For each :class:`~cbteach.StepRecord` :func:`draw_step` draws the three things t
 continuous-batching step:
 
 1. **the packed row** -- every token the model sees this step, in order, one box per token,
-   coloured by request; hatched boxes are prefill tokens (a prompt, or a chunk of one), solid
-   boxes decode tokens (one per running sequence). No padding anywhere;
+   coloured by what it does, in the colours of every other picture (:data:`~cbteach.viz.style.STATE_COLORS`):
+   hatched orange boxes are prefill tokens (a prompt, or a chunk of one), blue boxes decode tokens
+   (one per running sequence); the band under each sequence is its request's colour, the same as
+   in the block-pool pictures. No padding anywhere;
 2. **the attention mask** that keeps the packed sequences apart (:func:`cbteach.viz.mask.mask_heatmap`);
 3. **the slots** -- which request held each batch slot, and what it did.
 
-:func:`step_through` wraps it in a slider with a play button for notebooks.
+:func:`step_through` wraps it in a slider with a play button for notebooks, and
+:func:`mask_explorer` lets a learner type any step's lengths and see its mask in every layout.
 """
 from __future__ import annotations
 
 from matplotlib.ticker import MaxNLocator
 
-from .mask import mask_heatmap
-from .style import (STATE_COLORS, fits, get_axes, label_if_fits, record_request_colors, seq_letter, text_color_on,
-                    tint)
+from .mask import DEFAULT_BLOCK_SIZE, LAYOUTS, figsize, mask_heatmap, resolve
+from .style import STATE_COLORS, fits, get_axes, label_if_fits, record_request_colors, seq_letter, text_color_on
 from .timeline import num_slots, slot_states_continuous
 
 
@@ -54,26 +56,29 @@ def _packed_row(rec, colors, ax):
         ax.set_xticks([])
         return [], []
     ax.set_xlim(0, n)
-    ax.set_ylim(0, 1.7)
+    ax.set_ylim(-0.35, 1.7)
     if n <= 40:  # a tick under each box while they stay readable
         ax.set_xticks([i + 0.5 for i in range(n)], [str(i) for i in range(n)], fontsize=7)
     else:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     tokens, groups, x = [], [], 0
     for i, s in enumerate(rec.seqs):
-        # Prefill tokens pale and hatched, decode tokens solid: the two kinds of work one pass mixes.
-        color = colors.get(s.request_id, "#888888")
-        face = tint(color, 0.45) if s.kind == "prefill" else color
+        # The two kinds of work one pass mixes, in the colours every picture uses: prefill tokens
+        # orange and hatched, decode tokens blue. The request shows as the band underneath.
+        face = STATE_COLORS["prefill" if s.kind == "prefill" else "decode"]
         for j in range(s.num_scheduled_tokens):
             ax.add_patch(Rectangle((x + j, 0), 1, 1, facecolor=face, hatch="//" if s.kind == "prefill" else None,
                                    edgecolor="white", linewidth=0.8, gid="token"))
             tokens.append((x + j, f"{seq_letter(i)}\np{s.num_computed_tokens + j}", face))
         ax.add_patch(Rectangle((x, 0), s.num_scheduled_tokens, 1, fill=False, edgecolor="black", linewidth=1.2))
+        ax.add_patch(Rectangle((x + 0.05, -0.3), s.num_scheduled_tokens - 0.1, 0.22, linewidth=0,
+                               facecolor=colors.get(s.request_id, "#888888"), gid="request"))
         groups.append((x, x + s.num_scheduled_tokens, seq_letter(i), f"{seq_letter(i)} = {s.request_id}: {s.kind} {s.num_scheduled_tokens}"))
         x += s.num_scheduled_tokens
-    ax.legend(handles=[Patch(facecolor="#cccccc", hatch="//", edgecolor="#555555", label="prefill token"),
-                       Patch(facecolor="#777777", label="decode token")],
-              loc="upper right", fontsize=7, ncol=2, frameon=False)
+    ax.legend(handles=[Patch(facecolor=STATE_COLORS["prefill"], hatch="//", edgecolor="white", label="prefill token"),
+                       Patch(facecolor=STATE_COLORS["decode"], label="decode token"),
+                       Patch(facecolor="#999999", label="band: the request's colour")],
+              loc="upper right", fontsize=7, ncol=3, frameon=False)
     return tokens, groups
 
 
@@ -91,18 +96,20 @@ def _label_row(ax, tokens, groups):
 def draw_slots(states, *, ax=None, title="Slots this step", colors=None, letters=None):
     """One bar per batch slot (``states`` is ``[(state, request_id), ...]``).
 
-    Bars are coloured by state; with ``colors`` (request id -> colour, as in the packed row) a
-    working slot takes its request's colour instead -- pale and hatched for prefill, solid for
-    decode -- so the same request looks the same in every panel. ``letters`` (request id -> the
-    step's sequence letter) prefixes the label.
+    Bars are coloured by state, as in every timeline (prefill orange and hatched, decode blue);
+    with ``colors`` (request id -> colour, as in the packed row) a band at the bar's left edge
+    shows its request's colour, so the same request is recognisable in every panel. ``letters``
+    (request id -> the step's sequence letter) prefixes the label.
     """
+    from matplotlib.patches import Rectangle
+
     fig, ax = get_axes(ax, figsize=(3, 2))
     for slot, (state, rid) in enumerate(states):
         face = STATE_COLORS[state]
-        if colors and rid in colors and state in ("prefill", "decode"):
-            face = tint(colors[rid], 0.45) if state == "prefill" else colors[rid]
-        ax.barh(slot, 1, height=0.8, color=face, hatch="//" if colors and state == "prefill" else None,
+        ax.barh(slot, 1, height=0.8, color=face, hatch="//" if state == "prefill" else None,
                 edgecolor="#bbbbbb" if state == "empty" else "#555555")
+        if colors and rid in colors:
+            ax.add_patch(Rectangle((0.02, slot - 0.3), 0.06, 0.6, facecolor=colors[rid], linewidth=0, gid="request"))
         name = f"{letters[rid]} = {rid}" if letters and rid in letters else rid
         text = state if rid is None else f"{name}: {state}"
         ax.text(0.5, slot, text, ha="center", va="center", fontsize=8, color=text_color_on(face))
@@ -189,3 +196,63 @@ def step_through(records, *, max_batch_size: int | None = None, interval_ms: int
     _check_index(records, 0)
     return player(len(records), lambda i: draw_step(records, i, max_batch_size=max_batch_size),
                   interval_ms=interval_ms)
+
+
+def parse_pairs(text: str) -> tuple[list[int], list[int]]:
+    """``"3:1, 0:4, 5:1"`` -> ``([3, 0, 5], [1, 4, 1])``: each sequence's ``cached:new`` token counts."""
+    cached, new = [], []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        try:
+            c, n = (int(x) for x in item.split(":"))
+        except ValueError:
+            raise ValueError(f"{item!r} is not cached:new -- give one pair of token counts per sequence, "
+                             "separated by commas, e.g. 3:1, 0:4, 5:1") from None
+        if c < 0 or n < 0:
+            raise ValueError(f"{item!r}: token counts must be >= 0")
+        cached.append(c)
+        new.append(n)
+    return cached, new
+
+
+def mask_explorer(text: str = "3:1, 0:4, 5:1", layout: str = "per-sequence", block_size: int = DEFAULT_BLOCK_SIZE):
+    """A notebook widget: type each sequence's ``cached:new`` lengths, pick a layout, see the mask.
+
+    Every change redraws :func:`~cbteach.viz.mask.mask_heatmap` (a mistake is reported as ``✗ ...``
+    instead). ``widget.render()`` returns the figure for the current values, so a notebook can also
+    store one static picture; ``widget.lengths``, ``widget.layout_menu`` and ``widget.block_size_box``
+    are the controls.
+    """
+    import ipywidgets as widgets
+    import matplotlib.pyplot as plt
+    from IPython.display import display
+
+    lengths = widgets.Text(value=text, description="cached:new", continuous_update=False)
+    menu = widgets.Dropdown(options=LAYOUTS, value=layout, description="layout")
+    size = widgets.BoundedIntText(value=block_size, min=1, max=64, description="block_size")
+
+    def render():
+        cached, new = parse_pairs(lengths.value)
+        kwargs = {"block_size": size.value} if menu.value == "paged" else {}
+        fig = plt.figure(figsize=figsize(*resolve(cached=cached, new=new, layout=menu.value, **kwargs).mask.shape))
+        mask_heatmap(cached=cached, new=new, layout=menu.value, ax=fig.add_subplot(), **kwargs)
+        return fig
+
+    out = widgets.Output()
+
+    def redraw(change=None):
+        with out:
+            out.clear_output(wait=True)
+            try:
+                fig = render()
+            except ValueError as e:
+                print(f"✗ {e}")
+                return
+            display(fig)
+            plt.close(fig)
+
+    for control in (lengths, menu, size):
+        control.observe(redraw, names="value")
+    redraw()
+    box = widgets.VBox([widgets.HBox([lengths, menu, size]), out])
+    box.lengths, box.layout_menu, box.block_size_box, box.render = lengths, menu, size, render
+    return box
