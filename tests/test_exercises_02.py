@@ -103,3 +103,9 @@ def test_ex02_simulator_cannot_change_the_notebook_workload(model):
 
     assert ex02.check_fcfs_simulator(greedy_mutator, model, lengths, B)
     assert lengths == LENGTHS
+
+
+def test_ex02_wrong_answer_does_not_show_the_engines_count(model, capsys):
+    assert not ex02.check_fcfs_simulator(lambda lengths, b: 0, model)
+    out = capsys.readouterr().out
+    assert "took more steps" in out and not any(f"took {n} steps" in out for n in range(1000))

@@ -78,6 +78,6 @@ def check_fcfs_simulator(simulate, model, lengths=None, batch_size=None) -> bool
                                      "number of steps (an int)")
         if got != expected:
             shown = case_lengths if len(case_lengths) <= 12 else f"{case_lengths[:12]}... ({len(case_lengths)} requests)"
-            return report(False, "", f"simulate({shown}, {b}) = {got}, but the engine took {expected} steps "
+            return report(False, "", f"simulate({shown}, {b}) = {got}, but the engine took {'more' if expected > got else 'fewer'} steps "
                                      f"({_hint(model, case_lengths, b, got, expected)})")
     return report(True, f"your simulator matches the engine's step count on all {len(cases)} workloads", "")
