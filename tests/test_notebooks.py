@@ -25,6 +25,13 @@ def test_course_has_its_notebooks():
     assert names[:1] == ["00"] and names == sorted(names)
 
 
+def test_instructor_kit_covers_every_notebook():
+    kit = (Path(__file__).parent.parent / "notebooks" / "INSTRUCTOR.md").read_text()
+    for path in NOTEBOOKS:
+        assert f"| `{path.stem}` |" in kit, f"notebooks/INSTRUCTOR.md has no timing row for {path.stem}"
+        assert f"### {path.stem[:2]} · " in kit, f"notebooks/INSTRUCTOR.md has no section for {path.stem}"
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_shape(path):
     nb = json.loads(path.read_text())
