@@ -5,23 +5,31 @@ and every cell -- a **slot-step** -- is in exactly one state:
 
 * ``"prefill"`` -- the slot fed prompt tokens (or recomputed them after a preemption);
 * ``"decode"``  -- the slot fed its last sampled token to get the next one;
-* ``"idle"``    -- a request holds the slot but does no useful work: in static batching it has
-  finished and waits for the batch barrier (computing a throw-away token); in continuous
-  batching it is a running sequence the token budget left out of this step;
-* ``"empty"``   -- no request holds the slot.
+* ``"idle"``    -- a request holds the slot but does no useful work. In **static** batching it has
+  finished and waits for the batch barrier, and its row still goes through the model: it computes
+  a throw-away token every step (drawn hatched, like padding: computed, then thrown away). In
+  **continuous** batching it is a running sequence the token budget left out of this step: nothing
+  is computed for it (drawn plain);
+* ``"empty"``   -- no request holds the slot, and nothing is computed for it (a static wave with
+  fewer requests than slots is a tensor with fewer rows).
 
 **Padding** is not a whole-cell state. A static prefill row is as wide as the longest prompt of
 its wave, so a short prompt's prefill cell is partly pad tokens. We draw that share of the cell
 hatched (on the left: static batching pads on the left) and count it as that fraction of a
 slot-step. Continuous batching packs without padding, so its share is always 0.
 
-**Wasted fraction** = (idle slot-steps + empty slot-steps + padding shares) / all slot-steps,
-where all slot-steps = steps × slots. It is the share of the timeline's area that did no
-useful work. (``StaticResult.waste()["wasted_fraction"]`` counts *tokens* instead: a long
-prefill weighs more there. Both tell the same story; this one is what the picture shows.)
+**Wasted fraction** = (idle + empty slot-steps + padding shares) / (steps × slots): the share of
+the timeline's area that did no useful work. (``StaticResult.waste()`` counts *tokens* instead: a
+long prefill weighs more there. Both tell the same story; this one is what the picture shows.)
+
+Reading aids: successive requests in a slot are split by a thin white line, their decode spans
+alternate between two blues, and ids are written where they fit; dashed lines mark a static run's
+batch barriers. ``steps=(start, stop)`` zooms in: on a thousand-step axis a one-step prefill cell,
+and its padding, is a hairline.
 """
 from __future__ import annotations
 
+from matplotlib.colors import to_rgb
 from matplotlib.ticker import MaxNLocator
 
 from ..request import check_positive_int
@@ -29,6 +37,9 @@ from .style import STATE_COLORS, STATE_HATCH, get_axes, label_if_fits, text_colo
 
 STATES = ("prefill", "decode", "idle", "empty")
 USEFUL = ("prefill", "decode")
+_DARKER_DECODE = 0.3  # every other request's decode span in a slot is drawn this much darker
+_IDLE_HATCH_EDGE = "#c97676"  # hatch lines of a static idle cell (matplotlib hatches in the edge colour)
+_BARRIER = {"color": "#222222", "linestyle": (0, (4, 3)), "linewidth": 0.9}
 
 
 def _is_static(source) -> bool:
@@ -97,19 +108,36 @@ def _states_and_pads(source, max_batch_size):
     return states, [[0.0] * len(row) for row in states], max(mbs, 1)
 
 
-def waste_breakdown(source, max_batch_size: int | None = None) -> dict:
+def _window(steps, num_steps: int) -> tuple[int, int]:
+    """``steps=(start, stop)`` checked against a run of ``num_steps`` steps (stop is clipped to it)."""
+    if steps is None:
+        return 0, num_steps
+    try:
+        lo, hi = steps
+    except (TypeError, ValueError):
+        raise ValueError(f"steps should be a pair (start, stop), got {steps!r}") from None
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi)) or not 0 <= lo < hi:
+        raise ValueError(f"steps should be whole numbers 0 <= start < stop, got {steps!r}")
+    if lo >= num_steps:
+        raise ValueError(f"steps={steps!r} starts after the run's last step ({num_steps - 1})")
+    return lo, min(hi, num_steps)
+
+
+def waste_breakdown(source, max_batch_size: int | None = None, *, steps=None) -> dict:
     """Slot-step counts by state, the padding share, and the wasted fraction (see the module doc).
 
     ``source`` is a :class:`~cbteach.StaticResult` or a list of :class:`~cbteach.StepRecord`
     (then ``max_batch_size`` is the engine's; by default the highest slot used + 1).
+    ``steps=(start, stop)`` counts only those steps.
     """
     states, pads, _ = _states_and_pads(source, max_batch_size)
+    lo, hi = _window(steps, len(states)) if states else (0, 0)
     counts = {s: 0 for s in STATES}
-    for row in states:
+    for row in states[lo:hi]:
         for state, _ in row:
             counts[state] += 1
-    padding = sum(map(sum, pads))
-    total = sum(len(row) for row in states)
+    padding = sum(map(sum, pads[lo:hi]))
+    total = sum(len(row) for row in states[lo:hi])
     wasted = counts["idle"] + counts["empty"] + padding
     return {**counts, "padding": padding, "slot_steps": total, "useful": total - wasted,
             "wasted": wasted, "wasted_fraction": wasted / total if total else 0.0}
@@ -120,86 +148,128 @@ def wasted_fraction(source, max_batch_size: int | None = None) -> float:
     return waste_breakdown(source, max_batch_size)["wasted_fraction"]
 
 
-def _segments(column):
-    """Runs of consecutive steps with the same ``(state, request_id)`` in one slot: ``(start, length, key)``."""
-    runs = []
-    for step, key in enumerate(column):
-        if runs and runs[-1][2] == key and key[2] == 0.0:
+def _slot_segments(states, pads, slot):
+    """One slot's runs of equal cells, ``[start, length, state, request_id, pad, stay]``.
+
+    A *stay* is one request's uninterrupted time in the slot; ``stay`` counts them (0, 1, 2, ...;
+    None when empty) so that successive requests can be told apart by shade."""
+    runs, stays = [], -1
+    for step in range(len(states)):
+        state, rid = states[step][slot]
+        pad = pads[step][slot]
+        if runs and (runs[-1][2], runs[-1][3]) == (state, rid) and not pad and not runs[-1][4]:
             runs[-1][1] += 1
-        else:
-            runs.append([step, 1, key])
+            continue
+        new_stay = rid is not None and (not runs or runs[-1][3] != rid)
+        stays += new_stay
+        runs.append([step, 1, state, rid, pad, None if rid is None else stays])
     return runs
 
 
-def _draw(ax, source, max_batch_size, name, num_steps=None):
+def _color(state, stay):
+    if state != "decode" or not stay or stay % 2 == 0:
+        return STATE_COLORS[state]
+    return tuple(c * (1 - _DARKER_DECODE) for c in to_rgb(STATE_COLORS[state]))
+
+
+def _draw(ax, source, max_batch_size, name, num_steps=None, steps=None):
     states, pads, slots = _states_and_pads(source, max_batch_size)
     if not states:
         raise ValueError(f"{name}: there are no steps to draw")
-    num_steps = num_steps or len(states)
+    lo, hi = _window(steps, len(states))
+    static = _is_static(source)
+    segments = []
     for slot in range(slots):
-        column = [(states[t][slot][0], states[t][slot][1], pads[t][slot]) for t in range(len(states))]
-        for start, length, (state, rid, pad) in _segments(column):
-            ax.barh(slot, length, left=start, height=0.8, color=STATE_COLORS[state],
-                    edgecolor="#bbbbbb" if state == "empty" else "#555555", linewidth=0.6)
-            if pad:  # the left-padded part of a static prefill row
+        runs = _slot_segments(states, pads, slot)
+        segments.append(runs)
+        for i, (start, length, state, rid, pad, stay) in enumerate(runs):
+            x0, x1 = max(start, lo), min(start + length, hi)
+            if x0 >= x1:
+                continue
+            hatched = static and state == "idle"  # it computes a throw-away token: wasted compute
+            ax.barh(slot, x1 - x0, left=x0, height=0.8, color=_color(state, stay),
+                    hatch=STATE_HATCH["padding"] if hatched else None,
+                    edgecolor=_IDLE_HATCH_EDGE if hatched else "#bbbbbb" if state == "empty" else "#555555",
+                    linewidth=0.6)
+            if pad:  # the left-padded part of a static prefill cell (one step long)
                 ax.barh(slot, pad * length, left=start, height=0.8, color=STATE_COLORS["padding"],
                         hatch=STATE_HATCH["padding"], edgecolor="#777777", linewidth=0.6)
-    ax.set_xlim(0, num_steps)
+            if i and rid is not None and runs[i - 1][3] not in (None, rid) and lo < start < hi:
+                ax.vlines(start, slot - 0.4, slot + 0.4, colors="white", linewidth=1.5, zorder=3)
+    if static:  # the batch barrier: wave w + 1 starts only when wave w is done
+        for prev, st in zip(source.steps, source.steps[1:]):
+            if st.wave != prev.wave and lo < st.step < hi:
+                ax.axvline(st.step, zorder=4, **_BARRIER)
+    ax.set_xlim(lo, hi if steps is not None else (num_steps or len(states)))
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylim(slots - 0.5, -0.5)  # slot 0 on top
     ax.set_yticks(range(slots), [str(s) for s in range(slots)])
     ax.set_xlabel("step")
     ax.set_ylabel("slot")
-    w = waste_breakdown(source, max_batch_size)
+    w = waste_breakdown(source, max_batch_size, steps=steps)
     ax.set_title(f"{name}: {w['wasted_fraction']:.0%} of slot-steps wasted\n"
                  f"idle {w['idle']} + empty {w['empty']} + padding {w['padding']:.1f} "
                  f"of {w['slot_steps']} slot-steps", fontsize=10)
-    return states, pads, slots
+    return segments, (lo, hi), static
 
 
-def _label(ax, states, pads, slots):
-    """Each request's id once per stay in a slot (after the layout is final): on its useful bar if
-    the id fits there, else on its idle bar -- never twice, and never where it would spill over."""
-    for slot in range(slots):
-        column = [(states[t][slot][0], states[t][slot][1], pads[t][slot]) for t in range(len(states))]
-        stays: dict = {}  # (request id, first step of the stay) -> its segments
-        stay = None
-        for start, length, (state, rid, pad) in _segments(column):
-            if rid is None:
-                stay = None
-                continue
-            if stay is None or stay[0] != rid:
-                stay = (rid, start)
-            stays.setdefault(stay, []).append((start + pad * length, start + length, state))
-        for (rid, _), segments in stays.items():
-            ordered = [s for s in segments if s[2] in USEFUL] + [s for s in segments if s[2] not in USEFUL]
-            for x0, x1, state in ordered:
-                if label_if_fits(ax, x0, x1, slot, str(rid), color=text_color_on(STATE_COLORS[state])):
+def _label(ax, segments, window, static):
+    """Each request's id once per stay in a slot (after the layout is final): on its widest useful
+    bar if it fits, else on its idle bar; failing both, in a smaller font, then cut to three
+    characters. Never twice, never where it would spill over, only inside ``window``."""
+    lo, hi = window
+    for slot, runs in enumerate(segments):
+        stays: dict = {}
+        for start, length, state, rid, pad, stay in runs:
+            x0, x1 = max(start + pad * length, lo), min(start + length, hi)
+            if rid is not None and x0 < x1:
+                stays.setdefault((rid, stay), []).append((x0, x1, state, stay))
+        for (rid, _), segs in stays.items():
+            ordered = sorted(segs, key=lambda s: (s[2] not in USEFUL, s[0] - s[1]))  # useful, widest first
+            text = str(rid)
+            for label, size in [(text, 8), (text, 6.5)] + ([(text[:3] + "…", 6.5)] if len(text) > 4 else []):
+                if any(label_if_fits(ax, x0, x1, slot, label, fontsize=size, color=text_color_on(_color(state, stay)),
+                                     bbox={"facecolor": _color(state, stay), "edgecolor": "none", "pad": 1.0}
+                                     if static and state == "idle" else None)  # readable over the hatch
+                       for x0, x1, state, stay in ordered):  # any() stops at the first label written
                     break
 
 
-def _legend(ax):
+def _legend(ax, static: bool):
+    from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    handles = [Patch(facecolor=STATE_COLORS[s], edgecolor="#555555", hatch=STATE_HATCH.get(s),
-                     label=s + {"idle": " (holds slot, no work)", "padding": " (static prefill)",
-                                "empty": " (no request)"}.get(s, ""))
-               for s in ("prefill", "decode", "padding", "idle", "empty")]
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="slot state",
+    def patch(state, label, stay=0, hatch=None, edge="#555555"):
+        return Patch(facecolor=_color(state, stay), edgecolor=edge, hatch=hatch, label=label)
+
+    hatch = STATE_HATCH["padding"]
+    handles = [patch("prefill", "prefill"), patch("decode", "decode"),
+               patch("decode", "decode, next request\nin the same slot", stay=1)]
+    handles += ([patch("padding", "padding (computed,\nthrown away)", hatch=hatch, edge="#777777"),
+                 patch("idle", "idle: finished, still\ncomputes a throw-away\ntoken", hatch=hatch,
+                       edge=_IDLE_HATCH_EDGE)]
+                if static else [patch("idle", "idle: holds its slot,\nnot scheduled (no\ncompute)")])
+    handles.append(patch("empty", "empty: no request,\nnothing computed", edge="#bbbbbb"))
+    handles += [Line2D([], [], label="batch barrier\n(next wave starts)", **_BARRIER)] if static else []
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, title="slot state",
               title_fontsize=8)
 
 
-def _run_name(source):
-    return "Static batching" if _is_static(source) else "Continuous batching"
+def plot_timeline(source, max_batch_size: int | None = None, *, ax=None, title: str | None = None, steps=None):
+    """Gantt chart of one run (a ``StaticResult`` or a list of ``StepRecord``); returns the axes.
 
-
-def plot_timeline(source, max_batch_size: int | None = None, *, ax=None, title: str | None = None):
-    """Gantt chart of one run (a ``StaticResult`` or a list of ``StepRecord``); returns the axes."""
+    ``steps=(start, stop)`` draws only steps ``start .. stop - 1`` (a zoom) and counts the waste of
+    those steps in the title.
+    """
     states, _, slots = _states_and_pads(source, max_batch_size)
+    lo, hi = _window(steps, len(states)) if states else (0, 0)
+    if title is None:
+        title = "Static batching" if _is_static(source) else "Continuous batching"
+        title += f", steps {lo}-{hi - 1}" if steps is not None else ""
     own = ax is None
-    fig, ax = get_axes(ax, figsize=(min(16.0, max(7.0, 0.3 * len(states) + 4)), 1.6 + 0.45 * slots))
-    drawn = _draw(ax, source, max_batch_size, title or _run_name(source))
-    _legend(ax)
+    fig, ax = get_axes(ax, figsize=(min(16.0, max(7.0, 0.3 * (hi - lo) + 4)), 1.6 + 0.55 * max(slots, 4)))
+    drawn = _draw(ax, source, max_batch_size, title, steps=steps)
+    _legend(ax, _is_static(source))
     if own:
         fig.tight_layout()
     _label(ax, *drawn)
@@ -218,8 +288,8 @@ def plot_timelines(static_result, records, max_batch_size: int, *, axes=None):
     if axes is None:
         import matplotlib.pyplot as plt
 
-        slots = max(static_result.batch_size, max_batch_size)
-        fig, axes = plt.subplots(2, 1, sharex=True, figsize=(min(16.0, max(8.0, 0.3 * n + 4)), 2.6 + 0.9 * slots))
+        slots = max(static_result.batch_size, max_batch_size, 4)
+        fig, axes = plt.subplots(2, 1, sharex=True, figsize=(min(16.0, max(8.0, 0.3 * n + 4)), 2.6 + 1.1 * slots))
         own = True
     else:
         if len(axes) != 2:
@@ -228,7 +298,8 @@ def plot_timelines(static_result, records, max_batch_size: int, *, axes=None):
     drawn = [_draw(axes[0], static_result, None, "Static batching", n),
              _draw(axes[1], records, max_batch_size, "Continuous batching", n)]
     axes[0].tick_params(labelbottom=True)  # sharex hides them; both runs read better with their own
-    _legend(axes[0])
+    _legend(axes[0], True)
+    _legend(axes[1], False)
     fig.suptitle(f"The same {sum(1 for _ in static_result)} requests, {max_batch_size} slots: "
                  "batch barrier vs iteration-level scheduling", fontsize=11)
     if own:
