@@ -1,32 +1,183 @@
-"""Notebook 05: a token's slot in the paged pool, and the empty slots of a last block."""
+"""Notebook 05: write the paged cache's KV manager -- a free list and block tables -- and run the engine on it.
+
+The learner's class ``MyKVManager(num_blocks, block_size)`` keeps ``free_blocks`` (every free block
+id) and has ``allocate_slots(seq, num_new_tokens)`` and ``free(seq)``, the two calls the scheduler
+makes (:class:`~cbteach.kv_manager.KVCacheManager` is the engine's own). The check plugs it into a
+real paged :class:`~cbteach.Engine` (:func:`cbteach.memory_experiments.plug`), watches every call,
+and serves small workloads -- several blocks per sequence, finished sequences' blocks reused, a
+pool so small that the engine preempts -- once on the learner's manager and once on the engine's
+own. They must agree token for token, block count for block count, preemption for preemption.
+"""
 from __future__ import annotations
 
-from types import SimpleNamespace
+import math
 
-from ..kv_paged import PagedKVCache
+from ..engine import Engine
+from ..kv_manager import KVCacheManager
+from ..memory_experiments import plug
+from ..request import Request
 from . import report
 
-BLOCK_SIZE, TABLE, POSITION, LENGTH = 16, [7, 2, 11], 37, 45
+# (block_size, num_blocks, max_batch_size, [(prompt tokens, new tokens), ...]): several blocks each and
+# blocks reused after a finish; prompts shorter than a block; one-token blocks; a pool so small it preempts.
+CASES = [(4, 32, 2, [(5, 7), (3, 10), (9, 4), (2, 6)]),
+         (8, 16, 3, [(3, 2), (6, 12), (2, 9), (4, 3)]),
+         (1, 40, 2, [(3, 6), (4, 5), (2, 8)]),
+         (4, 7, 3, [(6, 12), (5, 14), (7, 10), (3, 8)])]
 
 
-def check_slot(slot, empty) -> bool:
-    """Compare with the engine's own slot computation (``PagedKVCache.slots``)."""
-    cache = PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=1, num_blocks=16, block_size=BLOCK_SIZE)
-    seq = SimpleNamespace(block_table=TABLE)
-    expected = cache.slots(seq, POSITION, POSITION + 1).item()
-    expected_empty = len(TABLE) * BLOCK_SIZE - LENGTH
-    ok_slot = slot == expected
-    if not ok_slot:
-        block = POSITION // BLOCK_SIZE
-        hint = (f"position {POSITION} is in table entry {block} (= block {TABLE[block]}) at offset "
-                f"{POSITION % BLOCK_SIZE}" if slot != TABLE[block] * BLOCK_SIZE + POSITION % BLOCK_SIZE else "")
-        if slot == block * BLOCK_SIZE + POSITION % BLOCK_SIZE:
-            hint = "you used the table index, not the block id it holds"
-        report(False, "", f"slot {slot!r} is wrong: {hint or 'slot = block_table[pos // B] * B + pos % B'}")
-    if empty != expected_empty:
-        report(False, "", f"empty={empty!r} is wrong: the table's blocks hold {len(TABLE) * BLOCK_SIZE} slots "
-                          f"for {LENGTH} tokens")
-    if ok_slot and empty == expected_empty:
-        return report(True, f"slot {expected}, and {expected_empty} empty slots: only a sequence's last block "
-                            "is ever partly empty", "")
-    return False
+class Wrong(Exception):
+    """What the learner's manager did wrong, found while the engine ran."""
+
+
+class _FreeCount:
+    """The engine asks its allocator how many blocks are free; this answers from the learner's list."""
+
+    def __init__(self, mine):
+        self.mine = mine
+
+    @property
+    def num_free(self) -> int:
+        return len(self.mine.free_blocks)
+
+
+class Watched(KVCacheManager):
+    """The engine's manager interface around the learner's object; checks every call it passes on."""
+
+    def __init__(self, mine, num_blocks: int, block_size: int):
+        super().__init__(num_blocks, block_size, watermark=0)
+        self.mine = mine
+        self.allocator = _FreeCount(mine)
+
+    def allocate_slots(self, seq, num_new_tokens):
+        before, free_before = list(seq.block_table), list(self.mine.free_blocks)
+        call = f"allocate_slots({seq.request_id}, {num_new_tokens}) with {seq.num_computed_tokens} tokens computed"
+        try:
+            new = self.mine.allocate_slots(seq, num_new_tokens)
+        except Exception as err:  # the learner's code: say what failed, and on which call
+            raise Wrong(f"{call} raised {type(err).__name__}: {err}") from None
+        need = math.ceil((seq.num_computed_tokens + num_new_tokens) / self.block_size) - len(before)
+        if new is None:
+            if list(seq.block_table) != before or list(self.mine.free_blocks) != free_before:
+                raise Wrong(f"{call} returned None but changed the block table or the free list: refuse without "
+                            "changing anything")
+            if need <= len(free_before):
+                raise Wrong(f"{call} returned None although enough blocks were free: refuse only when the free "
+                            "list is shorter than the number of *new* blocks the sequence needs")
+            return None
+        if not isinstance(new, list) or list(seq.block_table) != before + new:
+            raise Wrong(f"{call}: return the list of blocks you added, and append them at the end of "
+                        "seq.block_table (block i of the table holds tokens i*block_size ...)")
+        held = len(seq.block_table) * self.block_size
+        if need < len(new):
+            raise Wrong(f"{call} gave it {_blocks(len(seq.block_table))} ({held} slots): more than its tokens need; "
+                        "take a new block only when the last one is full")
+        if need > len(new):
+            raise Wrong(f"{call} gave it {_blocks(len(seq.block_table))} ({held} slots): too few for its tokens")
+        for block in new:
+            if block not in free_before:
+                raise Wrong(f"{call} handed out block {block!r}, which was not in the free list")
+            if block in self.mine.free_blocks:
+                raise Wrong(f"{call} handed out block {block} but left it in the free list")
+        self.seqs[seq.request_id] = seq
+        self._check_pool(call)
+        return new
+
+    def free(self, seq):
+        before = list(seq.block_table)
+        call = f"free({seq.request_id}) with blocks {before}"
+        try:
+            self.mine.free(seq)
+        except Exception as err:
+            raise Wrong(f"{call} raised {type(err).__name__}: {err}") from None
+        if list(seq.block_table):
+            raise Wrong(f"after {call}, seq.block_table is not empty: a finished or preempted sequence holds no "
+                        "blocks (a preempted one comes back and starts a new table)")
+        missing = [b for b in before if b not in self.mine.free_blocks]
+        if missing:
+            raise Wrong(f"after {call}, blocks {missing} are not back in the free list")
+        self.seqs.pop(seq.request_id, None)
+        self._check_pool(call)
+
+    def _check_pool(self, call):
+        free = list(self.mine.free_blocks)
+        if len(set(free)) != len(free):
+            raise Wrong(f"after {call}, a block is in the free list twice")
+        owners: dict = {}
+        for rid, s in self.seqs.items():
+            for block in s.block_table:
+                if block in owners:
+                    raise Wrong(f"after {call}, block {block} is in two block tables ({owners[block]} and {rid})")
+                owners[block] = rid
+        if len(free) + len(owners) != self.num_blocks:
+            raise Wrong(f"after {call}, {len(free)} free blocks + {len(owners)} in block tables != the pool's "
+                        f"{self.num_blocks}: a block was lost or invented")
+
+
+def _blocks(n: int) -> str:
+    return f"{n} block" + ("" if n == 1 else "s")
+
+
+def serve(model, case, manager_class=None) -> dict:
+    """Run one case on a paged engine -- its own manager, or ``manager_class`` plugged in -- and keep
+    the outputs, each step's blocks per sequence, and the preemptions."""
+    block_size, num_blocks, batch, shape = case
+    engine = Engine(model, None, max_batch_size=batch, kv="paged", block_size=block_size, num_blocks=num_blocks,
+                    watermark=0)
+    watched = None
+    if manager_class is not None:
+        watched = Watched(manager_class(num_blocks, block_size), num_blocks, block_size)
+        plug(engine, watched)
+    reqs = [Request([1 + i % 5] * p, n, request_id=f"r{i}", ignore_eos=True) for i, (p, n) in enumerate(shape)]
+    done = engine.run(reqs)
+    return {"outputs": [c.output_ids for c in done], "preemptions": sum(len(r.preempted) for r in engine.records),
+            "blocks": [{rid: len(t) for rid, t in r.kv_usage["block_tables"].items()} for r in engine.records],
+            "free_at_end": len(watched.mine.free_blocks) if watched else num_blocks}
+
+
+def _check_init(manager_class) -> str | None:
+    try:
+        mine = manager_class(6, 4)
+    except Exception as err:
+        return f"MyKVManager(6, 4) raised {type(err).__name__}: {err}"
+    free = getattr(mine, "free_blocks", None)
+    if free is None or isinstance(free, (str, bytes)) or not hasattr(free, "__len__"):
+        return "MyKVManager(num_blocks, block_size) should keep self.free_blocks: the ids of the free blocks"
+    if sorted(free) != list(range(6)):
+        return f"MyKVManager(6, 4).free_blocks is {list(free)!r}: a new pool has every block 0 .. num_blocks - 1 free"
+    return None
+
+
+def check_kv_manager(manager_class, model) -> bool:
+    """``manager_class(num_blocks, block_size)``: a KV manager with ``free_blocks``, ``allocate_slots(seq, n)``
+    (return the blocks added, or None with nothing changed) and ``free(seq)``. ``model``: the notebook's."""
+    if not isinstance(manager_class, type):
+        return report(False, "", f"pass your class itself (MyKVManager, not MyKVManager(...)); got "
+                                 f"{type(manager_class).__name__}")
+    problem = _check_init(manager_class)
+    if problem:
+        return report(False, "", problem)
+    steps = preemptions = 0
+    for case in CASES:
+        block_size, num_blocks, batch, shape = case
+        where = f"(block_size {block_size}, {num_blocks} blocks, {len(shape)} requests)"
+        expected = serve(model, case)
+        try:
+            got = serve(model, case, manager_class)
+        except Wrong as err:
+            return report(False, "", f"{where}: {err}")
+        if got["free_at_end"] != num_blocks:
+            return report(False, "", f"{where}: when every request had finished, not every block was back in the "
+                                     "free list")
+        if got["preemptions"] != expected["preemptions"] or got["blocks"] != expected["blocks"]:
+            return report(False, "", f"{where}: the engine ran differently with your manager (blocks per sequence "
+                                     "or preemptions differ from its own manager's): check when allocate_slots "
+                                     "refuses room")
+        if got["outputs"] != expected["outputs"]:
+            return report(False, "", f"{where}: the generated tokens changed: a sequence read K/V that was not its "
+                                     "own -- check the order of blocks in each block table")
+        steps += len(expected["blocks"])
+        preemptions += expected["preemptions"]
+    return report(True, f"the real engine ran on your KV manager: {len(CASES)} workloads, {steps} steps, "
+                        f"{preemptions} preemptions, the same tokens and the same blocks per sequence at every step "
+                        "as with its own manager, and every block back in the free list at the end", "")

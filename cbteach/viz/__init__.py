@@ -13,7 +13,7 @@ masks come from :mod:`cbteach.packing` itself, so a picture cannot drift from th
 Needs matplotlib (and ipywidgets for the sliders): ``pip install cbteach[lab]``.
 """
 from .mask import cli, mask_ascii, mask_heatmap
-from .pool import draw_pool, draw_pool_step, pool_slider, stored_tokens
+from .pool import draw_memory_map, draw_pool, draw_pool_step, memory_map, pool_slider, stored_tokens
 from .stepper import draw_step, mask_explorer, step_through
 from .style import request_colors, seq_letter
 from .timeline import (plot_timeline, plot_timelines, slot_states_continuous, slot_states_static, waste_breakdown,
@@ -21,4 +21,4 @@ from .timeline import (plot_timeline, plot_timelines, slot_states_continuous, sl
 
 __all__ = ["mask_ascii", "mask_heatmap", "cli", "slot_states_static", "slot_states_continuous", "wasted_fraction",
            "waste_breakdown", "plot_timeline", "plot_timelines", "draw_step", "mask_explorer", "step_through", "draw_pool",
-           "draw_pool_step", "pool_slider", "stored_tokens", "request_colors", "seq_letter"]
+           "draw_pool_step", "draw_memory_map", "memory_map", "pool_slider", "stored_tokens", "request_colors", "seq_letter"]

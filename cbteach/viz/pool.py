@@ -8,11 +8,15 @@ solid part is the slots that hold tokens, the pale rest is room reserved but unu
 sequence's *last* block can be partly empty, which is why paging wastes so little.
 
 The input is ``PagedKVCache.usage()`` -- and every paged engine step keeps one in
-``StepRecord.kv_usage``, so :func:`pool_slider` can replay how the pool filled and emptied.
+``StepRecord.kv_usage``, so :func:`pool_slider` can replay how the pool filled and emptied, and
+:func:`draw_memory_map` can draw a whole run at once: slot address against step, so the holes
+a contiguous allocator leaves between regions (external fragmentation) are there to see.
 """
 from __future__ import annotations
 
 import math
+
+from matplotlib.colors import to_rgb
 
 from .style import get_axes, palette_color, record_request_colors, text_color_on, tint
 
@@ -157,6 +161,42 @@ def draw_pool_step(records, index: int, *, colors: dict | None = None):
                        fontsize=10)
     ax.figure.tight_layout()
     return ax.figure
+
+
+def memory_map(records, colors: dict | None = None):
+    """An RGB image ``[slots, steps, 3]`` of a paged run's pool: a slot is its owner's colour when it
+    holds a token, a pale shade of it when it is set aside but empty, white when it is free."""
+    import numpy as np
+
+    records = _paged_records(records)
+    colors = colors or record_request_colors(records)
+    bs, n = records[0].kv_usage["block_size"], records[0].kv_usage["num_blocks"]
+    img = np.ones((n * bs, len(records), 3))
+    for x, rec in enumerate(records):
+        stored = rec.kv_usage["seq_num_tokens"]
+        for rid, table in rec.kv_usage["block_tables"].items():
+            base = colors.get(rid, "#888888")
+            for i, block in enumerate(table):
+                full = min(bs, max(0, stored.get(rid, 0) - i * bs))  # slots of this block holding tokens
+                img[block * bs:block * bs + full, x] = to_rgb(base)
+                img[block * bs + full:(block + 1) * bs, x] = tint(base, 0.7)
+    return img
+
+
+def draw_memory_map(records, *, ax=None, colors: dict | None = None, title: str | None = None, marks=()):
+    """Draw a paged run's KV memory over time (:func:`memory_map`): slot address up, step across.
+    ``marks``: steps to flag with a red triangle on the map's top edge (say what they mean in the title)."""
+    records = _paged_records(records)
+    img = memory_map(records, colors)
+    fig, ax = get_axes(ax, figsize=(7, 4))
+    ax.imshow(img, aspect="auto", origin="lower", interpolation="nearest",
+              extent=(records[0].step - 0.5, records[-1].step + 0.5, 0, img.shape[0]))
+    if len(marks):
+        ax.plot(list(marks), [img.shape[0]] * len(marks), "v", color="red", markersize=5, clip_on=False)
+    ax.set_xlabel("engine step")
+    ax.set_ylabel("KV slot address")
+    ax.set_title(title or "KV memory over a run (solid: tokens, pale: set aside, white: free)", fontsize=10)
+    return ax
 
 
 def pool_slider(records, *, interval_ms: int = 1200):
