@@ -8,9 +8,9 @@ The pieces, in the order the course meets them:
   block-diagonal causal masks, and a KV cache that is either concatenated (``kv="concat"``)
   or paged (``kv="paged"``);
 * :class:`Request` in, :class:`Completion` out, a :class:`StepRecord` for every step;
-* the scheduler's policies (:mod:`cbteach.policies`), serving metrics (:mod:`cbteach.metrics`),
+* the scheduler's policies (:mod:`cbteach.policies`), serving metrics (:mod:`cbteach.serving.metrics`),
   and beyond the basics: prefix caching, speculative decoding, an int8 KV pool and a simulated
-  prefill/decode disaggregation (:mod:`cbteach.disagg`) -- all options of the same engine.
+  prefill/decode disaggregation (:mod:`cbteach.serving.disagg`) -- all options of the same engine.
 """
 from .engine import Engine
 from .models import load_model
@@ -18,7 +18,7 @@ from .records import SeqStep, StepRecord
 from .request import Completion, Request, RequestStatus
 from .sampling import SamplingParams
 from .static import StaticResult, static_batching
-from .streaming import StreamEvent
+from .serving.streaming import StreamEvent
 
 __all__ = ["Engine", "Request", "Completion", "RequestStatus", "SamplingParams", "StepRecord", "SeqStep",
            "StreamEvent", "load_model", "static_batching", "StaticResult"]

@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     if command == "mask":
         return mask_command(rest) or 0
     if command == "bench":
-        from .bench import cli
+        from .bench.cli import cli
 
         return cli(rest) or 0
     if command == "student":

@@ -28,14 +28,14 @@ from __future__ import annotations
 import time
 
 from . import modelinfo
-from .kv_concat import ConcatKVCache
+from .kv.concat import ConcatKVCache
 from .model_runner import ModelRunner
 from .records import SeqStep, StepRecord
 from .request import Completion, Request, Sequence, validate_request
 from .sampling import make_generator
 from .policies import make_queue
 from .speculative import count_speculation, make_proposer, propose_for
-from .streaming import StreamEvent, stream_events  # noqa: F401  (StreamEvent: part of the engine's API)
+from .serving.streaming import StreamEvent, stream_events  # noqa: F401  (StreamEvent: part of the engine's API)
 from .scheduler import PREEMPTION_MODES, Scheduler, check_batch_size, check_token_budget
 
 KV_KINDS = ("concat", "paged")
@@ -78,7 +78,7 @@ class Engine:
         self.model = model.eval()
         self.tokenizer = tokenizer
         if kv == "paged":
-            from .kv_paged import PagedKVCache
+            from .kv.paged import PagedKVCache
 
             self.kv = PagedKVCache.for_model(self.info, max_batch_size=max_batch_size, **paged_args)
         else:  # paged-pool options are accepted and ignored, so one call can switch kv= back and forth
@@ -95,7 +95,7 @@ class Engine:
         self._num_steps = 0
         self.spec_stats = {"drafted": 0, "accepted": 0, "verify_steps": 0}  # speculative decoding
         self._t0 = time.perf_counter()
-        self.clock = clock  # None: wall time; a VirtualClock: simulated time (see cbteach.disagg)
+        self.clock = clock  # None: wall time; a VirtualClock: simulated time (see cbteach.serving.disagg)
 
     # -- public API --------------------------------------------------------------------------
     def now(self) -> float:
@@ -199,7 +199,7 @@ class Engine:
 
     def stream(self, requests=()):
         """Add ``requests`` (validated as in :meth:`run`) and yield a
-        :class:`~cbteach.streaming.StreamEvent` per generated token, as soon as its step ends, until
+        :class:`~cbteach.serving.streaming.StreamEvent` per generated token, as soon as its step ends, until
         nothing is left -- also requests added or aborted while streaming. The model is its own again
         between events."""
         return stream_events(self, self._add_all(requests))

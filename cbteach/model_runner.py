@@ -4,8 +4,8 @@ The scheduler decides *who* runs and *how many* tokens each feeds (a
 :class:`~cbteach.scheduler.SchedulerOutput`); the runner turns that into one forward pass:
 
 1. **pack** -- each sequence's scheduled tokens are concatenated into one ``[1, T]`` row, no padding
-   (:mod:`cbteach.packing` explains why this works);
-2. **metadata** -- the KV cache builds the step's :class:`~cbteach.attn_metadata.AttentionMetadata`
+   (:mod:`cbteach.attention.packing` explains why this works);
+2. **metadata** -- the KV cache builds the step's :class:`~cbteach.attention.metadata.AttentionMetadata`
    (positions, query offsets, and for the paged cache the slot mapping and block tables), once;
 3. **forward** -- the model runs with ``position_ids`` and whatever the cache adds: past keys and a
    4-D mask (concat) or the metadata for paged attention. ``logits_to_keep`` asks the model for the

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from cbteach import Engine, Request, static_batching
-from cbteach import workloads as wl
-from cbteach.bench import (ALL_ENGINES, ENGINES, cli, compare, ideal_speedup, run_engine, slot_steps,
-                           targets)
+from cbteach.serving import workloads as wl
+from cbteach.bench.cli import cli
+from cbteach.bench.measure import (ALL_ENGINES, ENGINES, compare, ideal_speedup, run_engine, slot_steps,
+                                   targets)
 from cbteach.bierce.corpus import headword_prompts
 
 ROOT = Path(__file__).resolve().parents[1]

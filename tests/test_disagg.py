@@ -5,8 +5,8 @@ import random
 import pytest
 
 from cbteach import Engine, Request
-from cbteach.disagg import DisaggregatedServer, VirtualClock
-from cbteach.metrics import summarize
+from cbteach.serving.disagg import DisaggregatedServer, VirtualClock
+from cbteach.serving.metrics import summarize
 from conftest import EOS, VOCAB, reference, tiny_model
 
 MODEL = tiny_model("llama")

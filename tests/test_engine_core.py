@@ -14,8 +14,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM
 
 from cbteach import Engine, Request
-from cbteach import attn_metadata, paged_attention
-from cbteach.kv_paged import PagedKVPool
+from cbteach.attention import metadata as attn_metadata
+from cbteach.attention import paged as paged_attention
+from cbteach.kv.paged import PagedKVPool
 from cbteach.request import RequestStatus
 from cbteach.scheduler import Scheduler
 from conftest import EOS, VOCAB, reference, tiny_model
@@ -310,7 +311,7 @@ def test_metadata_positions_and_slot_mapping():
 
 
 def test_a_scheduler_can_be_built_on_its_own():
-    from cbteach.kv_manager import KVCacheManager
+    from cbteach.kv.manager import KVCacheManager
 
     s = Scheduler(2, KVCacheManager(num_blocks=4, block_size=4), token_budget=4)
     assert not s.has_unfinished()

@@ -10,7 +10,7 @@ import pytest
 
 from cbteach import Engine, Request
 from cbteach.exercises import ex08, ex09
-from cbteach.metrics import summarize
+from cbteach.serving.metrics import summarize
 from cbteach.viz import sharing
 from conftest import tiny_model
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from cbteach import Engine, Request
-from cbteach.kv_int8 import dequantize, quantize
+from cbteach.kv.int8 import dequantize, quantize
 from conftest import VOCAB, tiny_model
 
 
@@ -53,7 +53,7 @@ def test_kv_memory_bytes_counts_int8_bytes_and_bad_kv_dtype_is_refused():
 
 def test_kv_loss_fp32_pool_is_the_models_loss_and_int8_changes_it_a_little(bierce):
     from cbteach.bierce.corpus import load_entries
-    from cbteach.kv_int8 import kv_loss
+    from cbteach.kv.int8 import kv_loss
 
     model, tok = bierce
     ids = tok(" ".join(e["text"] for e in load_entries()[-3:]))["input_ids"][:200]
@@ -65,7 +65,7 @@ def test_kv_loss_fp32_pool_is_the_models_loss_and_int8_changes_it_a_little(bierc
 
 
 def test_block_scales_grow_and_requantise_earlier_tokens():
-    from cbteach.kv_int8 import Int8BlockKVPool
+    from cbteach.kv.int8 import Int8BlockKVPool
 
     pool = Int8BlockKVPool(num_layers=1, num_blocks=3, block_size=4, num_kv_heads=2, head_dim=8)
     g = torch.Generator().manual_seed(0)

@@ -1,7 +1,7 @@
 """Metric definitions (vLLM's benchmark conventions), checked on hand-made completions."""
 import pytest
 
-from cbteach.metrics import request_metrics, summarize
+from cbteach.serving.metrics import request_metrics, summarize
 from cbteach.request import Completion
 
 

@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cbteach.packing import additive_mask, block_diagonal_causal_mask, pack, per_sequence_causal_mask
+from cbteach.attention.packing import additive_mask, block_diagonal_causal_mask, pack, per_sequence_causal_mask
 
 lengths = st.lists(st.tuples(st.integers(0, 6), st.integers(1, 5)), min_size=0, max_size=5)
 

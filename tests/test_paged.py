@@ -7,8 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cbteach import Engine, Request
-from cbteach.kv_manager import BlockAllocator, PoolExhausted
-from cbteach.memory import accounting, summary
+from cbteach.kv.manager import BlockAllocator, PoolExhausted
+from cbteach.kv.memory import accounting, summary
 from conftest import ARCHS, EOS, VOCAB, reference, tiny_model
 
 workloads = st.lists(

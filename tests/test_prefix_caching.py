@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cbteach import Engine, Request
-from cbteach.prefix_cache import PrefixCache, block_hashes
+from cbteach.kv.prefix_cache import PrefixCache, block_hashes
 from conftest import VOCAB, reference, tiny_model
 
 MODEL = tiny_model("qwen2")
@@ -122,7 +122,7 @@ def test_block_hashes_are_stable_across_processes():
     import subprocess
     import sys
 
-    code = "from cbteach.prefix_cache import block_hashes; print(block_hashes(list(range(10)), 4))"
+    code = "from cbteach.kv.prefix_cache import block_hashes; print(block_hashes(list(range(10)), 4))"
     runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={"PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
     assert len(runs) == 1 and runs.pop().strip() == str(block_hashes(list(range(10)), 4))

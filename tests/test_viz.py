@@ -1,4 +1,4 @@
-"""The visualisers draw what the engine really did: masks from cbteach.packing, slots from records."""
+"""The visualisers draw what the engine really did: masks from cbteach.attention.packing, slots from records."""
 import re
 
 import matplotlib
@@ -12,7 +12,7 @@ from matplotlib.colors import to_rgba  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from cbteach import Engine, Request, static_batching  # noqa: E402
-from cbteach.packing import block_diagonal_causal_mask, per_sequence_causal_mask  # noqa: E402
+from cbteach.attention.packing import block_diagonal_causal_mask, per_sequence_causal_mask  # noqa: E402
 from cbteach.records import SeqStep, StepRecord  # noqa: E402
 from cbteach.viz import (cli, draw_pool, draw_pool_step, draw_step, mask_ascii, mask_heatmap, plot_timeline,  # noqa: E402
                          plot_timelines, pool_slider, seq_letter, slot_states_continuous, slot_states_static,

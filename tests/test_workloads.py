@@ -1,10 +1,10 @@
-"""Benchmark workloads: deterministic for a seed, and shaped as cbteach/workloads.py documents."""
+"""Benchmark workloads: deterministic for a seed, and shaped as cbteach/serving/workloads.py documents."""
 import math
 
 import numpy as np
 import pytest
 
-from cbteach import workloads as wl
+from cbteach.serving import workloads as wl
 from cbteach.bierce.corpus import headword_prompts
 
 

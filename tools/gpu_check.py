@@ -8,7 +8,7 @@
    token budget of 32) against per-prompt greedy ``model.generate`` on bierce headwords:
    ``[equal, total]`` requests.
 3. **throughput** -- tokens/s of ``static``, ``cbteach_concat``, ``cbteach_paged`` and
-   ``transformers_cb`` (see ``cbteach/bench.py``) on two workloads: ``bierce`` (headwords, batch 32)
+   ``transformers_cb`` (see ``cbteach/bench/measure.py``) on two workloads: ``bierce`` (headwords, batch 32)
    and ``llama_1b`` (a random-weight Llama of TinyLlama-1.1B's shape, built from its config -- no
    download -- in bf16: 128 requests, prompts of 16-512 random tokens, skewed output lengths,
    ``ignore_eos``, batch 32). For each cbteach engine the first (untimed) and the timed run's
@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))  # runs from a checkout, installed or not
 import torch  # noqa: E402
 
 from cbteach import Engine, Request, load_model, static_batching  # noqa: E402
-from cbteach.bench import ENGINES, clean, compare, headword_requests, random_llama  # noqa: E402
+from cbteach.bench.measure import ENGINES, clean, compare, headword_requests, random_llama  # noqa: E402
 from cbteach.bierce.corpus import headword_prompts  # noqa: E402
 from cbteach.models import pick_device  # noqa: E402
 

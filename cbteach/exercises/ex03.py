@@ -1,6 +1,6 @@
 """Notebook 03: the position ids and the attention mask of one packed step, written by hand.
 
-Both checks compare the learner's answer with :mod:`cbteach.packing` -- the functions the engine
+Both checks compare the learner's answer with :mod:`cbteach.attention.packing` -- the functions the engine
 itself calls -- and name every wrong entry by its sequence and position, so a mistake can be
 found in the picture (``cbteach.viz.mask_ascii(cached=..., new=...)``).
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..packing import block_diagonal_causal_mask, pack, per_sequence_causal_mask
+from ..attention.packing import block_diagonal_causal_mask, pack, per_sequence_causal_mask
 from ..viz.mask import key_groups, query_labels
 from ..viz.style import seq_letter
 from . import report

@@ -2,8 +2,8 @@
 
 The learner's class ``MyKVManager(num_blocks, block_size)`` keeps ``free_blocks`` (every free block
 id) and has ``allocate_slots(seq, num_new_tokens)`` and ``free(seq)``, the two calls the scheduler
-makes (:class:`~cbteach.kv_manager.KVCacheManager` is the engine's own). The check plugs it into a
-real paged :class:`~cbteach.Engine` (:func:`cbteach.memory_experiments.plug`), watches every call,
+makes (:class:`~cbteach.kv.manager.KVCacheManager` is the engine's own). The check plugs it into a
+real paged :class:`~cbteach.Engine` (:func:`cbteach.kv.memory_experiments.plug`), watches every call,
 and serves small workloads -- several blocks per sequence, finished sequences' blocks reused, a
 pool so small that the engine preempts -- once on the learner's manager and once on the engine's
 own. They must agree token for token, block count for block count, preemption for preemption.
@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 
 from ..engine import Engine
-from ..kv_manager import KVCacheManager
-from ..memory_experiments import plug
+from ..kv.manager import KVCacheManager
+from ..kv.memory_experiments import plug
 from ..request import Request
 from . import report
 

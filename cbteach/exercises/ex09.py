@@ -1,7 +1,7 @@
 """Notebook 09: what a disaggregated handover moves -- bytes of KV cache and seconds on the link.
 
 The learner writes ``handover(prompt_len, config, block_size, kv_dtype, link_bytes_per_s)`` returning
-``(bytes, seconds)``. The check runs a real :class:`~cbteach.disagg.DisaggregatedServer` with one
+``(bytes, seconds)``. The check runs a real :class:`~cbteach.serving.disagg.DisaggregatedServer` with one
 request of ``prompt_len`` tokens for each case -- the notebook's model in fp32 and int8 KV, and small
 random-weight models of other shapes (grouped-query and multi-head attention) -- and compares with
 its ``.transfers``. Hints name the factor that is off; the expected numbers are never printed.
@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from ..disagg import DisaggregatedServer
+from ..serving.disagg import DisaggregatedServer
 from ..request import Request
 from . import report
 
@@ -77,7 +77,7 @@ def _bytes_hint(got, prompt_len, config, bs, kv_dtype) -> str:
     if kv_dtype == "int8":
         if got == slots(prompt_len) * 2 * layers * kv_heads * d:
             return ("int8 values are 1 byte each, but every (token, head) also stores one float32 scale, for K "
-                    "and for V (cbteach.kv_int8)")
+                    "and for V (cbteach.kv.int8)")
         if got == slots(prompt_len) * 2 * layers * kv_heads * 4 * d:
             return "with kv_dtype='int8' each value takes 1 byte (plus a float32 scale per token and head)"
     if got == 8 * expected:

@@ -9,7 +9,7 @@
 * :mod:`~cbteach.viz.pool` -- the paged KV cache's block pool and block tables.
 
 Everything reads :class:`~cbteach.StepRecord` / :class:`~cbteach.StaticResult` objects, and the
-masks come from :mod:`cbteach.packing` itself, so a picture cannot drift from the engine.
+masks come from :mod:`cbteach.attention.packing` itself, so a picture cannot drift from the engine.
 Needs matplotlib (and ipywidgets for the sliders): ``pip install cbteach[lab]``.
 """
 from .mask import cli, mask_ascii, mask_heatmap

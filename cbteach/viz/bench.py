@@ -1,7 +1,7 @@
-"""Benchmark pictures: what :mod:`cbteach.bench` measured, drawn the way the papers draw it.
+"""Benchmark pictures: what :mod:`cbteach.bench.measure` measured, drawn the way the papers draw it.
 
-Every function takes the rows :func:`cbteach.bench.compare` returns (one dict of metrics per
-engine, times in seconds) or the points of :func:`cbteach.bench.sweep` (``[{"workload": summary,
+Every function takes the rows :func:`cbteach.bench.measure.compare` returns (one dict of metrics per
+engine, times in seconds) or the points of :func:`cbteach.bench.measure.sweep` (``[{"workload": summary,
 "engines": rows}]``), so a figure shows exactly the numbers the command line writes to JSON.
 
 * :func:`plot_engines` -- throughput and latency percentiles of every engine on one workload;

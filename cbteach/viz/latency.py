@@ -3,7 +3,7 @@
 Everything here reads what the engine hands back -- :class:`~cbteach.Completion` objects (their
 ``arrival_time``, ``first_token_time``, ``token_times`` and ``finish_time``, all on the engine's
 clock) and :class:`~cbteach.StepRecord` lists -- and the metrics come from
-:mod:`cbteach.metrics`, so a picture shows the same numbers a benchmark would report.
+:mod:`cbteach.serving.metrics`, so a picture shows the same numbers a benchmark would report.
 
 * :func:`plot_request_anatomy` -- one request on a time axis: TTFT, the inter-token gaps, E2E;
 * :func:`plot_itl_timeline` -- every request's inter-token latency against time (a stall is a spike);
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
-from ..metrics import request_metrics
+from ..serving.metrics import request_metrics
 from .style import get_axes, palette_color, request_colors
 from .timeline import plot_timeline
 
@@ -39,7 +39,7 @@ def run_start(completions) -> float:
 def plot_request_anatomy(completion, *, ax=None, title: str | None = None):
     """One request on a time axis (ms after its arrival): arrival, every token, TTFT, one ITL, E2E.
 
-    The definitions are :mod:`cbteach.metrics`' (vLLM's benchmark ones): TTFT = first token -
+    The definitions are :mod:`cbteach.serving.metrics`' (vLLM's benchmark ones): TTFT = first token -
     arrival; ITL = gap between consecutive tokens; TPOT = (E2E - TTFT) / (tokens - 1); E2E =
     finish - arrival. Returns the axes.
     """

@@ -14,8 +14,8 @@ three **layouts** -- the same rule, with the keys in the order a given cache han
   any blocks its table is padded with to match the longest in its attention group, are masked.
 
 The ``#``/``.`` pattern is never worked out here: it is read from
-:func:`cbteach.packing.block_diagonal_causal_mask`, :func:`cbteach.packing.per_sequence_causal_mask`,
-the paged engine's own :func:`cbteach.attn_metadata.build` -- or, for a real step, from
+:func:`cbteach.attention.packing.block_diagonal_causal_mask`, :func:`cbteach.attention.packing.per_sequence_causal_mask`,
+the paged engine's own :func:`cbteach.attention.metadata.build` -- or, for a real step, from
 :meth:`cbteach.StepRecord.mask` -- so the picture *is* the mask the engine gave the model.
 
 Try it from a shell::

@@ -2,8 +2,8 @@
 
 :mod:`cbteach.viz.mask` draws; this module decides what is drawn. :func:`resolve` turns a
 :class:`~cbteach.StepRecord` or plain ``cached``/``new`` lengths into a :class:`MaskView` -- the
-boolean mask (read from :mod:`cbteach.packing` or the paged engine's own
-:func:`cbteach.attn_metadata.build`, never worked out here) and one :class:`Key` per column saying
+boolean mask (read from :mod:`cbteach.attention.packing` or the paged engine's own
+:func:`cbteach.attention.metadata.build`, never worked out here) and one :class:`Key` per column saying
 which sequence, which position, and (paged) which block and offset it comes from.
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..attn_metadata import build
-from ..packing import block_diagonal_causal_mask, per_sequence_causal_mask
+from ..attention.metadata import build
+from ..attention.packing import block_diagonal_causal_mask, per_sequence_causal_mask
 from .style import seq_letter
 
 
@@ -67,7 +67,7 @@ def default_block_tables(cached, new, block_size: int) -> list[list[int]]:
 def paged_mask(cached, new, block_size: int = DEFAULT_BLOCK_SIZE, block_tables=None):
     """``(mask, keys)`` as paged attention sees the step: per sequence, every slot of its blocks.
 
-    The engine's :func:`cbteach.attn_metadata.build` makes the masks, one per attention group
+    The engine's :func:`cbteach.attention.metadata.build` makes the masks, one per attention group
     (decodes, prefills): keys ``0 .. blocks x block_size`` of each sequence's gathered blocks
     (tables padded to the group's longest), a query allowed positions ``<=`` its own. Here the
     groups' masks are laid side by side. (On CUDA the engine also rounds group shapes up to powers

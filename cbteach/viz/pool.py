@@ -1,6 +1,6 @@
 """Pictures of the paged KV cache: the block pool, who owns each block, and how full it is.
 
-The paged cache (:mod:`cbteach.kv_paged`) preallocates ``num_blocks`` blocks of ``block_size``
+The paged cache (:mod:`cbteach.kv.paged`) preallocates ``num_blocks`` blocks of ``block_size``
 token slots. A sequence owns a list of blocks -- its *block table* -- that need not be adjacent,
 and gets a new block only when its last one is full. :func:`draw_pool` draws the pool as a grid,
 one cell per block, coloured by the owning request (free blocks white). Inside a used block the

@@ -5,7 +5,7 @@ for its worst case, ``prompt + max_new_tokens`` slots, reserved at admission and
 finished (Orca; Kwon et al., SOSP'23, section 3). To compare that with paging *on the real engine*,
 this module plugs a different allocator into the engine's paged cache:
 
-* :class:`ReservingKVManager` -- a :class:`~cbteach.kv_manager.KVCacheManager` whose pool has
+* :class:`ReservingKVManager` -- a :class:`~cbteach.kv.manager.KVCacheManager` whose pool has
   one-slot blocks (``block_size=1``, so a block id *is* a slot address) and which, at admission,
   hands a request **one run of adjacent slots** big enough for ``prompt + max_new_tokens``, found
   by **first fit** (the lowest-addressed free run that is long enough). A running request never
@@ -22,8 +22,8 @@ costs a block size trades: empty slots in last blocks against block-table entrie
 """
 from __future__ import annotations
 
-from .engine import Engine
-from .kv_manager import KVCacheManager
+from ..engine import Engine
+from .manager import KVCacheManager
 
 SCHEMES = ("reserve", "paged")
 

@@ -5,7 +5,7 @@ transformers lets a model's attention layers call any function registered with
 it *only for the duration of one engine step* (:func:`switched`); before and after, the model is
 exactly as the user left it, so ``model.generate`` or transformers' own continuous batching keep
 working on it. Each layer hands us its queries and this step's new keys and values (RoPE already
-applied), plus the step's :class:`~cbteach.attn_metadata.AttentionMetadata`, which the engine passes
+applied), plus the step's :class:`~cbteach.attention.metadata.AttentionMetadata`, which the engine passes
 as an extra forward argument (``cbteach_step=...``): transformers forwards unknown keyword
 arguments from ``model(...)`` down to the attention function, so the metadata travels with the
 call itself -- no global state another thread could pick up. Then:
@@ -20,7 +20,7 @@ Two versions of steps 2-3 live here and are tested equal:
   sequences, one ``scaled_dot_product_attention`` call each. Together those calls are exactly the
   diagonal blocks of the block-diagonal mask.
 * :func:`vectorised_attention` -- what the engine runs: a constant number of calls per layer
-  (one per :class:`~cbteach.attn_metadata.AttentionGroup`: decodes, prefills), gathering all of a
+  (one per :class:`~cbteach.attention.metadata.AttentionGroup`: decodes, prefills), gathering all of a
   group's blocks at once through a padded block-table tensor, with a mask that hides the padding.
 
 A real paged-attention kernel (vLLM's) reads the blocks where they lie inside the attention loop;

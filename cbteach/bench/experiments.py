@@ -4,16 +4,16 @@ from __future__ import annotations
 import platform
 import statistics
 
-from .bench_engines import PAGE
-from .bierce.corpus import headword_prompts
-from .engine import Engine
-from .request import Request
+from .engines import PAGE
+from ..bierce.corpus import headword_prompts
+from ..engine import Engine
+from ..request import Request
 
 
 # -- experiments of notebook 07 --------------------------------------------------------------------
 def kv_bytes_per_token(model) -> int:
     """K and V bytes of one token, all layers (what a KV memory budget is divided by)."""
-    from .modelinfo import describe
+    from ..modelinfo import describe
 
     return describe(model).kv_bytes_per_token
 
@@ -38,7 +38,7 @@ def memory_bound(model, tok, workload, kv_tokens: int, reserve_new_tokens: int, 
     out = {}
     for label, b in (("contiguous", contiguous_batch_size(kv_tokens, workload, reserve_new_tokens)),
                      ("paged", max_batch_size)):
-        from .bench import run_engine  # the bench's measuring loop (bench imports this module)
+        from .measure import run_engine  # the bench's measuring loop (bench imports this module)
 
         row, _ = run_engine("cbteach_paged", model, tok, workload, b, kv_memory_bytes=budget)
         out[label] = {**row, "kv_tokens": kv_tokens, "max_batch_size": b}

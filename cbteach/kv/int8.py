@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .kv_paged import PagedKVPool
+from .paged import PagedKVPool
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,8 +158,8 @@ def kv_loss(model, token_ids: list[int], kv_dtype=None, block_size: int = 16) ->
     token's K/V into the pool, and every query reads them back from it -- quantised, for int8."""
     from types import SimpleNamespace
 
-    from .kv_paged import PagedKVCache
-    from .modelinfo import describe
+    from .paged import PagedKVCache
+    from ..modelinfo import describe
 
     if len(token_ids) < 2:
         raise ValueError("kv_loss needs at least two tokens (one prediction)")

@@ -9,7 +9,7 @@ one of values. Every step:
    (a transformers ``DynamicCache``, passed as ``past_key_values`` -- called ``cache`` in recent
    transformers);
 2. the model appends this step's new keys and values after them (``[... | A new | B new]``) and
-   attends through the block-diagonal mask from :mod:`cbteach.packing`, passed as a 4-D
+   attends through the block-diagonal mask from :mod:`cbteach.attention.packing`, passed as a 4-D
    ``attention_mask`` (so the model's attention must honour one: ``eager`` or ``sdpa``);
 3. **scatter** -- cut the new keys and values out of the packed cache and append each piece to
    its sequence's own cache.
@@ -26,7 +26,7 @@ cached and ``N`` new tokens' worth of K/V in a step:
 
 That is ``4C + 2N`` bytes moved per step, reported as :attr:`KVTraffic.bytes_copied` (measured on
 the real tensors, and checked against a count of the copy operations in the tests). The paged
-cache (:mod:`cbteach.kv_paged`) moves only the ``N`` new tokens' K/V.
+cache (:mod:`cbteach.kv.paged`) moves only the ``N`` new tokens' K/V.
 """
 from __future__ import annotations
 
@@ -37,9 +37,9 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from . import attn_metadata
-from .kv_manager import UnboundedKVManager
-from .packing import additive_mask, block_diagonal_causal_mask
+from ..attention import metadata as attn_metadata
+from .manager import UnboundedKVManager
+from ..attention.packing import additive_mask, block_diagonal_causal_mask
 
 MASK_HONOURING = ("eager", "sdpa")  # attention implementations that obey a 4-D attention_mask
 

@@ -8,11 +8,11 @@ enough to read in one sitting. It has three parts:
   ``block_size`` consecutive tokens of *one* sequence. Block-major layout means a block is one
   contiguous chunk of memory and a token's **slot** is simply ``block_id * block_size + offset``.
   The pool only stores: it is written at a slot mapping and read through block tables.
-* **The KV manager** (:class:`~cbteach.kv_manager.KVCacheManager`) -- the free list, reference
+* **The KV manager** (:class:`~cbteach.kv.manager.KVCacheManager`) -- the free list, reference
   counts and block tables: who owns which block. A sequence gets a new block only when its last
   one is full, and gives all back when it finishes. Blocks need not be adjacent in the pool, so a
   sequence grows without moving anyone's history.
-* **Paged attention** (:mod:`cbteach.paged_attention`) -- writes each step's new K/V at their slots
+* **Paged attention** (:mod:`cbteach.attention.paged`) -- writes each step's new K/V at their slots
   (the ``slot_mapping``) and reads each sequence's context through its block table.
 
 Nothing is concatenated per step. Waste is at most ``block_size - 1`` empty slots per sequence
@@ -26,10 +26,11 @@ import time
 
 import torch
 
-from . import attn_metadata, paged_attention
-from .kv_concat import KVTraffic
-from .kv_manager import KVCacheManager, PoolExhausted  # noqa: F401  (PoolExhausted: re-exported)
-from .request import check_positive_int
+from ..attention import metadata as attn_metadata
+from ..attention import paged as paged_attention
+from .concat import KVTraffic
+from .manager import KVCacheManager, PoolExhausted  # noqa: F401  (PoolExhausted: re-exported)
+from ..request import check_positive_int
 
 
 class PagedKVPool:
@@ -84,13 +85,13 @@ KV_DTYPES = (None, "int8", "int8_block")
 
 
 def _pool_class(kv_dtype):
-    """The pool that stores K/V: the model's dtype (``None``) or int8 (:mod:`cbteach.kv_int8`) with a
+    """The pool that stores K/V: the model's dtype (``None``) or int8 (:mod:`cbteach.kv.int8`) with a
     scale per token and head (``"int8"``) or per block and head (``"int8_block"``)."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be None (the model's dtype), 'int8' (a scale per token and head) or "
                          f"'int8_block' (a scale per block and head), got {kv_dtype!r}")
     if kv_dtype is not None:
-        from .kv_int8 import Int8BlockKVPool, Int8KVPool
+        from .int8 import Int8BlockKVPool, Int8KVPool
 
         return Int8KVPool if kv_dtype == "int8" else Int8BlockKVPool
     return PagedKVPool

@@ -7,7 +7,7 @@ tensors):
   count per block, and one **block table** per sequence (``seq.block_table[i]`` is the block that
   holds the sequence's tokens ``i * block_size ... (i + 1) * block_size - 1``). The scheduler asks
   it for room (:meth:`KVCacheManager.allocate_slots`) before it schedules a single token;
-* :mod:`cbteach.kv_paged`'s **pool** is the memory the blocks name, written at a slot mapping and
+* :mod:`cbteach.kv.paged`'s **pool** is the memory the blocks name, written at a slot mapping and
   read through block tables by the attention function.
 
 Keeping them apart means a change to how K/V are *stored* (int8, swapped to the CPU, handed to
@@ -20,7 +20,7 @@ import math
 from collections import OrderedDict
 
 from .prefix_cache import PrefixCache
-from .request import check_positive_int
+from ..request import check_positive_int
 
 
 class PoolExhausted(RuntimeError):
@@ -81,7 +81,7 @@ class KVCacheManager:
         """``watermark``: the fraction of blocks an admission must leave free (vLLM's default, 1%), so
         that a request let in now does not force a preemption on the very next step.
         ``prefix_caching``: reuse full blocks of earlier requests with the same prefix
-        (:mod:`cbteach.prefix_cache`)."""
+        (:mod:`cbteach.kv.prefix_cache`)."""
         check_positive_int("block_size", block_size)
         check_positive_int("num_blocks", num_blocks)
         if not isinstance(watermark, (int, float)) or isinstance(watermark, bool) or not 0 <= watermark < 1:

@@ -1,0 +1,10 @@
+"""The KV cache, one concept per module (notebooks 04, 05, 08, 09).
+
+* :mod:`.manager` -- the block allocator and block tables: who owns which block (vLLM's KV cache manager)
+* :mod:`.paged` -- the paged pool and the engine's paged cache: slots, block tables, swapping
+* :mod:`.concat` -- the concatenating cache of notebook 04: per-sequence caches copied every step
+* :mod:`.int8` -- int8 pools with a scale per token or per block, dequantised on read
+* :mod:`.prefix_cache` -- full blocks named by a hash of their tokens, reused across requests
+* :mod:`.memory` -- where the bytes go: paged versus a contiguous reservation
+* :mod:`.memory_experiments` -- a first-fit contiguous allocator plugged into the engine, fixed-budget runs
+"""
