@@ -5,5 +5,9 @@
 * :mod:`.experiments` -- notebook 07's experiments
 * :mod:`.cli` -- the command line and its tables
 """
-from .measure import (ALL_ENGINES, ENGINES, REFERENCE, clean, compare, headword_requests,  # noqa: F401
-                      ideal_speedup, random_llama, run_engine, slot_steps, sweep, targets)
+# The package's public API: what notebook 07 and tools/gpu_check.py call as ``bench.<name>``.
+from .cli import print_table  # noqa: F401
+from .experiments import (contiguous_batch_size, decode_step_times, headword_requests,  # noqa: F401
+                          kv_bytes_per_token, machine_info, memory_bound, random_llama, step_time_vs_history)
+from .measure import (ALL_ENGINES, ENGINES, REFERENCE, clean, compare, ideal_speedup, run_engine,  # noqa: F401
+                      slot_steps, sweep, targets)
