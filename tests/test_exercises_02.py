@@ -4,11 +4,10 @@ import math
 
 import pytest
 
-from cbteach import Request, static_batching
 from cbteach.exercises import ex02
 from conftest import tiny_model
 
-# Forced output lengths (ignore_eos), prompts of different lengths so the prefill is padded.
+# A small workload of forced output lengths, and its batch size.
 LENGTHS = [4, 10, 2, 5, 3]
 B = 3
 
@@ -16,16 +15,6 @@ B = 3
 @pytest.fixture(scope="module")
 def model():
     return tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
-def static_run(model):
-    reqs = [Request([1 + i] * (1 + 2 * i), n, request_id=f"r{i}", ignore_eos=True) for i, n in enumerate(LENGTHS)]
-    return static_batching(model, None, reqs, batch_size=B)
-
-
-def idle(lengths):
-    return sum(max(lengths) - n for n in lengths)
 
 
 # -- ex02: FCFS slot-refill simulator ------------------------------------------------------------------
