@@ -252,16 +252,26 @@ def test_keep_records_false_keeps_no_history_and_stays_exact():
 
 
 # -- vectorised paged attention == the per-sequence reference -------------------------------------
+STEPS = {  # (num_computed_tokens, num_scheduled_tokens) of one step
+    "mixed": ([0, 7, 3, 0, 12, 5], [5, 1, 1, 1, 4, 1]),  # prefills, decodes, a chunk, interleaved: gathers
+    "decode": ([9, 2, 30, 4], [1, 1, 1, 1]),  # a pure decode step: one dense group, the whole row
+    "decodes_then_prefill": ([6, 1, 17, 0], [1, 1, 1, 6]),  # two dense groups: a slice each
+    "prefills": ([0, 3], [4, 4]),  # two prefills of equal length: dense, Q = 4
+}
+
+
 @pytest.mark.parametrize("bucket_shapes", [False, True])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_vectorised_attention_equals_reference(block_size, bucket_shapes):
+@pytest.mark.parametrize("step", list(STEPS))
+@pytest.mark.parametrize("kv_heads", [2, 6])  # grouped-query and multi-head attention
+def test_vectorised_attention_equals_reference(block_size, bucket_shapes, step, kv_heads):
     g = torch.Generator().manual_seed(0)
-    heads, kv_heads, dim, num_blocks = 6, 2, 8, 64
+    heads, dim, num_blocks = 6, 8, 64
     pool = PagedKVPool(num_layers=1, num_blocks=num_blocks, block_size=block_size, num_kv_heads=kv_heads,
                        head_dim=dim)
     pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=g))
     pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=g))
-    computed, scheduled = [0, 7, 3, 0, 12, 5], [5, 1, 1, 1, 4, 1]  # prefills, decodes, a chunk
+    computed, scheduled = STEPS[step]
     free = torch.randperm(num_blocks, generator=g).tolist()
     tables = []
     for c, n in zip(computed, scheduled):
@@ -271,10 +281,16 @@ def test_vectorised_attention_equals_reference(block_size, bucket_shapes):
     meta = attn_metadata.build(tokens, computed, scheduled, "cpu", block_tables=tables, block_size=block_size,
                                bucket_shapes=bucket_shapes)
     meta.pool = pool
-    if bucket_shapes:  # 4 decodes, 2 prefills (up to 5 queries): padded to powers of two
+    if bucket_shapes and step == "mixed":  # 4 decodes, 2 prefills (up to 5 queries): padded to powers of two
         assert [tuple(g.mask.shape[:3]) for g in meta.groups] == [(4, 1, 1), (2, 1, 8)]
+    if bucket_shapes:
         assert all((g.mask.shape[3] // block_size) & (g.mask.shape[3] // block_size - 1) == 0 for g in meta.groups)
-    assert len(meta.groups) in (2, 3)  # decodes (short and long histories apart when it pays), prefills
+    if step == "mixed":
+        assert len(meta.groups) in (2, 3)  # decodes (short and long histories apart when it pays), prefills
+    if step == "decode" and not bucket_shapes:
+        assert len(meta.groups) == 2 or meta.groups[0].rows == (0, 4)  # split by length, or one dense group
+    if step == "decodes_then_prefill" and not bucket_shapes:
+        assert meta.groups[-1].rows == (3, 9)  # the prefill's rows, read as a slice
     query = torch.randn(1, heads, sum(scheduled), dim, generator=g)
     fast = paged_attention.vectorised_attention(query, 0, meta, scaling=dim ** -0.5)
     slow = paged_attention.reference_attention(query, 0, meta, scaling=dim ** -0.5)

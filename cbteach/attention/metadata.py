@@ -18,6 +18,7 @@ Separate groups keep a long prompt from padding every decode in the step to its 
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -29,12 +30,16 @@ class AttentionGroup:
 
     ``q_index[g, j]`` is the row of the packed batch holding query ``j`` of the group's sequence
     ``g``; padding points at row ``T`` (one past the end: a scratch row that is never read back).
-    ``mask[g, 0, j, k]`` is True when that query may attend key position ``k``.
+    ``mask[g, 0, j, k]`` is True when that query may attend key position ``k``. A *dense* group --
+    consecutive sequences feeding ``Q`` tokens each, no padding, like the decodes of a step -- also
+    has ``rows``: its queries are that slice of the packed row, so attention takes a view of them
+    instead of gathering (and writes its output back as a slice).
     """
 
     q_index: torch.Tensor  # [G, Q] long
     block_tables: torch.Tensor  # [G, K // block_size] long
     mask: torch.Tensor  # [G, 1, Q, K] bool
+    rows: tuple[int, int] | None = None  # dense group: its queries are packed rows rows[0]:rows[1], in order
 
 
 @dataclass
@@ -94,8 +99,11 @@ def build(token_ids: list[int], num_computed_tokens: list[int], num_scheduled_to
     B, T = len(num_scheduled_tokens), len(token_ids)
     if B == 0 or len(num_computed_tokens) != B or sum(num_scheduled_tokens) != T or min(num_scheduled_tokens) < 1:
         raise ValueError("build() needs >= 1 sequence, each feeding >= 1 token, and one count per sequence")
+    # Per-sequence facts are a few integers each: the host computes them (vLLM does too).
+    qsl = [0, *itertools.accumulate(num_scheduled_tokens)]
+    seq_lens = [c + n for c, n in zip(num_computed_tokens, num_scheduled_tokens)]
+    host = [token_ids, num_computed_tokens, num_scheduled_tokens, qsl, seq_lens]
     paged = block_tables is not None
-    host = [token_ids, num_computed_tokens, num_scheduled_tokens]
     groups = []
     if paged:
         width = max(len(t) for t in block_tables)
@@ -107,44 +115,59 @@ def build(token_ids: list[int], num_computed_tokens: list[int], num_scheduled_to
         for members in split + [prefills]:
             if not members:
                 continue
-            rows = max(num_scheduled_tokens[i] for i in members), max(len(block_tables[i]) for i in members)
-            size = len(members)
+            q_len, nb, size = (max(num_scheduled_tokens[i] for i in members),
+                               max(len(block_tables[i]) for i in members), len(members))
             if bucket_shapes:
-                size, rows = bucket(size), (bucket(rows[0]), min(bucket(rows[1]), width))
-            groups.append(rows)
+                size, q_len, nb = bucket(size), bucket(q_len), min(bucket(nb), width)
+            # Consecutive sequences feeding the same number of tokens, no dummies: their queries are
+            # a slice of the packed row, which attention reads as a view instead of gathering it.
+            dense = size == len(members) and members == list(range(members[0], members[-1] + 1)) and \
+                all(num_scheduled_tokens[i] == q_len for i in members)
+            groups.append((q_len, nb, (members[0], members[-1] + 1) if dense else None))
             host.append(members + [-1] * (size - len(members)))  # -1: a dummy row, fully masked
     # The one host -> device transfer of the step.
     flat = torch.tensor([x for part in host for x in part], dtype=torch.long).to(device, non_blocking=True)
-    parts = flat.split([len(p) for p in host])
-    ids, computed, scheduled = parts[0], parts[1], parts[2]
+    ids, computed, scheduled, query_start_loc, seq_lens_t, *rest = flat.split([len(p) for p in host])
 
-    qsl = torch.zeros(B + 1, dtype=torch.long, device=device)
-    qsl[1:] = scheduled.cumsum(0)
-    seq_of_token = torch.repeat_interleave(torch.arange(B, device=device), scheduled, output_size=T)
-    positions = torch.arange(T, device=device) - qsl[seq_of_token] + computed[seq_of_token]
+    # Per-token facts grow with the batch: computed on the device from the per-sequence ones.
+    if T == B:  # a pure decode step, the common case: row i is sequence i's token at position computed[i]
+        seq_of_token, positions = torch.arange(B, device=device), computed
+    else:
+        seq_of_token = torch.repeat_interleave(torch.arange(B, device=device), scheduled, output_size=T)
+        positions = torch.arange(T, device=device) + (computed - query_start_loc[:-1])[seq_of_token]
     meta = AttentionMetadata(
         num_computed_tokens=list(num_computed_tokens), num_scheduled_tokens=list(num_scheduled_tokens),
-        input_ids=ids[None], positions=positions[None], query_start_loc=qsl, seq_lens=computed + scheduled,
-        logits_indices=qsl[1:] - 1)
+        input_ids=ids[None], positions=positions[None], query_start_loc=query_start_loc, seq_lens=seq_lens_t,
+        logits_indices=query_start_loc[1:] - 1)
     if not paged:
         return meta
-    tables = parts[3].view(B, width)
+    tables = rest[0].view(B, width)
     meta.block_size, meta.block_tables = block_size, tables
     meta.slot_mapping = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
-    for (q_len, nb), idx in zip(groups, parts[4:]):
-        meta.groups.append(_group(meta, idx, q_len, nb, T, device))
+    for (q_len, nb, span), idx in zip(groups, rest[1:]):
+        rows = (qsl[span[0]], qsl[span[1]]) if span else None
+        meta.groups.append(_group(meta, idx, q_len, nb, T, span, rows))
     return meta
 
 
-def _group(meta: AttentionMetadata, idx: torch.Tensor, q_len: int, nb: int, T: int, device) -> AttentionGroup:
-    """``idx``: the group's sequences (``-1`` for dummy rows); ``q_len`` queries, ``nb`` blocks each."""
-    real = (idx >= 0)[:, None]
-    i = idx.clamp(min=0)
-    j = torch.arange(q_len, device=device)[None]  # [1, Q]
-    n_sched = torch.where(real, (meta.query_start_loc[i + 1] - meta.query_start_loc[i])[:, None], 0)
-    valid = j < n_sched  # [G, Q]
-    q_index = torch.where(valid, meta.query_start_loc[i][:, None] + j, T)  # padding -> scratch row T
-    q_pos = torch.where(valid, (meta.seq_lens[i][:, None] - n_sched) + j, 0)  # padding sees key 0 only
-    keys = torch.arange(nb * meta.block_size, device=device)
-    mask = (keys[None, None, :] <= q_pos[:, :, None])[:, None]  # [G, 1, Q, K]: causal, own sequence only
-    return AttentionGroup(q_index=q_index, block_tables=meta.block_tables[i, :nb], mask=mask)
+def _group(meta: AttentionMetadata, idx: torch.Tensor, q_len: int, nb: int, T: int, span, rows) -> AttentionGroup:
+    """``idx``: the group's sequences (``-1`` for dummy rows); ``q_len`` queries, ``nb`` blocks each.
+    ``span``/``rows``: for a dense group, its sequences ``span[0]:span[1]`` and their packed rows."""
+    device = idx.device
+    j = torch.arange(q_len, device=device)  # [Q]
+    keys = torch.arange(nb * meta.block_size, device=device)  # [K]
+    if rows is not None:  # consecutive sequences, q_len queries each, no padding: slices, no gathers
+        first, last = span
+        q_index = torch.arange(*rows, device=device).view(-1, q_len)
+        q_pos = (meta.seq_lens[first:last] - q_len)[:, None] + j  # [G, Q]: each query's position
+        tables = meta.block_tables[first:last, :nb]
+    else:
+        real = (idx >= 0)[:, None]
+        i = idx.clamp(min=0)
+        n_sched = torch.where(real, (meta.query_start_loc[i + 1] - meta.query_start_loc[i])[:, None], 0)
+        valid = j < n_sched  # [G, Q]
+        q_index = torch.where(valid, meta.query_start_loc[i][:, None] + j, T)  # padding -> scratch row T
+        q_pos = torch.where(valid, (meta.seq_lens[i][:, None] - n_sched) + j, 0)  # padding sees key 0 only
+        tables = meta.block_tables[i, :nb]
+    mask = (keys <= q_pos[:, :, None])[:, None]  # [G, 1, Q, K]: causal, own sequence only
+    return AttentionGroup(q_index=q_index, block_tables=tables, mask=mask, rows=rows)

@@ -61,18 +61,45 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
 def vectorised_attention(query, layer: int, meta, scaling=None) -> torch.Tensor:
     """Attend every query of the packed row with one call per attention group."""
     _, H, T, D = query.shape
-    # Row T is a zero "scratch" query: padded positions of a group read it and write their output
-    # back to it, so no data-dependent shapes (no host sync) are needed to drop the padding.
-    q_rows = torch.cat([query[0], query.new_zeros(H, 1, D)], dim=1)  # [H, T + 1, D]
-    out = query.new_zeros(H, T + 1, D)
-    for group in meta.groups:
+    rows = query[0].transpose(0, 1)  # [T, H, D]: one query per packed row (a view)
+    groups = meta.groups
+    if any(g.rows is None for g in groups):
+        # Row T is a zero "scratch" query: padded positions of a group read it and write their output
+        # back to it, so no data-dependent shapes (no host sync) are needed to drop the padding.
+        rows = torch.cat([rows, rows.new_zeros(1, H, D)])
+    out = None if len(groups) == 1 and groups[0].rows == (0, T) else query.new_empty(T + 1, H, D)
+    for group in groups:
+        G, Q = group.q_index.shape
         k, v = meta.pool.read(layer, group.block_tables)  # [G, K, kv_heads, D]
-        q = q_rows[:, group.q_index].transpose(0, 1)  # [G, H, Q, D]
-        k, v = k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)  # [G, kv_heads, K, D]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scaling,
-                                           enable_gqa=H != k.shape[1])
-        out[:, group.q_index.flatten()] = o.transpose(0, 1).reshape(H, -1, D)
-    return out[None, :, :T]
+        k, v = k.transpose(1, 2).to(query.dtype), v.transpose(1, 2).to(query.dtype)  # [G, kv_heads, K, D]
+        if group.rows is not None:  # a slice of the packed row: a view, no gather
+            q = rows[group.rows[0]:group.rows[1]].view(G, Q, H, D)
+        else:
+            q = rows[group.q_index]  # [G, Q, H, D]
+        o = _attend(q.transpose(1, 2), k, v, group.mask, scaling).transpose(1, 2)  # [G, Q, H, D]
+        if out is None:  # the whole step was one dense group: its output is the step's output
+            return o.reshape(T, H, D).transpose(0, 1)[None]
+        if group.rows is not None:
+            out[group.rows[0]:group.rows[1]] = o.reshape(-1, H, D)
+        else:
+            out[group.q_index.flatten()] = o.reshape(-1, H, D)
+    return out[:T].transpose(0, 1)[None]  # [1, H, T, D]
+
+
+def _attend(q, k, v, mask, scaling):
+    """``scaled_dot_product_attention`` for ``q`` ``[G, H, Q, D]`` and ``k``/``v`` ``[G, kv_heads, K, D]``.
+
+    With one query per sequence (decodes) and grouped-query attention, the ``H // kv_heads`` query
+    heads that share a KV head are laid out as that head's queries -- ``[G, kv_heads, H // kv_heads, D]``
+    -- so the call is plain multi-query attention over one mask row: same numbers, less work.
+    """
+    G, H, Q, D = q.shape
+    kv_heads = k.shape[1]
+    if Q == 1 and H != kv_heads:
+        o = F.scaled_dot_product_attention(q.reshape(G, kv_heads, H // kv_heads, D), k, v, attn_mask=mask,
+                                           scale=scaling)
+        return o.view(G, H, 1, D)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=H != kv_heads)
 
 
 def reference_attention(query, layer: int, meta, scaling=None) -> torch.Tensor:
