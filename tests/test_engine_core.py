@@ -297,6 +297,36 @@ def test_vectorised_attention_equals_reference(block_size, bucket_shapes, step, 
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2"])  # multi-head, grouped-query (2 and 4 heads per KV head)
+def test_dense_groups_stay_exact(arch, monkeypatch):
+    """The slice paths of vectorised attention -- a pure decode step (one dense group, the whole row)
+    and decodes followed by a newly admitted prompt (a dense slice each) -- against ``generate``."""
+    model = tiny_model(arch)
+    with torch.no_grad():  # weights 10x the default init: attention decides the tokens, so a wrong row would show
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.mul_(10)
+    seen = []
+    build = attn_metadata.build
+
+    def spy(*args, **kwargs):
+        meta = build(*args, **kwargs)
+        seen.append([g.rows for g in meta.groups])
+        return meta
+
+    monkeypatch.setattr(attn_metadata, "build", spy)
+    g = torch.Generator().manual_seed(11)
+    reqs = [Request(torch.randint(6, VOCAB, (int(n),), generator=g).tolist(), int(m))
+            for n, m in [(5, 12), (3, 20), (8, 6), (4, 15), (6, 9)]]
+    eng = Engine(model, max_batch_size=3, kv="paged", block_size=4)
+    got = eng.run(reqs)
+    assert [c.output_ids for c in got] == [reference(model, r.prompt, r.max_new_tokens) for r in reqs]
+    assert any(len(rows) == 1 and rows[0] is not None and rows[0][0] == 0 for rows in seen), seen  # whole row
+    assert any(len(rows) >= 2 and None not in rows for rows in seen), seen  # decodes, then a prompt: slices
+    for rows in (sorted(r) for r in seen if None not in r):  # slices never overlap and leave no row out
+        assert rows[0][0] == 0 and all(a[1] == b[0] for a, b in zip(rows, rows[1:])), rows
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_bucketed_shapes_stay_exact(arch):
     """The padding production engines use on GPUs (dummy rows, queries and blocks, all masked)."""
