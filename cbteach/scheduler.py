@@ -19,7 +19,8 @@ Planning a step:
    sampled last step). A sequence whose prompt was cut short continues its prefill with as much as
    the **token budget** allows -- chunked prefill, as in Sarathi-Serve.
 2. If the KV cache cannot hold a sequence's tokens, a prefill chunk is first **shrunk** to the
-   room that is free; only a sequence that cannot get even one token forces a **preemption**: the
+   room that is free (our choice: vLLM V1 preempts at once); only a sequence that cannot get even
+   one token forces a **preemption**: the
    policy (:mod:`cbteach.policies`) picks a victim, whose blocks are freed. With
    ``preemption="recompute"`` it is queued again and later recomputed from its prompt plus what it
    generated; with ``preemption="swap"`` its blocks are first copied to host memory and copied back
@@ -27,11 +28,12 @@ Planning a step:
 3. **Swapped-out sequences come back** before anyone new is admitted, when their blocks fit again.
 4. **Then admissions**, in the waiting queue's order, while there is a free slot
    (``max_batch_size``), token budget left and KV room for the *whole* prompt (plus any output a
-   preempted request must recompute), even when the budget feeds it in chunks -- but **never in a
-   step that had to preempt** (vLLM V1's rule): the room is clearly short, and a request admitted
-   now would only be preempted again. An admission also leaves a small **watermark** of blocks
-   free. Under ``policy="priority"`` an urgent request that does not fit may preempt less urgent
-   running ones to get in.
+   preempted request must recompute), even when the budget feeds it in chunks (vLLM V0's check;
+   V1 allocates chunk by chunk) -- but **never in a step that had to preempt** (vLLM V1's rule):
+   the room is clearly short, and a request admitted now would only be preempted again. An
+   admission also leaves a small **watermark** of blocks free (V0's block manager has one; V1 has
+   none). Under ``policy="priority"`` an urgent request that does not fit may preempt less urgent
+   running ones to get in (V0's priority scheduling), and then nobody else is admitted that step.
 """
 from __future__ import annotations
 
@@ -170,6 +172,7 @@ class Scheduler:
                     self.kv.free(seq)  # give back any cached-prefix blocks it took
                     seq.num_computed_tokens = 0
                     break  # nobody overtakes it
+                pressure = True  # it preempted to get in: nobody else is admitted in this step
             self.waiting.remove(seq)
             self._start(seq)
             self.kv.on_admitted(seq)
@@ -189,18 +192,20 @@ class Scheduler:
             seq.draft_ids = []
             if drafts:
                 self.kv.trim(seq)  # blocks that held only rejected guesses go back to the pool
+            if tokens is not None:  # None: a prefill chunk that did not reach the end of the known tokens
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                for token in tokens:
+                    seq.output_ids.append(token)
+                    seq.token_times.append(now)
+                    seq.finish_reason = stop_reason(seq.output_ids, seq.request.max_new_tokens, self.eos_ids,
+                                                    seq.request.ignore_eos)
+                    if seq.finish_reason:  # a stop inside accepted guesses: the guesses after it are dropped
+                        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
+                        break
+            # Only now are the accepted guesses among the sequence's tokens: the prefix cache hashes
+            # a block's tokens, so it must see them (and a finished sequence's last blocks too).
             self.kv.on_computed(seq)
-            if tokens is None:  # a prefill chunk that did not reach the end of the known tokens
-                continue
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            for token in tokens:
-                seq.output_ids.append(token)
-                seq.token_times.append(now)
-                seq.finish_reason = stop_reason(seq.output_ids, seq.request.max_new_tokens, self.eos_ids,
-                                                seq.request.ignore_eos)
-                if seq.finish_reason:
-                    break
             if seq.finish_reason:
                 seq.status = RequestStatus.FINISHED
                 self.running.remove(seq)
@@ -240,12 +245,13 @@ class Scheduler:
         lower = [r for r in self.running if self.waiting.may_preempt(seq, r)]
         if not lower:
             return False, refund
-        block_size = getattr(self.kv, "block_size", 1)
-        if self.kv.num_admittable_tokens(seq) + sum(len(r.block_table) for r in lower) * block_size < needed:
-            return False, refund  # even preempting all of them would not make room: preempt nobody
+        # Only blocks no one else holds come free (prefix caching shares blocks): if preempting all of
+        # them would still not make room, preempt nobody -- victims would lose their work for nothing.
+        if self.kv.num_admittable_tokens(seq) + self.kv.num_freeable_tokens(lower) < needed:
+            return False, refund
         while self.kv.num_admittable_tokens(seq) < needed:
             lower = [r for r in self.running if self.waiting.may_preempt(seq, r)]
-            if not lower:  # shared (prefix-cached) blocks did not come free after all
+            if not lower:  # cannot happen while the count above is exact; fail safe rather than loop
                 return False, refund
             refund += self._preempt(self.waiting.pick_victim(lower), out)
         return True, refund

@@ -94,7 +94,7 @@ def test_allocator():
     b0, b1 = a.allocate(), a.allocate()
     with pytest.raises(PoolExhausted, match="all 2 KV blocks are in use"):
         a.allocate()
-    a.fork(b0)
+    a.take(b0)  # a second owner (a prefix-cache hit)
     a.release(b0)
     assert a.num_free == 0
     a.release(b0)
@@ -122,6 +122,7 @@ def test_usage_and_accounting_numbers():
     assert first.contiguous_slots == (5 + 3) + (9 + 6) + (1 + 2)
     assert first.tokens_stored == 15
     for m in steps:
+        assert m.tokens_per_region == m.tokens_stored  # no prefix sharing here
         assert m.tokens_stored + m.contiguous_reserved + m.contiguous_internal == m.contiguous_slots
         assert m.contiguous_reserved >= 0 and m.contiguous_internal >= 0
     # every request is live on step 0, so its whole never-generated tail counts as internal there

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from cbteach import Engine, Request
+from cbteach.kv.memory import accounting
 from cbteach.kv.prefix_cache import PrefixCache, block_hashes
 from conftest import VOCAB, reference, tiny_model
 
@@ -126,3 +127,72 @@ def test_block_hashes_are_stable_across_processes():
     runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={"PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
     assert len(runs) == 1 and runs.pop().strip() == str(block_hashes(list(range(10)), 4))
+
+
+def test_speculative_steps_keep_their_blocks_findable():
+    """Accepted guesses are among a sequence's tokens before its blocks are hashed: a chat turn that
+    resends a speculating request's prompt and output finds all of it in the cache."""
+    prompt = [7, 8, 9, 10] * 3  # repetitive: prompt lookup guesses right
+    cached = {}
+    for spec in (None, "ngram"):
+        eng = Engine(MODEL, max_batch_size=2, kv="paged", block_size=4, num_blocks=64, prefix_caching=True,
+                     speculative=spec, num_speculative_tokens=3)
+        a = eng.run([Request(prompt, 40, ignore_eos=True, request_id="a")])[0]
+        assert a.output_ids == reference(MODEL, prompt, 40, eos_id=-1)
+        history = prompt + a.output_ids
+        b = eng.run([Request(history, 2, ignore_eos=True, request_id="b")])[0]
+        assert b.output_ids == reference(MODEL, history, 2, eos_id=-1)
+        cached[spec] = b.num_cached_prompt_tokens
+        if spec:
+            assert eng.spec_stats["accepted"] > 0  # the guesses did land in the blocks
+    assert cached["ngram"] == cached[None] == (len(history) - 1) // 4 * 4
+
+
+def test_usage_counts_a_shared_block_once():
+    eng = Engine(MODEL, max_batch_size=4, kv="paged", block_size=4, num_blocks=64, prefix_caching=True)
+    system = list(range(10, 43))  # 33 tokens: 8 full blocks to share
+    eng.run([Request(system, 2, request_id="warm", ignore_eos=True)])
+    reqs = [Request(system + [i + 50], 20, request_id=f"s{i}", ignore_eos=True) for i in range(3)]
+    for r in reqs:
+        eng.add_request(r)
+    for rec in drain(eng):
+        u, bs = rec.kv_usage, eng.kv.block_size
+        filled = {}  # block -> slots holding computed K/V, by hand
+        for rid, table in u["block_tables"].items():
+            n = u["seq_num_tokens"][rid]
+            for i, b in enumerate(table):
+                filled[b] = max(filled.get(b, 0), min(bs, max(0, n - i * bs)))
+        assert u["num_tokens"] == sum(filled.values()) <= u["num_used_blocks"] * bs
+        assert u["num_logical_tokens"] == sum(u["seq_num_tokens"].values()) >= u["num_tokens"]
+        assert 0 <= u["internal_fragmentation"] and 0 <= u["utilisation"] <= 1
+    assert any(len(r.kv_usage["block_tables"]) == 3 for r in eng.records[-25:])  # all three shared at once
+    for m in accounting(eng):
+        assert m.tokens_stored <= m.paged_slots
+        assert m.tokens_per_region + m.contiguous_reserved + m.contiguous_internal == m.contiguous_slots
+    for r in reqs:
+        assert eng.completions[r.request_id].output_ids == reference(MODEL, r.prompt, 20, eos_id=-1)
+
+
+def test_priority_preemption_never_evicts_for_blocks_that_stay_shared():
+    """An urgent request may preempt less urgent ones only when that really makes room: blocks a
+    victim shares with a request that stays (prefix caching) do not come free."""
+    eng = Engine(MODEL, max_batch_size=3, kv="paged", block_size=4, num_blocks=7, watermark=0,
+                 prefix_caching=True, policy="priority")
+    system = list(range(10, 26))  # 16 tokens: 4 full blocks
+    high = Request(system, 8, request_id="high", priority=0, ignore_eos=True)
+    low = Request(system + [60], 6, request_id="low", priority=1, ignore_eos=True)  # shares those 4 blocks
+    urgent = Request(list(range(70, 82)), 4, request_id="urgent", priority=0, ignore_eos=True)  # needs 3 blocks
+    eng.add_request(high)
+    eng.step()
+    eng.add_request(low)
+    eng.step()
+    assert eng.sequences["low"].num_cached_prompt_tokens == 16
+    # 6 blocks used: 4 shared, 1 of high's, 1 of low's. Free 1 + low's own 1 < 3: preempting low is useless.
+    eng.add_request(urgent)
+    rec = eng.step()
+    assert rec.preempted == [] and "urgent" not in rec.admitted
+    assert eng.sequences["low"].num_preemptions == 0
+    for _ in drain(eng):
+        pass
+    for r in (high, low, urgent):
+        assert eng.completions[r.request_id].output_ids == reference(MODEL, r.prompt, r.max_new_tokens, eos_id=-1)

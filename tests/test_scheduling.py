@@ -158,6 +158,25 @@ def test_urgent_arrival_preempts_less_urgent_only_under_memory_pressure():
     assert not any(r.preempted for r in drain(eng))
 
 
+def test_nobody_else_is_admitted_in_the_step_an_urgent_arrival_preempted():
+    # The urgent request preempts bulk2; a small request would then fit, but the room was short a
+    # moment ago (the rule for any step that preempted): it waits for the next step.
+    eng = Engine(MODEL, max_batch_size=4, kv="paged", block_size=4, num_blocks=10, policy="priority")
+    eng.add_request(Request(list(range(6, 22)), 12, request_id="bulk1", priority=5))
+    eng.add_request(Request(list(range(30, 46)), 12, request_id="bulk2", priority=5))
+    eng.step()
+    eng.step()
+    eng.add_request(Request(list(range(50, 62)), 3, request_id="urgent", priority=0))
+    eng.add_request(Request([7, 8], 3, request_id="small", priority=1))
+    rec = eng.step()
+    assert rec.admitted == ["urgent"] and rec.preempted == ["bulk2"]
+    assert "small" in eng.step().admitted
+    drain(eng)
+    for rid, p, n in [("bulk1", range(6, 22), 12), ("bulk2", range(30, 46), 12), ("urgent", range(50, 62), 3),
+                      ("small", [7, 8], 3)]:
+        assert eng.completions[rid].output_ids == expected(list(p), n)
+
+
 def test_stop_conditions_eos_kept_and_length():
     g = random.Random(0)
     for _ in range(100):  # find a prompt that stops at EOS by itself

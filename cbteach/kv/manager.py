@@ -59,13 +59,6 @@ class BlockAllocator:
         self.ref_counts[block] += 1
         return block
 
-    def fork(self, block: int) -> int:
-        """Share ``block`` with one more owner (how prefix caching shares a prompt's blocks)."""
-        if self.ref_counts[block] < 1:
-            raise ValueError(f"block {block} is free; only an allocated block can be shared")
-        self.ref_counts[block] += 1
-        return block
-
     def release(self, block: int) -> None:
         if self.ref_counts[block] < 1:
             raise ValueError(f"block {block} released twice")
@@ -74,18 +67,22 @@ class BlockAllocator:
             self.free_blocks[block] = None
 
 
+def check_watermark(watermark) -> None:
+    if not isinstance(watermark, (int, float)) or isinstance(watermark, bool) or not 0 <= watermark < 1:
+        raise ValueError(f"watermark must be a fraction of the pool in [0, 1), got {watermark!r}")
+
+
 class KVCacheManager:
     """Block tables and allocation for a pool of ``num_blocks`` blocks of ``block_size`` tokens."""
 
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01, prefix_caching: bool = False):
-        """``watermark``: the fraction of blocks an admission must leave free (vLLM's default, 1%), so
-        that a request let in now does not force a preemption on the very next step.
+        """``watermark``: the fraction of blocks an admission must leave free (1%, as vLLM V0's block
+        manager), so that a request let in now does not force a preemption on the very next step.
         ``prefix_caching``: reuse full blocks of earlier requests with the same prefix
         (:mod:`cbteach.kv.prefix_cache`)."""
         check_positive_int("block_size", block_size)
         check_positive_int("num_blocks", num_blocks)
-        if not isinstance(watermark, (int, float)) or isinstance(watermark, bool) or not 0 <= watermark < 1:
-            raise ValueError(f"watermark must be a fraction of the pool in [0, 1), got {watermark!r}")
+        check_watermark(watermark)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.watermark_blocks = int(watermark * num_blocks)
@@ -110,6 +107,15 @@ class KVCacheManager:
     def num_admittable_tokens(self, seq) -> int:
         """Like :meth:`num_allocatable_tokens`, less the watermark: the room an admission may use."""
         return self.num_allocatable_tokens(seq) - self.watermark_blocks * self.block_size
+
+    def num_freeable_tokens(self, seqs) -> int:
+        """The room that freeing every sequence in ``seqs`` would make: their blocks held by no one else.
+        A block shared with a sequence outside ``seqs`` (prefix caching) stays in use."""
+        held: dict[int, int] = {}
+        for s in seqs:
+            for block in s.block_table:
+                held[block] = held.get(block, 0) + 1
+        return sum(1 for b, n in held.items() if n == self.allocator.ref_counts[b]) * self.block_size
 
     def allocate_slots(self, seq, num_new_tokens: int) -> list[int] | None:
         """Make room for ``num_new_tokens`` more tokens of ``seq``; return the blocks added (often none:
@@ -179,13 +185,21 @@ class KVCacheManager:
     def usage(self) -> dict:
         """The pool's bookkeeping right now: blocks, tokens stored, how well the used blocks are filled."""
         used = self.num_blocks - self.allocator.num_free
-        tokens = sum(s.num_computed_tokens for s in self.seqs.values())
+        # A block shared by prefix caching holds its tokens once, however many tables list it: count
+        # each used block's filled slots once (the fullest of its owners' views of it).
+        filled: dict[int, int] = {}
+        for s in self.seqs.values():
+            for i, block in enumerate(s.block_table):
+                n = min(self.block_size, max(0, s.num_computed_tokens - i * self.block_size))
+                filled[block] = max(filled.get(block, 0), n)
+        tokens = sum(filled.values())
         return {
             "num_blocks": self.num_blocks,
             "num_free_blocks": self.allocator.num_free,
             "num_used_blocks": used,
             "block_size": self.block_size,
-            "num_tokens": tokens,
+            "num_tokens": tokens,  # tokens whose K/V are in the pool, each stored once
+            "num_logical_tokens": sum(s.num_computed_tokens for s in self.seqs.values()),  # per sequence
             "internal_fragmentation": used * self.block_size - tokens,
             "utilisation": tokens / (used * self.block_size) if used else 0.0,
             "block_tables": {rid: tuple(s.block_table) for rid, s in self.seqs.items()},

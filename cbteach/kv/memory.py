@@ -24,12 +24,18 @@ from dataclasses import dataclass
 class StepMemory:
     step: int
     num_sequences: int
-    tokens_stored: int  # tokens whose K/V are in the cache
+    tokens_stored: int  # tokens whose K/V are in the cache (a block shared by prefix caching counts once)
     paged_slots: int  # slots in the blocks the paged cache has handed out
     paged_internal: int  # of those, empty (the last block of each sequence, partly filled)
     contiguous_slots: int  # what prompt + max_new_tokens per live request would reserve
     contiguous_reserved: int  # of those, empty now but filled later by tokens not generated yet
     contiguous_internal: int  # of those, never filled: the request stops before max_new_tokens
+    tokens_logical: int | None = None  # per sequence, shared tokens once each (None: as tokens_stored)
+
+    @property
+    def tokens_per_region(self) -> int:
+        """What contiguous regions would hold: each request its own copy of every token (no sharing)."""
+        return self.tokens_stored if self.tokens_logical is None else self.tokens_logical
 
     @property
     def contiguous_unused(self) -> int:
@@ -41,7 +47,7 @@ class StepMemory:
 
     @property
     def contiguous_utilisation(self) -> float:
-        return self.tokens_stored / self.contiguous_slots if self.contiguous_slots else 1.0
+        return self.tokens_per_region / self.contiguous_slots if self.contiguous_slots else 1.0
 
 
 def accounting(engine) -> list[StepMemory]:
@@ -54,6 +60,7 @@ def accounting(engine) -> list[StepMemory]:
         usage = rec.kv_usage
         live = usage["block_tables"]
         stored = usage["num_tokens"]  # tokens computed by the end of this step, all live sequences
+        logical = usage.get("num_logical_tokens", stored)  # the same without prefix sharing
         reserve = internal = 0
         for rid in live:
             seq = engine.sequences[rid]
@@ -64,7 +71,8 @@ def accounting(engine) -> list[StepMemory]:
         slots = usage["num_used_blocks"] * usage["block_size"]
         out.append(StepMemory(step=rec.step, num_sequences=len(live), tokens_stored=stored, paged_slots=slots,
                               paged_internal=slots - stored, contiguous_slots=reserve,
-                              contiguous_reserved=reserve - stored - internal, contiguous_internal=internal))
+                              contiguous_reserved=reserve - logical - internal, contiguous_internal=internal,
+                              tokens_logical=logical))
     return out
 
 
@@ -80,7 +88,7 @@ def summary(steps: list[StepMemory]) -> dict:
         "paged_internal_fraction": (paged - stored) / paged if paged else 0.0,
         "contiguous_reserved_fraction": reserved / contiguous if contiguous else 0.0,
         "contiguous_internal_fraction": internal / contiguous if contiguous else 0.0,
-        "contiguous_utilisation": stored / contiguous if contiguous else 1.0,
+        "contiguous_utilisation": sum(s.tokens_per_region for s in steps) / contiguous if contiguous else 1.0,
         "peak_paged_slots": max((s.paged_slots for s in steps), default=0),
         "peak_contiguous_slots": max((s.contiguous_slots for s in steps), default=0),
     }

@@ -1,9 +1,11 @@
 """Automatic prefix caching: full KV blocks found again by the tokens they hold.
 
 Many requests share a beginning -- a system prompt, a few-shot preamble, the history of a chat.
-Their keys and values for that shared prefix are identical (K/V of a token depend only on the
-tokens up to it and their positions), so they need computing once. vLLM's automatic prefix
-caching does it with block hashes:
+Their keys and values for that shared prefix are the same (K/V of a token depend only on the
+tokens up to it and their positions), so they need computing once. (The same in exact arithmetic:
+computed inside another batch or chunk, floating-point K/V can differ in the last bits -- the
+batch-invariance caveat of notebook 01; in fp32 the course's tests see no token change.) vLLM's
+automatic prefix caching does it with block hashes:
 
 * a **full** block is named by a hash of its tokens *and of everything before it* (the hash of
   the previous block is part of the input), so equal hashes mean equal prefixes, not just equal
@@ -26,17 +28,18 @@ import hashlib
 import struct
 
 
-def chain_hash(parent: int, tokens) -> int:
-    """A block's name: SHA-256 of its parent's name and its token ids, as a 64-bit int. Stable across
-    processes and runs (Python's ``hash`` is not), and collisions -- which would silently reuse the
-    wrong K/V -- are out of practical reach (vLLM moved to SHA-256 for the same reasons)."""
-    data = struct.pack(f"<Q{len(tokens)}q", parent, *tokens)
-    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little")
+def chain_hash(parent: bytes, tokens) -> bytes:
+    """A block's name: the SHA-256 digest of its parent's name and its token ids (``parent`` is
+    ``b""`` for a sequence's first block). Stable across processes and runs (Python's ``hash`` is
+    not), and the whole 32-byte digest is kept: a collision would silently reuse the wrong K/V, and
+    while an *accidental* one is out of reach even for 64 bits, a 64-bit name can be attacked on
+    purpose -- why vLLM moved to SHA-256 and keeps its full digest."""
+    return hashlib.sha256(parent + struct.pack(f"<{len(tokens)}q", *tokens)).digest()
 
 
-def block_hashes(token_ids: list[int], block_size: int) -> list[int]:
+def block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
     """Chained hashes of the full blocks of ``token_ids`` (a trailing partial block has none)."""
-    out, parent = [], 0
+    out, parent = [], b""
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = chain_hash(parent, token_ids[start:start + block_size])
         out.append(parent)
@@ -48,8 +51,8 @@ class PrefixCache:
 
     def __init__(self, block_size: int):
         self.block_size = block_size
-        self.block_of: dict[int, int] = {}
-        self.hash_of: dict[int, int] = {}
+        self.block_of: dict[bytes, int] = {}
+        self.hash_of: dict[int, bytes] = {}
         self.queries = 0  # prompt tokens looked up
         self.hits = 0  # of those, found in the cache
         self._chain: dict = {}  # request id -> (blocks hashed so far, last hash)
@@ -72,8 +75,8 @@ class PrefixCache:
     def register(self, seq) -> None:
         """Record the hashes of ``seq``'s blocks that became full and computed (call after each step).
         Only the new blocks are hashed: the chain's last hash is remembered per request."""
-        done, parent = self._chain.get(seq.request_id, (0, 0))
-        full = seq.num_computed_tokens // self.block_size
+        done, parent = self._chain.get(seq.request_id, (0, b""))
+        full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size  # K/V computed *and* tokens known
         for i in range(done, full):
             parent = chain_hash(parent, seq.token_ids(i * self.block_size, (i + 1) * self.block_size))
             block = seq.block_table[i]
