@@ -29,9 +29,10 @@ import time
 
 from . import modelinfo
 from .kv.concat import ConcatKVCache
+from .kv.paged import check_options as check_paged_options
 from .model_runner import ModelRunner
 from .records import SeqStep, StepRecord
-from .request import Completion, Request, Sequence, validate_request
+from .request import Completion, Request, Sequence, as_request_list, validate_request
 from .sampling import make_generator
 from .policies import make_queue
 from .speculative import count_speculation, make_proposer, propose_for
@@ -55,33 +56,35 @@ class Engine:
     """
 
     def __init__(self, model, tokenizer=None, *, max_batch_size: int, kv: str = "concat",
-                 keep_records: bool = True, clock=None, **policy):
+                 keep_records: bool = True, clock=None, **options):
         if kv not in KV_KINDS:
             raise ValueError(f"kv must be one of {KV_KINDS}, got {kv!r}")
         check_batch_size(max_batch_size)
-        token_budget = policy.pop("token_budget", None)
+        token_budget = options.pop("token_budget", None)
         check_token_budget(token_budget)
-        queue = make_queue(policy.pop("policy", "fcfs"))
-        self.proposer = make_proposer(policy.pop("speculative", None), policy.pop("num_speculative_tokens", 3))
-        preemption = policy.pop("preemption", "recompute")
+        queue = make_queue(options.pop("policy", "fcfs"))
+        speculative = options.pop("speculative", None), options.pop("num_speculative_tokens", 3)
+        preemption = options.pop("preemption", "recompute")
         if preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {preemption!r}")
-        paged_args = {k: policy.pop(k) for k in PAGED_OPTIONS if k in policy}
-        if policy:
-            raise ValueError(f"unknown engine option(s) {sorted(policy)}; allowed: token_budget, policy, preemption, "
+        paged_args = {k: options.pop(k) for k in PAGED_OPTIONS if k in options}
+        if options:
+            raise ValueError(f"unknown engine option(s) {sorted(options)}; allowed: token_budget, policy, preemption, "
                              f"speculative, num_speculative_tokens, keep_records, and with kv='paged': {', '.join(PAGED_OPTIONS)}")
+        check_paged_options(**paged_args)
         if kv == "concat" and paged_args.get("prefix_caching"):
             raise ValueError("prefix_caching needs kv='paged': blocks are what the prefix cache shares")
         if kv == "concat" and paged_args.get("kv_dtype") is not None:
             raise ValueError("kv_dtype needs kv='paged': the int8 pool is a paged pool")
         self.info = modelinfo.describe(model, tokenizer)  # refuses models the engine cannot run exactly
-        self.model = model.eval()
+        self.proposer = make_proposer(*speculative, vocab_size=self.info.vocab_size)
+        self.model = model  # each step runs it in eval mode (modelinfo.eval_mode) and leaves it as found
         self.tokenizer = tokenizer
         if kv == "paged":
             from .kv.paged import PagedKVCache
 
             self.kv = PagedKVCache.for_model(self.info, max_batch_size=max_batch_size, **paged_args)
-        else:  # paged-pool options are accepted and ignored, so one call can switch kv= back and forth
+        else:  # valid paged-pool options are accepted and ignored, so one call can switch kv= back and forth
             self.kv = ConcatKVCache(self.info.num_layers, cache_kwarg=self.info.cache_kwarg,
                                     attn_implementation=self.info.attn_implementation, dtype=self.info.dtype)
         self.scheduler = Scheduler(max_batch_size, self.kv.manager, token_budget=token_budget,
@@ -232,7 +235,7 @@ class Engine:
         return prompt_ids
 
     def _add_all(self, requests) -> list[Request]:
-        requests = list(requests)
+        requests = as_request_list(requests, "Engine.run() and Engine.stream()")
         taken: set = set()
         checked = []
         for r in requests:  # check them all before queuing any

@@ -19,11 +19,13 @@ It changes no request state: :meth:`~cbteach.scheduler.Scheduler.update_from_out
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
 import torch
 
+from .modelinfo import eval_mode
 from .sampling import sample
 from .scheduler import SchedulerOutput
 from .speculative import accept
@@ -49,25 +51,24 @@ class ModelRunner:
         drafts = [max(0, c + n - s.num_tokens) for s, c, n in zip(seqs, starts, counts)]
         chunks = [s.token_ids(c, c + n - d) + s.draft_ids[:d] for s, c, n, d in zip(seqs, starts, counts, drafts)]
         meta = self.kv.build_metadata([t for ch in chunks for t in ch], seqs, starts, counts, self.info.device)
-        # Logits of each sequence's last token -- and of every fed token of a speculative one.
+        # Logits of each sequence's last token -- and of every fed token of a speculative one (whose
+        # rows then take a second, small host -> device copy). first_row[i]: sequence i's first logit row.
         num_logits = [n if d else 1 for n, d in zip(counts, drafts)]
+        first_row = [0, *itertools.accumulate(num_logits)]
         rows = meta.logits_indices
         if any(drafts):
-            ends = torch.tensor(counts).cumsum(0).tolist()
+            ends = itertools.accumulate(counts)
             rows = torch.tensor([i for e, k in zip(ends, num_logits) for i in range(e - k, e)], device=self.info.device)
         kwargs = self.kv.forward_kwargs(meta)
         if self.info.accepts_logits_to_keep:
             kwargs["logits_to_keep"] = rows
         t0 = time.perf_counter()
-        with self.kv.attention(self.model):
+        with eval_mode(self.model), self.kv.attention(self.model):
             out = self.model(input_ids=meta.input_ids, position_ids=meta.positions, **kwargs)
         forward_time = time.perf_counter() - t0
         traffic = self.kv.after_forward(meta)
 
         logits = out.logits[0] if self.info.accepts_logits_to_keep else out.logits[0, rows]
-        first_row = [0]
-        for k in num_logits:
-            first_row.append(first_row[-1] + k)
         sampled: list = [None] * len(seqs)
         plain = [i for i, (s, c, n, d) in enumerate(zip(seqs, starts, counts, drafts)) if not d and c + n == s.num_tokens]
         if plain:

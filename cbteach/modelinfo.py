@@ -1,6 +1,7 @@
 """What the engine needs to know about a transformers model, read once through public attributes."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
 from dataclasses import dataclass
@@ -30,16 +31,30 @@ class ModelInfo:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
 
+@contextlib.contextmanager
+def eval_mode(model):
+    """Run the block with ``model`` in eval mode (dropout off: the outputs are deterministic), and
+    put it back in training mode after if that is how it was found."""
+    training = model.training
+    if training:
+        model.eval()
+    try:
+        yield model
+    finally:
+        if training:
+            model.train()
+
+
 def eos_ids_for(model, tokenizer=None) -> frozenset:
     """The ids a request stops on: exactly those ``generate`` stops on -- the model's
-    ``generation_config.eos_token_id`` (falling back to ``config.eos_token_id``). The tokenizer's
-    EOS is deliberately *not* added: where it differs, ``generate`` would keep going, and so must we.
-    ``tokenizer`` is accepted for symmetry and ignored."""
+    ``generation_config.eos_token_id`` (``config.eos_token_id`` only for a model without a
+    generation config: ``generate`` reads nothing else, so a config's EOS that the generation
+    config sets to None stops nothing). The tokenizer's EOS is deliberately *not* added: where it
+    differs, ``generate`` would keep going, and so must we. ``tokenizer`` is accepted for symmetry
+    and ignored."""
     ids: set = set()
     gen = getattr(model, "generation_config", None)
-    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
-    if eos is None:
-        eos = getattr(model.config, "eos_token_id", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else getattr(model.config, "eos_token_id", None)
     if eos is not None:
         ids.update([eos] if isinstance(eos, int) else eos)
     return frozenset(int(i) for i in ids)
@@ -91,6 +106,11 @@ def ignored_generation_settings(model) -> dict:
 
 
 def describe(model, tokenizer=None) -> ModelInfo:
+    """What the engine needs to know of ``model`` (a transformers causal LM), read once."""
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config") \
+            or not hasattr(model, "get_input_embeddings"):
+        raise ValueError(f"model must be a transformers causal LM (cbteach.load_model() gives one), "
+                         f"got {type(model).__name__}")
     config = model.config
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     check_supported(text_config, max_positions(text_config))

@@ -2,19 +2,22 @@
 
 A policy is a *waiting queue* that owns two decisions the scheduler leaves to it:
 
-* **order** -- which waiting request is admitted next (:meth:`peek`/:meth:`pop`);
+* **order** -- which waiting request is admitted next (the scheduler walks the queue in order);
 * **victim** -- which running request gives up its KV blocks when memory runs out
   (:meth:`pick_victim`).
 
-Two are built in, as in vLLM V1 (``--scheduling-policy fcfs|priority``):
+Two are built in, named as vLLM names them (``--scheduling-policy fcfs|priority``):
 
 * :class:`FCFSQueue` -- first come, first served, by arrival time. A preempted request goes back
-  to the *front* (it came first). The victim is the most recently admitted running request: it
-  has the least work to lose.
+  to the *front* (it came first). The victim is the last of the running list -- the most recently
+  admitted or swapped back in, usually the one with the least work to lose (vLLM V1 takes the
+  same one).
 * :class:`PriorityQueue` -- by ``Request.priority`` (smaller = more urgent, vLLM's convention),
   ties by arrival time. The victim is the least urgent running request, the latest to arrive
-  among equals. A preempted request goes back to its place by the same key, so it is ahead of
-  everyone less urgent or later.
+  among equals (as in vLLM V1). A preempted request goes back to its place by the same key, so it
+  is ahead of everyone less urgent or later. An urgent *waiting* request that does not fit may
+  also preempt less urgent running ones to get in (:meth:`~PriorityQueue.may_preempt`): that is
+  vLLM V0's priority scheduling; V1 preempts only when a running request needs blocks.
 
 Writing a policy is writing such a queue: subclass :class:`WaitingQueue` and define :meth:`key`
 (smaller runs first), and optionally :meth:`pick_victim` and :meth:`may_preempt` -- the scheduler,
@@ -49,12 +52,6 @@ class WaitingQueue:
     def readd_preempted(self, seq: Sequence) -> None:
         """Put a preempted request back. By default, in its place by key."""
         self.add(seq)
-
-    def peek(self) -> Sequence:
-        return self._items[0]
-
-    def pop(self) -> Sequence:
-        return self._items.pop(0)
 
     def remove(self, seq: Sequence) -> None:
         self._items.remove(seq)
@@ -98,7 +95,7 @@ class FCFSQueue(WaitingQueue):
         self._items.insert(0, seq)
 
     def pick_victim(self, running: list[Sequence]) -> Sequence:
-        return running[-1]  # the most recently admitted: it has the least work to lose
+        return running[-1]  # the most recently admitted (or swapped back in)
 
 
 class PriorityQueue(WaitingQueue):
@@ -123,6 +120,6 @@ def make_queue(policy) -> WaitingQueue:
         return policy
     if isinstance(policy, type) and issubclass(policy, WaitingQueue):
         return policy()
-    if policy in POLICIES:
+    if isinstance(policy, str) and policy in POLICIES:
         return POLICIES[policy]()
     raise ValueError(f"policy must be one of {sorted(POLICIES)} or a cbteach.policies.WaitingQueue, got {policy!r}")

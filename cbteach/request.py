@@ -105,7 +105,7 @@ class Sequence:
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
-    slot: int | None = None  # which batch slot it occupies (for timelines)
+    slot: int | None = None  # which batch slot (timeline row) it occupies -- not a KV slot of a slot_mapping
     block_table: list[int] = field(default_factory=list)  # paged KV only
     generator: object = None  # torch.Generator of a seeded, sampled request
     finish_reason: str | None = None  # "eos" or "length" once finished
@@ -142,6 +142,16 @@ def check_positive_int(name: str, value) -> None:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
+def as_request_list(requests, where: str) -> list:
+    """``requests`` as a list, or a ``ValueError`` that says what ``where`` takes (the items themselves
+    are checked one by one by :func:`validate_request`)."""
+    if isinstance(requests, Request):
+        raise ValueError(f"{where} takes a list of Requests; for one request pass [request]")
+    if isinstance(requests, (str, bytes)) or not hasattr(requests, "__iter__"):
+        raise ValueError(f"{where} takes a list of Requests, got {type(requests).__name__}")
+    return list(requests)
+
+
 def max_positions(config) -> int | None:
     """How many positions the model supports (``max_position_embeddings`` or GPT-2's ``n_positions``)."""
     for name in ("max_position_embeddings", "n_positions", "max_seq_len"):
@@ -176,8 +186,9 @@ def validate_request(request, *, tokenizer, vocab_size: int, max_pos: int | None
     if not isinstance(request.priority, numbers.Integral) or isinstance(request.priority, bool):
         raise ValueError(f"request {rid!r}: priority must be an int (smaller = more urgent), got {request.priority!r}")
     prompt = request.prompt
-    if isinstance(prompt, (bytes, bytearray)):
-        raise ValueError(f"request {rid!r}: prompt must be a str or a list of token ids, not bytes")
+    if isinstance(prompt, (bytes, bytearray, dict, set, frozenset)):  # bytes are not ids; a set has no order
+        raise ValueError(f"request {rid!r}: prompt must be a str or a list of token ids, "
+                         f"not {type(prompt).__name__}")
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError(f"request {rid!r}: a text prompt needs a tokenizer; pass one to the engine "

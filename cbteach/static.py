@@ -23,7 +23,7 @@ import torch
 from transformers import DynamicCache
 
 from . import modelinfo
-from .request import Completion, check_positive_int, validate_request
+from .request import Completion, as_request_list, check_positive_int, validate_request
 from .sampling import make_generator, sample, stop_reason
 
 SLOT_STATES = ("prefill", "decode", "idle", "empty")
@@ -82,15 +82,14 @@ def static_batching(model, tokenizer, requests, batch_size: int, progress: bool 
     """Serve ``requests`` in waves of ``batch_size`` with a batch barrier; returns a :class:`StaticResult`."""
     check_positive_int("batch_size", batch_size)
     info = modelinfo.describe(model, tokenizer)
-    requests = list(requests)
+    requests = as_request_list(requests, "static_batching()")
+    prompts = [validate_request(r, tokenizer=tokenizer, vocab_size=info.vocab_size, max_pos=info.max_positions)
+               for r in requests]
     ids = [r.request_id for r in requests]
     dup = sorted({str(i) for i in ids if ids.count(i) > 1})
     if dup:
         raise ValueError(f"duplicate request_id(s) {dup}: every request needs its own id")
-    prompts = [validate_request(r, tokenizer=tokenizer, vocab_size=info.vocab_size, max_pos=info.max_positions)
-               for r in requests]
     pad_id = min(info.eos_ids) if info.eos_ids else 0
-    model.eval()
     t0 = time.perf_counter()
     steps: list[StaticStep] = []
     completions: list[Completion] = []
@@ -99,10 +98,11 @@ def static_batching(model, tokenizer, requests, batch_size: int, progress: bool 
         from tqdm.auto import tqdm
 
         waves = tqdm(waves, desc="waves", unit="wave")
-    for w, first in enumerate(waves):
-        wave = slice(first, first + batch_size)
-        completions += _run_wave(model, info, tokenizer, requests[wave], prompts[wave], w, batch_size, pad_id,
-                                 t0, steps)
+    with modelinfo.eval_mode(model):  # dropout off while we run it; a model in training mode stays so
+        for w, first in enumerate(waves):
+            wave = slice(first, first + batch_size)
+            completions += _run_wave(model, info, tokenizer, requests[wave], prompts[wave], w, batch_size, pad_id,
+                                     t0, steps)
     return StaticResult(completions, steps, batch_size)
 
 

@@ -1,5 +1,6 @@
 """Bad input gets a clear ValueError -- and requests already admitted finish exactly, with no leak."""
 import pytest
+import torch
 
 from cbteach import Engine, Request, static_batching
 from conftest import EOS, VOCAB, reference, tiny_model
@@ -16,6 +17,8 @@ BAD = {
     "id too large": (lambda: Request([7, VOCAB], 3), f"outside the vocabulary; ids must be in [0, {VOCAB})"),
     "negative id": (lambda: Request([-1, 7], 3), "outside the vocabulary"),
     "not ids": (lambda: Request([7, "x"], 3), "must be ints"),
+    "set prompt": (lambda: Request({7, 8}, 3), "prompt must be a str or a list of token ids, not set"),
+    "dict prompt": (lambda: Request({7: 8}, 3), "prompt must be a str or a list of token ids, not dict"),
 }
 
 
@@ -179,3 +182,95 @@ def test_eos_ids_union_and_ignored_generation_settings():
     m.generation_config.repetition_penalty = 1.05
     with pytest.warns(UserWarning, match="repetition_penalty"):
         Engine(m, max_batch_size=2)
+
+
+@pytest.mark.parametrize("kv", ["concat", "paged"])
+@pytest.mark.parametrize("options, message", [
+    (dict(block_size=0), "block_size must be an integer >= 1"),
+    (dict(num_blocks=-5), "num_blocks"),
+    (dict(kv_memory_bytes="x"), "kv_memory_bytes must be None or a finite number of bytes > 0"),
+    (dict(kv_memory_bytes=float("inf")), "kv_memory_bytes must be None or a finite number"),
+    (dict(kv_memory_bytes=0), "kv_memory_bytes must be None or a finite number"),
+    (dict(num_blocks=4, kv_memory_bytes=4096), "give num_blocks or kv_memory_bytes, not both"),
+    (dict(bucket_shapes="no"), "bucket_shapes must be None"),
+    (dict(prefix_caching="no"), "prefix_caching must be True or False"),
+    (dict(watermark=1), "watermark must be a fraction"),
+    (dict(policy=[]), "policy must be one of"),
+    (dict(policy={}), "policy must be one of"),
+    (dict(num_speculative_tokens=0), "num_speculative_tokens must be an integer >= 1"),
+])
+def test_bad_engine_options_are_refused_whatever_the_cache(model, kv, options, message):
+    before = model.config._attn_implementation
+    with pytest.raises(ValueError, match=message):
+        Engine(model, max_batch_size=2, kv=kv, **options)
+    assert model.config._attn_implementation == before
+
+
+def test_not_a_model_or_not_a_list_of_requests(model):
+    with pytest.raises(ValueError, match="model must be a transformers causal LM"):
+        Engine(None, max_batch_size=2)
+    eng = Engine(model, max_batch_size=2)
+    with pytest.raises(ValueError, match=r"takes a list of Requests; for one request pass \[request\]"):
+        eng.run(Request([7], 2))
+    with pytest.raises(ValueError, match="takes a list of Requests, got NoneType"):
+        eng.run(None)
+    with pytest.raises(ValueError, match="expected a cbteach.Request, got tuple"):
+        static_batching(model, None, [([7], 2)], 2)
+    with pytest.raises(ValueError, match="takes a list of Requests"):
+        static_batching(model, None, Request([7], 2), 2)
+    assert not eng.has_unfinished()
+
+
+@pytest.mark.parametrize("seed", [2**70, -2**64, 2.5])
+def test_a_seed_torch_cannot_take_is_refused_before_anything_runs(model, seed):
+    from cbteach.sampling import SamplingParams
+
+    with pytest.raises(ValueError, match=r"seed must be None or an int in \[-2\*\*63, 2\*\*64\)"):
+        SamplingParams(temperature=1.0, seed=seed)
+    SamplingParams(temperature=1.0, seed=2**64 - 1)  # the largest torch.Generator takes
+    SamplingParams(temperature=1.0, seed=-2**63)
+
+
+def test_a_draft_model_must_share_the_vocabulary_and_may_be_shorter(model):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def draft(vocab, positions):
+        cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=positions)
+        return LlamaForCausalLM(cfg).eval()
+
+    for vocab in (VOCAB - 1, VOCAB + 5):
+        with pytest.raises(ValueError, match=f"the draft model has {vocab} token ids and the model {VOCAB}"):
+            Engine(model, max_batch_size=2, kv="paged", speculative=draft(vocab, 256))
+    # A draft with fewer positions than the request needs guesses less near its end, then not at all.
+    eng = Engine(model, max_batch_size=2, kv="paged", speculative=draft(VOCAB, 20), num_speculative_tokens=3)
+    r = Request([7] * 16, 12, ignore_eos=True)
+    assert eng.run([r])[0].output_ids == reference(model, r.prompt, 12, eos_id=-1)
+    assert 0 < eng.spec_stats["drafted"] < 3 * 11
+
+
+def test_the_engines_leave_a_model_in_training_mode_as_they_found_it():
+    gpt2 = tiny_model("gpt2")  # dropout 0.1: in training mode its outputs would be random
+    reqs = [Request([7, 8, 9], 6), Request([10], 4)]
+    want = [reference(gpt2, r.prompt, r.max_new_tokens) for r in reqs]
+    gpt2.train()
+    for kv in ("concat", "paged"):
+        got = Engine(gpt2, max_batch_size=2, kv=kv).run([Request(r.prompt, r.max_new_tokens) for r in reqs])
+        assert [c.output_ids for c in got] == want and gpt2.training
+    got = static_batching(gpt2, None, [Request(r.prompt, r.max_new_tokens) for r in reqs], 2)
+    assert [c.output_ids for c in got] == want and gpt2.training
+    draft = tiny_model("gpt2", seed=1).train()
+    eng = Engine(gpt2, max_batch_size=2, kv="paged", speculative=draft)
+    assert [c.output_ids for c in eng.run([Request(r.prompt, r.max_new_tokens) for r in reqs])] == want
+    assert gpt2.training and draft.training and all(m.training for m in gpt2.modules())
+
+
+def test_a_generation_config_without_eos_stops_nothing_as_in_generate():
+    from cbteach.modelinfo import eos_ids_for
+
+    m = tiny_model("qwen2")
+    m.generation_config.eos_token_id = None  # config.eos_token_id is still set: generate ignores it
+    assert eos_ids_for(m) == frozenset()
+    ids = torch.tensor([[7, 8, 9]])
+    want = m.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=30)[0, 3:].tolist()
+    assert Engine(m, max_batch_size=1).run([Request([7, 8, 9], 30)])[0].output_ids == want

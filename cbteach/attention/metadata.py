@@ -125,8 +125,8 @@ def build(token_ids: list[int], num_computed_tokens: list[int], num_scheduled_to
                 all(num_scheduled_tokens[i] == q_len for i in members)
             groups.append((q_len, nb, (members[0], members[-1] + 1) if dense else None))
             host.append(members + [-1] * (size - len(members)))  # -1: a dummy row, fully masked
-    # The one host -> device transfer of the step.
-    flat = torch.tensor([x for part in host for x in part], dtype=torch.long).to(device, non_blocking=True)
+    # The step's one host -> device transfer of metadata (from pageable memory, so a plain copy).
+    flat = torch.tensor([x for part in host for x in part], dtype=torch.long).to(device)
     ids, computed, scheduled, query_start_loc, seq_lens_t, *rest = flat.split([len(p) for p in host])
 
     # Per-token facts grow with the batch: computed on the device from the per-sequence ones.

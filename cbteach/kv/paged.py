@@ -22,6 +22,7 @@ everything the request never generates.
 from __future__ import annotations
 
 import math
+import numbers
 import time
 
 import torch
@@ -29,7 +30,7 @@ import torch
 from ..attention import metadata as attn_metadata
 from ..attention import paged as paged_attention
 from .concat import KVTraffic
-from .manager import KVCacheManager, PoolExhausted  # noqa: F401  (PoolExhausted: re-exported)
+from .manager import KVCacheManager, PoolExhausted, check_watermark  # noqa: F401  (PoolExhausted: re-exported)
 from ..request import check_positive_int
 
 
@@ -97,6 +98,27 @@ def _pool_class(kv_dtype):
     return PagedKVPool
 
 
+def check_options(block_size=16, num_blocks=None, kv_memory_bytes=None, bucket_shapes=None, watermark=0.01,
+                  prefix_caching=False, kv_dtype=None) -> None:
+    """Refuse a bad paged-cache option with a ``ValueError`` that says what is allowed. The engine
+    checks them even with ``kv="concat"``, which ignores them: a bad value is a mistake either way."""
+    check_positive_int("block_size", block_size)
+    if num_blocks is not None:
+        check_positive_int("num_blocks", num_blocks)
+    mem = kv_memory_bytes
+    if mem is not None and (not isinstance(mem, numbers.Real) or isinstance(mem, bool) or not math.isfinite(mem)
+                            or mem <= 0):
+        raise ValueError(f"kv_memory_bytes must be None or a finite number of bytes > 0, got {kv_memory_bytes!r}")
+    if num_blocks is not None and kv_memory_bytes is not None:
+        raise ValueError("give num_blocks or kv_memory_bytes, not both")
+    if bucket_shapes is not None and not isinstance(bucket_shapes, bool):
+        raise ValueError(f"bucket_shapes must be None (on CUDA only), True or False, got {bucket_shapes!r}")
+    if not isinstance(prefix_caching, bool):
+        raise ValueError(f"prefix_caching must be True or False, got {prefix_caching!r}")
+    check_watermark(watermark)
+    _pool_class(kv_dtype)
+
+
 class PagedKVCache:
     """The engine's view of the paged cache: the manager that hands out blocks, and the pool."""
 
@@ -128,9 +150,7 @@ class PagedKVCache:
         ``kv_memory_bytes`` holds, or by default enough for ``max_batch_size`` sequences of the
         model's full length (capped at 4,096 positions each, so a long-context hub model does not
         ask for hundreds of GB; pass ``num_blocks`` or ``kv_memory_bytes`` to size it yourself)."""
-        if num_blocks is not None and kv_memory_bytes is not None:
-            raise ValueError("give num_blocks or kv_memory_bytes, not both")
-        check_positive_int("block_size", block_size)  # before it divides the memory budget
+        check_options(block_size, num_blocks, kv_memory_bytes, bucket_shapes, watermark, prefix_caching, kv_dtype)
         pool_cls = _pool_class(kv_dtype)
         if kv_memory_bytes is not None:
             per_block = block_size * (info.kv_bytes_per_token if pool_cls is PagedKVPool else
@@ -151,8 +171,9 @@ class PagedKVCache:
     def slots(self, seq, start: int, end: int) -> torch.Tensor:
         """Pool slots of the sequence's tokens ``start..end-1``: ``block_table[p // B] * B + p % B``.
         (The engine computes the same for a whole step at once, on the device: ``slot_mapping``.)"""
-        pos = torch.arange(start, end)
-        table = torch.tensor(seq.block_table, dtype=torch.long)
+        device = self.pool.k[0].device
+        pos = torch.arange(start, end, device=device)
+        table = torch.tensor(seq.block_table, dtype=torch.long, device=device)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     # -- one step ---------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 
 from ..engine import Engine
-from ..request import Completion, Request, RequestStatus, Sequence
+from ..request import Completion, Request, RequestStatus, Sequence, as_request_list
 
 
 class VirtualClock:
@@ -60,10 +60,12 @@ class DisaggregatedServer:
 
     def run(self, requests) -> list[Completion]:
         """Serve ``requests`` (arrival times in simulated seconds from 0); completions in request order."""
-        requests = list(requests)
+        requests = as_request_list(requests, "DisaggregatedServer.run()")
+        taken: set = set()
         for r in requests:  # the decode pool must hold the whole request: refuse it up front otherwise
-            prompt_len = len(self.prefill._check(r))
+            prompt_len = len(self.prefill._check(r, taken))
             self.decode.kv.check_fits(prompt_len + r.max_new_tokens, r.request_id)
+            taken.add(r.request_id)
         for r in requests:
             self._originals[r.request_id] = r
             self.prefill.add_request(Request(r.prompt, 1, request_id=r.request_id, arrival_time=r.arrival_time or 0.0,
