@@ -109,11 +109,21 @@ def main(argv=None) -> int:
         parser.print_help()
         return 0
     command, rest = argv[0], argv[1:]
+    if command not in ("demo", "mask", "bench", "student"):
+        parser.error(f"unknown command {command!r}; choose from demo, mask, bench, student")
+    try:
+        return run_command(command, rest)
+    except (ValueError, OSError) as e:  # what the user asked for cannot be done: say why, no traceback
+        print(f"python -m cbteach {command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def run_command(command: str, rest: list[str]) -> int:
     if command == "demo":
         p = argparse.ArgumentParser(prog="python -m cbteach demo")
         p.add_argument("--model", default="bierce", help="'bierce' (embedded, offline) or a hub id such as gpt2")
-        p.add_argument("--batch-size", type=int, default=3)
-        p.add_argument("--max-new-tokens", type=int, default=160)
+        p.add_argument("--batch-size", type=_positive, default=3)
+        p.add_argument("--max-new-tokens", type=_positive, default=160)
         a = p.parse_args(rest)
         from .demo import run_demo
 
@@ -124,12 +134,9 @@ def main(argv=None) -> int:
         from .bench.cli import cli
 
         return cli(rest) or 0
-    if command == "student":
-        from .student import cli
+    from .student import cli
 
-        return cli(rest) or 0
-    parser.error(f"unknown command {command!r}")
-    return 2
+    return cli(rest) or 0
 
 
 if __name__ == "__main__":

@@ -19,9 +19,20 @@ EMBEDDED = {DEFAULT_MODEL: BIERCE_DIR, DRAFT_MODEL: BIERCE_DIR / "draft"}
 
 
 def pick_device(device=None) -> torch.device:
-    """``device`` if given, else cuda, then mps, then cpu -- whichever this machine has first."""
+    """``device`` if given (it must exist on this machine), else cuda, then mps, then cpu -- whichever
+    this machine has first."""
     if device is not None:
-        return torch.device(device)
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"unknown device {device!r}; use 'cpu', 'cuda', 'mps', or None for the best "
+                             "this machine has") from None
+        mps = getattr(torch.backends, "mps", None)
+        if (dev.type == "cuda" and not torch.cuda.is_available()) or \
+                (dev.type == "mps" and not (mps is not None and mps.is_available())):
+            raise ValueError(f"device {device!r} is not available on this machine (torch {torch.__version__}); "
+                             "use 'cpu', or None for the best this machine has")
+        return dev
     if torch.cuda.is_available():
         return torch.device("cuda")
     mps = getattr(torch.backends, "mps", None)

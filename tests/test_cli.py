@@ -95,3 +95,59 @@ def test_bench_runs_small_and_writes_json(tmp_path, capsys):
     assert [p["workload"]["params"]["rate"] for p in data["sweep"]] == [20.0, 40.0]
     assert all(set(p["engines"]) == {"static", "cbteach_paged"} for p in data["sweep"])
     assert data["engines"] == data["sweep"][-1]["engines"]
+
+
+SMALL_BENCH = ["bench", "--requests", "2", "--max-new-tokens", "4", "--history", "0", "--engines", "static",
+               "--no-progress"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-new-tokens", "0"], "'0' is not an integer > 0"),
+    (["--token-budget", "-3"], "'-3' is not an integer > 0"),
+    (["--threads", "0"], "'0' is not an integer > 0"),
+    (["--history", "-1"], "'-1' is not an integer >= 0"),
+    (["--cap", "0"], "'0' is not an integer > 0"),
+    (["--rate", "0"], "'0' is not a number > 0"),
+    (["--ttft-target", "-1"], "'-1' is not a number > 0"),
+    (["--engines", ""], "--engines is empty"),
+    (["--workload", "poisson", "--sweep=-1,2"], "--sweep values must be"),
+    (["--device", "banana"], "unknown device 'banana'"),
+    (["--model", "some-org/not-here"], "bierce"),
+    (["--json", "/proc/1/nope/x.json"], "cannot write the results to /proc/1/nope/x.json"),
+])
+def test_bench_bad_arguments_are_argparse_errors_before_any_run(argv, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([*SMALL_BENCH, "--json", str(tmp_path / "x.json"), *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_bench_refuses_a_folder_as_its_json_file(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main([*SMALL_BENCH, "--json", str(tmp_path)])
+    assert "it is a folder" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
+def test_an_absent_device_is_a_clear_error(capsys):
+    from cbteach import load_model
+
+    with pytest.raises(ValueError, match="device 'cuda' is not available on this machine"):
+        load_model("bierce", device="cuda")
+    with pytest.raises(SystemExit):
+        main([*SMALL_BENCH, "--device", "cuda"])
+    assert "not available on this machine" in capsys.readouterr().err
+
+
+def test_demo_and_student_errors_are_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--batch-size", "0"])
+    assert "'0' is not an integer >= 1" in capsys.readouterr().err
+    assert main(["demo", "--model", "some-org/not-here"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m cbteach demo: error:") and "bierce" in err and "Traceback" not in err
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main(["student", "notebooks", str(blocker / "out")]) == 2
+    assert capsys.readouterr().err.startswith("python -m cbteach student: error:")

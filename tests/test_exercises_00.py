@@ -188,3 +188,18 @@ def test_the_model_is_left_as_it_was():
     check_greedy_decode(calls_generate, model, ids_for(model), 5, EOS)
     assert "generate" not in vars(model) and not model._forward_pre_hooks
     assert model.generate(ids_for(model), max_new_tokens=2, do_sample=False).shape[1] == len(PROMPT) + 2
+
+
+def test_a_generator_answer_and_a_deleted_generate(model, capsys):
+    def as_generator(model, input_ids, max_new_tokens, eos_id):
+        yield from right(model, input_ids, max_new_tokens, eos_id)
+
+    def deletes_generate(model, input_ids, max_new_tokens, eos_id):
+        del model.generate
+        return right(model, input_ids, max_new_tokens, eos_id)
+
+    assert check_greedy_decode(as_generator, model, ids_for(model), 20, EOS)
+    assert capsys.readouterr().out.startswith("✓")
+    check_greedy_decode(deletes_generate, model, ids_for(model), 20, EOS)
+    assert "Traceback" not in capsys.readouterr().out
+    assert "generate" not in vars(model) and callable(model.generate)  # the class's own generate is back

@@ -98,3 +98,10 @@ def test_ex02_wrong_answer_does_not_show_the_engines_count(model, capsys):
     assert not ex02.check_fcfs_simulator(lambda lengths, b: 0, model)
     out = capsys.readouterr().out
     assert "took more steps" in out and not any(f"took {n} steps" in out for n in range(1000))
+
+
+def test_a_numpy_integer_is_a_whole_number_too(model, capsys):
+    import numpy as np
+
+    assert ex02.check_fcfs_simulator(lambda lengths, b: np.int64(fcfs(lengths, b)), model)
+    assert capsys.readouterr().out.startswith("✓")

@@ -38,7 +38,8 @@ def test_wrong_positions_are_named(capsys):
     assert not check_position_ids(CACHED, NEW, [0, 1, 2, 3, 4])
     out = capsys.readouterr().out
     assert "✗" in out and "one long sequence" in out
-    assert "row index 0" in out and "should be 2" in out
+    assert "row index 0" in out and "you wrote 0, which is too low" in out
+    assert "should be" not in out  # a hint, never the answer
     assert not check_position_ids(CACHED, NEW, [0, 0, 1, 2, 0])
     assert "num_computed_tokens" in capsys.readouterr().out
     assert not check_position_ids(CACHED, NEW, [2, 0, 1])
@@ -74,11 +75,11 @@ def test_key_labels_follow_the_concat_layout():
                                        "C p3 (new)"]
 
 
-def test_bad_lengths_raise():
-    with pytest.raises(ValueError, match="one cached length"):
-        check_mask([1, 2], [1], torch.zeros(1, 4, dtype=torch.bool))
-    with pytest.raises(ValueError, match="one cached length"):
-        check_position_ids([1], [0], [])
+def test_bad_lengths_are_reported_not_raised(capsys):
+    assert not check_mask([1, 2], [1], torch.zeros(1, 4, dtype=torch.bool))
+    assert "one cached length" in capsys.readouterr().out
+    assert not check_position_ids([1], [0], [])
+    assert "one cached length" in capsys.readouterr().out
 
 
 # -- notebook 04 ---------------------------------------------------------------------------------
@@ -132,3 +133,9 @@ def test_total_bytes_check(capsys):
     assert "number of bytes" in capsys.readouterr().out
     assert not check_total_bytes_copied(model, None, _requests(ignore_eos=False), 2, right)
     assert "ignore_eos=True" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("answer", [None, {1: 2}, lambda: 0, [[None] * 10] * 5, []])
+def test_masks_of_the_wrong_kind_get_a_hint_not_a_traceback(answer, capsys):
+    assert not check_mask(CACHED, NEW, answer)
+    assert capsys.readouterr().out.startswith("✗")

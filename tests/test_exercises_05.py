@@ -128,3 +128,31 @@ def test_ex05_cases_exercise_reuse_and_preemption(model):
     runs = [ex05.serve(model, case) for case in ex05.CASES]
     assert any(r["preemptions"] for r in runs), "one case must make the engine preempt"
     assert any(max(max(b.values(), default=0) for b in r["blocks"]) >= 3 for r in runs)
+
+
+class NoneTable(Right):  # free() leaves None where the block table was
+    def free(self, seq):
+        self.free_blocks.extend(seq.block_table)
+        seq.block_table = None
+
+
+class NoneFree(Right):  # a free list the check cannot sort
+    def __init__(self, num_blocks, block_size):
+        super().__init__(num_blocks, block_size)
+        self.free_blocks = [None] * num_blocks
+
+
+class Offset(Right):  # block ids past the pool: the engine would write outside it
+    def __init__(self, num_blocks, block_size):
+        super().__init__(num_blocks, block_size)
+        self.free_blocks = [b + 100 for b in self.free_blocks]
+
+
+class RaisingFree(Right):
+    free_blocks = property(lambda self: 1 / 0, lambda self, v: None)
+
+
+@pytest.mark.parametrize("broken", [NoneTable, NoneFree, Offset, RaisingFree])
+def test_ex05_broken_managers_get_a_hint_not_a_traceback(model, capsys, broken):
+    assert not ex05.check_kv_manager(broken, model)
+    assert capsys.readouterr().out.startswith("✗")

@@ -126,9 +126,10 @@ def test_check_is_deterministic_and_quick(model, capsys):
     assert time.perf_counter() - t0 < 30
 
 
-def test_unknown_claim_is_refused(model):
-    with pytest.raises(ValueError, match="claim must be one of"):
-        ex06.check_policy(ShortestPromptFirst, model, claim="fastest")
+def test_unknown_claim_is_refused(model, capsys):
+    for claim in ("fastest", None, ["fcfs"]):
+        assert not ex06.check_policy(ShortestPromptFirst, model, claim=claim)
+        assert "claim must be one of" in capsys.readouterr().out
 
 
 # -- the notebook's latency helpers ---------------------------------------------------------------
@@ -166,3 +167,9 @@ def test_latency_figures_have_titles_and_axis_labels(model):
     plt.close("all")
     with pytest.raises(ValueError, match="paged engine"):
         lat.plot_preemptions([], 4)
+
+
+def test_a_policy_name_the_engine_does_not_know_gets_a_hint(model, capsys):
+    assert not ex06.check_policy("bogus", model)
+    out = capsys.readouterr().out
+    assert out.startswith("✗") and "policy must be one of" in out

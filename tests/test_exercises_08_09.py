@@ -7,6 +7,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pytest
+import torch
 
 from cbteach import Engine, Request
 from cbteach.exercises import ex08, ex09
@@ -335,3 +336,15 @@ def test_token_gaps_plot_every_gap(model):
     ax = sharing.plot_token_gaps({"run": out}, marks=[0.0])
     assert ax.get_title() and ax.get_xlabel() and ax.get_ylabel()
     assert len(ax.collections[0].get_offsets()) == len(gaps)
+
+
+@pytest.mark.parametrize("returns", [
+    lambda d, t: torch.tensor(right_accept(d, t)),  # a tensor: not the list of ints the engine appends
+    lambda d, t: __import__("numpy").array(right_accept(d, t)),
+    lambda d, t: [str(x) for x in right_accept(d, t)],
+    lambda d, t: [x + 0.5 for x in right_accept(d, t)],
+    lambda d, t: (x for x in [t[0], 1 / 0]),  # a generator that raises when consumed
+])
+def test_accept_answers_of_the_wrong_kind_get_a_hint_not_a_traceback(returns, capsys):
+    ok, out = run(ex08.check_accept, returns, capsys=capsys)
+    assert not ok and out.startswith("✗")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 from pathlib import Path
 
@@ -62,15 +63,45 @@ def _floats(text):
     return [float(x) for x in text.split(",") if x]
 
 
+def _number(kind, low, strict=True):
+    """An argparse type: ``kind`` (int or float) above ``low`` (``strict``) or at least ``low``."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or value != value or (value <= low if strict else value < low):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'} "
+                                             f"{'>' if strict else '>='} {low}")
+        return value
+    return parse
+
+
+POSITIVE_INT, POSITIVE = _number(int, 0), _number(float, 0)
+
+
+def _unwritable(path: Path) -> str | None:
+    """Why ``path`` cannot be written (None: it can): a folder there, or a parent that cannot be made."""
+    if path.is_dir():
+        return "it is a folder; give a file name"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return e.strerror or str(e)
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        return "permission denied"
+    return None
+
+
 def cli(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m cbteach bench", description=measure.__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", default="headwords", choices=wl.WORKLOADS)
-    p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--max-batch-size", "--batch-size", dest="batch_size", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=128, help="output cap of headwords and poisson")
-    p.add_argument("--cap", type=int, default=64, help="length_variance: the cap on exponential output lengths")
-    p.add_argument("--rate", type=float, default=8.0, help="poisson: requests per second")
+    p.add_argument("--requests", type=POSITIVE_INT, default=32)
+    p.add_argument("--max-batch-size", "--batch-size", dest="batch_size", type=POSITIVE_INT, default=8)
+    p.add_argument("--max-new-tokens", type=POSITIVE_INT, default=128, help="output cap of headwords and poisson")
+    p.add_argument("--cap", type=POSITIVE_INT, default=64, help="length_variance: the cap on exponential output lengths")
+    p.add_argument("--rate", type=POSITIVE, default=8.0, help="poisson: requests per second")
     p.add_argument("--sweep", type=_floats, default=None, metavar="V1,V2,...",
                    help="run length_variance at each cap, or poisson at each rate ('sweep' in the JSON; "
                         "'engines' holds the last point)")
@@ -81,14 +112,15 @@ def cli(argv=None) -> int:
                    help="the targets' configuration: headwords, --requests 64 --max-new-tokens 300 --batch-size 16")
     p.add_argument("--engines", default=",".join(ALL_ENGINES),
                    help="comma-separated subset of " + ", ".join(ALL_ENGINES))
-    p.add_argument("--token-budget", type=int, default=TOKEN_BUDGET, help="cbteach_paged_budget's token budget")
-    p.add_argument("--ttft-target", type=float, default=1.0, help="goodput: TTFT target in seconds")
-    p.add_argument("--tpot-target", type=float, default=0.05, help="goodput: TPOT target in seconds")
-    p.add_argument("--repeat", type=int, default=1, help="timed runs per engine (the median is reported)")
-    p.add_argument("--history", type=int, default=256, help="decode steps for the step-time experiment (0: skip)")
+    p.add_argument("--token-budget", type=POSITIVE_INT, default=TOKEN_BUDGET, help="cbteach_paged_budget's token budget")
+    p.add_argument("--ttft-target", type=POSITIVE, default=1.0, help="goodput: TTFT target in seconds")
+    p.add_argument("--tpot-target", type=POSITIVE, default=0.05, help="goodput: TPOT target in seconds")
+    p.add_argument("--repeat", type=POSITIVE_INT, default=1, help="timed runs per engine (the median is reported)")
+    p.add_argument("--history", type=_number(int, 0, strict=False), default=256,
+                   help="decode steps for the step-time experiment (0: skip)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder for bench-<model>.json")
     p.add_argument("--json", type=Path, default=None, help="write the results here instead")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=POSITIVE_INT, default=1,
                    help="CPU threads for torch (default 1: a 2M-parameter model gains nothing from more, "
                         "and timings on a shared machine stay steady)")
     p.add_argument("--no-progress", action="store_true")
@@ -97,20 +129,29 @@ def cli(argv=None) -> int:
         a.workload = "headwords"
         a.requests, a.max_new_tokens, a.batch_size = (REFERENCE[k] for k in ("requests", "max_new_tokens", "batch_size"))
     engines = [e for e in a.engines.split(",") if e]
+    if not engines:
+        p.error(f"--engines is empty; choose from {', '.join(ALL_ENGINES)}")
     if set(engines) - set(ALL_ENGINES):
         p.error(f"unknown engine(s) {sorted(set(engines) - set(ALL_ENGINES))}; choose from {', '.join(ALL_ENGINES)}")
-    if a.repeat < 1 or a.requests < 1 or a.batch_size < 1:
-        p.error("--repeat, --requests and --max-batch-size must be >= 1")
     if a.sweep and a.workload not in ("length_variance", "poisson"):
         p.error("--sweep needs --workload length_variance (caps) or poisson (rates)")
+    if a.sweep and (min(a.sweep) <= 0 or (a.workload == "length_variance" and min(a.sweep) < 1)):
+        p.error("--sweep values must be caps >= 1 (length_variance) or rates > 0 (poisson)")
+    path = a.json or a.out / f"bench-{a.model.replace('/', '_')}.json"
+    problem = _unwritable(path)  # found now, not after minutes of measuring
+    if problem:
+        p.error(f"cannot write the results to {path}: {problem}")
     import torch
 
     from ..models import pick_device
 
-    device = pick_device(None if a.device == "auto" else a.device)
+    try:
+        device = pick_device(None if a.device == "auto" else a.device)
+        model, tok = load_model(a.model, device=device)
+    except ValueError as e:
+        p.error(str(e))
     if device.type == "cpu":
         torch.set_num_threads(a.threads)
-    model, tok = load_model(a.model, device=device)
     build = lambda **kw: wl.build(a.workload, tok, a.requests, max_new_tokens=a.max_new_tokens,  # noqa: E731
                                   seed=a.seed, **{"cap": a.cap, "rate": a.rate, **kw})
     points = [build(**{"cap" if a.workload == "length_variance" else "rate":
@@ -162,7 +203,6 @@ def cli(argv=None) -> int:
             print(f"  {kv:7s} step {avg(r['step_seconds'][head]) * 1e3:6.2f} ms -> "
                   f"{avg(r['step_seconds'][tail]) * 1e3:6.2f} ms   KV {verb} {avg(r[key][head]) / 1e6:7.2f} MB -> "
                   f"{avg(r[key][tail]) / 1e6:7.2f} MB per step ({key})")
-    path = a.json or a.out / f"bench-{a.model.replace('/', '_')}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(clean(result), indent=1))
     print(f"wrote {path}")

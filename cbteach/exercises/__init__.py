@@ -3,9 +3,32 @@
 Each check takes the learner's answer, compares it with a value computed from the real engine or
 model, prints what is right or exactly what is wrong, and returns ``True``/``False``. Solutions are
 in the notebooks (cells tagged ``solution``), never here.
+
+Every check is wrapped in :func:`self_check`: whatever a learner passes -- ``None``, a function that
+raises, a tensor where a list was expected -- the check prints what stopped it and returns
+``False``; it never ends in a traceback.
 """
+import functools
+import numbers
 
 
 def report(ok: bool, good: str, bad: str) -> bool:
     print(("✓ " + good) if ok else ("✗ " + bad))
     return ok
+
+
+def self_check(check):
+    """Make ``check`` return ``False`` with a hint, never raise, whatever the learner passed to it."""
+    @functools.wraps(check)
+    def wrapper(*args, **kwargs):
+        try:
+            return check(*args, **kwargs)
+        except Exception as err:  # the learner's code, or an answer of a kind the check could not use
+            return report(False, "", f"the check stopped with {type(err).__name__}: {err}\n  Run your code on a "
+                          "small case by hand and look at what it returns (its type, length and values).")
+    return wrapper
+
+
+def is_int(x) -> bool:
+    """A whole number as an answer: a Python or NumPy integer (``True`` is not a count)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)

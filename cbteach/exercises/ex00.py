@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import torch
 
-from . import report
+from . import is_int, report, self_check
 
 CACHE_KWARGS = ("cache", "past_key_values")  # transformers 5 renamed past_key_values to cache
 
@@ -72,9 +72,9 @@ def _as_ids(got):
     for t in got:
         if torch.is_tensor(t) and t.numel() == 1:
             t = t.item()
-        if isinstance(t, bool) or not isinstance(t, int):
+        if not is_int(t):
             return None
-        out.append(t)
+        out.append(int(t))
     return out
 
 
@@ -91,10 +91,12 @@ def _run(fn, model, input_ids, n, eos_id):
         with recorded_forwards(model) as calls, torch.no_grad():
             try:
                 got = fn(model, input_ids.clone(), n, eos_id)
+                if not isinstance(got, (list, tuple)) and not torch.is_tensor(got) and hasattr(got, "__next__"):
+                    got = list(got)  # a generator runs only when consumed: while its forward passes are recorded
             except Exception as err:  # the learner's code: say what failed
                 got = err
     finally:
-        del model.generate
+        model.__dict__.pop("generate", None)  # the learner's code may have deleted it already
     return got, calls, bool(used_generate)
 
 
@@ -154,6 +156,7 @@ def _cases(model, input_ids, max_new_tokens, eos_id):
     return cases
 
 
+@self_check
 def check_greedy_decode(greedy_decode, model, input_ids, max_new_tokens: int, eos_id: int) -> bool:
     """``greedy_decode(model, input_ids, max_new_tokens, eos_id)`` should return the list of new token
     ids that greedy ``model.generate`` returns, feeding the model what ``generate`` feeds with its cache.

@@ -12,7 +12,7 @@ from numbers import Integral
 
 from ..request import Request
 from ..static import static_batching
-from . import report
+from . import report, self_check
 
 # (prompt lengths, output lengths, batch_size): one request; one ragged wave; a partial last wave
 # (empty slots are not idle); a long request late in the queue (waves go in queue order, unsorted);
@@ -107,6 +107,7 @@ def _shown(prompts, outputs, b, notebook):
     return f"static_schedule({prompts}, {outputs}, {b})"
 
 
+@self_check
 def check_static_schedule(static_schedule, model, result=None) -> bool:
     """``static_schedule(prompt_lens, output_lens, batch_size)`` should return, per wave in order,
     ``(prefill_width, num_steps, idle_slot_steps)`` exactly as the static batcher recorded them.

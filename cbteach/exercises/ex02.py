@@ -11,7 +11,7 @@ import math
 
 from ..engine import Engine
 from ..request import Request
-from . import report
+from . import is_int, report, self_check
 
 # (answer lengths, max_batch_size): one wave, one slot, more slots than requests, a long request
 # first (short ones refill around it), a long request last (FCFS cannot pull it forward), a mix.
@@ -56,6 +56,7 @@ def _hint(model, lengths, b, got, expected) -> str:
     return "follow the slots step by step: who is admitted when, and when does each finish?"
 
 
+@self_check
 def check_fcfs_simulator(simulate, model, lengths=None, batch_size=None) -> bool:
     """``simulate(lengths, batch_size)`` should return the engine's step count for any workload.
 
@@ -73,7 +74,7 @@ def check_fcfs_simulator(simulate, model, lengths=None, batch_size=None) -> bool
             got = simulate(list(case_lengths), b)
         except Exception as err:  # the learner's code: say what failed, and on which input
             return report(False, "", f"simulate({case_lengths}, {b}) raised {type(err).__name__}: {err}")
-        if isinstance(got, bool) or not isinstance(got, int):
+        if not is_int(got):
             return report(False, "", f"simulate({case_lengths}, {b}) returned {got!r}; it should return a whole "
                                      "number of steps (an int)")
         if got != expected:

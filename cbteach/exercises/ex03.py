@@ -11,7 +11,7 @@ import torch
 from ..attention.packing import block_diagonal_causal_mask, pack, per_sequence_causal_mask
 from ..viz.mask import key_groups, query_labels
 from ..viz.style import seq_letter
-from . import report
+from . import is_int, report, self_check
 
 MAX_LISTED = 8  # wrong entries named one by one; the rest are counted
 
@@ -40,6 +40,7 @@ def _as_list(answer):
     return answer
 
 
+@self_check
 def check_position_ids(cached, new, answer) -> bool:
     """``answer``: the ``position_ids`` of the packed row (a list, or a ``[1, T]`` / ``[T]`` tensor)."""
     cached, new = _lengths(cached, new)
@@ -47,7 +48,7 @@ def check_position_ids(cached, new, answer) -> bool:
     got = _as_list(answer)
     if isinstance(got, list) and len(got) == 1 and isinstance(got[0], list):
         got = got[0]  # a [1, T] answer, like pack() returns
-    if not isinstance(got, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in got):
+    if not isinstance(got, list) or not all(is_int(x) for x in got):
         return report(False, "", f"answer should be a list of {len(expected)} integers, got {answer!r}")
     if len(got) != len(expected):
         return report(False, "", f"the packed row has {sum(new)} tokens (sum of new = {new}), so it needs "
@@ -58,7 +59,7 @@ def check_position_ids(cached, new, answer) -> bool:
     labels = query_labels(cached, new)
     wrong = [i for i, (g, e) in enumerate(zip(got, expected)) if g != e]
     lines = [f"  row index {i} (a token of sequence {labels[i].split()[0]}): you wrote {got[i]}, "
-             f"it should be {expected[i]}" for i in wrong[:MAX_LISTED]]
+             f"which is {'too high' if got[i] > expected[i] else 'too low'}" for i in wrong[:MAX_LISTED]]
     if len(wrong) > MAX_LISTED:
         lines.append(f"  ... and {len(wrong) - MAX_LISTED} more")
     hints = []
@@ -71,6 +72,7 @@ def check_position_ids(cached, new, answer) -> bool:
     return report(False, "", msg + "".join(f"\nhint: {h}" for h in hints))
 
 
+@self_check
 def check_mask(cached, new, answer) -> bool:
     """``answer``: the boolean ``[queries, keys]`` mask of the concat layout, True = may attend."""
     cached, new = _lengths(cached, new)

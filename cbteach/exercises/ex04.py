@@ -6,10 +6,12 @@ compared with what really happened, not with a formula.
 """
 from __future__ import annotations
 
+import numbers
+
 from ..engine import Engine
 from ..modelinfo import describe
 from ..request import Request
-from . import report
+from . import report, self_check
 
 
 def measure_total_bytes_copied(model, tokenizer, requests, max_batch_size: int):
@@ -21,10 +23,11 @@ def measure_total_bytes_copied(model, tokenizer, requests, max_batch_size: int):
     return sum(r.kv_bytes_copied for r in engine.records), engine.records
 
 
+@self_check
 def check_total_bytes_copied(model, tokenizer, requests, max_batch_size: int, answer) -> bool:
     """``answer``: the K/V bytes copied over every step of serving ``requests`` -- our gather, the
     ``DynamicCache``'s copy of it, the model's own append, and our scatter."""
-    if not isinstance(answer, (int, float)) or isinstance(answer, bool):
+    if not isinstance(answer, numbers.Real) or isinstance(answer, bool):
         return report(False, "", f"answer should be a number of bytes, got {type(answer).__name__}")
     if not all(r.ignore_eos for r in requests):
         return report(False, "", "give every request ignore_eos=True: only then is its length known in advance")
@@ -48,7 +51,7 @@ def check_total_bytes_copied(model, tokenizer, requests, max_batch_size: int, an
         (total // info.dtype.itemsize, "those are elements; multiply by the bytes per element"),
     ]
     hints = [hint for value, hint in near if answer == value]
-    if not hints and answer > 0 and abs(answer - total) / total < 0.2:
+    if not hints and answer > 0 and total and abs(answer - total) / total < 0.2:
         hints.append("close: check the number of steps each request runs (its prefill step, then one per "
                      "further token)")
     detail = (" -- " + " -- or ".join(hints)) if hints else "; check the formula step by step"

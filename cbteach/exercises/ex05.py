@@ -16,7 +16,7 @@ from ..engine import Engine
 from ..kv.manager import KVCacheManager
 from ..kv.memory_experiments import plug
 from ..request import Request
-from . import report
+from . import is_int, report, self_check
 
 # (block_size, num_blocks, max_batch_size, [(prompt tokens, new tokens), ...]): several blocks each and
 # blocks reused after a finish; prompts shorter than a block; one-token blocks; a pool so small it preempts.
@@ -101,6 +101,9 @@ class Watched(KVCacheManager):
 
     def _check_pool(self, call):
         free = list(self.mine.free_blocks)
+        bad = [b for b in free if not is_int(b) or not 0 <= b < self.num_blocks]
+        if bad:
+            raise Wrong(f"after {call}, the free list holds {bad[0]!r}: block ids are the ints 0 .. num_blocks - 1")
         if len(set(free)) != len(free):
             raise Wrong(f"after {call}, a block is in the free list twice")
         owners: dict = {}
@@ -148,6 +151,7 @@ def _check_init(manager_class) -> str | None:
     return None
 
 
+@self_check
 def check_kv_manager(manager_class, model) -> bool:
     """``manager_class(num_blocks, block_size)``: a KV manager with ``free_blocks``, ``allocate_slots(seq, n)``
     (return the blocks added, or None with nothing changed) and ``free(seq)``. ``model``: the notebook's."""

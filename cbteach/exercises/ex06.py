@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from ..engine import Engine
 from ..policies import WaitingQueue, make_queue
 from ..request import Request
-from . import report
+from . import report, self_check
 
 CLAIMS = ("shortest-prompt-first", "fcfs", "priority")
 MAX_STEPS = 2000
@@ -197,9 +197,10 @@ def _claim_hint(claim, reqs, got, expected) -> str:
     if got == list(reversed(arrival)):
         return ("they were admitted last in, first out; the queue admits the smallest key first, so under "
                 "FCFS the earliest arrival needs the smallest key")
-    return f"they were admitted in the order {got}; first come, first served means arrival order {expected}"
+    return f"they were admitted in the order {got}; first come, first served admits in the order requests arrived"
 
 
+@self_check
 def check_policy(policy, model, claim: str = "shortest-prompt-first") -> bool:
     """Run ``policy`` (a :class:`~cbteach.policies.WaitingQueue` subclass) in the real engine on
     :data:`WORKLOADS` and check the invariants and the ``claim`` (one of :data:`CLAIMS`).
@@ -207,8 +208,8 @@ def check_policy(policy, model, claim: str = "shortest-prompt-first") -> bool:
     ``model`` is any causal LM the engine runs (the notebook's bierce); prompts are token ids, so no
     tokenizer is needed, and output lengths are forced so every run is deterministic.
     """
-    if claim not in CLAIMS:
-        raise ValueError(f"claim must be one of {CLAIMS}, got {claim!r}")
+    if not isinstance(claim, str) or claim not in CLAIMS:
+        return report(False, "", f"claim must be one of {CLAIMS}, got {claim!r}")
     make = _factory(policy)
     if make is None:
         return report(False, "", f"pass your policy class itself (a subclass of cbteach.policies.WaitingQueue); "
@@ -233,7 +234,7 @@ def check_policy(policy, model, claim: str = "shortest-prompt-first") -> bool:
             return report(False, "", f"{where}, requests {missing} never finished " + (
                 f"(still running after {MAX_STEPS} steps: are the same requests preempted over and over?)"
                 if stuck else "(the engine ran out of work without them: did your queue lose a request it was "
-                              "given? add() must keep every request, and pop()/remove() take out only the one "
+                              "given? add() must keep every request, and remove() take out only the one "
                               "asked for)"))
         short = [c.request_id for c in eng.completions.values()
                  if len(c.output_ids) != w.max_new_tokens or c.finish_reason != "length"]

@@ -16,7 +16,7 @@ import numbers
 from ..engine import Engine
 from ..request import Request
 from ..static import static_batching
-from . import report
+from . import report, self_check
 
 TOLERANCE = 0.05  # relative
 # (answer lengths, batch size): equal lengths (nothing to gain), one long request first (short ones
@@ -69,6 +69,7 @@ def _hint(lengths, b, got, static, continuous) -> str:
             "at which the last request finishes when every freed slot takes the next request at once")
 
 
+@self_check
 def check_speedup_prediction(predict, model, lengths=None, batch_size=None) -> bool:
     """``predict(lengths, batch_size)`` should return static steps / continuous steps for any workload.
 

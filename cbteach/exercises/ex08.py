@@ -23,7 +23,7 @@ from .. import model_runner
 from ..engine import Engine
 from ..request import Request
 from ..speculative import accept as engine_accept
-from . import report
+from . import is_int, report, self_check
 
 # ---------------------------------------------------------------- prefix reuse ----------------
 
@@ -107,6 +107,7 @@ def _prefix_hint(prompts, bs, got) -> str:
             "block no earlier request computed")
 
 
+@self_check
 def check_prefix_reuse(predict, model, prompts=None, block_size=None) -> bool:
     """``predict(prompts, block_size)`` -> one int per prompt: the prompt tokens the prefix cache supplies.
 
@@ -128,7 +129,7 @@ def check_prefix_reuse(predict, model, prompts=None, block_size=None) -> bool:
             got = list(got)
         except TypeError:
             return report(False, "", f"predict should return a list with one number per prompt, got {got!r}")
-        if len(got) != len(case) or not all(isinstance(g, int) and not isinstance(g, bool) for g in got):
+        if len(got) != len(case) or not all(is_int(g) for g in got):
             return report(False, "", f"predict should return {len(case)} ints, one per prompt; got {got!r} "
                                      f"(case: {what})")
         expected = engine_cached_tokens(model, case, bs)
@@ -193,6 +194,7 @@ def _loop_requests():
     return [Request(_ids(100 + i, 6), 24, request_id=i, ignore_eos=True) for i in range(4)]
 
 
+@self_check
 def check_accept(accept) -> bool:
     """``accept(drafts, targets)`` -> the tokens a verify step yields (``targets`` has one more entry
     than ``drafts``: the model's prediction after the last real token and after each guess)."""
@@ -209,11 +211,10 @@ def check_accept(accept) -> bool:
             got = accept(list(drafts), list(targets))
         except Exception as err:  # the learner's code
             return report(False, "", f"accept({drafts}, {targets}) raised {type(err).__name__}: {err}")
-        try:
-            got = [int(t) for t in got]
-        except (TypeError, ValueError):
+        if not isinstance(got, (list, tuple)) or not all(is_int(t) for t in got):
             return report(False, "", f"accept({drafts}, {targets}) returned {got!r}; it should return a list of "
-                                     "token ids")
+                                     "token ids (ints)")
+        got = [int(t) for t in got]
         if got != engine_accept(drafts, targets):
             return report(False, "", f"accept({drafts}, {targets}) returned {got}, which is not what the engine "
                                      f"keeps. Hint: {_accept_hint(drafts, targets, got)}")

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 
 import torch
 
 from ..serving.disagg import DisaggregatedServer
 from ..request import Request
-from . import report
+from . import report, self_check
 
 # Small model shapes: (layers, query heads, KV heads, hidden size); head_dim = hidden / query heads.
 SHAPES = {"gqa": (2, 4, 2, 64), "mqa": (3, 4, 1, 32), "mha": (1, 2, 2, 32)}
@@ -86,6 +87,7 @@ def _bytes_hint(got, prompt_len, config, bs, kv_dtype) -> str:
             "2 (K, V) × layers × KV heads × bytes per head")
 
 
+@self_check
 def check_handover(handover, model, prompt_len: int | None = None) -> bool:
     """``handover(prompt_len, config, block_size, kv_dtype, link_bytes_per_s)`` -> ``(bytes, seconds)``.
 
@@ -108,7 +110,7 @@ def check_handover(handover, model, prompt_len: int | None = None) -> bool:
         except Exception as err:  # the learner's code, or a result that is not a pair
             return report(False, "", f"handover(...) failed or did not return (bytes, seconds) for {where}: "
                                      f"{type(err).__name__}: {err}")
-        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (nbytes, seconds)):
+        if not all(isinstance(x, numbers.Real) and not isinstance(x, bool) for x in (nbytes, seconds)):
             return report(False, "", f"handover should return two numbers (bytes, seconds); got {got!r}")
         exp_bytes, exp_seconds = measured_handover(m, n, bs, kv_dtype, link)
         if nbytes != exp_bytes:

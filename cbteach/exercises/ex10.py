@@ -15,7 +15,7 @@ import math
 from ..engine import Engine
 from ..request import Request
 from ..static import static_batching
-from . import report
+from . import is_int, report, self_check
 
 # The main run: five requests served two at a time by a paged engine with tiny blocks.
 IDS = ("A", "B", "C", "D", "E")
@@ -173,11 +173,12 @@ def _malformed(name, value) -> str | None:
             return ('running should be a dict from request id to "prefill" or "decode", e.g. '
                     '{"A": "decode", "B": "prefill"}' + f"; got {value!r}")
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         return f"{name} should be a whole number (an int); got {value!r}"
     return None
 
 
+@self_check
 def check_schedule(model, *, static_steps, continuous_steps, running, num_computed_tokens, num_blocks,
                    prefill_steps) -> bool:
     """Check six predictions about the module's workload against live runs of the engines.
