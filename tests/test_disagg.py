@@ -71,3 +71,28 @@ def test_each_phase_can_be_sized_on_its_own():
     reqs = workload(2, n=5)
     got = server.run(reqs)
     assert [c.output_ids for c in got] == [reference(MODEL, r.prompt, r.max_new_tokens) for r in reqs]
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(prefill_options=dict(kv="concat")), r"prefill_options may not set \['kv'\]"),
+    (dict(decode_options=dict(clock=None)), r"decode_options may not set \['clock'\]"),
+    (dict(prefill_options=[1]), "prefill_options must be a dict"),
+    (dict(decode_options=dict(block_size=8)), "the same block_size"),
+    (dict(prefill_options=dict(kv_dtype="int8")), "the same kv_dtype"),
+    (dict(link_bytes_per_s=True), "link_bytes_per_s must be a finite number"),
+])
+def test_pools_that_cannot_hand_over_are_refused_up_front(options, message):
+    with pytest.raises(ValueError, match=message):
+        DisaggregatedServer(MODEL, max_batch_size=2, block_size=4, **options)
+
+
+def test_a_second_run_counts_arrivals_from_its_own_start():
+    server = DisaggregatedServer(MODEL, max_batch_size=2, block_size=4)
+    server.run([Request([7, 8, 9], 5, request_id=i, arrival_time=1.0 * i) for i in range(3)])
+    again = [Request([7, 8, 9], 5, request_id=("b", i), arrival_time=0.1 * i) for i in range(2)]
+    got = server.run(again)
+    assert [c.output_ids for c in got] == [reference(MODEL, r.prompt, 5) for r in again]
+    assert all(0 <= c.first_token_time - c.arrival_time < 0.5 for c in got)  # not the first run's 2 s
+    both_int8 = DisaggregatedServer(MODEL, max_batch_size=2, block_size=4, prefill_options=dict(kv_dtype="int8"),
+                                    decode_options=dict(kv_dtype="int8"))
+    assert len(both_int8.run([Request([7, 8, 9], 4)])[0].output_ids) == 4

@@ -274,6 +274,36 @@ def test_streamed_tokens_add_up_to_the_completions(bierce):
     assert model.config._attn_implementation != "cbteach_paged"
 
 
+@pytest.mark.parametrize("kv", ["concat", "paged"])
+def test_a_stream_ends_every_request_and_a_dropped_stream_frees_its_blocks(kv):
+    reqs = [Request([7 + i, 8], 10, request_id=i, ignore_eos=True) for i in range(4)]
+    eng = Engine(MODEL, max_batch_size=2, kv=kv, block_size=4)
+    events = {}
+    for n, ev in enumerate(eng.stream(reqs)):
+        events.setdefault(ev.request_id, []).append(ev)
+        if n == 3:
+            eng.abort(0)  # running
+            eng.abort(3)  # still queued
+    for r in reqs:
+        last = events[r.request_id][-1]
+        assert [e.finish_reason for e in events[r.request_id]].count(None) == len(events[r.request_id]) - 1
+        assert last.finish_reason == eng.completions[r.request_id].finish_reason
+    assert events[3] == [events[3][0]] and events[3][0].token_id is None and events[3][0].finish_reason == "aborted"
+    assert [e.token_id for e in events[0][:-1]] == eng.completions[0].output_ids
+    for r in reqs[1:3]:
+        assert eng.completions[r.request_id].output_ids == reference(MODEL, r.prompt, 10, eos_id=-1)
+    # A consumer that stops listening: its unfinished requests are aborted and give their blocks back.
+    more = [Request([20 + i], 10, request_id=f"m{i}", ignore_eos=True) for i in range(3)]
+    stream = eng.stream(more)
+    next(stream), next(stream)
+    stream.close()
+    assert not eng.has_unfinished()
+    assert {eng.completions[r.request_id].finish_reason for r in more} == {"aborted"}
+    if kv == "paged":
+        assert eng.kv_usage()["num_free_blocks"] == eng.kv.num_blocks
+    assert MODEL.config._attn_implementation == "sdpa"
+
+
 def test_a_custom_policy_plugs_in():
     class ShortestPromptFirst(WaitingQueue):
         name = "spf"

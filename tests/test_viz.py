@@ -14,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from cbteach import Engine, Request, static_batching  # noqa: E402
 from cbteach.attention.packing import block_diagonal_causal_mask, per_sequence_causal_mask  # noqa: E402
 from cbteach.records import SeqStep, StepRecord  # noqa: E402
+from conftest import tiny_model  # noqa: E402
 from cbteach.viz import (cli, draw_pool, draw_pool_step, draw_step, mask_ascii, mask_heatmap, plot_timeline,  # noqa: E402
                          plot_timelines, pool_slider, seq_letter, slot_states_continuous, slot_states_static,
                          step_through, stored_tokens, waste_breakdown, wasted_fraction)
@@ -219,6 +220,20 @@ def test_draw_step_index_out_of_range(run):
     for bad in (len(records), -1, "3"):
         with pytest.raises(ValueError, match=f"0..{len(records) - 1}"):
             draw_step(records, bad)
+
+
+def test_step_views_say_what_they_were_given_instead_of_records():
+    model = tiny_model("llama")
+    reqs = [Request([7, 8], 3), Request([9], 2)]
+    for wrong in (static_batching(model, None, reqs, 2), 42):
+        for draw in (draw_step, draw_pool_step):
+            with pytest.raises(ValueError, match="expected the engine's step records"):
+                draw(wrong, 0)
+    quiet = Engine(model, max_batch_size=2, kv="paged", keep_records=False)
+    quiet.run([Request([7, 8], 3)])
+    with pytest.raises(ValueError, match="keep_records=True"):
+        draw_step(quiet.records, 0)
+    plt.close("all")
 
 
 def test_step_through_widget(run):

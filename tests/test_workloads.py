@@ -106,3 +106,31 @@ def test_summary_head_and_build(tok):
         wl.build("sharegpt", tok, 3)
     with pytest.raises(ValueError):
         wl.headwords(tok, 0)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda tok: wl.build("headwords", tok, 2, max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
+    (lambda tok: wl.build("poisson", tok, 2, max_new_tokens=-3), "max_new_tokens must be an integer >= 1"),
+    (lambda tok: wl.build("poisson", tok, 2, rate="x"), "rate must be > 0"),
+    (lambda tok: wl.length_variance(tok, n=2.0), "number of requests must be an integer"),
+    (lambda tok: wl.length_variance(tok, 2, mean=-1), "mean must be a finite number > 0"),
+    (lambda tok: wl.length_variance(tok, 2, seed=-1), "seed must be an integer >= 0"),
+    (lambda tok: wl.chat(tok, 2, scale=0), "scale must be a finite number > 0"),
+    (lambda tok: wl.chat(tok, 2, max_prompt=2), "max_prompt must be an integer >= 4"),
+    (lambda tok: wl.chat(tok, 2, max_output=0), "max_output must be an integer >= 1"),
+    (lambda tok: wl.headwords(tok, 3).head(-1), "number of requests must be an integer >= 1"),
+])
+def test_bad_workload_parameters_are_refused(tok, make, message):
+    with pytest.raises(ValueError, match=message):
+        make(tok)
+
+
+def test_compare_refuses_a_repeat_below_one_and_reads_an_engine_string(tok):
+    from cbteach.bench import compare
+    from conftest import tiny_model
+
+    w = wl.headwords(tok, 2, max_new_tokens=3)
+    with pytest.raises(ValueError, match="repeat must be an integer >= 1"):
+        compare(tiny_model("llama"), None, w, 2, engines=["static"], repeat=0)
+    with pytest.raises(ValueError, match=r"unknown engine\(s\) \['nope'\]"):
+        compare(tiny_model("llama"), None, w, 2, engines="static,nope")

@@ -147,6 +147,10 @@ def compare(model, tok, make_requests, batch_size, engines=ENGINES, full_warmup=
     A failing engine gets ``{"error": ...}`` and the rest still run. Pass a dict as ``outputs`` to
     get every engine's completions (of the reported run) back in it.
     """
+    if isinstance(engines, str):
+        engines = [e for e in engines.split(",") if e]
+    if not isinstance(repeat, int) or isinstance(repeat, bool) or repeat < 1:
+        raise ValueError(f"repeat must be an integer >= 1 (timed runs per engine), got {repeat!r}")
     run = runners(model, tok, batch_size, token_budget=token_budget, num_blocks=num_blocks,
                   kv_memory_bytes=kv_memory_bytes)
     unknown = set(engines) - set(run)

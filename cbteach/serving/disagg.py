@@ -46,30 +46,48 @@ class DisaggregatedServer:
     def __init__(self, model, tokenizer=None, *, max_batch_size: int = 8, block_size: int = 16,
                  link_bytes_per_s: float = 10e9, prefill_options: dict | None = None,
                  decode_options: dict | None = None):
-        if not isinstance(link_bytes_per_s, (int, float)) or not link_bytes_per_s > 0 or math.isinf(link_bytes_per_s):
+        if not isinstance(link_bytes_per_s, (int, float)) or isinstance(link_bytes_per_s, bool) \
+                or not link_bytes_per_s > 0 or math.isinf(link_bytes_per_s):
             raise ValueError(f"link_bytes_per_s must be a finite number > 0, got {link_bytes_per_s!r}")
         self.link_bytes_per_s = float(link_bytes_per_s)
         common = dict(max_batch_size=max_batch_size, kv="paged", block_size=block_size, keep_records=False)
-        # Each phase may be sized on its own (DistServe's point): its options override the common ones.
-        self.prefill = Engine(model, tokenizer, clock=VirtualClock(), **{**common, **(prefill_options or {})})
-        self.decode = Engine(model, tokenizer, clock=VirtualClock(), **{**common, **(decode_options or {})})
+        options = {}
+        for phase, given in (("prefill", prefill_options), ("decode", decode_options)):
+            if given is not None and not isinstance(given, dict):
+                raise ValueError(f"{phase}_options must be a dict of Engine options, got {type(given).__name__}")
+            reserved = sorted({"kv", "clock"} & set(given or {}))
+            if reserved:
+                raise ValueError(f"{phase}_options may not set {reserved}: both engines are paged and run on the "
+                                 "server's simulated clocks")
+            # Each phase may be sized on its own (DistServe's point): its options override the common ones.
+            options[phase] = {**common, **(given or {})}
+        for key, default in (("block_size", block_size), ("kv_dtype", None)):  # blocks are copied as they are
+            p, d = (options[ph].get(key, default) for ph in ("prefill", "decode"))
+            if p != d:
+                raise ValueError(f"the prefill and decode pools must have the same {key} (blocks are copied from one "
+                                 f"to the other as they are); got {p!r} and {d!r}")
+        self.prefill = Engine(model, tokenizer, clock=VirtualClock(), **options["prefill"])
+        self.decode = Engine(model, tokenizer, clock=VirtualClock(), **options["decode"])
         self.prefill.kv.manager.before_free = self._hand_over
         self.transfers = {"requests": 0, "bytes": 0, "seconds": 0.0}
         self._originals: dict[object, Request] = {}
         self.completions: dict[object, Completion] = {}
 
     def run(self, requests) -> list[Completion]:
-        """Serve ``requests`` (arrival times in simulated seconds from 0); completions in request order."""
+        """Serve ``requests`` (arrival times in simulated seconds from the start of this call, as in
+        :meth:`Engine.run`); completions in request order."""
         requests = as_request_list(requests, "DisaggregatedServer.run()")
         taken: set = set()
         for r in requests:  # the decode pool must hold the whole request: refuse it up front otherwise
             prompt_len = len(self.prefill._check(r, taken))
             self.decode.kv.check_fits(prompt_len + r.max_new_tokens, r.request_id)
             taken.add(r.request_id)
+        t_run = max(self.prefill.now(), self.decode.now())  # a later run starts where the last one ended
         for r in requests:
             self._originals[r.request_id] = r
-            self.prefill.add_request(Request(r.prompt, 1, request_id=r.request_id, arrival_time=r.arrival_time or 0.0,
-                                             ignore_eos=r.ignore_eos, sampling_params=r.sampling_params))
+            self.prefill.add_request(Request(r.prompt, 1, request_id=r.request_id,
+                                             arrival_time=t_run + (r.arrival_time or 0.0), ignore_eos=r.ignore_eos,
+                                             sampling_params=r.sampling_params))
         engines = (self.prefill, self.decode)
         while any(e.has_unfinished() for e in engines):
             busy = [e for e in engines if e.has_unfinished()]

@@ -71,6 +71,11 @@ class Workload:
             raise ValueError("one max_new_tokens per prompt")
         if self.arrival_times is not None and len(self.arrival_times) != len(self.prompts):
             raise ValueError("one arrival time per prompt")
+        bad = [m for m in self.max_new_tokens if not isinstance(m, (int, np.integer)) or isinstance(m, bool) or m < 1]
+        if bad:
+            raise ValueError(f"max_new_tokens must be integers >= 1, got {bad[0]!r}")
+        if any(len(p) == 0 for p in self.prompts):
+            raise ValueError("every prompt needs at least one token")
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -95,6 +100,7 @@ class Workload:
 
     def head(self, n: int) -> "Workload":
         """The first ``n`` requests (a warm-up wave)."""
+        _check_n(n)
         return replace(self, prompts=self.prompts[:n], max_new_tokens=self.max_new_tokens[:n],
                        arrival_times=None if self.arrival_times is None else self.arrival_times[:n])
 
@@ -150,10 +156,20 @@ def _check_n(n):
         raise ValueError(f"the number of requests must be an integer >= 1, got {n!r}")
 
 
+def _check(name: str, value, low, integer: bool = False, strict: bool = True) -> None:
+    """``value`` must be a number (an integer if ``integer``) above ``low`` (or at least ``low``)."""
+    kinds = (int, np.integer) if integer else (int, float, np.integer, np.floating)
+    if not isinstance(value, kinds) or isinstance(value, bool) or not (value > low if strict else value >= low) \
+            or not math.isfinite(value):
+        raise ValueError(f"{name} must be {'an integer' if integer else 'a finite number'} "
+                         f"{'>' if strict else '>='} {low}, got {value!r}")
+
+
 # -- the workloads -----------------------------------------------------------------------------------
 def headwords(tok, n: int = 32, max_new_tokens: int = 128) -> Workload:
     """``n`` headword prompts spread over the dictionary; outputs end at EOS or ``max_new_tokens``."""
     _check_n(n)
+    _check("max_new_tokens", max_new_tokens, 1, integer=True, strict=False)
     prompts = tuple(tuple(tok(p)["input_ids"]) for p in headword_prompts(n))
     return Workload("headwords", prompts, (int(max_new_tokens),) * n, ignore_eos=False,
                     params={"n": n, "max_new_tokens": max_new_tokens},
@@ -174,8 +190,11 @@ def exponential_lengths(n: int, mean: float, cap: int, seed: int = 0) -> list[in
 def length_variance(tok, n: int = 32, cap: int = 64, mean: float = 48.0, prompt_len: int = 16,
                     seed: int = 0) -> Workload:
     """Anyscale's length-variance workload at one ``cap`` (see the module's docstring)."""
-    if cap < 1:
-        raise ValueError(f"cap must be >= 1, got {cap}")
+    _check_n(n)
+    _check("cap", cap, 1, integer=True, strict=False)
+    _check("mean", mean, 0)
+    _check("prompt_len", prompt_len, 1, integer=True, strict=False)
+    _check("seed", seed, 0, integer=True, strict=False)
     rng = np.random.default_rng([seed, 1])  # prompts: independent of the lengths' draws
     prompts = tuple(corpus_windows(tok, [prompt_len] * n, rng))
     lengths = tuple(exponential_lengths(n, mean, cap, seed))
@@ -200,8 +219,9 @@ def poisson_gaps(n: int, seed: int = 0) -> list[float]:
 
 def with_poisson_arrivals(workload: Workload, rate: float, seed: int = 0) -> Workload:
     """``workload`` with Poisson arrivals at ``rate`` requests per second (``inf``: all at once)."""
-    if not rate > 0:
+    if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not rate > 0:
         raise ValueError(f"rate must be > 0 requests per second, got {rate!r}")
+    _check("seed", seed, 0, integer=True, strict=False)
     times = None if math.isinf(rate) else tuple(float(t) for t in np.cumsum(poisson_gaps(len(workload), seed)) / rate)
     return replace(workload, name=f"poisson({workload.name})", arrival_times=times,
                    params={**workload.params, "rate": rate, "arrival_seed": seed},
@@ -223,6 +243,11 @@ def chat(tok, n: int = 32, scale: float = 0.125, sigma: float = 1.0, max_prompt:
          max_output: int = 192, seed: int = 0) -> Workload:
     """The synthetic chat-like mix (an approximation of ShareGPT's shape; see the module's docstring)."""
     _check_n(n)
+    _check("scale", scale, 0)
+    _check("sigma", sigma, 0, strict=False)
+    _check("max_prompt", max_prompt, 4, integer=True, strict=False)  # 4: the shortest prompt drawn
+    _check("max_output", max_output, 1, integer=True, strict=False)
+    _check("seed", seed, 0, integer=True, strict=False)
     rng = np.random.default_rng([seed, 3])
     p_len = lognormal_lengths(n, SHAREGPT_MEAN_PROMPT * scale, sigma, 4, max_prompt, rng)
     o_len = lognormal_lengths(n, SHAREGPT_MEAN_OUTPUT * scale, sigma, 1, max_output, rng)

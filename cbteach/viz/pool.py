@@ -18,7 +18,7 @@ import math
 
 from matplotlib.colors import to_rgb
 
-from .style import get_axes, palette_color, record_request_colors, text_color_on, tint
+from .style import get_axes, palette_color, record_request_colors, step_records, text_color_on, tint
 
 _REQUIRED = ("num_blocks", "block_size", "block_tables")
 _GAP = 0.06  # space between cells, in cell widths
@@ -139,9 +139,7 @@ def _block_tables(ax, tables, colors, tokens, has_fill, max_rows: int = 18):
 
 
 def _paged_records(records) -> list:
-    records = list(records)
-    if not records:
-        raise ValueError("there are no step records to draw; run the engine first")
+    records = step_records(records)
     if any(r.kv_usage is None for r in records):
         raise ValueError("these records carry no pool state (kv_usage is None): they come from a concat-cache "
                          "engine; run Engine(..., kv='paged') to see the block pool")

@@ -19,15 +19,16 @@ from __future__ import annotations
 from matplotlib.ticker import MaxNLocator
 
 from .mask import DEFAULT_BLOCK_SIZE, LAYOUTS, figsize, mask_heatmap, resolve
-from .style import STATE_COLORS, fits, get_axes, label_if_fits, record_request_colors, seq_letter, text_color_on
+from .style import (STATE_COLORS, fits, get_axes, label_if_fits, record_request_colors, seq_letter, step_records,
+                    text_color_on)
 from .timeline import num_slots, slot_states_continuous
 
 
-def _check_index(records, index):
-    if not records:
-        raise ValueError("there are no step records to draw; run the engine first")
+def _check_index(records, index) -> list:
+    records = step_records(records)
     if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(records):
         raise ValueError(f"step index must be an integer in 0..{len(records) - 1}, got {index!r}")
+    return records
 
 
 def _what(rec) -> str:
@@ -129,8 +130,7 @@ def draw_step(records, index: int, *, fig=None, max_batch_size: int | None = Non
     ``records`` is the engine's ``records`` list (the whole run: colours and slot history need it).
     ``max_batch_size`` defaults to the highest slot the run used + 1. Pass ``fig`` to redraw in place.
     """
-    records = list(records)
-    _check_index(records, index)
+    records = _check_index(records, index)
     rec = records[index]
     slots = num_slots(records) if max_batch_size is None else max_batch_size
     states = slot_states_continuous(records[: index + 1], max(slots, 1))[index]
@@ -192,8 +192,7 @@ def player(num_steps: int, draw, *, interval_ms: int = 1200):
 
 def step_through(records, *, max_batch_size: int | None = None, interval_ms: int = 1200):
     """A notebook widget: a ``step`` slider and a play button over the run, redrawing :func:`draw_step`."""
-    records = list(records)
-    _check_index(records, 0)
+    records = _check_index(records, 0)
     return player(len(records), lambda i: draw_step(records, i, max_batch_size=max_batch_size),
                   interval_ms=interval_ms)
 

@@ -111,3 +111,21 @@ def label_if_fits(ax, x0: float, x1: float, y: float, text: str, *, fontsize: fl
     if not fits(ax, x1 - x0, text, fontsize):
         return None
     return ax.text((x0 + x1) / 2, y, text, ha="center", va="center", fontsize=fontsize, clip_on=True, **kwargs)
+
+
+def step_records(records) -> list:
+    """``records`` (``engine.records``) as a list of step records, or a ``ValueError`` saying what was
+    passed instead -- a static batching result or completions are drawn by other functions."""
+    from ..records import StepRecord
+
+    if isinstance(records, (str, bytes)) or not hasattr(records, "__iter__"):
+        raise ValueError(f"expected the engine's step records (engine.records), got {type(records).__name__}")
+    records = list(records)
+    wrong = next((r for r in records if not isinstance(r, StepRecord)), None)
+    if wrong is not None:
+        raise ValueError(f"expected the engine's step records (engine.records), got a list of "
+                         f"{type(wrong).__name__}")
+    if not records:
+        raise ValueError("there are no step records to draw: run the engine first, with keep_records=True "
+                         "(the default)")
+    return records
