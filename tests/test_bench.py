@@ -178,3 +178,32 @@ def test_bench_figures_draw_hand_made_rows():
     for ax in (vb.plot_goodput([point("rate", r) for r in (1.0, 2.0)]), vb.plot_step_vs_batch([1, 2], [0.01, 0.012])):
         assert ax.get_title() and ax.get_xlabel() and ax.get_ylabel()
     plt.close("all")
+    # Input a figure cannot use is refused before any (blank) figure is made.
+    caps, rates = [point("cap", c) for c in (2, 8)], [point("rate", r) for r in (1.0, 2.0)]
+    for draw, match in [(lambda: vb.plot_variance([], batch_size=4), "length_variance sweep"),
+                        (lambda: vb.plot_variance(rates, batch_size=4), "length_variance sweep"),
+                        (lambda: vb.plot_goodput(caps), "poisson sweep"),
+                        (lambda: vb.plot_latency_vs_rate([]), "poisson sweep"),
+                        (lambda: vb.plot_engines({}), "no row to draw"),
+                        (lambda: vb.plot_engines({"static": {"error": "boom"}}), "no row to draw"),
+                        (lambda: vb.plot_memory({"paged": {**rows["static"], "steps": 0}}), "ran no steps"),
+                        (lambda: vb.plot_memory({"paged": {"tokens_per_s": 1.0}}), "no row to draw"),
+                        (lambda: vb.plot_step_vs_batch([], []), "one positive step time per batch size")]:
+        with pytest.raises(ValueError, match=match):
+            draw()
+        assert not plt.get_fignums()
+
+
+def test_latency_figures_refuse_rows_they_cannot_draw():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from cbteach.viz import latency as lat
+
+    with pytest.raises(ValueError, match="one row per token budget"):
+        lat.plot_budget_tradeoff([{"budget": 8}])
+    with pytest.raises(ValueError, match="every policy needs the same lanes"):
+        lat.plot_lanes({"fcfs": {"hi": (0.1, 0.2)}, "priority": {"lo": (0.1, 0.2)}})
+    assert not plt.get_fignums()

@@ -49,3 +49,13 @@ def test_metrics_from_a_real_run():
     s = summarize(got)
     assert s["num_completed"] == 2 and s["output_tokens"] == sum(len(c.output_ids) for c in got)
     assert all(request_metrics(c).ttft >= 0 for c in got)
+
+
+def test_summarize_takes_the_engines_dict_and_refuses_what_it_cannot_use():
+    cs = [comp("a", 0.0, [0.1, 0.2, 0.3]), comp("b", 0.0, [0.5, 0.6])]
+    assert summarize({c.request_id: c for c in cs}) == summarize(cs)
+    with pytest.raises(ValueError, match="takes completions"):
+        summarize(["a", "b"])
+    for bad in (dict(duration=-1.0), dict(ttft_target=0), dict(tpot_target="fast")):
+        with pytest.raises(ValueError, match="must be None or a number of seconds > 0"):
+            summarize(cs, **bad)

@@ -130,6 +130,9 @@ def test_usage_and_accounting_numbers():
                                             for r in reqs)
     s = summary(steps)
     assert 0 < s["contiguous_utilisation"] <= s["paged_utilisation"] <= 1
+    for wrong in (None, eng.records):
+        with pytest.raises(ValueError, match="takes the Engine itself"):
+            accounting(wrong)
     assert s["contiguous_utilisation"] + s["contiguous_reserved_fraction"] + s["contiguous_internal_fraction"] \
         == pytest.approx(1.0)
 

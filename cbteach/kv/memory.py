@@ -52,6 +52,8 @@ class StepMemory:
 
 def accounting(engine) -> list[StepMemory]:
     """Per-step memory use of a finished or running ``kv="paged"`` engine (reads its step records)."""
+    if not hasattr(engine, "kv") or not hasattr(engine, "records"):
+        raise ValueError(f"accounting() takes the Engine itself (it reads engine.records), got {type(engine).__name__}")
     if engine.kv.kind != "paged":
         raise ValueError("memory accounting needs an Engine(..., kv='paged') run: only the paged pool "
                          "records block tables per step")

@@ -59,8 +59,18 @@ def summarize(completions, duration: float | None = None, ttft_target: float | N
     ``duration`` defaults to first arrival -> last finish. Aborted requests and requests that
     produced no token count in ``num_requests`` but not in the latencies. A request is *good*
     when it meets every target given (a one-token request has no TPOT and meets any TPOT target).
+    ``completions``: a list of :class:`~cbteach.Completion` (``engine.run``'s result) or the engine's
+    ``completions`` dict.
     """
+    if isinstance(completions, dict):  # engine.completions: request id -> Completion
+        completions = completions.values()
     completions = list(completions)
+    wrong = next((c for c in completions if not hasattr(c, "token_times")), None)
+    if wrong is not None:
+        raise ValueError(f"summarize() takes completions (what Engine.run returns), got a {type(wrong).__name__}")
+    for name, value in (("duration", duration), ("ttft_target", ttft_target), ("tpot_target", tpot_target)):
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0):
+            raise ValueError(f"{name} must be None or a number of seconds > 0, got {value!r}")
     done = [c for c in completions if c.finish_reason != "aborted" and c.token_times]
     per = [request_metrics(c) for c in done]
     if duration is None:

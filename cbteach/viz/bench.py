@@ -31,6 +31,28 @@ def _ms(x):
     return np.nan if x is None else 1e3 * x
 
 
+def _points(points, param: str) -> list:
+    """Sweep points (``sweep()``'s list) that vary ``param``, checked before any figure is made."""
+    ok = isinstance(points, (list, tuple)) and points and all(
+        isinstance(p, dict) and param in p.get("workload", {}).get("params", {}) and isinstance(p.get("engines"), dict)
+        for p in points)
+    if not ok:
+        sweep = {"cap": "length_variance", "rate": "poisson"}[param]
+        raise ValueError(f"expected the points of a {sweep} sweep (bench.sweep()'s list, each with its '{param}'), "
+                         f"got {points!r:.80}")
+    return list(points)
+
+
+def _rows(rows, keys) -> list:
+    """The names of the engine rows that have every key in ``keys`` (and no error); at least one."""
+    if not isinstance(rows, dict):
+        raise ValueError(f"expected {{engine name: row}} as bench.compare() returns, got {type(rows).__name__}")
+    names = [n for n, r in rows.items() if isinstance(r, dict) and "error" not in r and all(k in r for k in keys)]
+    if not names:
+        raise ValueError(f"no row to draw: every row failed or lacks one of {list(keys)}")
+    return names
+
+
 def _subplots(ncols, figsize):
     import matplotlib.pyplot as plt
 
@@ -39,7 +61,7 @@ def _subplots(ncols, figsize):
 
 def plot_engines(rows: dict, *, title: str | None = None):
     """Two panels: output tokens/s per engine, and TTFT / TPOT at p50 (bar) and p99 (tick) in ms."""
-    names = [n for n, r in rows.items() if "error" not in r]
+    names = _rows(rows, ("tokens_per_s", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99"))
     fig, (a1, a2) = _subplots(2, (12, 3.8))
     x = np.arange(len(names))
     a1.bar(x, [rows[n]["tokens_per_s"] for n in names], color=[engine_color(n, i) for i, n in enumerate(names)])
@@ -73,6 +95,7 @@ def plot_variance(points, *, batch_size: int, title: str | None = None):
     """Anyscale's experiment. Left: tokens/s of each engine against the cap on output lengths (the
     x labels give the lengths' standard deviation). Right: each engine's measured speed-up over
     static batching, and the ideal one (static steps / continuous steps)."""
+    points = _points(points, "cap")
     caps = [p["workload"]["params"]["cap"] for p in points]
     stds = [p["workload"]["max_new_tokens"]["std"] for p in points]
     names = [n for n in points[0]["engines"]]
@@ -109,6 +132,7 @@ def _rates(points):
 def plot_latency_vs_rate(points, *, capacity: dict | None = None, title: str | None = None):
     """TTFT (p50 solid, p99 dotted) and E2E p50 against the offered rate (log scale), per engine;
     ``capacity`` (``{engine: requests/s}``) draws each engine's capacity as a dashed vertical line."""
+    points = _points(points, "rate")
     rates = _rates(points)
     names = list(points[0]["engines"])
     fig, (a1, a2) = _subplots(2, (12, 4))
@@ -139,6 +163,7 @@ def plot_goodput(points, *, title: str | None = None, ax=None):
     """Goodput (requests/s that met the targets) against the offered rate, per engine, on log axes (a
     goodput of 0 is left out); the diagonal is the offered rate itself, what a server meeting every
     target would reach."""
+    points = _points(points, "rate")
     rates = _rates(points)
     fig, ax = get_axes(ax, figsize=(6.5, 4))
     shown = []
@@ -161,7 +186,9 @@ def plot_goodput(points, *, title: str | None = None, ax=None):
 def plot_memory(rows: dict, *, title: str | None = None):
     """A fixed KV budget, two ways of using it. ``rows``: ``{label: row}`` with ``peak_batch``, ``steps``,
     ``tokens`` and ``tokens_per_s``. Left: the largest and the mean batch (tokens / steps); right: tokens/s."""
-    names = list(rows)
+    names = _rows(rows, ("peak_batch", "steps", "tokens", "tokens_per_s"))
+    if any(not rows[n]["steps"] for n in names):
+        raise ValueError("a row ran no steps: nothing to average a batch over")
     fig, (a1, a2) = _subplots(2, (10, 3.6))
     x = np.arange(len(names))
     colors = [engine_color(n, i) for i, n in enumerate(names)]
@@ -184,6 +211,9 @@ def plot_memory(rows: dict, *, title: str | None = None):
 def plot_step_vs_batch(batch_sizes, step_seconds, *, title: str | None = None, ax=None):
     """Median decode-step time (ms) against the number of sequences in the step, and tokens/s on a
     second axis: flat step times mean batching is almost free."""
+    batch_sizes, step_seconds = list(batch_sizes), list(step_seconds)
+    if not batch_sizes or len(batch_sizes) != len(step_seconds) or min(step_seconds) <= 0:
+        raise ValueError("give one positive step time per batch size (at least one of each)")
     fig, ax = get_axes(ax, figsize=(6.5, 3.8))
     ms = [1e3 * s for s in step_seconds]
     ax.plot(batch_sizes, ms, "o-", color="#1f77b4", label="step time")

@@ -107,8 +107,8 @@ def plot_budget_tradeoff(rows, *, ax=None, title: str | None = None):
     token budget (``None`` = no budget). x: the others' worst inter-token gap; y: the long prompt's
     TTFT. Returns the axes."""
     rows = list(rows)
-    if not rows:
-        raise ValueError("no rows to plot")
+    if not rows or not all(isinstance(r, dict) and {"budget", "worst_itl", "ttft"} <= set(r) for r in rows):
+        raise ValueError('give one row per token budget, each {"budget": ..., "worst_itl": s, "ttft": s}')
     fig, ax = get_axes(ax, figsize=(6.5, 4))
     xs, ys = [_ms(r["worst_itl"]) for r in rows], [_ms(r["ttft"]) for r in rows]
     ax.plot(xs, ys, "-", color="#999999", zorder=1)
@@ -207,8 +207,13 @@ def plot_preemptions(records, max_batch_size: int, *, title: str | None = None, 
 def plot_lanes(stats, *, ax=None, title: str | None = None, metric: str = "TTFT"):
     """Grouped bars: ``stats[policy][lane] = (p50, p90)`` in seconds. Solid bar p50, pale bar up to
     p90. Returns the axes."""
+    if not isinstance(stats, dict) or not stats or not all(isinstance(v, dict) for v in stats.values()):
+        raise ValueError("give stats[policy][lane] = (p50, p90) in seconds, at least one policy")
     policies = list(stats)
     lanes = list(dict.fromkeys(lane for p in policies for lane in stats[p]))
+    missing = [(p, lane) for p in policies for lane in lanes if lane not in stats[p]]
+    if missing:
+        raise ValueError(f"every policy needs the same lanes; {missing[0][0]!r} has no {missing[0][1]!r}")
     fig, ax = get_axes(ax, figsize=(7, 3.6))
     width = 0.8 / max(len(lanes), 1)
     for j, lane in enumerate(lanes):
