@@ -137,14 +137,19 @@ def test_priority_order_with_arrival_tie_break():
     assert order == ["urgent", "urgent2", "mid", "low"]
 
 
-def test_urgent_arrival_preempts_less_urgent_only_under_memory_pressure():
-    # Room for the two running requests only: the urgent arrival has to take a less urgent one's blocks.
+def two_bulk_requests_filling_the_pool():
+    """Room for two running bulk requests only: an urgent arrival has to take a less urgent one's blocks."""
     eng = Engine(MODEL, max_batch_size=4, kv="paged", block_size=4, num_blocks=10, policy="priority")
     eng.add_request(Request(list(range(6, 22)), 12, request_id="bulk1", priority=5))
     eng.add_request(Request(list(range(30, 46)), 12, request_id="bulk2", priority=5))
     eng.step()
     eng.step()
     eng.add_request(Request(list(range(50, 62)), 3, request_id="urgent", priority=0))
+    return eng
+
+
+def test_urgent_arrival_preempts_less_urgent_only_under_memory_pressure():
+    eng = two_bulk_requests_filling_the_pool()
     rec = eng.step()
     assert rec.admitted == ["urgent"] and rec.preempted == ["bulk2"]
     drain(eng)
@@ -161,12 +166,7 @@ def test_urgent_arrival_preempts_less_urgent_only_under_memory_pressure():
 def test_nobody_else_is_admitted_in_the_step_an_urgent_arrival_preempted():
     # The urgent request preempts bulk2; a small request would then fit, but the room was short a
     # moment ago (the rule for any step that preempted): it waits for the next step.
-    eng = Engine(MODEL, max_batch_size=4, kv="paged", block_size=4, num_blocks=10, policy="priority")
-    eng.add_request(Request(list(range(6, 22)), 12, request_id="bulk1", priority=5))
-    eng.add_request(Request(list(range(30, 46)), 12, request_id="bulk2", priority=5))
-    eng.step()
-    eng.step()
-    eng.add_request(Request(list(range(50, 62)), 3, request_id="urgent", priority=0))
+    eng = two_bulk_requests_filling_the_pool()
     eng.add_request(Request([7, 8], 3, request_id="small", priority=1))
     rec = eng.step()
     assert rec.admitted == ["urgent"] and rec.preempted == ["bulk2"]
