@@ -57,6 +57,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor | None = None  # [T]: pool slot where each new token's K/V are written
     block_tables: torch.Tensor | None = None  # [B, max_blocks], padded with block 0
     groups: list[AttentionGroup] = field(default_factory=list)
+    scratch_row: bool = False  # some group gathers padded queries: attention adds a zero row T for them
+    whole_row: bool = False  # one dense group holds every packed row: its output is the step's output
     pool: object = None  # the PagedKVPool the attention function reads and writes
 
     @property
@@ -147,6 +149,9 @@ def build(token_ids: list[int], num_computed_tokens: list[int], num_scheduled_to
     for (q_len, nb, span), idx in zip(groups, rest[1:]):
         rows = (qsl[span[0]], qsl[span[1]]) if span else None
         meta.groups.append(_group(meta, idx, q_len, nb, T, span, rows))
+    # Decided once per step, not once per layer: how attention lays out its queries and output.
+    meta.scratch_row = any(g.rows is None for g in meta.groups)
+    meta.whole_row = len(meta.groups) == 1 and meta.groups[0].rows == (0, T)
     return meta
 
 

@@ -62,13 +62,12 @@ def vectorised_attention(query, layer: int, meta, scaling=None) -> torch.Tensor:
     """Attend every query of the packed row with one call per attention group."""
     _, H, T, D = query.shape
     rows = query[0].transpose(0, 1)  # [T, H, D]: one query per packed row (a view)
-    groups = meta.groups
-    if any(g.rows is None for g in groups):
+    if meta.scratch_row:
         # Row T is a zero "scratch" query: padded positions of a group read it and write their output
         # back to it, so no data-dependent shapes (no host sync) are needed to drop the padding.
         rows = torch.cat([rows, rows.new_zeros(1, H, D)])
-    out = None if len(groups) == 1 and groups[0].rows == (0, T) else query.new_empty(T + 1, H, D)
-    for group in groups:
+    out = None if meta.whole_row else query.new_empty(T + 1, H, D)
+    for group in meta.groups:
         G, Q = group.q_index.shape
         k, v = meta.pool.read(layer, group.block_tables)  # [G, K, kv_heads, D]
         k, v = k.transpose(1, 2).to(query.dtype), v.transpose(1, 2).to(query.dtype)  # [G, kv_heads, K, D]

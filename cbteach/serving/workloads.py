@@ -42,7 +42,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..bierce.corpus import headword_prompts, load_entries
-from ..request import Request
+from ..request import Request, check_positive_int
 
 CORPUS_ENTRIES = 300  # entries tokenized for the prompt windows (~40k tokens with bierce's tokenizer)
 SHAREGPT_MEAN_PROMPT = 161.31  # the vLLM paper (Kwon et al., SOSP'23), Figure 11(a)
@@ -71,9 +71,8 @@ class Workload:
             raise ValueError("one max_new_tokens per prompt")
         if self.arrival_times is not None and len(self.arrival_times) != len(self.prompts):
             raise ValueError("one arrival time per prompt")
-        bad = [m for m in self.max_new_tokens if not isinstance(m, (int, np.integer)) or isinstance(m, bool) or m < 1]
-        if bad:
-            raise ValueError(f"max_new_tokens must be integers >= 1, got {bad[0]!r}")
+        for m in self.max_new_tokens:
+            check_positive_int("max_new_tokens", m)
         if any(len(p) == 0 for p in self.prompts):
             raise ValueError("every prompt needs at least one token")
 
@@ -152,8 +151,7 @@ def corpus_windows(tok, lengths, rng) -> list[tuple]:
 
 
 def _check_n(n):
-    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"the number of requests must be an integer >= 1, got {n!r}")
+    check_positive_int("the number of requests", n)
 
 
 def _check(name: str, value, low, integer: bool = False, strict: bool = True) -> None:
@@ -169,7 +167,7 @@ def _check(name: str, value, low, integer: bool = False, strict: bool = True) ->
 def headwords(tok, n: int = 32, max_new_tokens: int = 128) -> Workload:
     """``n`` headword prompts spread over the dictionary; outputs end at EOS or ``max_new_tokens``."""
     _check_n(n)
-    _check("max_new_tokens", max_new_tokens, 1, integer=True, strict=False)
+    check_positive_int("max_new_tokens", max_new_tokens)
     prompts = tuple(tuple(tok(p)["input_ids"]) for p in headword_prompts(n))
     return Workload("headwords", prompts, (int(max_new_tokens),) * n, ignore_eos=False,
                     params={"n": n, "max_new_tokens": max_new_tokens},
@@ -191,9 +189,9 @@ def length_variance(tok, n: int = 32, cap: int = 64, mean: float = 48.0, prompt_
                     seed: int = 0) -> Workload:
     """Anyscale's length-variance workload at one ``cap`` (see the module's docstring)."""
     _check_n(n)
-    _check("cap", cap, 1, integer=True, strict=False)
+    check_positive_int("cap", cap)
     _check("mean", mean, 0)
-    _check("prompt_len", prompt_len, 1, integer=True, strict=False)
+    check_positive_int("prompt_len", prompt_len)
     _check("seed", seed, 0, integer=True, strict=False)
     rng = np.random.default_rng([seed, 1])  # prompts: independent of the lengths' draws
     prompts = tuple(corpus_windows(tok, [prompt_len] * n, rng))
@@ -246,7 +244,7 @@ def chat(tok, n: int = 32, scale: float = 0.125, sigma: float = 1.0, max_prompt:
     _check("scale", scale, 0)
     _check("sigma", sigma, 0, strict=False)
     _check("max_prompt", max_prompt, 4, integer=True, strict=False)  # 4: the shortest prompt drawn
-    _check("max_output", max_output, 1, integer=True, strict=False)
+    check_positive_int("max_output", max_output)
     _check("seed", seed, 0, integer=True, strict=False)
     rng = np.random.default_rng([seed, 3])
     p_len = lognormal_lengths(n, SHAREGPT_MEAN_PROMPT * scale, sigma, 4, max_prompt, rng)
