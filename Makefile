@@ -1,33 +1,50 @@
 # cbteach -- two commands on a fresh clone: `make demo` and `make test`.
-# Each creates .venv when it is missing: the CPU build of torch first (a bare `torch` requirement
-# would pull a multi-GB CUDA build), then the package with its dev and lab extras.
+# Each creates .venv when it is missing and installs into it, in this order:
+#   1. torch's CPU build (tools/install_torch.py): an installed torch >= 2.6 is kept; else on Linux
+#      PyTorch's CPU wheel index when it answers, else $(TORCH) from the ordinary index. A bare `torch`
+#      requirement would pull the multi-GB CUDA build on Linux; this step comes first so it never does.
+#   2. the package, editable, with the extras the targets use: dev (tests, linter, website), lab, serve.
 
-PYTHON ?= python3
-VENV   := .venv
-PY     := $(VENV)/bin/python
-TORCH  ?= torch==2.13.0
+PYTHON      ?= python3
+VENV        := .venv
+PY          := $(VENV)/bin/python
+TORCH       ?= torch==2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+EXTRAS      ?= dev,lab,serve
+SITE        := site
+OFFLINE     := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
-.PHONY: demo test test-fast lab student bench gpu-check browser-deps clean
+.PHONY: install demo test test-fast lint lab student notebooks bench gpu-check book browser-deps clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e ".[dev,lab]"
+	$(PY) tools/install_torch.py --index-url "$(TORCH_INDEX)" --fallback "$(TORCH)"
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $@
+
+install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(PY) -m cbteach demo
 
+# The linter first (seconds), then the website, then every test and every notebook under nbval.
 test: $(VENV)/.installed browser-deps
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider tests notebooks \
+	$(VENV)/bin/ruff check .
+	$(OFFLINE) $(PY) tools/build_site.py --out $(SITE)
+	$(OFFLINE) $(PY) -m pytest -q -p no:cacheprovider tests notebooks \
 		--nbval --nbval-sanitize-with notebooks/sanitize.cfg
 
 test-fast: $(VENV)/.installed
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests -x
+	$(OFFLINE) $(PY) -m pytest -q tests -x
 
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+
+# JupyterLab on 127.0.0.1 only, rooted at the repository so notebooks/ and student/ are both there
+# (tools/lab_config.py hides the engine's source and the instructor kit); runs as root in containers.
 lab: $(VENV)/.installed
-	$(VENV)/bin/jupyter lab notebooks/
+	$(VENV)/bin/jupyter lab --config=tools/lab_config.py
 
 student: $(VENV)/.installed
 	$(PY) -m cbteach student notebooks student
@@ -36,15 +53,21 @@ bench: $(VENV)/.installed
 	$(PY) -m cbteach bench
 
 # On a machine with a GPU: notebooks, fp32 exactness and the speed comparison in one run
-# (under 5 minutes on one H200); writes benchmarks/results/gpu.json. `--small` runs it on a CPU.
+# (under 5 minutes on one H200); writes benchmarks/results/gpu.json. Without a GPU it stops at once
+# and says so; `$(PY) tools/gpu_check.py --small` is the CPU version (tiny sizes, seconds).
 gpu-check: $(VENV)/.installed
 	$(PY) tools/gpu_check.py
 
-# The browser test drives JupyterLab in Debian's Chromium (Playwright's own browser download is
-# not reachable here). Where Chromium cannot be installed (no root, no apt) the test skips and says so.
+# The course as a static website in $(SITE)/ (Sphinx + myst-nb, from the notebooks' stored outputs;
+# nothing is executed and nothing is fetched). Open $(SITE)/index.html.
+book: $(VENV)/.installed
+	$(OFFLINE) $(PY) tools/build_site.py --out $(SITE)
+
+# The browser tests drive Debian's Chromium (Playwright's own browser download is not reachable
+# here). Where Chromium cannot be installed (no root, no apt) they skip and say so.
 browser-deps:
 	@command -v chromium >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q chromium) >/dev/null 2>&1 \
-		|| echo "note: chromium could not be installed; tests/test_browser.py will be skipped"
+		|| echo "note: chromium could not be installed; tests/test_browser.py and tests/test_site.py will be skipped"
 
 clean:
-	rm -rf $(VENV) student .pytest_cache .hypothesis
+	rm -rf $(VENV) student $(SITE) build dist .pytest_cache .hypothesis .ruff_cache
