@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import time
 
-from .engine import Engine
+from .core.engine import Engine
 from .models import load_model
-from .request import Request
-from .static import static_batching
+from .core.request import Request
+from .core.static import static_batching
 
 # Headwords whose bierce definitions run from a line to a paragraph (tokens shown when run).
 DEMO_PROMPTS = ["EXECUTIVE, n.", "TRUCE, n.", "ABSURDITY, n.", "ALONE, adj.", "LAWYER, n.", "CYNIC, n."]

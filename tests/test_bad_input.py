@@ -173,7 +173,7 @@ def test_static_finished_rows_stay_inside_the_position_table():
 def test_eos_ids_union_and_ignored_generation_settings():
     from types import SimpleNamespace
 
-    from cbteach.modelinfo import eos_ids_for
+    from cbteach.core.modelinfo import eos_ids_for
 
     m = tiny_model("qwen2")
     assert eos_ids_for(m) == {EOS}
@@ -223,7 +223,7 @@ def test_not_a_model_or_not_a_list_of_requests(model):
 
 @pytest.mark.parametrize("seed", [2**70, -2**64, 2.5])
 def test_a_seed_torch_cannot_take_is_refused_before_anything_runs(model, seed):
-    from cbteach.sampling import SamplingParams
+    from cbteach.core.sampling import SamplingParams
 
     with pytest.raises(ValueError, match=r"seed must be None or an int in \[-2\*\*63, 2\*\*64\)"):
         SamplingParams(temperature=1.0, seed=seed)
@@ -266,7 +266,7 @@ def test_the_engines_leave_a_model_in_training_mode_as_they_found_it():
 
 
 def test_a_generation_config_without_eos_stops_nothing_as_in_generate():
-    from cbteach.modelinfo import eos_ids_for
+    from cbteach.core.modelinfo import eos_ids_for
 
     m = tiny_model("qwen2")
     m.generation_config.eos_token_id = None  # config.eos_token_id is still set: generate ignores it

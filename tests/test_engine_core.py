@@ -17,8 +17,8 @@ from cbteach import Engine, Request
 from cbteach.attention import metadata as attn_metadata
 from cbteach.attention import paged as paged_attention
 from cbteach.kv.paged import PagedKVPool
-from cbteach.request import RequestStatus
-from cbteach.scheduler import Scheduler
+from cbteach.core.request import RequestStatus
+from cbteach.core.scheduler import Scheduler
 from conftest import EOS, VOCAB, reference, tiny_model
 
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

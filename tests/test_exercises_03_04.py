@@ -6,7 +6,7 @@ from conftest import tiny_model
 from cbteach import Request
 from cbteach.exercises.ex03 import check_mask, check_position_ids, key_labels
 from cbteach.exercises.ex04 import check_total_bytes_copied, measure_total_bytes_copied
-from cbteach.modelinfo import describe
+from cbteach.core.modelinfo import describe
 from cbteach.attention.packing import block_diagonal_causal_mask, per_sequence_causal_mask
 
 CACHED, NEW = [2, 0, 3], [1, 3, 1]

@@ -5,7 +5,7 @@ import pytest
 
 from cbteach import Engine, Request
 from cbteach.exercises import ex06
-from cbteach.policies import FCFSQueue, PriorityQueue, WaitingQueue
+from cbteach.core.policies import FCFSQueue, PriorityQueue, WaitingQueue
 from cbteach.viz import latency as lat
 from conftest import tiny_model
 

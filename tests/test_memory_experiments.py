@@ -6,7 +6,7 @@ import pytest
 
 from cbteach import Engine, Request
 from cbteach.kv import memory_experiments as mx
-from cbteach.modelinfo import describe
+from cbteach.core.modelinfo import describe
 from conftest import tiny_model
 
 matplotlib.use("Agg")

@@ -2,7 +2,7 @@
 import pytest
 
 from cbteach.serving.metrics import request_metrics, summarize
-from cbteach.request import Completion
+from cbteach.core.request import Completion
 
 
 def comp(rid, arrival, times, reason="length"):

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from cbteach import Engine, Request
-from cbteach.policies import FCFSQueue, WaitingQueue
-from cbteach.request import RequestStatus
+from cbteach.core.policies import FCFSQueue, WaitingQueue
+from cbteach.core.request import RequestStatus
 from conftest import EOS, VOCAB, reference, tiny_model
 
 MODEL = tiny_model("llama")

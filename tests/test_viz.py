@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from cbteach import Engine, Request, static_batching  # noqa: E402
 from cbteach.attention.packing import block_diagonal_causal_mask, per_sequence_causal_mask  # noqa: E402
-from cbteach.records import SeqStep, StepRecord  # noqa: E402
+from cbteach.core.records import SeqStep, StepRecord  # noqa: E402
 from conftest import tiny_model  # noqa: E402
 from cbteach.viz import (cli, draw_pool, draw_pool_step, draw_step, mask_ascii, mask_heatmap, plot_timeline,  # noqa: E402
                          plot_timelines, pool_slider, seq_letter, slot_states_continuous, slot_states_static,

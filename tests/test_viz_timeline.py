@@ -9,7 +9,7 @@ import pytest  # noqa: E402
 from matplotlib.colors import to_rgba  # noqa: E402
 
 from cbteach import Engine, Request, static_batching  # noqa: E402
-from cbteach.records import SeqStep, StepRecord  # noqa: E402
+from cbteach.core.records import SeqStep, StepRecord  # noqa: E402
 from cbteach.viz import plot_timeline, plot_timelines, waste_breakdown  # noqa: E402
 from cbteach.viz.style import STATE_COLORS  # noqa: E402
 from conftest import tiny_model  # noqa: E402

@@ -6,14 +6,14 @@ import statistics
 
 from .engines import PAGE
 from ..bierce.corpus import headword_prompts
-from ..engine import Engine
-from ..request import Request
+from ..core.engine import Engine
+from ..core.request import Request
 
 
 # -- experiments of notebook 07 --------------------------------------------------------------------
 def kv_bytes_per_token(model) -> int:
     """K and V bytes of one token, all layers (what a KV memory budget is divided by)."""
-    from ..modelinfo import describe
+    from ..core.modelinfo import describe
 
     return describe(model).kv_bytes_per_token
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from numbers import Integral
 
-from ..request import Request
-from ..static import static_batching
+from ..core.request import Request
+from ..core.static import static_batching
 from . import report, self_check
 
 # (prompt lengths, output lengths, batch_size): one request; one ragged wave; a partial last wave

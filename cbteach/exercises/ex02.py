@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import math
 
-from ..engine import Engine
-from ..request import Request
+from ..core.engine import Engine
+from ..core.request import Request
 from . import is_int, report, self_check
 
 # (answer lengths, max_batch_size): one wave, one slot, more slots than requests, a long request

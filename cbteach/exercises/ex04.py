@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numbers
 
-from ..engine import Engine
-from ..modelinfo import describe
-from ..request import Request
+from ..core.engine import Engine
+from ..core.modelinfo import describe
+from ..core.request import Request
 from . import report, self_check
 
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import math
 
-from ..engine import Engine
+from ..core.engine import Engine
 from ..kv.manager import KVCacheManager
 from ..kv.memory_experiments import plug
-from ..request import Request
+from ..core.request import Request
 from . import is_int, report, self_check
 
 # (block_size, num_blocks, max_batch_size, [(prompt tokens, new tokens), ...]): several blocks each and

@@ -1,4 +1,4 @@
-"""Notebook 06: write a scheduling policy (a :class:`~cbteach.policies.WaitingQueue`) and prove it safe.
+"""Notebook 06: write a scheduling policy (a :class:`~cbteach.core.policies.WaitingQueue`) and prove it safe.
 
 The check runs the learner's policy inside the real :class:`~cbteach.Engine` on a few small
 workloads -- one batch slot, three slots with a token budget (chunked prefill), and a KV pool so
@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..engine import Engine
-from ..policies import WaitingQueue, make_queue
-from ..request import Request
+from ..core.engine import Engine
+from ..core.policies import WaitingQueue, make_queue
+from ..core.request import Request
 from . import report, self_check
 
 CLAIMS = ("shortest-prompt-first", "fcfs", "priority")
@@ -134,7 +134,7 @@ def run_workload(make, model, w: Workload):
         raise PolicyError(f"your policy could not be created without arguments: {type(err).__name__}: {err}") \
             from None
     if not isinstance(queue, WaitingQueue):
-        raise PolicyError(f"a policy is a subclass of cbteach.policies.WaitingQueue; got {type(queue).__name__}")
+        raise PolicyError(f"a policy is a subclass of cbteach.core.policies.WaitingQueue; got {type(queue).__name__}")
     eng = Engine(model, None, max_batch_size=w.max_batch_size, kv="paged", block_size=w.block_size,
                  token_budget=w.token_budget, policy=_watched(queue), preemption=w.preemption, **kw)
     try:
@@ -202,7 +202,7 @@ def _claim_hint(claim, reqs, got, expected) -> str:
 
 @self_check
 def check_policy(policy, model, claim: str = "shortest-prompt-first") -> bool:
-    """Run ``policy`` (a :class:`~cbteach.policies.WaitingQueue` subclass) in the real engine on
+    """Run ``policy`` (a :class:`~cbteach.core.policies.WaitingQueue` subclass) in the real engine on
     :data:`WORKLOADS` and check the invariants and the ``claim`` (one of :data:`CLAIMS`).
 
     ``model`` is any causal LM the engine runs (the notebook's bierce); prompts are token ids, so no
@@ -212,7 +212,7 @@ def check_policy(policy, model, claim: str = "shortest-prompt-first") -> bool:
         return report(False, "", f"claim must be one of {CLAIMS}, got {claim!r}")
     make = _factory(policy)
     if make is None:
-        return report(False, "", f"pass your policy class itself (a subclass of cbteach.policies.WaitingQueue); "
+        return report(False, "", f"pass your policy class itself (a subclass of cbteach.core.policies.WaitingQueue); "
                                  f"got {type(policy).__name__}")
     references: dict = {}
     preempted = 0

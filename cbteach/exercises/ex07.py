@@ -13,9 +13,9 @@ from __future__ import annotations
 import math
 import numbers
 
-from ..engine import Engine
-from ..request import Request
-from ..static import static_batching
+from ..core.engine import Engine
+from ..core.request import Request
+from ..core.static import static_batching
 from . import report, self_check
 
 TOLERANCE = 0.05  # relative

@@ -15,7 +15,7 @@ import numbers
 import torch
 
 from ..serving.disagg import DisaggregatedServer
-from ..request import Request
+from ..core.request import Request
 from . import report, self_check
 
 # Small model shapes: (layers, query heads, KV heads, hidden size); head_dim = hidden / query heads.

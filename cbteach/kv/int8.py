@@ -159,7 +159,7 @@ def kv_loss(model, token_ids: list[int], kv_dtype=None, block_size: int = 16) ->
     from types import SimpleNamespace
 
     from .paged import PagedKVCache
-    from ..modelinfo import describe
+    from ..core.modelinfo import describe
 
     if len(token_ids) < 2:
         raise ValueError("kv_loss needs at least two tokens (one prediction)")

@@ -20,7 +20,7 @@ import math
 from collections import OrderedDict
 
 from .prefix_cache import PrefixCache
-from ..request import check_positive_int
+from ..core.request import check_positive_int
 
 
 class PoolExhausted(RuntimeError):

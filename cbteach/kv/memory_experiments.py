@@ -22,7 +22,7 @@ costs a block size trades: empty slots in last blocks against block-table entrie
 """
 from __future__ import annotations
 
-from ..engine import Engine
+from ..core.engine import Engine
 from .manager import KVCacheManager
 
 SCHEMES = ("reserve", "paged")

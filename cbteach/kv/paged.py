@@ -31,7 +31,7 @@ from ..attention import metadata as attn_metadata
 from ..attention import paged as paged_attention
 from .concat import KVTraffic
 from .manager import KVCacheManager, PoolExhausted, check_watermark  # noqa: F401  (PoolExhausted: re-exported)
-from ..request import check_positive_int
+from ..core.request import check_positive_int
 
 
 class PagedKVPool:

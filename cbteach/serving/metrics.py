@@ -33,7 +33,7 @@ class RequestMetrics:
 
 
 def request_metrics(c) -> RequestMetrics:
-    """TTFT, TPOT, ITLs and E2E latency of one :class:`~cbteach.request.Completion`."""
+    """TTFT, TPOT, ITLs and E2E latency of one :class:`~cbteach.core.request.Completion`."""
     if c.first_token_time is None or not c.token_times:
         raise ValueError(f"request {c.request_id!r} produced no token: it has no latency to measure")
     ttft = c.first_token_time - c.arrival_time

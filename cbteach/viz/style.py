@@ -116,7 +116,7 @@ def label_if_fits(ax, x0: float, x1: float, y: float, text: str, *, fontsize: fl
 def step_records(records) -> list:
     """``records`` (``engine.records``) as a list of step records, or a ``ValueError`` saying what was
     passed instead -- a static batching result or completions are drawn by other functions."""
-    from ..records import StepRecord
+    from ..core.records import StepRecord
 
     if isinstance(records, (str, bytes)) or not hasattr(records, "__iter__"):
         raise ValueError(f"expected the engine's step records (engine.records), got {type(records).__name__}")

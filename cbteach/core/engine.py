@@ -28,15 +28,15 @@ from __future__ import annotations
 import time
 
 from . import modelinfo
-from .kv.concat import ConcatKVCache
-from .kv.paged import check_options as check_paged_options
+from ..kv.concat import ConcatKVCache
+from ..kv.paged import check_options as check_paged_options
 from .model_runner import ModelRunner
 from .records import SeqStep, StepRecord
 from .request import Completion, Request, Sequence, as_request_list, validate_request
 from .sampling import make_generator
 from .policies import make_queue
 from .speculative import count_speculation, make_proposer, propose_for
-from .serving.streaming import StreamEvent, stream_events  # noqa: F401  (StreamEvent: part of the engine's API)
+from ..serving.streaming import StreamEvent, stream_events  # noqa: F401  (StreamEvent: part of the engine's API)
 from .scheduler import PREEMPTION_MODES, Scheduler, check_batch_size, check_token_budget
 
 KV_KINDS = ("concat", "paged")
@@ -81,7 +81,7 @@ class Engine:
         self.model = model  # each step runs it in eval mode (modelinfo.eval_mode) and leaves it as found
         self.tokenizer = tokenizer
         if kv == "paged":
-            from .kv.paged import PagedKVCache
+            from ..kv.paged import PagedKVCache
 
             self.kv = PagedKVCache.for_model(self.info, max_batch_size=max_batch_size, **paged_args)
         else:  # valid paged-pool options are accepted and ignored, so one call can switch kv= back and forth

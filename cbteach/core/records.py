@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention.packing import block_diagonal_causal_mask, per_sequence_causal_mask
+from ..attention.packing import block_diagonal_causal_mask, per_sequence_causal_mask
 
 
 @dataclass
