@@ -1,0 +1,281 @@
+"""The OpenAI wire format, checked at the door: request bodies in, response and chunk bodies out.
+
+A serving engine is only as robust as the layer that reads what clients send. Every field of a
+``/v1/completions`` or ``/v1/chat/completions`` body is checked here, before anything reaches the
+engine, and a bad one becomes an :class:`APIError` -- a 4xx with OpenAI's error body
+``{"error": {"message", "type", "param", "code"}}`` that names the field. The engine's own
+validation (prompt ids in the vocabulary, prompt + ``max_tokens`` within the model's positions,
+a request that could never fit the KV pool) runs later, in the worker, and is reported the same way.
+
+Defaults follow the model, as vLLM's ``--generation-config auto`` does: without ``temperature`` a
+request decodes the way the model's generation config says ``generate`` would (bierce's: greedy), so
+a plain client gets exactly ``model.generate``'s answer. ``max_tokens`` is required unless the server
+was started with ``--default-max-tokens``: a chat server that silently generates up to the model's
+4,096 positions is a way to hold a batch slot for a minute.
+
+**The plain-text chat template.** bierce (like GPT-2) has no chat template, so a chat request is
+turned into one prompt by joining every message's text with a blank line, in order, and the model
+continues after the last one -- no role labels, because the model never saw any: a user message
+``"CYNIC, n."`` gets the definition the model would write after that headword. A tokenizer that has a
+chat template uses it (``apply_chat_template(..., add_generation_prompt=True)``).
+
+Extensions that vLLM also accepts: ``ignore_eos`` (benchmarks need fixed lengths) and
+``return_token_ids`` (each choice then carries its ``token_ids``, so a client can check tokens, not
+just text).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+from .. import SamplingParams
+
+ROLES = ("system", "developer", "user", "assistant")
+MAX_STOP = 4  # OpenAI allows up to four stop sequences
+UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+               "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
+               "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"), "response_format": (None,)}
+
+
+class APIError(Exception):
+    """A request the server refuses: HTTP ``status`` and OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask of this server (the per-request caps)."""
+
+    served_model: str
+    max_tokens_cap: int  # the largest max_tokens accepted
+    max_n: int = 8  # choices per request (n), and prompts x n for a batched completion
+    default_max_tokens: int | None = None  # None: max_tokens is required
+    default_temperature: float = 0.0  # from the model's generation config
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A checked request: one or more prompts, each sampled ``n`` times with the same settings."""
+
+    kind: str  # "completion" or "chat"
+    prompts: tuple  # str (text) or tuple of token ids, one per prompt
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    n: int
+    stop: tuple
+    stream: bool
+    include_usage: bool
+    ignore_eos: bool
+    return_token_ids: bool
+    model: str
+
+    def choices(self):
+        """``(index, prompt, SamplingParams)`` per choice; a seeded request gives choice ``i`` the seed ``seed + i``
+        so the ``n`` choices differ but each is reproducible."""
+        i = 0
+        for prompt in self.prompts:
+            for k in range(self.n):
+                seed = None if self.seed is None else self.seed + k
+                yield i, prompt, SamplingParams(self.temperature, self.top_p, seed)
+                i += 1
+
+
+# -- reading fields ---------------------------------------------------------------------------------
+def _int(body: dict, name: str, default, low: int, high: int | None = None):
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if not isinstance(v, numbers.Integral) or isinstance(v, bool):
+        raise bad(f"'{name}' must be an integer, got {type(v).__name__} {v!r}", name)
+    if v < low or (high is not None and v > high):
+        raise bad(f"'{name}' must be between {low} and {high}, got {v}" if high is not None
+                  else f"'{name}' must be >= {low}, got {v}", name)
+    return int(v)
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, numbers.Real) or isinstance(v, bool) or not math.isfinite(v):
+        raise bad(f"'{name}' must be a number, got {type(v).__name__} {v!r}", name)
+    if v > high or v < low or (low_open and v == low):
+        raise bad(f"'{name}' must be in {'(' if low_open else '['}{low:g}, {high:g}], got {v!r}", name)
+    return float(v)
+
+
+def _bool(body: dict, name: str) -> bool:
+    v = body.get(name, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise bad(f"'{name}' must be true or false, got {v!r}", name)
+    return v
+
+
+def _stop(body: dict) -> tuple:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOP:
+        raise bad(f"'stop' must be a non-empty string or a list of at most {MAX_STOP} non-empty strings", "stop")
+    return tuple(stops)
+
+
+def _common(body, limits: Limits, kind: str, prompts: tuple, max_tokens_names: tuple) -> GenerationRequest:
+    model = body.get("model", limits.served_model)
+    if not isinstance(model, str):
+        raise bad(f"'model' must be a string, got {type(model).__name__}", "model")
+    if model != limits.served_model:
+        raise APIError(404, f"The model '{model}' does not exist; this server serves '{limits.served_model}' "
+                            "(GET /v1/models)", param="model", code="model_not_found")
+    for name, allowed in UNSUPPORTED.items():
+        if name in body and body[name] not in allowed:
+            raise bad(f"'{name}' is not supported by cbteach's server", name, "unsupported_parameter")
+    name = next((k for k in max_tokens_names if body.get(k) is not None), max_tokens_names[0])
+    max_tokens = _int(body, name, limits.default_max_tokens, 1, limits.max_tokens_cap)
+    if max_tokens is None:
+        raise bad(f"'{name}' is required: how many tokens may the answer have (1 to {limits.max_tokens_cap})?", name)
+    n = _int(body, "n", 1, 1, limits.max_n)
+    if n * len(prompts) > limits.max_n:
+        raise bad(f"{len(prompts)} prompts x n={n} choices is more than this server's {limits.max_n} per request",
+                  "n")
+    stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or not stream):
+        raise bad("'stream_options' must be an object, and only goes with \"stream\": true", "stream_options")
+    include_usage = bool(options and options.get("include_usage") is True)
+    seed = body.get("seed")
+    if seed is not None and (not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or seed < 0
+                             or seed >= 2**63):
+        raise bad(f"'seed' must be an integer in [0, 2**63), got {seed!r}", "seed")
+    return GenerationRequest(kind, prompts, max_tokens, _number(body, "temperature", limits.default_temperature, 0, 2),
+                             _number(body, "top_p", 1.0, 0, 1, low_open=True), seed, n, _stop(body), stream,
+                             include_usage, _bool(body, "ignore_eos"), _bool(body, "return_token_ids"), model)
+
+
+def _check_body(body) -> dict:
+    if not isinstance(body, dict):
+        raise bad(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _token_ids(p, param: str) -> tuple:
+    if not p:
+        raise bad("a prompt must not be empty", param)
+    if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in p):
+        raise bad("a prompt given as a list must be token ids: integers >= 0", param)
+    return tuple(int(t) for t in p)
+
+
+def parse_completion(body, limits: Limits) -> GenerationRequest:
+    """A ``/v1/completions`` body: ``prompt`` is text, token ids, or a list of either (a batch)."""
+    body = _check_body(body)
+    p = body.get("prompt")
+    if isinstance(p, str):
+        prompts = (p,)
+    elif isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+        prompts = tuple(x if isinstance(x, str) else _token_ids(x, "prompt") for x in p)
+    elif isinstance(p, list):
+        prompts = (_token_ids(p, "prompt"),)
+    else:
+        raise bad("'prompt' is required: a string, a list of token ids, or a list of either", "prompt")
+    if any(x == "" for x in prompts):
+        raise bad("a prompt must not be empty", "prompt")
+    return _common(body, limits, "completion", prompts, ("max_tokens",))
+
+
+def parse_chat(body, limits: Limits, tokenizer) -> GenerationRequest:
+    """A ``/v1/chat/completions`` body: ``messages`` rendered to one prompt (see the module's docstring)."""
+    body = _check_body(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("'messages' is required: a non-empty list of {\"role\", \"content\"} objects", "messages")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise bad(f"messages[{i}] must be an object whose 'role' is one of {', '.join(ROLES)}", "messages")
+        clean.append({"role": m["role"], "content": _content(m.get("content"), i)})
+    prompt = render_chat(clean, tokenizer)
+    if not prompt:
+        raise bad("the messages hold no text", "messages")
+    return _common(body, limits, "chat", (prompt,), ("max_completion_tokens", "max_tokens"))
+
+
+def _content(content, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise bad(f"messages[{i}].content must be a string or a list of {{\"type\": \"text\", \"text\": ...}} parts "
+              "(this server takes text only)", "messages")
+
+
+def render_chat(messages: list, tokenizer) -> str:
+    """One prompt from chat messages: the tokenizer's chat template, or the plain-text template."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return "\n\n".join(m["content"] for m in messages if m["content"])
+
+
+# -- writing responses -------------------------------------------------------------------------------
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "aborted": "abort", "abort": "abort"}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def choice(req: GenerationRequest, index: int, text: str, finish: str | None, token_ids=None) -> dict:
+    """One choice of a whole (non-streamed) response."""
+    out = {"index": index, "finish_reason": FINISH.get(finish, finish)}
+    if req.kind == "chat":
+        out["message"] = {"role": "assistant", "content": text}
+    else:
+        out["text"] = text
+    out["logprobs"] = None
+    if req.return_token_ids and token_ids is not None:
+        out["token_ids"] = list(token_ids)
+    return out
+
+
+def response(req: GenerationRequest, rid: str, created: int, choices: list, use: dict) -> dict:
+    obj = "chat.completion" if req.kind == "chat" else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": choices, "usage": use}
+
+
+def chunk(req: GenerationRequest, rid: str, created: int, index: int, text: str | None, finish: str | None = None,
+          token_ids=None, role: bool = False) -> dict:
+    """One server-sent event of a stream (``role=True``: the chat stream's opening chunk, as OpenAI sends)."""
+    c = {"index": index, "finish_reason": FINISH.get(finish, finish), "logprobs": None}
+    if req.kind == "chat":
+        c["delta"] = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
+    else:
+        c["text"] = text or ""
+    if req.return_token_ids and token_ids is not None:
+        c["token_ids"] = list(token_ids)
+    obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [c]}
+
+
+def usage_chunk(req: GenerationRequest, rid: str, created: int, use: dict) -> dict:
+    """The last chunk when ``stream_options.include_usage``: no choices, the request's usage."""
+    obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [], "usage": use}
