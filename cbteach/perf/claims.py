@@ -1,0 +1,69 @@
+"""Claims the prose makes, printed with whether they held: the stored outputs back the text.
+
+A notebook that says "a step of 16 sequences costs about as much as a step of one" must show it.
+Every such comparison is computed in the cell beside the prose and printed as one line::
+
+    claim: a batch of 16 costs less than 2x a batch of 1 per step -- holds
+    claim: a batch of 16 costs less than 2x a batch of 1 per step -- DID NOT HOLD on this machine
+
+The format is fixed (:data:`CLAIM_LINE`) so that a test can read every notebook's stored outputs
+and fail when one of them reports a claim that did not hold (:func:`failed_claims`). A claim whose
+verdict depends on the machine (a timing) goes in a cell marked ``# NBVAL_IGNORE_OUTPUT``; a claim
+that is a count (steps, tokens, bytes) holds everywhere and can be compared by nbval.
+
+Timings behind a claim are medians of repeats after a warm-up (:func:`timeit`): the median ignores
+the few repeats another program on the machine happened to slow down, where the mean would not.
+"""
+from __future__ import annotations
+
+import re
+import statistics
+import time
+
+HOLDS = "holds"
+FAILED = "DID NOT HOLD on this machine"
+CLAIM_LINE = re.compile(rf"^claim: (?P<text>.+) -- (?P<verdict>{HOLDS}|{FAILED})$", re.MULTILINE)
+
+
+def claim(text: str, holds) -> bool:
+    """Print ``claim: <text> -- holds`` (or ``-- DID NOT HOLD on this machine``); return ``holds`` as a bool.
+
+    ``text`` states the claim as the prose does, on one line; ``holds`` is the computed comparison
+    (a bool, or a NumPy/torch boolean scalar)."""
+    if not isinstance(text, str) or not text.strip() or "\n" in text:
+        raise ValueError(f"a claim is one non-empty line of text, got {text!r}")
+    try:
+        ok = bool(holds)
+    except (TypeError, RuntimeError, ValueError) as err:  # a tensor of several values has no truth value
+        raise ValueError(f"holds must be one truth value, got {holds!r}") from err
+    print(f"claim: {text.strip()} -- {HOLDS if ok else FAILED}")
+    return ok
+
+
+def failed_claims(output: str) -> list[str]:
+    """The texts of the claims in ``output`` (a cell's printed text) that did not hold."""
+    return [m["text"] for m in CLAIM_LINE.finditer(output) if m["verdict"] == FAILED]
+
+
+def timeit(fn, repeats: int = 15, warmup: int = 3, sync=None) -> float:
+    """Median wall time of ``fn()`` in seconds, over ``repeats`` calls after ``warmup`` calls.
+
+    ``sync``: a function called after each ``fn()`` before the clock stops -- on a GPU, which runs
+    asynchronously, ``torch.cuda.synchronize``; otherwise the clock would time only the launch."""
+    if not callable(fn):
+        raise ValueError(f"fn must be callable, got {type(fn).__name__}")
+    for name, value, least in (("repeats", repeats, 1), ("warmup", warmup, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+    for _ in range(warmup):  # first calls pay for allocation, caches, lazy initialisation
+        fn()
+    if sync is not None:
+        sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        if sync is not None:
+            sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
