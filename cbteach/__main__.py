@@ -1,116 +1,60 @@
-"""Command line: ``python -m cbteach {demo,mask,bench,student}``.
+"""The command line: ``python -m cbteach COMMAND [ARGS]`` (or ``cbteach COMMAND`` once installed).
 
-``mask`` prints the attention mask of one packed step, in any of the three key layouts of
-:mod:`cbteach.viz.mask` (``concat``, ``per-sequence``, ``paged``), and can save it as a heatmap::
-
-    python -m cbteach mask --cached 3,0,5 --new 1,4,1 --layout per-sequence
-    python -m cbteach mask --cached 3,0,5 --new 1,4,1 --layout paged --block-size 4 --png mask.png
+Each command lives in its own module and is imported only when it runs, so ``--help`` is quick
+and a command whose optional dependencies are missing (``serve`` needs ``cbteach[serve]``) says
+so in one line instead of breaking the others. Errors the user can fix -- a bad option, an
+unknown model while offline, a file that cannot be written -- end in one ``error:`` line and exit
+status 2, never a traceback.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-
-def _lengths(text: str) -> list[int]:
-    """argparse type for ``"3,0,5"`` (an empty string is an empty list: a step with no sequences)."""
-    text = text.strip()
-    if not text:
-        return []
-    out = []
-    for item in text.split(","):
-        try:
-            value = int(item.strip())
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{item.strip()!r} is not an integer; "
-                                             "give comma-separated token counts like 3,0,5") from None
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"{value} is negative; token counts must be >= 0")
-        out.append(value)
-    return out
+# name -> what it does; the top-level --help prints this list.
+COMMANDS = {
+    "demo": "static vs continuous batching on six requests, told step by step in the terminal (offline)",
+    "mask": "print the attention mask of one packed step, e.g. mask --cached 3,0,5 --new 1,4,1 (no model)",
+    "bench": "benchmark static batching, cbteach's engines and transformers on a workload; writes JSON",
+    "notebooks": "write the course notebooks into a folder, e.g. notebooks course/ (--student: with stubs)",
+    "student": "copy a folder of notebooks with each exercise's solution replaced by a stub",
+    "serve": "an OpenAI-compatible HTTP server on the engine (needs: pip install 'cbteach[serve]')",
+    "bench-serve": "load-test a running server endpoint and report TTFT/TPOT (needs cbteach[serve])",
+}
+SERVE_HINT = "pip install 'cbteach[serve]'"
 
 
-def _block_tables(text: str) -> list[list[int]]:
-    """argparse type for ``"0,1;2;3,4"``: one comma-separated block table per sequence, ``;`` between."""
-    try:
-        return [_lengths(part) for part in text.split(";")]
-    except argparse.ArgumentTypeError as e:
-        raise argparse.ArgumentTypeError(f"{e} (block tables look like 0,1;2;3,4: block ids, ';' between "
-                                         "sequences)") from None
+def _version() -> str:
+    from . import __version__
+
+    return __version__
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
-    return value
-
-
-def mask_command(argv=None) -> int:
-    """``python -m cbteach mask``: print a packed step's mask, optionally save the heatmap as PNG."""
-    from .viz.mask import DEFAULT_BLOCK_SIZE, LAYOUTS, figsize, mask_ascii, mask_heatmap, resolve
-
-    parser = argparse.ArgumentParser(
-        prog="python -m cbteach mask",
-        description="Print the attention mask of one packed step: one query row per new token, "
-                    "one column per key, # = may attend, . = blocked.")
-    parser.add_argument("--cached", type=_lengths, required=True,
-                        help="tokens each sequence already has in the KV cache, e.g. 3,0,5")
-    parser.add_argument("--new", type=_lengths, required=True,
-                        help="tokens each sequence feeds this step, e.g. 1,4,1 (prefill > 1, decode = 1)")
-    parser.add_argument("--layout", choices=LAYOUTS, default="concat",
-                        help="key order: concat = [all cached | all new] (the concatenating cache), "
-                             "per-sequence = [each sequence's cached|new] (varlen kernels), paged = each "
-                             "sequence's slots read through its block table (default: concat)")
-    parser.add_argument("--block-size", type=_positive, metavar="N",
-                        help=f"paged layout: tokens per block (default {DEFAULT_BLOCK_SIZE})")
-    parser.add_argument("--block-tables", type=_block_tables, metavar="TABLES",
-                        help="paged layout: each sequence's block ids, e.g. 0,1;2;3,4 (default: blocks "
-                             "handed out in order)")
-    parser.add_argument("--png", metavar="FILE", help="also save the heatmap to this PNG file")
-    args = parser.parse_args(argv)
-    if len(args.cached) != len(args.new):
-        parser.error(f"--cached has {len(args.cached)} entries but --new has {len(args.new)}; "
-                     "give one of each per sequence")
-    if args.layout != "paged" and (args.block_size is not None or args.block_tables is not None):
-        parser.error("--block-size and --block-tables apply only to --layout paged")
-    kwargs = dict(cached=args.cached, new=args.new, layout=args.layout)
-    if args.layout == "paged":
-        kwargs.update(block_size=args.block_size or DEFAULT_BLOCK_SIZE, block_tables=args.block_tables)
-    try:
-        view = resolve(**kwargs)
-    except ValueError as e:  # e.g. a block table too short for its sequence
-        parser.error(str(e))
-    print(mask_ascii(**kwargs))
-    if args.png:
-        # A bare Agg figure: no pyplot, no GUI backend, works on a headless machine.
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-
-        fig = Figure(figsize=figsize(*view.mask.shape))
-        FigureCanvasAgg(fig)
-        mask_heatmap(**kwargs, ax=fig.add_subplot())
-        try:
-            fig.savefig(args.png, dpi=120, bbox_inches="tight")
-        except OSError as e:
-            parser.error(f"cannot write {args.png}: {e}")
-        print(f"heatmap saved to {args.png}")
-    return 0
+def _parser() -> argparse.ArgumentParser:
+    listing = "\n".join(f"  {name:12s} {what}" for name, what in COMMANDS.items())
+    p = argparse.ArgumentParser(
+        prog="python -m cbteach", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="cbteach: continuous batching for LLM inference, taught by a real, small engine.",
+        epilog=f"commands:\n{listing}\n\nRun `python -m cbteach COMMAND --help` for a command's options. "
+               "Start with `python -m cbteach demo`.")
+    p.add_argument("--version", action="version", version=f"cbteach {_version()}")
+    p.add_argument("command", metavar="COMMAND", choices=list(COMMANDS), help="what to run (the commands below)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the command's own options")
+    return p
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m cbteach", description="cbteach: continuous batching, taught")
-    parser.add_argument("command", choices=["demo", "mask", "bench", "student"], help="what to run")
+    parser = _parser()
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0
+    if argv[0] == "--version":
+        print(f"cbteach {_version()}")
+        return 0
     command, rest = argv[0], argv[1:]
-    if command not in ("demo", "mask", "bench", "student"):
-        parser.error(f"unknown command {command!r}; choose from demo, mask, bench, student")
+    if command not in COMMANDS:
+        parser.error(f"unknown command {command!r}; choose from {', '.join(COMMANDS)}")
     try:
         return run_command(command, rest)
     except (ValueError, OSError) as e:  # what the user asked for cannot be done: say why, no traceback
@@ -118,25 +62,61 @@ def main(argv=None) -> int:
         return 2
 
 
+def _demo(rest: list[str]) -> int:
+    from .viz.mask_cli import positive_int
+
+    p = argparse.ArgumentParser(prog="python -m cbteach demo", description=COMMANDS["demo"],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="bierce", help="'bierce' (embedded, offline) or a hub id such as gpt2")
+    p.add_argument("--batch-size", type=positive_int, default=3, help="slots in the batch")
+    p.add_argument("--max-new-tokens", type=positive_int, default=160, help="output cap of each request")
+    p.add_argument("--repeat", type=positive_int, default=3,
+                   help="timed runs of each strategy; the speed-up is the median")
+    p.add_argument("--device", default="auto", help="auto (the best this machine has), cpu, cuda or mps")
+    a = p.parse_args(rest)
+    from .demo import run_demo
+    from .models import device_option
+
+    try:
+        device = device_option(a.device)
+    except ValueError as e:
+        p.error(str(e))
+    return 0 if run_demo(a.model, a.batch_size, a.max_new_tokens, repeat=a.repeat, device=device) else 1
+
+
+def _optional(command: str, module: str, rest: list[str]) -> int:
+    """``serve`` and ``bench-serve``: their module's ``main(argv)``, or one line naming the extra."""
+    import importlib
+
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+
+        entry = importlib.import_module(module).main
+    except ImportError as e:
+        print(f"python -m cbteach {command}: error: {e.name or e} is not installed; {SERVE_HINT}", file=sys.stderr)
+        return 2
+    return entry(rest) or 0
+
+
 def run_command(command: str, rest: list[str]) -> int:
     if command == "demo":
-        p = argparse.ArgumentParser(prog="python -m cbteach demo")
-        p.add_argument("--model", default="bierce", help="'bierce' (embedded, offline) or a hub id such as gpt2")
-        p.add_argument("--batch-size", type=_positive, default=3)
-        p.add_argument("--max-new-tokens", type=_positive, default=160)
-        a = p.parse_args(rest)
-        from .demo import run_demo
-
-        return 0 if run_demo(a.model, a.batch_size, a.max_new_tokens) else 1
+        return _demo(rest)
     if command == "mask":
-        return mask_command(rest) or 0
+        from .viz.mask_cli import cli
+
+        return cli(rest) or 0
     if command == "bench":
         from .bench.cli import cli
 
         return cli(rest) or 0
-    from .student import cli
+    if command == "serve":
+        return _optional(command, "cbteach.serving.server", rest)
+    if command == "bench-serve":
+        return _optional(command, "cbteach.bench.endpoint", rest)
+    from .student import cli, notebooks_cli
 
-    return cli(rest) or 0
+    return (notebooks_cli(rest) if command == "notebooks" else cli(rest)) or 0
 
 
 if __name__ == "__main__":

@@ -8,7 +8,10 @@ for online users; offline, an uncached id fails with one clear error naming the 
 """
 from __future__ import annotations
 
+import os
+import socket
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import torch
 
@@ -39,6 +42,32 @@ def pick_device(device=None) -> torch.device:
     if mps is not None and mps.is_available():
         return torch.device("mps")
     return torch.device("cpu")
+
+
+def device_option(text: str) -> torch.device:
+    """The command line's ``--device``: ``auto`` (the best this machine has), ``cpu``, ``cuda``,
+    ``cuda:1``, ``mps``. Raises ValueError in the option's own words (``auto``, not None)."""
+    if text == "auto":
+        return pick_device(None)
+    try:
+        return pick_device(text)
+    except ValueError as err:
+        what = f"device {text!r} is not available on this machine" if "not available" in str(err) \
+            else f"unknown device {text!r}"
+        raise ValueError(f"{what}; use --device cpu, cuda, mps, or auto (the best this machine has)") from None
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Can the Hugging Face hub be reached at all? False at once when ``HF_HUB_OFFLINE`` is set, and
+    within ``timeout`` seconds when the network is down (instead of the hub client's retries)."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return False
+    parts = urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        with socket.create_connection((parts.hostname, parts.port or 443), timeout=timeout):
+            return True
+    except (OSError, TypeError):
+        return False
 
 
 def pick_dtype(device: torch.device, dtype=None) -> torch.dtype:
@@ -77,9 +106,13 @@ def load_model(name: str = DEFAULT_MODEL, device=None, dtype=None):
     tokenizer_source = BIERCE_DIR if name in EMBEDDED else name
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a 2M-parameter model loads in an instant; no bar needed
+    # A hub id that is not cached: find out in seconds whether the hub is there at all, instead of
+    # waiting out the hub client's retries (about a minute) before the same error.
+    local = name in EMBEDDED or Path(name).is_dir()
+    online = local or hub_reachable()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dt)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, local_files_only=not online)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dt, local_files_only=not online)
     except (OSError, ValueError) as err:
         if name in EMBEDDED:
             raise

@@ -1,4 +1,5 @@
-"""``python -m cbteach student SRC DST`` (``make student``): the notebooks as handed to a class.
+"""``python -m cbteach student SRC DST`` (``make student``): the notebooks as handed to a class;
+``python -m cbteach notebooks DIR [--student]``: the course, written out from the installed package.
 
 Exercise solutions live in code cells tagged ``solution``. The student copy keeps every other cell
 -- explanations, the exercise's starting code, and the self-check cell -- and replaces each
@@ -7,6 +8,10 @@ their signatures, and the names it assigns), visible and runnable, with its outp
 self-check cells keep their code but lose their stored output, which would otherwise show the
 answer. ``--clear-outputs`` clears every cell's output, for workshops that want learners to
 predict before they run. Instructors hand out the copy and keep the originals.
+
+Where the course comes from: in a checkout, ``notebooks/``; in an installed wheel, the copy that
+``setup.py`` put into the package as ``cbteach/course/`` (:func:`course_dir`). Neither command
+overwrites a notebook that is already there unless given ``--force``: a learner's work is not lost.
 """
 from __future__ import annotations
 
@@ -92,21 +97,76 @@ def strip_solutions(nb: dict, clear_outputs: bool = False) -> tuple[dict, int]:
     return out, n
 
 
-def cli(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cbteach student", description=__doc__)
-    p.add_argument("src", type=Path, nargs="?", default=Path("notebooks"))
-    p.add_argument("dst", type=Path, nargs="?", default=Path("student"))
-    p.add_argument("--clear-outputs", action="store_true", help="clear every cell's output, not only the checks'")
-    a = p.parse_args(argv)
-    notebooks = sorted(a.src.glob("*.ipynb"))
+COURSE_EXTRAS = ("sanitize.cfg",)          # copied with the notebooks (nbval needs it to check them)
+INSTRUCTOR_FILES = ("INSTRUCTOR.md",)     # copied with the full course only, not with the student copy
+
+
+def course_dir() -> Path:
+    """Where the course notebooks are: ``notebooks/`` beside the package in a checkout or an editable
+    install, else the copy shipped inside the installed package (``cbteach/course/``)."""
+    package = Path(__file__).resolve().parent
+    for candidate in (package.parent / "notebooks", package / "course"):
+        if any(candidate.glob("*.ipynb")):
+            return candidate
+    raise FileNotFoundError(f"no course notebooks in {package.parent / 'notebooks'} or {package / 'course'}; "
+                            "reinstall cbteach from a wheel or a checkout")
+
+
+def write_course(src: Path, dst: Path, student: bool, force: bool = False, clear_outputs: bool = False,
+                 say=print) -> list[Path]:
+    """Write ``src``'s notebooks into ``dst`` (with stubs for solutions when ``student``); returns the
+    notebooks written. Refuses (FileExistsError) to replace any notebook already in ``dst`` unless ``force``."""
+    notebooks = sorted(src.glob("*.ipynb"))
     if not notebooks:
-        p.error(f"no notebooks found in {a.src}")
-    a.dst.mkdir(parents=True, exist_ok=True)
+        raise FileNotFoundError(f"no notebooks found in {src}")
+    if dst.exists() and not dst.is_dir():
+        raise NotADirectoryError(f"{dst} is a file, not a folder")
+    there = [dst / p.name for p in notebooks if (dst / p.name).exists()]
+    if there and not force:
+        raise FileExistsError(f"{dst} already holds {len(there)} of the notebooks ({there[0].name}, ...); "
+                              "your work there is kept: choose another folder, or add --force to overwrite")
+    dst.mkdir(parents=True, exist_ok=True)
+    extras = COURSE_EXTRAS + (() if student else INSTRUCTOR_FILES)
     for path in notebooks:
-        nb, n = strip_solutions(json.loads(path.read_text()), clear_outputs=a.clear_outputs)
-        (a.dst / path.name).write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
-        print(f"{path.name}: {n} solution cell(s) emptied")
-    for extra in ("sanitize.cfg",):
-        if (a.src / extra).exists():
-            (a.dst / extra).write_text((a.src / extra).read_text())
+        nb = json.loads(path.read_text(encoding="utf-8"))
+        if student:
+            nb, n = strip_solutions(nb, clear_outputs=clear_outputs)
+            say(f"{path.name}: {n} solution cell(s) emptied")
+        (dst / path.name).write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    for extra in extras:
+        if (src / extra).exists():
+            (dst / extra).write_text((src / extra).read_text(encoding="utf-8"), encoding="utf-8")
+    return [dst / p.name for p in notebooks]
+
+
+def cli(argv=None) -> int:
+    """``python -m cbteach student [SRC] [DST]``."""
+    p = argparse.ArgumentParser(prog="python -m cbteach student", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("src", type=Path, nargs="?", default=None,
+                   help="folder of notebooks (default: ./notebooks, else the course shipped with cbteach)")
+    p.add_argument("dst", type=Path, nargs="?", default=Path("student"), help="where to write (default: student)")
+    p.add_argument("--clear-outputs", action="store_true", help="clear every cell's output, not only the checks'")
+    p.add_argument("--force", action="store_true", help="overwrite notebooks already in DST")
+    a = p.parse_args(argv)
+    src = a.src if a.src is not None else Path("notebooks") if any(Path("notebooks").glob("*.ipynb")) else course_dir()
+    if not any(src.glob("*.ipynb")):
+        p.error(f"no notebooks found in {src}")
+    write_course(src, a.dst, student=True, force=a.force, clear_outputs=a.clear_outputs)
+    return 0
+
+
+def notebooks_cli(argv=None) -> int:
+    """``python -m cbteach notebooks DIR [--student] [--force]``: the course from the installed package."""
+    p = argparse.ArgumentParser(
+        prog="python -m cbteach notebooks",
+        description="Write the course's notebooks (with their stored outputs) into DIR, then open them: "
+                    "`jupyter lab DIR`. With --student, each exercise's solution is replaced by a stub.")
+    p.add_argument("dir", type=Path, help="folder to write the notebooks into (made if missing)")
+    p.add_argument("--student", action="store_true", help="the student copy: solutions replaced by stubs")
+    p.add_argument("--force", action="store_true", help="overwrite notebooks already in DIR")
+    a = p.parse_args(argv)
+    written = write_course(course_dir(), a.dir, student=a.student, force=a.force, say=lambda _msg: None)
+    kind = "student copy (solutions replaced by stubs)" if a.student else "notebooks"
+    print(f"wrote {len(written)} {kind} to {a.dir}; open them with: jupyter lab {a.dir}")
     return 0

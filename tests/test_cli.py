@@ -1,30 +1,123 @@
-"""The command line: the demo tells the whole story and confirms identical tokens; mask; student."""
+"""The command line: the demo tells the whole story and confirms identical tokens; mask; bench; the
+course written out (notebooks, student) without overwriting anyone's work; serve and bench-serve wired
+to their modules; help, --version and one-line errors."""
 import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
-from cbteach.__main__ import main
+import cbteach
+from cbteach.__main__ import COMMANDS, main
 
 
 def test_demo_runs_offline_and_confirms_identical_tokens():
-    out = subprocess.run([sys.executable, "-m", "cbteach", "demo"], capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    out = subprocess.run([sys.executable, "-m", "cbteach", "demo", "--repeat", "2"], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 0, out.stderr
     text = out.stdout
-    for expected in ("Static batching", "batch barrier", "Continuous batching", "admit", "finish",
-                     "Packed row of step 0", "fused with decodes", "tokens/s",
-                     "identical tokens from static and continuous batching: YES"):
+    for expected in ("1 CPU thread(s)", "warming up", "Static batching", "batch barrier", "Continuous batching",
+                     "admit", "finish", "Packed row of step 0", "fused with decodes", "tokens/s", "run 2:",
+                     "(median of 2)", "identical tokens from static and continuous batching: YES"):
         assert expected in text, expected
     assert "|" in text and "#" in text  # the ASCII masks
+    # admissions and finishes are told in step order, as they happen
+    steps = [int(ln.split()[1].rstrip(":")) for ln in text.splitlines() if ln.startswith("step ") and
+             ("admit" in ln or "finish" in ln)]
+    assert steps == sorted(steps) and len(steps) == 12  # six admissions, six finishes
+
+
+def test_help_lists_every_command_and_version(capsys):
+    assert main([]) == 0
+    text = capsys.readouterr().out
+    for name, what in COMMANDS.items():
+        assert f"  {name:12s} {what}" in text
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"cbteach {cbteach.__version__}"
+    with pytest.raises(SystemExit) as e:
+        main(["frobnicate"])
+    assert e.value.code == 2 and "unknown command 'frobnicate'" in capsys.readouterr().err
 
 
 def test_help_and_mask(capsys):
-    assert main([]) == 0
     assert main(["mask", "--cached", "1,0", "--new", "1,2"]) == 0
     assert "#" in capsys.readouterr().out
+
+
+def test_the_mask_cli_does_not_import_the_command_line():
+    """No cycle: cbteach.viz.mask_cli (and so viz.mask's cli) never imports cbteach.__main__."""
+    code = "import sys, cbteach.viz.mask as m; m.cli(['--cached', '1', '--new', '1']); print('__main__' in " \
+           "' '.join(k for k in sys.modules if k.startswith('cbteach')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("False")
+
+
+@pytest.mark.parametrize("command, module", [("serve", "cbteach.serving.server"),
+                                             ("bench-serve", "cbteach.bench.endpoint")])
+def test_serve_commands_call_their_module(command, module, monkeypatch):
+    seen = []
+    monkeypatch.setitem(sys.modules, module, types.SimpleNamespace(main=lambda argv: seen.append(argv) or 0))
+    for name in ("fastapi", "uvicorn"):  # present or not, the wiring is what is tested here
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    assert main([command, "--port", "0"]) == 0
+    assert seen == [["--port", "0"]]
+
+
+@pytest.mark.parametrize("command, missing", [("serve", "cbteach.serving.server"), ("bench-serve", "fastapi"),
+                                              ("serve", "uvicorn")])
+def test_serve_commands_without_their_extra_say_what_to_install(command, missing, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, missing, None)  # `import missing` now raises ImportError
+    assert main([command]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install 'cbteach[serve]'" in err and "Traceback" not in err
+
+
+def test_demo_bad_device_is_one_line_in_the_options_words(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--device", "banana"])
+    err = capsys.readouterr().err
+    assert "unknown device 'banana'; use --device cpu, cuda, mps, or auto" in err and "None" not in err
+
+
+def test_bench_help_is_plain_text_with_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = capsys.readouterr().out
+    assert "``" not in text and "**" not in text and ":mod:" not in text
+    assert "requests in the workload (default: 32)" in text and "(default: None)" not in text
+
+
+def test_an_uncached_hub_model_fails_at_once_when_the_hub_is_unreachable(monkeypatch):
+    """Offline without HF_HUB_OFFLINE: no minute of retries, the same clear error (only 127.0.0.1 is tried)."""
+    from cbteach.models import hub_reachable, load_model
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
+    assert hub_reachable(timeout=2) is False
+    with pytest.raises(ValueError, match="load_model\\('bierce'\\)"):
+        load_model("some-org/not-here")
+
+
+def test_notebooks_writes_the_course_and_keeps_existing_work(tmp_path, capsys):
+    dst = tmp_path / "course"
+    assert main(["notebooks", str(dst)]) == 0
+    names = sorted(p.name for p in dst.glob("*.ipynb"))
+    assert names and names[0].startswith("00_") and (dst / "INSTRUCTOR.md").exists()
+    assert f"wrote {len(names)} notebooks to {dst}" in capsys.readouterr().out
+    mine = dst / names[0]
+    mine.write_text("my work")
+    assert main(["notebooks", str(dst)]) == 2  # refused: nothing overwritten
+    assert "add --force to overwrite" in capsys.readouterr().err and mine.read_text() == "my work"
+    assert main(["notebooks", str(dst), "--force"]) == 0 and mine.read_text() != "my work"
+    stu = tmp_path / "student"
+    assert main(["notebooks", str(stu), "--student"]) == 0
+    assert not (stu / "INSTRUCTOR.md").exists()
+    cells = [c for n in names for c in json.loads((stu / n).read_text())["cells"]
+             if "solution" in c.get("metadata", {}).get("tags", [])]
+    assert cells and all("".join(c["source"]).startswith("# Your solution here") for c in cells)
 
 
 @pytest.mark.parametrize("layout", ["concat", "per-sequence", "paged"])
@@ -72,6 +165,11 @@ def test_student_copy(tmp_path):
     out = json.loads((tmp_path / "out" / "01_x.ipynb").read_text())
     assert "42" not in out["cells"][0]["source"] and out["cells"][1]["source"] == "check(x)"
     assert "x = ..." in out["cells"][0]["source"]  # the stub names what to write
+    # a second run would overwrite the learner's copy: refused without --force
+    (tmp_path / "out" / "01_x.ipynb").write_text("learner's answers")
+    assert main(["student", str(src), str(tmp_path / "out")]) == 2
+    assert (tmp_path / "out" / "01_x.ipynb").read_text() == "learner's answers"
+    assert main(["student", str(src), str(tmp_path / "out"), "--force"]) == 0
 
 
 def test_bench_runs_small_and_writes_json(tmp_path, capsys):

@@ -204,7 +204,7 @@ def mask_legend(ax, new_key_label: str, below_points: float, empty: bool = False
 
 def cli(argv=None) -> int:
     """``python -m cbteach mask``: print a packed step's mask, optionally save the heatmap as PNG
-    (the arguments are parsed in :mod:`cbteach.__main__`, the home of the whole command line)."""
-    from ..__main__ import mask_command
+    (the arguments are parsed in :mod:`cbteach.viz.mask_cli`)."""
+    from .mask_cli import cli as mask_cli
 
-    return mask_command(argv)
+    return mask_cli(argv)

@@ -1,0 +1,103 @@
+"""``python -m cbteach mask``: the attention mask of one packed step, in the terminal (and as a PNG).
+
+No model is loaded. The pattern comes from the functions the engine itself calls
+(:mod:`cbteach.viz.mask_view` over :mod:`cbteach.attention`), drawn by :mod:`cbteach.viz.mask`::
+
+    python -m cbteach mask --cached 3,0,5 --new 1,4,1 --layout per-sequence
+    python -m cbteach mask --cached 3,0,5 --new 1,4,1 --layout paged --block-size 4 --png mask.png
+
+This module also holds the small argparse types the rest of the command line shares
+(:func:`positive_int`); it imports nothing from :mod:`cbteach.__main__`, so there is no cycle.
+"""
+from __future__ import annotations
+
+import argparse
+
+
+def lengths(text: str) -> list[int]:
+    """argparse type for ``"3,0,5"`` (an empty string is an empty list: a step with no sequences)."""
+    text = text.strip()
+    if not text:
+        return []
+    out = []
+    for item in text.split(","):
+        try:
+            value = int(item.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item.strip()!r} is not an integer; "
+                                             "give comma-separated token counts like 3,0,5") from None
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"{value} is negative; token counts must be >= 0")
+        out.append(value)
+    return out
+
+
+def block_tables_arg(text: str) -> list[list[int]]:
+    """argparse type for ``"0,1;2;3,4"``: one comma-separated block table per sequence, ``;`` between."""
+    try:
+        return [lengths(part) for part in text.split(";")]
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e} (block tables look like 0,1;2;3,4: block ids, ';' between "
+                                         "sequences)") from None
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return value
+
+
+def cli(argv=None) -> int:
+    """``python -m cbteach mask``: print a packed step's mask, optionally save the heatmap as PNG."""
+    from .mask import DEFAULT_BLOCK_SIZE, LAYOUTS, figsize, mask_ascii, mask_heatmap, resolve
+
+    parser = argparse.ArgumentParser(
+        prog="python -m cbteach mask",
+        description="Print the attention mask of one packed step: one query row per new token, "
+                    "one column per key, # = may attend, . = blocked.")
+    parser.add_argument("--cached", type=lengths, required=True,
+                        help="tokens each sequence already has in the KV cache, e.g. 3,0,5")
+    parser.add_argument("--new", type=lengths, required=True,
+                        help="tokens each sequence feeds this step, e.g. 1,4,1 (prefill > 1, decode = 1)")
+    parser.add_argument("--layout", choices=LAYOUTS, default="concat",
+                        help="key order: concat = [all cached | all new] (the concatenating cache), "
+                             "per-sequence = [each sequence's cached|new] (varlen kernels), paged = each "
+                             "sequence's slots read through its block table (default: concat)")
+    parser.add_argument("--block-size", type=positive_int, metavar="N",
+                        help=f"paged layout: tokens per block (default {DEFAULT_BLOCK_SIZE})")
+    parser.add_argument("--block-tables", type=block_tables_arg, metavar="TABLES",
+                        help="paged layout: each sequence's block ids, e.g. 0,1;2;3,4 (default: blocks "
+                             "handed out in order)")
+    parser.add_argument("--png", metavar="FILE", help="also save the heatmap to this PNG file")
+    args = parser.parse_args(argv)
+    if len(args.cached) != len(args.new):
+        parser.error(f"--cached has {len(args.cached)} entries but --new has {len(args.new)}; "
+                     "give one of each per sequence")
+    if args.layout != "paged" and (args.block_size is not None or args.block_tables is not None):
+        parser.error("--block-size and --block-tables apply only to --layout paged")
+    kwargs = dict(cached=args.cached, new=args.new, layout=args.layout)
+    if args.layout == "paged":
+        kwargs.update(block_size=args.block_size or DEFAULT_BLOCK_SIZE, block_tables=args.block_tables)
+    try:
+        view = resolve(**kwargs)
+    except ValueError as e:  # e.g. a block table too short for its sequence
+        parser.error(str(e))
+    print(mask_ascii(**kwargs))
+    if args.png:
+        # A bare Agg figure: no pyplot, no GUI backend, works on a headless machine.
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=figsize(*view.mask.shape))
+        FigureCanvasAgg(fig)
+        mask_heatmap(**kwargs, ax=fig.add_subplot())
+        try:
+            fig.savefig(args.png, dpi=120, bbox_inches="tight")
+        except OSError as e:
+            parser.error(f"cannot write {args.png}: {e}")
+        print(f"heatmap saved to {args.png}")
+    return 0
