@@ -21,8 +21,10 @@ rest (their blocks freed) and exits 0.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import os
+import signal
 import sys
 import threading
 import time
@@ -104,7 +106,7 @@ def is_loopback(host: str) -> bool:
 
 
 def build(args):
-    """``(app, hub)`` for parsed arguments: the model loaded, the engine made, the worker not yet started."""
+    """``(app, hub, worker)`` for parsed arguments: the model loaded, the engine made, the worker not yet started."""
     from .. import Engine, load_model
     from . import openai_protocol as proto
     from .server_app import create_app
@@ -138,21 +140,45 @@ def build(args):
     worker = EngineWorker(engine, metrics=metrics, observers=[hub.observe])
     app = create_app(worker, limits, hub, metrics, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                      max_in_flight=args.max_in_flight, max_model_len=positions)
-    return app, hub
+    return app, hub, worker
 
 
 def _server_class():
     import uvicorn
 
     class Server(uvicorn.Server):
-        """uvicorn's server, which also ends the live view's endless streams when asked to exit."""
+        """uvicorn's server, taught a clean exit: on the first SIGTERM (or Ctrl-C) the live view's endless
+        streams end at once, in-flight requests get ``drain_timeout`` seconds to finish, and then the rest are
+        aborted -- their streams end with ``finish_reason: "abort"`` and ``[DONE]``, their blocks are freed --
+        before uvicorn's own graceful timeout (a little later) would cut connections mid-stream."""
 
-        hub = None
+        hub = worker = None
+        drain_timeout = 5.0
+        _draining = False
 
         def handle_exit(self, sig, frame):
-            if self.hub is not None and self.hub.loop is not None:
-                self.hub.loop.call_soon_threadsafe(self.hub.close)
+            if not self._draining and self.worker is not None:
+                self._draining = True
+                if self.hub.loop is not None:
+                    self.hub.loop.call_soon_threadsafe(self.hub.close)
+                timer = threading.Timer(self.drain_timeout, self.worker.abort_all)
+                timer.daemon = True
+                timer.start()
             super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            """SIGINT and SIGTERM start the clean exit above, and the process then exits 0 (uvicorn's own version
+            re-raises the signal after shutdown, which ends the process with -15 however cleanly it stopped)."""
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            old = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, handler in old.items():
+                    signal.signal(s, handler)
 
     return Server
 
@@ -161,11 +187,11 @@ def make_server(args):
     """A uvicorn server for parsed arguments (not running yet)."""
     import uvicorn
 
-    app, hub = build(args)
+    app, hub, worker = build(args)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.drain_timeout, access_log=args.log_level in ("info", "debug"))
+                            timeout_graceful_shutdown=args.drain_timeout + 5, access_log=args.log_level in ("info", "debug"))
     server = _server_class()(config)
-    server.hub = hub
+    server.hub, server.worker, server.drain_timeout = hub, worker, args.drain_timeout
     return server
 
 

@@ -84,6 +84,7 @@ class ServerMetrics:
         self.refresh(worker)
 
     def finished(self, job, reason: str, now: float) -> None:
+        reason = {"eos": "stop"}.get(reason, reason)  # the engine's "eos" is OpenAI's (and vLLM's) "stop"
         with self.lock:
             self.finished_by_reason[reason] = self.finished_by_reason.get(reason, 0) + 1
             self.e2e.observe(now - job.created)

@@ -97,6 +97,10 @@ class EngineWorker:
         """Ask for ``request_id`` to leave the batch before the next step (unknown or finished ids are ignored)."""
         self._inbox.put(("abort", request_id))
 
+    def abort_all(self) -> None:
+        """Abort every request in flight before the next step (shutdown after the drain timeout)."""
+        self._inbox.put(("abort_all", None))
+
     def stop(self, timeout: float = 10.0) -> None:
         """Abort what is still in flight and end the thread (bounded by ``timeout``)."""
         self._stopping.set()
@@ -143,6 +147,9 @@ class EngineWorker:
                 self._add(arg)
             elif kind == "abort" and arg in self.jobs:
                 self._finish(self.jobs[arg], "abort")
+            elif kind == "abort_all":
+                for job in list(self.jobs.values()):
+                    self._finish(job, "abort")
             try:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
