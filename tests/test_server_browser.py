@@ -1,0 +1,79 @@
+"""The live view in a real browser: the page at ``/`` redraws the batch while requests are served.
+
+Starts the server on 127.0.0.1 in this process, opens ``/`` in headless Chromium driven by Playwright
+(found as ``test_browser.py`` finds it: Debian's ``chromium`` or ``CBTEACH_CHROMIUM``; Playwright's
+own browser download is not used), sends requests from a background thread, and checks that the page's
+step counter and running count move and that the timeline canvas is drawn. Without Playwright or
+Chromium the test is skipped and says why. Every wait is bounded; the browser may only reach 127.0.0.1.
+"""
+import threading
+from urllib.parse import urlsplit
+
+import pytest
+
+from test_browser import CHROMIUM_ARGS, _chromium
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi", reason="the serve extra is not installed (pip install 'cbteach[serve]')")
+pytest.importorskip("uvicorn", reason="the serve extra is not installed (pip install 'cbteach[serve]')")
+
+WAIT_MS = 30_000
+
+
+@pytest.fixture
+def page(tmp_path):
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("Playwright is not installed (pip install playwright)")
+    chromium = _chromium()
+    if chromium is None:
+        pytest.skip("no chromium binary (apt-get install chromium, or set CBTEACH_CHROMIUM)")
+    pw = sync_playwright().start()
+    context = None
+    try:
+        context = pw.chromium.launch_persistent_context(str(tmp_path / "profile"), executable_path=chromium,
+                                                        headless=True, args=CHROMIUM_ARGS,
+                                                        viewport={"width": 1400, "height": 900})
+        context.route("**/*", lambda route: route.continue_()
+                      if urlsplit(route.request.url).hostname in ("127.0.0.1", None, "") else route.abort())
+        yield context.pages[0] if context.pages else context.new_page()
+    finally:
+        if context is not None:
+            context.close()
+        pw.stop()
+
+
+def test_live_view_redraws_while_requests_stream(page):
+    from cbteach.serving.server import ServerThread
+
+    with ServerThread(["--port", "0", "--max-batch-size", "4"]) as server:
+        page.goto(server.url + "/", wait_until="domcontentloaded", timeout=WAIT_MS)
+        page.wait_for_function("() => document.getElementById('status').textContent === 'live'", timeout=WAIT_MS)
+        assert page.inner_text("#seen") == "0"
+
+        def traffic():  # six clients, more than the four slots: some wait, then join the batch
+            with httpx.Client(base_url=server.url, timeout=60) as c:
+                threads = [threading.Thread(target=c.post, args=("/v1/completions",),
+                                            kwargs={"json": {"prompt": f"{w}, n.", "max_tokens": 300,
+                                                             "ignore_eos": True}})
+                           for w in ("CYNIC", "BORE", "ALONE", "EXECUTIVE", "DEBT", "FRIEND")]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(90)
+
+        sender = threading.Thread(target=traffic, daemon=True)
+        sender.start()
+        page.wait_for_function("() => Number(document.getElementById('seen').textContent) > 0", timeout=WAIT_MS)
+        first = int(page.inner_text("#seen"))
+        page.wait_for_function(f"() => Number(document.getElementById('seen').textContent) > {first}",
+                               timeout=WAIT_MS)  # it keeps updating while the requests run
+        page.wait_for_function("() => Number(document.getElementById('running').textContent) > 1", timeout=WAIT_MS)
+        assert "/" in page.inner_text("#kv")
+        drawn = page.evaluate("""() => { const c = document.getElementById('timeline');
+            const d = c.getContext('2d').getImageData(70, 20, c.width - 70, c.height - 50).data;
+            let n = 0; for (let i = 3; i < d.length; i += 4) if (d[i] > 0) n++; return n; }""")
+        assert drawn > 0, "the timeline canvas shows no step"
+        sender.join(120)
+        assert not sender.is_alive()
