@@ -1,157 +1,252 @@
-"""Notebook 01: simulate static batching wave by wave -- the padded prefill, the barrier, the idling.
+"""Notebook 01: build one wave of static batching -- the padded prefill, then decode to the barrier.
 
-The learner writes ``static_schedule(prompt_lens, output_lens, batch_size)`` returning, for each
-wave in order, ``(prefill_width, num_steps, idle_slot_steps)``. The check reads the same three
-numbers from the step records of :func:`cbteach.static_batching` -- first of the notebook's own run,
-then of small workloads it runs live with forced output lengths (``ignore_eos=True``,
-``max_new_tokens`` = the length), chosen to catch the usual mistakes -- and compares wave by wave.
+The learner writes ``static_wave(model, prompts, max_new_tokens, eos_id)``: ``prompts`` is a list of
+token-id lists; it returns, per prompt, the new token ids greedy ``model.generate`` gives that prompt
+alone. It must run them *together*, as :func:`cbteach.static_batching` does: one left-padded prefill
+pass over all rows (attention mask and position ids), then one decode pass per step, every row
+fed one token with the cache, until the wave's last request is done.
+
+The check runs the learner's function with a forward pre-hook that records what every pass was
+fed, with ``model.generate`` barred, and compares
+
+* the tokens, request by request, with transformers' greedy ``model.generate`` on each prompt alone;
+* the passes -- how many, how many rows, how wide the prefill -- with the step records of
+  :func:`cbteach.static_batching` serving the same wave.
+
+It runs the notebook's wave on bierce, a one-token wave (the prefill alone makes it), and a wave on
+a model with learned positions (GPT-2 style), where position ids that do not count from each
+row's first real token change the answer (bierce's RoPE only sees distances). Hints name the
+mistake, never the tokens or the counts.
 """
 from __future__ import annotations
 
-from numbers import Integral
+from contextlib import contextmanager
+
+import torch
 
 from ..core.request import Request
 from ..core.static import static_batching
-from . import report, self_check
-
-# (prompt lengths, output lengths, batch_size): one request; one ragged wave; a partial last wave
-# (empty slots are not idle); a long request late in the queue (waves go in queue order, unsorted);
-# equal lengths (nothing idles, nothing is padded).
-CASES = [([3], [4], 1), ([2, 5, 3], [4, 1, 6], 3), ([4, 1, 2, 6, 2], [3, 7, 2, 2, 5], 2),
-         ([6, 2, 2, 2, 2, 6], [1, 9, 2, 2, 9, 1], 4), ([3, 3, 3, 3], [5, 5, 5, 5], 2)]
-FIELDS = ("prefill_width", "num_steps", "idle_slot_steps")
+from . import is_int, report, self_check
+from .ex00 import CACHE_KWARGS, _cached
 
 
-def engine_waves(result) -> list[tuple[int, int, int]]:
-    """Per wave of a :class:`~cbteach.StaticResult`: ``(prefill_width, num_steps, idle_slot_steps)``,
-    read from its step records (the width is a prefill row's tokens plus its padding)."""
-    if not (hasattr(result, "steps") and hasattr(result, "batch_size")):
-        raise ValueError(f"expected the StaticResult of cbteach.static_batching, got {type(result).__name__}")
-    waves: dict = {}
-    for st in result.steps:
-        w = waves.setdefault(st.wave, [0, 0, 0])
-        if st.kind == "prefill":
-            w[0] = max(s.num_tokens + s.num_pad for s in st.slots if s.state == "prefill")
-        w[1] += 1
-        w[2] += sum(s.state == "idle" for s in st.slots)
-    return [tuple(waves[k]) for k in sorted(waves)]
+@contextmanager
+def recorded_passes(model):
+    """Record, per ``model(...)`` call: rows, positions fed, positions cached, the mask's width (None:
+    no mask), whether position ids were given, and the first row's attention mask (to see the padding side)."""
+    calls = []
+
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if not torch.is_tensor(ids) or ids.dim() != 2:
+            return
+        cache = next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
+        mask = kwargs.get("attention_mask")
+        mask = mask if torch.is_tensor(mask) and mask.dim() == 2 else None
+        calls.append({"rows": ids.shape[0], "fed": ids.shape[1], "cached": _cached(cache),
+                      "mask_width": None if mask is None else mask.shape[1],
+                      "positions": kwargs.get("position_ids") is not None,
+                      "mask": None if mask is None else mask.tolist()})
+
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield calls
+    finally:
+        handle.remove()
 
 
-def run_static(model, prompt_lens, output_lens, batch_size: int):
-    """The real static batcher on prompts of ``prompt_lens`` tokens forced to ``output_lens`` new tokens."""
-    reqs = [Request([1 + i % 5] * int(p), int(n), request_id=f"r{i}", ignore_eos=True)
-            for i, (p, n) in enumerate(zip(prompt_lens, output_lens))]
-    return static_batching(model, None, reqs, batch_size)
+def reference(model, prompt, max_new_tokens, eos_id) -> list[int]:
+    """Greedy ``model.generate`` on one prompt alone: the ground truth (``eos_id=None``: no stop token)."""
+    ids = torch.tensor([list(prompt)], device=model.device)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+                             min_new_tokens=0 if eos_id is not None else max_new_tokens,
+                             eos_token_id=eos_id, pad_token_id=eos_id if eos_id is not None else 0)
+    return out[0, ids.shape[1]:].tolist()
 
 
-def _waves(n, b):
-    return [list(range(i, min(i + b, n))) for i in range(0, n, b)]
+def engine_passes(model, prompts, max_new_tokens, eos_id) -> list[tuple[int, int]]:
+    """``(rows, positions fed per row)`` of each step :func:`cbteach.static_batching` takes for this wave."""
+    gen = model.generation_config
+    saved = gen.eos_token_id
+    gen.eos_token_id = eos_id  # the engine stops on the model's EOS; the case picks its own, for this run only
+    try:
+        reqs = [Request(list(p), max_new_tokens, request_id=i) for i, p in enumerate(prompts)]
+        result = static_batching(model, None, reqs, batch_size=len(prompts))
+    finally:
+        gen.eos_token_id = saved
+    return [(len(st.slots), max(s.num_tokens + s.num_pad for s in st.slots)) for st in result.steps]
 
 
-def _simulate(prompts, outputs, groups):
-    """A schedule for a given grouping of requests into waves (used only to recognise mistakes)."""
+def _run(fn, model, prompts, n, eos_id):
+    barred = []
+
+    def no_generate(*args, **kwargs):
+        barred.append(True)
+        raise RuntimeError("the check does not let static_wave call model.generate")
+
+    model.generate = no_generate  # this instance only
+    try:
+        with recorded_passes(model) as calls, torch.no_grad():
+            try:
+                got = fn(model, [list(p) for p in prompts], n, eos_id)
+            except Exception as err:  # the learner's code
+                got = err
+    finally:
+        model.__dict__.pop("generate", None)
+    return got, calls, bool(barred)
+
+
+def _as_outputs(got, n):
+    if got is None or not isinstance(got, (list, tuple)) or len(got) != n:
+        return None
     out = []
-    for g in groups:
-        steps = max(outputs[i] for i in g)
-        out.append((max(prompts[i] for i in g), steps, sum(steps - outputs[i] for i in g)))
+    for row in got:
+        if torch.is_tensor(row):
+            row = row.reshape(-1).tolist()
+        if not isinstance(row, (list, tuple)) or not all(is_int(t) for t in row):
+            return None
+        out.append([int(t) for t in row])
     return out
 
 
-def _grouping_hint(got, prompts, outputs, b):
-    n = len(prompts)
-    by_length = sorted(range(n), key=lambda i: outputs[i])
-    if got == _simulate(prompts, outputs, [by_length[i:i + b] for i in range(0, n, b)]):
-        return (f"you sorted the requests by length first; static batching takes them in queue order, {b} at a "
-                "time -- it cannot know the lengths in advance")
-    k = -(-n // b)
-    if got == _simulate(prompts, outputs, [list(range(w, n, k)) for w in range(k)]):
-        return f"you dealt the requests round-robin; a wave holds the next {b} requests of the queue, in order"
+def _pass_hint(calls, prompts, outputs=None, want=None):
+    """What the recorded passes say is wrong (None: nothing): their shapes, and their number against
+    the learner's own outputs (a wave takes one pass per token of its longest answer)."""
+    n, width = len(prompts), max(len(p) for p in prompts)
+    first, later = calls[0], calls[1:]
+    if first["rows"] != n:
+        return ("the prefill ran the prompts in separate passes: a static batch runs all of a wave's prompts "
+                "in one padded rectangle, one row per request")
+    if first["fed"] != width:
+        return ("the prefill rectangle has the wrong width: it must hold every prompt whole, and any column more "
+                "is padding computed for nothing")
+    if first["mask"] is None:
+        return "the prefill got no attention mask: the short prompts attended to their pads"
+    if any(row[-1] == 0 for row in first["mask"]):
+        return ("a row ends in padding: pad on the left, so every row's last column is a real token and its next "
+                "token is read from the same place")
+    if any(c["fed"] > 1 for c in later):
+        return ("a decode pass fed more than one token per row: with the cache, each step feeds only the token "
+                "each row chose in the step before")
+    if any(c["cached"] == 0 for c in later):
+        return "a decode pass got no cache: pass back the cache the previous pass returned"
+    if any(c["rows"] != n for c in later):
+        return ("a decode pass had fewer rows than the wave: a static batch keeps every row until its barrier, "
+                "finished ones included (reusing their slots is notebook 02's idea)")
+    if any(c["mask_width"] is None for c in later):
+        return "a decode pass got no attention mask: the pads are still in the cache, and must stay masked"
+    if any(c["mask_width"] != c["cached"] + c["fed"] for c in later):
+        return "a decode pass's mask does not cover the cache plus the new token: it must grow with every step"
+    if outputs is None:
+        return None
+    steps = max(len(o) for o in outputs)  # the passes the learner's own outputs need: one per token of the longest
+    if len(calls) == steps + 1:
+        if any(o[:1] != w[:1] for o, w in zip(outputs, want)):
+            return ("one forward pass too many, and first tokens that differ: the prefill's logits already give "
+                    "each request's first new token -- do not run its prompt's last token again")
+        return "one forward pass too many: the token chosen on the last step needs no pass of its own"
+    if len(calls) > steps:
+        return ("the wave kept stepping after every request was done: it ends when its longest request finishes "
+                "(EOS or max_new_tokens), not later")
     return None
 
 
-def _field_hint(field, got, expected, wave, prompts, outputs, b):
-    """What a wrong ``got`` for ``field`` of one wave suggests; ``expected`` is the engine's wave tuple."""
-    ps, ls = [prompts[i] for i in wave], [outputs[i] for i in wave]
-    if field == "prefill_width":
-        if got == sum(ps):
-            return "that is the sum of the wave's prompt lengths; the rows sit side by side, each padded to one width"
-        if got == max(prompts) and len(wave) < len(prompts):
-            return "you padded to the longest prompt of the whole workload; a wave is padded only to its own rows"
-        if got == min(ps):
-            return "short rows are padded up to the width of the widest row, never cut"
-        return "every row of a wave is left-padded to the same width: which prompt decides it?"
-    if field == "num_steps":
-        if got == expected[1] - 1:
-            return ("you counted only the decode steps; the prefill step counts too -- it already produces each "
-                    "request's first token")
-        if got == expected[1] + 1:
-            return "one step too many: the prefill step already produces the first token, so L new tokens take L steps"
-        if got == sum(ls):
-            return "the requests of a wave run side by side, not one after another"
-        return "a wave ends only when every one of its requests is done: the batch barrier"
-    empty = (b - len(wave)) * expected[1]
-    idle = expected[2]
-    if empty and got == idle + empty:
-        return ("you counted the empty slots too: this wave has fewer requests than slots, and a slot that no "
-                "request holds is empty, not idle")
-    if got in (idle + len(wave), idle - len(wave)):
-        return "off by one step per request: a request with L new tokens is busy for exactly L steps of its wave"
-    if got == sum(ls):
-        return "that is the useful (busy) slot-steps; idle ones are the steps a finished request waits"
-    return "a request idles from the step after its last token until its wave ends"
+def _token_hint(got, want, calls) -> str:
+    if len(got) > len(want) and got[:len(want)] == want:
+        return ("it goes on after its request finished: a finished row stays in the batch, but what it computes "
+                "is thrown away -- stop appending to its output")
+    if len(got) == len(want) - 1 and got == want[:-1]:
+        return "it ends one token early: generate keeps the EOS token, and max_new_tokens counts every new token"
+    if len(got) < len(want) and want[:len(got)] == got and got:
+        return ("it stops before its request is done: only a request's own EOS or max_new_tokens ends it -- "
+                "another request finishing does not (the others wait at the barrier)")
+    if not got:
+        return "it has no tokens; even max_new_tokens=1 makes one: the prefill's argmax is the first new token"
+    if not all(c["positions"] for c in calls):
+        return ("position_ids were not passed on every pass: a model with learned positions then numbers the "
+                "pads' columns too; count each row's positions from its first real token")
+    if got[:1] != want[:1]:
+        return ("its first token already differs: it is the argmax at the last column of the prefill's logits, and "
+                "with left padding that column is the prompt's last real token")
+    return ("its later tokens differ: check the position id each row gets on each decode step (it counts on from "
+            "the row's own last real position) and the token each row is fed")
 
 
-def _shown(prompts, outputs, b, notebook):
-    if notebook:
-        return f"static_schedule on the notebook's run ({len(prompts)} requests, batch_size {b})"
-    return f"static_schedule({prompts}, {outputs}, {b})"
+def positions_model(device="cpu"):
+    """A 2-layer random GPT-2 (learned position embeddings) whose positions and output weights are scaled up
+    so that a wrong position id changes the argmax -- a plain random model barely notices."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        cfg = GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64, eos_token_id=63,
+                         bos_token_id=63, tie_word_embeddings=False)
+        m = GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():
+        m.transformer.wte.weight.mul_(5)
+        m.transformer.wpe.weight.mul_(20)
+        m.lm_head.weight.mul_(10)
+    return m.to(device)
+
+
+RAGGED = [[11, 12, 13, 14, 15, 16, 17], [21, 22], [31, 32, 33, 34]]
+
+
+def _cases(model, prompts, n, eos_id):
+    """The notebook's wave; a one-token wave (the prefill alone); a ragged wave on a model with learned
+    positions, stopping on a token (picked live) that every request makes, at different steps: some
+    requests wait at the barrier, and the wave ends before ``max_new_tokens``."""
+    cases = [("the notebook's wave", model, prompts, n, eos_id),
+             ("a one-token wave", model, prompts[:2], 1, eos_id)]
+    gpt = positions_model(model.device)
+    firsts = [reference(gpt, p, 12, None) for p in RAGGED]
+    ends = {t: [f.index(t) for f in firsts] for t in set(firsts[0]) if all(t in f for f in firsts)}
+    stop = max(ends, key=lambda t: (max(ends[t]) - min(ends[t]), -t)) if ends else firsts[1][-1]
+    cases.append(("a ragged wave on a GPT-2 model (learned positions)", gpt, RAGGED, 12, stop))
+    return cases
 
 
 @self_check
-def check_static_schedule(static_schedule, model, result=None) -> bool:
-    """``static_schedule(prompt_lens, output_lens, batch_size)`` should return, per wave in order,
-    ``(prefill_width, num_steps, idle_slot_steps)`` exactly as the static batcher recorded them.
+def check_static_wave(static_wave, model, prompts, max_new_tokens: int, eos_id: int) -> bool:
+    """``static_wave(model, prompts, max_new_tokens, eos_id)`` should return each prompt's greedy tokens,
+    made the way :func:`cbteach.static_batching` makes them (one padded prefill, then one pass per step).
 
-    ``model``: any causal LM (the notebook's bierce) for the live runs -- the numbers do not depend
-    on it, because the lengths are forced. ``result``: the notebook's :class:`~cbteach.StaticResult`,
-    checked first, on its own prompt and answer lengths.
-    """
-    if not callable(static_schedule):
-        return report(False, "", "pass your function itself (static_schedule, not static_schedule(...)); got "
-                                 f"{type(static_schedule).__name__}")
-    cases = []
-    if result is not None:
-        waves = engine_waves(result)  # validates it first
-        cases.append(([len(c.prompt_ids) for c in result], [len(c.output_ids) for c in result], result.batch_size,
-                      waves, True))
-    cases += [(p, o, b, None, False) for p, o, b in CASES]
-    for prompts, outputs, b, expected, notebook in cases:
-        if expected is None:
-            expected = engine_waves(run_static(model, prompts, outputs, b))
-        where = _shown(prompts, outputs, b, notebook)
-        try:
-            got = static_schedule(list(prompts), list(outputs), b)
-        except Exception as err:  # the learner's code: say what failed, and on which input
-            return report(False, "", f"{where} raised {type(err).__name__}: {err}")
-        ok_shape = isinstance(got, (list, tuple)) and all(
-            isinstance(w, (list, tuple)) and len(w) == 3
-            and all(isinstance(v, Integral) and not isinstance(v, bool) for v in w) for w in got)
-        if not ok_shape:
-            return report(False, "", f"{where} returned {got!r}; it should return a list with one tuple "
-                                     "(prefill_width, num_steps, idle_slot_steps) of whole numbers per wave")
-        got = [tuple(int(v) for v in w) for w in got]
-        if len(got) != len(expected):
-            return report(False, "", f"{where} returned {len(got)} waves for {len(prompts)} requests and "
-                                     f"{b} slots; the engine takes the queue {b} at a time, and the last wave may "
-                                     "be only partly full")
-        if got != expected:
-            hint = _grouping_hint(got, prompts, outputs, b)
-            k = next(i for i, (g, e) in enumerate(zip(got, expected)) if g != e)
-            field = next(f for f, g, e in zip(FIELDS, got[k], expected[k]) if g != e)
-            value = got[k][FIELDS.index(field)]
-            if hint is None:
-                hint = _field_hint(field, value, expected[k], _waves(len(prompts), b)[k], prompts, outputs, b)
-            return report(False, "", f"{where}: wave {k} has {field} = {value}, but that is not what the engine "
-                                     f"did ({hint})")
-    return report(True, f"your schedule matches the static batcher's waves on all {len(cases)} workloads: "
-                        "prefill widths, steps and idle slot-steps", "")
+    ``prompts``: the notebook's wave (token-id lists), run on ``model``; then two more cases (see
+    :func:`_cases`), one on a model where position ids matter."""
+    if not callable(static_wave):
+        return report(False, "", "pass your function itself (static_wave, not static_wave(...)); got "
+                                 f"{type(static_wave).__name__}")
+    cases = _cases(model, prompts, max_new_tokens, eos_id)
+    for where, m, ps, n, eos in cases:
+        want = [reference(m, p, n, eos) for p in ps]
+        got, calls, used_generate = _run(static_wave, m, ps, n, eos)
+        if used_generate:
+            return report(False, "", "write the wave yourself: your function called model.generate")
+        if isinstance(got, Exception):
+            hint = _pass_hint(calls, ps) if calls else None
+            why = f" (before that, {hint})" if hint else ""
+            return report(False, "", f"{where}: static_wave raised {type(got).__name__}: {got}{why}")
+        if got is None:
+            return report(False, "", "not done yet: static_wave returned None -- write it in the cell above")
+        outputs = _as_outputs(got, len(ps))
+        if outputs is None:
+            return report(False, "", f"{where}: static_wave returned {type(got).__name__}; return one list of new "
+                                     f"token ids (ints) per prompt, {len(ps)} lists in the prompts' order")
+        if not calls:
+            return report(False, "", "the check saw no forward pass: call the model itself, model(input_ids=...)")
+        hint = _pass_hint(calls, ps, outputs, want)
+        if hint:
+            return report(False, "", f"{where}: {hint}")
+        wrong = [i for i, (g, w) in enumerate(zip(outputs, want)) if g != w]
+        if wrong:
+            i = wrong[0]
+            return report(False, "", f"{where}: request {i}'s tokens are not what generate gives it alone "
+                                     f"({_token_hint(outputs[i], want[i], calls)})")
+        engine = engine_passes(m, ps, n, eos)
+        mine = [(c["rows"], c["fed"]) for c in calls]
+        if mine != engine:  # right tokens in other passes than the real static batcher's
+            return report(False, "", f"{where}: right tokens, but not in the static batcher's passes (one padded "
+                                     "prefill of every row, then one pass per step, every row fed one token)")
+    return report(True, f"your wave gives generate's tokens in all {len(cases)} cases, in the static batcher's "
+                        "passes: one padded prefill, then one step per token until the longest request is done", "")

@@ -25,8 +25,9 @@ FAILED = "DID NOT HOLD on this machine"
 CLAIM_LINE = re.compile(rf"^claim: (?P<text>.+) -- (?P<verdict>{HOLDS}|{FAILED})$", re.MULTILINE)
 
 
-def claim(text: str, holds) -> bool:
-    """Print ``claim: <text> -- holds`` (or ``-- DID NOT HOLD on this machine``); return ``holds`` as a bool.
+def claim(text: str, holds) -> None:
+    """Print ``claim: <text> -- holds`` (or ``-- DID NOT HOLD on this machine``). Returns nothing, so a
+    notebook cell that ends with a claim shows only the line.
 
     ``text`` states the claim as the prose does, on one line; ``holds`` is the computed comparison
     (a bool, or a NumPy/torch boolean scalar)."""
@@ -37,7 +38,6 @@ def claim(text: str, holds) -> bool:
     except (TypeError, RuntimeError, ValueError) as err:  # a tensor of several values has no truth value
         raise ValueError(f"holds must be one truth value, got {holds!r}") from err
     print(f"claim: {text.strip()} -- {HOLDS if ok else FAILED}")
-    return ok
 
 
 def failed_claims(output: str) -> list[str]:

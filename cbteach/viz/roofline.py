@@ -46,7 +46,7 @@ def plot_roofline(devices, sweeps, batches=(1, 2, 4, 8, 16, 32, 64, 128, 256), c
     if not sweeps or not all(isinstance(s, ModelShape) and isinstance(d, Device) for s, d in sweeps):
         raise ValueError("sweeps: give (ModelShape, Device) pairs")
     if ax is None:
-        _, ax = plt.subplots(figsize=(8.5, 5))
+        _, ax = plt.subplots(figsize=(11, 5))
     lo = min(min(decode_step(s, 1, context).intensity for s, _ in sweeps), 0.1)
     hi = max(max(d.ridge for d in devices), max(prefill_step(s, prompt_len).intensity for s, _ in sweeps)) * 4
     x = np.logspace(np.log10(lo / 2), np.log10(hi), 200)
@@ -66,5 +66,6 @@ def plot_roofline(devices, sweeps, batches=(1, 2, 4, 8, 16, 32, 64, 128, 256), c
            xlabel="arithmetic intensity (FLOPs per byte of weights and KV moved)",
            ylabel="attainable FLOP/s")
     ax.grid(True, which="major", alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the plot: no point hidden
+    ax.figure.tight_layout()
     return ax
