@@ -59,7 +59,7 @@ gpu-check: $(VENV)/.installed
 	$(PY) tools/gpu_check.py
 
 # The course as a static website in $(SITE)/ (Sphinx + myst-nb, from the notebooks' stored outputs;
-# nothing is executed and nothing is fetched). Open $(SITE)/index.html.
+# nothing is executed and nothing is fetched). Open $(SITE)/index.html; sources staged in build/site/.
 book: $(VENV)/.installed
 	$(OFFLINE) $(PY) tools/build_site.py --out $(SITE)
 

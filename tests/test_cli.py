@@ -249,3 +249,28 @@ def test_demo_and_student_errors_are_one_line(tmp_path, capsys):
     blocker.write_text("x")
     assert main(["student", "notebooks", str(blocker / "out")]) == 2
     assert capsys.readouterr().err.startswith("python -m cbteach student: error:")
+
+
+def test_bierce_corpus_and_train_write_nowhere_by_default_and_say_what_is_missing(tmp_path, capsys, monkeypatch):
+    import gzip
+
+    from cbteach.bierce import corpus, train
+
+    monkeypatch.chdir(tmp_path)
+    assert corpus.main(["--dictd", str(tmp_path / "missing.dz")]) == 2
+    assert "apt-get install dict-devil" in capsys.readouterr().err
+    (tmp_path / "bad.dz").write_bytes(b"not gzip")
+    assert corpus.main(["--dictd", str(tmp_path / "bad.dz")]) == 2
+    assert "not a gzip'd dictd file" in capsys.readouterr().err
+    text = "header\nABASEMENT, n.  The act of abasing.\n\nCYNIC, n.  A blackguard.\n"
+    (tmp_path / "devil.dict.dz").write_bytes(gzip.compress(text.encode("latin-1")))
+    assert corpus.main(["--dictd", str(tmp_path / "devil.dict.dz")]) == 0  # default: ./corpus.jsonl
+    lines = (tmp_path / "corpus.jsonl").read_text().splitlines()
+    assert [json.loads(x)["headword"] for x in lines] == ["ABASEMENT", "CYNIC"]
+    for argv, message in ((["--corpus", str(tmp_path / "nope.jsonl")], "python -m cbteach.bierce.corpus"),
+                          (["--steps", "0"], "'0' is not a number > 0"),
+                          (["--draft", "--tokenizer", str(tmp_path)], "no tokenizer.json")):
+        with pytest.raises(SystemExit) as e:
+            train.main(argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "bierce").exists()

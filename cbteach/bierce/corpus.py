@@ -8,13 +8,17 @@ output lengths that continuous batching exploits.
 
 The cleaned corpus ships with the package (``corpus.jsonl``), so nothing here needs the network.
 ``python -m cbteach.bierce.corpus`` rebuilds it from the Debian package ``dict-devil``
-(``apt-get install dict-devil``), which carries the text in dictd format.
+(``apt-get install dict-devil``), which carries the text in dictd format. It writes
+``./corpus.jsonl`` unless told otherwise (``--out``), never into an installed package by default;
+from a checkout, ``--out cbteach/bierce/corpus.jsonl`` replaces the shipped corpus.
 """
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 import re
+import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
@@ -43,20 +47,28 @@ def split_entries(text: str) -> list[dict]:
 
     out = []
     for lines in entries:
-        body = "\n".join(l.rstrip() for l in lines).strip()
+        body = "\n".join(line.rstrip() for line in lines).strip()
         match = _HEADWORD.match(body)
         out.append({"headword": match.group(1), "pos": match.group(2), "text": body})
     return out
 
 
-def build(dictd_path: Path = DICTD_PATH, out_path: Path = CORPUS_PATH) -> list[dict]:
-    """Rebuild ``corpus.jsonl`` from the dictd file of the Debian package ``dict-devil``."""
-    if not dictd_path.exists():
-        raise FileNotFoundError(f"{dictd_path} not found: install it with `apt-get install dict-devil`")
-    raw = gzip.decompress(dictd_path.read_bytes()).decode("latin-1")
+def build(dictd_path: Path = DICTD_PATH, out_path: Path = Path("corpus.jsonl")) -> list[dict]:
+    """Build ``corpus.jsonl`` at ``out_path`` from the dictd file of the Debian package ``dict-devil``.
+    Raises FileNotFoundError / ValueError, with what to do, when the input is missing or not that file."""
+    if not dictd_path.is_file():
+        raise FileNotFoundError(f"{dictd_path} not found: install it with `apt-get install dict-devil`, "
+                                "or give the file with --dictd")
+    try:
+        raw = gzip.decompress(dictd_path.read_bytes()).decode("latin-1")
+    except (OSError, EOFError) as err:
+        raise ValueError(f"{dictd_path} is not a gzip'd dictd file ({err})") from None
     # Skip the dictd header and the preface: the dictionary proper starts at "ABASEMENT, n.".
-    start = raw.index("ABASEMENT, n.")
+    start = raw.find("ABASEMENT, n.")
+    if start < 0:
+        raise ValueError(f"{dictd_path} does not hold The Devil's Dictionary (no 'ABASEMENT, n.' entry)")
     entries = split_entries(raw[start:])
+    out_path.parent.mkdir(parents=True, exist_ok=True)
     with out_path.open("w") as f:
         for entry in entries:
             f.write(json.dumps(entry) + "\n")
@@ -80,6 +92,21 @@ def headword_prompts(n: int | None = None) -> list[str]:
     return [f"{e['headword']}, {e['pos']}" for e in entries]
 
 
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cbteach.bierce.corpus",
+                                description="Build bierce's training corpus (one entry per line) from dict-devil.")
+    p.add_argument("--dictd", type=Path, default=DICTD_PATH, help="the dictd file (default: %(default)s)")
+    p.add_argument("--out", type=Path, default=Path("corpus.jsonl"),
+                   help="where to write (default: ./corpus.jsonl; the shipped one is cbteach/bierce/corpus.jsonl)")
+    a = p.parse_args(argv)
+    try:
+        built = build(a.dictd, a.out)
+    except (OSError, ValueError) as err:
+        print(f"python -m cbteach.bierce.corpus: error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {len(built)} entries to {a.out}")
+    return 0
+
+
 if __name__ == "__main__":
-    built = build()
-    print(f"wrote {len(built)} entries to {CORPUS_PATH}")
+    sys.exit(main())

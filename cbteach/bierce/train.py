@@ -1,7 +1,11 @@
 """Train "bierce", the course's embedded model, from scratch on the CPU.
 
-    python -m cbteach.bierce.train            # writes tokenizer.json, config.json, model.safetensors
-    python -m cbteach.bierce.train --draft    # bierce's draft model, in bierce/draft/ (same tokenizer)
+    python -m cbteach.bierce.train            # writes ./bierce/: tokenizer.json, config.json, model.safetensors
+    python -m cbteach.bierce.train --draft    # bierce's draft model in ./bierce-draft/ (bierce's tokenizer)
+    python -m cbteach.bierce.train --out cbteach/bierce    # from a checkout: replace the shipped model
+
+Nothing is written into the installed package unless ``--out`` says so. ``--corpus`` trains on
+another ``corpus.jsonl`` (default: the shipped one, see :mod:`cbteach.bierce.corpus`).
 
 What gets built, and why each choice:
 
@@ -29,12 +33,13 @@ import argparse
 import json
 import math
 import random
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from .corpus import HERE, load_entries
+from .corpus import CORPUS_PATH, HERE, load_entries
 
 EOS = "<|endoftext|>"
 VOCAB_SIZE = 2048
@@ -101,17 +106,38 @@ def batches(docs: list[list[int]], seq_len: int, batch_size: int, rng: random.Ra
         yield torch.stack(rows)
 
 
+def _positive(kind):
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = 0
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number > 0")
+        return value
+    return parse
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=None, help="default: bierce/ (bierce/draft/ with --draft)")
+    p = argparse.ArgumentParser(prog="python -m cbteach.bierce.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=None, help="default: ./bierce (./bierce-draft with --draft)")
+    p.add_argument("--corpus", type=Path, default=CORPUS_PATH, help="corpus.jsonl (default: the shipped one)")
+    p.add_argument("--tokenizer", type=Path, default=HERE,
+                   help="--draft: the folder of the target's tokenizer (default: the shipped bierce)")
     p.add_argument("--draft", action="store_true", help="train the small draft model on bierce's tokenizer")
-    p.add_argument("--steps", type=int, default=900)
-    p.add_argument("--seq-len", type=int, default=384)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--steps", type=_positive(int), default=900)
+    p.add_argument("--seq-len", type=_positive(int), default=384)
+    p.add_argument("--batch-size", type=_positive(int), default=16)
+    p.add_argument("--lr", type=_positive(float), default=3e-3)
     p.add_argument("--seed", type=int, default=1911)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=_positive(int), default=None, help="torch CPU threads (default: torch's choice)")
     args = p.parse_args(argv)
+    if not args.corpus.is_file():
+        p.error(f"{args.corpus} not found: build it with `python -m cbteach.bierce.corpus --out {args.corpus}`")
+    if args.draft and not (args.tokenizer / "tokenizer.json").is_file():
+        p.error(f"no tokenizer.json in {args.tokenizer}: --draft trains on the target's tokenizer; "
+                "give its folder with --tokenizer")
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -120,13 +146,19 @@ def main(argv=None):
     rng = random.Random(args.seed)
     t0 = time.time()
 
-    texts = [e["text"] for e in load_entries()]
-    args.out = args.out or (HERE / "draft" if args.draft else HERE)
-    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        texts = [e["text"] for e in load_entries(args.corpus)]
+    except (ValueError, KeyError) as err:
+        p.error(f"{args.corpus} is not a corpus.jsonl of {{'headword', 'pos', 'text'}} lines ({err!r})")
+    args.out = args.out or Path("bierce-draft" if args.draft else "bierce")
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        p.error(f"cannot write to {args.out}: {err.strerror or err}")
     if args.draft:  # the target's tokenizer, as it is: the draft's token ids must mean the same
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(HERE)
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     else:
         tokenizer = train_tokenizer(texts, args.out)
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
@@ -177,4 +209,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
