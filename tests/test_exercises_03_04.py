@@ -1,12 +1,9 @@
 """Self-checks of notebooks 03 and 04: right answers pass, wrong ones fail and say what is wrong."""
 import pytest
 import torch
-from conftest import tiny_model
 
-from cbteach import Request
 from cbteach.exercises.ex03 import check_mask, check_position_ids, key_labels
-from cbteach.exercises.ex04 import check_total_bytes_copied, measure_total_bytes_copied
-from cbteach.core.modelinfo import describe
+from cbteach.exercises.ex04 import check_gather_scatter
 from cbteach.attention.packing import block_diagonal_causal_mask, per_sequence_causal_mask
 
 CACHED, NEW = [2, 0, 3], [1, 3, 1]
@@ -34,27 +31,52 @@ def test_hand_written_answers_pass(cached, new, capsys):
     assert capsys.readouterr().out.count("✓") == 5
 
 
-def test_wrong_positions_are_named(capsys):
+def test_wrong_positions_name_the_mistake_not_the_entries(capsys):
     assert not check_position_ids(CACHED, NEW, [0, 1, 2, 3, 4])
     out = capsys.readouterr().out
     assert "✗" in out and "one long sequence" in out
-    assert "row index 0" in out and "you wrote 0, which is too low" in out
-    assert "should be" not in out  # a hint, never the answer
+    assert "row index" not in out and "you wrote" not in out  # no entry by entry listing
     assert not check_position_ids(CACHED, NEW, [0, 0, 1, 2, 0])
     assert "num_computed_tokens" in capsys.readouterr().out
+    assert not check_position_ids(CACHED, NEW, [2, 0, 1, 2, 4])  # C starts one too high
+    out = capsys.readouterr().out
+    assert "sequence C's positions start too high" in out and "sequence A" not in out
+    assert not check_position_ids(CACHED, NEW, [2, 0, 2, 1, 3])  # B does not count up
+    assert "sequence B's positions do not count up" in capsys.readouterr().out
     assert not check_position_ids(CACHED, NEW, [2, 0, 1])
     assert "needs 5 position ids" in capsys.readouterr().out
     assert not check_position_ids(CACHED, NEW, "2 0 1 2 3")
     assert "list of 5 integers" in capsys.readouterr().out
 
 
-def test_wrong_mask_entries_are_named(capsys):
+def _flipped(i, j):
     mask = block_diagonal_causal_mask(CACHED, NEW).clone()
-    mask[1, 0] = True  # B p0 may not see A's cached p0
+    mask[i, j] = not mask[i, j]
+    return mask
+
+
+# queries: A p2 | B p0 B p1 B p2 | C p3; keys: A p0 A p1 C p0 C p1 C p2 (cached) | A p2 B p0 B p1 B p2 C p3 (new)
+@pytest.mark.parametrize("i, j, words", [
+    (1, 0, "another sequence"),        # B p0 sees A's cached p0
+    (4, 6, "another sequence"),        # C p3 sees B's new p0
+    (1, 7, "later key of its own"),    # B p0 sees B p1
+    (0, 0, "sits in the cache"),       # A p2 kept from its cached p0
+    (2, 6, "computed in this same step"),  # B p1 kept from B p0
+    (3, 8, "its own key"),             # B p2 kept from itself
+])
+def test_each_kind_of_wrong_mask_entry_is_named_without_coordinates(capsys, i, j, words):
+    assert not check_mask(CACHED, NEW, _flipped(i, j))
+    out = capsys.readouterr().out
+    assert out.startswith("✗") and words in out
+    assert " p0" not in out and " p1" not in out and "query B" not in out and "of 50" not in out
+
+
+def test_two_kinds_at_once_are_both_named(capsys):
+    mask = _flipped(1, 0)
+    mask[1, 7] = True
     assert not check_mask(CACHED, NEW, mask)
     out = capsys.readouterr().out
-    assert "1 of 50 entries are wrong" in out
-    assert "query B p0 x key A p0 (cached): you allowed it, but it must be blocked" in out
+    assert "another sequence" in out and "later key" in out
 
 
 def test_mask_hints(capsys):
@@ -83,59 +105,148 @@ def test_bad_lengths_are_reported_not_raised(capsys):
 
 
 # -- notebook 04 ---------------------------------------------------------------------------------
-def formula_total(model, requests):
-    """The notebook's solution: per request, a prefill step then one decode step per further token."""
-    per_token = describe(model).kv_bytes_per_token
-    total = 0
-    for r in requests:
-        p = len(r.prompt)
-        total += per_token * 2 * p  # prefill: nothing cached; the model's update and our scatter copy p
-        for k in range(1, r.max_new_tokens):
-            total += per_token * (4 * (p + k - 1) + 2)
-    return total
+def gather(caches):
+    """The notebook's solution."""
+    parts = [c for c in caches if c is not None]
+    if not parts:
+        return None
+    return torch.cat([k for k, _ in parts], dim=2), torch.cat([v for _, v in parts], dim=2)
 
 
-def _requests(ignore_eos=True):
-    return [Request([7, 8, 9, 10], 5, request_id="a", ignore_eos=ignore_eos),
-            Request([11, 12], 3, request_id="b", ignore_eos=ignore_eos),
-            Request([13] * 6, 4, request_id="c", ignore_eos=ignore_eos)]
+def scatter(packed_keys, packed_values, caches, num_new):
+    start = sum(c[0].shape[2] for c in caches if c is not None)
+    new_k = packed_keys[:, :, start:].split(num_new, dim=2)
+    new_v = packed_values[:, :, start:].split(num_new, dim=2)
+    return [(k.clone(), v.clone()) if old is None else (torch.cat([old[0], k], dim=2), torch.cat([old[1], v], dim=2))
+            for old, k, v in zip(caches, new_k, new_v)]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
-@pytest.mark.parametrize("max_batch_size", [1, 2, 3])
-def test_formula_matches_the_engine(arch, max_batch_size):
-    model = tiny_model(arch)
-    measured, records = measure_total_bytes_copied(model, None, _requests(), max_batch_size)
-    assert measured == formula_total(model, _requests())  # the total does not depend on the batching
-    per_token = describe(model).kv_bytes_per_token
-    for r in records:  # and per step: gather C, DynamicCache C, model's update C + N, scatter C + N
-        assert r.kv_bytes_copied == per_token * (4 * sum(r.num_computed_tokens) + 2 * sum(r.num_scheduled_tokens))
+@pytest.fixture(scope="module")
+def bierce_model():
+    from cbteach import load_model
+    return load_model()
 
 
-def test_total_bytes_check(capsys):
-    model = tiny_model("llama")
-    right = formula_total(model, _requests())
-    assert check_total_bytes_copied(model, None, _requests(), 2, right)
-    assert "exactly what the engine measured" in capsys.readouterr().out
-    info = describe(model)
-    _, records = measure_total_bytes_copied(model, None, _requests(), 2)
-    cached = sum(sum(r.num_computed_tokens) for r in records)
-    assert not check_total_bytes_copied(model, None, _requests(), 2, info.kv_bytes_per_token * cached)
-    assert "gather alone" in capsys.readouterr().out
-    new = sum(sum(r.num_scheduled_tokens) for r in records)
-    assert not check_total_bytes_copied(model, None, _requests(), 2, info.kv_bytes_per_token * (2 * cached + new))
-    assert "DynamicCache" in capsys.readouterr().out
-    assert not check_total_bytes_copied(model, None, _requests(), 2, right // info.num_layers)
-    assert "one layer" in capsys.readouterr().out
-    assert not check_total_bytes_copied(model, None, _requests(), 2, right // 4)
-    assert "elements" in capsys.readouterr().out
-    assert not check_total_bytes_copied(model, None, _requests(), 2, "lots")
-    assert "number of bytes" in capsys.readouterr().out
-    assert not check_total_bytes_copied(model, None, _requests(ignore_eos=False), 2, right)
-    assert "ignore_eos=True" in capsys.readouterr().out
+def test_gather_scatter_solution_passes_inside_the_engine(bierce_model, capsys):
+    model, tok = bierce_model
+    assert check_gather_scatter(gather, scatter, model, tok)
+    out = capsys.readouterr().out
+    assert out.startswith("✓") and "fused" in out and "(0 fused)" not in out
 
 
-@pytest.mark.parametrize("answer", [None, {1: 2}, lambda: 0, [[None] * 10] * 5, []])
-def test_masks_of_the_wrong_kind_get_a_hint_not_a_traceback(answer, capsys):
-    assert not check_mask(CACHED, NEW, answer)
-    assert capsys.readouterr().out.startswith("✗")
+def _g_dim(caches):
+    parts = [c for c in caches if c is not None]
+    return (torch.cat([k for k, _ in parts], dim=1), torch.cat([v for _, v in parts], dim=1)) if parts else None
+
+
+def _g_reversed(caches):
+    return gather(list(reversed(caches)))
+
+
+def _g_swapped(caches):
+    got = gather(caches)
+    return None if got is None else (got[1], got[0])
+
+
+def _g_no_none(caches):
+    return torch.cat([c[0] for c in caches], dim=2), torch.cat([c[1] for c in caches], dim=2)
+
+
+def _g_empty(caches):
+    got = gather(caches)
+    return got if got is not None else (torch.zeros(1, 2, 0, 3), torch.zeros(1, 2, 0, 3))
+
+
+def _s_from_start(pk, pv, caches, num_new):  # the new keys cut from the front of the packed cache
+    new_k, new_v = pk.split(num_new + [pk.shape[2] - sum(num_new)], dim=2)[:-1], pv.split(
+        num_new + [pv.shape[2] - sum(num_new)], dim=2)[:-1]
+    return [(k, v) if old is None else (torch.cat([old[0], k], 2), torch.cat([old[1], v], 2))
+            for old, k, v in zip(caches, new_k, new_v)]
+
+
+def _s_off_by_one(pk, pv, caches, num_new):
+    start = sum(c[0].shape[2] for c in caches if c is not None) - 1
+    ks = pk[:, :, start:start + sum(num_new)].split(num_new, dim=2)
+    vs = pv[:, :, start:start + sum(num_new)].split(num_new, dim=2)
+    return [(k, v) if old is None else (torch.cat([old[0], k], 2), torch.cat([old[1], v], 2))
+            for old, k, v in zip(caches, ks, vs)]
+
+
+def _s_overwrite(pk, pv, caches, num_new):
+    start = sum(c[0].shape[2] for c in caches if c is not None)
+    return list(zip(pk[:, :, start:].split(num_new, dim=2), pv[:, :, start:].split(num_new, dim=2)))
+
+
+def _s_split_by_cached(pk, pv, caches, num_new):
+    cached = [0 if c is None else c[0].shape[2] for c in caches]
+    start = sum(cached)
+    sizes = [max(c, 1) for c in cached]
+    sizes[-1] = pk.shape[2] - start - sum(sizes[:-1])
+    return scatter(pk, pv, caches, sizes) if sizes[-1] > 0 else scatter(pk, pv, caches, num_new)[::-1]
+
+
+def _s_all_new(pk, pv, caches, num_new):
+    start = sum(c[0].shape[2] for c in caches if c is not None)
+    k, v = pk[:, :, start:], pv[:, :, start:]
+    return [(k, v) if old is None else (torch.cat([old[0], k], 2), torch.cat([old[1], v], 2)) for old in caches]
+
+
+def _s_swapped(pk, pv, caches, num_new):
+    return [(v, k) for k, v in scatter(pk, pv, caches, num_new)]
+
+
+class _LateBug:
+    """Right on the check's labelled step; inside the engine, from its second call on, drops the last
+    sequence's new token -- only running it in the engine can catch that."""
+    calls = 0
+
+    def __call__(self, pk, pv, caches, num_new):
+        self.calls += 1
+        out = scatter(pk, pv, caches, num_new)
+        if self.calls > 2 and caches[-1] is not None:
+            out[-1] = caches[-1]
+        return out
+
+
+WRONG_GATHER = [(_g_dim, "raised RuntimeError"), (_g_reversed, "another order"), (_g_swapped, "swapped"),
+                (_g_no_none, "raised"), (_g_empty, "return None"), (lambda c: None, "not done yet"),
+                (lambda c: [1, 2], "(keys, values) pair")]
+WRONG_SCATTER = [(_s_from_start, "cached part"), (_s_off_by_one, "cached part"), (_s_overwrite, "lost its history"),
+                 (_s_split_by_cached, "another sequence's new keys"), (_s_all_new, "another sequence's new keys"),
+                 (_s_swapped, "swapped"), (lambda *a: None, "not done yet"), (lambda *a: [], "one (keys, values)"),
+                 (_LateBug(), "inside the engine")]
+
+
+@pytest.mark.parametrize("wrong, words", WRONG_GATHER, ids=[w for _, w in WRONG_GATHER])
+def test_wrong_gathers_fail_with_their_hint(bierce_model, capsys, wrong, words):
+    model, tok = bierce_model
+    assert not check_gather_scatter(wrong, scatter, model, tok)
+    out = capsys.readouterr().out
+    assert out.startswith("✗") and words in out, out
+
+
+@pytest.mark.parametrize("wrong, words", WRONG_SCATTER, ids=[w for _, w in WRONG_SCATTER])
+def test_wrong_scatters_fail_with_their_hint(bierce_model, capsys, wrong, words):
+    model, tok = bierce_model
+    assert not check_gather_scatter(gather, wrong, model, tok)
+    out = capsys.readouterr().out
+    assert out.startswith("✗") and words in out, out
+
+
+def test_not_functions_get_a_hint(bierce_model, capsys):
+    model, tok = bierce_model
+    assert not check_gather_scatter(gather([None]), scatter, model, tok)
+    assert "pass your function itself" in capsys.readouterr().out
+    assert not check_gather_scatter(gather, lambda *a: 1 / 0, model, tok)
+    assert "ZeroDivisionError" in capsys.readouterr().out
+
+
+def test_the_engine_is_left_as_it_was(bierce_model):
+    """The check patches only its own engine: a fresh engine afterwards still uses the real cache."""
+    model, tok = bierce_model
+    check_gather_scatter(gather, _s_overwrite, model, tok)
+    from cbteach import Engine, Request
+    out = Engine(model, tok, max_batch_size=2).run([Request("CYNIC, n.", 6, ignore_eos=True)])
+    x = tok("CYNIC, n.", return_tensors="pt")
+    ref = model.generate(**x, do_sample=False, max_new_tokens=6, min_new_tokens=6)[0, x["input_ids"].shape[1]:]
+    assert out[0].output_ids == ref.tolist()

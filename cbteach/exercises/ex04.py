@@ -1,59 +1,187 @@
-"""Notebook 04: predict how many bytes the concatenating KV cache copies over a whole run.
+"""Notebook 04: write the concatenating cache's gather and scatter, and run them inside the engine.
 
-The check serves the learner's requests on a fresh :class:`cbteach.Engine` (``kv="concat"``) and
-adds up what the engine measured on every step (``StepRecord.kv_bytes_copied``), so the answer is
-compared with what really happened, not with a formula.
+The learner writes two functions on one layer's tensors:
+
+* ``gather(caches)`` -- ``caches`` lists, in the step's order, each sequence's ``(keys, values)``
+  (``[1, kv_heads, cached, head_dim]``), or ``None`` for a sequence with nothing cached yet;
+  returns the packed ``(keys, values)`` the model receives (``[A cached | B cached | ...]``), or
+  ``None`` when nothing is cached at all;
+* ``scatter(packed_keys, packed_values, caches, num_new)`` -- after the model appended this step's
+  keys and values (``[A cached | B cached | ... | A new | B new | ...]``, notebook 03's concat
+  layout), returns each sequence's new ``(keys, values)``: its old cache followed by its new tokens.
+
+The check first runs both on labelled tensors (every key holds its sequence and position, so a
+misplaced one is recognised and the kind of mistake named), then plugs them into a real
+:class:`cbteach.Engine` (``kv="concat"``) in place of the cache's own gather and scatter and
+serves a workload with fused steps; the tokens must be greedy ``model.generate``'s, prompt by
+prompt.
 """
 from __future__ import annotations
 
-import numbers
+import torch
+from transformers import DynamicCache
 
+from ..attention.packing import additive_mask, block_diagonal_causal_mask
 from ..core.engine import Engine
-from ..core.modelinfo import describe
 from ..core.request import Request
+from ..kv.concat import KVTraffic, layer_kv
 from . import report, self_check
 
+HEADS, DIM = 2, 3
 
-def measure_total_bytes_copied(model, tokenizer, requests, max_batch_size: int):
-    """Serve fresh copies of ``requests`` and return ``(total bytes copied, the step records)``."""
-    fresh = [Request(r.prompt, r.max_new_tokens, request_id=r.request_id, ignore_eos=r.ignore_eos)
-             for r in requests]
-    engine = Engine(model, tokenizer, max_batch_size=max_batch_size, kv="concat")
-    engine.run(fresh)
-    return sum(r.kv_bytes_copied for r in engine.records), engine.records
+
+def _labelled(seq: int, start: int, n: int, kind: int) -> torch.Tensor:
+    """``[1, HEADS, n, DIM]`` whose token ``t`` holds ``1000 * kind + 100 * seq + (start + t)`` everywhere."""
+    pos = torch.arange(start, start + n, dtype=torch.float32)
+    return (1000.0 * kind + 100.0 * seq + pos).view(1, 1, n, 1).expand(1, HEADS, n, DIM).contiguous()
+
+
+def _caches(cached):
+    return [None if c == 0 else (_labelled(s, 0, c, 0), _labelled(s, 0, c, 1)) for s, c in enumerate(cached)]
+
+
+def _labels(t) -> list[tuple[int, int, int]]:
+    """(kind, sequence, position) of every token of a labelled tensor."""
+    return [(int(v) // 1000, int(v) % 1000 // 100, int(v) % 100) for v in t[0, 0, :, 0].tolist()]
+
+
+def _pair(x, what):
+    if not (isinstance(x, (tuple, list)) and len(x) == 2 and all(torch.is_tensor(t) for t in x)):
+        raise TypeError(f"{what} should be a (keys, values) pair of tensors, got {type(x).__name__}")
+    return x
+
+
+def _gather_hint(gather) -> str | None:
+    cached = [3, 0, 2]
+    got = gather(_caches(cached))
+    if got is None:
+        return "not done yet: gather returned None for a step with cached keys -- write it in the cell above"
+    k, v = _pair(got, "gather's result")
+    want = [(0, s, p) for s, c in enumerate(cached) for p in range(c)]
+    if k.dim() != 4 or k.shape[:2] != (1, HEADS) or k.shape[3] != DIM:
+        return ("the packed keys have the wrong shape: sequences are joined along the token axis; the batch, "
+                "head and head-dim axes stay as they are")
+    got_k = _labels(k)
+    if got_k == [(1, s, p) for _, s, p in want]:
+        return "keys and values are swapped"
+    if sorted(got_k) != sorted(want):
+        return ("the packed keys are not the cached keys, each once: every cached key of every sequence goes in, "
+                "and a sequence with nothing cached adds nothing")
+    if got_k != want:
+        return ("the packed keys are in another order than the step's sequences: the mask of notebook 03 expects "
+                "each sequence's cached keys as one run, sequences in the step's order")
+    if _labels(v) != [(1, s, p) for _, s, p in want]:
+        return "the values are not packed like the keys"
+    if gather([None, None]) is not None:
+        return "when no sequence has anything cached, return None (the model then gets an empty cache)"
+    return None
+
+
+def _scatter_hint(scatter) -> str | None:
+    cached, new = [3, 0, 2], [1, 4, 1]
+    old = _caches(cached)
+    k_parts = [_labelled(s, 0, c, 0) for s, c in enumerate(cached) if c]
+    v_parts = [_labelled(s, 0, c, 1) for s, c in enumerate(cached) if c]
+    k_parts += [_labelled(s, c, n, 0) for s, (c, n) in enumerate(zip(cached, new))]
+    v_parts += [_labelled(s, c, n, 1) for s, (c, n) in enumerate(zip(cached, new))]
+    got = scatter(torch.cat(k_parts, dim=2), torch.cat(v_parts, dim=2), old, list(new))
+    if got is None:
+        return "not done yet: scatter returned None -- write it in the cell above"
+    if not isinstance(got, (list, tuple)) or len(got) != len(cached):
+        return f"scatter should return one (keys, values) pair per sequence of the step, {len(cached)} here"
+    for s, (c, n) in enumerate(zip(cached, new)):
+        k, v = _pair(got[s], f"scatter's entry for sequence {s}")
+        want = [(0, s, p) for p in range(c + n)]
+        have = _labels(k) if k.dim() == 4 and k.shape[2] else []
+        if have == want and _labels(v) == [(1, s, p) for p in range(c + n)]:
+            continue
+        if have == [(1, s, p) for p in range(c + n)]:
+            return "keys and values are swapped"
+        if have == want[c:]:
+            return "a sequence's cache lost its history: append its new keys after its old ones, do not replace them"
+        if have[:c] == want[:c] and any(kind == 0 and p < cached[seq] for kind, seq, p in have[c:]):
+            return ("a sequence's new keys came from the cached part of the packed cache: in the concat layout "
+                    "every sequence's cached keys come first, and all the new keys after them")
+        if have[:c] == want[:c] and any(seq != s for _, seq, _ in have[c:]):
+            return ("a sequence got another sequence's new keys: cut the new part into pieces of each "
+                    "sequence's own number of new tokens, in the step's order")
+        if have[:c] == want[:c] and len(have) != c + n:
+            return "a sequence got the wrong number of new keys: each gets exactly the tokens it fed this step"
+        return "a sequence's updated cache is not its old keys followed by its new ones"
+    return None
+
+
+def _plug(engine, gather, scatter):
+    """Make ``engine``'s concat cache call the learner's gather and scatter (this engine object only):
+    its ``forward_kwargs`` and ``after_forward`` are replaced by versions that call them."""
+    kv = engine.kv
+    packed = {}
+
+    def caches_of(meta, layer):
+        return [kv.seq_kv[rid][layer] if c > 0 else None for rid, c in zip(meta.request_ids, meta.num_computed_tokens)]
+
+    def forward_kwargs(meta):
+        cache = DynamicCache()
+        for layer in range(kv.num_layers):
+            got = gather(caches_of(meta, layer))
+            if got is not None:
+                k, v = _pair(got, "gather's result")
+                cache.update(k, v, layer)
+        packed["cache"] = cache
+        mask = block_diagonal_causal_mask(meta.num_computed_tokens, meta.num_scheduled_tokens,
+                                          device=meta.input_ids.device)
+        return {kv.cache_kwarg: cache, "attention_mask": additive_mask(mask, kv.dtype), "use_cache": True}
+
+    def after_forward(meta):
+        cache = packed.pop("cache")
+        for layer in range(kv.num_layers):
+            k_all, v_all = layer_kv(cache, layer)
+            updated = scatter(k_all, v_all, caches_of(meta, layer), list(meta.num_scheduled_tokens))
+            if not isinstance(updated, (list, tuple)) or len(updated) != len(meta.request_ids):
+                raise TypeError("scatter should return one (keys, values) pair per sequence of the step")
+            for rid, pair in zip(meta.request_ids, updated):
+                kv.seq_kv.setdefault(rid, [None] * kv.num_layers)[layer] = tuple(_pair(pair, "scatter's entry"))
+        return KVTraffic()
+
+    kv.forward_kwargs, kv.after_forward = forward_kwargs, after_forward
+
+
+WORKLOAD = [("CYNIC, n.", 12), ("EXECUTIVE, n.", 5), ("HAG, n.", 9), ("ABSURDITY, n.", 4)]
+
+
+def _reference(model, tokenizer, prompt, n):
+    x = tokenizer(prompt, return_tensors="pt").to(model.device)
+    with torch.no_grad():
+        y = model.generate(**x, do_sample=False, max_new_tokens=n, min_new_tokens=n)
+    return y[0, x["input_ids"].shape[1]:].tolist()
 
 
 @self_check
-def check_total_bytes_copied(model, tokenizer, requests, max_batch_size: int, answer) -> bool:
-    """``answer``: the K/V bytes copied over every step of serving ``requests`` -- our gather, the
-    ``DynamicCache``'s copy of it, the model's own append, and our scatter."""
-    if not isinstance(answer, numbers.Real) or isinstance(answer, bool):
-        return report(False, "", f"answer should be a number of bytes, got {type(answer).__name__}")
-    if not all(r.ignore_eos for r in requests):
-        return report(False, "", "give every request ignore_eos=True: only then is its length known in advance")
-    total, records = measure_total_bytes_copied(model, tokenizer, requests, max_batch_size)
-    if answer == total:
-        return report(True, f"{total:,} bytes over {len(records)} steps, exactly what the engine measured", "")
-    info = describe(model)
-    per_token = info.kv_bytes_per_token
-    cached = sum(sum(r.num_computed_tokens) for r in records)
-    new = sum(sum(r.num_scheduled_tokens) for r in records)
-    near = [  # (a tempting wrong total, what it means); several can coincide, so all that match are named
-        (per_token * cached, "that is cbteach's gather alone; three more copies follow it"),
-        (per_token * (2 * cached + new), "that is cbteach's own gather and scatter; transformers' DynamicCache "
-                                         "copies too -- once when it takes the gathered history, once when the "
-                                         "model appends the new tokens"),
-        (per_token * (cached + new), "that is one copy of the packed cache; count every copy of it"),
-        (per_token * 4 * cached, "the model's update and the scatter also copy this step's new keys and values"),
-        (per_token * (4 * cached + new), "both the model's update and the scatter include the new tokens"),
-        (total // info.num_layers, "that is one layer; every layer has its own cache"),
-        (total // 2, "count keys and values, both"),
-        (total // info.dtype.itemsize, "those are elements; multiply by the bytes per element"),
-    ]
-    hints = [hint for value, hint in near if answer == value]
-    if not hints and answer > 0 and total and abs(answer - total) / total < 0.2:
-        hints.append("close: check the number of steps each request runs (its prefill step, then one per "
-                     "further token)")
-    detail = (" -- " + " -- or ".join(hints)) if hints else "; check the formula step by step"
-    side = "too high" if answer > total else "too low"
-    return report(False, "", f"{answer:,} is {side} for the bytes the engine copied{detail}")
+def check_gather_scatter(gather, scatter, model, tokenizer) -> bool:
+    """``gather(caches)`` and ``scatter(packed_keys, packed_values, caches, num_new)``: labelled cases
+    first, then inside a real concat engine, compared with ``model.generate`` prompt by prompt."""
+    for name, fn in (("gather", gather), ("scatter", scatter)):
+        if not callable(fn):
+            return report(False, "", f"pass your function itself ({name}, not {name}(...)); got {type(fn).__name__}")
+    for name, hint_of in (("gather", _gather_hint), ("scatter", _scatter_hint)):
+        try:
+            hint = hint_of(gather if name == "gather" else scatter)
+        except Exception as err:  # the learner's code
+            hint = f"it raised {type(err).__name__}: {err}"
+        if hint:
+            return report(False, "", f"{name}, on a step with sequences of 3, 0 and 2 cached tokens: {hint}")
+    engine = Engine(model, tokenizer, max_batch_size=2, kv="concat")
+    _plug(engine, gather, scatter)
+    reqs = [Request(p, n, request_id=p.split(",")[0], ignore_eos=True) for p, n in WORKLOAD]
+    try:
+        out = engine.run(reqs)
+    except Exception as err:  # the learner's functions, called by the engine
+        return report(False, "", f"inside the engine, a step failed with {type(err).__name__}: {err} -- on some "
+                                 "step a sequence's cache did not hold exactly its tokens so far")
+    fused = sum(r.is_fused for r in engine.records)
+    for c, (p, n) in zip(out, WORKLOAD):
+        if c.output_ids != _reference(model, tokenizer, p, n):
+            return report(False, "", f"inside the engine, {c.request_id}'s tokens are not what generate gives it "
+                                     "alone: a key or value reached the wrong sequence or position on some step")
+    return report(True, f"your gather and scatter ran inside the engine for {len(engine.records)} steps ({fused} "
+                        f"fused) and every request got generate's tokens", "")
