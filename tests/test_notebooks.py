@@ -117,3 +117,147 @@ def test_notebook_uses_the_current_api_and_the_models_device(path):
         for line in src.splitlines():
             if 'return_tensors="pt"' in line:
                 assert ".to(" in line, f"tokenizer tensors not moved to the model's device: {line}"
+
+
+# ---- The student copy: what a learner sees and runs with every exercise left undone ----------------------------
+
+def code_tree(src):
+    """A code cell's syntax tree, IPython magics (``%pip``) turned into plain Python first."""
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    try:
+        return ast.parse(TransformerManager().transform_cell(src))
+    except SyntaxError:
+        return ast.parse("")
+
+
+def is_solution(cell):
+    return cell["cell_type"] == "code" and "solution" in cell.get("metadata", {}).get("tags", [])
+
+
+def top_level_names(tree):
+    """The names a cell binds in the notebook's namespace: assignments, loops, imports, defs and classes
+    at the top level (also inside top-level if/for/with/try blocks), not names local to a function."""
+    names = set()
+    for stmt in tree.body:
+        for node in ast.walk(stmt) if isinstance(stmt, (ast.If, ast.For, ast.With, ast.Try)) else [stmt]:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+            elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.For)):
+                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    names |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+    return names
+
+
+def locally_bound(tree):
+    """Every name a cell binds anywhere (stores, parameters, comprehension targets): a use of such a
+    name in that cell reads the cell's own value, not a solution's."""
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    names |= {a.arg for n in ast.walk(tree) if isinstance(n, ast.arguments)
+              for a in n.posonlyargs + n.args + n.kwonlyargs + [x for x in (n.vararg, n.kwarg) if x]}
+    return names | top_level_names(tree)
+
+
+def solution_only_names(nb_cells):
+    """Names only a solution cell binds: in the student copy they are stubs (``...`` or a function
+    returning None) until the learner writes them."""
+    solution, other = set(), set()
+    for c in nb_cells:
+        if c["cell_type"] == "code":
+            (solution if is_solution(c) else other).update(top_level_names(code_tree(source(c))))
+    return solution - other
+
+
+def uses(cell, names):
+    tree = code_tree(source(cell))
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)} \
+        & (names - locally_bound(tree))
+
+
+def unguarded_uses(cell, names):
+    """Uses of ``names`` anywhere but as a plain argument of a self-check (``check_x(f, answer=a)``) or in
+    the body of ``if check_x(...):``: a check is wrapped in ``self_check`` and answers a stub with a hint and
+    False, so its body runs only for a solution that passed; any other use of a stub can raise."""
+    tree = code_tree(source(cell))
+    guarded = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and CHECK_NAME.search(ast.unparse(node.func)):
+            guarded |= {id(a) for a in node.args + [k.value for k in node.keywords] if isinstance(a, ast.Name)}
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Call) and CHECK_NAME.search(ast.unparse(node.test.func)):
+            guarded |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    local = locally_bound(tree)
+    return sorted({n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+                   and n.id in names and n.id not in local and id(n) not in guarded})
+
+
+CHECK_NAME = re.compile(r"(^|\.)check_\w*$")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_student_copy_shows_no_output_computed_by_a_solution(path):
+    """A stored output of a cell that reads a solution's name shows the solution's result (09's "126 MiB",
+    07's "predicted 1.52x"): the student copy must not keep it."""
+    nb = json.loads(path.read_text())
+    only = solution_only_names(nb["cells"])
+    student, _ = strip_solutions(nb)
+    leaks = [(i, sorted(uses(c, only))) for i, c in enumerate(student["cells"])
+             if c["cell_type"] == "code" and not is_solution(c) and c.get("outputs") and uses(c, only)]
+    assert not leaks, f"student copy keeps outputs of cells (index, solution names) {leaks}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_student_stubs_name_only_what_the_check_needs(path):
+    """A stub names what to write -- the names the self-check reads -- and nothing that gives the way away:
+    no helper a later cell never reads (10's ``admission_steps``), no import only the solution needs
+    (``import heapq``)."""
+    nb = json.loads(path.read_text())
+    cs = nb["cells"]
+    only = solution_only_names(cs)
+    student, _ = strip_solutions(nb)
+    for i, (orig, new) in enumerate(zip(cs, student["cells"])):
+        if not is_solution(orig):
+            continue
+        later = set().union(*(uses(c, only) for c in cs[i + 1:] if c["cell_type"] == "code" and not is_solution(c)))
+        stub = code_tree(new["source"])
+        itself = {n.id for n in ast.walk(stub) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}  # a base class
+        extra = sorted((top_level_names(stub) & only) - later - itself)
+        assert not extra, f"cell {i}'s stub names {extra}, which no later cell reads: they hint at the solution"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_student_copy_runs_with_every_exercise_undone(path):
+    """Run All in the student copy, exercises undone, must reach the end. Executing all twelve notebooks
+    takes minutes, so this checks statically what would raise: after a solution is stubbed, a name only
+    it binds is ``...`` or a function returning None, and a later cell may pass it to a self-check (which
+    answers any value with a hint, never a traceback) but not compute with it."""
+    cs = cells(path)
+    only = solution_only_names(cs)
+    bad = [(i, unguarded_uses(c, only)) for i, c in enumerate(cs)
+           if c["cell_type"] == "code" and not is_solution(c) and unguarded_uses(c, only)]
+    assert not bad, f"cells (index, names) that compute with a stubbed solution's names and would raise: {bad}"
+
+
+# ---- Stored outputs back the prose ----------------------------------------------------------------------------
+
+def stored_text(cell):
+    """Everything a code cell printed, as stored: streams and plain-text results."""
+    out = []
+    for o in cell.get("outputs", []):
+        text = o.get("text") or o.get("data", {}).get("text/plain", "")
+        out.append("".join(text) if isinstance(text, list) else text)
+    return "".join(out)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_no_stored_claim_reports_that_it_did_not_hold(path):
+    """A cell that backs the prose prints ``claim: <text> -- holds`` (:func:`cbteach.perf.claims.claim`);
+    outputs stored where a claim did not hold contradict the text beside them: re-run on a quiet machine
+    (``tools/store_outputs.py``) or fix the claim."""
+    from cbteach.perf.claims import FAILED, failed_claims
+
+    assert failed_claims(f"claim: a sample -- {FAILED}") == ["a sample"]  # the reader still knows the format
+    failed = [(i, text) for i, c in enumerate(cells(path)) if c["cell_type"] == "code"
+              for text in failed_claims(stored_text(c))]
+    assert not failed, f"stored outputs report claims that did not hold (cell, claim): {failed}"
