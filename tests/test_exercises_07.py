@@ -1,15 +1,10 @@
-"""Notebook 07's self-check: a right speed-up prediction passes, wrong ones get a hint and never the answer."""
-import heapq
-import math
-import re
+"""Notebook 07's self-check: an honest harness passes; each shortcut fails with its own hint, never the answer."""
+import statistics
 
 import pytest
 
 from cbteach.exercises import ex07
 from conftest import tiny_model
-
-LENGTHS = [5, 1, 9, 2, 2, 7, 3, 1, 4, 8]
-B = 3
 
 
 @pytest.fixture(scope="module")
@@ -17,73 +12,114 @@ def model():
     return tiny_model("llama")
 
 
-def static_steps(lengths, b):
-    return sum(max(lengths[i:i + b]) for i in range(0, len(lengths), b))
+def right(runs, repeat, clock):
+    first = None
+    for run in runs.values():  # warm-up, untimed; its tokens are the reference
+        out = run()
+        first = out if first is None else first
+    times, same = {name: [] for name in runs}, True
+    for _ in range(repeat):  # rounds: every engine once per round
+        for name, run in runs.items():
+            start = clock()
+            out = run()
+            times[name].append(clock() - start)
+            same = same and out == first
+    return {n: statistics.median(t) for n, t in times.items()}, same
 
 
-def fcfs_steps(lengths, b):
-    free_at, last = [0] * b, 0
-    for n in lengths:
-        start = heapq.heappop(free_at)
-        heapq.heappush(free_at, start + n)
-        last = max(last, start + n)
-    return last
+def make(warm=True, interleave=True, stat=statistics.median, every_run=True, per_run=True, use_clock=True):
+    """A harness with one shortcut switched on."""
+    import time
+
+    def harness(runs, repeat, clock):
+        tick = clock if use_clock else time.perf_counter
+        first = None
+        if warm:
+            for run in runs.values():
+                out = run()
+                first = out if first is None else first
+        times, same = {n: [] for n in runs}, True
+        order = ([(r, n) for r in range(repeat) for n in runs] if interleave
+                 else [(r, n) for n in runs for r in range(repeat)])
+        if not per_run:
+            for name, run in runs.items():
+                start = tick()
+                for _ in range(repeat):
+                    out = run()
+                    first = out if first is None else first
+                times[name] = [(tick() - start) / repeat] * repeat
+            return {n: stat(t) for n, t in times.items()}, True
+        for _, name in order:
+            start = tick()
+            out = runs[name]()
+            times[name].append(tick() - start)
+            first = out if first is None else first
+            if every_run:
+                same = same and out == first
+        return {n: stat(t) for n, t in times.items()}, same
+    return harness
 
 
-def right(lengths, b):
-    return static_steps(lengths, b) / fcfs_steps(lengths, b)
+def test_the_clock_log_finds_the_timed_runs(model):
+    clock = ex07.Clock()
+    runs = ex07.engine_runs(model, clock, stale=True)
+    medians, same = right(runs, 3, clock)
+    durations, untimed, order = ex07._timed_runs(clock.events)
+    assert untimed == list(runs) and order == list(runs) * 3 and not same
+    assert all(abs(medians[n] - statistics.median(durations[n])) < 1e-9 for n in runs)
+    # the costs make every shortcut visible: the median differs from the mean, the minimum and the last run
+    for d in durations.values():
+        assert len({round(statistics.median(d), 9), round(statistics.fmean(d), 9), round(min(d), 9),
+                    round(d[-1], 9)}) == 4
 
 
-def bound(lengths, b):
-    return static_steps(lengths, b) / max(math.ceil(sum(lengths) / b), max(lengths))
+def test_the_stale_engine_is_right_once_then_wrong(model):
+    runs = ex07.engine_runs(model, ex07.Clock(), stale=True)
+    first, again, reference = runs["paged (stale state)"](), runs["paged (stale state)"](), runs["static"]()
+    assert first == reference != again and runs["paged"]() == reference
 
 
-def test_engines_take_the_steps_slot_arithmetic_predicts(model):
-    for lengths, b in [(LENGTHS, B)] + ex07.CASES:
-        assert ex07.measured_steps(model, lengths, b) == (static_steps(lengths, b), fcfs_steps(lengths, b))
-    # the cases include one where the lower bound is not reached (so the bound alone is not enough)
-    assert any(not ex07._close(bound(l, b), right(l, b)) for l, b in ex07.CASES)
-
-
-def test_accepts_a_right_prediction(model, capsys):
-    assert ex07.check_speedup_prediction(right, model, LENGTHS, B)
-    out = capsys.readouterr().out
-    assert out.startswith("✓") and f"all {len(ex07.CASES) + 1} workloads" in out
-
-
-def test_accepts_a_prediction_within_the_tolerance(model, capsys):
-    assert ex07.check_speedup_prediction(lambda l, b: 1.02 * right(l, b), model, LENGTHS, B)
-    assert not ex07.check_speedup_prediction(lambda l, b: 1.2 * right(l, b), model, LENGTHS, B)
-    assert "too high" in capsys.readouterr().out
+def test_accepts_an_honest_harness(model, capsys):
+    assert ex07.check_benchmark(right, model)
+    assert capsys.readouterr().out.startswith("✓")
 
 
 WRONG = {
-    "upside down": lambda l, b: 1 / right(l, b),
-    "same number of steps": lambda l, b: 1.0,
-    "lower bound": bound,
-    "its own longest": lambda l, b: math.ceil(len(l) / b) * max(l) / fcfs_steps(l, b),
-    "not its average": lambda l, b: sum(sum(l[i:i + b]) / len(l[i:i + b]) for i in range(0, len(l), b))
-    / fcfs_steps(l, b),
-    "not the sum": lambda l, b: sum(l) / fcfs_steps(l, b),
+    "one-off costs": make(warm=False),
+    "favours whichever engine ran first": make(interleave=False),
+    "pulls the mean along": make(stat=statistics.fmean),
+    "luckiest": make(stat=min),
+    "no single run was timed on its own": make(per_run=False),
+    "a later run only": make(every_run=False),
+    "never read the clock": make(use_clock=False),
+    "exactly repeat times": lambda runs, repeat, clock: make()(runs, repeat - 1, clock),
+    "the total": make(stat=sum),
 }
 
 
 @pytest.mark.parametrize("hint", list(WRONG))
-def test_wrong_predictions_get_their_hint_and_never_the_answer(model, capsys, hint):
-    assert not ex07.check_speedup_prediction(WRONG[hint], model, LENGTHS, B)
+def test_each_shortcut_fails_with_its_hint_and_never_the_medians(model, capsys, hint):
+    assert not ex07.check_benchmark(WRONG[hint], model)
     out = capsys.readouterr().out
     assert out.startswith("✗") and hint in out, out
-    out = re.sub(r"\) = \d+\.\d+ is", ") = (their answer) is", out)  # the learner's own value is echoed
-    for lengths, b in [(LENGTHS, B)] + ex07.CASES:  # no measured speed-up or step count is printed
-        truth = right(lengths, b)
-        assert f"{truth:.3f}" not in out and f"{truth:.2f}x" not in out
-        assert f" {fcfs_steps(lengths, b)} steps" not in out and f" {static_steps(lengths, b)} steps" not in out
+    clock = ex07.Clock()
+    medians, _ = right(ex07.engine_runs(model, clock), 3, clock)
+    assert not any(f"{m:.2f}" in out for m in medians.values())
+
+
+def test_a_harness_that_always_says_same_tokens_fails(model, capsys):
+    def always_same(runs, repeat, clock):
+        return right(runs, repeat, clock)[0], True
+    assert not ex07.check_benchmark(always_same, model)
+    assert "compare the tokens of every run" in capsys.readouterr().out
 
 
 def test_bad_answers_are_explained(model, capsys):
-    assert not ex07.check_speedup_prediction(right(LENGTHS, B), model, LENGTHS, B)
+    assert not ex07.check_benchmark(right(ex07.engine_runs(model, ex07.Clock()), 1, ex07.Clock()), model)
     assert "function itself" in capsys.readouterr().out
-    assert not ex07.check_speedup_prediction(lambda l, b: None, model, LENGTHS, B)
-    assert "positive number" in capsys.readouterr().out
-    assert not ex07.check_speedup_prediction(lambda l, b: 1 / 0, model, LENGTHS, B)
+    assert not ex07.check_benchmark(lambda runs, repeat, clock: None, model)
+    assert "not done yet" in capsys.readouterr().out
+    assert not ex07.check_benchmark(lambda runs, repeat, clock: 1 / 0, model)
     assert "ZeroDivisionError" in capsys.readouterr().out
+    assert not ex07.check_benchmark(lambda runs, repeat, clock: ({"static": 1.0}, "yes"), model)
+    assert "pair" in capsys.readouterr().out

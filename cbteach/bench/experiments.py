@@ -1,8 +1,11 @@
 """The experiments of notebook 07 and the step-time-vs-history sweep, on top of the bench's engines."""
 from __future__ import annotations
 
+import math
 import platform
 import statistics
+from collections import deque
+from dataclasses import replace
 
 from .engines import PAGE
 from ..bierce.corpus import headword_prompts
@@ -43,6 +46,81 @@ def memory_bound(model, tok, workload, kv_tokens: int, reserve_new_tokens: int, 
         row, _ = run_engine("cbteach_paged", model, tok, workload, b, kv_memory_bytes=budget)
         out[label] = {**row, "kv_tokens": kv_tokens, "max_batch_size": b}
     return out
+
+
+# -- queueing, counted in steps ------------------------------------------------------------------
+def serve_in_steps(model, workload, batch_size: int, engine: str = "cbteach_paged") -> list[dict]:
+    """Serve ``workload`` with its arrival times read as **steps**, not seconds; per request (in
+    workload order): ``arrival``, ``first`` (the step whose end brought its first token), ``finish`` and
+    ``tokens``. Time moves one unit per forward step and jumps over idle gaps, so the result is a count
+    that machine noise cannot move: queueing, without the clock.
+
+    ``cbteach_paged``: the real :class:`~cbteach.Engine`, a request added once its arrival step has
+    come. ``static``: waves -- when a wave ends, the next takes up to ``batch_size`` of the requests
+    that have arrived (waiting for the first if none has); a wave lasts its longest output's steps, as
+    :func:`~cbteach.static_batching` takes for outputs of forced length (``ignore_eos``; tested)."""
+    if any(not r.ignore_eos for r in workload.requests()):
+        raise ValueError("serve_in_steps needs outputs of known length: a workload whose requests ignore EOS")
+    reqs = [replace(r, arrival_time=None) for r in workload.requests()]
+    arrival = [float(t) for t in (workload.arrival_times or [0.0] * len(reqs))]
+    pending = deque(sorted(range(len(reqs)), key=lambda i: (arrival[i], i)))
+    first, finish, t = {}, {}, 0
+    if engine == "static":  # a wave of forced lengths takes its longest output's steps (static_batching's count)
+        while pending:
+            t = max(t, math.ceil(arrival[pending[0]]))
+            wave = [pending.popleft() for _ in range(batch_size) if pending and arrival[pending[0]] <= t]
+            for i in wave:
+                first[i], finish[i] = t + 1, t + reqs[i].max_new_tokens
+            t += max(reqs[i].max_new_tokens for i in wave)
+    elif engine == "cbteach_paged":
+        eng, index = Engine(model, None, max_batch_size=batch_size, kv="paged", keep_records=False), {}
+        while pending or eng.has_unfinished():
+            if not eng.has_unfinished():
+                t = max(t, math.ceil(arrival[pending[0]]))  # idle: jump to the next arrival
+            while pending and arrival[pending[0]] <= t:
+                i = pending.popleft()
+                index[reqs[i].request_id] = i
+                eng.add_request(reqs[i])
+            record, t = eng.step(), t + 1
+            for s in record.seqs:
+                if s.new_token_ids:
+                    first.setdefault(index[s.request_id], t)
+            for rid in record.finished:
+                finish[index[rid]] = t
+    else:
+        raise ValueError(f"engine must be 'static' or 'cbteach_paged', got {engine!r}")
+    return [{"arrival": arrival[i], "first": first[i], "finish": finish[i], "tokens": reqs[i].max_new_tokens}
+            for i in range(len(reqs))]
+
+
+def latency_vs_load_in_steps(model, workload, loads, batch_size: int, ttft_target: float,
+                             engines=("static", "cbteach_paged"), seed: int = 0) -> list[dict]:
+    """The knee, in steps: ``workload`` with Poisson arrivals at each load (requests **per step**), served
+    by each engine (:func:`serve_in_steps`). Points shaped like :func:`~cbteach.bench.sweep`'s
+    (``{"workload": {"params": {"rate": load}}, "engines": {name: row}}``); a row holds TTFT and E2E
+    (p50, p99) in steps, and goodput: requests per step whose TTFT met ``ttft_target`` steps."""
+    from ..serving.workloads import with_poisson_arrivals
+
+    points = []
+    for load in loads:
+        w, rows = with_poisson_arrivals(workload, load, seed), {}
+        for name in engines:
+            served = serve_in_steps(model, w, batch_size, name)
+            ttft = [r["first"] - r["arrival"] for r in served]
+            e2e = [r["finish"] - r["arrival"] for r in served]
+            span = max(r["finish"] for r in served) - min(r["arrival"] for r in served)
+            good = sum(x <= ttft_target for x in ttft)
+            rows[name] = {"ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99), "e2e_p50": _pct(e2e, 50),
+                          "num_good": good, "num_requests": len(served), "goodput": good / span}
+        points.append({"workload": {"params": {"rate": load}}, "engines": rows})
+    return points
+
+
+def _pct(values, q: float) -> float:
+    """The q-th percentile, linearly interpolated (NumPy's default, as vLLM's client reports)."""
+    import numpy as np
+
+    return float(np.percentile(values, q))
 
 
 def decode_step_times(model, batch_sizes=(1, 2, 4, 8, 16, 32), steps: int = 24, prompt_len: int = 8) -> list[float]:

@@ -1,100 +1,179 @@
-"""Notebook 07: predict a workload's speed-up from its output lengths, before running anything.
+"""Notebook 07: write an honest benchmark harness, and let the check catch every shortcut.
 
-The learner writes ``predict_speedup(lengths, batch_size)``: how many times fewer forward steps
-continuous batching needs than static batching, for requests that generate exactly ``lengths[i]``
-tokens (EOS ignored) with ``batch_size`` slots. The check runs the real engines --
-:func:`~cbteach.static_batching` and the paged :class:`~cbteach.Engine` -- on the notebook's workload
-and on a few small cases chosen to catch the usual mistakes, and compares the prediction with the
-measured ratio of steps (static / continuous) within ``TOLERANCE``. On a wrong answer it says on which
-workload, in which direction, and gives a hint; it never prints the measured value.
+The learner writes ``benchmark(runs, repeat, clock)``: ``runs`` maps an engine's name to a function
+that runs that engine once on the workload and returns its outputs (one list of token ids per
+request). The harness must warm every engine up (one untimed run), then time ``repeat`` runs of each,
+**interleaved** (round after round, every engine once per round), each run timed on its own with
+``clock``; it returns ``(medians, same_tokens)``: each engine's median seconds, and whether *every*
+run of every engine produced the tokens of the first engine's warm-up run.
+
+The check hands the harness real engines (:func:`~cbteach.static_batching` and the paged
+:class:`~cbteach.Engine`, on the notebook's model) and a clock it controls: the clock advances only
+while an engine runs, by a cost the check sets -- a cold first run, a machine that slows down as it
+runs (drift), one hiccup -- so the check knows exactly which runs were timed and what each one
+"took". One engine in the second workload has a real-world bug: correct on its first run, stale
+state on the next. Each shortcut fails in its own way and gets a hint that names the misconception;
+the check never prints the medians it expected.
 """
 from __future__ import annotations
 
 import math
 import numbers
+import statistics
 
 from ..core.engine import Engine
 from ..core.request import Request
 from ..core.static import static_batching
 from . import report, self_check
 
-TOLERANCE = 0.05  # relative
-# (answer lengths, batch size): equal lengths (nothing to gain), one long request first (short ones
-# refill beside it), a long request last (FCFS cannot start it early: the lower bound is not reached),
-# a mix over three slots, and a longer mix.
-CASES = [([6, 6, 6, 6], 2), ([10, 1, 1, 1, 1, 1, 1], 2), ([1, 1, 1, 1, 1, 9], 2), ([4, 8, 2, 6, 3, 7, 1, 5], 3),
-         ([3, 12, 2, 2, 9, 1, 4, 4, 8, 2, 6, 1], 4)]
+COLD = 6.0     # a first run costs this many times a warm one (allocation, lazy imports, caches)
+DRIFT = 0.08   # each run costs this much more than the one before it, whichever engine ran (a machine slowing)
+HICCUP = 5.0   # one run of each engine -- its last -- is this many times slower (another process woke up)
+COST = {"static": 1.0, "paged": 0.7, "paged (stale state)": 0.5}  # seconds of a warm run, on the check's clock
+REPEATS = (3, 5)
 
 
-def measured_steps(model, lengths, batch_size: int) -> tuple[int, int]:
-    """``(static steps, continuous steps)`` of the real engines for outputs of exactly ``lengths`` tokens."""
-    def reqs():
-        return [Request([1 + i % 5] * (1 + i % 4), int(n), request_id=f"r{i}", ignore_eos=True)
-                for i, n in enumerate(lengths)]
-    static = len(static_batching(model, None, reqs(), batch_size).steps)
-    engine = Engine(model, None, max_batch_size=batch_size, kv="paged", keep_records=False)
-    engine.run(reqs())
-    return static, engine.num_steps
+class Clock:
+    """A clock that moves only while an engine runs, and remembers who read it and when."""
+
+    def __init__(self):
+        self.now, self.events = 0.0, []  # events: ("read",) or ("run", name, cost)
+
+    def __call__(self) -> float:
+        self.events.append(("read",))
+        return self.now
+
+    def run(self, name: str, cost: float) -> None:
+        self.events.append(("run", name, cost))
+        self.now += cost
 
 
-def _close(a, b) -> bool:
-    return b > 0 and abs(a - b) <= TOLERANCE * b
+def _requests(n: int = 6) -> list[Request]:
+    return [Request([1 + i % 5] * (2 + i % 3), 1 + (3 * i) % 7, request_id=f"r{i}", ignore_eos=True)
+            for i in range(n)]
 
 
-def _hint(lengths, b, got, static, continuous) -> str:
-    n = len(lengths)
-    waves = [lengths[i:i + b] for i in range(0, n, b)]
-    wave_max = sum(max(w) for w in waves)
-    bound = max(math.ceil(sum(lengths) / b), max(lengths))
-    truth = static / continuous
-    if not _close(truth, 1.0) and _close(got, 1 / truth):
-        return ("it looks upside down: the speed-up is static steps / continuous steps, above 1 when continuous "
-                "batching needs fewer steps")
-    if not _close(truth, 1.0) and _close(got, 1.0):
-        return ("both strategies produce the same tokens, but not in the same number of steps: count the steps "
-                "each one needs")
-    if continuous != bound and _close(got, wave_max / bound):
-        return ("your continuous count looks like the lower bound max(ceil(sum / B), longest). The engine admits "
-                "requests first come, first served, so a long request late in the queue starts late, and at the "
-                "end slots drain: follow the slots step by step (notebook 02's exercise)")
-    if _close(got, wave_max / math.ceil(sum(lengths) / b)):
-        return "sum / B alone ignores that the longest request needs that many steps by itself"
-    if len(waves) > 1 and _close(got, len(waves) * max(lengths) / continuous):
-        return "each static wave waits for its own longest request, not for the longest of the whole workload"
-    if _close(got, sum(sum(w) / len(w) for w in waves) / continuous):
-        return "a static wave lasts as long as its longest request, not its average one"
-    if _close(got, sum(lengths) / continuous):
-        return "static batching runs a wave's requests side by side: a wave costs its longest request, not the sum"
-    return ("count both: static = sum over waves of B requests of the longest output; continuous = the step "
-            "at which the last request finishes when every freed slot takes the next request at once")
+def engine_runs(model, clock: Clock, repeat: int = 3, batch_size: int = 2, stale: bool = False) -> dict:
+    """The engines the check times: each entry runs a real engine once and returns its outputs. With
+    ``stale``, a third engine is correct on its first run only (state leaking from one run into the next).
+    Costs on ``clock``: a cold first run, drift, and a hiccup on each engine's last run of ``repeat``."""
+    calls = {}
+
+    def timed(name, outputs_of):
+        def run():
+            k = calls[name] = calls.get(name, 0) + 1
+            ran = sum(1 for e in clock.events if e[0] == "run")  # how long the machine has been busy
+            cost = COST[name] * (1 + DRIFT * ran) * (COLD if k == 1 else HICCUP if k == repeat + 1 else 1)
+            clock.run(name, cost)
+            return outputs_of(k)
+        return run
+
+    def static(_k):
+        return [list(c.output_ids) for c in static_batching(model, None, _requests(), batch_size)]
+
+    def paged(_k):
+        engine = Engine(model, None, max_batch_size=batch_size, kv="paged", keep_records=False)
+        return [list(c.output_ids) for c in engine.run(_requests())]
+
+    def stale_paged(k):
+        out = paged(k)
+        if k > 1:  # the bug: a later run returns one request's tokens shifted by a leftover token
+            out[-1] = [out[-1][0]] + out[-1][:-1]
+        return out
+
+    runs = {"static": timed("static", static), "paged": timed("paged", paged)}
+    if stale:
+        runs["paged (stale state)"] = timed("paged (stale state)", stale_paged)
+    return runs
+
+
+def _timed_runs(events) -> tuple[dict, list, list]:
+    """From the clock's log: each engine's timed durations (a run with a clock reading right before and
+    right after it), the names of untimed runs in order, and the timed runs' names in order."""
+    durations, untimed, order = {}, [], []
+    for i, e in enumerate(events):
+        if e[0] != "run":
+            continue
+        before = i > 0 and events[i - 1][0] == "read"
+        after = i + 1 < len(events) and events[i + 1][0] == "read"
+        if before and after:
+            durations.setdefault(e[1], []).append(e[2])
+            order.append(e[1])
+        else:
+            untimed.append(e[1])
+    return durations, untimed, order
+
+
+def _diagnose(events, names, repeat, got, truth_same) -> str | None:
+    """The first shortcut the clock's log or the answer shows, as a hint; None when all is right."""
+    runs = [e[1] for e in events if e[0] == "run"]
+    if not any(e[0] == "read" for e in events):
+        return "your harness never read the clock it was given: time each run with clock(), not another timer"
+    durations, untimed, order = _timed_runs(events)
+    first_runs = {name: runs.index(name) for name in names if name in runs}
+    if len(first_runs) < len(names):
+        return "some engine was never run: run every engine in runs"
+    for name in names:  # the first run of each engine must not be timed
+        k = first_runs[name]
+        i = [j for j, e in enumerate(events) if e[0] == "run"][k]
+        if 0 < i < len(events) - 1 and events[i - 1][0] == "read" and events[i + 1][0] == "read":
+            return ("an engine's first run pays one-off costs (allocation, caches, lazy imports) that a server "
+                    "pays once: warm every engine up with one untimed run before timing any")
+    if not durations:
+        return ("no single run was timed on its own: one clock reading around several runs gives their total "
+                "(or mean), and one slow run hides in it; read the clock right before and right after each run")
+    if any(len(durations.get(name, [])) != repeat for name in names):
+        return "each engine should be timed exactly repeat times (warm-up not counted), each run on its own"
+    rounds = [order[r * len(names):(r + 1) * len(names)] for r in range(repeat)]
+    if any(sorted(r) != sorted(names) for r in rounds):
+        return ("all of one engine's runs, then the next engine's: a machine that drifts (a hot CPU, another "
+                "job starting) then favours whichever engine ran first; run every engine once per round")
+    medians, same = got
+    for name in names:
+        want = statistics.median(durations[name])
+        mine = medians.get(name) if isinstance(medians, dict) else None
+        if not isinstance(mine, numbers.Real) or isinstance(mine, bool) or not math.isfinite(mine):
+            return f"medians[{name!r}] should be a number of seconds; got {mine!r}"
+        if not math.isclose(mine, want, rel_tol=1e-6):
+            if math.isclose(mine, statistics.fmean(durations[name]), rel_tol=1e-6):
+                return "one slow run (a hiccup) pulls the mean along: report the median of the timed runs"
+            if math.isclose(mine, min(durations[name]), rel_tol=1e-6):
+                return ("the fastest run is the luckiest one, not the typical one; and a harness that keeps the "
+                        "minimum rewards noise: report the median")
+            if math.isclose(mine, sum(durations[name]), rel_tol=1e-6):
+                return "that is the total of the timed runs; report the median of them, one run's worth"
+            return f"medians[{name!r}] is not the median of the runs your harness timed"
+    if same is not truth_same:
+        if truth_same:
+            return "every engine produced the same tokens here, yet your harness says they differ"
+        return ("an engine that is fast but gives other tokens is not faster, it is wrong -- and a bug can show on "
+                "a later run only (state left over from the previous run): compare the tokens of every run")
+    return None
 
 
 @self_check
-def check_speedup_prediction(predict, model, lengths=None, batch_size=None) -> bool:
-    """``predict(lengths, batch_size)`` should return static steps / continuous steps for any workload.
-
-    ``model``: any causal LM the engines run (the step counts do not depend on it: the lengths are
-    forced). ``lengths`` / ``batch_size``: the notebook's workload, checked first.
-    """
-    if not callable(predict):
-        return report(False, "", f"pass your function itself (predict_speedup, not predict_speedup(...)); got "
-                                 f"{type(predict).__name__}")
-    cases = ([(list(lengths), batch_size)] if lengths is not None else []) + CASES
-    for case_lengths, b in cases:
-        shown = case_lengths if len(case_lengths) <= 12 else f"{case_lengths[:12]}... ({len(case_lengths)} requests)"
-        try:
-            got = predict(list(case_lengths), b)
-        except Exception as err:  # the learner's code: say what failed, and on which input
-            return report(False, "", f"predict_speedup({shown}, {b}) raised {type(err).__name__}: {err}")
-        if isinstance(got, bool) or not isinstance(got, numbers.Real) or not math.isfinite(got) or got <= 0:
-            return report(False, "", f"predict_speedup({shown}, {b}) returned {got!r}; it should return a positive "
-                                     "number (static steps / continuous steps)")
-        static, continuous = measured_steps(model, case_lengths, b)
-        truth = static / continuous
-        if not _close(float(got), truth):
-            way = "too high" if got > truth else "too low"
-            return report(False, "", f"predict_speedup({shown}, {b}) = {float(got):.3f} is {way}: the engines' "
-                                     f"measured speed-up in steps differs by more than {TOLERANCE:.0%}. Hint: "
-                                     f"{_hint(case_lengths, b, float(got), static, continuous)}")
-    return report(True, f"your predictions match the engines' measured speed-ups (in steps) on all {len(cases)} "
-                        f"workloads, within {TOLERANCE:.0%}", "")
+def check_benchmark(benchmark, model) -> bool:
+    """``benchmark(runs, repeat, clock)`` should warm up, time interleaved repeats one by one with
+    ``clock``, and return ``({name: median seconds}, same_tokens)``. ``model``: the notebook's model;
+    every engine the check times runs it for real."""
+    if not callable(benchmark):
+        return report(False, "", f"pass your function itself (benchmark, not benchmark(...)); got "
+                                 f"{type(benchmark).__name__}")
+    cases = [(r, stale) for stale in (False, True) for r in REPEATS]
+    for repeat, stale in cases:
+        clock = Clock()
+        runs = engine_runs(model, clock, repeat, stale=stale)
+        truth_same = not stale
+        got = benchmark(dict(runs), repeat, clock)
+        if got is None or got is Ellipsis:
+            return report(False, "", "not done yet: benchmark returned nothing; it should return (medians, "
+                                     "same_tokens)")
+        if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], dict)
+                and isinstance(got[1], bool)):
+            return report(False, "", f"benchmark should return a pair (dict of medians, bool); got {got!r:.80}")
+        hint = _diagnose(clock.events, list(runs), repeat, got, truth_same)
+        if hint:
+            which = f"{len(runs)} engines{', one with a stale-state bug' if stale else ''}, repeat={repeat}"
+            return report(False, "", f"on the check's workload ({which}): {hint}")
+    return report(True, f"your harness warms up, interleaves, takes medians and compares every run's tokens "
+                        f"({len(cases)} workloads, engines run for real)", "")

@@ -129,29 +129,51 @@ def _rates(points):
     return [p["workload"]["params"]["rate"] for p in points]
 
 
-def plot_latency_vs_rate(points, *, capacity: dict | None = None, title: str | None = None):
+def _log_ticks(ax, axis="y"):
+    """Labelled ticks at 1, 2 and 5 of each decade, so a log axis spanning less than a decade still
+    reads (matplotlib labels only powers of ten, and a short range has none)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    a = ax.yaxis if axis == "y" else ax.xaxis
+    a.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    a.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    a.set_minor_formatter(NullFormatter())
+
+
+def _unit(unit: str):
+    """How a sweep's times are shown: ``"ms"`` (measured seconds, times 1000) or ``"steps"`` (counts, as is)."""
+    if unit not in ("ms", "steps"):
+        raise ValueError(f"unit must be 'ms' or 'steps', got {unit!r}")
+    return (_ms, "requests / s") if unit == "ms" else ((lambda x: np.nan if x is None else x), "requests / step")
+
+
+def plot_latency_vs_rate(points, *, capacity: dict | None = None, title: str | None = None, unit: str = "ms"):
     """TTFT (p50 solid, p99 dotted) and E2E p50 against the offered rate (log scale), per engine;
-    ``capacity`` (``{engine: requests/s}``) draws each engine's capacity as a dashed vertical line."""
+    ``capacity`` (``{engine: requests/s}``) draws each engine's capacity as a dashed vertical line.
+    ``unit="steps"``: the points count time in forward steps and load in requests per step
+    (:func:`cbteach.bench.experiments.latency_vs_load_in_steps`)."""
     points = _points(points, "rate")
+    conv, per = _unit(unit)
     rates = _rates(points)
     names = list(points[0]["engines"])
     fig, (a1, a2) = _subplots(2, (12, 4))
     for i, n in enumerate(names):
         c = engine_color(n, i)
-        get = lambda key: [_ms(p["engines"][n].get(key)) for p in points]  # noqa: E731
+        get = lambda key: [conv(p["engines"][n].get(key)) for p in points]  # noqa: E731
         a1.plot(rates, get("ttft_p50"), "o-", color=c, label=f"{n} p50")
         a1.plot(rates, get("ttft_p99"), "o:", color=c, label=f"{n} p99")
         a2.plot(rates, get("e2e_p50"), "o-", color=c, label=f"{n} p50")
         for a in (a1, a2):
             if capacity and n in capacity:
                 a.axvline(capacity[n], color=c, linestyle="--", linewidth=1)
-    a1.set(title="Time to first token", ylabel="TTFT (ms, log scale)", yscale="log")
-    a2.set(title="End-to-end latency", ylabel="E2E (ms, log scale)", yscale="log")
+    a1.set(title="Time to first token", ylabel=f"TTFT ({unit}, log scale)", yscale="log")
+    a2.set(title="End-to-end latency", ylabel=f"E2E ({unit}, log scale)", yscale="log")
     for a in (a1, a2):
         a.set_xscale("log")
-        a.set_xticks(rates, [f"{r:.3g}" for r in rates], fontsize=8)
+        a.set_xticks(rates, [f"{r:.2g}" for r in rates], fontsize=8)
         a.minorticks_off()
-        a.set_xlabel("offered load (requests / s, log scale)" + ("; dashed: capacity" if capacity else ""))
+        _log_ticks(a)
+        a.set_xlabel(f"offered load ({per}, log scale)" + ("; dashed: capacity" if capacity else ""))
         a.grid(alpha=0.3)
         a.legend(fontsize=8)
     fig.suptitle(title or "Latency against request rate (Poisson arrivals)", fontsize=12)
@@ -159,11 +181,12 @@ def plot_latency_vs_rate(points, *, capacity: dict | None = None, title: str | N
     return fig
 
 
-def plot_goodput(points, *, title: str | None = None, ax=None):
-    """Goodput (requests/s that met the targets) against the offered rate, per engine, on log axes (a
-    goodput of 0 is left out); the diagonal is the offered rate itself, what a server meeting every
-    target would reach."""
+def plot_goodput(points, *, title: str | None = None, ax=None, unit: str = "ms"):
+    """Goodput (requests that met the targets, per second -- or per step with ``unit="steps"``) against
+    the offered rate, per engine, on log axes (a goodput of 0 is left out); the diagonal is the offered
+    rate itself, what a server meeting every target would reach."""
     points = _points(points, "rate")
+    per = _unit(unit)[1]
     rates = _rates(points)
     fig, ax = get_axes(ax, figsize=(6.5, 4))
     shown = []
@@ -172,11 +195,12 @@ def plot_goodput(points, *, title: str | None = None, ax=None):
         shown += [g for g in good if g == g]
         ax.plot(rates, good, "o-", color=engine_color(n, i), label=n)
     ax.plot(rates, rates, "--", color="#999999", label="offered rate")
-    ax.set(xlabel="offered load (requests / s, log scale)", ylabel="goodput (requests / s, log scale)",
+    ax.set(xlabel=f"offered load ({per}, log scale)", ylabel=f"goodput ({per}, log scale)",
            xscale="log", yscale="log")
     ax.set_ylim(0.5 * min(shown + rates), 1.5 * max(shown + rates))
-    ax.set_xticks(rates, [f"{r:.3g}" for r in rates], fontsize=8)
+    ax.set_xticks(rates, [f"{r:.2g}" for r in rates], fontsize=8)
     ax.minorticks_off()
+    _log_ticks(ax)
     ax.set_title(title or "Goodput: requests that met their latency targets", fontsize=11)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
