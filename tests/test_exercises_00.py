@@ -145,7 +145,7 @@ HINTS = [
     (one_pass_too_many, "one forward pass too many"),
     (with_prompt, "returned the prompt too"),
     (calls_generate, "called model.generate"),
-    (stub, "returned None"),
+    (stub, "not done yet"),
     (raises, "raised"),
 ]
 

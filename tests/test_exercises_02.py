@@ -70,6 +70,7 @@ def test_ex02_accepts_a_right_simulator(model, capsys):
     (round_robin, "slot i % slots"),
     (lambda lengths, b: float(fcfs(lengths, b)), "an int"),
     (lambda lengths, b: lengths[99], "IndexError"),
+    (lambda lengths, b: None, "not done yet"),
 ])
 def test_ex02_rejects_wrong_simulators_with_a_hint(model, capsys, wrong, words):
     assert not ex02.check_fcfs_simulator(wrong, model, LENGTHS, B)

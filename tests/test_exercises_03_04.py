@@ -250,3 +250,9 @@ def test_the_engine_is_left_as_it_was(bierce_model):
     x = tok("CYNIC, n.", return_tensors="pt")
     ref = model.generate(**x, do_sample=False, max_new_tokens=6, min_new_tokens=6)[0, x["input_ids"].shape[1]:]
     assert out[0].output_ids == ref.tolist()
+
+
+@pytest.mark.parametrize("check", [check_position_ids, check_mask])
+def test_a_stub_left_undone_says_not_done_yet(check, capsys):
+    assert not check(CACHED, NEW, ...)  # what the student copy's stub assigns
+    assert "not done yet" in capsys.readouterr().out

@@ -180,6 +180,8 @@ def check_greedy_decode(greedy_decode, model, input_ids, max_new_tokens: int, eo
         if isinstance(got, Exception):
             why = f" (before that, {hint})" if hint else ""
             return report(False, "", f"{where} raised {type(got).__name__}: {got}{why}")
+        if got is None and not calls:
+            return report(False, "", "not done yet: greedy_decode returned None -- write it in the cell above")
         ids_got = _as_ids(got)
         if ids_got is None:
             return report(False, "", f"{where} returned {type(got).__name__ if got is not None else 'None'}; "

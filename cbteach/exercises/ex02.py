@@ -74,6 +74,8 @@ def check_fcfs_simulator(simulate, model, lengths=None, batch_size=None) -> bool
             got = simulate(list(case_lengths), b)
         except Exception as err:  # the learner's code: say what failed, and on which input
             return report(False, "", f"simulate({case_lengths}, {b}) raised {type(err).__name__}: {err}")
+        if got is None:
+            return report(False, "", "not done yet: your simulator returned None -- write it in the cell above")
         if not is_int(got):
             return report(False, "", f"simulate({case_lengths}, {b}) returned {got!r}; it should return a whole "
                                      "number of steps (an int)")
