@@ -166,14 +166,15 @@ def test_accept_is_checked_against_the_engine(capsys):
 
 @pytest.mark.parametrize("wrong, hint", [
     (no_bonus, "bonus token"),
-    (keeps_the_guess, "not the wrong guess"),
+    (keeps_the_guess, "keeps the wrong guess"),
     (accepted_only, "at least one token more than it accepts"),
     (goes_on, "stop at the first mismatch"),
-    (lambda d, t: [], "walk the guesses in order"),
+    (lambda d, t: [], "section 5's picture"),
 ])
 def test_accept_names_the_missed_rule(capsys, wrong, hint):
     ok, out = run(ex08.check_accept, wrong, capsys=capsys)
     assert not ok and hint in out, out
+    assert "targets[" not in out and "drafts[" not in out, "a hint names the misconception, never the index"
 
 
 def test_accept_refuses_malformed_answers(capsys):

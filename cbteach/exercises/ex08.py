@@ -156,23 +156,24 @@ NUM_RANDOM_ACCEPT_CASES = 200  # more, drawn from a seeded generator
 
 
 def _accept_hint(drafts, targets, got) -> str:
+    """The misconception a wrong answer shows -- never which index to read or what to return."""
     j = next((i for i, (d, t) in enumerate(zip(drafts, targets)) if d != t), len(drafts))  # first mismatch
     if j == len(drafts) and got == targets[:j]:
-        return ("every guess was right, and the model's prediction after the last guess, targets[len(drafts)], "
-                "is a real token too: the bonus token that comes free")
+        return ("when every guess was right, the verify pass also made a prediction after the last guess, and "
+                "it is as real as the others: your rule throws away the bonus token that comes free")
     if j < len(drafts) and got == list(drafts[:j + 1]):
-        return ("at the first mismatch keep the model's token (targets[j]), not the wrong guess: the model's "
-                "token is what greedy decoding would have produced")
+        return ("at the first mismatch your rule keeps the wrong guess: greedy decoding would have produced the "
+                "model's own token there")
     if j < len(drafts) and got == list(targets[:j]):
-        return ("a verify step always yields at least one token more than it accepts: at the first mismatch the "
-                "model's own prediction, targets[j], is kept")
+        return ("a verify step always yields at least one token more than it accepts -- even when the first "
+                "guess is wrong, the pass computed the model's own next token")
     if len(got) > j + 1 and got[:j + 1] == list(targets[:j + 1]):
-        return ("stop at the first mismatch: every later target was predicted after a wrong guess, so it is not "
+        return ("stop at the first mismatch: every later prediction was made after a wrong guess, so it is not "
                 "what the model would say after the right token")
     if not drafts:
-        return "with no guesses the step is a plain decode: it yields exactly the model's token, targets[0]"
-    return ("walk the guesses in order: keep targets[j] while drafts[j] == targets[j]; at the first mismatch "
-            "keep targets[j] and stop; if none mismatched, add targets[len(drafts)]")
+        return "with no guesses the step is a plain decode: it yields exactly one token, the model's own"
+    return ("a verify step keeps the model's tokens for as long as the guesses agree with them, and no further: "
+            "follow section 5's picture on a small case by hand")
 
 
 @functools.lru_cache(maxsize=1)
