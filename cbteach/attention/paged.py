@@ -1,10 +1,10 @@
 """Paged attention as a transformers attention function: the model code stays untouched.
 
 transformers lets a model's attention layers call any function registered with
-``AttentionInterface``. We register ``"cbteach_paged"``, and the paged cache switches the model to
-it *only for the duration of one engine step* (:func:`switched`); before and after, the model is
-exactly as the user left it, so ``model.generate`` or transformers' own continuous batching keep
-working on it. Each layer hands us its queries and this step's new keys and values (RoPE already
+``AttentionInterface``. We register ``"cbteach_paged"`` under its own name, and only the engine's
+own *view* of the model (:mod:`cbteach.core.model_view`: the same weights, a private copy of the
+config) is set to call it; the model itself is never switched, so ``model.generate``, static
+batching or another engine keep using it as it is, in any thread. Each layer hands us its queries and this step's new keys and values (RoPE already
 applied), plus the step's :class:`~cbteach.attention.metadata.AttentionMetadata`, which the engine passes
 as an extra forward argument (``cbteach_step=...``): transformers forwards unknown keyword
 arguments from ``model(...)`` down to the attention function, so the metadata travels with the
@@ -32,8 +32,6 @@ that registered a mask function, and we register none.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 
@@ -44,14 +42,9 @@ STEP_KWARG = "cbteach_step"  # the forward argument that carries the step's Atte
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """``query`` is ``[1, heads, T, head_dim]``; ``key``/``value`` are ``[1, kv_heads, T, head_dim]``."""
     meta = kwargs.pop(STEP_KWARG, None)
-    if meta is None:
-        # Not an engine step: another caller (say a thread running model.generate while the engine
-        # steps) reached the model in the instant it was switched. Behave like stock sdpa; with no
-        # mask built for us, sdpa is causal for multi-token queries -- right for unpadded inputs.
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                      dropout=dropout, **kwargs)
+    if meta is None:  # only an engine's model view calls us, and it always passes the step's metadata
+        raise RuntimeError(f"{NAME!r} attention was called without the step's metadata ({STEP_KWARG}=...): "
+                           "it is only for a cbteach engine's own view of the model")
     layer = module.layer_idx
     meta.pool.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
     out = vectorised_attention(query, layer, meta, scaling)  # [1, heads, T, head_dim]
@@ -123,18 +116,3 @@ def register() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(NAME, paged_attention_forward)
-
-
-@contextlib.contextmanager
-def switched(model):
-    """Run the model with paged attention inside the block, and restore its own implementation after."""
-    register()
-    before = model.config._attn_implementation
-    if before == NAME:
-        yield
-        return
-    model.set_attn_implementation(NAME)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(before)

@@ -1,15 +1,23 @@
 """The continuous-batching engine: iteration-level scheduling + ragged packing, one step at a time.
 
-One call to :meth:`Engine.step` is one forward pass of the model, in three moves (vLLM V1's split):
+One call to :meth:`Engine.step` is one forward pass of the model, in three calls (vLLM V1's split):
 
 1. ``plan = scheduler.schedule(now)`` -- who runs and how many tokens each feeds: sequences that
    finished last step are gone, queued requests fill their slots (Orca), a token budget may cut a
-   long prompt into chunks (Sarathi-Serve), a full KV pool may preempt (PagedAttention/vLLM);
+   long prompt into chunks (Sarathi-Serve), a refusal of KV room preempts (PagedAttention/vLLM).
+   :class:`~cbteach.core.scheduler.Scheduler` in, a
+   :class:`~cbteach.core.scheduler_output.SchedulerOutput` out; the scheduler talks to the KV
+   manager through :class:`cbteach.kv.interface.KVManager` only;
 2. ``out = runner.execute(plan)`` -- pack those tokens into one ``[1, total_tokens]`` row, run the
-   model once with the KV cache's help (``kv="concat"`` or ``kv="paged"``), sample a token for
-   every sequence whose known tokens are now all computed;
+   model once with the KV cache's help, sample a token for every sequence whose known tokens are
+   now all computed. :class:`~cbteach.core.model_runner.ModelRunner` talks to the cache through
+   :class:`cbteach.kv.interface.KVCache` (``kv="concat"`` or ``kv="paged"``);
 3. ``scheduler.update_from_output(plan, out.sampled, now)`` -- the one place where
    ``num_computed_tokens`` and outputs change and where finished requests leave.
+
+The options are validated once into an :class:`~cbteach.core.config.EngineConfig`. The model is
+never changed: the engine runs its own view of it (:mod:`cbteach.core.model_view`), so other
+threads and other engines on the same model stay exact.
 
 Greedy decoding in fp32 gives token for token what per-prompt ``model.generate`` gives when the
 model's ``generation_config`` asks for plain greedy search (no repetition penalty and the like,
@@ -28,20 +36,16 @@ from __future__ import annotations
 import time
 
 from . import modelinfo
-from ..kv.concat import ConcatKVCache
-from ..kv.paged import check_options as check_paged_options
+from .config import EngineConfig
 from .model_runner import ModelRunner
-from .records import SeqStep, StepRecord
+from .model_view import model_view
+from .records import StepRecord, fill_record, new_record, seq_kind
 from .request import Completion, Request, Sequence, as_request_list, validate_request
 from .sampling import make_generator
-from .policies import make_queue
+from .scheduler import Scheduler
 from .speculative import count_speculation, make_proposer, propose_for
+from ..kv.concat import ConcatKVCache
 from ..serving.streaming import StreamEvent, stream_events  # noqa: F401  (StreamEvent: part of the engine's API)
-from .scheduler import PREEMPTION_MODES, Scheduler, check_batch_size, check_token_budget
-
-KV_KINDS = ("concat", "paged")
-PAGED_OPTIONS = ("block_size", "num_blocks", "kv_memory_bytes", "bucket_shapes", "watermark", "prefix_caching",
-                 "kv_dtype")
 
 
 class Engine:
@@ -50,48 +54,31 @@ class Engine:
     ``Engine(model, tokenizer, max_batch_size=8)`` keeps the concatenating KV cache;
     ``kv="paged"`` (with ``block_size``, ``num_blocks`` or ``kv_memory_bytes``) uses the paged one.
     ``token_budget`` caps the tokens of one step; longer prompts are then prefilled in chunks.
-    ``policy`` is ``"fcfs"`` or ``"priority"`` (or a :class:`~cbteach.policies.WaitingQueue`);
-    ``preemption`` is ``"recompute"`` or ``"swap"``; ``watermark`` (paged) is the fraction of blocks
-    an admission leaves free. ``keep_records=False`` keeps no step history (long runs, benchmarks).
+    ``policy`` is ``"fcfs"`` or ``"priority"`` (or a :class:`~cbteach.core.policies.WaitingQueue`);
+    ``preemption`` is ``"recompute"`` or ``"swap"`` (V0's); ``admission`` is ``"per_chunk"`` (vLLM
+    V1's, the default) or ``"whole_prompt"`` (V0's, with an optional ``watermark``).
+    ``keep_records=False`` keeps no step history (long runs, benchmarks). ``scheduler_cls`` runs a
+    :class:`~cbteach.core.scheduler.Scheduler` subclass of your own (notebook 06).
+    See :class:`~cbteach.core.config.EngineConfig` for every option.
     """
 
     def __init__(self, model, tokenizer=None, *, max_batch_size: int, kv: str = "concat",
-                 keep_records: bool = True, clock=None, **options):
-        if kv not in KV_KINDS:
-            raise ValueError(f"kv must be one of {KV_KINDS}, got {kv!r}")
-        check_batch_size(max_batch_size)
-        token_budget = options.pop("token_budget", None)
-        check_token_budget(token_budget)
-        queue = make_queue(options.pop("policy", "fcfs"))
-        speculative = options.pop("speculative", None), options.pop("num_speculative_tokens", 3)
-        preemption = options.pop("preemption", "recompute")
-        if preemption not in PREEMPTION_MODES:
-            raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {preemption!r}")
-        paged_args = {k: options.pop(k) for k in PAGED_OPTIONS if k in options}
-        if options:
-            raise ValueError(f"unknown engine option(s) {sorted(options)}; allowed: token_budget, policy, preemption, "
-                             f"speculative, num_speculative_tokens, keep_records, and with kv='paged': {', '.join(PAGED_OPTIONS)}")
-        check_paged_options(**paged_args)
-        if kv == "concat" and paged_args.get("prefix_caching"):
-            raise ValueError("prefix_caching needs kv='paged': blocks are what the prefix cache shares")
-        if kv == "concat" and paged_args.get("kv_dtype") is not None:
-            raise ValueError("kv_dtype needs kv='paged': the int8 pool is a paged pool")
+                 keep_records: bool = True, clock=None, scheduler_cls=None, **options):
+        self.config = EngineConfig.from_options(max_batch_size=max_batch_size, kv=kv, keep_records=keep_records,
+                                                **options)
+        if scheduler_cls is not None and not (isinstance(scheduler_cls, type) and issubclass(scheduler_cls, Scheduler)):
+            raise ValueError(f"scheduler_cls must be a subclass of cbteach.core.scheduler.Scheduler, got {scheduler_cls!r}")
         self.info = modelinfo.describe(model, tokenizer)  # refuses models the engine cannot run exactly
-        self.proposer = make_proposer(*speculative, vocab_size=self.info.vocab_size)
-        self.model = model  # each step runs it in eval mode (modelinfo.eval_mode) and leaves it as found
+        self.proposer = make_proposer(self.config.speculative, self.config.num_speculative_tokens,
+                                      vocab_size=self.info.vocab_size)
+        self.model = model  # never changed: the runner runs the engine's own view of it
         self.tokenizer = tokenizer
-        if kv == "paged":
-            from ..kv.paged import PagedKVCache
-
-            self.kv = PagedKVCache.for_model(self.info, max_batch_size=max_batch_size, **paged_args)
-        else:  # valid paged-pool options are accepted and ignored, so one call can switch kv= back and forth
-            self.kv = ConcatKVCache(self.info.num_layers, cache_kwarg=self.info.cache_kwarg,
-                                    attn_implementation=self.info.attn_implementation, dtype=self.info.dtype)
-        self.scheduler = Scheduler(max_batch_size, self.kv.manager, token_budget=token_budget,
-                                   eos_ids=self.info.eos_ids, policy=queue, preemption=preemption,
-                                   swapper=self.kv if kv == "paged" else None)
-        self.runner = ModelRunner(self.model, self.info, self.kv)
-        self.keep_records = bool(keep_records)
+        self.kv = _make_kv_cache(self.info, self.config)
+        self.scheduler = (scheduler_cls or Scheduler)(self.config.scheduler, self.kv.manager,
+                                                      eos_ids=self.info.eos_ids,
+                                                      swapper=self.kv if self.kv.kind == "paged" else None)
+        self.runner = ModelRunner(model_view(model, self.kv.attn_implementation), self.info, self.kv)
+        self.keep_records = self.config.keep_records
         self.records: list[StepRecord] = []
         self.completions: dict[object, Completion] = {}
         self.sequences: dict[object, Sequence] = {}  # every request ever added, by id
@@ -100,20 +87,68 @@ class Engine:
         self._t0 = time.perf_counter()
         self.clock = clock  # None: wall time; a VirtualClock: simulated time (see cbteach.serving.disagg)
 
-    # -- public API --------------------------------------------------------------------------
+    # -- requests in -------------------------------------------------------------------------
     def now(self) -> float:
         """Seconds on the engine's clock (since the engine was created)."""
         return self.clock() if self.clock is not None else time.perf_counter() - self._t0
+
+    def check_request(self, request: Request, taken=()) -> list[int]:
+        """Everything that can be wrong with ``request``, found before it touches the engine: raises
+        ``ValueError`` saying what, or returns its prompt as token ids (``taken``: ids about to be used)."""
+        prompt_ids = validate_request(request, tokenizer=self.tokenizer, vocab_size=self.info.vocab_size,
+                                      max_pos=self.info.max_positions)
+        if request.request_id in self.sequences or request.request_id in taken:
+            raise ValueError(f"duplicate request_id {request.request_id!r}: every request needs its own id")
+        self.kv.check_fits(len(prompt_ids) + request.max_new_tokens, request.request_id)
+        return prompt_ids
 
     def add_request(self, request: Request):
         """Validate and queue a request; returns its ``request_id``. Bad input raises ``ValueError``.
 
         An explicit ``arrival_time`` is a time on the engine's clock (:meth:`now`); ``None`` means now.
         """
-        prompt_ids = self._check(request)
+        prompt_ids = self.check_request(request)
         at = self.now() if request.arrival_time is None else float(request.arrival_time)
-        return self._enqueue(request, prompt_ids, at)
+        return self._enqueue(request, prompt_ids, at).request_id
 
+    def receive(self, seq: Sequence, kv_blocks) -> None:
+        """Take in a sequence whose K/V were computed elsewhere (a disaggregated prefill engine's
+        handover): ``kv_blocks`` (per layer, host copies of its blocks) wait in host memory until
+        ``seq.ready_time``, then come back like a swapped-out request's."""
+        if self.kv.kind != "paged":
+            raise ValueError("receive() needs kv='paged': handed-over K/V arrive as blocks")
+        self.check_request(seq.request)
+        self.sequences[seq.request_id] = seq
+        self.kv.hold_swapped(seq, kv_blocks)
+        self.scheduler.add_swapped(seq)
+
+    def use_kv_manager(self, manager) -> None:
+        """Make ``manager`` (a :class:`cbteach.kv.interface.KVManager`) the paged cache's KV manager
+        on a fresh engine: the scheduler asks it for room, and the pool is addressed by its block
+        tables. It must use the pool's block size and no more blocks than the pool has."""
+        if self.kv.kind != "paged":
+            raise ValueError("use_kv_manager() needs an Engine(..., kv='paged'): only the paged pool is addressed "
+                             "by block tables")
+        if self.has_unfinished() or self.num_steps:
+            raise ValueError("plug a KV manager into a fresh engine, before any request is added")
+        if manager.block_size != self.kv.block_size or manager.num_blocks > self.kv.num_blocks:
+            raise ValueError(f"the manager has {manager.num_blocks} blocks of {manager.block_size} slots; the pool "
+                             f"has {self.kv.num_blocks} of {self.kv.block_size}")
+        self.kv.manager = self.scheduler.kv_manager = manager
+
+    def on_release(self, callback) -> None:
+        """Call ``callback(seq)`` just before a sequence's KV blocks are given back (it finished, was
+        aborted or preempted), while its K/V are still in the pool: a disaggregated prefill engine
+        ships them from there (:meth:`copy_kv_out`). Paged only."""
+        if self.kv.kind != "paged":
+            raise ValueError("on_release() needs kv='paged'")
+        self.kv.manager.before_free = callback
+
+    def copy_kv_out(self, seq: Sequence) -> tuple[list, int]:
+        """Host copies of the blocks holding ``seq``'s computed tokens, and their bytes (paged only)."""
+        return self.kv.copy_out(seq)
+
+    # -- stepping ----------------------------------------------------------------------------
     @property
     def num_steps(self) -> int:
         """Forward steps run so far (idle waits for arrivals not counted), kept even without records."""
@@ -131,34 +166,21 @@ class Engine:
         start = self.now()
         if self.proposer is not None:
             propose_for(self.scheduler.running, self.proposer)
-        plan = self.scheduler.schedule(start)
-        record = StepRecord(step=self._num_steps, kv_kind=self.kv.kind, start_time=start,
-                            admitted=[s.request_id for s in plan.admitted],
-                            preempted=[s.request_id for s in plan.preempted],
-                            swapped_in=[s.request_id for s in plan.swapped_in])
+        plan = self.scheduler.schedule(start)  # 1. who runs, how many tokens each
+        record = new_record(self._num_steps, self.kv.kind, start, plan)
         if plan.seqs:
             t_real = time.perf_counter()
-            out = self.runner.execute(plan)
+            out = self.runner.execute(plan)  # 2. one forward pass, one token per finished prefill/decode
             if self.clock is not None:  # simulated time moves by what the step really took
                 self.clock.advance(time.perf_counter() - t_real)
             now = self.now()
-            kinds = [_kind(s, c, n) for s, c, n in zip(plan.seqs, plan.num_computed_tokens, plan.num_scheduled_tokens)]
+            kinds = [seq_kind(s, c) for s, c in zip(plan.seqs, plan.num_computed_tokens)]
             before = [len(s.output_ids) for s in plan.seqs]
-            finished = self.scheduler.update_from_output(plan, out.sampled, now)
+            finished = self.scheduler.update_from_output(plan, out.sampled, now)  # 3. the one place state moves
             for seq in finished:
                 self._complete(seq, now)
-            record.finished = [s.request_id for s in finished]
-            record.seqs = [SeqStep(request_id=s.request_id, slot=s.slot, kind=k, num_computed_tokens=c,
-                                   num_scheduled_tokens=n, token_ids=ch, sampled=s.output_ids[-1] if new else None,
-                                   new_token_ids=s.output_ids[b:], num_draft_tokens=d,
-                                   finish_reason=s.finish_reason if new else None)
-                           for s, k, c, n, ch, new, d, b in zip(plan.seqs, kinds, plan.num_computed_tokens,
-                                                                plan.num_scheduled_tokens, out.chunks, out.sampled,
-                                                                out.num_draft_tokens, before)]
+            fill_record(record, plan, out, kinds, before, finished)
             count_speculation(self.spec_stats, record)
-            record.forward_time = out.forward_time
-            record.kv_bytes_copied, record.kv_bytes_read = out.traffic.bytes_copied, out.traffic.bytes_read
-            record.kv_copy_time = out.traffic.seconds
         record.num_waiting = len(self.scheduler.waiting)
         if self.keep_records and self.kv.kind == "paged":
             record.kv_usage = self.kv.usage()
@@ -168,6 +190,22 @@ class Engine:
             if self.keep_records:
                 self.records.append(record)
         return record
+
+    def wait_for_arrival(self) -> None:
+        """Nothing could be scheduled: wait (sleep, or move a simulated clock) until the next request
+        arrives or a handed-over request's K/V are ready. With nothing due later, work that cannot
+        be scheduled is a scheduler bug: ``RuntimeError``, never a busy loop."""
+        now = self.now()
+        nxt = self.scheduler.next_event_time(now)
+        if nxt is not None:
+            if self.clock is not None:
+                self.clock.advance(nxt - now)
+            else:
+                time.sleep(nxt - now)
+        elif self.has_unfinished():
+            raise RuntimeError(f"the scheduler made no progress with {len(self.scheduler.running)} running, "
+                               f"{len(self.scheduler.waiting)} waiting and {len(self.scheduler.swapped)} swapped-out "
+                               "requests; please report this")
 
     def run(self, requests, progress: bool = False) -> list[Completion]:
         """Add ``requests``, step until all are done, and return their completions in request order.
@@ -183,28 +221,30 @@ class Engine:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(requests), desc="requests", unit="req")
-        with self.serving():
-            while self.has_unfinished():
-                record = self.step()
-                if bar is not None:
-                    bar.update(sum(1 for rid in record.finished if rid in ours))
-                if not record.seqs:
-                    self._wait_for_arrival()
+        while self.has_unfinished():
+            record = self.step()
+            if bar is not None:
+                bar.update(sum(1 for rid in record.finished if rid in ours))
+            if not record.seqs:
+                self.wait_for_arrival()
         if bar is not None:
             bar.close()
         return [self.completions[r.request_id] for r in requests]
 
     def serving(self):
-        """A context for many :meth:`step` calls in a row: the paged cache switches the model's attention
-        once for the whole block (each step inside finds it switched) instead of once per step, and
-        restores it when the block ends, however it ends. :meth:`run` uses it."""
-        return self.kv.attention(self.model)
+        """A context for many :meth:`step` calls in a row. The engine no longer switches anything on
+        the model (it runs its own view of it), so this is an empty context, kept for code written
+        against earlier versions."""
+        import contextlib
+
+        return contextlib.nullcontext(self)
 
     def stream(self, requests=()):
         """Add ``requests`` (validated as in :meth:`run`) and yield a
-        :class:`~cbteach.serving.streaming.StreamEvent` per generated token, as soon as its step ends, until
-        nothing is left -- also requests added or aborted while streaming. The model is its own again
-        between events."""
+        :class:`~cbteach.serving.streaming.StreamEvent` per generated token, as soon as its step ends,
+        until they are all done -- also requests added with :meth:`add_request` while streaming.
+        Every request the stream covers ends with exactly one event carrying a ``finish_reason``,
+        whoever drove the engine in between (another stream, :meth:`run`, :meth:`step`)."""
         return stream_events(self, self._add_all(requests))
 
     def abort(self, request_id) -> Completion:
@@ -225,46 +265,24 @@ class Engine:
         return self.completions[request_id]
 
     # -- internals ---------------------------------------------------------------------------
-    def _check(self, request, taken=()) -> list[int]:
-        """Everything that can be wrong with a request, found before it touches the engine."""
-        prompt_ids = validate_request(request, tokenizer=self.tokenizer, vocab_size=self.info.vocab_size,
-                                      max_pos=self.info.max_positions)
-        if request.request_id in self.sequences or request.request_id in taken:
-            raise ValueError(f"duplicate request_id {request.request_id!r}: every request needs its own id")
-        self.kv.check_fits(len(prompt_ids) + request.max_new_tokens, request.request_id)
-        return prompt_ids
-
     def _add_all(self, requests) -> list[Request]:
         requests = as_request_list(requests, "Engine.run() and Engine.stream()")
         taken: set = set()
         checked = []
         for r in requests:  # check them all before queuing any
-            checked.append(self._check(r, taken))
+            checked.append(self.check_request(r, taken))
             taken.add(r.request_id)
         t_run = self.now()
         for r, prompt_ids in zip(requests, checked):
-            self._enqueue(r, prompt_ids, t_run + (r.arrival_time or 0.0))
+            self._enqueue(r, prompt_ids, t_run + (r.arrival_time or 0.0)).claimed = True
         return requests
 
-    def _enqueue(self, request: Request, prompt_ids: list[int], arrival_time: float):
+    def _enqueue(self, request: Request, prompt_ids: list[int], arrival_time: float) -> Sequence:
         seq = Sequence(request=request, prompt_ids=prompt_ids, arrival_time=arrival_time,
                        generator=make_generator(request.sampling_params))
         self.sequences[request.request_id] = seq
         self.scheduler.add(seq)
-        return request.request_id
-
-    def _wait_for_arrival(self):
-        nxt = self.scheduler.next_arrival()
-        now = self.now()
-        if nxt is not None and nxt > now:  # nothing to do until the next request arrives
-            if self.clock is not None:
-                self.clock.advance(nxt - now)
-            else:
-                time.sleep(nxt - now)
-        elif self.scheduler.running or self.scheduler.swapped:
-            # Work is there and nothing could be scheduled: a scheduler bug, never a reason to spin.
-            raise RuntimeError(f"the scheduler made no progress with {len(self.scheduler.running)} running and "
-                               f"{len(self.scheduler.swapped)} swapped-out requests; please report this")
+        return seq
 
     def _complete(self, seq: Sequence, now: float) -> None:
         text = None
@@ -277,7 +295,13 @@ class Engine:
             num_cached_prompt_tokens=seq.num_cached_prompt_tokens)
 
 
-def _kind(seq: Sequence, num_computed: int, num_scheduled: int) -> str:
-    """"decode": it feeds the one token it sampled last step (plus any speculative guesses);
-    "prefill": anything else (a prompt, a chunk of one, or recomputing after a preemption)."""
-    return "decode" if num_computed == seq.num_tokens - 1 and seq.output_ids else "prefill"
+def _make_kv_cache(info, config: EngineConfig):
+    """The KV cache ``config`` asks for, sized for the model ``info`` describes."""
+    cache = config.cache
+    if cache.kind == "paged":
+        from ..kv.paged import PagedKVCache
+
+        return PagedKVCache.for_model(info, cache, max_batch_size=config.scheduler.max_batch_size)
+    # valid paged-pool options are accepted and ignored, so one call can switch kv= back and forth
+    return ConcatKVCache(info.num_layers, cache_kwarg=info.cache_kwarg, attn_implementation=info.attn_implementation,
+                         dtype=info.dtype)

@@ -1,7 +1,7 @@
 """The model runner: execute one step's plan -- pack, run the model once, sample.
 
 The scheduler decides *who* runs and *how many* tokens each feeds (a
-:class:`~cbteach.scheduler.SchedulerOutput`); the runner turns that into one forward pass:
+:class:`~cbteach.core.scheduler_output.SchedulerOutput`); the runner turns that into one forward pass:
 
 1. **pack** -- each sequence's scheduled tokens are concatenated into one ``[1, T]`` row, no padding
    (:mod:`cbteach.attention.packing` explains why this works);
@@ -15,7 +15,7 @@ The scheduler decides *who* runs and *how many* tokens each feeds (a
    fed speculative guesses gets every guess the model agrees with plus one token of its own
    (:mod:`cbteach.speculative`).
 
-It changes no request state: :meth:`~cbteach.scheduler.Scheduler.update_from_output` does that.
+It changes no request state: :meth:`~cbteach.core.scheduler.Scheduler.update_from_output` does that.
 """
 from __future__ import annotations
 
@@ -25,9 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .modelinfo import eval_mode
 from .sampling import sample
-from .scheduler import SchedulerOutput
+from .scheduler_output import SchedulerOutput
 from .speculative import accept
 
 
@@ -37,49 +36,60 @@ class RunnerOutput:
     chunks: list  # per scheduled sequence: the token ids it fed (guesses included)
     forward_time: float
     traffic: object  # the KV cache's KVTraffic for this step
-    num_draft_tokens: list  # per scheduled sequence: guesses fed (speculative decoding)
 
 
 class ModelRunner:
-    def __init__(self, model, info, kv):
-        self.model, self.info, self.kv = model, info, kv
+    """Runs a plan on ``model`` -- the engine's own view of the user's model
+    (:func:`~cbteach.core.model_view.model_view`: same weights, eval mode, the KV cache's attention)."""
+
+    def __init__(self, model, info, kv_cache):
+        self.model, self.info, self.kv_cache = model, info, kv_cache
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
-        seqs, starts, counts = plan.seqs, plan.num_computed_tokens, plan.num_scheduled_tokens
+        seqs, starts, counts, drafts = (plan.seqs, plan.num_computed_tokens, plan.num_scheduled_tokens,
+                                        plan.num_draft_tokens)
         # Speculative decoding: a decode may feed guesses past its known tokens (seq.draft_ids).
-        drafts = [max(0, c + n - s.num_tokens) for s, c, n in zip(seqs, starts, counts)]
         chunks = [s.token_ids(c, c + n - d) + s.draft_ids[:d] for s, c, n, d in zip(seqs, starts, counts, drafts)]
-        meta = self.kv.build_metadata([t for ch in chunks for t in ch], seqs, starts, counts, self.info.device)
-        # Logits of each sequence's last token -- and of every fed token of a speculative one (whose
-        # rows then take a second, small host -> device copy). first_row[i]: sequence i's first logit row.
+        meta = self.kv_cache.build_metadata([t for ch in chunks for t in ch], seqs, starts, counts, self.info.device)
+        # Logits of each sequence's last token -- and of every fed token of a speculative one.
         num_logits = [n if d else 1 for n, d in zip(counts, drafts)]
-        first_row = [0, *itertools.accumulate(num_logits)]
-        rows = meta.logits_indices
-        if any(drafts):
-            ends = itertools.accumulate(counts)
-            rows = torch.tensor([i for e, k in zip(ends, num_logits) for i in range(e - k, e)], device=self.info.device)
-        kwargs = self.kv.forward_kwargs(meta)
+        first_row = [0, *itertools.accumulate(num_logits)]  # sequence i's logits: rows first_row[i]:first_row[i+1]
+        rows = self._logit_rows(meta, counts, num_logits, any(drafts))
+        kwargs = self.kv_cache.forward_kwargs(meta)
         if self.info.accepts_logits_to_keep:
             kwargs["logits_to_keep"] = rows
         t0 = time.perf_counter()
-        with eval_mode(self.model), self.kv.attention(self.model):
-            out = self.model(input_ids=meta.input_ids, position_ids=meta.positions, **kwargs)
+        out = self.model(input_ids=meta.input_ids, position_ids=meta.positions, **kwargs)
         forward_time = time.perf_counter() - t0
-        traffic = self.kv.after_forward(meta)
-
+        traffic = self.kv_cache.after_forward(meta)
         logits = out.logits[0] if self.info.accepts_logits_to_keep else out.logits[0, rows]
+        sampled = self._sample(logits, plan, first_row)
+        return RunnerOutput(sampled=sampled, chunks=chunks, forward_time=forward_time, traffic=traffic)
+
+    def _logit_rows(self, meta, counts, num_logits, speculative: bool) -> torch.Tensor:
+        """Packed rows whose logits we need: each sequence's last (``meta.logits_indices``), or, in a
+        step with speculative guesses, every fed row of a speculating sequence (a second, small copy)."""
+        if not speculative:
+            return meta.logits_indices
+        ends = itertools.accumulate(counts)
+        return torch.tensor([i for e, k in zip(ends, num_logits) for i in range(e - k, e)], device=self.info.device)
+
+    def _sample(self, logits, plan: SchedulerOutput, first_row: list[int]) -> list:
+        """One new token per sequence whose known tokens are now all computed (``None`` for a prefill
+        chunk that stopped short); a speculating sequence keeps the guesses the model agrees with."""
+        seqs = plan.seqs
         sampled: list = [None] * len(seqs)
-        plain = [i for i, (s, c, n, d) in enumerate(zip(seqs, starts, counts, drafts)) if not d and c + n == s.num_tokens]
+        plain = [i for i, (s, c, n, d) in enumerate(zip(seqs, plan.num_computed_tokens, plan.num_scheduled_tokens,
+                                                         plan.num_draft_tokens)) if not d and c + n == s.num_tokens]
         if plain:
             last = [first_row[i + 1] - 1 for i in plain]
             picked = sample(logits[last], [seqs[i].request.sampling_params for i in plain],
                             [seqs[i].generator for i in plain])
             for i, token in zip(plain, picked):
                 sampled[i] = [token]
-        for i, d in enumerate(drafts):
+        for i, d in enumerate(plan.num_draft_tokens):
             if d:  # greedy verification of the guesses (drafts are only made for greedy requests)
                 targets = logits[first_row[i]:first_row[i + 1]].argmax(dim=-1).tolist()
                 sampled[i] = accept(seqs[i].draft_ids[:d], targets)
-        return RunnerOutput(sampled=sampled, chunks=chunks, forward_time=forward_time, traffic=traffic,
-                            num_draft_tokens=drafts)
+        return sampled

@@ -1,14 +1,21 @@
 """What the engine needs to know about a transformers model, read once through public attributes."""
 from __future__ import annotations
 
-import contextlib
 import inspect
 import warnings
 from dataclasses import dataclass
 
 import torch
 
-from .request import max_positions
+
+
+def max_positions(config) -> int | None:
+    """How many positions the model supports (``max_position_embeddings`` or GPT-2's ``n_positions``)."""
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 @dataclass(frozen=True)
@@ -29,20 +36,6 @@ class ModelInfo:
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V one token occupies across all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
-
-
-@contextlib.contextmanager
-def eval_mode(model):
-    """Run the block with ``model`` in eval mode (dropout off: the outputs are deterministic), and
-    put it back in training mode after if that is how it was found."""
-    training = model.training
-    if training:
-        model.eval()
-    try:
-        yield model
-    finally:
-        if training:
-            model.train()
 
 
 def eos_ids_for(model, tokenizer=None) -> frozenset:

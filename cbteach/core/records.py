@@ -112,3 +112,35 @@ class StepRecord:
         if self.swapped_in:
             extra += f", swapped_in={self.swapped_in}"
         return f"StepRecord(step={self.step}, tokens={self.num_tokens} [{' '.join(parts)}]{extra})"
+
+
+def seq_kind(seq, num_computed: int) -> str:
+    """"decode": it feeds the one token it sampled last step (plus any speculative guesses);
+    "prefill": anything else (a prompt, a chunk of one, or recomputing after a preemption)."""
+    return "decode" if num_computed == seq.num_tokens - 1 and seq.output_ids else "prefill"  # seq.is_decoding, as planned
+
+
+def new_record(step: int, kv_kind: str, start_time: float, plan) -> StepRecord:
+    """A step's record as planned: who was admitted, preempted or swapped in (``plan``: its
+    :class:`~cbteach.core.scheduler_output.SchedulerOutput`)."""
+    return StepRecord(step=step, kv_kind=kv_kind, start_time=start_time,
+                      admitted=[s.request_id for s in plan.admitted],
+                      preempted=[s.request_id for s in plan.preempted],
+                      swapped_in=[s.request_id for s in plan.swapped_in])
+
+
+def fill_record(record: StepRecord, plan, out, kinds: list[str], num_outputs_before: list[int],
+                finished: list) -> None:
+    """Add what the step did to ``record``: each sequence's part (``out``: the runner's output;
+    ``kinds``/``num_outputs_before``: read before the scheduler updated the sequences), the
+    finished requests, the forward pass's time and the KV bytes it moved."""
+    record.finished = [s.request_id for s in finished]
+    record.seqs = [
+        SeqStep(request_id=s.request_id, slot=s.slot, kind=k, num_computed_tokens=c, num_scheduled_tokens=n,
+                token_ids=chunk, sampled=s.output_ids[-1] if new else None, new_token_ids=s.output_ids[b:],
+                num_draft_tokens=d, finish_reason=s.finish_reason if new else None)
+        for s, k, c, n, chunk, new, d, b in zip(plan.seqs, kinds, plan.num_computed_tokens, plan.num_scheduled_tokens,
+                                                out.chunks, out.sampled, plan.num_draft_tokens, num_outputs_before)]
+    record.forward_time = out.forward_time
+    record.kv_bytes_copied, record.kv_bytes_read = out.traffic.bytes_copied, out.traffic.bytes_read
+    record.kv_copy_time = out.traffic.seconds

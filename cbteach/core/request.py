@@ -92,29 +92,35 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    """A request's live state inside the engine.
+    """A request's live state inside the engine, grouped as transformers' ``RequestState`` groups it.
 
     ``num_computed_tokens`` is the number everything turns on: tokens ``[0, num_computed_tokens)``
     of ``prompt + output`` have their keys and values in the KV cache; the rest must still go
     through the model.
     """
 
+    # -- identity: what was asked ----------------------------------------------------------------
     request: Request
     prompt_ids: list[int]
-    arrival_time: float = 0.0  # on the engine's clock
+    generator: object = None  # torch.Generator of a seeded, sampled request
+    claimed: bool = False  # added by run() or stream(), which report on it themselves (streams skip it)
+    # -- scheduling: where it is, how far it got ---------------------------------------------------
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     slot: int | None = None  # which batch slot (timeline row) it occupies -- not a KV slot of a slot_mapping
-    block_table: list[int] = field(default_factory=list)  # paged KV only
-    generator: object = None  # torch.Generator of a seeded, sampled request
-    finish_reason: str | None = None  # "eos" or "length" once finished
+    finish_reason: str | None = None  # "eos", "length" or "aborted" once finished
+    num_preemptions: int = 0
+    # -- KV: its room in the cache (paged) -----------------------------------------------------------
+    block_table: list[int] = field(default_factory=list)
     num_cached_prompt_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
-    draft_ids: list[int] = field(default_factory=list)  # speculative guesses for the next step
     ready_time: float = 0.0  # swapped-in K/V usable from this time on (a disaggregated handover's arrival)
+    # -- speculative decoding ----------------------------------------------------------------------
+    draft_ids: list[int] = field(default_factory=list)  # guesses for the next step
+    # -- timing, on the engine's clock ---------------------------------------------------------------
+    arrival_time: float = 0.0
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
-    num_preemptions: int = 0
 
     @property
     def request_id(self):
@@ -131,9 +137,21 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    @property
+    def is_decoding(self) -> bool:
+        """It has sampled a token and everything before that token is computed: next it feeds that
+        one token (plus any guesses). Anything else -- a prompt, a chunk of one, recomputing after a
+        preemption -- is a prefill."""
+        return bool(self.output_ids) and self.num_computed_tokens == self.num_tokens - 1
+
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, prompt={len(self.prompt_ids)}, out={len(self.output_ids)}, "
                 f"computed={self.num_computed_tokens})")
+
+
+# Arrival times are seconds on the engine's clock; 10**8 s is over three years. A larger value is a
+# clock reading such as time.time() (about 1.8e9 today), which would make run() sleep for decades.
+ABSOLUTE_TIME = 1e8
 
 
 def check_positive_int(name: str, value) -> None:
@@ -150,15 +168,6 @@ def as_request_list(requests, where: str) -> list:
     if isinstance(requests, (str, bytes)) or not hasattr(requests, "__iter__"):
         raise ValueError(f"{where} takes a list of Requests, got {type(requests).__name__}")
     return list(requests)
-
-
-def max_positions(config) -> int | None:
-    """How many positions the model supports (``max_position_embeddings`` or GPT-2's ``n_positions``)."""
-    for name in ("max_position_embeddings", "n_positions", "max_seq_len"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
 
 
 def validate_request(request, *, tokenizer, vocab_size: int, max_pos: int | None) -> list[int]:
@@ -180,6 +189,10 @@ def validate_request(request, *, tokenizer, vocab_size: int, max_pos: int | None
                            or at < 0):
         raise ValueError(f"request {rid!r}: arrival_time must be None (now) or a finite number of seconds >= 0, "
                          f"got {at!r}")
+    if at is not None and at >= ABSOLUTE_TIME:
+        raise ValueError(f"request {rid!r}: arrival_time={at!r} looks like an absolute clock time (time.time()); "
+                         "arrival_time counts seconds after the engine starts (add_request) or after run() is "
+                         "called -- pass None for 'now', or time.time() - your start time")
     if not isinstance(request.sampling_params, SamplingParams):
         raise ValueError(f"request {rid!r}: sampling_params must be a cbteach.sampling.SamplingParams, "
                          f"got {type(request.sampling_params).__name__}")

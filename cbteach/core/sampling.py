@@ -21,9 +21,15 @@ from dataclasses import dataclass
 import torch
 
 
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by 1e-40 overflows to
+# inf, and the softmax of that is NaN -- an argmax is what such a temperature means anyway.
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request picks its tokens. ``temperature=0`` means greedy (argmax), the default."""
+    """How one request picks its tokens. ``temperature=0`` means greedy (argmax), the default; so
+    does any temperature below ``1e-5`` (as in vLLM), where dividing by it would overflow."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -42,7 +48,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 GREEDY = SamplingParams()

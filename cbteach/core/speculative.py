@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from .modelinfo import eval_mode
-from .request import check_positive_int, max_positions
+from .model_view import model_view
+from .modelinfo import max_positions
+from .request import check_positive_int
 
 
 class NgramProposer:
@@ -58,7 +59,7 @@ class DraftModelProposer:
 
     def __init__(self, draft_model, num_speculative_tokens: int):
         check_positive_int("num_speculative_tokens", num_speculative_tokens)
-        self.model, self.k = draft_model, num_speculative_tokens
+        self.model, self.k = model_view(draft_model), num_speculative_tokens  # eval mode, the draft left as it is
         self.device = next(draft_model.parameters()).device
         self.vocab_size = draft_model.get_input_embeddings().num_embeddings
         self.max_positions = max_positions(draft_model.config)
@@ -70,9 +71,8 @@ class DraftModelProposer:
         if k < 1:
             return []
         ids = torch.tensor([token_ids], device=self.device)
-        with eval_mode(self.model):
-            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=k, do_sample=False,
-                                      eos_token_id=None, pad_token_id=0)
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=k, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)
         return out[0, len(token_ids):].tolist()
 
 
@@ -110,8 +110,7 @@ def propose_for(running, proposer) -> None:
     """Guesses for every greedy, decoding sequence -- never more than it may still emit."""
     for seq in running:
         room = seq.request.max_new_tokens - len(seq.output_ids) - 1
-        if seq.output_ids and seq.num_computed_tokens == seq.num_tokens - 1 and room > 0 \
-                and seq.request.sampling_params.greedy:
+        if seq.is_decoding and room > 0 and seq.request.sampling_params.greedy:
             k = min(proposer.k, room)
             seq.draft_ids = proposer.propose(seq.token_ids(0, seq.num_tokens), k)[:k]
 

@@ -23,6 +23,7 @@ import torch
 from transformers import DynamicCache
 
 from . import modelinfo
+from .model_view import model_view
 from .request import Completion, as_request_list, check_positive_int, validate_request
 from .sampling import make_generator, sample, stop_reason
 
@@ -98,11 +99,11 @@ def static_batching(model, tokenizer, requests, batch_size: int, progress: bool 
         from tqdm.auto import tqdm
 
         waves = tqdm(waves, desc="waves", unit="wave")
-    with modelinfo.eval_mode(model):  # dropout off while we run it; a model in training mode stays so
-        for w, first in enumerate(waves):
-            wave = slice(first, first + batch_size)
-            completions += _run_wave(model, info, tokenizer, requests[wave], prompts[wave], w, batch_size, pad_id,
-                                     t0, steps)
+    view = model_view(model)  # eval mode (dropout off) on a view: the model itself is left as it is
+    for w, first in enumerate(waves):
+        wave = slice(first, first + batch_size)
+        completions += _run_wave(view, info, tokenizer, requests[wave], prompts[wave], w, batch_size, pad_id,
+                                 t0, steps)
     return StaticResult(completions, steps, batch_size)
 
 

@@ -1,5 +1,6 @@
 """The KV cache, one concept per module (notebooks 04, 05, 08, 09).
 
+* :mod:`.interface` -- the seams, declared: what the scheduler calls on a KV manager, the engine on a KV cache
 * :mod:`.manager` -- the block allocator and block tables: who owns which block (vLLM's KV cache manager)
 * :mod:`.paged` -- the paged pool and the engine's paged cache: slots, block tables, swapping
 * :mod:`.concat` -- the concatenating cache of notebook 04: per-sequence caches copied every step

@@ -30,7 +30,6 @@ cache (:mod:`cbteach.kv.paged`) moves only the ``N`` new tokens' K/V.
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 
@@ -66,13 +65,16 @@ def layer_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     return cache.key_cache[layer], cache.value_cache[layer]  # transformers < 4.56
 
 
-class ConcatKVCache(UnboundedKVManager):
+class ConcatKVCache:
     """Per-sequence caches, gathered into one ``DynamicCache`` before each step and scattered after.
 
-    It is its own KV manager: memory grows with the sequences, so room is never refused.
+    Memory grows with the sequences, so its KV manager (:class:`~cbteach.kv.manager.UnboundedKVManager`)
+    never refuses room; it tells this cache when a sequence's K/V can go. The step's own state (the
+    packed ``DynamicCache`` between the forward pass and the scatter) travels in the step's metadata.
     """
 
     kind = "concat"
+    attn_implementation = None  # the model's own attention, with our 4-D mask
 
     def __init__(self, num_layers: int, cache_kwarg: str = "past_key_values", attn_implementation: str = "sdpa",
                  dtype: torch.dtype = torch.float32):
@@ -84,15 +86,14 @@ class ConcatKVCache(UnboundedKVManager):
         self.num_layers = num_layers
         self.dtype = dtype  # of the additive mask: the model's
         self.cache_kwarg = cache_kwarg  # forward()'s name for it: "cache" in recent transformers 5.x
-        self.kv: dict[object, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.seq_kv: dict[object, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # request id -> per-layer K, V
         self.last_traffic = KVTraffic()
-        self.manager = self
-        self._packed = None
-        self._order: list = []
+        self.manager = UnboundedKVManager(on_free=self._drop, on_trim=self._trim)
 
     def build_metadata(self, token_ids, seqs, num_computed, num_scheduled, device):
-        self._order = [s.request_id for s in seqs]
-        return attn_metadata.build(token_ids, num_computed, num_scheduled, device)
+        meta = attn_metadata.build(token_ids, num_computed, num_scheduled, device)
+        meta.request_ids = [s.request_id for s in seqs]
+        return meta
 
     def forward_kwargs(self, meta) -> dict:
         """Gather the in-flight caches and build the mask; returns extra kwargs for the forward pass."""
@@ -100,33 +101,30 @@ class ConcatKVCache(UnboundedKVManager):
         traffic = KVTraffic()
         cache = DynamicCache()
         for layer in range(self.num_layers):
-            parts = [self.kv[rid][layer] for rid, c in zip(self._order, meta.num_computed_tokens) if c > 0]
+            parts = [self.seq_kv[rid][layer] for rid, c in zip(meta.request_ids, meta.num_computed_tokens) if c > 0]
             if parts:
                 k = torch.cat([p[0] for p in parts], dim=2)  # our gather: C
                 v = torch.cat([p[1] for p in parts], dim=2)
                 cache.update(k, v, layer)  # DynamicCache concatenates onto an empty tensor: C again
                 traffic.bytes_copied += 2 * (k.nbytes + v.nbytes)
         traffic.seconds = time.perf_counter() - t0
-        self.last_traffic, self._packed = traffic, cache
+        self.last_traffic, meta.past_key_values = traffic, cache
         device = meta.input_ids.device
         mask = block_diagonal_causal_mask(meta.num_computed_tokens, meta.num_scheduled_tokens, device=device)
         return {self.cache_kwarg: cache, "attention_mask": additive_mask(mask, self.dtype), "use_cache": True}
 
-    def attention(self, model):
-        return contextlib.nullcontext()  # the model's own attention, with our 4-D mask
-
     def after_forward(self, meta) -> KVTraffic:
         """Scatter this step's new keys and values back to each sequence's own cache."""
         t0 = time.perf_counter()
-        cache, self._packed = self._packed, None
+        cache, meta.past_key_values = meta.past_key_values, None  # freed after the step
         total_cached = sum(meta.num_computed_tokens)
         for layer in range(self.num_layers):
             k_all, v_all = layer_kv(cache, layer)
             self.last_traffic.bytes_copied += k_all.nbytes + v_all.nbytes  # the model's update: C + N
             new_k = k_all[:, :, total_cached:].split(meta.num_scheduled_tokens, dim=2)
             new_v = v_all[:, :, total_cached:].split(meta.num_scheduled_tokens, dim=2)
-            for rid, k, v in zip(self._order, new_k, new_v):
-                layers = self.kv.setdefault(rid, [None] * self.num_layers)
+            for rid, k, v in zip(meta.request_ids, new_k, new_v):
+                layers = self.seq_kv.setdefault(rid, [None] * self.num_layers)
                 if layers[layer] is None:
                     k, v = k.clone(), v.clone()  # own the memory: the packed cache is freed after the step
                 else:
@@ -137,18 +135,21 @@ class ConcatKVCache(UnboundedKVManager):
         self.last_traffic.seconds += time.perf_counter() - t0
         return self.last_traffic
 
-    def free(self, seq) -> None:
-        self.kv.pop(seq.request_id, None)
+    def check_fits(self, num_tokens: int, request_id) -> None:
+        self.manager.check_fits(num_tokens, request_id)
 
-    def trim(self, seq) -> None:
+    def _drop(self, seq) -> None:
+        self.seq_kv.pop(seq.request_id, None)
+
+    def _trim(self, seq) -> None:
         """Drop K/V past ``seq``'s computed tokens (rejected speculative guesses)."""
         n = seq.num_computed_tokens
-        layers = self.kv.get(seq.request_id) or []
+        layers = self.seq_kv.get(seq.request_id) or []
         for i, kv in enumerate(layers):
             if kv is not None:
                 layers[i] = (kv[0][:, :, :n], kv[1][:, :, :n])
 
     def usage(self) -> dict:
         """Sequences and tokens held right now."""
-        return {"num_sequences": len(self.kv),
-                "num_tokens": sum(l[0][0].shape[2] for l in self.kv.values() if l[0] is not None)}
+        return {"num_sequences": len(self.seq_kv),
+                "num_tokens": sum(layers[0][0].shape[2] for layers in self.seq_kv.values() if layers[0] is not None)}

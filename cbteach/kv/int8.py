@@ -159,15 +159,18 @@ def kv_loss(model, token_ids: list[int], kv_dtype=None, block_size: int = 16) ->
     from types import SimpleNamespace
 
     from .paged import PagedKVCache
+    from ..core.config import CacheConfig
+    from ..core.model_view import model_view
     from ..core.modelinfo import describe
 
     if len(token_ids) < 2:
         raise ValueError("kv_loss needs at least two tokens (one prediction)")
     info = describe(model)
     n = len(token_ids)
-    cache = PagedKVCache.for_model(info, block_size=block_size, num_blocks=-(-n // block_size), kv_dtype=kv_dtype)
+    config = CacheConfig(kind="paged", block_size=block_size, num_blocks=-(-n // block_size), kv_dtype=kv_dtype)
+    cache = PagedKVCache.for_model(info, config)
     seq = SimpleNamespace(block_table=list(range(cache.num_blocks)))
     meta = cache.build_metadata(list(token_ids), [seq], [0], [n], info.device)
-    with cache.attention(model):
-        logits = model(input_ids=meta.input_ids, position_ids=meta.positions, **cache.forward_kwargs(meta)).logits[0]
+    view = model_view(model, cache.attn_implementation)  # the model itself is left as it is
+    logits = view(input_ids=meta.input_ids, position_ids=meta.positions, **cache.forward_kwargs(meta)).logits[0]
     return torch.nn.functional.cross_entropy(logits[:-1].float(), meta.input_ids[0, 1:]).item()

@@ -36,7 +36,6 @@ class BlockAllocator:
     """
 
     def __init__(self, num_blocks: int):
-        check_positive_int("num_blocks", num_blocks)
         self.num_blocks = num_blocks
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.ref_counts = [0] * num_blocks
@@ -75,9 +74,10 @@ def check_watermark(watermark) -> None:
 class KVCacheManager:
     """Block tables and allocation for a pool of ``num_blocks`` blocks of ``block_size`` tokens."""
 
-    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01, prefix_caching: bool = False):
-        """``watermark``: the fraction of blocks an admission must leave free (1%, as vLLM V0's block
-        manager), so that a request let in now does not force a preemption on the very next step.
+    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.0, prefix_caching: bool = False):
+        """``watermark``: the fraction of blocks an admission must leave free (vLLM V0's block manager
+        keeps 1%, so that a request let in now does not force a preemption on the very next step;
+        V1 keeps none). The scheduler reads it through :meth:`num_admittable_tokens`.
         ``prefix_caching``: reuse full blocks of earlier requests with the same prefix
         (:mod:`cbteach.kv.prefix_cache`)."""
         check_positive_int("block_size", block_size)
@@ -209,20 +209,35 @@ class KVCacheManager:
 
 
 class UnboundedKVManager:
-    """The concatenating cache's manager: memory grows with the sequences, so room is never refused."""
+    """The concatenating cache's manager: memory grows with the sequences, so room is never refused.
+
+    It keeps no bookkeeping of its own; ``on_free(seq)`` and ``on_trim(seq)`` are the cache's
+    callbacks that drop a sequence's K/V (all of it, or the rejected speculative guesses).
+    """
 
     num_free_blocks = math.inf
+
+    def __init__(self, on_free=None, on_trim=None):
+        self.on_free, self.on_trim = on_free, on_trim
 
     def num_allocatable_tokens(self, seq) -> float:
         return math.inf
 
     num_admittable_tokens = num_allocatable_tokens
 
+    def num_freeable_tokens(self, seqs) -> float:
+        return math.inf
+
     def allocate_slots(self, seq, num_new_tokens: int) -> list[int]:
         return []
 
     def free(self, seq) -> None:
-        pass
+        if self.on_free is not None:
+            self.on_free(seq)
+
+    def trim(self, seq) -> None:
+        if self.on_trim is not None:
+            self.on_trim(seq)
 
     def check_fits(self, num_tokens: int, request_id) -> None:
         pass
@@ -230,11 +245,11 @@ class UnboundedKVManager:
     def take_cached_prefix(self, seq) -> int:
         return 0
 
-    def trim(self, seq) -> None:
-        pass
-
     def on_admitted(self, seq) -> None:
         pass
 
     def on_computed(self, seq) -> None:
         pass
+
+    def usage(self) -> dict:
+        return {}

@@ -84,16 +84,8 @@ class ReservingKVManager(KVCacheManager):
 
 
 def plug(engine: Engine, manager) -> Engine:
-    """Make ``manager`` the engine's KV manager: the scheduler asks it for room, the cache frees through
-    it. It must have the pool's block size and no more blocks than the pool. Returns the engine."""
-    if engine.kv.kind != "paged":
-        raise ValueError("plug() needs an Engine(..., kv='paged'): only the paged pool is addressed by block tables")
-    if engine.has_unfinished() or engine.num_steps:
-        raise ValueError("plug a manager into a fresh engine, before any request is added")
-    if manager.block_size != engine.kv.block_size or manager.num_blocks > engine.kv.num_blocks:
-        raise ValueError(f"the manager has {manager.num_blocks} blocks of {manager.block_size} slots; the pool has "
-                         f"{engine.kv.num_blocks} of {engine.kv.block_size}")
-    engine.kv.manager = engine.scheduler.kv = manager
+    """Make ``manager`` the engine's KV manager (:meth:`Engine.use_kv_manager`); returns the engine."""
+    engine.use_kv_manager(manager)
     return engine
 
 

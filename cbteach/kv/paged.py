@@ -21,8 +21,6 @@ everything the request never generates.
 """
 from __future__ import annotations
 
-import math
-import numbers
 import time
 
 import torch
@@ -30,8 +28,8 @@ import torch
 from ..attention import metadata as attn_metadata
 from ..attention import paged as paged_attention
 from .concat import KVTraffic
-from .manager import KVCacheManager, PoolExhausted, check_watermark  # noqa: F401  (PoolExhausted: re-exported)
-from ..core.request import check_positive_int
+from .manager import KVCacheManager, PoolExhausted  # noqa: F401  (PoolExhausted: re-exported)
+from ..core.config import CacheConfig
 
 
 class PagedKVPool:
@@ -82,15 +80,9 @@ class PagedKVPool:
         return k.view(-1, *k.shape[2:])[slots], v.view(-1, *v.shape[2:])[slots]
 
 
-KV_DTYPES = (None, "int8", "int8_block")
-
-
 def _pool_class(kv_dtype):
     """The pool that stores K/V: the model's dtype (``None``) or int8 (:mod:`cbteach.kv.int8`) with a
     scale per token and head (``"int8"``) or per block and head (``"int8_block"``)."""
-    if kv_dtype not in KV_DTYPES:
-        raise ValueError(f"kv_dtype must be None (the model's dtype), 'int8' (a scale per token and head) or "
-                         f"'int8_block' (a scale per block and head), got {kv_dtype!r}")
     if kv_dtype is not None:
         from .int8 import Int8BlockKVPool, Int8KVPool
 
@@ -98,75 +90,48 @@ def _pool_class(kv_dtype):
     return PagedKVPool
 
 
-def check_options(block_size=16, num_blocks=None, kv_memory_bytes=None, bucket_shapes=None, watermark=0.01,
-                  prefix_caching=False, kv_dtype=None) -> None:
-    """Refuse a bad paged-cache option with a ``ValueError`` that says what is allowed. The engine
-    checks them even with ``kv="concat"``, which ignores them: a bad value is a mistake either way."""
-    check_positive_int("block_size", block_size)
-    if num_blocks is not None:
-        check_positive_int("num_blocks", num_blocks)
-    mem = kv_memory_bytes
-    if mem is not None and (not isinstance(mem, numbers.Real) or isinstance(mem, bool) or not math.isfinite(mem)
-                            or mem <= 0):
-        raise ValueError(f"kv_memory_bytes must be None or a finite number of bytes > 0, got {kv_memory_bytes!r}")
-    if num_blocks is not None and kv_memory_bytes is not None:
-        raise ValueError("give num_blocks or kv_memory_bytes, not both")
-    if bucket_shapes is not None and not isinstance(bucket_shapes, bool):
-        raise ValueError(f"bucket_shapes must be None (on CUDA only), True or False, got {bucket_shapes!r}")
-    if not isinstance(prefix_caching, bool):
-        raise ValueError(f"prefix_caching must be True or False, got {prefix_caching!r}")
-    check_watermark(watermark)
-    _pool_class(kv_dtype)
-
-
 class PagedKVCache:
-    """The engine's view of the paged cache: the manager that hands out blocks, and the pool."""
+    """The engine's view of the paged cache: the manager that hands out blocks, and the pool.
+
+    Built from a validated :class:`~cbteach.core.config.CacheConfig` (``kind="paged"``); it
+    implements :class:`cbteach.kv.interface.KVCache` and :class:`~cbteach.kv.interface.Swapper`.
+    """
 
     kind = "paged"
+    attn_implementation = paged_attention.NAME  # the engine's model view calls paged attention
 
-    def __init__(self, *, num_layers, num_kv_heads, head_dim, num_blocks, block_size=16,
-                 dtype=torch.float32, device="cpu", bucket_shapes=None, watermark=0.01, prefix_caching=False,
-                 kv_dtype=None):
-        """``bucket_shapes``: pad attention shapes to powers of two (default: on CUDA only, where new
-        shapes cost a one-off setup; on a CPU the padding would only cost compute)."""
-        check_positive_int("block_size", block_size)
-        check_positive_int("num_blocks", num_blocks)
-        self.manager = KVCacheManager(num_blocks, block_size, watermark=watermark, prefix_caching=prefix_caching)
-        pool_cls = _pool_class(kv_dtype)
-        self.pool = pool_cls(num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
-                             num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device=device)
+    def __init__(self, config: CacheConfig, *, num_layers, num_kv_heads, head_dim, num_blocks,
+                 dtype=torch.float32, device="cpu"):
+        if not isinstance(config, CacheConfig):
+            raise ValueError(f"PagedKVCache takes a CacheConfig, got {type(config).__name__}")
+        self.config = config
+        self.manager = KVCacheManager(num_blocks, config.block_size, watermark=config.watermark,
+                                      prefix_caching=config.prefix_caching)
+        self.pool = _pool_class(config.kv_dtype)(num_layers=num_layers, num_blocks=num_blocks,
+                                                 block_size=config.block_size, num_kv_heads=num_kv_heads,
+                                                 head_dim=head_dim, dtype=dtype, device=device)
         self.last_traffic = KVTraffic()
         self.swap_space: dict = {}  # request id -> per-layer host copies of its K/V blocks
         self.swap_stats = {"bytes_out": 0, "bytes_in": 0, "seconds": 0.0}
-        self.bucket_shapes = torch.device(device).type == "cuda" if bucket_shapes is None else bool(bucket_shapes)
+        # Padding attention shapes to powers of two pays on CUDA, where a new shape costs a one-off setup;
+        # on a CPU the padding would only cost compute.
+        self.bucket_shapes = (torch.device(device).type == "cuda" if config.bucket_shapes is None
+                              else config.bucket_shapes)
+        paged_attention.register()
 
     block_size = property(lambda self: self.manager.block_size)
     num_blocks = property(lambda self: self.manager.num_blocks)
 
     @classmethod
-    def for_model(cls, info, *, block_size=16, num_blocks=None, kv_memory_bytes=None, max_batch_size=8,
-                  bucket_shapes=None, watermark=0.01, prefix_caching=False, kv_dtype=None):
-        """Size a pool for the model ``info`` describes: ``num_blocks`` directly, or as many as
-        ``kv_memory_bytes`` holds, or by default enough for ``max_batch_size`` sequences of the
-        model's full length (capped at 4,096 positions each, so a long-context hub model does not
-        ask for hundreds of GB; pass ``num_blocks`` or ``kv_memory_bytes`` to size it yourself)."""
-        check_options(block_size, num_blocks, kv_memory_bytes, bucket_shapes, watermark, prefix_caching, kv_dtype)
-        pool_cls = _pool_class(kv_dtype)
-        if kv_memory_bytes is not None:
-            per_block = block_size * (info.kv_bytes_per_token if pool_cls is PagedKVPool else
-                                      pool_cls.bytes_per_token_for(info.num_layers, info.num_kv_heads, info.head_dim,
-                                                                   block_size=block_size))
-            per_block = round(per_block)  # a whole number of bytes (block scales are 4 bytes per block)
-            num_blocks = int(kv_memory_bytes // per_block)
-            if num_blocks < 1:
-                raise ValueError(f"kv_memory_bytes={kv_memory_bytes} holds no block of {block_size} tokens "
-                                 f"({per_block} bytes each)")
-        if num_blocks is None:
-            num_blocks = max_batch_size * math.ceil(min(info.max_positions or 4096, 4096) / block_size)
-        return cls(num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
-                   num_blocks=num_blocks, block_size=block_size, dtype=info.dtype, device=info.device,
-                   bucket_shapes=bucket_shapes, watermark=watermark, prefix_caching=prefix_caching,
-                   kv_dtype=kv_dtype)
+    def for_model(cls, info, config: CacheConfig, max_batch_size: int = 8) -> PagedKVCache:
+        """A pool for the model ``info`` describes, sized as ``config`` says (see
+        :meth:`CacheConfig.pool_num_blocks`)."""
+        pool_cls = _pool_class(config.kv_dtype)
+        per_token = info.kv_bytes_per_token if pool_cls is PagedKVPool else pool_cls.bytes_per_token_for(
+            info.num_layers, info.num_kv_heads, info.head_dim, block_size=config.block_size)
+        num_blocks = config.pool_num_blocks(info.max_positions, max_batch_size, config.block_size * per_token)
+        return cls(config, num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
+                   num_blocks=num_blocks, dtype=info.dtype, device=info.device)
 
     def slots(self, seq, start: int, end: int) -> torch.Tensor:
         """Pool slots of the sequence's tokens ``start..end-1``: ``block_table[p // B] * B + p % B``.
@@ -187,10 +152,6 @@ class PagedKVCache:
     def forward_kwargs(self, meta) -> dict:
         return {paged_attention.STEP_KWARG: meta, "use_cache": False}  # the pool is the cache
 
-    def attention(self, model):
-        """Switch the model to paged attention for one forward pass (restored after)."""
-        return paged_attention.switched(model)
-
     def after_forward(self, meta) -> KVTraffic:
         # Nothing to scatter: the attention function already wrote the new K/V into their slots.
         # What we count is what attention read through the block tables (padding included: the
@@ -202,13 +163,22 @@ class PagedKVCache:
         return self.last_traffic
 
     # -- swap preemption (vLLM paper, section 4.5) ------------------------------------------------
+    def copy_out(self, seq) -> tuple[list, int]:
+        """Host copies of the blocks holding ``seq``'s computed tokens (per layer), and their bytes."""
+        blocks = seq.block_table[:self.manager.blocks_needed(seq.num_computed_tokens)]
+        return self.pool.copy_out(blocks), round(len(blocks) * self.block_size * self.pool.bytes_per_token)
+
+    def hold_swapped(self, seq, data: list) -> None:
+        """Keep ``data`` (per-layer host copies of ``seq``'s blocks) until :meth:`swap_in` takes it back."""
+        self.swap_space[seq.request_id] = data
+
     def swap_out(self, seq) -> None:
         """Copy the blocks holding ``seq``'s computed tokens to host memory, then free all its blocks."""
         t0 = time.perf_counter()
-        keep = self.manager.blocks_needed(seq.num_computed_tokens)
-        self.swap_space[seq.request_id] = self.pool.copy_out(seq.block_table[:keep])
+        data, nbytes = self.copy_out(seq)
+        self.hold_swapped(seq, data)
         self.manager.free(seq)
-        self.swap_stats["bytes_out"] += round(keep * self.block_size * self.pool.bytes_per_token)
+        self.swap_stats["bytes_out"] += nbytes
         self.swap_stats["seconds"] += time.perf_counter() - t0
 
     def swap_in(self, seq) -> None:

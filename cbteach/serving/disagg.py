@@ -68,7 +68,7 @@ class DisaggregatedServer:
                                  f"to the other as they are); got {p!r} and {d!r}")
         self.prefill = Engine(model, tokenizer, clock=VirtualClock(), **options["prefill"])
         self.decode = Engine(model, tokenizer, clock=VirtualClock(), **options["decode"])
-        self.prefill.kv.manager.before_free = self._hand_over
+        self.prefill.on_release(self._hand_over)
         self.transfers = {"requests": 0, "bytes": 0, "seconds": 0.0}
         self._originals: dict[object, Request] = {}
         self.completions: dict[object, Completion] = {}
@@ -79,8 +79,8 @@ class DisaggregatedServer:
         requests = as_request_list(requests, "DisaggregatedServer.run()")
         taken: set = set()
         for r in requests:  # the decode pool must hold the whole request: refuse it up front otherwise
-            prompt_len = len(self.prefill._check(r, taken))
-            self.decode.kv.check_fits(prompt_len + r.max_new_tokens, r.request_id)
+            self.prefill.check_request(r, taken)
+            self.decode.check_request(r, taken)
             taken.add(r.request_id)
         t_run = max(self.prefill.now(), self.decode.now())  # a later run starts where the last one ended
         for r in requests:
@@ -93,9 +93,9 @@ class DisaggregatedServer:
             busy = [e for e in engines if e.has_unfinished()]
             eng = min(busy, key=lambda e: e.now())  # the one behind in time goes next, as two GPUs would
             other = self.decode if eng is self.prefill else self.prefill
-            if not eng.step().seqs:  # idle: jump to its next event, or catch up with the other engine
-                nxt = eng.scheduler.next_arrival()
-                target = nxt if nxt is not None and nxt > eng.now() else other.now()
+            if not eng.step().seqs:  # idle: jump to its next event (an arrival, a handover's bytes landing),
+                nxt = eng.scheduler.next_event_time(eng.now())  # or catch up with the other engine
+                target = nxt if nxt is not None else other.now()
                 if target <= eng.now() and not other.has_unfinished():
                     raise RuntimeError("disaggregated serving made no progress; please report this")
                 eng.clock.advance(target - eng.now() if target > eng.now() else 1e-6)
@@ -111,20 +111,15 @@ class DisaggregatedServer:
         if original is None or seq.status is not RequestStatus.FINISHED or seq.finish_reason == "eos" \
                 or original.max_new_tokens == 1:
             return
-        kv = self.prefill.kv
-        blocks = seq.block_table[:kv.manager.blocks_needed(seq.num_computed_tokens)]
-        data = kv.pool.copy_out(blocks)
-        nbytes = len(blocks) * kv.block_size * kv.pool.bytes_per_token
+        data, nbytes = self.prefill.copy_kv_out(seq)
         seconds = nbytes / self.link_bytes_per_s
         self.transfers["requests"] += 1
         self.transfers["bytes"] += nbytes
         self.transfers["seconds"] += seconds
         # The decode engine takes it in like a swapped-out request coming back, once the bytes arrive.
         moved = Sequence(request=original, prompt_ids=list(seq.prompt_ids), arrival_time=seq.arrival_time,
-                         status=RequestStatus.SWAPPED, output_ids=list(seq.output_ids),
-                         num_computed_tokens=seq.num_computed_tokens, first_token_time=seq.first_token_time,
-                         token_times=list(seq.token_times), ready_time=self.prefill.now() + seconds,
-                         generator=seq.generator)
-        self.decode.sequences[seq.request_id] = moved
-        self.decode.kv.swap_space[seq.request_id] = data
-        self.decode.scheduler.swapped.append(moved)
+                         output_ids=list(seq.output_ids), num_computed_tokens=seq.num_computed_tokens,
+                         first_token_time=seq.first_token_time, token_times=list(seq.token_times),
+                         ready_time=self.prefill.now() + seconds, generator=seq.generator,
+                         num_cached_prompt_tokens=seq.num_cached_prompt_tokens)
+        self.decode.receive(moved, data)

@@ -30,39 +30,77 @@ class StreamEvent:
 
 
 def stream_events(engine, requests=()):
-    """The generator behind :meth:`cbteach.Engine.stream` (``requests`` are already queued)."""
+    """The generator behind :meth:`cbteach.Engine.stream` (``requests`` are already queued).
+
+    The events are read from the requests' own state (their outputs and status), not from the step
+    records of the steps this generator ran: so a stream that was suspended while something else
+    drove the engine -- another stream, :meth:`~cbteach.Engine.run` -- catches up with every token
+    and closing event it missed, and a request aborted before the first ``next()`` still gets its
+    closing event.
+    """
+    covered = _Covered(engine, [r.request_id for r in requests])
+    return _events(engine, covered)
+
+
+class _Covered:
+    """The requests a stream reports on: its own, and any added with ``add_request`` while it streams
+    (not those another ``run()`` or ``stream()`` brought: they report on their own)."""
+
+    def __init__(self, engine, own: list):
+        self.engine = engine
+        self.ids = list(own)
+        self.seen = len(engine.sequences)  # requests known when the stream was made
+        self.emitted: dict = {rid: 0 for rid in own}  # request id -> output tokens handed out
+        self.closed: set = set()
+
+    def refresh(self) -> None:
+        """Pick up requests added to the engine one by one since the last look."""
+        ids = list(self.engine.sequences)
+        for rid in ids[self.seen:]:
+            if rid not in self.emitted and not self.engine.sequences[rid].claimed:
+                self.ids.append(rid)
+                self.emitted[rid] = 0
+        self.seen = len(ids)
+
+    def open_ids(self) -> list:
+        return [rid for rid in self.ids if rid not in self.closed]
+
+
+def _events(engine, covered: _Covered):
     shown: dict = {}  # request id -> text handed out so far
-    done = len(engine.completions)  # completions are kept in the order requests finish: look only at new ones
     try:
-        while engine.has_unfinished():
-            record = engine.step()
-            for s in record.seqs:
-                seq = engine.sequences[s.request_id]
-                base = len(seq.output_ids) - len(s.new_token_ids)
-                for j, token in enumerate(s.new_token_ids):  # one event per token, several after speculation
-                    reason = s.finish_reason if j == len(s.new_token_ids) - 1 else None
-                    text = _increment(engine.tokenizer, seq, base + j + 1, shown, reason)
-                    yield StreamEvent(s.request_id, token, text, reason, engine.now())
-            done = yield from _aborted(engine, done)  # aborted by the consumer between two events
-            if not record.seqs:
-                engine._wait_for_arrival()
-        yield from _aborted(engine, done)
+        while True:
+            covered.refresh()
+            yield from _catch_up(engine, covered, shown)
+            if not covered.open_ids():
+                return
+            if not engine.has_unfinished():  # someone else finished them: the next catch-up closes them
+                continue
+            if not engine.step().seqs:
+                engine.wait_for_arrival()
     except GeneratorExit:  # the consumer stopped listening: its requests stop too, and give their blocks back
-        for r in requests:
-            if not engine.sequences[r.request_id].status.is_finished:
-                engine.abort(r.request_id)
+        for rid in covered.open_ids():
+            if not engine.sequences[rid].status.is_finished:
+                engine.abort(rid)
         raise
 
 
-def _aborted(engine, done: int):
-    """One closing event for each request aborted since ``done`` completions; returns the new count."""
-    if len(engine.completions) == done:  # the common case: nothing finished since
-        return done
-    finished = list(engine.completions.values())[done:]
-    for c in finished:
-        if c.finish_reason == "aborted":
-            yield StreamEvent(c.request_id, None, None if engine.tokenizer is None else "", "aborted", engine.now())
-    return done + len(finished)
+def _catch_up(engine, covered: _Covered, shown: dict):
+    """Every token each covered request produced since its last event, then its closing event."""
+    for rid in covered.open_ids():
+        seq = engine.sequences[rid]
+        done, out = seq.status.is_finished, seq.output_ids[:]  # as they are now: the consumer may drive on
+        for j in range(covered.emitted[rid], len(out)):
+            last = done and seq.finish_reason != "aborted" and j == len(out) - 1
+            reason = seq.finish_reason if last else None
+            text = _increment(engine.tokenizer, seq, j + 1, shown, reason)
+            covered.emitted[rid] = j + 1
+            yield StreamEvent(rid, out[j], text, reason, seq.token_times[j])
+        if done:
+            covered.closed.add(rid)
+            if seq.finish_reason == "aborted" or not out:  # no last token carries it: a closing event alone
+                yield StreamEvent(rid, None, None if engine.tokenizer is None else "", seq.finish_reason,
+                                  engine.now())
 
 
 def _increment(tokenizer, seq, upto: int, shown: dict, finish_reason) -> str | None:

@@ -1,0 +1,155 @@
+"""The engine's options, validated once, in one place.
+
+``Engine(model, tok, max_batch_size=8, kv="paged", block_size=4, token_budget=32, ...)`` keeps its
+keyword arguments -- they are what the notebooks teach -- and turns them into three frozen
+dataclasses, checked when they are made:
+
+* :class:`SchedulerConfig` -- who runs each step: the batch limit, the token budget, the waiting
+  queue's policy, how to preempt, and which admission rule to follow;
+* :class:`CacheConfig` -- where K/V live: the concatenating cache or the paged pool, and the pool's
+  block size, size, dtype and prefix caching;
+* :class:`EngineConfig` -- both, plus speculative decoding and whether to keep step records.
+
+A bad value raises a ``ValueError`` that says what is allowed, before anything is built. Every
+other part of the engine reads these objects and never re-checks them (nano-vllm's single
+``Config``, vLLM's ``SchedulerConfig``/``CacheConfig``).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field, fields
+
+from ..kv.manager import check_watermark
+from .request import check_positive_int
+
+KV_KINDS = ("concat", "paged")
+PREEMPTION_MODES = ("recompute", "swap")
+ADMISSION_RULES = ("per_chunk", "whole_prompt")
+KV_DTYPES = (None, "int8", "int8_block")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How :class:`~cbteach.core.scheduler.Scheduler` plans a step.
+
+    ``admission="per_chunk"`` (the default, vLLM V1's rule): a waiting request is let in when the KV
+    manager gives room for the chunk it feeds this step. ``"whole_prompt"`` (vLLM V0's rule): only
+    when its whole prompt fits (plus any output a preempted request must recompute), even when the
+    token budget feeds it in chunks -- a request let in on a sliver of room cannot then be preempted
+    half-way through its prefill.
+    """
+
+    max_batch_size: int
+    token_budget: int | None = None
+    policy: object = "fcfs"  # "fcfs", "priority" or a WaitingQueue subclass instance
+    preemption: str = "recompute"
+    admission: str = "per_chunk"
+
+    def __post_init__(self):
+        check_positive_int("max_batch_size", self.max_batch_size)
+        if self.token_budget is not None:
+            check_positive_int("token_budget (or None)", self.token_budget)
+        if self.preemption not in PREEMPTION_MODES:
+            raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {self.preemption!r}")
+        if self.admission not in ADMISSION_RULES:
+            raise ValueError(f"admission must be 'per_chunk' (vLLM V1's rule) or 'whole_prompt' (vLLM V0's), "
+                             f"got {self.admission!r}")
+        from .policies import make_queue
+
+        make_queue(self.policy)  # refuses an unknown policy
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Where the K/V live. ``kind="concat"`` ignores the paged-pool fields (but still checks them:
+    a bad value is a mistake either way, and one call can then switch ``kv=`` back and forth).
+
+    The pool holds ``num_blocks`` blocks of ``block_size`` tokens; give ``num_blocks``, or
+    ``kv_memory_bytes`` to size it from a memory budget, or neither for enough room for
+    ``max_batch_size`` sequences of the model's full length (capped at 4,096 positions each).
+    ``watermark`` is a fraction of blocks an admission leaves free (vLLM V0's block manager keeps
+    1%; V1 keeps none, our default). ``kv_dtype`` stores K/V as int8 (:mod:`cbteach.kv.int8`).
+    ``bucket_shapes`` pads attention shapes to powers of two (default: on CUDA only).
+    """
+
+    kind: str = "concat"
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_memory_bytes: float | None = None
+    bucket_shapes: bool | None = None
+    watermark: float = 0.0
+    prefix_caching: bool = False
+    kv_dtype: str | None = None
+
+    def __post_init__(self):
+        if self.kind not in KV_KINDS:
+            raise ValueError(f"kv must be one of {KV_KINDS}, got {self.kind!r}")
+        check_positive_int("block_size", self.block_size)
+        if self.num_blocks is not None:
+            check_positive_int("num_blocks", self.num_blocks)
+        mem = self.kv_memory_bytes
+        if mem is not None and (not isinstance(mem, numbers.Real) or isinstance(mem, bool)
+                                or not math.isfinite(mem) or mem <= 0):
+            raise ValueError(f"kv_memory_bytes must be None or a finite number of bytes > 0, got {mem!r}")
+        if self.num_blocks is not None and mem is not None:
+            raise ValueError("give num_blocks or kv_memory_bytes, not both")
+        if self.bucket_shapes is not None and not isinstance(self.bucket_shapes, bool):
+            raise ValueError(f"bucket_shapes must be None (on CUDA only), True or False, got {self.bucket_shapes!r}")
+        if not isinstance(self.prefix_caching, bool):
+            raise ValueError(f"prefix_caching must be True or False, got {self.prefix_caching!r}")
+        check_watermark(self.watermark)
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be None (the model's dtype), 'int8' (a scale per token and head) or "
+                             f"'int8_block' (a scale per block and head), got {self.kv_dtype!r}")
+        if self.kind == "concat" and self.prefix_caching:
+            raise ValueError("prefix_caching needs kv='paged': blocks are what the prefix cache shares")
+        if self.kind == "concat" and self.kv_dtype is not None:
+            raise ValueError("kv_dtype needs kv='paged': the int8 pool is a paged pool")
+
+    def pool_num_blocks(self, max_positions: int | None, max_batch_size: int, bytes_per_block: float) -> int:
+        """How many blocks the pool gets: ``num_blocks``, or what ``kv_memory_bytes`` holds at
+        ``bytes_per_block``, or room for ``max_batch_size`` sequences of the model's length."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        if self.kv_memory_bytes is not None:
+            per_block = round(bytes_per_block)  # a whole number of bytes (block scales are 4 bytes per block)
+            n = int(self.kv_memory_bytes // per_block)
+            if n < 1:
+                raise ValueError(f"kv_memory_bytes={self.kv_memory_bytes} holds no block of {self.block_size} tokens "
+                                 f"({per_block} bytes each)")
+            return n
+        return max_batch_size * math.ceil(min(max_positions or 4096, 4096) / self.block_size)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an :class:`~cbteach.core.engine.Engine` is built from."""
+
+    scheduler: SchedulerConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    speculative: object = None  # None, "ngram", "self" or a draft model
+    num_speculative_tokens: int = 3
+    keep_records: bool = True
+
+    def __post_init__(self):
+        check_positive_int("num_speculative_tokens", self.num_speculative_tokens)
+        if self.cache.watermark and self.scheduler.admission != "whole_prompt":
+            raise ValueError("watermark is part of vLLM V0's admission rule: use it with admission='whole_prompt' "
+                             "(the default, V1's per-chunk admission, keeps no watermark)")
+
+    @classmethod
+    def from_options(cls, *, max_batch_size, kv: str = "concat", keep_records: bool = True,
+                     **options) -> EngineConfig:
+        """The engine's keyword arguments, sorted into their configs; an unknown one is refused."""
+        sched_names = {f.name for f in fields(SchedulerConfig)} - {"max_batch_size"}
+        cache_names = {f.name for f in fields(CacheConfig)} - {"kind"}
+        unknown = sorted(set(options) - sched_names - cache_names - {"speculative", "num_speculative_tokens"})
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; allowed: {', '.join(sorted(sched_names))}, "
+                             f"speculative, num_speculative_tokens, keep_records, and with kv='paged': "
+                             f"{', '.join(sorted(cache_names))}")
+        sched = SchedulerConfig(max_batch_size=max_batch_size, **{k: v for k, v in options.items() if k in sched_names})
+        cache = CacheConfig(kind=kv, **{k: v for k, v in options.items() if k in cache_names})
+        return cls(scheduler=sched, cache=cache, speculative=options.get("speculative"),
+                   num_speculative_tokens=options.get("num_speculative_tokens", 3), keep_records=bool(keep_records))

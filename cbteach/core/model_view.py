@@ -1,0 +1,63 @@
+"""A per-engine view of a model: the same weights, its own modules and config.
+
+The engine needs two things from a model that its owner does not: **eval mode** (dropout off, so
+outputs are deterministic) and, for the paged cache, **its own attention function** (transformers
+picks a layer's attention by ``config._attn_implementation``). Flipping those on the user's model
+-- even for the length of one step -- changes state that everybody else reads: another thread
+running ``model.generate`` with a padded batch, or a second engine on the same model, would run
+with the wrong attention or without its mask.
+
+So the engine never touches the model. :func:`model_view` builds a *view*: a new object of each
+module's class whose ``__dict__`` is a copy of the original's (so its own ``training`` flag and
+child modules), sharing the original's parameter and buffer dicts (no tensor is copied: the weights
+are the same memory), with every reference to the model's config replaced by a private copy. The
+view's config carries the engine's attention implementation; the model's config never changes.
+Forward hooks registered on the model are shared with the view, so a hook sees the engine's calls.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+
+def model_view(model: torch.nn.Module, attn_implementation: str | None = None) -> torch.nn.Module:
+    """A view of ``model`` in eval mode; with ``attn_implementation``, its layers call that attention
+    function (registered with transformers' ``AttentionInterface``) while ``model`` keeps its own."""
+    config = getattr(model, "config", None)
+    configs: dict[int, object] = {}
+    if config is not None:
+        view_config = copy.deepcopy(config)
+        _map_configs(config, view_config, configs)
+        if attn_implementation is not None:
+            view_config._attn_implementation = attn_implementation  # the copy's setter reaches its sub-configs
+    view = _shell(model, configs, {})
+    view.eval()  # the view's own training flags: the model's stay as they are
+    return view
+
+
+def _map_configs(original, copied, out: dict) -> None:
+    """Pair each config (and sub-config, at any depth) of the model with its copy, by identity."""
+    out[id(original)] = copied
+    for key in getattr(original, "sub_configs", {}) or {}:
+        sub = getattr(original, key, None)
+        if sub is not None:
+            _map_configs(sub, getattr(copied, key), out)
+
+
+def _shell(module: torch.nn.Module, configs: dict, memo: dict) -> torch.nn.Module:
+    """A new object of ``module``'s class with a copy of its attributes and views of its children."""
+    if id(module) in memo:  # a module used twice stays one module in the view
+        return memo[id(module)]
+    view = object.__new__(type(module))
+    memo[id(module)] = view
+    attrs = dict(module.__dict__)  # parameters and buffers: the same dicts, so the same tensors
+    for name, value in attrs.items():
+        if id(value) in configs:
+            attrs[name] = configs[id(value)]
+    view.__dict__.update(attrs)
+    # torch keeps child modules in a dict: the view needs its own, or adding a child would add it to both.
+    object.__setattr__(view, "_modules", {})
+    for name, child in module.named_children():
+        view.add_module(name, _shell(child, configs, memo))
+    return view

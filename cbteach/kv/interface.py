@@ -1,0 +1,92 @@
+"""The two seams around the KV cache, declared: what the scheduler calls on a KV manager, and what
+the engine and model runner call on a KV cache.
+
+They are ``typing.Protocol``\\ s -- structural types: any object with these methods fits, nothing
+has to inherit from them (the learner's manager in notebook 05 does not). Reading them is the
+quickest way to see who may do what:
+
+* the **scheduler** decides who gets room and never touches K/V memory: it talks to a
+  :class:`KVManager` (block tables, a free list, prefix sharing);
+* the **model runner** never decides anything about room: it asks the :class:`KVCache` for the
+  step's attention metadata and forward arguments, runs the model, and lets the cache do what
+  follows the forward pass;
+* the **engine** builds both, checks a request fits before it is queued, and reports usage.
+
+Implementations: :class:`~cbteach.kv.paged.PagedKVCache` with
+:class:`~cbteach.kv.manager.KVCacheManager` (PagedAttention), and
+:class:`~cbteach.kv.concat.ConcatKVCache` with :class:`~cbteach.kv.manager.UnboundedKVManager`.
+vLLM V1 has the same split (``KVCacheManager`` for the scheduler, the model runner's KV tensors
+and attention backends for the forward pass).
+"""
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class KVManager(Protocol):
+    """What :class:`~cbteach.core.scheduler.Scheduler` calls: who owns which room."""
+
+    def allocate_slots(self, seq, num_new_tokens: int) -> list | None:
+        """Room for ``num_new_tokens`` more tokens of ``seq`` (past its ``num_computed_tokens``): the
+        blocks added, or ``None`` -- with nothing changed -- when the pool cannot give it. A refusal
+        is what makes the scheduler preempt (vLLM V1)."""
+
+    def free(self, seq) -> None:
+        """Give back everything ``seq`` holds (finished, aborted or preempted)."""
+
+    def trim(self, seq) -> None:
+        """Give back room past ``seq``'s computed tokens (rejected speculative guesses)."""
+
+    def num_admittable_tokens(self, seq) -> float:
+        """Tokens ``seq`` could be given now, keeping any admission watermark (V0 admission, swap-in)."""
+
+    def num_freeable_tokens(self, seqs) -> float:
+        """Room that freeing every sequence in ``seqs`` would make (priority preemption's check)."""
+
+    def take_cached_prefix(self, seq) -> int:
+        """Prefix caching: start a new ``seq`` on cached blocks of its prompt; returns tokens skipped."""
+
+    def on_admitted(self, seq) -> None:
+        """``seq`` was admitted (prefix-cache hit statistics)."""
+
+    def on_computed(self, seq) -> None:
+        """``seq`` computed more tokens (prefix caching makes its newly full blocks findable)."""
+
+    def check_fits(self, num_tokens: int, request_id) -> None:
+        """Raise ``ValueError`` if a request of ``num_tokens`` could never fit, even alone."""
+
+    def usage(self) -> dict:
+        """The bookkeeping now: blocks, tokens stored, utilisation, block tables."""
+
+
+@runtime_checkable
+class KVCache(Protocol):
+    """What :class:`~cbteach.core.engine.Engine` and :class:`~cbteach.core.model_runner.ModelRunner` call."""
+
+    kind: str  # "concat" or "paged"
+    manager: KVManager  # handed to the scheduler
+    attn_implementation: str | None  # the attention function the engine's model view must call (None: the model's)
+
+    def build_metadata(self, token_ids, seqs, num_computed, num_scheduled, device):
+        """The step's :class:`~cbteach.attention.metadata.AttentionMetadata`, built once per step."""
+
+    def forward_kwargs(self, meta) -> dict:
+        """Extra arguments for the model's forward pass (past K/V and a mask, or the metadata)."""
+
+    def after_forward(self, meta):
+        """Whatever follows the forward pass (concat scatters new K/V); returns the step's ``KVTraffic``."""
+
+    def usage(self) -> dict:
+        """Usage now, for :meth:`Engine.kv_usage`."""
+
+
+@runtime_checkable
+class Swapper(Protocol):
+    """A cache that can move a sequence's K/V to host memory and back (swap preemption; a handover)."""
+
+    def swap_out(self, seq) -> None: ...
+
+    def swap_in(self, seq) -> None: ...
+
+    def discard(self, seq) -> None: ...
