@@ -1,0 +1,83 @@
+"""Notebook 11: read a streamed chat answer the way a client must -- text, token count, finish reason.
+
+The learner writes ``summarize_stream(events) -> (text, num_tokens, finish_reason)``: ``events`` are
+the JSON objects of one ``/v1/chat/completions`` stream (``"stream": true`` with
+``"stream_options": {"include_usage": true}``), ``[DONE]`` left out. The check asks the real server
+(the notebook's, at ``base_url``) for a few answers twice -- once streamed, once whole -- and compares
+what the learner's function reads from the stream with the whole answer: its ``content``, its
+``usage.completion_tokens`` and its ``finish_reason``. The cases end at the length cap, at a stop
+string, and (usually) at EOS. A wrong answer gets a hint about the stream's shape, never the values.
+"""
+from __future__ import annotations
+
+import json
+
+from . import is_int, report, self_check
+
+CASES = [("CYNIC, n.", 12, None), ("BORE, n.", 40, [","]), ("ALONE, adj.", 150, None)]
+TIMEOUT_S = 60
+
+
+def stream_events(base_url: str, prompt: str, max_tokens: int, stop=None, api_key: str | None = None) -> list:
+    """The JSON chunks of one streamed chat answer (``[DONE]`` left out), as a client receives them."""
+    import httpx
+
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}, "stop": stop}
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.stream("POST", base_url.rstrip("/") + "/v1/chat/completions", json=body, headers=headers,
+                      timeout=TIMEOUT_S) as r:
+        r.raise_for_status()
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def whole_answer(base_url: str, prompt: str, max_tokens: int, stop=None, api_key: str | None = None) -> dict:
+    """The same request, not streamed: the response the stream must add up to."""
+    import httpx
+
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "stop": stop}
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.post(base_url.rstrip("/") + "/v1/chat/completions", json=body, headers=headers, timeout=TIMEOUT_S)
+    r.raise_for_status()
+    return r.json()
+
+
+def _hint(events, got, want) -> str:
+    text, n, reason = got
+    w_text, w_n, w_reason = want
+    if n != w_n:
+        if n == len(events) or n == len(events) - 1 or n == len(events) - 2:
+            return ("a chunk is not a token: the first chunk of a chat stream carries only the role, the closing one "
+                    "only the finish_reason, and the last one only the usage. Where does the stream say how many "
+                    "tokens the answer had?")
+        if n == w_n + next((e["usage"]["prompt_tokens"] for e in events if e.get("usage")), 0):
+            return "that counts the prompt's tokens too: the answer's are the completion's"
+        return "count the answer's tokens from the usage the stream ends with (stream_options include_usage)"
+    if reason != w_reason:
+        return ("the finish_reason is set in the last chunk that has a choice -- the usage chunk after it has none; "
+                "it is one of 'stop' and 'length'")
+    return ("join the delta's content of every chunk, in order; a chunk without content (the closing one) adds "
+            "nothing")
+
+
+@self_check
+def check_stream_summary(summarize_stream, base_url: str, api_key: str | None = None) -> bool:
+    """Compare ``summarize_stream`` on real streams with the server's whole answers."""
+    if not callable(summarize_stream):
+        return report(False, "", "pass your function itself (summarize_stream, not summarize_stream(...))")
+    for prompt, max_tokens, stop in CASES:
+        events = stream_events(base_url, prompt, max_tokens, stop, api_key)
+        whole = whole_answer(base_url, prompt, max_tokens, stop, api_key)
+        want = (whole["choices"][0]["message"]["content"], whole["usage"]["completion_tokens"],
+                whole["choices"][0]["finish_reason"])
+        got = summarize_stream([json.loads(json.dumps(e)) for e in events])  # a copy: the learner may consume it
+        if not isinstance(got, tuple) or len(got) != 3:
+            return report(False, "", f"return a tuple (text, num_tokens, finish_reason); got {type(got).__name__} "
+                          f"{got!r:.60}")
+        if not isinstance(got[0], str) or not is_int(got[1]):
+            return report(False, "", "text should be a str and num_tokens an int")
+        if tuple(got) != want:
+            where = f"the answer to {prompt!r} (max_tokens={max_tokens}{', stop=' + repr(stop) if stop else ''})"
+            return report(False, "", f"on {where}: {_hint(events, got, want)}")
+    return report(True, f"all {len(CASES)} streams read right: text, tokens and finish reason match the whole "
+                  "answers", "")

@@ -1,0 +1,75 @@
+"""Notebook 11's check: the right reading of a stream passes; each typical mistake fails with a hint."""
+import pytest
+
+pytest.importorskip("httpx")
+pytest.importorskip("fastapi", reason="the serve extra is not installed (pip install 'cbteach[serve]')")
+pytest.importorskip("uvicorn", reason="the serve extra is not installed (pip install 'cbteach[serve]')")
+
+from cbteach.exercises.ex11 import check_stream_summary  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def url():
+    from cbteach.serving.server import ServerThread
+
+    with ServerThread(["--port", "0"]) as s:
+        yield s.url
+
+
+def right(events):
+    text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+    reason = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]][-1]
+    return text, events[-1]["usage"]["completion_tokens"], reason
+
+
+def counts_chunks(events):
+    return right(events)[0], len(events), right(events)[2]
+
+
+def counts_content_chunks_and_the_prompt(events):
+    return right(events)[0], events[-1]["usage"]["total_tokens"], right(events)[2]
+
+
+def reason_from_last_event(events):
+    return right(events)[0], right(events)[1], events[-1]["choices"][0]["finish_reason"]  # the usage chunk: no choice
+
+
+def reason_from_first_event(events):
+    return right(events)[0], right(events)[1], events[0]["choices"][0]["finish_reason"]
+
+
+def joins_none(events):
+    return "".join(c["delta"].get("content") for e in events for c in e["choices"]), *right(events)[1:]
+
+
+def skips_first_token(events):
+    return "".join(c["delta"].get("content") or "" for e in events[2:] for c in e["choices"]), *right(events)[1:]
+
+
+def test_right_answer_passes(url, capsys):
+    assert check_stream_summary(right, url) is True
+    assert "✓" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong, hint", [(counts_chunks, "a chunk is not a token"),
+                                         (counts_content_chunks_and_the_prompt, "prompt"),
+                                         (reason_from_last_event, "stopped with IndexError"),
+                                         (reason_from_first_event, "finish_reason is set in the last chunk"),
+                                         (joins_none, "stopped with TypeError"),
+                                         (skips_first_token, "join the delta's content")])
+def test_typical_mistakes_fail_with_a_hint(url, capsys, wrong, hint):
+    assert check_stream_summary(wrong, url) is False
+    out = capsys.readouterr().out
+    assert "✗" in out and hint in out, out
+
+
+def test_stub_and_non_functions_fail_without_a_traceback(url, capsys):
+    def stub(events):
+        ...
+
+    assert check_stream_summary(stub, url) is False
+    assert check_stream_summary(right(  # a value instead of the function
+        [{"choices": [{"delta": {"content": "x"}, "finish_reason": "stop"}]}, {"choices": [], "usage": {
+            "completion_tokens": 1}}]), url) is False
+    assert check_stream_summary(right, "http://127.0.0.1:9") is False  # no server there: a hint, not a traceback
+    assert capsys.readouterr().out.count("✗") == 3
