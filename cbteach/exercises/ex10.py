@@ -125,20 +125,21 @@ def _computed_hint(got, m) -> str:
     if got == c - 1:
         return ("too low by one: the prefill step caches the whole prompt, and each decode step since then "
                 "cached one more token")
-    return (f"find the step on which {FOCUS} was admitted (its prefill caches the prompt), then add one token for "
-            "each decode step before the step asked about")
+    return ("num_computed_tokens is what the cache already holds before the step: what did the prefill step "
+            f"cache for {FOCUS}, and what did each step after it add?")
 
 
 def _blocks_hint(got, m) -> str:
     c, n = m["num_computed_tokens"], m["_focus_scheduled"]
     if got == math.ceil(c / BLOCK_SIZE):
-        return ("before the forward pass the scheduler also makes room for the token fed on this step: count "
-                "num_computed_tokens + num_scheduled_tokens")
+        return ("before the forward pass the scheduler also makes room for the token fed on this step: your "
+                "count covers only what was cached before it")
     if got == (c + n) // BLOCK_SIZE:
         return "a partly filled block is still a whole block of the table: round up"
     if got in (c, c + n):
         return "count blocks of block_size tokens, not tokens"
-    return "blocks needed = ceil(tokens the step leaves in the cache / block_size)"
+    return ("a block table covers, in whole blocks, every token the cache will hold once the step has run -- "
+            "not only the ones it held before")
 
 
 def _prefill_hint(got, m) -> str:
@@ -150,7 +151,8 @@ def _prefill_hint(got, m) -> str:
                 "(chunked prefill)")
     if got in (m["prefill_steps"] + 1, m["prefill_steps"] - 1):
         return "off by one: each step feeds what the budget leaves after the decode, the last chunk only what remains"
-    return "per step Y gets the budget minus the running decodes' tokens; count the chunks its prompt needs"
+    return ("a running decode is scheduled before a waiting prompt's chunk, and the chunk gets only what the "
+            "budget has left: follow Y's prompt step by step")
 
 
 HINTS = {"static_steps": _static_hint, "continuous_steps": _continuous_hint, "running": _running_hint,
