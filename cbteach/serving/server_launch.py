@@ -1,0 +1,69 @@
+"""Start ``python -m cbteach serve`` as a separate process and stop it the way an operator would.
+
+A notebook (and a test) that talks to the server should meet it as users do: a process of its own,
+reached only over HTTP. :func:`launch` starts it on a free 127.0.0.1 port, waits (bounded) until
+``/health`` answers, and returns a :class:`ServerProcess`; :meth:`ServerProcess.stop` sends SIGTERM
+-- in-flight requests get the drain timeout, then are aborted -- and returns the exit status.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A running server: ``url``, ``log()`` (what it printed), ``stop()``."""
+
+    def __init__(self, proc, url: str, log_path: str):
+        self.proc, self.url, self.log_path = proc, url, log_path
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, then wait (bounded; killed if it does not exit). Returns the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+def launch(args=(), timeout: float = 120.0) -> ServerProcess:
+    """``python -m cbteach.serving.server --port <free> ARGS`` in a subprocess, once ``/health`` answers."""
+    port = free_port()
+    log = tempfile.NamedTemporaryFile("w", prefix="cbteach-serve-", suffix=".log", delete=False)
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    proc = subprocess.Popen([sys.executable, "-m", "cbteach.serving.server", "--port", str(port), *args],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = ServerProcess(proc, f"http://127.0.0.1:{port}", log.name)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with status {proc.returncode}:\n{server.log()[-2000:]}")
+        try:
+            with urllib.request.urlopen(server.url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return server
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.25)
+    server.stop()
+    raise RuntimeError(f"the server did not answer within {timeout} s:\n{server.log()[-2000:]}")
