@@ -156,3 +156,41 @@ class RaisingFree(Right):
 def test_ex05_broken_managers_get_a_hint_not_a_traceback(model, capsys, broken):
     assert not ex05.check_kv_manager(broken, model)
     assert capsys.readouterr().out.startswith("✗")
+
+
+# -- vLLM V1's contract: the scheduler asks allocate_slots for each chunk, and its refusal triggers preemption ------
+
+class NeverRefuses(Right):  # hands out what it has, even when that is not enough
+    def allocate_slots(self, seq, num_new_tokens):
+        new = [self.free_blocks.pop() for _ in range(min(self.need(seq, num_new_tokens), len(self.free_blocks)))]
+        seq.block_table.extend(new)
+        return new
+
+
+class TakesThenRefuses(Right):  # takes what is free, then says no: the blocks are lost to everyone
+    def allocate_slots(self, seq, num_new_tokens):
+        need = self.need(seq, num_new_tokens)
+        if need > len(self.free_blocks):
+            seq.block_table.extend(self.free_blocks.pop() for _ in range(len(self.free_blocks)))
+            return None
+        return super().allocate_slots(seq, num_new_tokens)
+
+
+def test_ex05_a_case_makes_the_manager_refuse(model):
+    class Counting(Right):
+        refusals = 0
+
+        def allocate_slots(self, seq, num_new_tokens):
+            new = super().allocate_slots(seq, num_new_tokens)
+            Counting.refusals += new is None
+            return new
+    assert ex05.check_kv_manager(Counting, model)
+    assert Counting.refusals > 0, "no case made the scheduler ask for room the manager had to refuse"
+
+
+@pytest.mark.parametrize("wrong, words", [(NeverRefuses, "too few for its tokens"),
+                                          (TakesThenRefuses, "returned None but changed")])
+def test_ex05_fails_managers_that_refuse_wrongly(model, capsys, wrong, words):
+    assert not ex05.check_kv_manager(wrong, model)
+    out = capsys.readouterr().out
+    assert out.startswith("✗") and words in out
