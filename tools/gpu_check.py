@@ -17,6 +17,11 @@
 Every part is guarded: a failure is recorded under ``errors`` and the rest still runs. The JSON
 (``--out``, default ``benchmarks/results/gpu.json``) is rewritten after each part, so a run cut
 short still leaves what it measured.
+
+Without a GPU (CUDA, or Apple's MPS) the full run refuses at once with exit status 2 -- its sizes
+would take far over ten minutes on a CPU -- and says to use ``--small``, the CPU version. Ctrl-C
+(SIGINT) and SIGTERM stop the whole run, not just the notebook that is running: the notebook's
+kernel is shut down, what was measured so far is saved, and the exit status is 130 / 143.
 """
 from __future__ import annotations
 
@@ -25,6 +30,8 @@ import json
 import math
 import os
 import random
+import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -51,6 +58,19 @@ SMALL = {"exact_n": 4, "exact_new": 24, "exact_batch": 3, "bierce_n": 8, "bierce
 T0 = time.perf_counter()
 
 
+class Stopped(BaseException):
+    """Raised by SIGINT/SIGTERM. A BaseException, so no ``except Exception`` -- a guarded part, a
+    notebook's error handling -- swallows it and goes on to the next part."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stop(signum, frame):
+    raise Stopped(signum)
+
+
 def log(msg: str) -> None:
     print(f"[gpu_check {time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
 
@@ -65,29 +85,66 @@ def guarded(result: dict, part: str, fn):
         return None
 
 
-def run_notebooks(paths, timeout=900) -> dict:
+def execute_notebook(path: Path, timeout: int) -> dict:
+    """Run one notebook with nbclient (cells that raise are recorded, not fatal); what run_notebooks
+    reads back. Runs in a child process: see run_notebooks."""
     import nbformat
     from nbclient import NotebookClient
 
+    nb = nbformat.read(path, as_version=4)
+    entry = {}
+    try:
+        NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
+                       resources={"metadata": {"path": str(path.parent)}}).execute()
+    except Exception as err:  # noqa: BLE001  (dead kernel, timeout: count it as an error and go on)
+        entry["exception"] = f"{type(err).__name__}: {str(err)[:500]}"
+    errs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+            if o.get("output_type") == "error"]
+    entry["errors"] = len(errs) + ("exception" in entry)
+    if errs:
+        entry["first_error"] = f"{errs[0].get('ename')}: {errs[0].get('evalue', '')[:300]}"
+    return entry
+
+
+def run_notebooks(paths, timeout=900) -> dict:
+    """Every notebook, each in a child process of its own (``--run-notebook``). nbclient takes over
+    SIGINT/SIGTERM while it runs a notebook (to shut its kernel down) and then resets them, so in
+    this process a signal would be lost; here our handlers stay in place, and on a signal the child
+    is told to stop (it shuts its kernel down) and then killed if it lingers."""
     out = {}
     for path in paths:
         log(f"notebook {path.name} ...")
-        nb = nbformat.read(path, as_version=4)
         t0 = time.perf_counter()
-        entry = {}
+        result = ROOT / "benchmarks" / "results" / f".notebook-{os.getpid()}.json"
+        result.parent.mkdir(parents=True, exist_ok=True)
+        child = subprocess.Popen([sys.executable, __file__, "--run-notebook", str(path), "--out", str(result),
+                                  "--timeout", str(timeout)], start_new_session=True)
         try:
-            NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
-                           resources={"metadata": {"path": str(path.parent)}}).execute()
-        except Exception as err:  # noqa: BLE001  (dead kernel, timeout: count it as an error and go on)
-            entry["exception"] = f"{type(err).__name__}: {str(err)[:500]}"
-        errs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
-                if o.get("output_type") == "error"]
-        entry.update(errors=len(errs) + ("exception" in entry), seconds=round(time.perf_counter() - t0, 2))
-        if errs:
-            entry["first_error"] = f"{errs[0].get('ename')}: {errs[0].get('evalue', '')[:300]}"
+            child.wait()
+        except Stopped:
+            _end(child)
+            raise
+        try:
+            entry = json.loads(result.read_text())
+            result.unlink()
+        except (OSError, ValueError):
+            entry = {"errors": 1, "exception": f"the notebook's process ended with exit status {child.returncode}"}
+        entry["seconds"] = round(time.perf_counter() - t0, 2)
         out[path.name] = entry
         log(f"  {path.name}: {entry['errors']} error(s), {entry['seconds']} s")
     return out
+
+
+def _end(child: subprocess.Popen) -> None:
+    """Stop a notebook's process: SIGTERM (nbclient then shuts its kernel down), SIGKILL after 20 s."""
+    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(child.pid, sig)
+            child.wait(timeout=wait)
+            return
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            if child.poll() is not None:
+                return
 
 
 def reference(model, prompt_ids, max_new_tokens, eos):
@@ -145,9 +202,29 @@ def main(argv=None) -> int:
     p.add_argument("--small", action="store_true", help="tiny sizes: runs on a CPU in well under a minute")
     p.add_argument("--skip-notebooks", action="store_true")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "gpu.json")
+    p.add_argument("--run-notebook", type=Path, help=argparse.SUPPRESS)  # internal: one notebook, see run_notebooks
+    p.add_argument("--timeout", type=int, default=900, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.run_notebook:
+        a.out.write_text(json.dumps(execute_notebook(a.run_notebook, a.timeout)))
+        return 0
     sizes = SMALL if a.small else FULL
     device = pick_device()
+    if not a.small and device.type == "cpu":
+        print(f"gpu_check: no GPU here (torch {torch.__version__} sees no CUDA or MPS device); the full check "
+              "would run for well over ten minutes on a CPU. Run it on a GPU machine, or run the CPU "
+              "version: python tools/gpu_check.py --small", file=sys.stderr)
+        return 2
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _stop)
+    try:
+        return run_all(a, sizes, device)
+    except Stopped as stop:
+        log(f"stopped by {stop}; what was measured so far is in {a.out}")
+        return 128 + stop.signum
+
+
+def run_all(a, sizes, device) -> int:
     if device.type == "cpu":
         torch.set_num_threads(1)  # small models gain nothing from more, and a shared CPU stays predictable
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
