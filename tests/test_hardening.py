@@ -98,7 +98,7 @@ def test_two_paged_engines_in_two_threads():
         return [c.output_ids for c in eng.run([Request(p, 12) for p in reversed(PROMPTS)])]
 
     expected = [reference(model, p, 12) for p in reversed(PROMPTS)]
-    assert all(got == expected for got in _paged_runs_beside(model, other_engine, rounds=4))
+    assert all(got == expected for got in _paged_runs_beside(model, other_engine, rounds=12))
 
 
 def test_a_concat_engine_can_be_built_and_run_during_a_paged_run():

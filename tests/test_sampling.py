@@ -32,5 +32,5 @@ def test_bad_sampling_params_are_refused(bad):
 
 
 def test_sampling_params_must_be_the_right_type():
-    with pytest.raises(ValueError, match="sampling_params must be a cbteach.core.sampling.SamplingParams"):
+    with pytest.raises(ValueError, match="sampling_params must be a cbteach.SamplingParams"):
         Engine(MODEL, max_batch_size=1).add_request(Request([7], 2, sampling_params={"temperature": 1.0}))

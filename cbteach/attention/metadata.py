@@ -108,27 +108,10 @@ def build(token_ids: list[int], num_computed_tokens: list[int], num_scheduled_to
     seq_lens = [c + n for c, n in zip(num_computed_tokens, num_scheduled_tokens)]
     host = [token_ids, num_computed_tokens, num_scheduled_tokens, qsl, seq_lens]
     paged = block_tables is not None
-    groups = []
+    groups: list = []
     if paged:
-        width = max(len(t) for t in block_tables)
-        width = bucket(width) if bucket_shapes else width
-        host.append([b for t in block_tables for b in list(t) + [0] * (width - len(t))])
-        decodes = [i for i, n in enumerate(num_scheduled_tokens) if n == 1]
-        prefills = [i for i, n in enumerate(num_scheduled_tokens) if n > 1]
-        split = [decodes] if bucket_shapes else split_by_length(decodes, [len(block_tables[i]) for i in decodes])
-        for members in split + [prefills]:
-            if not members:
-                continue
-            q_len, nb, size = (max(num_scheduled_tokens[i] for i in members),
-                               max(len(block_tables[i]) for i in members), len(members))
-            if bucket_shapes:
-                size, q_len, nb = bucket(size), bucket(q_len), min(bucket(nb), width)
-            # Consecutive sequences feeding the same number of tokens, no dummies: their queries are
-            # a slice of the packed row, which attention reads as a view instead of gathering it.
-            dense = size == len(members) and members == list(range(members[0], members[-1] + 1)) and \
-                all(num_scheduled_tokens[i] == q_len for i in members)
-            groups.append((q_len, nb, (members[0], members[-1] + 1) if dense else None))
-            host.append(members + [-1] * (size - len(members)))  # -1: a dummy row, fully masked
+        width, table_rows, groups, members = _plan_groups(block_tables, num_scheduled_tokens, bucket_shapes)
+        host += [table_rows, *members]
     # The step's one host -> device transfer of metadata (from pageable memory, so a plain copy).
     flat = torch.tensor([x for part in host for x in part], dtype=torch.long).to(device)
     ids, computed, scheduled, query_start_loc, seq_lens_t, *rest = flat.split([len(p) for p in host])
@@ -155,6 +138,33 @@ def build(token_ids: list[int], num_computed_tokens: list[int], num_scheduled_to
     meta.scratch_row = any(g.rows is None for g in meta.groups)
     meta.whole_row = len(meta.groups) == 1 and meta.groups[0].rows == (0, T)
     return meta
+
+
+def _plan_groups(block_tables, num_scheduled_tokens, bucket_shapes):
+    """Decide the attention groups on the host: decodes (split by length unless shapes are
+    bucketed) and prefills. Returns the block-table width, the padded tables as one flat list,
+    each group's ``(q_len, num_blocks, dense span or None)`` and its member list (``-1``: a dummy)."""
+    width = max(len(t) for t in block_tables)
+    width = bucket(width) if bucket_shapes else width
+    table_rows = [b for t in block_tables for b in list(t) + [0] * (width - len(t))]
+    decodes = [i for i, n in enumerate(num_scheduled_tokens) if n == 1]
+    prefills = [i for i, n in enumerate(num_scheduled_tokens) if n > 1]
+    split = [decodes] if bucket_shapes else split_by_length(decodes, [len(block_tables[i]) for i in decodes])
+    groups, members_lists = [], []
+    for members in split + [prefills]:
+        if not members:
+            continue
+        q_len, nb, size = (max(num_scheduled_tokens[i] for i in members),
+                           max(len(block_tables[i]) for i in members), len(members))
+        if bucket_shapes:
+            size, q_len, nb = bucket(size), bucket(q_len), min(bucket(nb), width)
+        # Consecutive sequences feeding the same number of tokens, no dummies: their queries are
+        # a slice of the packed row, which attention reads as a view instead of gathering it.
+        dense = size == len(members) and members == list(range(members[0], members[-1] + 1)) and \
+            all(num_scheduled_tokens[i] == q_len for i in members)
+        groups.append((q_len, nb, (members[0], members[-1] + 1) if dense else None))
+        members_lists.append(members + [-1] * (size - len(members)))  # -1: a dummy row, fully masked
+    return width, table_rows, groups, members_lists
 
 
 def _group(meta: AttentionMetadata, idx: torch.Tensor, q_len: int, nb: int, T: int, span, rows) -> AttentionGroup:

@@ -27,7 +27,7 @@ in principle break the other way; the tests have never seen it in fp32. In bf16 
 common: see notebook 01's section on batch invariance.)
 
 **Time.** The engine has a clock (:meth:`Engine.now`, seconds since the engine was created).
-Every time in a :class:`~cbteach.request.Completion` is on it. A request's ``arrival_time`` of
+Every time in a :class:`~cbteach.core.request.Completion` is on it. A request's ``arrival_time`` of
 ``None`` means "when it is added"; a number means "not before": on the engine clock for
 :meth:`add_request`, and relative to the start of the call for :meth:`run` (a trace replayed).
 """
@@ -40,7 +40,7 @@ from .config import EngineConfig
 from .model_runner import ModelRunner
 from .model_view import model_view
 from .records import StepRecord, fill_record, new_record, seq_kind
-from .request import Completion, Request, Sequence, as_request_list, validate_request
+from .request import Completion, Request, RequestStatus, Sequence, as_request_list, validate_request
 from .sampling import make_generator
 from .scheduler import Scheduler
 from .speculative import count_speculation, make_proposer, propose_for
@@ -81,7 +81,8 @@ class Engine:
         self.keep_records = self.config.keep_records
         self.records: list[StepRecord] = []
         self.completions: dict[object, Completion] = {}
-        self.sequences: dict[object, Sequence] = {}  # every request ever added, by id
+        self.sequences: dict[object, Sequence] = {}  # every sequence ever added, by id ((id, i) for samples)
+        self.groups: dict[object, list[Sequence]] = {}  # requests with n > 1 samples: id -> its samples
         self._num_steps = 0
         self.spec_stats = {"drafted": 0, "accepted": 0, "verify_steps": 0}  # speculative decoding
         self._t0 = time.perf_counter()
@@ -97,9 +98,14 @@ class Engine:
         ``ValueError`` saying what, or returns its prompt as token ids (``taken``: ids about to be used)."""
         prompt_ids = validate_request(request, tokenizer=self.tokenizer, vocab_size=self.info.vocab_size,
                                       max_pos=self.info.max_positions)
-        if request.request_id in self.sequences or request.request_id in taken:
-            raise ValueError(f"duplicate request_id {request.request_id!r}: every request needs its own id")
-        self.kv.check_fits(len(prompt_ids) + request.max_new_tokens, request.request_id)
+        rid, n = request.request_id, request.sampling_params.n
+        if rid in self.sequences or rid in self.groups or rid in taken:
+            raise ValueError(f"duplicate request_id {rid!r}: every request needs its own id")
+        if n > self.scheduler.max_batch_size:
+            raise ValueError(f"request {rid!r} asks for n={n} samples, but a batch holds at most "
+                             f"{self.scheduler.max_batch_size} sequences (max_batch_size): every sample needs a slot")
+        # Each sample must fit alone: with less room, samples are preempted and take turns.
+        self.kv.check_fits(len(prompt_ids) + request.max_new_tokens, rid)
         return prompt_ids
 
     def add_request(self, request: Request):
@@ -109,7 +115,8 @@ class Engine:
         """
         prompt_ids = self.check_request(request)
         at = self.now() if request.arrival_time is None else float(request.arrival_time)
-        return self._enqueue(request, prompt_ids, at).request_id
+        self._enqueue(request, prompt_ids, at)
+        return request.request_id
 
     def receive(self, seq: Sequence, kv_blocks) -> None:
         """Take in a sequence whose K/V were computed elsewhere (a disaggregated prefill engine's
@@ -176,7 +183,7 @@ class Engine:
             now = self.now()
             kinds = [seq_kind(s, c) for s, c in zip(plan.seqs, plan.num_computed_tokens)]
             before = [len(s.output_ids) for s in plan.seqs]
-            finished = self.scheduler.update_from_output(plan, out.sampled, now)  # 3. the one place state moves
+            finished = self.scheduler.update_from_output(plan, out.sampled, now, out.fork_tokens)  # 3. state moves
             for seq in finished:
                 self._complete(seq, now)
             fill_record(record, plan, out, kinds, before, finished)
@@ -251,18 +258,23 @@ class Engine:
         """Cancel a queued, running or swapped-out request: its KV blocks are freed at once, and its
         :class:`Completion` (``finish_reason="aborted"``, with what it generated so far) is returned."""
         try:
-            seq = self.sequences.get(request_id)
-        except TypeError:
-            seq = None
-        if seq is None:
-            raise ValueError(f"unknown request_id {request_id!r}: no such request was added to this engine")
-        if seq.status.is_finished:
-            raise ValueError(f"request {request_id!r} is already {seq.status.value}; only a queued, running or "
+            seqs = self.groups.get(request_id) or [self.sequences[request_id]]
+        except (TypeError, KeyError):
+            raise ValueError(f"unknown request_id {request_id!r}: no such request was added to this engine") from None
+        seqs = seqs + [f for s in seqs for f in s.forks if f not in seqs]  # samples that would fork from it
+        live = [s for s in seqs if not s.status.is_finished]
+        if not live:
+            raise ValueError(f"request {request_id!r} is already {seqs[0].status.value}; only a queued, running or "
                              "swapped-out request can be aborted")
-        self.scheduler.abort(seq)
-        seq.finish_reason = "aborted"
-        self._complete(seq, self.now())
-        return self.completions[request_id]
+        for seq in live:
+            if any(seq in s.forks for s in seqs):  # a sample that never forked holds nothing yet
+                seq.status = RequestStatus.ABORTED
+            else:
+                self.scheduler.abort(seq)
+            seq.forks = []
+            seq.finish_reason = "aborted"
+            self._complete(seq, self.now())
+        return self.completions.get(request_id) or seqs[0].completion
 
     # -- internals ---------------------------------------------------------------------------
     def _add_all(self, requests) -> list[Request]:
@@ -274,21 +286,49 @@ class Engine:
             taken.add(r.request_id)
         t_run = self.now()
         for r, prompt_ids in zip(requests, checked):
-            self._enqueue(r, prompt_ids, t_run + (r.arrival_time or 0.0)).claimed = True
+            self._enqueue(r, prompt_ids, t_run + (r.arrival_time or 0.0), claimed=True)
         return requests
 
-    def _enqueue(self, request: Request, prompt_ids: list[int], arrival_time: float) -> Sequence:
-        seq = Sequence(request=request, prompt_ids=prompt_ids, arrival_time=arrival_time,
-                       generator=make_generator(request.sampling_params))
-        self.sequences[request.request_id] = seq
-        self.scheduler.add(seq)
-        return seq
+    def _enqueue(self, request: Request, prompt_ids: list[int], arrival_time: float, claimed: bool = False):
+        n = request.sampling_params.n
+        seqs = [Sequence(request=request, prompt_ids=prompt_ids, arrival_time=arrival_time, claimed=claimed,
+                         generator=make_generator(request.sampling_params, i), sample_index=None if n == 1 else i)
+                for i in range(n)]
+        for seq in seqs:
+            self.sequences[seq.request_id] = seq
+        if n > 1:  # parallel sampling: sample 0 computes the prompt, the others fork from it (copy on write)
+            self.groups[request.request_id] = seqs
+            seqs[0].forks = seqs[1:]
+        self.scheduler.add(seqs[0])
+
+    def sample_ids(self, request_id) -> list:
+        """The sequence ids of a request: ``[request_id]``, or ``[(request_id, i) ...]`` for ``n > 1``."""
+        group = self.groups.get(request_id)
+        return [request_id] if group is None else [s.request_id for s in group]
 
     def _complete(self, seq: Sequence, now: float) -> None:
+        done = self._completion(seq, now)
+        group = self.groups.get(seq.request.request_id)
+        if group is None:
+            self.completions[seq.request_id] = done
+            return
+        seq.completion = done
+        if all(s.completion is not None for s in group):  # the request is done when its last sample is
+            samples = [s.completion for s in group]
+            first = samples[0]
+            self.completions[seq.request.request_id] = Completion(
+                request_id=seq.request.request_id, prompt_ids=first.prompt_ids, output_ids=first.output_ids,
+                finish_reason=first.finish_reason, text=first.text, arrival_time=first.arrival_time,
+                first_token_time=min((c.first_token_time for c in samples if c.first_token_time is not None),
+                                     default=None),
+                token_times=first.token_times, finish_time=now, num_cached_prompt_tokens=first.num_cached_prompt_tokens,
+                samples=samples)
+
+    def _completion(self, seq: Sequence, now: float) -> Completion:
         text = None
         if self.tokenizer is not None:
             text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-        self.completions[seq.request_id] = Completion(
+        return Completion(
             request_id=seq.request_id, prompt_ids=list(seq.prompt_ids), output_ids=list(seq.output_ids),
             finish_reason=seq.finish_reason, text=text, arrival_time=seq.arrival_time,
             first_token_time=seq.first_token_time, token_times=list(seq.token_times), finish_time=now,

@@ -11,9 +11,9 @@ The scheduler decides *who* runs and *how many* tokens each feeds (a
    4-D mask (concat) or the metadata for paged attention. ``logits_to_keep`` asks the model for the
    logits of each sequence's last token only;
 4. **sample** -- a sequence whose known tokens are now all computed gets one new token
-   (:mod:`cbteach.sampling`); a prefill chunk that stopped short gets ``None``. A sequence that
+   (:mod:`cbteach.core.sampling`); a prefill chunk that stopped short gets ``None``. A sequence that
    fed speculative guesses gets every guess the model agrees with plus one token of its own
-   (:mod:`cbteach.speculative`).
+   (:mod:`cbteach.core.speculative`).
 
 It changes no request state: :meth:`~cbteach.core.scheduler.Scheduler.update_from_output` does that.
 """
@@ -36,6 +36,7 @@ class RunnerOutput:
     chunks: list  # per scheduled sequence: the token ids it fed (guesses included)
     forward_time: float
     traffic: object  # the KV cache's KVTraffic for this step
+    fork_tokens: list  # per scheduled sequence: first tokens of the samples forking from it (n > 1), or None
 
 
 class ModelRunner:
@@ -64,8 +65,9 @@ class ModelRunner:
         forward_time = time.perf_counter() - t0
         traffic = self.kv_cache.after_forward(meta)
         logits = out.logits[0] if self.info.accepts_logits_to_keep else out.logits[0, rows]
-        sampled = self._sample(logits, plan, first_row)
-        return RunnerOutput(sampled=sampled, chunks=chunks, forward_time=forward_time, traffic=traffic)
+        sampled, fork_tokens = self._sample(logits, plan, first_row)
+        return RunnerOutput(sampled=sampled, chunks=chunks, forward_time=forward_time, traffic=traffic,
+                            fork_tokens=fork_tokens)
 
     def _logit_rows(self, meta, counts, num_logits, speculative: bool) -> torch.Tensor:
         """Packed rows whose logits we need: each sequence's last (``meta.logits_indices``), or, in a
@@ -75,21 +77,27 @@ class ModelRunner:
         ends = itertools.accumulate(counts)
         return torch.tensor([i for e, k in zip(ends, num_logits) for i in range(e - k, e)], device=self.info.device)
 
-    def _sample(self, logits, plan: SchedulerOutput, first_row: list[int]) -> list:
+    def _sample(self, logits, plan: SchedulerOutput, first_row: list[int]) -> tuple[list, list]:
         """One new token per sequence whose known tokens are now all computed (``None`` for a prefill
-        chunk that stopped short); a speculating sequence keeps the guesses the model agrees with."""
+        chunk that stopped short); a speculating sequence keeps the guesses the model agrees with. A
+        prompt with parallel samples waiting to fork from it gives each its own first token, drawn
+        from the same logits with the sample's own generator (the prompt is computed once)."""
         seqs = plan.seqs
         sampled: list = [None] * len(seqs)
+        fork_tokens: list = [None] * len(seqs)
         plain = [i for i, (s, c, n, d) in enumerate(zip(seqs, plan.num_computed_tokens, plan.num_scheduled_tokens,
                                                          plan.num_draft_tokens)) if not d and c + n == s.num_tokens]
         if plain:
-            last = [first_row[i + 1] - 1 for i in plain]
-            picked = sample(logits[last], [seqs[i].request.sampling_params for i in plain],
-                            [seqs[i].generator for i in plain])
-            for i, token in zip(plain, picked):
-                sampled[i] = [token]
+            rows = [(i, s) for i in plain for s in [seqs[i], *seqs[i].forks]]  # forks: one row each, same logits
+            picked = sample(logits[[first_row[i + 1] - 1 for i, _ in rows]], [s.request.sampling_params for _, s in rows],
+                            [s.generator for _, s in rows])
+            for (i, s), token in zip(rows, picked):
+                if s is seqs[i]:
+                    sampled[i] = [token]
+                else:
+                    fork_tokens[i] = (fork_tokens[i] or []) + [token]
         for i, d in enumerate(plan.num_draft_tokens):
             if d:  # greedy verification of the guesses (drafts are only made for greedy requests)
                 targets = logits[first_row[i]:first_row[i + 1]].argmax(dim=-1).tolist()
                 sampled[i] = accept(seqs[i].draft_ids[:d], targets)
-        return sampled
+        return sampled, fork_tokens

@@ -122,4 +122,4 @@ def make_queue(policy) -> WaitingQueue:
         return policy()
     if isinstance(policy, str) and policy in POLICIES:
         return POLICIES[policy]()
-    raise ValueError(f"policy must be one of {sorted(POLICIES)} or a cbteach.policies.WaitingQueue, got {policy!r}")
+    raise ValueError(f"policy must be one of {sorted(POLICIES)} or a cbteach.core.policies.WaitingQueue, got {policy!r}")

@@ -68,6 +68,7 @@ class Completion:
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
     num_cached_prompt_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (vLLM's num_cached_tokens)
+    samples: list | None = None  # n > 1: one Completion per sample (request_id (id, i)); output_ids are sample 0's
 
     def __repr__(self) -> str:
         shown = repr(self.text[:40] + ("…" if len(self.text) > 40 else "")) if self.text is not None else ""
@@ -117,6 +118,10 @@ class Sequence:
     ready_time: float = 0.0  # swapped-in K/V usable from this time on (a disaggregated handover's arrival)
     # -- speculative decoding ----------------------------------------------------------------------
     draft_ids: list[int] = field(default_factory=list)  # guesses for the next step
+    # -- parallel sampling (n > 1): one prompt, several samples sharing its KV blocks -----------------
+    sample_index: int | None = None  # which sample of its request (None: the request has one)
+    forks: list = field(default_factory=list)  # samples waiting for this one's prefill, to share its blocks
+    completion: object = None  # its own Completion once finished (the request's gathers every sample's)
     # -- timing, on the engine's clock ---------------------------------------------------------------
     arrival_time: float = 0.0
     first_token_time: float | None = None
@@ -124,7 +129,14 @@ class Sequence:
 
     @property
     def request_id(self):
-        return self.request.request_id
+        """The request's id -- or ``(request_id, i)`` for sample ``i`` of a request with ``n > 1``."""
+        rid = self.request.request_id
+        return rid if self.sample_index is None else (rid, self.sample_index)
+
+    @property
+    def num_slots(self) -> int:
+        """Batch slots it needs: its own, and one per sample that will fork from it."""
+        return 1 + len(self.forks)
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens ``start..end-1`` of prompt + output, without building the whole list every step."""
@@ -194,7 +206,7 @@ def validate_request(request, *, tokenizer, vocab_size: int, max_pos: int | None
                          "arrival_time counts seconds after the engine starts (add_request) or after run() is "
                          "called -- pass None for 'now', or time.time() - your start time")
     if not isinstance(request.sampling_params, SamplingParams):
-        raise ValueError(f"request {rid!r}: sampling_params must be a cbteach.sampling.SamplingParams, "
+        raise ValueError(f"request {rid!r}: sampling_params must be a cbteach.SamplingParams, "
                          f"got {type(request.sampling_params).__name__}")
     if not isinstance(request.priority, numbers.Integral) or isinstance(request.priority, bool):
         raise ValueError(f"request {rid!r}: priority must be an int (smaller = more urgent), got {request.priority!r}")

@@ -34,8 +34,11 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    n: int = 1  # parallel samples of one prompt, sharing its KV blocks (sample i draws from seed + i)
 
     def __post_init__(self):
+        if not isinstance(self.n, numbers.Integral) or isinstance(self.n, bool) or self.n < 1:
+            raise ValueError(f"n (samples per prompt) must be an integer >= 1, got {self.n!r}")
         t, p = self.temperature, self.top_p
         if not isinstance(t, numbers.Real) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
@@ -76,11 +79,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list 
     return tokens
 
 
-def make_generator(params: SamplingParams) -> torch.Generator | None:
-    """A CPU generator for a seeded request (None: the global RNG)."""
+def make_generator(params: SamplingParams, sample_index: int = 0) -> torch.Generator | None:
+    """A CPU generator for a seeded request (None: the global RNG). Sample ``i`` of ``n`` parallel
+    samples draws from ``seed + i``: it gives what a request with that seed gives alone."""
     if params.seed is None:
         return None
-    return torch.Generator().manual_seed(int(params.seed))
+    seed = int(params.seed) + sample_index
+    return torch.Generator().manual_seed(seed - 2**64 if seed >= 2**64 else seed)
 
 
 def stop_reason(output_ids: list[int], max_new_tokens: int, eos_ids, ignore_eos: bool = False) -> str | None:

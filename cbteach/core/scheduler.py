@@ -84,6 +84,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(len(self.waiting) or self.running or self.swapped)
 
+    def num_slots_taken(self) -> int:
+        """Batch slots in use: one per running sequence, plus one per sample waiting to fork from it."""
+        return sum(s.num_slots for s in self.running)
+
     def next_event_time(self, now: float) -> float | None:
         """The earliest time after ``now`` when a step could do something it cannot do now: a
         waiting request arrives, or a swapped-out (handed-over) one's K/V become ready. ``None`` if
@@ -121,11 +125,13 @@ class Scheduler:
 
     def schedule_swapped(self, out: SchedulerOutput, budget: float, now: float) -> float:
         """Bring swapped-out sequences back, in policy order, when their blocks fit again (V0's swap)."""
-        while self.swapped and len(self.running) < self.max_batch_size and budget > 0:
+        while self.swapped and self.num_slots_taken() < self.max_batch_size and budget > 0:
             ready = [s for s in self.swapped if s.ready_time <= now]  # K/V handed over from elsewhere arrive late
             if not ready:
                 break
             seq = min(ready, key=self.waiting.key)
+            if self.num_slots_taken() + seq.num_slots > self.max_batch_size:
+                break
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if self.kv_manager.num_admittable_tokens(seq) < n:  # room beyond its computed tokens' blocks
                 break
@@ -141,9 +147,11 @@ class Scheduler:
 
     def schedule_waiting(self, out: SchedulerOutput, budget: float, now: float) -> None:
         """Admit arrived requests in policy order while a slot, budget and KV room are left."""
-        while not self.swapped and len(self.running) < self.max_batch_size and budget > 0:
+        while not self.swapped and self.num_slots_taken() < self.max_batch_size and budget > 0:
             seq = next((s for s in self.waiting if s.arrival_time <= now), None)
             if seq is None or seq in out.preempted:  # never re-admitted in the step that preempted it
+                break
+            if self.num_slots_taken() + seq.num_slots > self.max_batch_size:  # n > 1: room for every sample
                 break
             self.kv_manager.take_cached_prefix(seq)  # prefix caching: start past the blocks already computed
             remaining = seq.num_tokens - seq.num_computed_tokens
@@ -205,13 +213,16 @@ class Scheduler:
         return refund
 
     # -- after the step --------------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: list, now: float) -> list[Sequence]:
+    def update_from_output(self, out: SchedulerOutput, sampled: list, now: float,
+                           fork_tokens: list | None = None) -> list[Sequence]:
         """Advance every scheduled sequence by what the step computed; append its sampled tokens
         (``sampled[i]``: a list, several after speculative decoding, or None), stop the finished ones
-        and free their KV. Returns the sequences that finished on this step."""
+        and free their KV. ``fork_tokens[i]``: the first tokens of the samples waiting to fork from
+        sequence ``i`` (parallel sampling), which start now on its blocks. Returns the sequences that
+        finished on this step."""
         finished = []
-        for seq, c, n, drafts, tokens in zip(out.seqs, out.num_computed_tokens, out.num_scheduled_tokens,
-                                             out.num_draft_tokens, sampled):
+        for i, (seq, c, n, drafts, tokens) in enumerate(zip(out.seqs, out.num_computed_tokens,
+                                                            out.num_scheduled_tokens, out.num_draft_tokens, sampled)):
             # K/V stay valid for the known tokens and the accepted guesses; rejected ones are forgotten.
             seq.num_computed_tokens = c + n - drafts + (len(tokens) - 1 if drafts else 0)
             seq.draft_ids = []
@@ -231,12 +242,34 @@ class Scheduler:
             # Only now are the accepted guesses among the sequence's tokens: the prefix cache hashes
             # a block's tokens, so it must see them (and a finished sequence's last blocks too).
             self.kv_manager.on_computed(seq)
+            if fork_tokens is not None and fork_tokens[i]:
+                for sample, token in zip(seq.forks, fork_tokens[i]):  # before seq may free its blocks
+                    self._fork(seq, sample, token, now, finished)
+                seq.forks = []
             if seq.finish_reason:
-                seq.status = RequestStatus.FINISHED
-                self.running.remove(seq)
-                self.kv_manager.free(seq)
-                finished.append(seq)
+                self._finish(seq, finished)
         return finished
+
+    def _fork(self, parent: Sequence, sample: Sequence, token: int, now: float, finished: list) -> None:
+        """Start ``sample`` on ``parent``'s blocks (just computed: its prompt) with its own first token."""
+        self.kv_manager.fork(parent, sample)
+        sample.num_computed_tokens = parent.num_computed_tokens
+        sample.status = RequestStatus.RUNNING
+        sample.slot = self._free_slot()
+        self.running.append(sample)
+        sample.output_ids.append(token)
+        sample.first_token_time = now
+        sample.token_times.append(now)
+        sample.finish_reason = stop_reason(sample.output_ids, sample.request.max_new_tokens, self.eos_ids,
+                                           sample.request.ignore_eos)
+        if sample.finish_reason:
+            self._finish(sample, finished)
+
+    def _finish(self, seq: Sequence, finished: list) -> None:
+        seq.status = RequestStatus.FINISHED
+        self.running.remove(seq)
+        self.kv_manager.free(seq)
+        finished.append(seq)
 
     def abort(self, seq: Sequence) -> None:
         """Take ``seq`` out wherever it is, and free its KV blocks (or its swapped-out copy) at once."""

@@ -86,6 +86,10 @@ def static_batching(model, tokenizer, requests, batch_size: int, progress: bool 
     requests = as_request_list(requests, "static_batching()")
     prompts = [validate_request(r, tokenizer=tokenizer, vocab_size=info.vocab_size, max_pos=info.max_positions)
                for r in requests]
+    several = [r.request_id for r in requests if r.sampling_params.n > 1]
+    if several:
+        raise ValueError(f"request {several[0]!r} asks for n > 1 samples; static batching runs one sample per request "
+                         "(the Engine shares a prompt's KV blocks between samples)")
     ids = [r.request_id for r in requests]
     dup = sorted({str(i) for i in ids if ids.count(i) > 1})
     if dup:

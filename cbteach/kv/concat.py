@@ -88,7 +88,7 @@ class ConcatKVCache:
         self.cache_kwarg = cache_kwarg  # forward()'s name for it: "cache" in recent transformers 5.x
         self.seq_kv: dict[object, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # request id -> per-layer K, V
         self.last_traffic = KVTraffic()
-        self.manager = UnboundedKVManager(on_free=self._drop, on_trim=self._trim)
+        self.manager = UnboundedKVManager(on_free=self._drop, on_trim=self._trim, on_fork=self._fork)
 
     def build_metadata(self, token_ids, seqs, num_computed, num_scheduled, device):
         meta = attn_metadata.build(token_ids, num_computed, num_scheduled, device)
@@ -137,6 +137,11 @@ class ConcatKVCache:
 
     def check_fits(self, num_tokens: int, request_id) -> None:
         self.manager.check_fits(num_tokens, request_id)
+
+    def _fork(self, parent, child) -> None:
+        """A sibling sample starts on the parent's K/V: the same tensors (never changed in place: each
+        step's scatter makes new ones), so nothing is copied."""
+        self.seq_kv[child.request_id] = list(self.seq_kv[parent.request_id])
 
     def _drop(self, seq) -> None:
         self.seq_kv.pop(seq.request_id, None)

@@ -75,6 +75,9 @@ class Int8KVPool(PagedKVPool):
         v = dequantize(self.v[layer].index_select(0, flat), self.v_scale[layer].index_select(0, flat), self.out_dtype)
         return k.view(g, -1, *k.shape[2:]), v.view(g, -1, *v.shape[2:])
 
+    def block_tensors(self):
+        return [self.k, self.v, self.k_scale, self.v_scale]
+
     def read_slots(self, layer, slots):
         k, v, ks, vs = self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer]
         return (dequantize(k.view(-1, *k.shape[2:])[slots], ks.view(-1, ks.shape[2])[slots], self.out_dtype),

@@ -38,6 +38,12 @@ class KVManager(Protocol):
     def trim(self, seq) -> None:
         """Give back room past ``seq``'s computed tokens (rejected speculative guesses)."""
 
+    def fork(self, parent, child) -> None:
+        """Parallel sampling: ``child`` starts on ``parent``'s room, shared (copy on write)."""
+
+    def take_pending_copies(self) -> list:
+        """Copy-on-write ``(src, dst)`` block copies the pool must make before the next forward pass."""
+
     def num_admittable_tokens(self, seq) -> float:
         """Tokens ``seq`` could be given now, keeping any admission watermark (V0 admission, swap-in)."""
 

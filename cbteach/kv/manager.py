@@ -90,6 +90,8 @@ class KVCacheManager:
         self.prefix_cache = PrefixCache(block_size) if prefix_caching else None
         self.seqs: dict[object, object] = {}  # sequences holding blocks, by request id
         self.before_free = None  # optional callback(seq), called before a sequence's blocks are released
+        self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the pool, before the forward
+        self.num_cow_copies = 0  # blocks copied on write so far
 
     @property
     def num_free_blocks(self) -> int:
@@ -120,17 +122,42 @@ class KVCacheManager:
     def allocate_slots(self, seq, num_new_tokens: int) -> list[int] | None:
         """Make room for ``num_new_tokens`` more tokens of ``seq``; return the blocks added (often none:
         a new block is taken only when the last one is full), or ``None`` -- with nothing changed --
-        when the pool has too few free blocks."""
+        when the pool has too few free blocks.
+
+        Copy on write (PagedAttention, section 4.4): if the block the new tokens start in is shared
+        with a sibling sample, this sequence gets its own copy of it first -- a fresh block, and a
+        ``(src, dst)`` pair in :attr:`pending_copies` that the pool copies before the forward pass.
+        """
         need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        if need > self.allocator.num_free:
+        first = seq.num_computed_tokens // self.block_size  # the block the first new token is written into
+        cow = num_new_tokens > 0 and first < len(seq.block_table) and \
+            self.allocator.ref_counts[seq.block_table[first]] > 1
+        if need + cow > self.allocator.num_free:
             return None
-        new = [self.allocator.allocate() for _ in range(need)]
+        new = [self.allocator.allocate() for _ in range(need + cow)]
         if self.prefix_cache is not None:
             for block in new:
                 self.prefix_cache.evict(block)  # it is about to hold other tokens
+        if cow:
+            shared, own = seq.block_table[first], new.pop()
+            self.pending_copies.append((shared, own))
+            self.num_cow_copies += 1
+            self.allocator.release(shared)
+            seq.block_table[first] = own
         seq.block_table.extend(new)
         self.seqs[seq.request_id] = seq
         return new
+
+    def fork(self, parent, child) -> None:
+        """``child`` (a sibling sample) shares every block of ``parent`` -- one more reference each, no
+        copy: a shared block is copied only when one of them writes into it (:meth:`allocate_slots`)."""
+        child.block_table = [self.allocator.take(b) for b in parent.block_table]
+        self.seqs[child.request_id] = child
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write copies the pool must make before the next forward pass (and forget them)."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def free(self, seq) -> None:
         """Give back every block of ``seq`` (finished, aborted or preempted)."""
@@ -197,6 +224,8 @@ class KVCacheManager:
             "num_blocks": self.num_blocks,
             "num_free_blocks": self.allocator.num_free,
             "num_used_blocks": used,
+            "num_shared_blocks": sum(1 for c in self.allocator.ref_counts if c > 1),  # parallel samples, prefixes
+            "num_cow_copies": self.num_cow_copies,
             "block_size": self.block_size,
             "num_tokens": tokens,  # tokens whose K/V are in the pool, each stored once
             "num_logical_tokens": sum(s.num_computed_tokens for s in self.seqs.values()),  # per sequence
@@ -217,8 +246,15 @@ class UnboundedKVManager:
 
     num_free_blocks = math.inf
 
-    def __init__(self, on_free=None, on_trim=None):
-        self.on_free, self.on_trim = on_free, on_trim
+    def __init__(self, on_free=None, on_trim=None, on_fork=None):
+        self.on_free, self.on_trim, self.on_fork = on_free, on_trim, on_fork
+
+    def fork(self, parent, child) -> None:
+        if self.on_fork is not None:
+            self.on_fork(parent, child)
+
+    def take_pending_copies(self) -> list:
+        return []
 
     def num_allocatable_tokens(self, seq) -> float:
         return math.inf

@@ -74,6 +74,21 @@ class PagedKVPool:
             k[idx] = hk.to(k.device)
             v[idx] = hv.to(v.device)
 
+    def block_tensors(self) -> list[list[torch.Tensor]]:
+        """Every per-layer tensor whose first axis is the block (an int8 pool adds its scales)."""
+        return [self.k, self.v]
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks inside the pool, every layer: ``dst`` becomes a copy of ``src`` (copy on write)."""
+        if not pairs:
+            return
+        device = self.k[0].device
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=device)
+        for tensors in self.block_tensors():
+            for t in tensors:
+                t[dst] = t[src]
+
     def read_slots(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather single slots: ``[n]`` slot ids give K and V of ``[n, kv_heads, D]``."""
         k, v = self.k[layer], self.v[layer]
@@ -143,6 +158,10 @@ class PagedKVCache:
 
     # -- one step ---------------------------------------------------------------------------
     def build_metadata(self, token_ids, seqs, num_computed, num_scheduled, device):
+        # Copy-on-write copies the manager decided while scheduling happen before anyone writes.
+        take = getattr(self.manager, "take_pending_copies", None)  # a learner's manager that never forks has none
+        if take is not None:
+            self.pool.copy_blocks(take())
         meta = attn_metadata.build(token_ids, num_computed, num_scheduled, device,
                                    block_tables=[s.block_table for s in seqs], block_size=self.block_size,
                                    bucket_shapes=self.bucket_shapes)

@@ -80,6 +80,9 @@ class DisaggregatedServer:
         taken: set = set()
         for r in requests:  # the decode pool must hold the whole request: refuse it up front otherwise
             self.prefill.check_request(r, taken)
+            if r.sampling_params.n > 1:
+                raise ValueError(f"request {r.request_id!r} asks for n > 1 samples; the disaggregated simulation hands "
+                                 "over one sequence per request")
             self.decode.check_request(r, taken)
             taken.add(r.request_id)
         t_run = max(self.prefill.now(), self.decode.now())  # a later run starts where the last one ended

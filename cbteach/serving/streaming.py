@@ -38,13 +38,14 @@ def stream_events(engine, requests=()):
     and closing event it missed, and a request aborted before the first ``next()`` still gets its
     closing event.
     """
-    covered = _Covered(engine, [r.request_id for r in requests])
+    covered = _Covered(engine, [sid for r in requests for sid in engine.sample_ids(r.request_id)])
     return _events(engine, covered)
 
 
 class _Covered:
-    """The requests a stream reports on: its own, and any added with ``add_request`` while it streams
-    (not those another ``run()`` or ``stream()`` brought: they report on their own)."""
+    """The sequences a stream reports on: its own requests' (each sample of an ``n > 1`` request has its
+    own id, ``(request_id, i)``), and any added with ``add_request`` while it streams (not those another
+    ``run()`` or ``stream()`` brought: they report on their own)."""
 
     def __init__(self, engine, own: list):
         self.engine = engine
