@@ -164,9 +164,14 @@ def build(site: Path, work: Path = ROOT / "build" / "site", quiet: bool = True) 
             raise SystemExit(f"build_site: {site} is not empty and not an earlier build of the site; "
                              "give an empty or new folder")
         shutil.rmtree(site)
+    if (work / "html").exists():
+        shutil.rmtree(work / "html")
     env = {**os.environ, "CBTEACH_SITE_FACTS": json.dumps(site_facts)}
+    # Sphinx writes into work/html (myst-nb puts its jupyter_execute/ folder beside that), then the
+    # finished site is copied to ``site``.
+    built = work / "html"
     cmd = [sys.executable, "-m", "sphinx", "-b", "html", "-j", "1", "-E", "-d", str(work / "_doctrees"), str(src),
-           str(site)] + (["-q"] if quiet else [])
+           str(built)] + (["-q"] if quiet else [])
     result = subprocess.run(cmd, env=env, text=True, capture_output=True)
     if result.returncode != 0:
         sys.stderr.write(result.stdout[-4000:] + result.stderr[-4000:])
@@ -174,6 +179,7 @@ def build(site: Path, work: Path = ROOT / "build" / "site", quiet: bool = True) 
     for line in result.stderr.splitlines():
         if "WARNING" in line or "ERROR" in line:
             print(line, file=sys.stderr)
+    shutil.copytree(built, site, dirs_exist_ok=True)
     shutil.copytree(src / "notebooks", site / "notebooks", dirs_exist_ok=True)
     for asset in site_facts["assets"]:
         (site / asset).parent.mkdir(parents=True, exist_ok=True)
