@@ -113,10 +113,10 @@ def gather(caches):
     return torch.cat([k for k, _ in parts], dim=2), torch.cat([v for _, v in parts], dim=2)
 
 
-def scatter(packed_keys, packed_values, caches, num_new):
+def scatter(packed_keys, packed_values, caches, num_scheduled):
     start = sum(c[0].shape[2] for c in caches if c is not None)
-    new_k = packed_keys[:, :, start:].split(num_new, dim=2)
-    new_v = packed_values[:, :, start:].split(num_new, dim=2)
+    new_k = packed_keys[:, :, start:].split(num_scheduled, dim=2)
+    new_v = packed_values[:, :, start:].split(num_scheduled, dim=2)
     return [(k.clone(), v.clone()) if old is None else (torch.cat([old[0], k], dim=2), torch.cat([old[1], v], dim=2))
             for old, k, v in zip(caches, new_k, new_v)]
 
@@ -157,42 +157,42 @@ def _g_empty(caches):
     return got if got is not None else (torch.zeros(1, 2, 0, 3), torch.zeros(1, 2, 0, 3))
 
 
-def _s_from_start(pk, pv, caches, num_new):  # the new keys cut from the front of the packed cache
-    new_k, new_v = pk.split(num_new + [pk.shape[2] - sum(num_new)], dim=2)[:-1], pv.split(
-        num_new + [pv.shape[2] - sum(num_new)], dim=2)[:-1]
+def _s_from_start(pk, pv, caches, num_scheduled):  # the new keys cut from the front of the packed cache
+    new_k, new_v = pk.split(num_scheduled + [pk.shape[2] - sum(num_scheduled)], dim=2)[:-1], pv.split(
+        num_scheduled + [pv.shape[2] - sum(num_scheduled)], dim=2)[:-1]
     return [(k, v) if old is None else (torch.cat([old[0], k], 2), torch.cat([old[1], v], 2))
             for old, k, v in zip(caches, new_k, new_v)]
 
 
-def _s_off_by_one(pk, pv, caches, num_new):
+def _s_off_by_one(pk, pv, caches, num_scheduled):
     start = sum(c[0].shape[2] for c in caches if c is not None) - 1
-    ks = pk[:, :, start:start + sum(num_new)].split(num_new, dim=2)
-    vs = pv[:, :, start:start + sum(num_new)].split(num_new, dim=2)
+    ks = pk[:, :, start:start + sum(num_scheduled)].split(num_scheduled, dim=2)
+    vs = pv[:, :, start:start + sum(num_scheduled)].split(num_scheduled, dim=2)
     return [(k, v) if old is None else (torch.cat([old[0], k], 2), torch.cat([old[1], v], 2))
             for old, k, v in zip(caches, ks, vs)]
 
 
-def _s_overwrite(pk, pv, caches, num_new):
+def _s_overwrite(pk, pv, caches, num_scheduled):
     start = sum(c[0].shape[2] for c in caches if c is not None)
-    return list(zip(pk[:, :, start:].split(num_new, dim=2), pv[:, :, start:].split(num_new, dim=2)))
+    return list(zip(pk[:, :, start:].split(num_scheduled, dim=2), pv[:, :, start:].split(num_scheduled, dim=2)))
 
 
-def _s_split_by_cached(pk, pv, caches, num_new):
+def _s_split_by_cached(pk, pv, caches, num_scheduled):
     cached = [0 if c is None else c[0].shape[2] for c in caches]
     start = sum(cached)
     sizes = [max(c, 1) for c in cached]
     sizes[-1] = pk.shape[2] - start - sum(sizes[:-1])
-    return scatter(pk, pv, caches, sizes) if sizes[-1] > 0 else scatter(pk, pv, caches, num_new)[::-1]
+    return scatter(pk, pv, caches, sizes) if sizes[-1] > 0 else scatter(pk, pv, caches, num_scheduled)[::-1]
 
 
-def _s_all_new(pk, pv, caches, num_new):
+def _s_all_new(pk, pv, caches, num_scheduled):
     start = sum(c[0].shape[2] for c in caches if c is not None)
     k, v = pk[:, :, start:], pv[:, :, start:]
     return [(k, v) if old is None else (torch.cat([old[0], k], 2), torch.cat([old[1], v], 2)) for old in caches]
 
 
-def _s_swapped(pk, pv, caches, num_new):
-    return [(v, k) for k, v in scatter(pk, pv, caches, num_new)]
+def _s_swapped(pk, pv, caches, num_scheduled):
+    return [(v, k) for k, v in scatter(pk, pv, caches, num_scheduled)]
 
 
 class _LateBug:
@@ -200,9 +200,9 @@ class _LateBug:
     sequence's new token -- only running it in the engine can catch that."""
     calls = 0
 
-    def __call__(self, pk, pv, caches, num_new):
+    def __call__(self, pk, pv, caches, num_scheduled):
         self.calls += 1
-        out = scatter(pk, pv, caches, num_new)
+        out = scatter(pk, pv, caches, num_scheduled)
         if self.calls > 2 and caches[-1] is not None:
             out[-1] = caches[-1]
         return out

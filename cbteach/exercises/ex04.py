@@ -6,7 +6,7 @@ The learner writes two functions on one layer's tensors:
   (``[1, kv_heads, cached, head_dim]``), or ``None`` for a sequence with nothing cached yet;
   returns the packed ``(keys, values)`` the model receives (``[A cached | B cached | ...]``), or
   ``None`` when nothing is cached at all;
-* ``scatter(packed_keys, packed_values, caches, num_new)`` -- after the model appended this step's
+* ``scatter(packed_keys, packed_values, caches, num_scheduled)`` -- after the model appended this step's
   keys and values (``[A cached | B cached | ... | A new | B new | ...]``, notebook 03's concat
   layout), returns each sequence's new ``(keys, values)``: its old cache followed by its new tokens.
 
@@ -158,7 +158,7 @@ def _reference(model, tokenizer, prompt, n):
 
 @self_check
 def check_gather_scatter(gather, scatter, model, tokenizer) -> bool:
-    """``gather(caches)`` and ``scatter(packed_keys, packed_values, caches, num_new)``: labelled cases
+    """``gather(caches)`` and ``scatter(packed_keys, packed_values, caches, num_scheduled)``: labelled cases
     first, then inside a real concat engine, compared with ``model.generate`` prompt by prompt."""
     for name, fn in (("gather", gather), ("scatter", scatter)):
         if not callable(fn):
