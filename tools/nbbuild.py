@@ -14,9 +14,10 @@ the repository, regenerate them in place -- only those two cells change::
     python tools/nbbuild.py --install-cells notebooks/*.ipynb
     python tools/nbbuild.py --check notebooks/*.ipynb     # exit 1 and name the notebooks that differ
 
-The install cell pins this version (the git tag ``v<version>``) and asks for the ``colab`` extra only:
-Colab already has torch, numpy, matplotlib and ipywidgets, and JupyterLab must not be installed into
-its runtime. Outside Colab the cell does nothing.
+The install cell pins this version (the git tag ``v<version>``) and asks for the ``colab`` extra only
+(plus ``serve`` in a notebook that starts cbteach's HTTP server): Colab already has torch, numpy,
+matplotlib and ipywidgets, and JupyterLab must not be installed into its runtime. Outside Colab the
+cell does nothing.
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ BADGE_RE = re.compile(r"\[!\[Open In Colab\]\(" + re.escape(BADGE_SVG) + r"\)\]\
 # Notebooks that ask Colab for a GPU runtime. None does: bierce is so small that a GPU step is all
 # kernel-launch overhead, and every lesson (steps, slots, bytes) is the same on a CPU runtime.
 GPU_NOTEBOOKS: frozenset[str] = frozenset()
+# A notebook whose code mentions one of these needs the `serve` extra (fastapi, uvicorn) too.
+NEEDS_SERVE = ("cbteach.serving.server", "serving.server", "cbteach.bench.endpoint")
 
 
 def package_facts(init: Path = ROOT / "cbteach" / "__init__.py") -> dict:
@@ -66,13 +69,19 @@ def badge(name: str, facts: dict | None = None) -> str:
     return f"[![Open In Colab]({BADGE_SVG})]({colab_url(name, facts)})"
 
 
-def install_cell_source(facts: dict | None = None) -> str:
+def extras_for(nb) -> str:
+    """The extras a notebook's Colab cell installs: ``colab``, and ``serve`` if it runs the server."""
+    code = "".join("".join(c.get("source", "")) for c in nb.get("cells", []) if c.get("cell_type") == "code")
+    return "colab,serve" if any(name in code for name in NEEDS_SERVE) else "colab"
+
+
+def install_cell_source(facts: dict | None = None, extras: str = "colab") -> str:
     facts = facts or package_facts()
     version = facts["__version__"]
     return (f"# Colab only: install cbteach {version} (this does nothing outside Colab)\n"
             "try:\n"
             "    import google.colab  # noqa: F401\n"
-            f"    %pip install -q \"cbteach[colab] @ git+{facts['REPO_URL']}@{git_ref(version)}\"\n"
+            f"    %pip install -q \"cbteach[{extras}] @ git+{facts['REPO_URL']}@{git_ref(version)}\"\n"
             "except ImportError:\n"
             "    pass")
 
@@ -121,6 +130,9 @@ def write(path, cells):
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nb.metadata["language_info"] = {"name": "python"}
     set_colab_metadata(nb, Path(path).name)
+    for cell in nb.cells:  # the install cell asks for what this notebook's code needs
+        if _is_install_cell(cell):
+            cell.source = install_cell_source(extras=extras_for(nb))
     nbformat.write(nb, path)
 
 
@@ -152,7 +164,7 @@ def colab_problems(nb, name: str, facts: dict | None = None) -> list[str]:
     cells = [c for c in nb.cells if _is_install_cell(c)]
     if len(cells) != 1:
         problems.append(f"{name}: {len(cells)} Colab install cells, want exactly one")
-    elif "".join(cells[0].source) != install_cell_source(facts):
+    elif "".join(cells[0].source) != install_cell_source(facts, extras_for(nb)):
         problems.append(f"{name}: the Colab install cell is not the generated one")
     elif nb.cells.index(cells[0]) != 1:
         problems.append(f"{name}: the Colab install cell is not the second cell")
@@ -174,7 +186,7 @@ def regenerate(path: Path, facts: dict | None = None) -> bool:
     cells = [c for c in nb.cells if _is_install_cell(c)]
     if len(cells) != 1:
         raise ValueError(f"{path}: {len(cells)} Colab install cells (cells mentioning google.colab); want one")
-    cells[0].source = install_cell_source(facts)
+    cells[0].source = install_cell_source(facts, extras_for(nb))
     set_colab_metadata(nb, path.name)
     new = nbformat.writes(nb) + "\n"
     if new != text:
