@@ -31,14 +31,24 @@ class Wrong(Exception):
 
 
 class _FreeCount:
-    """The engine asks its allocator how many blocks are free; this answers from the learner's list."""
+    """The engine asks its allocator how many blocks are free, and who holds each (to know what preempting
+    would free); this answers from the learner's free list and the block tables of the sequences it served."""
 
-    def __init__(self, mine):
-        self.mine = mine
+    def __init__(self, mine, watched):
+        self.mine, self.watched = mine, watched
 
     @property
     def num_free(self) -> int:
         return len(self.mine.free_blocks)
+
+    @property
+    def ref_counts(self) -> list[int]:
+        counts = [0] * self.watched.num_blocks
+        for seq in self.watched.seqs.values():
+            for block in seq.block_table:
+                if is_int(block) and 0 <= block < len(counts):
+                    counts[block] += 1
+        return counts
 
 
 class Watched(KVCacheManager):
@@ -47,7 +57,7 @@ class Watched(KVCacheManager):
     def __init__(self, mine, num_blocks: int, block_size: int):
         super().__init__(num_blocks, block_size, watermark=0)
         self.mine = mine
-        self.allocator = _FreeCount(mine)
+        self.allocator = _FreeCount(mine, self)
 
     def allocate_slots(self, seq, num_new_tokens):
         before, free_before = list(seq.block_table), list(self.mine.free_blocks)
