@@ -8,12 +8,12 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import pytest
-import torch
+import pytest  # noqa: E402  (the offline switches above must be set before transformers is imported)
+import torch  # noqa: E402
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config,  # noqa: E402
+                          Qwen2ForCausalLM)
 
 torch.set_num_threads(1)  # tiny models: one thread is as fast, and runs side by side stay predictable
-from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM)
 
 EOS = 5  # a token id inside the tiny vocabularies, so random models do stop by themselves sometimes
 VOCAB = 97

@@ -34,8 +34,8 @@ def test_pack_positions_and_offsets():
     b = pack([[5, 6, 7], [8], [9, 10]], [0, 4, 2])
     assert b.input_ids.tolist() == [[5, 6, 7, 8, 9, 10]]
     assert b.position_ids.tolist() == [[0, 1, 2, 4, 2, 3]]
-    assert b.cu_seqlens == [0, 3, 4, 6]
-    assert b.last_token_index == [2, 3, 5]
+    assert b.query_start_loc == [0, 3, 4, 6]
+    assert b.logits_indices == [2, 3, 5]
 
 
 def test_pack_rejects_empty_chunk_and_mismatch():

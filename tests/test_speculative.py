@@ -3,7 +3,6 @@ import math
 import random
 
 import pytest
-import torch
 
 from cbteach import Engine, Request
 from cbteach.core.speculative import NgramProposer, accept

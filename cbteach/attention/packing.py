@@ -30,8 +30,9 @@ class PackedBatch:
     """One step's packed input.
 
     ``input_ids`` and ``position_ids`` are ``[1, total_tokens]``. Sequence ``i`` owns tokens
-    ``cu_seqlens[i]:cu_seqlens[i + 1]`` of the row; it had ``num_computed_tokens[i]`` tokens in the cache
-    before this step and feeds ``num_scheduled_tokens[i]`` now.
+    ``query_start_loc[i]:query_start_loc[i + 1]`` of the row; it had ``num_computed_tokens[i]`` tokens in
+    the cache before this step and feeds ``num_scheduled_tokens[i]`` now. The names are the ones the
+    step's attention metadata uses (and vLLM's); FlashAttention calls ``query_start_loc`` ``cu_seqlens_q``.
     """
 
     input_ids: torch.Tensor
@@ -40,16 +41,17 @@ class PackedBatch:
     num_scheduled_tokens: list[int]
 
     @property
-    def cu_seqlens(self) -> list[int]:
+    def query_start_loc(self) -> list[int]:
+        """Where each sequence's tokens start in the row, and the row's end (cumulative lengths)."""
         out = [0]
         for n in self.num_scheduled_tokens:
             out.append(out[-1] + n)
         return out
 
     @property
-    def last_token_index(self) -> list[int]:
+    def logits_indices(self) -> list[int]:
         """Index in the row of each sequence's last new token -- the one whose logits we sample."""
-        return [end - 1 for end in self.cu_seqlens[1:]]
+        return [end - 1 for end in self.query_start_loc[1:]]
 
 
 def pack(chunks: list[list[int]], num_computed_tokens: list[int], device=None) -> PackedBatch:

@@ -8,6 +8,6 @@
 # The package's public API: what notebook 07 and tools/gpu_check.py call as ``bench.<name>``.
 from .cli import print_table  # noqa: F401
 from .experiments import (contiguous_batch_size, decode_step_times, headword_requests,  # noqa: F401
-                          kv_bytes_per_token, machine_info, memory_bound, random_llama, step_time_vs_history)
-from .measure import (ALL_ENGINES, ENGINES, REFERENCE, clean, compare, ideal_speedup, run_engine,  # noqa: F401
-                      slot_steps, sweep, targets)
+                          kv_bytes_per_token, machine_info, random_llama, step_time_vs_history)
+from .measure import (ALL_ENGINES, ENGINES, REFERENCE, clean, compare, ideal_speedup, memory_bound,  # noqa: F401
+                      run_engine, slot_steps, sweep, targets)

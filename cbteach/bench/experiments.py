@@ -7,7 +7,6 @@ import statistics
 from collections import deque
 from dataclasses import replace
 
-from .engines import PAGE
 from ..bierce.corpus import headword_prompts
 from ..core.engine import Engine
 from ..core.request import Request
@@ -25,27 +24,6 @@ def contiguous_batch_size(kv_tokens: int, workload, reserve_new_tokens: int) -> 
     """How many requests a contiguous KV cache of ``kv_tokens`` admits at once when each reserves its
     worst case, ``prompt + reserve_new_tokens`` (the longest prompt of ``workload``: every slot must fit any)."""
     return max(1, kv_tokens // (max(workload.prompt_lengths) + reserve_new_tokens))
-
-
-def memory_bound(model, tok, workload, kv_tokens: int, reserve_new_tokens: int, max_batch_size: int = 64,
-                 block_size: int = PAGE) -> dict:
-    """vLLM's memory-bound comparison on one KV budget of ``kv_tokens`` tokens.
-
-    ``contiguous`` emulates a system that reserves ``prompt + reserve_new_tokens`` per request at
-    admission (Orca with a maximum-length reservation): our paged engine with the same pool, its batch
-    capped at the number of reservations that fit (:func:`contiguous_batch_size`), so the pool is never
-    the limit -- the reservation arithmetic is. ``paged`` is the same pool handed out block by block,
-    up to ``max_batch_size`` sequences (preempting when it runs out). Returns ``{"contiguous": row,
-    "paged": row}`` (rows of :func:`run_engine`, with ``kv_tokens`` and ``max_batch_size`` added)."""
-    budget = kv_tokens * kv_bytes_per_token(model)
-    out = {}
-    for label, b in (("contiguous", contiguous_batch_size(kv_tokens, workload, reserve_new_tokens)),
-                     ("paged", max_batch_size)):
-        from .measure import run_engine  # the bench's measuring loop (bench imports this module)
-
-        row, _ = run_engine("cbteach_paged", model, tok, workload, b, kv_memory_bytes=budget)
-        out[label] = {**row, "kv_tokens": kv_tokens, "max_batch_size": b}
-    return out
 
 
 # -- queueing, counted in steps ------------------------------------------------------------------

@@ -58,7 +58,7 @@ from ..serving.metrics import summarize
 from .engines import (MEMORY_KEYS, PAGE, TOKEN_BUDGET, run_cbteach, run_hf_batch_generate,  # noqa: F401
                             run_hf_generate, run_static, run_transformers_cb, runners, transformers_cb_config)
 from .experiments import (contiguous_batch_size, decode_step_times, headword_requests,  # noqa: F401
-                                kv_bytes_per_token, machine_info, memory_bound, random_llama, step_time_vs_history)
+                          kv_bytes_per_token, machine_info, random_llama, step_time_vs_history)
 
 ENGINES = ("static", "cbteach_concat", "cbteach_paged", "transformers_cb")  # what tools/gpu_check.py compares
 ALL_ENGINES = ("hf_generate", "hf_batch_generate", "static", "cbteach_concat", "cbteach_paged",
@@ -126,6 +126,25 @@ def run_engine(name, model, tok, workload, batch_size, *, first=False, ttft_targ
     return row, comps
 
 
+def memory_bound(model, tok, workload, kv_tokens: int, reserve_new_tokens: int, max_batch_size: int = 64,
+                 block_size: int = PAGE) -> dict:
+    """vLLM's memory-bound comparison on one KV budget of ``kv_tokens`` tokens.
+
+    ``contiguous`` emulates a system that reserves ``prompt + reserve_new_tokens`` per request at
+    admission (Orca with a maximum-length reservation): our paged engine with the same pool, its batch
+    capped at the number of reservations that fit (:func:`contiguous_batch_size`), so the pool is never
+    the limit -- the reservation arithmetic is. ``paged`` is the same pool handed out block by block,
+    up to ``max_batch_size`` sequences (preempting when it runs out). Returns ``{"contiguous": row,
+    "paged": row}`` (rows of :func:`run_engine`, with ``kv_tokens`` and ``max_batch_size`` added)."""
+    budget = kv_tokens * kv_bytes_per_token(model)
+    out = {}
+    for label, b in (("contiguous", contiguous_batch_size(kv_tokens, workload, reserve_new_tokens)),
+                     ("paged", max_batch_size)):
+        row, _ = run_engine("cbteach_paged", model, tok, workload, b, kv_memory_bytes=budget)
+        out[label] = {**row, "kv_tokens": kv_tokens, "max_batch_size": b}
+    return out
+
+
 def _offline(make_requests, n=None, max_new=None):
     """The requests without arrival times (warm-ups do not wait for arrivals), optionally the first
     ``n`` of them with outputs capped at ``max_new``."""
@@ -156,8 +175,33 @@ def compare(model, tok, make_requests, batch_size, engines=ENGINES, full_warmup=
     unknown = set(engines) - set(run)
     if unknown:
         raise ValueError(f"unknown engine(s) {sorted(unknown)}; choose from {', '.join(ALL_ENGINES)}")
-    rows, first, runs = {}, {}, {name: [] for name in engines}
-    for name in engines:  # warm-up: first-run effects stay out of the timed runs
+    rows: dict = {}  # engine -> its row; a failing engine gets {"error": ...} and drops out
+    first = _warm_up(run, engines, make_requests, batch_size, full_warmup, bar, rows)
+    runs = _timed_runs(run, engines, make_requests, repeat, bar, rows)
+    outs = {}
+    for name in engines:
+        if name in rows:
+            continue
+        row, comps = _median_run(runs[name], ttft_target, tpot_target)
+        row.update(first[name])  # the warm-up's memory figures (it kept records) win over the timed run's
+        rows[name] = row
+        outs[name] = [c.output_ids for c in comps]
+        if outputs is not None:
+            outputs[name] = comps
+    ref = "hf_generate" if "hf_generate" in outs else "static" if "static" in outs else None
+    for name in outs:
+        rows[name]["reference_engine"] = ref
+        rows[name]["matched"] = None if ref is None else outs[name] == outs[ref]
+        if "static" in outs and name != "static":
+            rows[name]["identical_to_static"] = outs[name] == outs["static"]
+    return {name: rows[name] for name in engines}
+
+
+def _warm_up(run, engines, make_requests, batch_size, full_warmup, bar, rows) -> dict:
+    """One untimed run per engine, so first-run effects (allocations, kernel set-up) stay out of the
+    timed ones: the whole workload for engines in ``full_warmup``, one short wave for the others."""
+    first = {}
+    for name in engines:
         bar is not None and bar.set_postfix_str(f"{name} (warm-up)")
         try:
             reqs = _offline(make_requests) if name in full_warmup else _offline(make_requests, batch_size, 8)
@@ -168,6 +212,13 @@ def compare(model, tok, make_requests, batch_size, engines=ENGINES, full_warmup=
         except Exception as err:  # noqa: BLE001  (a benchmark reports a broken engine and goes on)
             rows[name] = _failed(err)
         bar is not None and bar.update(1)
+    return first
+
+
+def _timed_runs(run, engines, make_requests, repeat, bar, rows) -> dict:
+    """``repeat`` timed runs per engine, interleaved across engines (a slow spell of the machine
+    then hits every engine alike); each run: (wall seconds, extra figures, completions, steps)."""
+    runs = {name: [] for name in engines}
     for _ in range(repeat):
         for name in engines:
             if name in rows:
@@ -181,29 +232,19 @@ def compare(model, tok, make_requests, batch_size, engines=ENGINES, full_warmup=
             except Exception as err:  # noqa: BLE001
                 rows[name] = _failed(err)
             bar is not None and bar.update(1)
-    outs = {}
-    for name in engines:
-        if name in rows:
-            continue
-        measured = []
-        for wall, extra, comps, steps in runs[name]:
-            row = measure(comps, wall, steps, ttft_target, tpot_target)
-            row.update(extra)
-            measured.append((row, comps))
-        row, comps = sorted(measured, key=lambda x: x[0]["seconds"])[(len(measured) - 1) // 2]  # the median run
-        row.update(first[name])  # the warm-up's memory figures (it kept records) win over the timed run's
-        row["repeats"] = [m[0]["seconds"] for m in measured]
-        rows[name] = row
-        outs[name] = [c.output_ids for c in comps]
-        if outputs is not None:
-            outputs[name] = comps
-    ref = "hf_generate" if "hf_generate" in outs else "static" if "static" in outs else None
-    for name in outs:
-        rows[name]["reference_engine"] = ref
-        rows[name]["matched"] = None if ref is None else outs[name] == outs[ref]
-        if "static" in outs and name != "static":
-            rows[name]["identical_to_static"] = outs[name] == outs["static"]
-    return {name: rows[name] for name in engines}
+    return runs
+
+
+def _median_run(runs, ttft_target, tpot_target) -> tuple[dict, list]:
+    """The row and completions of the run of median wall time; ``repeats``: every run's seconds."""
+    measured = []
+    for wall, extra, comps, steps in runs:
+        row = measure(comps, wall, steps, ttft_target, tpot_target)
+        row.update(extra)
+        measured.append((row, comps))
+    row, comps = sorted(measured, key=lambda x: x[0]["seconds"])[(len(measured) - 1) // 2]
+    row["repeats"] = [m[0]["seconds"] for m in measured]
+    return row, comps
 
 
 def _failed(err) -> dict:

@@ -29,10 +29,12 @@ common: see notebook 01's section on batch invariance.)
 **Time.** The engine has a clock (:meth:`Engine.now`, seconds since the engine was created).
 Every time in a :class:`~cbteach.core.request.Completion` is on it. A request's ``arrival_time`` of
 ``None`` means "when it is added"; a number means "not before": on the engine clock for
-:meth:`add_request`, and relative to the start of the call for :meth:`run` (a trace replayed).
+:meth:`add_request`, and relative to the start of the call for :meth:`run` (a trace replayed);
+never an absolute clock time such as ``time.time()``, which is refused.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 from . import modelinfo
@@ -40,7 +42,7 @@ from .config import EngineConfig
 from .model_runner import ModelRunner
 from .model_view import model_view
 from .records import StepRecord, fill_record, new_record, seq_kind
-from .request import Completion, Request, RequestStatus, Sequence, as_request_list, validate_request
+from .request import Completion, Request, Sequence, as_request_list, validate_request
 from .sampling import make_generator
 from .scheduler import Scheduler
 from .speculative import count_speculation, make_proposer, propose_for
@@ -242,8 +244,6 @@ class Engine:
         """A context for many :meth:`step` calls in a row. The engine no longer switches anything on
         the model (it runs its own view of it), so this is an empty context, kept for code written
         against earlier versions."""
-        import contextlib
-
         return contextlib.nullcontext(self)
 
     def stream(self, requests=()):
@@ -267,11 +267,7 @@ class Engine:
             raise ValueError(f"request {request_id!r} is already {seqs[0].status.value}; only a queued, running or "
                              "swapped-out request can be aborted")
         for seq in live:
-            if any(seq in s.forks for s in seqs):  # a sample that never forked holds nothing yet
-                seq.status = RequestStatus.ABORTED
-            else:
-                self.scheduler.abort(seq)
-            seq.forks = []
+            self.scheduler.abort(seq)  # a sample that never forked is nowhere and holds nothing yet
             seq.finish_reason = "aborted"
             self._complete(seq, self.now())
         return self.completions.get(request_id) or seqs[0].completion
@@ -307,32 +303,12 @@ class Engine:
         return [request_id] if group is None else [s.request_id for s in group]
 
     def _complete(self, seq: Sequence, now: float) -> None:
-        done = self._completion(seq, now)
+        seq.completion = Completion.of(seq, self.tokenizer, now)
         group = self.groups.get(seq.request.request_id)
         if group is None:
-            self.completions[seq.request_id] = done
-            return
-        seq.completion = done
-        if all(s.completion is not None for s in group):  # the request is done when its last sample is
-            samples = [s.completion for s in group]
-            first = samples[0]
-            self.completions[seq.request.request_id] = Completion(
-                request_id=seq.request.request_id, prompt_ids=first.prompt_ids, output_ids=first.output_ids,
-                finish_reason=first.finish_reason, text=first.text, arrival_time=first.arrival_time,
-                first_token_time=min((c.first_token_time for c in samples if c.first_token_time is not None),
-                                     default=None),
-                token_times=first.token_times, finish_time=now, num_cached_prompt_tokens=first.num_cached_prompt_tokens,
-                samples=samples)
-
-    def _completion(self, seq: Sequence, now: float) -> Completion:
-        text = None
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-        return Completion(
-            request_id=seq.request_id, prompt_ids=list(seq.prompt_ids), output_ids=list(seq.output_ids),
-            finish_reason=seq.finish_reason, text=text, arrival_time=seq.arrival_time,
-            first_token_time=seq.first_token_time, token_times=list(seq.token_times), finish_time=now,
-            num_cached_prompt_tokens=seq.num_cached_prompt_tokens)
+            self.completions[seq.request_id] = seq.completion
+        elif all(s.completion is not None for s in group):  # the request is done when its last sample is
+            self.completions[seq.request.request_id] = Completion.of_samples([s.completion for s in group], now)
 
 
 def _make_kv_cache(info, config: EngineConfig):

@@ -70,6 +70,26 @@ class Completion:
     num_cached_prompt_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (vLLM's num_cached_tokens)
     samples: list | None = None  # n > 1: one Completion per sample (request_id (id, i)); output_ids are sample 0's
 
+    @classmethod
+    def of(cls, seq, tokenizer, now: float) -> Completion:
+        """What a finished (or aborted) sequence gives back."""
+        text = None if tokenizer is None else tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        return cls(request_id=seq.request_id, prompt_ids=list(seq.prompt_ids), output_ids=list(seq.output_ids),
+                   finish_reason=seq.finish_reason, text=text, arrival_time=seq.arrival_time,
+                   first_token_time=seq.first_token_time, token_times=list(seq.token_times), finish_time=now,
+                   num_cached_prompt_tokens=seq.num_cached_prompt_tokens)
+
+    @classmethod
+    def of_samples(cls, samples: list[Completion], now: float) -> Completion:
+        """A request with ``n > 1`` samples: sample 0's fields, under the request's id, and every sample."""
+        first = samples[0]
+        return cls(request_id=first.request_id[0], prompt_ids=first.prompt_ids, output_ids=first.output_ids,
+                   finish_reason=first.finish_reason, text=first.text, arrival_time=first.arrival_time,
+                   first_token_time=min((c.first_token_time for c in samples if c.first_token_time is not None),
+                                        default=None),
+                   token_times=first.token_times, finish_time=now,
+                   num_cached_prompt_tokens=first.num_cached_prompt_tokens, samples=samples)
+
     def __repr__(self) -> str:
         shown = repr(self.text[:40] + ("…" if len(self.text) > 40 else "")) if self.text is not None else ""
         return (f"Completion({self.request_id!r}, {len(self.prompt_ids)} prompt + "

@@ -285,6 +285,7 @@ class Scheduler:
             self.kv_manager.free(seq)  # nothing, unless a cached prefix was taken
         seq.status = RequestStatus.ABORTED
         seq.slot = None
+        seq.forks = []  # the engine aborts them too
 
     # -- internals ---------------------------------------------------------------------------
     def _start(self, seq: Sequence) -> None:

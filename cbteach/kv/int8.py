@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .paged import PagedKVPool
+from .pool import PagedKVPool
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,28 +152,3 @@ class Int8BlockKVPool(Int8KVPool):
         k, v = self.k[layer], self.v[layer]
         return (dequantize(k.view(-1, *k.shape[2:])[slots], self.k_scale[layer][blocks], self.out_dtype),
                 dequantize(v.view(-1, *v.shape[2:])[slots], self.v_scale[layer][blocks], self.out_dtype))
-
-
-@torch.no_grad()
-def kv_loss(model, token_ids: list[int], kv_dtype=None, block_size: int = 16) -> float:
-    """The model's mean next-token loss on ``token_ids`` when attention reads its K/V from a paged pool
-    stored as ``kv_dtype`` (``None``: the model's dtype, ``"int8"``): one prefill pass writes every
-    token's K/V into the pool, and every query reads them back from it -- quantised, for int8."""
-    from types import SimpleNamespace
-
-    from .paged import PagedKVCache
-    from ..core.config import CacheConfig
-    from ..core.model_view import model_view
-    from ..core.modelinfo import describe
-
-    if len(token_ids) < 2:
-        raise ValueError("kv_loss needs at least two tokens (one prediction)")
-    info = describe(model)
-    n = len(token_ids)
-    config = CacheConfig(kind="paged", block_size=block_size, num_blocks=-(-n // block_size), kv_dtype=kv_dtype)
-    cache = PagedKVCache.for_model(info, config)
-    seq = SimpleNamespace(block_table=list(range(cache.num_blocks)))
-    meta = cache.build_metadata(list(token_ids), [seq], [0], [n], info.device)
-    view = model_view(model, cache.attn_implementation)  # the model itself is left as it is
-    logits = view(input_ids=meta.input_ids, position_ids=meta.positions, **cache.forward_kwargs(meta)).logits[0]
-    return torch.nn.functional.cross_entropy(logits[:-1].float(), meta.input_ids[0, 1:]).item()

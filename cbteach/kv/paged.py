@@ -3,7 +3,7 @@
 This is PagedAttention's memory layout (Kwon et al., SOSP'23, the paper behind vLLM), small
 enough to read in one sitting. It has three parts:
 
-* **The pool** (:class:`PagedKVPool`) -- per layer, one key tensor and one value tensor of shape
+* **The pool** (:class:`~cbteach.kv.pool.PagedKVPool`) -- per layer, one key tensor and one value tensor of shape
   ``[num_blocks, block_size, num_kv_heads, head_dim]``, allocated once. A block holds the K/V of
   ``block_size`` consecutive tokens of *one* sequence. Block-major layout means a block is one
   contiguous chunk of memory and a token's **slot** is simply ``block_id * block_size + offset``.
@@ -22,87 +22,25 @@ everything the request never generates.
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import torch
 
 from ..attention import metadata as attn_metadata
 from ..attention import paged as paged_attention
 from .concat import KVTraffic
+from .int8 import Int8BlockKVPool, Int8KVPool
 from .manager import KVCacheManager, PoolExhausted  # noqa: F401  (PoolExhausted: re-exported)
+from .pool import PagedKVPool
 from ..core.config import CacheConfig
-
-
-class PagedKVPool:
-    """The memory: K and V blocks for every layer. Knows slots and blocks, not sequences."""
-
-    def __init__(self, *, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.float32,
-                 device="cpu"):
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-
-    @property
-    def bytes_per_token(self) -> int:
-        """K and V of one token in every layer."""
-        return 2 * len(self.k) * self.k[0][0, 0].nbytes
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.k + self.v)
-
-    def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Store ``key``/``value`` (``[tokens, kv_heads, head_dim]``) at their slots, in place."""
-        k, v = self.k[layer], self.v[layer]
-        k.view(-1, *k.shape[2:]).index_copy_(0, slot_mapping, key.to(k.dtype))
-        v.view(-1, *v.shape[2:]).index_copy_(0, slot_mapping, value.to(v.dtype))
-
-    def read(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gather whole blocks: ``block_tables`` ``[G, n]`` gives K and V of ``[G, n * block_size, kv_heads, D]``."""
-        flat = block_tables.flatten()  # index_select on the block axis: one contiguous copy per block
-        shape = (block_tables.shape[0], -1, *self.k[layer].shape[2:])
-        return (self.k[layer].index_select(0, flat).view(shape), self.v[layer].index_select(0, flat).view(shape))
-
-    def copy_out(self, blocks: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """K and V of ``blocks`` in every layer, copied to host memory (swap-out)."""
-        idx = torch.tensor(blocks, dtype=torch.long, device=self.k[0].device)
-        return [(k[idx].to("cpu"), v[idx].to("cpu")) for k, v in zip(self.k, self.v)]
-
-    def copy_in(self, blocks: list[int], data: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Write host copies back into ``blocks`` (swap-in); the blocks need not be the old ones."""
-        idx = torch.tensor(blocks, dtype=torch.long, device=self.k[0].device)
-        for k, v, (hk, hv) in zip(self.k, self.v, data):
-            k[idx] = hk.to(k.device)
-            v[idx] = hv.to(v.device)
-
-    def block_tensors(self) -> list[list[torch.Tensor]]:
-        """Every per-layer tensor whose first axis is the block (an int8 pool adds its scales)."""
-        return [self.k, self.v]
-
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy whole blocks inside the pool, every layer: ``dst`` becomes a copy of ``src`` (copy on write)."""
-        if not pairs:
-            return
-        device = self.k[0].device
-        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=device)
-        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=device)
-        for tensors in self.block_tensors():
-            for t in tensors:
-                t[dst] = t[src]
-
-    def read_slots(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gather single slots: ``[n]`` slot ids give K and V of ``[n, kv_heads, D]``."""
-        k, v = self.k[layer], self.v[layer]
-        return k.view(-1, *k.shape[2:])[slots], v.view(-1, *v.shape[2:])[slots]
+from ..core.model_view import model_view
+from ..core.modelinfo import describe
 
 
 def _pool_class(kv_dtype):
     """The pool that stores K/V: the model's dtype (``None``) or int8 (:mod:`cbteach.kv.int8`) with a
     scale per token and head (``"int8"``) or per block and head (``"int8_block"``)."""
-    if kv_dtype is not None:
-        from .int8 import Int8BlockKVPool, Int8KVPool
-
-        return Int8KVPool if kv_dtype == "int8" else Int8BlockKVPool
-    return PagedKVPool
+    return {None: PagedKVPool, "int8": Int8KVPool, "int8_block": Int8BlockKVPool}[kv_dtype]
 
 
 class PagedKVCache:
@@ -222,3 +160,21 @@ class PagedKVCache:
         """Blocks, tokens stored and utilisation now, plus the pool's bytes."""
         return {**self.manager.usage(), "pool_bytes": self.pool.nbytes,
                 "kv_bytes_per_token": self.pool.bytes_per_token, "num_swapped": len(self.swap_space)}
+
+
+@torch.no_grad()
+def kv_loss(model, token_ids: list[int], kv_dtype=None, block_size: int = 16) -> float:
+    """The model's mean next-token loss on ``token_ids`` when attention reads its K/V from a paged pool
+    stored as ``kv_dtype`` (``None``: the model's dtype, ``"int8"``): one prefill pass writes every
+    token's K/V into the pool, and every query reads them back from it -- quantised, for int8."""
+    if len(token_ids) < 2:
+        raise ValueError("kv_loss needs at least two tokens (one prediction)")
+    info = describe(model)
+    n = len(token_ids)
+    config = CacheConfig(kind="paged", block_size=block_size, num_blocks=-(-n // block_size), kv_dtype=kv_dtype)
+    cache = PagedKVCache.for_model(info, config)
+    seq = SimpleNamespace(block_table=list(range(cache.num_blocks)))
+    meta = cache.build_metadata(list(token_ids), [seq], [0], [n], info.device)
+    view = model_view(model, cache.attn_implementation)  # the model itself is left as it is
+    logits = view(input_ids=meta.input_ids, position_ids=meta.positions, **cache.forward_kwargs(meta)).logits[0]
+    return torch.nn.functional.cross_entropy(logits[:-1].float(), meta.input_ids[0, 1:]).item()

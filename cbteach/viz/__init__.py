@@ -10,9 +10,10 @@
 
 Everything reads :class:`~cbteach.StepRecord` / :class:`~cbteach.StaticResult` objects, and the
 masks come from :mod:`cbteach.attention.packing` itself, so a picture cannot drift from the engine.
-Needs matplotlib (and ipywidgets for the sliders): ``pip install cbteach[lab]``.
+matplotlib comes with cbteach; the sliders need ipywidgets (``pip install 'cbteach[colab]'`` or ``[lab]``).
 """
-from .mask import cli, mask_ascii, mask_heatmap
+from .mask import mask_ascii, mask_heatmap
+from .mask_cli import cli
 from .pool import draw_memory_map, draw_pool, draw_pool_step, memory_map, pool_slider, stored_tokens
 from .stepper import draw_step, mask_explorer, step_through
 from .style import request_colors, seq_letter

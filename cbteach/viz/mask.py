@@ -200,11 +200,3 @@ def mask_legend(ax, new_key_label: str, below_points: float, empty: bool = False
         handles.append(Patch(color=EMPTY_SLOT_COLOR, label="empty slot (masked)"))
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0), ncol=len(handles), fontsize=7,
               frameon=False, bbox_transform=offset_copy(ax.transAxes, fig=ax.figure, y=-below_points, units="points"))
-
-
-def cli(argv=None) -> int:
-    """``python -m cbteach mask``: print a packed step's mask, optionally save the heatmap as PNG
-    (the arguments are parsed in :mod:`cbteach.viz.mask_cli`)."""
-    from .mask_cli import cli as mask_cli
-
-    return mask_cli(argv)
