@@ -129,3 +129,18 @@ def step_records(records) -> list:
         raise ValueError("there are no step records to draw: run the engine first, with keep_records=True "
                          "(the default)")
     return records
+
+
+def step_window(steps, num_steps: int) -> tuple[int, int]:
+    """``steps=(start, stop)`` checked against a run of ``num_steps`` steps (stop is clipped to it)."""
+    if steps is None:
+        return 0, num_steps
+    try:
+        lo, hi = steps
+    except (TypeError, ValueError):
+        raise ValueError(f"steps should be a pair (start, stop), got {steps!r}") from None
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi)) or not 0 <= lo < hi:
+        raise ValueError(f"steps should be whole numbers 0 <= start < stop, got {steps!r}")
+    if lo >= num_steps:
+        raise ValueError(f"steps={steps!r} starts after the run's last step ({num_steps - 1})")
+    return lo, min(hi, num_steps)

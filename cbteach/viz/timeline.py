@@ -6,26 +6,22 @@ and every cell -- a **slot-step** -- is in exactly one state:
 * ``"prefill"`` -- the slot fed prompt tokens (or recomputed them after a preemption);
 * ``"decode"``  -- the slot fed its last sampled token to get the next one;
 * ``"idle"``    -- a request holds the slot but does no useful work. In **static** batching it has
-  finished and waits for the batch barrier, and its row still goes through the model: it computes
-  a throw-away token every step (drawn hatched, like padding: computed, then thrown away). In
-  **continuous** batching it is a running sequence the token budget left out of this step: nothing
-  is computed for it (drawn plain);
-* ``"empty"``   -- no request holds the slot, and nothing is computed for it (a static wave with
-  fewer requests than slots is a tensor with fewer rows).
+  finished and waits for the batch barrier, and its row still computes a throw-away token every
+  step (drawn hatched, like padding). In **continuous** batching it is a running sequence the
+  token budget left out of this step: nothing is computed for it (drawn plain);
+* ``"empty"``   -- no request holds the slot, and nothing is computed for it.
 
-**Padding** is not a whole-cell state. A static prefill row is as wide as the longest prompt of
-its wave, so a short prompt's prefill cell is partly pad tokens. We draw that share of the cell
-hatched (on the left: static batching pads on the left) and count it as that fraction of a
-slot-step. Continuous batching packs without padding, so its share is always 0.
+**Padding** is not a whole-cell state: a static prefill row is as wide as its wave's longest
+prompt, so a short prompt's prefill cell is partly pad tokens, drawn hatched (on the left, where
+static batching pads) and counted as that fraction of a slot-step. Continuous batching packs
+without padding.
 
 **Wasted fraction** = (idle + empty slot-steps + padding shares) / (steps × slots): the share of
-the timeline's area that did no useful work. (``StaticResult.waste()`` counts *tokens* instead: a
-long prefill weighs more there. Both tell the same story; this one is what the picture shows.)
+the picture that did no useful work (``StaticResult.waste()`` counts *tokens* instead; both tell
+the same story).
 
-Reading aids: successive requests in a slot are split by a thin white line, their decode spans
-alternate between two blues, and ids are written where they fit; dashed lines mark a static run's
-batch barriers. ``steps=(start, stop)`` zooms in: on a thousand-step axis a one-step prefill cell,
-and its padding, is a hairline.
+Reading aids: successive requests in a slot are split by a thin white line and alternate between
+two blues; dashed lines mark a static run's batch barriers; ``steps=(start, stop)`` zooms in.
 """
 from __future__ import annotations
 
@@ -33,7 +29,7 @@ from matplotlib.colors import to_rgb
 from matplotlib.ticker import MaxNLocator
 
 from ..core.request import check_positive_int
-from .style import STATE_COLORS, STATE_HATCH, get_axes, label_if_fits, text_color_on
+from .style import STATE_COLORS, STATE_HATCH, get_axes, label_if_fits, step_window, text_color_on
 
 STATES = ("prefill", "decode", "idle", "empty")
 USEFUL = ("prefill", "decode")
@@ -108,21 +104,6 @@ def _states_and_pads(source, max_batch_size):
     return states, [[0.0] * len(row) for row in states], max(mbs, 1)
 
 
-def _window(steps, num_steps: int) -> tuple[int, int]:
-    """``steps=(start, stop)`` checked against a run of ``num_steps`` steps (stop is clipped to it)."""
-    if steps is None:
-        return 0, num_steps
-    try:
-        lo, hi = steps
-    except (TypeError, ValueError):
-        raise ValueError(f"steps should be a pair (start, stop), got {steps!r}") from None
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi)) or not 0 <= lo < hi:
-        raise ValueError(f"steps should be whole numbers 0 <= start < stop, got {steps!r}")
-    if lo >= num_steps:
-        raise ValueError(f"steps={steps!r} starts after the run's last step ({num_steps - 1})")
-    return lo, min(hi, num_steps)
-
-
 def waste_breakdown(source, max_batch_size: int | None = None, *, steps=None) -> dict:
     """Slot-step counts by state, the padding share, and the wasted fraction (see the module doc).
 
@@ -131,7 +112,7 @@ def waste_breakdown(source, max_batch_size: int | None = None, *, steps=None) ->
     ``steps=(start, stop)`` counts only those steps.
     """
     states, pads, _ = _states_and_pads(source, max_batch_size)
-    lo, hi = _window(steps, len(states)) if states else (0, 0)
+    lo, hi = step_window(steps, len(states)) if states else (0, 0)
     counts = {s: 0 for s in STATES}
     for row in states[lo:hi]:
         for state, _ in row:
@@ -176,7 +157,7 @@ def _draw(ax, source, max_batch_size, name, num_steps=None, steps=None):
     states, pads, slots = _states_and_pads(source, max_batch_size)
     if not states:
         raise ValueError(f"{name}: there are no steps to draw")
-    lo, hi = _window(steps, len(states))
+    lo, hi = step_window(steps, len(states))
     static = _is_static(source)
     segments = []
     for slot in range(slots):
@@ -262,7 +243,7 @@ def plot_timeline(source, max_batch_size: int | None = None, *, ax=None, title: 
     those steps in the title.
     """
     states, _, slots = _states_and_pads(source, max_batch_size)
-    lo, hi = _window(steps, len(states)) if states else (0, 0)
+    lo, hi = step_window(steps, len(states)) if states else (0, 0)
     if title is None:
         title = "Static batching" if _is_static(source) else "Continuous batching"
         title += f", steps {lo}-{hi - 1}" if steps is not None else ""
