@@ -14,7 +14,7 @@ EXTRAS      ?= dev,lab,serve
 SITE        := site
 OFFLINE     := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
-.PHONY: install demo test test-fast lint lab student notebooks bench gpu-check book browser-deps clean
+.PHONY: install demo test test-fast lint lab student notebooks outputs bench gpu-check book browser-deps clean
 
 $(VENV)/.installed: pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,6 +48,11 @@ lab: $(VENV)/.installed
 
 student: $(VENV)/.installed
 	$(PY) -m cbteach student notebooks student
+
+# Execute every notebook in place to store its outputs -- on a quiet machine only: it refuses to start
+# while the 1-minute load average is 1 or more (tools/store_outputs.py --force overrides, for drafts).
+outputs: $(VENV)/.installed
+	$(OFFLINE) $(PY) tools/store_outputs.py
 
 bench: $(VENV)/.installed
 	$(PY) -m cbteach bench
