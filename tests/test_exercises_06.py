@@ -1,13 +1,30 @@
-"""Notebook 06's self-check accepts correct policies and names what a broken one breaks; its helpers."""
+"""Notebook 06's scheduler exercise: the notebook's own solution passes every stage, and each typical
+mistake -- made once, in a copy of that solution -- fails its stage with a hint that names it; the
+harness survives whatever a learner passes; the pictures and latency helpers the notebook uses."""
+import contextlib
+import dataclasses
+import io
+import json
+import math
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from cbteach import Engine, Request
+from cbteach.core.scheduler import Scheduler
+from cbteach.core.scheduler_output import SchedulerOutput
 from cbteach.exercises import ex06
-from cbteach.core.policies import FCFSQueue, PriorityQueue, WaitingQueue
+from cbteach.exercises.scheduler_check import run
+from cbteach.student import stub
 from cbteach.viz import latency as lat
+from cbteach.viz.schedule import first_difference, plan_of, plot_schedules
 from conftest import tiny_model
+
+NOTEBOOK = Path(__file__).parent.parent / "notebooks" / "06_scheduling_and_latency.ipynb"
+SOLUTION = next("".join(c["source"]) for c in json.loads(NOTEBOOK.read_text())["cells"]
+                if "solution" in c.get("metadata", {}).get("tags", []))
 
 
 @pytest.fixture(scope="module")
@@ -15,134 +32,249 @@ def model():
     return tiny_model("llama")
 
 
-class ShortestPromptFirst(WaitingQueue):
-    def key(self, seq):
-        return (len(seq.prompt_ids), seq.arrival_time)
+def scheduler_from(src):
+    """The class ``MyScheduler`` that ``src`` defines, with what the notebook imported before it."""
+    namespace = {"math": math}
+    exec(compile(src, "scheduler", "exec"), namespace)
+    return namespace.get("MyScheduler")
 
 
-class LengthOnly(WaitingQueue):  # ties fall back on the queue's stable insertion order: also right
-    def key(self, seq):
-        return len(seq.prompt_ids)
+def with_mistake(old, new):
+    assert old in SOLUTION, f"the notebook's solution no longer contains {old!r}: update this mistake"
+    return scheduler_from(SOLUTION.replace(old, new))
 
 
-class AgingPriority(WaitingQueue):  # the notebook's "going further": starvation-free, static keys
-    def key(self, seq):
-        return seq.request.priority * 10.0 + seq.arrival_time
+def check(stage, cls, model):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        ok = ex06.check_stage(stage, cls, model)
+    return ok, out.getvalue()
 
 
-class LongestFirst(WaitingQueue):
-    def key(self, seq):
-        return -len(seq.prompt_ids)
+RETRY = "while self.kv_manager.allocate_slots(seq, n) is None:"
+VICTIM = "victim = self.waiting.pick_victim(self.running)"
+ARRIVED = "for seq in [s for s in self.waiting if s.arrival_time <= now]:"
+STOP_RUNNING = "if seq not in self.running:  # it was the victim itself"
+ADMIT_N = "n = min(seq.num_tokens - seq.num_computed_tokens, budget)\n            if self.kv_manager"
+WHOLE = "n = seq.num_tokens - seq.num_computed_tokens\n            if self.kv_manager"
+
+# (the mistake, what it replaces in the solution, with what, the stage that must fail, words of its hint)
+MISTAKES = [
+    ("no tie-break: the victim is the most urgent max, the oldest among equals", VICTIM,
+     "victim = max(self.running, key=lambda s: s.request.priority)", 3, "victim is not the policy's"),
+    ("no tie-break, equal priorities: the victim taken among equals by max", VICTIM,
+     "victim = max(self.running, key=lambda s: s.request.priority)", 4, "victim is not the policy's"),
+    ("equal priorities ordered by request id", ARRIVED,
+     "for seq in sorted([s for s in self.waiting if s.arrival_time <= now], key=lambda s: (s.request.priority, "
+     "s.request_id)):", 4, "out of the policy's order"),
+    ("last in, first out", ARRIVED, "for seq in reversed([s for s in self.waiting if s.arrival_time <= now]):", 1,
+     "out of the policy's order"),
+    ("budget off by one, under", "budget)  # a decode's", "budget - 1)  # a decode's", 2, "fewer tokens"),
+    ("budget off by one, over", "            budget -= n\n        return out", "            budget -= n - 1\n"
+     "        return out", 2, "exceeds the token budget"),
+    ("budget spent when below zero, not at zero", "or budget <= 0:", "or budget < 0:", 2, "no tokens"),
+    ("forgotten preemption: returns without room", RETRY, "if self.kv_manager.allocate_slots(seq, n) is None:\n"
+     "                return out\n            while False:", 3, "refused KV room and nobody was preempted"),
+    ("forgotten preemption: skips the request", RETRY, "if self.kv_manager.allocate_slots(seq, n) is None:\n"
+     "                continue\n            while False:", 3, "refused KV room and nobody was preempted"),
+    ("the refusal ignored", RETRY, "self.kv_manager.allocate_slots(seq, n)\n            while False:", 3,
+     "without KV room"),
+    ("the wrong victim: the oldest", VICTIM, "victim = self.running[0]", 3, "victim is not the policy's"),
+    ("the wrong victim: never the asker", VICTIM,
+     "victim = self.waiting.pick_victim([s for s in self.running if s is not seq] or [seq])", 3,
+     "victim is not the policy's"),
+    ("a planned victim's tokens not given back", "budget += self.preempt(victim, out)", "self.preempt(victim, out)", 4,
+     "gives its tokens back"),
+    ("the preempted asker still planned", STOP_RUNNING, "if False:  # it was the victim itself", 3, "not running"),
+    ("the running loop goes on after the asker was its own victim", "                break\n            out.add",
+     "                continue\n            out.add", 4, "loop ends"),
+    ("admitting in a step that preempted", "if out.preempted or len(", "if len(", 3, "admitted in a step that preempted"),
+    ("admitting past max_batch_size", "len(self.running) >= self.max_batch_size", "len(self.running) > self.max_batch_size",
+     1, "past max_batch_size"),
+    ("batch limit off by one, under", "len(self.running) >= self.max_batch_size",
+     "len(self.running) >= self.max_batch_size - 1", 1, "left waiting"),
+    ("a later request overtakes one that did not fit", "break  # nobody overtakes", "continue  # nobody overtakes", 3,
+     "overtook an earlier one that did not fit"),
+    ("arrival_time ignored", "[s for s in self.waiting if s.arrival_time <= now]", "list(self.waiting)", 1,
+     "before it arrived"),
+    ("admissions stop at the first request not yet arrived", ARRIVED,
+     "for seq in list(self.waiting):\n            if seq.arrival_time > now:\n                break", 4,
+     "skipped, not waited for"),
+    ("a long prompt admitted whole, not chunked", ADMIT_N, WHOLE, 2, "exceeds the token budget"),
+    ("a long prompt kept waiting until it fits the budget whole", ADMIT_N,
+     WHOLE.replace("if self", "if n > budget:\n                break\n            if self"), 2, "fit whole"),
+    ("a running prefill not chunked", "budget)  # a decode's", "math.inf)  # a decode's", 2, "exceeds the token budget"),
+    ("only decodes run", "or seq not in self.running:  # budget spent",
+     "or seq not in self.running or not seq.output_ids:  # budget spent", 2, "fewer tokens"),
+    ("V0's whole-prompt admission", ADMIT_N, ADMIT_N.replace(
+        "if self.kv_manager", "if self.kv_manager.num_admittable_tokens(seq) < seq.num_tokens:\n                break\n"
+        "            if self.kv_manager"), 3, "whole prompt"),
+]
 
 
-class ArrivalOrder(WaitingQueue):
-    def key(self, seq):
-        return seq.arrival_time
+def waiting_first():
+    """The solution with its two loops swapped: admissions planned before the running requests."""
+    a, b = SOLUTION.index("        for seq in list(self.running)"), SOLUTION.index("        for seq in [s for s in self")
+    c = SOLUTION.index("        return out")
+    return scheduler_from(SOLUTION[:a] + SOLUTION[b:c] + SOLUTION[a:b] + SOLUTION[c:])
 
 
-class Lifo(WaitingQueue):
-    def key(self, seq):
-        return -seq.arrival_time
+def calling(reference):
+    """The solution, but its running loop handed to the engine's own code."""
+    if reference == "super().schedule":
+        return scheduler_from(SOLUTION[:SOLUTION.index("        out = ")] + "        return super().schedule(now)\n")
+    if reference == "schedule_running":
+        return with_mistake("        for seq in list(self.running):",
+                            "        budget = self.schedule_running(out, budget)\n        for seq in []:")
+    return with_mistake(RETRY, "while not self.allocate_or_preempt(seq, n, out)[0]:")
 
 
-class WrongTieBreak(WaitingQueue):
-    def key(self, seq):
-        return (len(seq.prompt_ids), -seq.arrival_time)
+@pytest.mark.parametrize("stage", sorted(ex06.STAGES))
+def test_the_notebooks_solution_passes_every_stage(model, stage):
+    ok, out = check(stage, scheduler_from(SOLUTION), model)
+    assert ok and out.startswith("✓"), out
+    assert sys.gettrace() is None  # the check's tracer is gone
 
 
-class VictimFromTheQueue(ShortestPromptFirst):
-    def pick_victim(self, running):
-        return next(iter(self), None)  # a waiting request (or None), not a running one
+@pytest.mark.parametrize("name, old, new, stage, words", MISTAKES, ids=[m[0] for m in MISTAKES])
+def test_each_typical_mistake_fails_its_stage_with_a_hint(model, name, old, new, stage, words):
+    ok, out = check(stage, with_mistake(old, new), model)
+    assert not ok and out.startswith("✗") and words in out, out
+    assert not any(f"'{rid}'" in out or f" {rid} " in out for rid in ex06.ID8), out  # never names a request
 
 
-class NoKey(WaitingQueue):
+@pytest.mark.parametrize("make, stage, words", [
+    (waiting_first, 1, "running requests come first"),
+    (lambda: calling("super().schedule"), 1, "engine's own scheduling (super().schedule)"),
+    (lambda: calling("schedule_running"), 1, "engine's own scheduling (schedule_running)"),
+    (lambda: calling("allocate_or_preempt"), 1, "engine's own scheduling (allocate_or_preempt)"),
+], ids=["waiting first", "calls super().schedule", "calls schedule_running", "calls allocate_or_preempt"])
+def test_waiting_first_and_calling_the_reference_fail(model, make, stage, words):
+    ok, out = check(stage, make(), model)
+    assert not ok and words in out, out
+
+
+class Raises(Scheduler):
+    def schedule(self, now):
+        return 1 / 0
+
+
+class ReturnsAList(Scheduler):
+    def schedule(self, now):
+        return []
+
+
+class NeverReturns(Scheduler):
+    def schedule(self, now):
+        while True:
+            _ = len(self.running)
+
+
+class PlansNothing(Scheduler):
+    def schedule(self, now):
+        return SchedulerOutput()
+
+
+class BadInit(Scheduler):
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError("oops")
+
+    def schedule(self, now):
+        return SchedulerOutput()
+
+
+class NoSchedule(Scheduler):
     pass
 
 
-class ForgotReturn(WaitingQueue):
-    def key(self, seq):
-        len(seq.prompt_ids)
-
-
-class LosesRequests(ShortestPromptFirst):
-    def add(self, seq):
-        if seq.request_id != "r2":
-            super().add(seq)
-
-
-@pytest.mark.parametrize("policy, claim", [
-    (ShortestPromptFirst, "shortest-prompt-first"),
-    (LengthOnly, "shortest-prompt-first"),
-    (ShortestPromptFirst(), "shortest-prompt-first"),  # an instance works too
-    (FCFSQueue, "fcfs"),
-    ("fcfs", "fcfs"),
-    (PriorityQueue, "priority"),
-    (AgingPriority, "priority"),
+@pytest.mark.parametrize("answer, words", [
+    (None, "not done yet"), (..., "not done yet"), (NoSchedule, "not done yet"), (Scheduler, "not done yet"),
+    (lambda now: None, "pass your scheduler class"), (int, "pass your scheduler class"),
+    (Raises, "ZeroDivisionError"), (ReturnsAList, "must return a SchedulerOutput"), (NeverReturns, "did not return"),
+    (PlansNothing, "planned nothing"), (BadInit, "could not build your scheduler"),
 ])
-def test_accepts_correct_policies(model, capsys, policy, claim):
-    assert ex06.check_policy(policy, model, claim=claim)
-    out = capsys.readouterr().out
-    assert out.startswith("✓") and "preemptions survived" in out
+def test_anything_a_learner_passes_gets_a_hint_never_a_traceback(model, answer, words):
+    ok, out = check(1, answer, model)
+    assert ok is False and out.startswith("✗") and words in out, out
+    assert sys.gettrace() is None
 
 
-@pytest.mark.parametrize("policy, claim, words", [
-    (Lifo, "fcfs", "last in, first out"),
-    (LongestFirst, "shortest-prompt-first", "longest first"),
-    (ArrivalOrder, "shortest-prompt-first", "arrival order"),
-    (WrongTieBreak, "shortest-prompt-first", "equal length"),
-    (ArrivalOrder, "priority", "ignores Request.priority"),
-    (VictimFromTheQueue, "shortest-prompt-first", "not one of the running requests"),
-    (NoKey, "fcfs", "define key(self, seq)"),
-    (ForgotReturn, "fcfs", "forget a `return`"),
-    (LosesRequests, "shortest-prompt-first", "lose a request"),
-    (len, "fcfs", "WaitingQueue"),
-])
-def test_rejects_broken_policies_with_a_hint(model, capsys, policy, claim, words):
-    assert not ex06.check_policy(policy, model, claim=claim)
-    out = capsys.readouterr().out
-    assert out.startswith("✗") and words in out
-    assert "len(seq.prompt_ids)" not in out and "seq.arrival_time" not in out  # hints, never the answer
+def test_the_student_stub_says_not_done_yet(model):
+    ok, out = check(1, scheduler_from(stub(SOLUTION)), model)
+    assert not ok and "not done yet" in out
 
 
-def test_the_broken_victim_is_caught_on_the_tight_pool(model, capsys):
-    ex06.check_policy(VictimFromTheQueue, model)
-    assert "tight KV pool" in capsys.readouterr().out
+def test_a_stage_that_does_not_exist_is_refused(model):
+    for stage in (0, 5, "1", None):
+        ok, out = check(stage, scheduler_from(SOLUTION), model)
+        assert not ok and "stage must be one of" in out
 
 
-def test_tight_pools_really_preempt_and_the_others_do_not(model):
-    for w in ex06.WORKLOADS:
-        for policy in (ShortestPromptFirst, FCFSQueue, Lifo):
-            _, records = ex06.run_workload(policy, model, w)
-            preempted = sum(len(r.preempted) for r in records)
-            assert (preempted > 0) == (not w.claim_holds), (w.name, policy.__name__)
+def test_the_workloads_expose_what_they_are_built_for(model):
+    refs = {s: [ex06.reference_run(model, w) for w in ws] for s, ws in ex06.STAGES.items()}
+    assert all(r.mistake is None for rs in refs.values() for r in rs)
+    gaps = [b.start_time - a.start_time for a, b in zip(refs[1][1].records, refs[1][1].records[1:])]
+    assert max(gaps) > 1  # an idle gap: nothing had arrived
+    for r in refs[2]:  # long prompts are chunked
+        assert any(s.kind == "prefill" and s.sampled is None for rec in r.records for s in rec.seqs)
+    assert all(any(rec.preempted for rec in r.records) for r in refs[3])  # tiny pools preempt
+    assert any(rec.preempted for r in refs[4] for rec in r.records)
+    # V0's admission-time priority preemption never fires, so a V1 scheduler can match the engine
+    assert not any(rec.preempted and rec.admitted for r in refs[4] for rec in r.records)
+    with pytest.raises(ValueError, match="could never fit|pool has only"):
+        ex06.NEVER_FITS.engine(model).add_request(ex06.NEVER_FITS.requests(97)[0])
 
 
-def test_check_is_deterministic_and_quick(model, capsys):
+def test_run_is_bounded_by_its_step_limit(model):
+    result = run(model, ex06.STAGES[1][0], scheduler_from(SOLUTION), max_steps=3)
+    assert "unfinished after 3 steps" in str(result.mistake) and len(result.records) == 3
+
+
+def test_the_checks_are_deterministic_and_quick(model):
     t0 = time.perf_counter()
-    ex06.check_policy(ShortestPromptFirst, model)
-    first = capsys.readouterr().out
-    ex06.check_policy(ShortestPromptFirst, model)
-    assert capsys.readouterr().out == first
-    assert time.perf_counter() - t0 < 30
+    first = [check(s, scheduler_from(SOLUTION), model)[1] for s in ex06.STAGES]
+    again = [check(s, with_mistake(VICTIM, "victim = self.running[0]"), model)[1] for s in ex06.STAGES]
+    assert first == [check(s, scheduler_from(SOLUTION), model)[1] for s in ex06.STAGES]
+    assert again == [check(s, with_mistake(VICTIM, "victim = self.running[0]"), model)[1] for s in ex06.STAGES]
+    assert time.perf_counter() - t0 < 60
 
 
-def test_unknown_claim_is_refused(model, capsys):
-    for claim in ("fastest", None, ["fcfs"]):
-        assert not ex06.check_policy(ShortestPromptFirst, model, claim=claim)
-        assert "claim must be one of" in capsys.readouterr().out
+# -- the pictures and helpers the notebook uses ------------------------------------------------------
+
+def test_schedules_are_compared_and_drawn(model):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    w = ex06.STAGES[3][2]
+    v1, v0 = run(model, w), run(model, dataclasses.replace(w, admission="whole_prompt"))
+    assert first_difference(v1.records, v1.records) is None
+    split = first_difference(v1.records, v0.records)
+    assert split is not None and plan_of(v1.records[split]) != plan_of(v0.records[split])
+    assert all(plan_of(a) == plan_of(b) for a, b in zip(v1.records[:split], v0.records[:split]))
+    fig = plot_schedules({"V1": v1.records, "V0": v0.records}, w.max_batch_size)
+    assert fig._suptitle.get_text()
+    for ax in fig.axes:
+        if ax.get_label() != "<colorbar>":
+            assert ax.get_title() and ax.get_xlabel() and ax.get_ylabel()
+    assert f"step {split}" in fig.axes[1].get_xlabel()
+    plt.close("all")
+    with pytest.raises(ValueError, match="at least one step"):
+        plot_schedules({"empty": []})
 
 
-# -- the notebook's latency helpers ---------------------------------------------------------------
+PROMPTS = [[3 + (11 * i + 7 * j + 5) % 94 for j in range(n)] for i, n in enumerate([9, 3, 12, 3, 6, 1, 9])]
+
 
 def test_preemption_events_and_recomputed_tokens(model):
     eng = Engine(model, max_batch_size=4, kv="paged", block_size=4, num_blocks=14)
-    eng.run([Request(p, 14, ignore_eos=True, request_id=f"r{i}") for i, p in enumerate(ex06.prompts(97))])
+    eng.run([Request(p, 14, ignore_eos=True, request_id=f"r{i}") for i, p in enumerate(PROMPTS)])
     events = lat.preemption_events(eng.records)
     preempted = [rid for _, kind, rid, _ in events if kind == "preempted"]
     assert preempted and preempted == [rid for r in eng.records for rid in r.preempted]
     assert sorted(rid for _, kind, rid, _ in events if kind == "readmitted") == sorted(preempted)
     tokens, seconds = lat.recomputed_tokens(eng.records)
-    # each recompute prefill redoes the prompt plus what the request had generated when it was preempted
     assert tokens >= sum(len(eng.sequences[rid].prompt_ids) for rid in preempted) and seconds > 0
 
 
@@ -153,7 +285,7 @@ def test_latency_figures_have_titles_and_axis_labels(model):
     import matplotlib.pyplot as plt
 
     eng = Engine(model, max_batch_size=4, kv="paged", block_size=4, num_blocks=14, preemption="swap")
-    done = eng.run([Request(p, 14, ignore_eos=True, request_id=f"r{i}") for i, p in enumerate(ex06.prompts(97))])
+    done = eng.run([Request(p, 14, ignore_eos=True, request_id=f"r{i}") for i, p in enumerate(PROMPTS)])
     axes = [lat.plot_request_anatomy(done[0]), lat.plot_itl_timeline(done),
             lat.plot_budget_tradeoff([{"budget": None, "worst_itl": 0.3, "ttft": 0.3},
                                       {"budget": 64, "worst_itl": 0.03, "ttft": 0.5}]),
@@ -167,9 +299,3 @@ def test_latency_figures_have_titles_and_axis_labels(model):
     plt.close("all")
     with pytest.raises(ValueError, match="paged engine"):
         lat.plot_preemptions([], 4)
-
-
-def test_a_policy_name_the_engine_does_not_know_gets_a_hint(model, capsys):
-    assert not ex06.check_policy("bogus", model)
-    out = capsys.readouterr().out
-    assert out.startswith("✗") and "policy must be one of" in out

@@ -1,271 +1,179 @@
-"""Notebook 06: write a scheduling policy (a :class:`~cbteach.core.policies.WaitingQueue`) and prove it safe.
+"""Notebook 06: build the scheduling step -- a :class:`~cbteach.core.scheduler.Scheduler` subclass whose
+``schedule(now)`` decides who runs and with how many tokens -- checked in four stages.
 
-The check runs the learner's policy inside the real :class:`~cbteach.Engine` on a few small
-workloads -- one batch slot, three slots with a token budget (chunked prefill), and a KV pool so
-small that requests are preempted, once with recompute and once with swap -- and checks, in this
-order:
+Each stage plugs the learner's class into the real :class:`~cbteach.Engine` (``scheduler_cls=``) on
+workloads built to expose the typical mistakes, runs the same workload with the engine's own
+scheduler, and compares, in this order:
 
-1. the policy runs: its ``key`` returns something comparable, its ``pick_victim`` returns one of
-   the running requests it was given;
-2. every request finishes, with exactly its forced number of tokens (``ignore_eos``);
-3. every output equals a policy-free first-come-first-served engine's output (a policy decides
-   *when* a request runs, never *what* it produces);
-4. no KV block is leaked (the pool is whole again at the end, nothing left swapped out);
-5. no step feeds more tokens than the token budget;
-6. the property the policy claims, on the workloads where nobody is preempted and everyone
-   arrives together: ``"shortest-prompt-first"`` admits requests in order of prompt length (equal
-   lengths in arrival order), ``"fcfs"`` in arrival order, ``"priority"`` by priority then arrival.
+1. the rules, checked the moment they are broken (:mod:`cbteach.exercises.scheduler_check`): no
+   call to the engine's own scheduling; a plan within the token budget, running requests first and
+   in order, none skipped while budget is left, every chunk with KV room; admissions only of
+   arrived requests, in the policy's order, within ``max_batch_size``, never in a step that
+   preempted; the policy's victim;
+2. the schedule, step by step: when each step ran, who ran with how many tokens from which position,
+   who was admitted and who was preempted -- the first step that differs is diagnosed;
+3. the tokens: equal to the engine's run, and on stage 1's first workload to per-prompt ``model.generate``;
+4. the pool: every KV block back at the end.
 
-The first broken invariant is reported with a hint; the answer is never printed.
+Stages: 1 -- no memory limit (a pool with room for every slot); 2 -- a token budget (chunked
+prefill); 3 -- a tiny pool (KV room, preemption, and a request that could never fit, which the
+engine refuses at add time); 4 -- the priority policy (its order, ties and victim). Hints name
+the misconception and where it showed, never the engine's choice or a value.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
 
-from ..core.engine import Engine
-from ..core.policies import WaitingQueue, make_queue
-from ..core.request import Request
+import torch
+
+from ..core.scheduler import Scheduler
 from . import report, self_check
+from ..viz.schedule import first_difference, plan_of
+from .scheduler_check import IDLE, NotDone, SchedulerMistake, Workload, run, watched
 
-CLAIMS = ("shortest-prompt-first", "fcfs", "priority")
-MAX_STEPS = 2000
+W = Workload
+ID8 = ("kite", "ash", "moss", "bee", "elm", "fox", "dew", "gnu")  # arrival order is not alphabetical order
+STAGES = {
+    1: [W("six requests, three slots, stop at EOS (compared with model.generate too)", ID8[:6], (5, 9, 3, 7, 4, 6),
+          (10,) * 6, 3, ignore_eos=False),
+        W("arrivals mid-run and an idle gap, two slots", ID8[:7], (4, 6, 3, 5, 2, 7, 3), (6, 3, 8, 2, 5, 4, 3), 2,
+          arrivals=(0, 0, 2.5, 3.5, 4.5, 30.5, 31.5))],
+    2: [W("a token budget of 8, long prompts", ID8[:5], (20, 3, 5, 30, 2), (6, 8, 5, 4, 7), 3, token_budget=8),
+        W("a token budget of 5, a long prompt arrives while others decode", ID8[:6], (3, 4, 2, 23, 3, 2),
+          (9, 12, 10, 3, 6, 4), 4, arrivals=(0, 0, 1.5, 4.5, 5.5, 7.5), token_budget=5)],
+    3: [W("a tiny pool of 12 blocks", ID8[:6], (8, 6, 9, 3, 17, 2), (12, 12, 10, 8, 6, 8), 4, num_blocks=12),
+        W("a tiny pool of 10 blocks and a token budget of 6", ID8[:7], (10, 3, 14, 5, 4, 2, 9),
+          (9, 10, 6, 8, 7, 9, 5), 4, arrivals=(0, 0, 0, 1.5, 2.5, 6.5, 9.5), token_budget=6, num_blocks=10),
+        W("a long prompt arrives while others decode, a tiny pool of 8 blocks, a token budget of 5", ID8[:6],
+          (3, 4, 2, 23, 3, 2), (9, 12, 10, 3, 6, 4), 4, arrivals=(0, 0, 1.5, 4.5, 5.5, 7.5), token_budget=5,
+          num_blocks=8)],
+    4: [W("priorities with ties, two slots", ID8, (5, 3, 6, 4, 2, 5, 3, 4), (4, 6, 3, 5, 4, 3, 6, 2), 2,
+          priorities=(1, 0, 1, 2, 0, 1, 0, 2), policy="priority"),
+        W("priorities, arrivals mid-run, a token budget of 7", ID8[:7], (6, 3, 9, 4, 5, 3, 2), (7, 5, 4, 6, 5, 4, 3),
+          3, arrivals=(0, 0, 0, 2.5, 3.5, 3.5, 8.5), priorities=(2, 2, 1, 0, 2, 0, 1), token_budget=7,
+          policy="priority"),
+        W("priorities with ties in a tiny pool of 11 blocks", ID8[:6], (7, 5, 6, 4, 8, 3), (10, 12, 9, 10, 6, 7), 4,
+          priorities=(1, 1, 0, 1, 0, 1), num_blocks=11, policy="priority"),
+        W("priorities, arrivals mid-run, a tiny pool of 7 blocks and a token budget of 5", ID8[:7], (6, 3, 4, 3, 5, 8, 5),
+          (11, 11, 10, 6, 7, 7, 8), 4, arrivals=(0, 0, 0.5, 2.5, 2.5, 3.5, 3.5), priorities=(2, 1, 1, 1, 2, 0, 0),
+          token_budget=5, num_blocks=7, policy="priority")],
+}
+NEVER_FITS = W("a request that could never fit", ("whale",), (60,), (4,), 1, num_blocks=12)
+STAGE_NAMES = {1: "no memory limit", 2: "the token budget and chunked prefill", 3: "KV room and preemption",
+               4: "priorities"}
 
-# Prompt lengths in arrival order (ties on purpose: 3 and 3, 9 and 9), and priorities for "priority".
-LENGTHS = [9, 3, 12, 3, 6, 1, 9]
-PRIORITIES = [1, 2, 0, 1, 0, 2, 1]
-
-
-@dataclass
-class Workload:
-    name: str
-    max_batch_size: int
-    max_new_tokens: int
-    block_size: int = 4
-    num_blocks: int | None = None  # None: plenty
-    token_budget: int | None = None
-    preemption: str = "recompute"
-    claim_holds: bool = True  # nobody is preempted here, so admissions follow the policy's order alone
-
-
-WORKLOADS = [
-    Workload("one batch slot, everyone arrives together", 1, 3),
-    Workload("three slots and a token budget of 8 (chunked prefill)", 3, 5, token_budget=8),
-    Workload("a tight KV pool of 14 blocks of 4 tokens (recompute preemption)", 4, 14, num_blocks=14,
-             claim_holds=False),
-    Workload("a tight KV pool of 14 blocks of 4 tokens (swap preemption)", 4, 14, num_blocks=14,
-             preemption="swap", claim_holds=False),
-]
-
-
-class PolicyError(Exception):
-    """The learner's policy broke its contract (raised from inside the engine, reported as a hint)."""
-
-
-def prompts(vocab_size: int) -> list[list[int]]:
-    """Deterministic token-id prompts of :data:`LENGTHS` (ids 3.. kept clear of special tokens)."""
-    span = max(1, min(vocab_size, 97) - 3)
-    return [[3 + (11 * i + 7 * j + 5) % span for j in range(n)] for i, n in enumerate(LENGTHS)]
+_references: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {workload name: Run}
 
 
-def requests(model, max_new_tokens: int) -> list[Request]:
-    return [Request(p, max_new_tokens, request_id=f"r{i}", priority=PRIORITIES[i], ignore_eos=True)
-            for i, p in enumerate(prompts(model.config.vocab_size))]
+def reference_run(model, workload: W):
+    """The engine's own scheduler on ``workload`` (cached per model: every stage compares with it)."""
+    runs = _references.setdefault(model, {})
+    if workload.name not in runs:
+        runs[workload.name] = run(model, workload)
+    return runs[workload.name]
 
 
-def reference_outputs(model, max_new_tokens: int) -> dict:
-    """What a plain FCFS engine with room for everyone (concatenating cache, no pool) produces."""
-    reqs = requests(model, max_new_tokens)
-    done = Engine(model, None, max_batch_size=len(reqs)).run(reqs)
-    return {c.request_id: c.output_ids for c in done}
+def generate_outputs(model, workload: W) -> dict:
+    """Per-prompt greedy ``model.generate``: the ground truth for a workload that stops at EOS."""
+    outs = {}
+    for r in workload.requests(model.config.vocab_size):
+        ids = torch.tensor([r.prompt], device=model.device)
+        eos = model.generation_config.eos_token_id
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=r.max_new_tokens,
+                             pad_token_id=eos if isinstance(eos, int) else None)
+        outs[r.request_id] = out[0, ids.shape[1]:].tolist()
+    return outs
 
 
-def _factory(policy):
-    """A function that makes a fresh queue of the learner's policy for each engine."""
-    if isinstance(policy, WaitingQueue):
-        return lambda: type(policy)()
-    if isinstance(policy, type) and issubclass(policy, WaitingQueue):
-        return policy
-    if isinstance(policy, str):
-        make_queue(policy)  # raises ValueError for an unknown name
-        return lambda: make_queue(policy)
+def diagnose(ref, mine) -> str:
+    """Name the misconception behind the first step where ``mine``'s schedule differs from ``ref``'s.
+    The steps before it were identical, so both schedulers saw the same state."""
+    t_ref, plan_ref, adm_ref, pre_ref = plan_of(ref)
+    t, plan, adm, pre = plan_of(mine)
+    if t != t_ref:
+        return IDLE if t > t_ref else "a step ran before anything could: only requests that have arrived may run"
+    if pre_ref and not pre:
+        return ("the KV manager refused room and nobody was preempted: when allocate_slots returns None, preempt "
+                "the policy's victim and ask again")
+    if pre and not pre_ref:
+        return "a request was preempted although no request had been refused room"
+    got, want = {r: n for r, _, n in plan}, {r: n for r, _, n in plan_ref}
+    if pre and set(got) > set(want):
+        return ("after the request asking for room was itself the victim, later running requests were still "
+                "planned: when that happens the running loop ends (vLLM V1)")
+    if any(got.get(r, 0) < n for r, n in want.items() if r not in adm_ref):
+        if pre:
+            return ("after a preemption, a request got fewer tokens than the budget allowed: a victim already planned "
+                    "in this step gives its tokens back to the budget (preempt returns how many)")
+        return ("a running request got fewer tokens than it lacked (or none) while budget was left: check the "
+                "arithmetic on the budget and on what a request lacks -- an off-by-one?")
+    if len(adm) < len(adm_ref):
+        return ("a request that had arrived was left waiting although a slot, budget and KV room for its chunk were "
+                "free: did admissions stop too early (an off-by-one on the batch limit or the budget, a stop at a "
+                "request not arrived yet), or wait for room for a whole prompt instead of the chunk it feeds now?")
+    if any(got.get(r, 0) != n for r, n in want.items()):
+        return "an admitted request's chunk is not what it lacks, cut to the budget that is left"
+    return "the step's plan differs from the engine's scheduler's on the same state: compare your loop with the rules"
+
+
+def _check_workload(cls, model, w: W, with_generate: bool) -> str | None:
+    """None if ``cls`` schedules ``w`` exactly as the engine does, else the hint."""
+    ref = reference_run(model, w)
+    if ref.mistake is not None:  # the engine's own scheduler must pass its own check
+        raise RuntimeError(f"the engine's scheduler failed workload {w.name!r}: {ref.mistake}")
+    mine = run(model, w, watched(cls), max_steps=3 * len(ref.records) + 20)
+    where = f"on the workload '{w.name}'"
+    diff = first_difference(ref.records, mine.records)
+    if isinstance(mine.mistake, NotDone):
+        return str(mine.mistake)
+    if diff is not None and diff < len(mine.records) and diff < len(ref.records):
+        return f"{where}, step {diff}: {diagnose(ref.records[diff], mine.records[diff])}"
+    if mine.mistake is not None:
+        return f"{where}, step {len(mine.records)}: {mine.mistake}"
+    if diff is not None:
+        return f"{where}: your run took a different number of steps than the engine's with its scheduler"
+    outputs = {rid: c.output_ids for rid, c in mine.engine.completions.items()}
+    if outputs != {rid: c.output_ids for rid, c in ref.engine.completions.items()}:
+        return f"{where}: the schedules matched but the tokens differ -- does your code change the requests' tokens?"
+    if with_generate and outputs != generate_outputs(model, w):
+        return f"{where}: the tokens differ from model.generate's -- does your code change the requests' tokens?"
+    if mine.engine.kv_usage()["num_used_blocks"]:
+        return f"{where}: KV blocks are still in use after every request finished"
     return None
 
 
-def _watched(queue: WaitingQueue) -> WaitingQueue:
-    """Wrap the queue's ``key`` and ``pick_victim`` so a broken one is caught where it happens."""
-    key, pick = queue.key, queue.pick_victim
-
-    def checked_key(seq):
-        try:
-            k = key(seq)
-        except NotImplementedError:
-            raise PolicyError("your class has no key(): define key(self, seq), which returns what the waiting "
-                              "queue sorts by (smaller is admitted first)") from None
-        except Exception as err:
-            raise PolicyError(f"key({seq.request_id!r}) raised {type(err).__name__}: {err}") from None
-        if k is None:
-            raise PolicyError(f"key({seq.request_id!r}) returned None: did you forget a `return`?")
-        return k
-
-    def checked_pick(running):
-        offered = list(running)
-        try:
-            victim = pick(running)
-        except Exception as err:
-            raise PolicyError(f"pick_victim raised {type(err).__name__}: {err}") from None
-        if not any(victim is s for s in offered):
-            what = getattr(victim, "request_id", victim)
-            raise PolicyError(f"pick_victim returned {what!r}, which is not one of the running requests it was "
-                              f"given ({[s.request_id for s in offered]}): the victim must come from `running`")
-        return victim
-
-    queue.key = checked_key
-    queue.pick_victim = checked_pick
-    return queue
-
-
-def run_workload(make, model, w: Workload):
-    """Run the seven requests of :func:`requests` under workload ``w`` with a queue from ``make()``.
-    Returns ``(engine, records)``; raises :class:`PolicyError` when the policy breaks its contract."""
-    kw = {} if w.num_blocks is None else {"num_blocks": w.num_blocks}
+def _never_fits(model) -> bool:
+    """The engine refuses, at add time, a request that could never fit even alone in the pool."""
     try:
-        queue = make()
-    except Exception as err:
-        raise PolicyError(f"your policy could not be created without arguments: {type(err).__name__}: {err}") \
-            from None
-    if not isinstance(queue, WaitingQueue):
-        raise PolicyError(f"a policy is a subclass of cbteach.core.policies.WaitingQueue; got {type(queue).__name__}")
-    eng = Engine(model, None, max_batch_size=w.max_batch_size, kv="paged", block_size=w.block_size,
-                 token_budget=w.token_budget, policy=_watched(queue), preemption=w.preemption, **kw)
-    try:
-        for r in requests(model, w.max_new_tokens):
-            eng.add_request(r)
-        records = []
-        while eng.has_unfinished() and len(records) < MAX_STEPS:
-            rec = eng.step()
-            if rec.seqs:
-                records.append(rec)
-    except PolicyError:
-        raise
-    except Exception as err:  # the engine tripped over something the policy did
-        raise PolicyError(f"the engine failed with {type(err).__name__}: {err}") from None
-    return eng, records
-
-
-def _admissions(records) -> list:
-    return [rid for rec in records for rid in rec.admitted]
-
-
-def expected_order(claim: str, reqs) -> list:
-    """The admission order ``claim`` promises when everyone arrives together (ties: arrival order)."""
-    index = {r.request_id: i for i, r in enumerate(reqs)}
-    if claim == "shortest-prompt-first":
-        sort_key = lambda r: (len(r.prompt), index[r.request_id])
-    elif claim == "priority":
-        sort_key = lambda r: (r.priority, index[r.request_id])
-    else:
-        sort_key = lambda r: index[r.request_id]
-    return [r.request_id for r in sorted(reqs, key=sort_key)]
-
-
-def _claim_hint(claim, reqs, got, expected) -> str:
-    by_id = {r.request_id: r for r in reqs}
-    arrival = [r.request_id for r in reqs]
-    if claim == "shortest-prompt-first":
-        lengths = [len(by_id[rid].prompt) for rid in got]
-        shown = f"the prompt lengths, in the order admitted, were {lengths}"
-        if got == arrival:
-            return f"{shown}: that is arrival order -- your key does not depend on the prompt's length"
-        if lengths == sorted(lengths, reverse=True):
-            return (f"{shown}: longest first. The queue admits the *smallest* key first, so your key grows "
-                    "the wrong way")
-        if lengths == sorted(lengths):
-            return (f"{shown}: sorted, but prompts of equal length were not admitted in arrival order (ids "
-                    f"{got}); among equals, the request that came first should go first")
-        return f"{shown}: a shortest-prompt-first policy admits them in non-decreasing length"
-    if claim == "priority":
-        prios = [by_id[rid].priority for rid in got]
-        shown = f"the priorities, in the order admitted, were {prios}"
-        if got == arrival:
-            return f"{shown}: that is arrival order -- your key ignores Request.priority"
-        if prios == sorted(prios, reverse=True):
-            return f"{shown}: least urgent first. Smaller priority = more urgent, and the smallest key goes first"
-        if prios == sorted(prios):
-            return (f"{shown}: sorted, but equal priorities were not admitted in arrival order (ids {got}); "
-                    "among equals, the request that came first should go first")
-        return f"{shown}: a priority policy admits them in non-decreasing priority"
-    if got == list(reversed(arrival)):
-        return ("they were admitted last in, first out; the queue admits the smallest key first, so under "
-                "FCFS the earliest arrival needs the smallest key")
-    return f"they were admitted in the order {got}; first come, first served admits in the order requests arrived"
+        NEVER_FITS.engine(model).add_request(NEVER_FITS.requests(model.config.vocab_size)[0])
+    except ValueError:
+        return True
+    return False
 
 
 @self_check
-def check_policy(policy, model, claim: str = "shortest-prompt-first") -> bool:
-    """Run ``policy`` (a :class:`~cbteach.core.policies.WaitingQueue` subclass) in the real engine on
-    :data:`WORKLOADS` and check the invariants and the ``claim`` (one of :data:`CLAIMS`).
-
-    ``model`` is any causal LM the engine runs (the notebook's bierce); prompts are token ids, so no
-    tokenizer is needed, and output lengths are forced so every run is deterministic.
-    """
-    if not isinstance(claim, str) or claim not in CLAIMS:
-        return report(False, "", f"claim must be one of {CLAIMS}, got {claim!r}")
-    make = _factory(policy)
-    if make is None:
-        return report(False, "", f"pass your policy class itself (a subclass of cbteach.core.policies.WaitingQueue); "
-                                 f"got {type(policy).__name__}")
-    references: dict = {}
-    preempted = 0
-    for w in WORKLOADS:
-        if w.max_new_tokens not in references:
-            references[w.max_new_tokens] = reference_outputs(model, w.max_new_tokens)
-        ref = references[w.max_new_tokens]
-        reqs = requests(model, w.max_new_tokens)
+def check_stage(stage, scheduler_cls, model) -> bool:
+    """Stage ``stage`` (1-4, see :data:`STAGES`) of the scheduler exercise, for ``scheduler_cls`` (a
+    subclass of :class:`~cbteach.core.scheduler.Scheduler` that overrides ``schedule``) on ``model``."""
+    if stage not in STAGES:
+        return report(False, "", f"stage must be one of {sorted(STAGES)}, got {stage!r}")
+    if scheduler_cls is None or scheduler_cls is Ellipsis:
+        return report(False, "", "not done yet: write your scheduler class, then run this check")
+    if not (isinstance(scheduler_cls, type) and issubclass(scheduler_cls, Scheduler)):
+        return report(False, "", f"pass your scheduler class itself, a subclass of cbteach.core.scheduler.Scheduler "
+                                 f"(got {type(scheduler_cls).__name__})")
+    if scheduler_cls.schedule is Scheduler.schedule:
+        return report(False, "", "not done yet: your class does not define schedule(self, now)")
+    for i, w in enumerate(STAGES[stage]):
         try:
-            eng, records = run_workload(make, model, w)
-        except PolicyError as err:
-            return report(False, "", f"on the workload '{w.name}': {err}")
-        preempted += sum(len(r.preempted) for r in records)
-        where = f"on the workload '{w.name}'"
-        # 2. every request finished, with its forced length
-        missing = [r.request_id for r in reqs if r.request_id not in eng.completions]
-        if missing:
-            stuck = len(records) >= MAX_STEPS
-            return report(False, "", f"{where}, requests {missing} never finished " + (
-                f"(still running after {MAX_STEPS} steps: are the same requests preempted over and over?)"
-                if stuck else "(the engine ran out of work without them: did your queue lose a request it was "
-                              "given? add() must keep every request, and remove() take out only the one "
-                              "asked for)"))
-        short = [c.request_id for c in eng.completions.values()
-                 if len(c.output_ids) != w.max_new_tokens or c.finish_reason != "length"]
-        if short:
-            return report(False, "", f"{where}, requests {short} did not produce their {w.max_new_tokens} tokens")
-        # 3. outputs equal a policy-free engine's
-        wrong = [rid for rid, out in ref.items() if eng.completions[rid].output_ids != out]
-        if wrong:
-            return report(False, "", f"{where}, the output of {wrong} differs from a plain FCFS engine's: a "
-                                     "policy may change when a request runs, never what it produces -- does your "
-                                     "policy modify the requests or sequences it is given?")
-        # 4. no KV block leaked
-        mgr = eng.kv.manager
-        if mgr.num_free_blocks != eng.kv.num_blocks or any(mgr.allocator.ref_counts) or eng.kv.swap_space:
-            used = eng.kv.num_blocks - mgr.num_free_blocks
-            return report(False, "", f"{where}, {used} KV block(s) are still in use after every request "
-                                     f"finished ({len(eng.kv.swap_space)} request(s) still swapped out): did your "
-                                     "queue keep a request that had already left?")
-        # 5. the token budget
-        if w.token_budget is not None:
-            over = next((r for r in records if r.num_tokens > w.token_budget), None)
-            if over is not None:
-                return report(False, "", f"{where}, step {over.step} fed {over.num_tokens} tokens, over the "
-                                         f"budget of {w.token_budget}")
-        # 6. the claimed property
-        if w.claim_holds:
-            got, expected = _admissions(records), expected_order(claim, reqs)
-            if got != expected:
-                return report(False, "", f"{where}, the policy does not do what '{claim}' promises: "
-                                         f"{_claim_hint(claim, reqs, got, expected)}")
-    note = f", {preempted} preemptions survived" if preempted else ""
-    return report(True, f"your policy is safe and keeps its promise ('{claim}') on all {len(WORKLOADS)} workloads: "
-                        f"every request finished with the same tokens as plain FCFS, no KV block leaked, the "
-                        f"token budget held{note}", "")
+            hint = _check_workload(scheduler_cls, model, w, with_generate=stage == 1 and i == 0)
+        except SchedulerMistake as err:
+            hint = str(err)
+        if hint is not None:
+            return report(False, "", f"stage {stage} ({STAGE_NAMES[stage]}): {hint}")
+    extra = ""
+    if stage == 3 and _never_fits(model):
+        extra = "; a request that could never fit was refused by the engine at add time (ValueError), never queued"
+    return report(True, f"stage {stage} ({STAGE_NAMES[stage]}): on all {len(STAGES[stage])} workloads your scheduler "
+                        f"planned every step as the engine's does -- same requests, tokens, admissions and "
+                        f"preemptions -- with the same outputs and no KV block left behind{extra}", "")
