@@ -64,6 +64,8 @@ MISTAKES = [
      "victim = max(self.running, key=lambda s: s.request.priority)", 3, "victim is not the policy's"),
     ("no tie-break, equal priorities: the victim taken among equals by max", VICTIM,
      "victim = max(self.running, key=lambda s: s.request.priority)", 4, "victim is not the policy's"),
+    ("a tie of priority and arrival broken by max (the oldest), not by the policy", VICTIM,
+     "victim = max(self.running, key=lambda r: (r.request.priority, r.arrival_time))", 4, "victim is not the policy's"),
     ("equal priorities ordered by request id", ARRIVED,
      "for seq in sorted([s for s in self.waiting if s.arrival_time <= now], key=lambda s: (s.request.priority, "
      "s.request_id)):", 4, "out of the policy's order"),
@@ -204,8 +206,14 @@ def test_the_student_stub_says_not_done_yet(model):
     assert not ok and "not done yet" in out
 
 
+def test_the_model_defaults_to_bierce_and_the_arguments_may_come_in_either_order(model):
+    assert check(2, scheduler_from(SOLUTION), None)[0]
+    ok, out = check(scheduler_from(SOLUTION), 3, model)
+    assert ok, out
+
+
 def test_a_stage_that_does_not_exist_is_refused(model):
-    for stage in (0, 5, "1", None):
+    for stage in (0, 5, "1", None, True):
         ok, out = check(stage, scheduler_from(SOLUTION), model)
         assert not ok and "stage must be one of" in out
 
