@@ -49,6 +49,20 @@ def _chromium() -> str | None:
     return None
 
 
+def start_playwright():
+    """Playwright started, and the Chromium binary it will drive -- or a skip that says what is missing."""
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        print("SKIP reason: Playwright is not installed (pip install playwright)")
+        pytest.skip("Playwright is not installed (pip install playwright)")
+    chromium = _chromium()
+    if chromium is None:
+        print("SKIP reason: no chromium binary (apt-get install chromium, or set CBTEACH_CHROMIUM)")
+        pytest.skip("no chromium binary (apt-get install chromium, or set CBTEACH_CHROMIUM)")
+    return sync_playwright().start(), chromium
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -128,16 +142,7 @@ def lab(tmp_path):
 def browser_page(tmp_path):
     """A fresh headless Chromium page that may only reach 127.0.0.1."""
     pytest.importorskip("jupyterlab", reason="JupyterLab is not installed (pip install 'cbteach[lab]')")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        print("SKIP reason: Playwright is not installed (pip install playwright)")
-        pytest.skip("Playwright is not installed (pip install playwright)")
-    chromium = _chromium()
-    if chromium is None:
-        print("SKIP reason: no chromium binary (apt-get install chromium, or set CBTEACH_CHROMIUM)")
-        pytest.skip("no chromium binary (apt-get install chromium, or set CBTEACH_CHROMIUM)")
-    pw = sync_playwright().start()
+    pw, chromium = start_playwright()
     context = None
     try:
         context = pw.chromium.launch_persistent_context(

@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from test_browser import CHROMIUM_ARGS, _chromium
+from test_browser import CHROMIUM_ARGS, start_playwright
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi", reason="the serve extra is not installed (pip install 'cbteach[serve]')")
@@ -22,14 +22,7 @@ WAIT_MS = 30_000
 
 @pytest.fixture
 def page(tmp_path):
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.skip("Playwright is not installed (pip install playwright)")
-    chromium = _chromium()
-    if chromium is None:
-        pytest.skip("no chromium binary (apt-get install chromium, or set CBTEACH_CHROMIUM)")
-    pw = sync_playwright().start()
+    pw, chromium = start_playwright()
     context = None
     try:
         context = pw.chromium.launch_persistent_context(str(tmp_path / "profile"), executable_path=chromium,

@@ -27,7 +27,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 import build_site  # noqa: E402
-from test_browser import CHROMIUM_ARGS, _chromium  # noqa: E402
+from test_browser import CHROMIUM_ARGS, start_playwright  # noqa: E402
 
 PAGE_LOAD_S = 30
 SEARCH_S = 30
@@ -105,14 +105,7 @@ def served(site):
 def browser(tmp_path_factory):
     """A headless Chromium context that may only reach 127.0.0.1; yields ``(context, outside)``,
     ``outside`` collecting every request to anywhere else (blocked)."""
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.skip("Playwright is not installed (pip install playwright)")
-    chromium = _chromium()
-    if chromium is None:
-        pytest.skip("no chromium binary (apt-get install chromium, or set CBTEACH_CHROMIUM)")
-    pw = sync_playwright().start()
+    pw, chromium = start_playwright()
     outside: list[str] = []
     context = None
     try:
