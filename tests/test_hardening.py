@@ -249,3 +249,73 @@ def test_random_prompts_stay_exact_with_a_tiny_temperature_among_sampled_ones():
     got = Engine(model, max_batch_size=4, kv="paged", block_size=2).run(reqs)
     assert [c.output_ids for c in got[:3]] == [reference(model, p, 6) for p in prompts]
     assert len(got[3].output_ids) >= 1
+
+
+# -- found by a random-workload fuzzer (each failed before its fix) -----------------------------------
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_a_step_that_only_preempts_is_not_taken_for_idleness(preemption):
+    # Priority: the first running request needs a block and is itself the least urgent, so it is its
+    # own victim and the running loop stops (vLLM V1) before anyone ran. That step preempted: the
+    # engine goes on (it used to wait for an arrival, find none and raise "made no progress").
+    model = tiny_model("gpt2")
+    eng = Engine(model, max_batch_size=4, kv="paged", block_size=4, num_blocks=2, policy="priority",
+                 preemption=preemption)
+    a = Request([11, 12, 13], 6, request_id="A", priority=1, ignore_eos=True)
+    b = Request([21, 22, 23], 2, request_id="B", priority=0, ignore_eos=True)
+    eng.add_request(a)
+    eng.step()
+    eng.add_request(b)
+    eng.step()
+    eng.run([])
+    only_preempted = [r for r in eng.records if not r.seqs]
+    assert only_preempted and all(r.preempted and not r.admitted for r in only_preempted)
+    assert [eng.completions[r.request_id].output_ids for r in (a, b)] == [reference(model, r.prompt, r.max_new_tokens)
+                                                                         for r in (a, b)]
+
+
+def test_disaggregation_goes_on_after_a_step_that_only_preempted():
+    model = tiny_model("gpt2")
+    for _ in range(3):  # the timing comes from real step durations: a few tries
+        server = DisaggregatedServer(model, max_batch_size=4, block_size=4,
+                                     prefill_options=dict(max_batch_size=1, policy="priority"),
+                                     decode_options=dict(num_blocks=2, policy="priority"))
+        reqs = [Request([11], 7, request_id="A", priority=1, ignore_eos=True),
+                Request([21], 4, request_id="B", priority=0, ignore_eos=True, arrival_time=1e-6)]
+        got = server.run(reqs)
+        assert [c.output_ids for c in got] == [reference(model, r.prompt, r.max_new_tokens) for r in reqs]
+
+
+def test_a_stream_closed_or_dropped_before_reading_aborts_its_requests():
+    import gc
+
+    eng = Engine(tiny_model("gpt2"), max_batch_size=4, kv="paged", block_size=4)
+    eng.stream([Request([1, 2, 3], 5, request_id="a")]).close()
+    dropped = eng.stream([Request([4, 5, 6], 5, request_id="b")])
+    del dropped
+    gc.collect()
+    assert [eng.sequences[r].status.value for r in ("a", "b")] == ["aborted", "aborted"]
+    assert not eng.has_unfinished() and eng.kv_usage()["num_used_blocks"] == 0
+
+
+def test_a_request_added_while_the_last_event_is_held_is_streamed():
+    model = tiny_model("gpt2")
+    eng = Engine(model, max_batch_size=4, kv="paged", block_size=4)
+    events = []
+    for ev in eng.stream([Request([1, 2, 3], 2, request_id="a", ignore_eos=True)]):
+        events.append(ev)
+        if ev.finish_reason and ev.request_id == "a":
+            eng.add_request(Request([4, 5, 6], 2, request_id="b", ignore_eos=True))
+    assert [e.token_id for e in events if e.request_id == "b"] == reference(model, [4, 5, 6], 2)
+
+
+def test_numbers_of_any_real_type_sample_and_a_non_bool_ignore_eos_is_refused():
+    from fractions import Fraction
+
+    model = tiny_model("gpt2")
+    eng = Engine(model, max_batch_size=4, kv="paged", block_size=4)
+    params = SamplingParams(temperature=Fraction(1, 2), top_p=Fraction(9, 10), seed=1)
+    assert isinstance(params.temperature, float) and isinstance(params.top_p, float)
+    got = eng.run([Request([5, 6, 7], 4, sampling_params=params), Request([1, 2, 3, 4], 4, request_id="good")])
+    assert got[1].output_ids == reference(model, [1, 2, 3, 4], 4)
+    with pytest.raises(ValueError, match="ignore_eos must be True or False"):
+        eng.add_request(Request([1, 2], 3, ignore_eos="false"))

@@ -136,3 +136,23 @@ def test_bad_sample_counts_are_refused():
         static_batching(model, None, [Request(PROMPT, 4, sampling_params=SamplingParams(n=2))], batch_size=2)
     with pytest.raises(ValueError, match="n > 1"):
         DisaggregatedServer(model).run([Request(PROMPT, 4, sampling_params=SamplingParams(n=2))])
+
+
+def test_aborting_one_sample_before_it_forked_keeps_it_aborted():
+    model = tiny_model("llama")
+    eng = Engine(model, max_batch_size=4, kv="paged", block_size=4)
+    eng.add_request(Request(list(range(10, 20)), 6, request_id="r", ignore_eos=True, sampling_params=SamplingParams(n=3)))
+    assert eng.abort(("r", 1)).finish_reason == "aborted"
+    eng.run([])
+    samples = eng.completions["r"].samples
+    assert [(s.finish_reason, len(s.output_ids)) for s in samples] == [("length", 6), ("aborted", 0), ("length", 6)]
+    assert samples[2].output_ids == reference(model, list(range(10, 20)), 6)
+    _no_leak(eng)
+
+
+def test_a_sample_id_cannot_be_taken_by_another_request():
+    eng = Engine(tiny_model("gpt2"), max_batch_size=4, kv="paged", block_size=4)
+    with pytest.raises(ValueError, match="duplicate request_id"):
+        eng.run([Request([1, 2, 3], 3, request_id=("x", 1)),
+                 Request([7, 8, 9], 3, request_id="x", sampling_params=SamplingParams(n=2))])
+    assert not eng.has_unfinished()

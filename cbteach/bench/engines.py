@@ -158,7 +158,7 @@ def run_cbteach(model, tok, requests, batch_size, kv="paged", keep_records=False
     with eng.serving():  # attention switched once for the run, as Engine.run does
         while eng.has_unfinished():
             rec = eng.step()
-            if rec.seqs:
+            if not rec.idle:
                 steps += 1
                 peak = max(peak, len(rec.seqs))
                 continue

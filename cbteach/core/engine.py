@@ -101,8 +101,9 @@ class Engine:
         prompt_ids = validate_request(request, tokenizer=self.tokenizer, vocab_size=self.info.vocab_size,
                                       max_pos=self.info.max_positions)
         rid, n = request.request_id, request.sampling_params.n
-        if rid in self.sequences or rid in self.groups or rid in taken:
-            raise ValueError(f"duplicate request_id {rid!r}: every request needs its own id")
+        if any(i in self.sequences or i in self.groups or i in taken for i in _ids_of(rid, n)):
+            raise ValueError(f"duplicate request_id {rid!r}: every request needs its own id (a request with n > 1 "
+                             "samples also takes the ids (request_id, i) of its samples)")
         if n > self.scheduler.max_batch_size:
             raise ValueError(f"request {rid!r} asks for n={n} samples, but a batch holds at most "
                              f"{self.scheduler.max_batch_size} sequences (max_batch_size): every sample needs a slot")
@@ -160,7 +161,8 @@ class Engine:
     # -- stepping ----------------------------------------------------------------------------
     @property
     def num_steps(self) -> int:
-        """Forward steps run so far (idle waits for arrivals not counted), kept even without records."""
+        """Steps run so far -- forward passes, and the rare step that only preempted (idle waits for
+        arrivals not counted) -- kept even without records."""
         return self._num_steps
 
     def has_unfinished(self) -> bool:
@@ -194,7 +196,7 @@ class Engine:
         if self.keep_records and self.kv.kind == "paged":
             record.kv_usage = self.kv.usage()
         record.duration = self.now() - start
-        if plan.seqs:  # an idle step (waiting for arrivals) leaves no trace in the history
+        if not record.idle:  # an idle step (waiting for arrivals) leaves no trace in the history
             self._num_steps += 1
             if self.keep_records:
                 self.records.append(record)
@@ -234,7 +236,7 @@ class Engine:
             record = self.step()
             if bar is not None:
                 bar.update(sum(1 for rid in record.finished if rid in ours))
-            if not record.seqs:
+            if record.idle:
                 self.wait_for_arrival()
         if bar is not None:
             bar.close()
@@ -268,6 +270,9 @@ class Engine:
                              "swapped-out request can be aborted")
         for seq in live:
             self.scheduler.abort(seq)  # a sample that never forked is nowhere and holds nothing yet
+            for sibling in self.groups.get(seq.request.request_id, []):
+                if seq in sibling.forks:  # it will not fork: no slot, no first token
+                    sibling.forks.remove(seq)
             seq.finish_reason = "aborted"
             self._complete(seq, self.now())
         return self.completions.get(request_id) or seqs[0].completion
@@ -279,7 +284,7 @@ class Engine:
         checked = []
         for r in requests:  # check them all before queuing any
             checked.append(self.check_request(r, taken))
-            taken.add(r.request_id)
+            taken.update(_ids_of(r.request_id, r.sampling_params.n))
         t_run = self.now()
         for r, prompt_ids in zip(requests, checked):
             self._enqueue(r, prompt_ids, t_run + (r.arrival_time or 0.0), claimed=True)
@@ -309,6 +314,11 @@ class Engine:
             self.completions[seq.request_id] = seq.completion
         elif all(s.completion is not None for s in group):  # the request is done when its last sample is
             self.completions[seq.request.request_id] = Completion.of_samples([s.completion for s in group], now)
+
+
+def _ids_of(request_id, n: int) -> list:
+    """The ids a request takes: its own, and ``(request_id, i)`` for each of ``n > 1`` samples."""
+    return [request_id] if n == 1 else [request_id] + [(request_id, i) for i in range(n)]
 
 
 def _make_kv_cache(info, config: EngineConfig):

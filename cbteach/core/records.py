@@ -59,6 +59,13 @@ class StepRecord:
 
     # -- derived views ---------------------------------------------------------------------
     @property
+    def idle(self) -> bool:
+        """Nothing happened: no forward pass and no preemption (the engine waits for an arrival).
+        A step can preempt without running anything: under vLLM V1's rule the running loop stops
+        when a request is its own victim, and it may be the first one asked."""
+        return not self.seqs and not self.preempted
+
+    @property
     def num_tokens(self) -> int:
         """Length of the packed row."""
         return sum(s.num_scheduled_tokens for s in self.seqs)

@@ -228,6 +228,8 @@ def validate_request(request, *, tokenizer, vocab_size: int, max_pos: int | None
     if not isinstance(request.sampling_params, SamplingParams):
         raise ValueError(f"request {rid!r}: sampling_params must be a cbteach.SamplingParams, "
                          f"got {type(request.sampling_params).__name__}")
+    if not isinstance(request.ignore_eos, bool):
+        raise ValueError(f"request {rid!r}: ignore_eos must be True or False, got {request.ignore_eos!r}")
     if not isinstance(request.priority, numbers.Integral) or isinstance(request.priority, bool):
         raise ValueError(f"request {rid!r}: priority must be an int (smaller = more urgent), got {request.priority!r}")
     prompt = request.prompt

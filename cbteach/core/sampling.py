@@ -44,6 +44,9 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
         if not isinstance(p, numbers.Real) or isinstance(p, bool) or not 0 < p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+        # A Fraction or a NumPy number is a valid value; torch divides by floats.
+        object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "top_p", float(p))
         if self.seed is not None and (not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool)
                                       or not -2**63 <= self.seed < 2**64):
             raise ValueError(f"seed must be None or an int in [-2**63, 2**64) (what torch.Generator takes), "

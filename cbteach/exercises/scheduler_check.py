@@ -122,7 +122,7 @@ def run(model, workload: Workload, scheduler_cls=None, max_steps: int = 2000) ->
                 raise SchedulerMistake(f"requests were still unfinished after {max_steps} steps: are the same "
                                        "requests preempted over and over, or is one never given its tokens?")
             rec = eng.step()
-            if rec.seqs:
+            if not rec.idle:  # a forward pass, or a step that only preempted
                 records.append(rec)
                 continue
             nxt = eng.scheduler.next_event_time(eng.now())

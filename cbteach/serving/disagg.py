@@ -96,7 +96,7 @@ class DisaggregatedServer:
             busy = [e for e in engines if e.has_unfinished()]
             eng = min(busy, key=lambda e: e.now())  # the one behind in time goes next, as two GPUs would
             other = self.decode if eng is self.prefill else self.prefill
-            if not eng.step().seqs:  # idle: jump to its next event (an arrival, a handover's bytes landing),
+            if eng.step().idle:  # idle: jump to its next event (an arrival, a handover's bytes landing),
                 nxt = eng.scheduler.next_event_time(eng.now())  # or catch up with the other engine
                 target = nxt if nxt is not None else other.now()
                 if target <= eng.now() and not other.has_unfinished():

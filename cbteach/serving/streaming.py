@@ -39,7 +39,40 @@ def stream_events(engine, requests=()):
     closing event.
     """
     covered = _Covered(engine, [sid for r in requests for sid in engine.sample_ids(r.request_id)])
-    return _events(engine, covered)
+    return EventStream(engine, covered)
+
+
+class EventStream:
+    """The iterator :meth:`~cbteach.Engine.stream` returns: a generator of events that also ends its
+    requests when the consumer hangs up before reading anything (a generator that never started runs
+    no code when it is closed or dropped, so this wrapper does it)."""
+
+    def __init__(self, engine, covered):
+        self._engine, self._covered = engine, covered
+        self._events = _events(engine, covered)
+        self._started = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> StreamEvent:
+        self._started = True
+        return next(self._events)
+
+    def close(self) -> None:
+        """Stop listening: the requests this stream covers that are not finished are aborted."""
+        if not self._started:
+            self._started = True
+            for rid in self._covered.open_ids():
+                if not self._engine.sequences[rid].status.is_finished:
+                    self._engine.abort(rid)
+        self._events.close()
+
+    def __del__(self):  # dropped by the consumer: it hung up
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001  (never raise from a finaliser; the engine may be gone already)
+            pass
 
 
 class _Covered:
@@ -73,11 +106,12 @@ def _events(engine, covered: _Covered):
         while True:
             covered.refresh()
             yield from _catch_up(engine, covered, shown)
+            covered.refresh()  # the consumer may have added a request while it held the last event
             if not covered.open_ids():
                 return
             if not engine.has_unfinished():  # someone else finished them: the next catch-up closes them
                 continue
-            if not engine.step().seqs:
+            if engine.step().idle:
                 engine.wait_for_arrival()
     except GeneratorExit:  # the consumer stopped listening: its requests stop too, and give their blocks back
         for rid in covered.open_ids():

@@ -33,7 +33,7 @@ def _check_index(records, index) -> list:
 
 def _what(rec) -> str:
     if not rec.seqs:
-        return "nothing to run (waiting for requests)"
+        return f"nothing ran: preempted {rec.preempted}" if rec.preempted else "nothing to run (waiting for requests)"
     if rec.is_fused:
         return f"fuses prefill ({rec.num_prefill_tokens} tokens) and decode ({rec.num_decode_tokens}) in one pass"
     return "prefill only" if rec.num_decode_tokens == 0 else "decode only"
