@@ -207,3 +207,10 @@ def test_latency_figures_refuse_rows_they_cannot_draw():
     with pytest.raises(ValueError, match="every policy needs the same lanes"):
         lat.plot_lanes({"fcfs": {"hi": (0.1, 0.2)}, "priority": {"lo": (0.1, 0.2)}})
     assert not plt.get_fignums()
+
+
+def test_targets_without_a_static_row_are_not_measured():
+    """``bench --engines cbteach_paged`` alone: no static row to compare with, so nothing is measured
+    (it used to divide by zero after the whole run)."""
+    tg = targets({"cbteach_paged": {"steps": 40, "seconds": 1.0, "tokens_per_s": 100.0}})
+    assert tg["paged_vs_ideal"]["met"] is None and tg["paged_vs_transformers_cb"]["met"] is None

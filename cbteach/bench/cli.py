@@ -115,7 +115,7 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         return text
 
 
-def cli(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m cbteach bench", description=plain(measure.__doc__ or ""),
                                 formatter_class=_Formatter)
     p.add_argument("--workload", default="headwords", choices=wl.WORKLOADS, help="which requests (see above)")
@@ -147,7 +147,11 @@ def cli(argv=None) -> int:
                    help="CPU threads for torch (default 1: a 2M-parameter model gains nothing from more, "
                         "and timings on a shared machine stay steady)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    a = p.parse_args(argv)
+    return p
+
+
+def _check(p: argparse.ArgumentParser, a) -> tuple[list[str], Path]:
+    """Every argument problem found before any measuring (``p.error`` exits); the engines and the output path."""
     if a.reference:
         a.workload = "headwords"
         a.requests, a.max_new_tokens, a.batch_size = (REFERENCE[k] for k in ("requests", "max_new_tokens", "batch_size"))
@@ -164,6 +168,62 @@ def cli(argv=None) -> int:
     problem = _unwritable(path)  # found now, not after minutes of measuring
     if problem:
         p.error(f"cannot write the results to {path}: {problem}")
+    return engines, path
+
+
+def _print_history(sh: dict) -> None:
+    """Step time and KV bytes per step, first tenth vs last tenth of a long decode, per cache."""
+    for kv, r in sh.items():
+        n = len(r["history"])
+        head, tail = slice(0, max(1, n // 10)), slice(n - max(1, n // 10), n)
+        avg = statistics.median  # a step now and then is slowed by something else on the machine
+        key, verb = ("kv_bytes_copied", "copied") if kv == "concat" else ("kv_bytes_read", "read")
+        print(f"  {kv:7s} step {avg(r['step_seconds'][head]) * 1e3:6.2f} ms -> "
+              f"{avg(r['step_seconds'][tail]) * 1e3:6.2f} ms   KV {verb} {avg(r[key][head]) / 1e6:7.2f} MB -> "
+              f"{avg(r[key][tail]) / 1e6:7.2f} MB per step ({key})")
+
+
+def _measure(a, engines, model, tok, device):
+    """Build the workload (or each sweep point), run the engines on it, print the sweep's lines.
+    Returns (the last workload, its rows, the sweep's points or None, each engine's completions)."""
+    build = lambda **kw: wl.build(a.workload, tok, a.requests, max_new_tokens=a.max_new_tokens,  # noqa: E731
+                                  seed=a.seed, **{"cap": a.cap, "rate": a.rate, **kw})
+    points = [build(**{"cap" if a.workload == "length_variance" else "rate":
+                       int(v) if a.workload == "length_variance" else v}) for v in a.sweep] if a.sweep else [build()]
+    workload = points[-1]
+    print(f"workload: {workload.description}")
+    print(f"engines: {', '.join(engines)}; at most {a.batch_size} sequences at a time; model {a.model} on "
+          f"{device.type}{' (the reference configuration)' if _is_reference(a) else ''}")
+    from tqdm.auto import tqdm
+
+    kw = dict(ttft_target=a.ttft_target, tpot_target=a.tpot_target, token_budget=a.token_budget, repeat=a.repeat)
+    captured: dict = {}
+    points_out = None
+    total = len(engines) * (len(points) * a.repeat + 1)
+    with tqdm(total=total, desc="bench", unit="run", disable=a.no_progress, leave=False) as bar:
+        if a.sweep:
+            points_out = sweep(model, tok, points, a.batch_size, engines, bar=bar, **kw)
+            rows = points_out[-1]["engines"]
+        else:
+            rows = compare(model, tok, workload, a.batch_size, engines, full_warmup=engines, bar=bar,
+                           outputs=captured, **kw)
+    if a.sweep:
+        key = "cap" if a.workload == "length_variance" else "rate"
+        for pt in points_out:
+            cells = "  ".join(f"{n} {_fmt(r.get('tokens_per_s'), '.0f')}" for n, r in pt["engines"].items())
+            print(f"  {key} {pt['workload']['params'][key]:g}: tokens/s  {cells}")
+        print(f"  at {key} {points_out[-1]['workload']['params'][key]:g}:")
+    return workload, rows, points_out, captured
+
+
+def _is_reference(a) -> bool:
+    return a.workload == "headwords" and all(getattr(a, k) == v for k, v in REFERENCE.items())
+
+
+def cli(argv=None) -> int:
+    p = _parser()
+    a = p.parse_args(argv)
+    engines, path = _check(p, a)
     import torch
 
     from ..models import device_option
@@ -175,33 +235,7 @@ def cli(argv=None) -> int:
         p.error(str(e))
     if device.type == "cpu":
         torch.set_num_threads(a.threads)
-    build = lambda **kw: wl.build(a.workload, tok, a.requests, max_new_tokens=a.max_new_tokens,  # noqa: E731
-                                  seed=a.seed, **{"cap": a.cap, "rate": a.rate, **kw})
-    points = [build(**{"cap" if a.workload == "length_variance" else "rate":
-                       int(v) if a.workload == "length_variance" else v}) for v in a.sweep] if a.sweep else [build()]
-    workload = points[-1]
-    ref = a.workload == "headwords" and all(getattr(a, k) == v for k, v in REFERENCE.items())
-    print(f"workload: {workload.description}")
-    print(f"engines: {', '.join(engines)}; at most {a.batch_size} sequences at a time; model {a.model} on "
-          f"{device.type}{' (the reference configuration)' if ref else ''}")
-    from tqdm.auto import tqdm
-
-    kw = dict(ttft_target=a.ttft_target, tpot_target=a.tpot_target, token_budget=a.token_budget, repeat=a.repeat)
-    total = len(engines) * (len(points) * a.repeat + 1)
-    with tqdm(total=total, desc="bench", unit="run", disable=a.no_progress, leave=False) as bar:
-        if a.sweep:
-            points_out = sweep(model, tok, points, a.batch_size, engines, bar=bar, **kw)
-            rows = points_out[-1]["engines"]
-        else:
-            captured: dict = {}
-            rows = compare(model, tok, workload, a.batch_size, engines, full_warmup=engines, bar=bar,
-                           outputs=captured, **kw)
-    if a.sweep:
-        key = "cap" if a.workload == "length_variance" else "rate"
-        for pt in points_out:
-            cells = "  ".join(f"{n} {_fmt(r.get('tokens_per_s'), '.0f')}" for n, r in pt["engines"].items())
-            print(f"  {key} {pt['workload']['params'][key]:g}: tokens/s  {cells}")
-        print(f"  at {key} {points_out[-1]['workload']['params'][key]:g}:")
+    workload, rows, points_out, captured = _measure(a, engines, model, tok, device)
     print_table(rows, a.ttft_target, a.tpot_target)
     tg = targets(rows)
     done = next((captured[e] for e in ("hf_generate", "static", "cbteach_paged") if e in captured), None) \
@@ -211,21 +245,14 @@ def cli(argv=None) -> int:
     result = {"config": {"workload": a.workload, "model": a.model, "device": device.type, "requests": a.requests,
                          "batch_size": a.batch_size, "max_new_tokens": a.max_new_tokens, "engines": engines,
                          "token_budget": a.token_budget, "ttft_target": a.ttft_target, "tpot_target": a.tpot_target,
-                         "repeat": a.repeat, "reference": ref},
+                         "repeat": a.repeat, "reference": _is_reference(a)},
               "workload": workload.summary(), "machine": machine_info(model), "engines": rows, "targets": tg}
     if a.sweep:
         result["sweep"] = points_out
     if a.history:
         print(f"step time vs history: {a.batch_size} sequences decoding {a.history} tokens")
-        sh = result["step_time_vs_history"] = step_time_vs_history(model, tok, a.batch_size, a.history)
-        for kv, r in sh.items():
-            n = len(r["history"])
-            head, tail = slice(0, max(1, n // 10)), slice(n - max(1, n // 10), n)
-            avg = statistics.median  # a step now and then is slowed by something else on the machine
-            key, verb = ("kv_bytes_copied", "copied") if kv == "concat" else ("kv_bytes_read", "read")
-            print(f"  {kv:7s} step {avg(r['step_seconds'][head]) * 1e3:6.2f} ms -> "
-                  f"{avg(r['step_seconds'][tail]) * 1e3:6.2f} ms   KV {verb} {avg(r[key][head]) / 1e6:7.2f} MB -> "
-                  f"{avg(r[key][tail]) / 1e6:7.2f} MB per step ({key})")
+        result["step_time_vs_history"] = step_time_vs_history(model, tok, a.batch_size, a.history)
+        _print_history(result["step_time_vs_history"])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(clean(result), indent=1))
     print(f"wrote {path}")

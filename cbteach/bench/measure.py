@@ -71,8 +71,9 @@ METRICS = ("ttft", "tpot", "itl", "e2e")
 
 # -- slot arithmetic and targets (pure; tested on hand-made numbers) ---------------------------
 def ideal_speedup(static_steps: int, continuous_steps: int) -> float:
-    """Static steps / continuous steps: the speed-up if every step cost the same."""
-    return static_steps / continuous_steps if continuous_steps else math.nan
+    """Static steps / continuous steps: the speed-up if every step cost the same (NaN when either
+    engine did not run)."""
+    return static_steps / continuous_steps if continuous_steps and static_steps else math.nan
 
 
 def slot_steps(lengths: list[int], batch_size: int) -> dict:
