@@ -66,21 +66,20 @@ def continuous_story(model, tok, requests, batch_size, out):
     """The engine stepped by hand: every admission and finish printed on the step it happens."""
     engine = Engine(model, tok, max_batch_size=batch_size)
     freed_at: dict[int, tuple[str, int]] = {}  # slot -> (request that left it, step)
-    with engine.serving():
-        for r in requests:
-            engine.add_request(r)
-        while engine.has_unfinished():
-            rec = engine.step()
-            for rid in rec.admitted:
-                slot = next(s.slot for s in rec.seqs if s.request_id == rid)
-                gone = freed_at.pop(slot, None)
-                out(f"step {rec.step:4d}: admit  {rid} into slot {slot}"
-                    + (f"  (freed by {gone[0]} on step {gone[1]})" if gone else ""))
-            for rid in rec.finished:
-                c = engine.completions[rid]
-                slot = next(s.slot for s in rec.seqs if s.request_id == rid)
-                freed_at[slot] = (rid, rec.step)
-                out(f"step {rec.step:4d}: finish {rid} ({c.finish_reason}, {len(c.output_ids)} tokens)")
+    for r in requests:
+        engine.add_request(r)
+    while engine.has_unfinished():
+        rec = engine.step()
+        for rid in rec.admitted:
+            slot = next(s.slot for s in rec.seqs if s.request_id == rid)
+            gone = freed_at.pop(slot, None)
+            out(f"step {rec.step:4d}: admit  {rid} into slot {slot}"
+                + (f"  (freed by {gone[0]} on step {gone[1]})" if gone else ""))
+        for rid in rec.finished:
+            c = engine.completions[rid]
+            slot = next(s.slot for s in rec.seqs if s.request_id == rid)
+            freed_at[slot] = (rid, rec.step)
+            out(f"step {rec.step:4d}: finish {rid} ({c.finish_reason}, {len(c.output_ids)} tokens)")
     return [engine.completions[r.request_id] for r in requests], engine
 
 

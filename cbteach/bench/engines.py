@@ -155,18 +155,17 @@ def run_cbteach(model, tok, requests, batch_size, kv="paged", keep_records=False
     for r in requests:
         eng.add_request(replace(r, arrival_time=t_run + _arrival(r)))
     steps = peak = 0
-    with eng.serving():  # attention switched once for the run, as Engine.run does
-        while eng.has_unfinished():
-            rec = eng.step()
-            if not rec.idle:
-                steps += 1
-                peak = max(peak, len(rec.seqs))
-                continue
-            now = eng.now()
-            later = [t for t in arrivals if t > now]
-            if not later:
-                raise RuntimeError("the engine made no progress with every request arrived")
-            time.sleep(later[0] - now)
+    while eng.has_unfinished():
+        rec = eng.step()
+        if not rec.idle:
+            steps += 1
+            peak = max(peak, len(rec.seqs))
+            continue
+        now = eng.now()
+        later = [t for t in arrivals if t > now]
+        if not later:
+            raise RuntimeError("the engine made no progress with every request arrived")
+        time.sleep(later[0] - now)
     comps = [replace(c, arrival_time=c.arrival_time - t_run, first_token_time=c.first_token_time - t_run,
                      token_times=[t - t_run for t in c.token_times], finish_time=c.finish_time - t_run)
              for c in (eng.completions[r.request_id] for r in requests)]

@@ -19,12 +19,10 @@ The options are validated once into an :class:`~cbteach.core.config.EngineConfig
 never changed: the engine runs its own view of it (:mod:`cbteach.core.model_view`), so other
 threads and other engines on the same model stay exact.
 
-Greedy decoding in fp32 gives token for token what per-prompt ``model.generate`` gives when the
-model's ``generation_config`` asks for plain greedy search (no repetition penalty and the like,
-which the engine does not implement and warns about); the tests check exactly that against
-transformers. (Different packing changes float rounding, so an exact tie between two logits could
-in principle break the other way; the tests have never seen it in fp32. In bf16 or fp16 it is
-common: see notebook 01's section on batch invariance.)
+Greedy decoding in fp32 gives token for token what per-prompt ``model.generate`` gives for plain
+greedy search (a repetition penalty and the like are not implemented, and warned about); the
+tests check exactly that. (Packing changes float rounding, so an exact tie between two logits could
+break the other way: never seen in fp32, common in bf16 -- notebook 01, batch invariance.)
 
 **Time.** The engine has a clock (:meth:`Engine.now`, seconds since the engine was created).
 Every time in a :class:`~cbteach.core.request.Completion` is on it. A request's ``arrival_time`` of
@@ -34,7 +32,6 @@ never an absolute clock time such as ``time.time()``, which is refused.
 """
 from __future__ import annotations
 
-import contextlib
 import time
 
 from . import modelinfo
@@ -46,7 +43,7 @@ from .request import Completion, Request, Sequence, as_request_list, validate_re
 from .sampling import make_generator
 from .scheduler import Scheduler
 from .speculative import count_speculation, make_proposer, propose_for
-from ..kv.concat import ConcatKVCache
+from ..kv.caches import make_kv_cache
 from ..serving.streaming import StreamEvent, stream_events  # noqa: F401  (StreamEvent: part of the engine's API)
 
 
@@ -75,7 +72,7 @@ class Engine:
                                       vocab_size=self.info.vocab_size)
         self.model = model  # never changed: the runner runs the engine's own view of it
         self.tokenizer = tokenizer
-        self.kv = _make_kv_cache(self.info, self.config)
+        self.kv = make_kv_cache(self.info, self.config)
         self.scheduler = (scheduler_cls or Scheduler)(self.config.scheduler, self.kv.manager,
                                                       eos_ids=self.info.eos_ids,
                                                       swapper=self.kv if self.kv.kind == "paged" else None)
@@ -242,12 +239,6 @@ class Engine:
             bar.close()
         return [self.completions[r.request_id] for r in requests]
 
-    def serving(self):
-        """A context for many :meth:`step` calls in a row. The engine no longer switches anything on
-        the model (it runs its own view of it), so this is an empty context, kept for code written
-        against earlier versions."""
-        return contextlib.nullcontext(self)
-
     def stream(self, requests=()):
         """Add ``requests`` (validated as in :meth:`run`) and yield a
         :class:`~cbteach.serving.streaming.StreamEvent` per generated token, as soon as its step ends,
@@ -319,15 +310,3 @@ class Engine:
 def _ids_of(request_id, n: int) -> list:
     """The ids a request takes: its own, and ``(request_id, i)`` for each of ``n > 1`` samples."""
     return [request_id] if n == 1 else [request_id] + [(request_id, i) for i in range(n)]
-
-
-def _make_kv_cache(info, config: EngineConfig):
-    """The KV cache ``config`` asks for, sized for the model ``info`` describes."""
-    cache = config.cache
-    if cache.kind == "paged":
-        from ..kv.paged import PagedKVCache
-
-        return PagedKVCache.for_model(info, cache, max_batch_size=config.scheduler.max_batch_size)
-    # valid paged-pool options are accepted and ignored, so one call can switch kv= back and forth
-    return ConcatKVCache(info.num_layers, cache_kwarg=info.cache_kwarg, attn_implementation=info.attn_implementation,
-                         dtype=info.dtype)

@@ -118,22 +118,21 @@ class EngineWorker:
 
         if self.engine.model.device.type == "cpu":
             torch.set_num_threads(1)  # as the notebooks do: small models, and the HTTP side needs a core too
-        with self.engine.serving():  # the paged cache switches the model's attention once, not every step
-            while not self._stopping.is_set():
-                if self._drain(block=not self.jobs) and self.metrics is not None:
-                    self.metrics.refresh(self)  # an abort or an admission shows in /metrics at once
-                if not self.jobs:
-                    continue
-                try:
-                    record = self.engine.step()
-                except Exception:  # a bug, not bad input (that was refused in _add): fail loudly, keep serving
-                    log.error("engine step failed:\n%s", traceback.format_exc())
-                    for job in list(self.jobs.values()):
-                        self._finish(job, "error")
-                    continue
-                self._handle(record)
-            for job in list(self.jobs.values()):
-                self._finish(job, "abort")
+        while not self._stopping.is_set():
+            if self._drain(block=not self.jobs) and self.metrics is not None:
+                self.metrics.refresh(self)  # an abort or an admission shows in /metrics at once
+            if not self.jobs:
+                continue
+            try:
+                record = self.engine.step()
+            except Exception:  # a bug, not bad input (that was refused in _add): fail loudly, keep serving
+                log.error("engine step failed:\n%s", traceback.format_exc())
+                for job in list(self.jobs.values()):
+                    self._finish(job, "error")
+                continue
+            self._handle(record)
+        for job in list(self.jobs.values()):
+            self._finish(job, "abort")
 
     def _drain(self, block: bool) -> bool:
         """Carry out the queued commands (waiting up to IDLE_POLL_S for one when ``block``); True if any."""

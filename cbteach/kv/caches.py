@@ -1,0 +1,15 @@
+"""The KV cache an engine asks for: the one place that picks between the two kinds."""
+from __future__ import annotations
+
+from .concat import ConcatKVCache
+from .paged import PagedKVCache
+
+
+def make_kv_cache(info, config):
+    """The KV cache ``config`` asks for, sized for the model ``info`` describes."""
+    cache = config.cache
+    if cache.kind == "paged":
+        return PagedKVCache.for_model(info, cache, max_batch_size=config.scheduler.max_batch_size)
+    # valid paged-pool options are accepted and ignored, so one call can switch kv= back and forth
+    return ConcatKVCache(info.num_layers, cache_kwarg=info.cache_kwarg, attn_implementation=info.attn_implementation,
+                         dtype=info.dtype)
