@@ -319,3 +319,17 @@ def test_numbers_of_any_real_type_sample_and_a_non_bool_ignore_eos_is_refused():
     assert got[1].output_ids == reference(model, [1, 2, 3, 4], 4)
     with pytest.raises(ValueError, match="ignore_eos must be True or False"):
         eng.add_request(Request([1, 2], 3, ignore_eos="false"))
+
+
+def test_waiting_after_a_step_that_only_preempted_does_not_raise():
+    # A hand-written loop that waits whenever nothing ran (as loops written before such steps did):
+    # after a step that only preempted, wait_for_arrival returns and the next step goes on.
+    model = tiny_model("gpt2")
+    eng = Engine(model, max_batch_size=4, kv="paged", block_size=4, num_blocks=2, policy="priority")
+    eng.add_request(Request([11, 12, 13], 6, request_id="A", priority=1, ignore_eos=True))
+    eng.step()
+    eng.add_request(Request([21, 22, 23], 2, request_id="B", priority=0, ignore_eos=True))
+    while eng.has_unfinished():
+        if not eng.step().seqs:
+            eng.wait_for_arrival()
+    assert eng.completions["A"].output_ids == reference(model, [11, 12, 13], 6)

@@ -83,6 +83,7 @@ class Engine:
         self.sequences: dict[object, Sequence] = {}  # every sequence ever added, by id ((id, i) for samples)
         self.groups: dict[object, list[Sequence]] = {}  # requests with n > 1 samples: id -> its samples
         self._num_steps = 0
+        self._last_idle = True  # whether the last step did nothing at all (see wait_for_arrival)
         self.spec_stats = {"drafted": 0, "accepted": 0, "verify_steps": 0}  # speculative decoding
         self._t0 = time.perf_counter()
         self.clock = clock  # None: wall time; a VirtualClock: simulated time (see cbteach.serving.disagg)
@@ -193,6 +194,7 @@ class Engine:
         if self.keep_records and self.kv.kind == "paged":
             record.kv_usage = self.kv.usage()
         record.duration = self.now() - start
+        self._last_idle = record.idle
         if not record.idle:  # an idle step (waiting for arrivals) leaves no trace in the history
             self._num_steps += 1
             if self.keep_records:
@@ -210,7 +212,7 @@ class Engine:
                 self.clock.advance(nxt - now)
             else:
                 time.sleep(nxt - now)
-        elif self.has_unfinished():
+        elif self.has_unfinished() and self._last_idle:  # (after a step that only preempted, step again)
             raise RuntimeError(f"the scheduler made no progress with {len(self.scheduler.running)} running, "
                                f"{len(self.scheduler.waiting)} waiting and {len(self.scheduler.swapped)} swapped-out "
                                "requests; please report this")
