@@ -1,43 +1,32 @@
 """Iteration-level scheduling: decide, before *every* forward step, who runs and with how many tokens.
 
-This is Orca's idea (Yu et al., OSDI'22). A static batcher decides once per batch; an
-iteration-level scheduler decides once per step, so a sequence that finished on step ``t`` leaves
-and a queued request takes its slot on step ``t + 1`` -- nobody waits for the longest member of a
-batch.
-
-The step is split the way vLLM V1 splits it:
-
-* :meth:`Scheduler.schedule` plans one step and returns a :class:`SchedulerOutput` -- for each
-  sequence in the batch, ``num_scheduled_tokens``: how many of its tokens go through the model;
-* a model runner executes that plan and samples one token per sequence that completed;
-* :meth:`Scheduler.update_from_output` is the *one* place where ``num_computed_tokens``, outputs
-  and request status change, and where finished requests leave.
+This is Orca's idea (Yu et al., OSDI'22): a static batcher decides once per batch; an iteration-level
+scheduler decides once per step, so a sequence that finished on step ``t`` leaves and a queued
+request takes its slot on step ``t + 1``. The step is split the way vLLM V1 splits it:
+:meth:`Scheduler.schedule` plans it and returns a :class:`SchedulerOutput` (``num_scheduled_tokens``
+per sequence); a model runner executes the plan; :meth:`Scheduler.update_from_output` is the *one*
+place where ``num_computed_tokens``, outputs and statuses change, and finished requests leave.
 
 There is no "prefill phase" and "decode phase" (vLLM V1's design note): every sequence has
-``num_computed_tokens`` catching up with its ``num_tokens``. Planning a step follows vLLM V1's
-``schedule()``:
+``num_computed_tokens`` catching up with its ``num_tokens``. Planning follows V1's ``schedule()``:
 
-1. **Running sequences first**, in the running list's order. Each asks for what it still lacks --
-   one token for a decode (plus any speculative guesses), the rest of its prompt for a prefill --
-   cut to the **token budget** left: a long prompt is prefilled in chunks (Sarathi-Serve).
-2. **Ask the KV manager for room** for exactly that chunk (``allocate_slots``). When it refuses
-   (returns ``None``), **preempt** the policy's victim (:mod:`cbteach.core.policies`) and ask
-   again -- until the sequence gets its room or is itself the victim (then the running loop stops,
-   as V1's does). With ``preemption="recompute"`` a victim is queued again and later recomputed
-   from its prompt plus what it generated; with ``preemption="swap"`` (vLLM V0 only) its blocks
-   are first copied to host memory and copied back when room returns (the vLLM paper, section
-   4.5). Nothing it produced is lost.
-3. **Never admit in a step that preempted** (V1's rule): the room is clearly short, and a request
-   admitted now would only be preempted again.
-4. Swapped-out sequences come back (V0's swap mode) before anyone new is admitted.
-5. **Admissions**, in the waiting queue's order, while there is a free slot (``max_batch_size``)
-   and budget left: a request is let in when ``allocate_slots`` gives room for the chunk it feeds
-   now (V1); the first refusal ends admissions (nobody overtakes it). With
-   ``admission="whole_prompt"`` (vLLM V0's rule) it must fit its whole remaining prompt, watermark
-   kept, even when the budget feeds it in chunks. Under ``policy="priority"`` an urgent request
-   that does not fit may preempt less urgent running ones to get in (V0's priority scheduling;
-   V1 preempts only for running requests); then nobody else is admitted that step, and nobody
-   admitted or swapped in this step is sent away in it.
+1. **Running sequences first**, in the running list's order. Each asks for what it lacks -- one
+   token for a decode (plus any speculative guesses), the rest of its prompt for a prefill -- cut to
+   the **token budget** left: a long prompt is prefilled in chunks (Sarathi-Serve).
+2. **Ask the KV manager for room** for exactly that chunk (``allocate_slots``). When it refuses,
+   **preempt** the policy's victim (:mod:`cbteach.core.policies`) and ask again, until the sequence
+   gets its room or is itself the victim (then the running loop stops, as V1's does). A victim is
+   recomputed later from its prompt plus what it generated (``preemption="recompute"``), or its
+   blocks are copied to host memory and back (``"swap"``, vLLM V0 only; the vLLM paper, 4.5).
+3. **Never admit in a step that preempted** (V1): room is clearly short. Swapped-out sequences
+   come back first (V0's swap mode).
+4. **Admissions**, in the waiting queue's order, while a slot (``max_batch_size``) and budget are
+   left: a request is let in when ``allocate_slots`` gives room for the chunk it feeds now (V1); the
+   first refusal ends admissions (nobody overtakes it). ``admission="whole_prompt"`` is V0's rule:
+   room for the whole remaining prompt, watermark kept. Under ``policy="priority"`` an urgent
+   request that does not fit may preempt less urgent running ones (V0's priority scheduling; V1
+   preempts only for running requests); then nobody else is admitted that step, and nobody admitted
+   or swapped in this step is sent away in it.
 
 Writing a scheduler is overriding :meth:`Scheduler.schedule` with the public pieces below
 (``allocate_or_preempt``, ``preempt``, ``admit``, :meth:`SchedulerOutput.add`); notebook 06 does.
@@ -228,17 +217,10 @@ class Scheduler:
             seq.draft_ids = []
             if drafts:
                 self.kv_manager.trim(seq)  # blocks that held only rejected guesses go back to the pool
-            if tokens is not None:  # None: a prefill chunk that did not reach the end of the known tokens
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-                for token in tokens:
-                    seq.output_ids.append(token)
-                    seq.token_times.append(now)
-                    seq.finish_reason = stop_reason(seq.output_ids, seq.request.max_new_tokens, self.eos_ids,
-                                                    seq.request.ignore_eos)
-                    if seq.finish_reason:  # a stop inside accepted guesses: the guesses after it are dropped
-                        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
-                        break
+            for token in tokens or ():  # None: a prefill chunk that did not reach the end of the known tokens
+                if self._append(seq, token, now):  # a stop inside accepted guesses drops the guesses after it
+                    seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
+                    break
             # Only now are the accepted guesses among the sequence's tokens: the prefix cache hashes
             # a block's tokens, so it must see them (and a finished sequence's last blocks too).
             self.kv_manager.on_computed(seq)
@@ -254,16 +236,19 @@ class Scheduler:
         """Start ``sample`` on ``parent``'s blocks (just computed: its prompt) with its own first token."""
         self.kv_manager.fork(parent, sample)
         sample.num_computed_tokens = parent.num_computed_tokens
-        sample.status = RequestStatus.RUNNING
-        sample.slot = self._free_slot()
-        self.running.append(sample)
-        sample.output_ids.append(token)
-        sample.first_token_time = now
-        sample.token_times.append(now)
-        sample.finish_reason = stop_reason(sample.output_ids, sample.request.max_new_tokens, self.eos_ids,
-                                           sample.request.ignore_eos)
-        if sample.finish_reason:
+        self._start(sample)
+        if self._append(sample, token, now):
             self._finish(sample, finished)
+
+    def _append(self, seq: Sequence, token: int, now: float) -> bool:
+        """Append a sampled token to ``seq``'s output; True when it stops the sequence."""
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.output_ids.append(token)
+        seq.token_times.append(now)
+        seq.finish_reason = stop_reason(seq.output_ids, seq.request.max_new_tokens, self.eos_ids,
+                                        seq.request.ignore_eos)
+        return seq.finish_reason is not None
 
     def _finish(self, seq: Sequence, finished: list) -> None:
         seq.status = RequestStatus.FINISHED
