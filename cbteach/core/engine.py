@@ -38,7 +38,7 @@ from . import modelinfo
 from .config import EngineConfig
 from .model_runner import ModelRunner
 from .model_view import model_view
-from .records import StepRecord, fill_record, new_record, seq_kind
+from .records import StepRecord, fill_record, new_record
 from .request import Completion, Request, Sequence, as_request_list, validate_request
 from .sampling import make_generator
 from .scheduler import Scheduler
@@ -183,7 +183,8 @@ class Engine:
             if self.clock is not None:  # simulated time moves by what the step really took
                 self.clock.advance(time.perf_counter() - t_real)
             now = self.now()
-            kinds = [seq_kind(s, c) for s, c in zip(plan.seqs, plan.num_computed_tokens)]
+            # read before update_from_output moves them on: Sequence.is_decoding decides, as planned
+            kinds = ["decode" if s.is_decoding else "prefill" for s in plan.seqs]
             before = [len(s.output_ids) for s in plan.seqs]
             finished = self.scheduler.update_from_output(plan, out.sampled, now, out.fork_tokens)  # 3. state moves
             for seq in finished:

@@ -121,12 +121,6 @@ class StepRecord:
         return f"StepRecord(step={self.step}, tokens={self.num_tokens} [{' '.join(parts)}]{extra})"
 
 
-def seq_kind(seq, num_computed: int) -> str:
-    """"decode": it feeds the one token it sampled last step (plus any speculative guesses);
-    "prefill": anything else (a prompt, a chunk of one, or recomputing after a preemption)."""
-    return "decode" if num_computed == seq.num_tokens - 1 and seq.output_ids else "prefill"  # seq.is_decoding, as planned
-
-
 def new_record(step: int, kv_kind: str, start_time: float, plan) -> StepRecord:
     """A step's record as planned: who was admitted, preempted or swapped in (``plan``: its
     :class:`~cbteach.core.scheduler_output.SchedulerOutput`)."""

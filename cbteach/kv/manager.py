@@ -244,8 +244,6 @@ class UnboundedKVManager:
     callbacks that drop a sequence's K/V (all of it, or the rejected speculative guesses).
     """
 
-    num_free_blocks = math.inf
-
     def __init__(self, on_free=None, on_trim=None, on_fork=None):
         self.on_free, self.on_trim, self.on_fork = on_free, on_trim, on_fork
 
