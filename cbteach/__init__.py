@@ -8,17 +8,17 @@ The pieces, in the order the course meets them:
   block-diagonal causal masks, and a KV cache that is either concatenated (``kv="concat"``)
   or paged (``kv="paged"``);
 * :class:`Request` in, :class:`Completion` out, a :class:`StepRecord` for every step;
-* the scheduler's policies (:mod:`cbteach.core.policies`), serving metrics (:mod:`cbteach.serving.metrics`),
+* the scheduler's policies (:mod:`cbteach.engine.policies`), serving metrics (:mod:`cbteach.serving.metrics`),
   and beyond the basics: prefix caching, speculative decoding, an int8 KV pool and a simulated
   prefill/decode disaggregation (:mod:`cbteach.serving.disagg`) -- all options of the same engine.
 """
-from .core.engine import Engine
+from .engine.engine import Engine
 from .models import load_model
 from .core.records import SeqStep, StepRecord
 from .core.request import Completion, Request, RequestStatus
 from .core.sampling import SamplingParams
-from .core.static import StaticResult, static_batching
-from .serving.streaming import StreamEvent
+from .engine.static import StaticResult, static_batching
+from .engine.streaming import StreamEvent
 
 __all__ = ["Engine", "Request", "Completion", "RequestStatus", "SamplingParams", "StepRecord", "SeqStep",
            "StreamEvent", "load_model", "static_batching", "StaticResult"]

@@ -22,7 +22,10 @@ import time
 
 import torch
 
-from . import Engine, Request, load_model, static_batching
+from .core.request import Request
+from .engine.engine import Engine
+from .engine.static import static_batching
+from .models import load_model
 
 # Headwords whose bierce definitions run from a line to a paragraph (tokens shown when run).
 DEMO_PROMPTS = ["EXECUTIVE, n.", "TRUCE, n.", "ABSURDITY, n.", "ALONE, adj.", "LAWYER, n.", "CYNIC, n."]

@@ -19,7 +19,7 @@ from cbteach.attention import paged as paged_attention
 from cbteach.kv.pool import PagedKVPool
 from cbteach.core.request import RequestStatus
 from cbteach.core.config import SchedulerConfig
-from cbteach.core.scheduler import Scheduler
+from cbteach.engine.scheduler import Scheduler
 from conftest import EOS, VOCAB, reference, tiny_model
 
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

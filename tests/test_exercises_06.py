@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from cbteach import Engine, Request
-from cbteach.core.scheduler import Scheduler
+from cbteach.engine.scheduler import Scheduler
 from cbteach.core.scheduler_output import SchedulerOutput
 from cbteach.exercises import ex06
 from cbteach.exercises.scheduler_check import run

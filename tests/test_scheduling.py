@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cbteach import Engine, Request
-from cbteach.core.policies import FCFSQueue, WaitingQueue
+from cbteach.engine.policies import FCFSQueue, WaitingQueue
 from cbteach.core.request import RequestStatus
 from conftest import EOS, VOCAB, reference, tiny_model
 

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from cbteach import Engine, Request
-from cbteach.core.speculative import NgramProposer, accept
+from cbteach.engine.speculative import NgramProposer, accept
 from conftest import VOCAB, reference, tiny_model
 
 MODEL = tiny_model("llama")
@@ -21,7 +21,7 @@ def test_accept_keeps_agreeing_guesses_and_the_models_own_token():
 def test_accepted_guesses_are_counted_when_a_stop_cuts_the_step_short():
     from types import SimpleNamespace
 
-    from cbteach.core.speculative import count_speculation
+    from cbteach.engine.speculative import count_speculation
 
     stats = {"drafted": 0, "accepted": 0, "verify_steps": 0}
     fed = [4, 5, 6, 7]  # the last known token and three guesses

@@ -4,6 +4,7 @@
 * :mod:`.engines` -- the engines compared, each behind one function of the same shape
 * :mod:`.experiments` -- notebook 07's experiments
 * :mod:`.cli` -- the command line and its tables
+* :mod:`.memory_experiments` -- a first-fit contiguous allocator plugged into the engine, fixed-budget runs (05)
 """
 # The package's public API: what notebook 07 and tools/gpu_check.py call as ``bench.<name>``.
 from .cli import print_table  # noqa: F401

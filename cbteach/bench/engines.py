@@ -11,11 +11,11 @@ import math
 import time
 from dataclasses import replace
 
-from ..core.engine import Engine
+from ..engine.engine import Engine
 from ..kv.memory import accounting, summary
 from ..core.modelinfo import eos_ids_for
 from ..core.request import Completion
-from ..core.static import static_batching
+from ..engine.static import static_batching
 
 PAGE = 16  # tokens per KV block, ours and transformers'
 TOKEN_BUDGET = 64  # cbteach_paged_budget's default token budget

@@ -8,7 +8,7 @@ from collections import deque
 from dataclasses import replace
 
 from ..bierce.corpus import headword_prompts
-from ..core.engine import Engine
+from ..engine.engine import Engine
 from ..core.request import Request
 
 

@@ -20,18 +20,35 @@ import math
 import numbers
 from dataclasses import dataclass, field, fields
 
-from ..kv.manager import check_watermark
 from .request import check_positive_int
 
 KV_KINDS = ("concat", "paged")
 PREEMPTION_MODES = ("recompute", "swap")
 ADMISSION_RULES = ("per_chunk", "whole_prompt")
 KV_DTYPES = (None, "int8", "int8_block")
+POLICY_NAMES = ("fcfs", "priority")  # cbteach.engine.policies.POLICIES, named here so configs import no engine
+
+
+def check_watermark(watermark) -> None:
+    """A watermark is a fraction of the pool in [0, 1) (vLLM V0's block manager keeps 0.01)."""
+    if not isinstance(watermark, (int, float)) or isinstance(watermark, bool) or not 0 <= watermark < 1:
+        raise ValueError(f"watermark must be a fraction of the pool in [0, 1), got {watermark!r}")
+
+
+def check_policy(policy) -> None:
+    """A policy is one of :data:`POLICY_NAMES` or a waiting queue of your own (an object or class with
+    ``key`` and ``pick_victim``: :class:`cbteach.engine.policies.WaitingQueue` and its subclasses)."""
+    if isinstance(policy, str) and policy in POLICY_NAMES:
+        return
+    if not isinstance(policy, str) and all(callable(getattr(policy, m, None)) for m in ("key", "pick_victim", "add")):
+        return
+    raise ValueError(f"policy must be one of {sorted(POLICY_NAMES)} or a cbteach.engine.policies.WaitingQueue, "
+                     f"got {policy!r}")
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """How :class:`~cbteach.core.scheduler.Scheduler` plans a step.
+    """How :class:`~cbteach.engine.scheduler.Scheduler` plans a step.
 
     ``admission="per_chunk"`` (the default, vLLM V1's rule): a waiting request is let in when the KV
     manager gives room for the chunk it feeds this step. ``"whole_prompt"`` (vLLM V0's rule): only
@@ -55,9 +72,7 @@ class SchedulerConfig:
         if self.admission not in ADMISSION_RULES:
             raise ValueError(f"admission must be 'per_chunk' (vLLM V1's rule) or 'whole_prompt' (vLLM V0's), "
                              f"got {self.admission!r}")
-        from .policies import make_queue
-
-        make_queue(self.policy)  # refuses an unknown policy
+        check_policy(self.policy)
 
 
 @dataclass(frozen=True)
@@ -124,7 +139,7 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything an :class:`~cbteach.core.engine.Engine` is built from."""
+    """Everything an :class:`~cbteach.engine.engine.Engine` is built from."""
 
     scheduler: SchedulerConfig
     cache: CacheConfig = field(default_factory=CacheConfig)

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 import torch
 
 from ..core.request import Request
-from ..core.static import static_batching
+from ..engine.static import static_batching
 from . import is_int, report, self_check
 from .ex00 import CACHE_KWARGS, _cached
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from ..core.engine import Engine
+from ..engine.engine import Engine
 from ..core.request import Request
 from . import is_int, report, self_check
 

@@ -22,7 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from ..attention.packing import additive_mask, block_diagonal_causal_mask
-from ..core.engine import Engine
+from ..engine.engine import Engine
 from ..core.request import Request
 from ..kv.concat import KVTraffic, layer_kv
 from . import report, self_check

@@ -3,7 +3,7 @@
 The learner's class ``MyKVManager(num_blocks, block_size)`` keeps ``free_blocks`` (every free block
 id) and has ``allocate_slots(seq, num_new_tokens)`` and ``free(seq)``, the two calls the scheduler
 makes (:class:`~cbteach.kv.manager.KVCacheManager` is the engine's own). The check plugs it into a
-real paged :class:`~cbteach.Engine` (:func:`cbteach.kv.memory_experiments.plug`), watches every call,
+real paged :class:`~cbteach.Engine` (:func:`cbteach.bench.memory_experiments.plug`), watches every call,
 and serves small workloads -- several blocks per sequence, finished sequences' blocks reused, a
 pool so small that the engine preempts -- once on the learner's manager and once on the engine's
 own. They must agree token for token, block count for block count, preemption for preemption.
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import math
 
-from ..core.engine import Engine
+from ..engine.engine import Engine
 from ..kv.manager import KVCacheManager
-from ..kv.memory_experiments import plug
+from ..bench.memory_experiments import plug
 from ..core.request import Request
 from . import is_int, report, self_check
 

@@ -1,4 +1,4 @@
-"""Notebook 06: build the scheduling step -- a :class:`~cbteach.core.scheduler.Scheduler` subclass whose
+"""Notebook 06: build the scheduling step -- a :class:`~cbteach.engine.scheduler.Scheduler` subclass whose
 ``schedule(now)`` decides who runs and with how many tokens -- checked in four stages.
 
 Each stage plugs the learner's class into the real :class:`~cbteach.Engine` (``scheduler_cls=``) on
@@ -27,7 +27,7 @@ import weakref
 
 import torch
 
-from ..core.scheduler import Scheduler
+from ..engine.scheduler import Scheduler
 from . import report, self_check
 from ..viz.schedule import first_difference, plan_of
 from .scheduler_check import IDLE, NotDone, SchedulerMistake, Workload, run, watched
@@ -162,7 +162,7 @@ def _bierce():
 @self_check
 def check_stage(stage, scheduler_cls, model=None) -> bool:
     """Stage ``stage`` (1-4, see :data:`STAGES`) of the scheduler exercise, for ``scheduler_cls`` (a
-    subclass of :class:`~cbteach.core.scheduler.Scheduler` that overrides ``schedule``) on ``model``
+    subclass of :class:`~cbteach.engine.scheduler.Scheduler` that overrides ``schedule``) on ``model``
     (any causal LM the engine runs; None: the course's bierce). ``check_stage(MyScheduler, 1)`` works too."""
     if isinstance(scheduler_cls, int) and not isinstance(stage, int):
         stage, scheduler_cls = scheduler_cls, stage
@@ -171,7 +171,7 @@ def check_stage(stage, scheduler_cls, model=None) -> bool:
     if scheduler_cls is None or scheduler_cls is Ellipsis:
         return report(False, "", "not done yet: write your scheduler class, then run this check")
     if not (isinstance(scheduler_cls, type) and issubclass(scheduler_cls, Scheduler)):
-        return report(False, "", f"pass your scheduler class itself, a subclass of cbteach.core.scheduler.Scheduler "
+        return report(False, "", f"pass your scheduler class itself, a subclass of cbteach.engine.scheduler.Scheduler "
                                  f"(got {type(scheduler_cls).__name__})")
     if scheduler_cls.schedule is Scheduler.schedule:
         return report(False, "", "not done yet: your class does not define schedule(self, now)")

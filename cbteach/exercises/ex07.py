@@ -21,9 +21,9 @@ import math
 import numbers
 import statistics
 
-from ..core.engine import Engine
+from ..engine.engine import Engine
 from ..core.request import Request
-from ..core.static import static_batching
+from ..engine.static import static_batching
 from . import report, self_check
 
 COLD = 6.0     # a first run costs this many times a warm one (allocation, lazy imports, caches)

@@ -6,7 +6,7 @@
   completion's ``num_cached_prompt_tokens``, on the notebook's prompts and on small cases built to
   catch the usual mistakes.
 * :func:`check_accept` -- the learner's ``accept(drafts, targets)`` is compared with the engine's
-  rule (:func:`cbteach.core.speculative.accept`), then swapped into the engine itself: a speculative run
+  rule (:func:`cbteach.engine.speculative.accept`), then swapped into the engine itself: a speculative run
   with it must give exactly the tokens of a run without speculation.
 
 Hints name the rule that was missed; the expected values are never printed.
@@ -20,9 +20,9 @@ from unittest import mock
 import torch
 
 from ..core import model_runner
-from ..core.engine import Engine
+from ..engine.engine import Engine
 from ..core.request import Request
-from ..core.speculative import accept as engine_accept
+from ..engine.speculative import accept as engine_accept
 from . import is_int, report, self_check
 
 # ---------------------------------------------------------------- prefix reuse ----------------

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import math
 
-from ..core.engine import Engine
+from ..engine.engine import Engine
 from ..core.request import Request
-from ..core.static import static_batching
+from ..engine.static import static_batching
 from . import is_int, report, self_check
 
 # The main run: five requests served two at a time by a paged engine with tiny blocks.

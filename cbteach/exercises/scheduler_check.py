@@ -1,7 +1,7 @@
 """Run a learner's scheduler inside the real engine and watch it: the harness behind notebook 06's checks.
 
-The learner subclasses :class:`~cbteach.core.scheduler.Scheduler` and writes ``schedule(now)``.
-This module plugs that class into an :class:`~cbteach.core.engine.Engine` (``scheduler_cls=``) and
+The learner subclasses :class:`~cbteach.engine.scheduler.Scheduler` and writes ``schedule(now)``.
+This module plugs that class into an :class:`~cbteach.engine.engine.Engine` (``scheduler_cls=``) and
 runs it beside the engine's own scheduler on the same :class:`Workload`, so that the two runs can
 be compared step by step (``engine.records``). Three things make that comparison fair and safe:
 
@@ -24,9 +24,9 @@ import math
 import sys
 from dataclasses import dataclass
 
-from ..core.engine import Engine
+from ..engine.engine import Engine
 from ..core.request import Request
-from ..core.scheduler import Scheduler
+from ..engine.scheduler import Scheduler
 from ..core.scheduler_output import SchedulerOutput
 
 MAX_EVENTS = 200_000  # traced calls and lines in one schedule() call: far beyond any honest step

@@ -7,5 +7,4 @@
 * :mod:`.int8` -- int8 pools with a scale per token or per block, dequantised on read
 * :mod:`.prefix_cache` -- full blocks named by a hash of their tokens, reused across requests
 * :mod:`.memory` -- where the bytes go: paged versus a contiguous reservation
-* :mod:`.memory_experiments` -- a first-fit contiguous allocator plugged into the engine, fixed-budget runs
 """

@@ -25,7 +25,7 @@ from typing import Protocol, runtime_checkable
 
 @runtime_checkable
 class KVManager(Protocol):
-    """What :class:`~cbteach.core.scheduler.Scheduler` calls: who owns which room."""
+    """What :class:`~cbteach.engine.scheduler.Scheduler` calls: who owns which room."""
 
     def allocate_slots(self, seq, num_new_tokens: int) -> list | None:
         """Room for ``num_new_tokens`` more tokens of ``seq`` (past its ``num_computed_tokens``): the
@@ -68,7 +68,7 @@ class KVManager(Protocol):
 
 @runtime_checkable
 class KVCache(Protocol):
-    """What :class:`~cbteach.core.engine.Engine` and :class:`~cbteach.core.model_runner.ModelRunner` call."""
+    """What :class:`~cbteach.engine.engine.Engine` and :class:`~cbteach.engine.model_runner.ModelRunner` call."""
 
     kind: str  # "concat" or "paged"
     manager: KVManager  # handed to the scheduler

@@ -20,6 +20,7 @@ import math
 from collections import OrderedDict
 
 from .prefix_cache import PrefixCache
+from ..core.config import check_watermark
 from ..core.request import check_positive_int
 
 
@@ -64,11 +65,6 @@ class BlockAllocator:
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
             self.free_blocks[block] = None
-
-
-def check_watermark(watermark) -> None:
-    if not isinstance(watermark, (int, float)) or isinstance(watermark, bool) or not 0 <= watermark < 1:
-        raise ValueError(f"watermark must be a fraction of the pool in [0, 1), got {watermark!r}")
 
 
 class KVCacheManager:

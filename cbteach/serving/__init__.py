@@ -2,6 +2,5 @@
 
 * :mod:`.metrics` -- TTFT, TPOT, ITL, E2E and goodput, vLLM's definitions
 * :mod:`.workloads` -- seeded, offline request streams for benchmarks
-* :mod:`.streaming` -- one event per generated token
 * :mod:`.disagg` -- prefill and decode on two engines, simulated on one machine
 """

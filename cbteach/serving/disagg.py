@@ -6,7 +6,7 @@ prefill down in turn. DistServe (Zhong et al., OSDI'24) and Splitwise (Patel et 
 the two phases on different GPUs: a **prefill engine** computes prompts and the first token, then
 **hands the request's KV blocks over a link** to a **decode engine** that only ever decodes.
 
-Here both engines are real :class:`~cbteach.core.engine.Engine`\\ s with their own paged pools, run on
+Here both engines are real :class:`~cbteach.engine.engine.Engine`\\ s with their own paged pools, run on
 one machine in *simulated* time: each has a :class:`VirtualClock` that moves by what its steps
 really took, and the two clocks run side by side as two GPUs would (whichever is behind steps
 next). A handover copies the prompt's blocks out of the prefill pool (bytes counted) and arrives
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 
-from ..core.engine import Engine
+from ..engine.engine import Engine
 from ..core.request import Completion, Request, RequestStatus, Sequence, as_request_list
 
 

@@ -29,7 +29,7 @@ import math
 import numbers
 from dataclasses import dataclass
 
-from .. import SamplingParams
+from ..core.sampling import SamplingParams
 
 ROLES = ("system", "developer", "user", "assistant")
 MAX_STOP = 4  # OpenAI allows up to four stop sequences

@@ -107,7 +107,8 @@ def is_loopback(host: str) -> bool:
 
 def build(args):
     """``(app, hub, worker)`` for parsed arguments: the model loaded, the engine made, the worker not yet started."""
-    from .. import Engine, load_model
+    from ..engine.engine import Engine
+    from ..models import load_model
     from . import openai_protocol as proto
     from .server_app import create_app
     from .server_live import LiveHub

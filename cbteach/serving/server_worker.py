@@ -35,7 +35,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .. import Request, SamplingParams
+from ..core.request import Request
+from ..core.sampling import SamplingParams
 
 log = logging.getLogger("cbteach.serve")
 IDLE_POLL_S = 0.25  # how often an idle worker looks at its stop flag

@@ -22,8 +22,8 @@ costs a block size trades: empty slots in last blocks against block-table entrie
 """
 from __future__ import annotations
 
-from ..core.engine import Engine
-from .manager import KVCacheManager
+from ..engine.engine import Engine
+from ..kv.manager import KVCacheManager
 
 SCHEMES = ("reserve", "paged")
 

@@ -14,7 +14,7 @@ There is no "prefill phase" and "decode phase" (vLLM V1's design note): every se
    token for a decode (plus any speculative guesses), the rest of its prompt for a prefill -- cut to
    the **token budget** left: a long prompt is prefilled in chunks (Sarathi-Serve).
 2. **Ask the KV manager for room** for exactly that chunk (``allocate_slots``). When it refuses,
-   **preempt** the policy's victim (:mod:`cbteach.core.policies`) and ask again, until the sequence
+   **preempt** the policy's victim (:mod:`cbteach.engine.policies`) and ask again, until the sequence
    gets its room or is itself the victim (then the running loop stops, as V1's does). A victim is
    recomputed later from its prompt plus what it generated (``preemption="recompute"``), or its
    blocks are copied to host memory and back (``"swap"``, vLLM V0 only; the vLLM paper, 4.5).
@@ -35,11 +35,11 @@ from __future__ import annotations
 
 import math
 
-from .config import SchedulerConfig
+from ..core.config import SchedulerConfig
 from .policies import make_queue
-from .request import RequestStatus, Sequence
-from .sampling import stop_reason
-from .scheduler_output import SchedulerOutput
+from ..core.request import RequestStatus, Sequence
+from ..core.sampling import stop_reason
+from ..core.scheduler_output import SchedulerOutput
 
 __all__ = ["Scheduler", "SchedulerOutput"]
 

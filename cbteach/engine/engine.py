@@ -5,12 +5,12 @@ One call to :meth:`Engine.step` is one forward pass of the model, in three calls
 1. ``plan = scheduler.schedule(now)`` -- who runs and how many tokens each feeds: sequences that
    finished last step are gone, queued requests fill their slots (Orca), a token budget may cut a
    long prompt into chunks (Sarathi-Serve), a refusal of KV room preempts (PagedAttention/vLLM).
-   :class:`~cbteach.core.scheduler.Scheduler` in, a
+   :class:`~cbteach.engine.scheduler.Scheduler` in, a
    :class:`~cbteach.core.scheduler_output.SchedulerOutput` out; the scheduler talks to the KV
    manager through :class:`cbteach.kv.interface.KVManager` only;
 2. ``out = runner.execute(plan)`` -- pack those tokens into one ``[1, total_tokens]`` row, run the
    model once with the KV cache's help, sample a token for every sequence whose known tokens are
-   now all computed. :class:`~cbteach.core.model_runner.ModelRunner` talks to the cache through
+   now all computed. :class:`~cbteach.engine.model_runner.ModelRunner` talks to the cache through
    :class:`cbteach.kv.interface.KVCache` (``kv="concat"`` or ``kv="paged"``);
 3. ``scheduler.update_from_output(plan, out.sampled, now)`` -- the one place where
    ``num_computed_tokens`` and outputs change and where finished requests leave.
@@ -34,17 +34,17 @@ from __future__ import annotations
 
 import time
 
-from . import modelinfo
-from .config import EngineConfig
+from ..core import modelinfo
+from ..core.config import EngineConfig
 from .model_runner import ModelRunner
-from .model_view import model_view
-from .records import StepRecord, fill_record, new_record
-from .request import Completion, Request, Sequence, as_request_list, validate_request
-from .sampling import make_generator
+from ..core.model_view import model_view
+from ..core.records import StepRecord, fill_record, new_record
+from ..core.request import Completion, Request, Sequence, as_request_list, validate_request
+from ..core.sampling import make_generator
 from .scheduler import Scheduler
 from .speculative import count_speculation, make_proposer, propose_for
 from ..kv.caches import make_kv_cache
-from ..serving.streaming import StreamEvent, stream_events  # noqa: F401  (StreamEvent: part of the engine's API)
+from .streaming import StreamEvent, stream_events  # noqa: F401  (StreamEvent: part of the engine's API)
 
 
 class Engine:
@@ -53,11 +53,11 @@ class Engine:
     ``Engine(model, tokenizer, max_batch_size=8)`` keeps the concatenating KV cache;
     ``kv="paged"`` (with ``block_size``, ``num_blocks`` or ``kv_memory_bytes``) uses the paged one.
     ``token_budget`` caps the tokens of one step; longer prompts are then prefilled in chunks.
-    ``policy`` is ``"fcfs"`` or ``"priority"`` (or a :class:`~cbteach.core.policies.WaitingQueue`);
+    ``policy`` is ``"fcfs"`` or ``"priority"`` (or a :class:`~cbteach.engine.policies.WaitingQueue`);
     ``preemption`` is ``"recompute"`` or ``"swap"`` (V0's); ``admission`` is ``"per_chunk"`` (vLLM
     V1's, the default) or ``"whole_prompt"`` (V0's, with an optional ``watermark``).
     ``keep_records=False`` keeps no step history (long runs, benchmarks). ``scheduler_cls`` runs a
-    :class:`~cbteach.core.scheduler.Scheduler` subclass of your own (notebook 06).
+    :class:`~cbteach.engine.scheduler.Scheduler` subclass of your own (notebook 06).
     See :class:`~cbteach.core.config.EngineConfig` for every option.
     """
 
@@ -66,7 +66,7 @@ class Engine:
         self.config = EngineConfig.from_options(max_batch_size=max_batch_size, kv=kv, keep_records=keep_records,
                                                 **options)
         if scheduler_cls is not None and not (isinstance(scheduler_cls, type) and issubclass(scheduler_cls, Scheduler)):
-            raise ValueError(f"scheduler_cls must be a subclass of cbteach.core.scheduler.Scheduler, got {scheduler_cls!r}")
+            raise ValueError(f"scheduler_cls must be a subclass of cbteach.engine.scheduler.Scheduler, got {scheduler_cls!r}")
         self.info = modelinfo.describe(model, tokenizer)  # refuses models the engine cannot run exactly
         self.proposer = make_proposer(self.config.speculative, self.config.num_speculative_tokens,
                                       vocab_size=self.info.vocab_size)
@@ -244,7 +244,7 @@ class Engine:
 
     def stream(self, requests=()):
         """Add ``requests`` (validated as in :meth:`run`) and yield a
-        :class:`~cbteach.serving.streaming.StreamEvent` per generated token, as soon as its step ends,
+        :class:`~cbteach.engine.streaming.StreamEvent` per generated token, as soon as its step ends,
         until they are all done -- also requests added with :meth:`add_request` while streaming.
         Every request the stream covers ends with exactly one event carrying a ``finish_reason``,
         whoever drove the engine in between (another stream, :meth:`run`, :meth:`step`)."""

@@ -27,7 +27,7 @@ so a key that should change with time (aging) must be written as a fixed quantit
 """
 from __future__ import annotations
 
-from .request import RequestStatus, Sequence
+from ..core.request import RequestStatus, Sequence
 
 
 class WaitingQueue:
@@ -122,4 +122,4 @@ def make_queue(policy) -> WaitingQueue:
         return policy()
     if isinstance(policy, str) and policy in POLICIES:
         return POLICIES[policy]()
-    raise ValueError(f"policy must be one of {sorted(POLICIES)} or a cbteach.core.policies.WaitingQueue, got {policy!r}")
+    raise ValueError(f"policy must be one of {sorted(POLICIES)} or a cbteach.engine.policies.WaitingQueue, got {policy!r}")

@@ -13,9 +13,9 @@ The scheduler decides *who* runs and *how many* tokens each feeds (a
 4. **sample** -- a sequence whose known tokens are now all computed gets one new token
    (:mod:`cbteach.core.sampling`); a prefill chunk that stopped short gets ``None``. A sequence that
    fed speculative guesses gets every guess the model agrees with plus one token of its own
-   (:mod:`cbteach.core.speculative`).
+   (:mod:`cbteach.engine.speculative`).
 
-It changes no request state: :meth:`~cbteach.core.scheduler.Scheduler.update_from_output` does that.
+It changes no request state: :meth:`~cbteach.engine.scheduler.Scheduler.update_from_output` does that.
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import sample
-from .scheduler_output import SchedulerOutput
+from ..core.sampling import sample
+from ..core.scheduler_output import SchedulerOutput
 from .speculative import accept
 
 

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from . import modelinfo
-from .model_view import model_view
-from .request import Completion, as_request_list, check_positive_int, validate_request
-from .sampling import make_generator, sample, stop_reason
+from ..core import modelinfo
+from ..core.model_view import model_view
+from ..core.request import Completion, as_request_list, check_positive_int, validate_request
+from ..core.sampling import make_generator, sample, stop_reason
 
 SLOT_STATES = ("prefill", "decode", "idle", "empty")
 

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from .model_view import model_view
-from .modelinfo import max_positions
-from .request import check_positive_int
+from ..core.model_view import model_view
+from ..core.modelinfo import max_positions
+from ..core.request import check_positive_int
 
 
 class NgramProposer:

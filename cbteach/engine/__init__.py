@@ -1,0 +1,13 @@
+"""The engine: what drives a step, above the KV cache and the core's data.
+
+* :mod:`~cbteach.engine.policies` -- waiting queues: admission order and preemption victims;
+* :mod:`~cbteach.engine.scheduler` -- ``schedule()`` and ``update_from_output()``;
+* :mod:`~cbteach.engine.model_runner` -- ``execute()``: pack, run the model once, sample;
+* :mod:`~cbteach.engine.engine` -- the three calls of a step, and the public API around them;
+* :mod:`~cbteach.engine.streaming` -- one event per generated token;
+* :mod:`~cbteach.engine.static` -- static batching, the baseline;
+* :mod:`~cbteach.engine.speculative` -- guesses proposed, verified in the packed step.
+
+It imports :mod:`cbteach.core`, :mod:`cbteach.kv` and :mod:`cbteach.attention`; nothing here imports
+serving, benchmarks or pictures (see :mod:`cbteach.core` for the layers).
+"""
