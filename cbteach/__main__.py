@@ -20,7 +20,11 @@ COMMANDS = {
     "student": "copy a folder of notebooks with each exercise's solution replaced by a stub",
     "serve": "an OpenAI-compatible HTTP server on the engine (needs: pip install 'cbteach[serve]')",
     "bench-serve": "load-test a running server endpoint and report TTFT/TPOT (needs cbteach[serve])",
+    "tournament": "rank a folder of learners' schedulers (notebook 06's MyScheduler) on one trace, in the real engine",
+    "simulate": "the engine's scheduler at GPU and cluster scale, on a cost model (no weights; notebook 13)",
 }
+# serve's options that plug a learner's pieces into the engine (notebook 12): checked before it starts.
+PIECE_OPTIONS = ("--scheduler", "--kv-manager", "--attention", "--slot-mapping")
 SERVE_HINT = "pip install 'cbteach[serve]'"
 
 
@@ -111,7 +115,19 @@ def run_command(command: str, rest: list[str]) -> int:
 
         return cli(rest) or 0
     if command == "serve":
+        if any(a.split("=")[0] in PIECE_OPTIONS for a in rest):
+            from .exercises.capstone import refuse_broken_pieces
+
+            refuse_broken_pieces(rest)  # a piece that fails its check: ValueError with the check's hint
         return _optional(command, "cbteach.serving.server", rest)
+    if command == "tournament":
+        from .exercises.tournament import cli
+
+        return cli(rest) or 0
+    if command == "simulate":
+        from .sim.cli import cli
+
+        return cli(rest) or 0
     if command == "bench-serve":
         return _optional(command, "cbteach.bench.endpoint", rest)
     from .student import cli, notebooks_cli

@@ -59,3 +59,33 @@ def bierce():
     from cbteach import load_model
 
     return load_model("bierce", device="cpu")
+
+
+def step_until(eng, done, what: str, max_steps: int = 2000) -> list:
+    """Step ``eng`` until ``done()`` holds; the step records. An idle step (nothing had arrived) moves
+    on to the next arrival. Never loops forever: after ``max_steps`` steps it fails, saying what it
+    waited for -- a test must not hang, whatever the machine's speed."""
+    records = []
+    for _ in range(max_steps):
+        if done():
+            return records
+        rec = eng.step()
+        records.append(rec)
+        if rec.idle:
+            eng.wait_for_arrival()
+    if done():
+        return records
+    raise AssertionError(f"still waiting for {what} after {max_steps} steps")
+
+
+def drain(eng, max_steps: int = 5000) -> list:
+    """Step ``eng`` until every request is done (bounded, as :func:`step_until`)."""
+    return step_until(eng, lambda: not eng.has_unfinished(), "every request to finish", max_steps)
+
+
+def sim_clock(step_time: float = 0.01):
+    """A simulated engine clock on which every step costs ``step_time`` seconds: arrivals land on
+    the same steps whatever the machine's speed."""
+    from cbteach.core.clock import VirtualClock
+
+    return VirtualClock(step_time=step_time)

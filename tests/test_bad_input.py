@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from cbteach import Engine, Request, static_batching
-from conftest import EOS, VOCAB, reference, tiny_model
+from conftest import EOS, VOCAB, drain, reference, tiny_model
 
 MAXPOS = 256
 
@@ -39,8 +39,7 @@ def test_bad_request_is_refused_mid_run_without_harm(model, kv, case):
     eng.step()
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
         eng.add_request(make())
-    while eng.has_unfinished():
-        eng.step()
+    drain(eng)
     for r in good:
         assert eng.completions[r.request_id].output_ids == reference(model, r.prompt, r.max_new_tokens)
     if kv == "paged":
@@ -111,8 +110,7 @@ def test_request_larger_than_the_pool_is_refused(model):
     with pytest.raises(ValueError, match="needs up to 4 KV blocks of 4 tokens but the pool has only 3"):
         eng.add_request(Request([7] * 10, 4))
     eng.add_request(Request([7] * 10, 3))  # 12 tokens, 11 stored: fits in 3 blocks
-    while eng.has_unfinished():
-        eng.step()
+    drain(eng)
 
 
 def test_sliding_window_models_are_refused():

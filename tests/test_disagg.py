@@ -87,7 +87,7 @@ def test_pools_that_cannot_hand_over_are_refused_up_front(options, message):
 
 
 def test_a_second_run_counts_arrivals_from_its_own_start():
-    server = DisaggregatedServer(MODEL, max_batch_size=2, block_size=4)
+    server = DisaggregatedServer(MODEL, max_batch_size=2, block_size=4, step_time=0.01)  # 0.01 s a step, any machine
     server.run([Request([7, 8, 9], 5, request_id=i, arrival_time=1.0 * i) for i in range(3)])
     again = [Request([7, 8, 9], 5, request_id=("b", i), arrival_time=0.1 * i) for i in range(2)]
     got = server.run(again)

@@ -20,7 +20,7 @@ from cbteach.kv.pool import PagedKVPool
 from cbteach.core.request import RequestStatus
 from cbteach.core.config import SchedulerConfig
 from cbteach.engine.scheduler import Scheduler
-from conftest import EOS, VOCAB, reference, tiny_model
+from conftest import EOS, VOCAB, drain, reference, tiny_model
 
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, eos_token_id=EOS, bos_token_id=1, pad_token_id=EOS)
@@ -129,8 +129,7 @@ def test_scheduler_output_and_statuses():
     assert out.sampled == [None]  # a partial prefill samples nothing
     eng.scheduler.update_from_output(plan, out.sampled, eng.now())
     assert eng.sequences[ids[0]].num_computed_tokens == 5
-    while eng.has_unfinished():
-        eng.step()
+    drain(eng)
     assert all(eng.sequences[i].status is RequestStatus.FINISHED for i in ids)
 
 
@@ -141,8 +140,7 @@ def test_a_request_added_without_arrival_time_arrives_when_added():
     eng.run([Request([7, 8], 3)])
     before = eng.now()
     rid = eng.add_request(Request([9, 10], 3))  # the engine may have idled for a long time before this
-    while eng.has_unfinished():
-        eng.step()
+    drain(eng)
     c = eng.completions[rid]
     assert c.arrival_time >= before
     assert c.first_token_time >= c.arrival_time
@@ -248,6 +246,7 @@ def test_concat_bytes_copied_equals_the_copies_torch_performs():
         with counter:
             rec = eng.step()
         assert rec.kv_bytes_copied == counter.bytes, f"step {rec.step}"
+        assert rec.step < 100, "still running after 100 steps"
 
 
 # -- 9. records can be switched off ----------------------------------------------------------------

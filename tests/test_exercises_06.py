@@ -7,7 +7,6 @@ import io
 import json
 import math
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -238,13 +237,11 @@ def test_run_is_bounded_by_its_step_limit(model):
     assert "unfinished after 3 steps" in str(result.mistake) and len(result.records) == 3
 
 
-def test_the_checks_are_deterministic_and_quick(model):
-    t0 = time.perf_counter()
+def test_the_checks_are_deterministic(model):
     first = [check(s, scheduler_from(SOLUTION), model)[1] for s in ex06.STAGES]
     again = [check(s, with_mistake(VICTIM, "victim = self.running[0]"), model)[1] for s in ex06.STAGES]
     assert first == [check(s, scheduler_from(SOLUTION), model)[1] for s in ex06.STAGES]
     assert again == [check(s, with_mistake(VICTIM, "victim = self.running[0]"), model)[1] for s in ex06.STAGES]
-    assert time.perf_counter() - t0 < 60
 
 
 # -- the pictures and helpers the notebook uses ------------------------------------------------------

@@ -21,7 +21,7 @@ import torch
 
 from cbteach import Engine, Request, SamplingParams, static_batching
 from cbteach.serving.disagg import DisaggregatedServer
-from conftest import EOS, VOCAB, reference, tiny_model
+from conftest import EOS, VOCAB, drain, reference, tiny_model
 
 PROMPTS = [[7, 8, 9, 10, 11], [20, 21], [30, 31, 32, 33, 34, 35, 36], [40, 41, 42]]  # ragged: padding needed
 
@@ -139,7 +139,8 @@ def test_disaggregated_completions_keep_cached_prompt_tokens():
     prefix = list(range(10, 30))  # 20 tokens: five full blocks of 4
     reqs = [Request(prefix + [40 + i], 4, request_id=f"r{i}", arrival_time=0.5 * i, ignore_eos=True)
             for i in range(2)]
-    server = DisaggregatedServer(model, block_size=4, prefill_options={"prefix_caching": True})
+    server = DisaggregatedServer(model, block_size=4, prefill_options={"prefix_caching": True},
+                                 step_time=0.01)  # r1 arrives 50 steps after r0, on any machine
     got = server.run(reqs)
     assert [c.output_ids for c in got] == [reference(model, r.prompt, 4) for r in reqs]
     assert got[1].num_cached_prompt_tokens == server.prefill.completions["r1"].num_cached_prompt_tokens == 20
@@ -158,11 +159,14 @@ def test_a_request_is_never_swapped_in_and_preempted_in_one_step():
     eng.add_request(a)
     eng.add_request(b)
     added = False
-    while eng.has_unfinished():
+    for _ in range(1000):  # bounded: a hang must name itself
+        if not eng.has_unfinished():
+            break
         record = eng.step()
         if not added and record.preempted:  # a is out: the urgent request queues behind it
             eng.add_request(urgent)
             added = True
+    assert not eng.has_unfinished(), "still running after 1000 steps"
     assert added, "the pool must be small enough that a request is swapped out"
     assert any(r.swapped_in for r in eng.records) and any(r.preempted == ["b"] and "u" in r.admitted
                                                           for r in eng.records)
@@ -273,16 +277,16 @@ def test_a_step_that_only_preempts_is_not_taken_for_idleness(preemption):
                                                                          for r in (a, b)]
 
 
-def test_disaggregation_goes_on_after_a_step_that_only_preempted():
+@pytest.mark.parametrize("step_time", [1e-7, 1e-3, 0.1])  # B arrives before, during or after A's handover
+def test_disaggregation_goes_on_after_a_step_that_only_preempted(step_time):
     model = tiny_model("gpt2")
-    for _ in range(3):  # the timing comes from real step durations: a few tries
-        server = DisaggregatedServer(model, max_batch_size=4, block_size=4,
-                                     prefill_options=dict(max_batch_size=1, policy="priority"),
-                                     decode_options=dict(num_blocks=2, policy="priority"))
-        reqs = [Request([11], 7, request_id="A", priority=1, ignore_eos=True),
-                Request([21], 4, request_id="B", priority=0, ignore_eos=True, arrival_time=1e-6)]
-        got = server.run(reqs)
-        assert [c.output_ids for c in got] == [reference(model, r.prompt, r.max_new_tokens) for r in reqs]
+    server = DisaggregatedServer(model, max_batch_size=4, block_size=4, step_time=step_time,
+                                 prefill_options=dict(max_batch_size=1, policy="priority"),
+                                 decode_options=dict(num_blocks=2, policy="priority"))
+    reqs = [Request([11], 7, request_id="A", priority=1, ignore_eos=True),
+            Request([21], 4, request_id="B", priority=0, ignore_eos=True, arrival_time=1e-6)]
+    got = server.run(reqs)
+    assert [c.output_ids for c in got] == [reference(model, r.prompt, r.max_new_tokens) for r in reqs]
 
 
 def test_a_stream_closed_or_dropped_before_reading_aborts_its_requests():
@@ -329,7 +333,5 @@ def test_waiting_after_a_step_that_only_preempted_does_not_raise():
     eng.add_request(Request([11, 12, 13], 6, request_id="A", priority=1, ignore_eos=True))
     eng.step()
     eng.add_request(Request([21, 22, 23], 2, request_id="B", priority=0, ignore_eos=True))
-    while eng.has_unfinished():
-        if not eng.step().seqs:
-            eng.wait_for_arrival()
+    drain(eng)
     assert eng.completions["A"].output_ids == reference(model, [11, 12, 13], 6)

@@ -5,7 +5,7 @@ import matplotlib
 import pytest
 
 from cbteach import Engine, Request
-from cbteach.kv import memory_experiments as mx
+from cbteach.bench import memory_experiments as mx
 from cbteach.core.modelinfo import describe
 from conftest import tiny_model
 

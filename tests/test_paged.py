@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from cbteach import Engine, Request
 from cbteach.kv.manager import BlockAllocator, PoolExhausted
 from cbteach.kv.memory import accounting, summary
-from conftest import ARCHS, EOS, VOCAB, reference, tiny_model
+from conftest import ARCHS, EOS, VOCAB, drain, reference, step_until, tiny_model
 
 workloads = st.lists(
     st.tuples(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=64), st.integers(1, 128)),
@@ -46,9 +46,7 @@ def check_invariants(eng):
 def run_checked(eng, reqs):
     for r in reqs:
         eng.add_request(r)
-    while eng.has_unfinished():
-        eng.step()
-        check_invariants(eng)
+    step_until(eng, lambda: not eng.has_unfinished() and check_invariants(eng) is None, "every request to finish")
     usage = eng.kv_usage()
     assert usage["num_free_blocks"] == usage["num_blocks"], "blocks leaked"
     assert all(c == 0 for c in eng.kv.manager.allocator.ref_counts)
@@ -115,8 +113,7 @@ def test_usage_and_accounting_numbers():
     assert (u["num_used_blocks"], u["num_tokens"]) == (6, 15)
     assert u["utilisation"] == pytest.approx(15 / 24)
     assert u["internal_fragmentation"] == 24 - 15
-    while eng.has_unfinished():
-        eng.step()
+    drain(eng)
     steps = accounting(eng)
     first = steps[0]
     assert first.contiguous_slots == (5 + 3) + (9 + 6) + (1 + 2)

@@ -12,7 +12,7 @@ import pytest
 
 from cbteach import Engine, Request, SamplingParams, static_batching
 from cbteach.serving.disagg import DisaggregatedServer
-from conftest import ARCHS, reference, tiny_model
+from conftest import ARCHS, reference, step_until, tiny_model
 
 PROMPT = [7, 8, 9, 10, 11]  # 5 tokens: the last block of 4 is partly filled, so samples must copy it
 
@@ -108,8 +108,7 @@ def test_aborting_a_request_aborts_every_sample_and_frees_the_blocks():
     assert not eng.has_unfinished()
     _no_leak(eng)
     eng.add_request(Request(PROMPT, 8, request_id="y", sampling_params=SamplingParams(n=2)))
-    while len(eng.records) < 5:
-        eng.step()
+    step_until(eng, lambda: len(eng.records) >= 5, "five steps")
     assert eng.abort("y").samples[1].output_ids  # forked and decoding when aborted
     _no_leak(eng)
 

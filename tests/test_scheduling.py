@@ -14,7 +14,7 @@ import torch
 from cbteach import Engine, Request
 from cbteach.engine.policies import FCFSQueue, WaitingQueue
 from cbteach.core.request import RequestStatus
-from conftest import EOS, VOCAB, reference, tiny_model
+from conftest import EOS, VOCAB, reference, sim_clock, step_until, tiny_model
 
 MODEL = tiny_model("llama")
 _refs: dict = {}
@@ -121,11 +121,14 @@ def test_fcfs_victim_is_the_newest_running_request():
 
 
 def test_priority_victim_is_least_urgent_then_latest():
-    eng = Engine(MODEL, max_batch_size=4, kv="paged", block_size=4, num_blocks=40, policy="priority")
+    # On a simulated clock (a step costs 0.01 s) "c" arrives after the first step, whatever the
+    # machine's speed: on the wall clock a fast machine finished a, b and d before c arrived.
+    eng = Engine(MODEL, max_batch_size=4, kv="paged", block_size=4, num_blocks=40, policy="priority",
+                 clock=sim_clock(0.01))
     for rid, prio, at in [("a", 1, 0.0), ("b", 2, 0.0), ("c", 2, 0.001), ("d", 0, 0.0)]:
         eng.add_request(Request([7, 8], 3, request_id=rid, priority=prio, arrival_time=at))
-    while len(eng.scheduler.running) < 4:
-        eng.step()
+    step_until(eng, lambda: len(eng.scheduler.running) == 4, "all four requests running together", max_steps=3)
+    assert eng.records[0].admitted == ["d", "a", "b"] and eng.records[1].admitted == ["c"]
     assert eng.scheduler.waiting.pick_victim(eng.scheduler.running).request_id == "c"
 
 

@@ -86,7 +86,7 @@ class Engine:
         self._last_idle = True  # whether the last step did nothing at all (see wait_for_arrival)
         self.spec_stats = {"drafted": 0, "accepted": 0, "verify_steps": 0}  # speculative decoding
         self._t0 = time.perf_counter()
-        self.clock = clock  # None: wall time; a VirtualClock: simulated time (see cbteach.serving.disagg)
+        self.clock = clock  # None: wall time; a VirtualClock: simulated time (cbteach.core.clock)
 
     # -- requests in -------------------------------------------------------------------------
     def now(self) -> float:
@@ -180,8 +180,12 @@ class Engine:
         if plan.seqs:
             t_real = time.perf_counter()
             out = self.runner.execute(plan)  # 2. one forward pass, one token per finished prefill/decode
-            if self.clock is not None:  # simulated time moves by what the step really took
-                self.clock.advance(time.perf_counter() - t_real)
+            if self.clock is not None:  # simulated time moves by the step's cost (cbteach.core.clock)
+                measured = time.perf_counter() - t_real
+                if hasattr(self.clock, "advance_step"):
+                    self.clock.advance_step(plan, measured)
+                else:
+                    self.clock.advance(measured)
             now = self.now()
             # read before update_from_output moves them on: Sequence.is_decoding decides, as planned
             kinds = ["decode" if s.is_decoding else "prefill" for s in plan.seqs]

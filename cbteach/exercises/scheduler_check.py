@@ -5,7 +5,7 @@ This module plugs that class into an :class:`~cbteach.engine.engine.Engine` (``s
 runs it beside the engine's own scheduler on the same :class:`Workload`, so that the two runs can
 be compared step by step (``engine.records``). Three things make that comparison fair and safe:
 
-* **a step clock** (:class:`StepClock`): time moves one unit per forward step, so a request that
+* **a step clock** (:class:`~cbteach.core.clock.VirtualClock` with ``step_time=1``): time moves one unit per forward step, so a request that
   "arrives at 3.5" arrives after the same step on every machine, in both runs;
 * **a watched subclass** (:func:`watched`): the learner's class is subclassed once more, so the
   moment a rule is broken -- a request admitted before it arrived, in a step that preempted, past
@@ -25,6 +25,7 @@ import sys
 from dataclasses import dataclass
 
 from ..engine.engine import Engine
+from ..core.clock import VirtualClock
 from ..core.request import Request
 from ..engine.scheduler import Scheduler
 from ..core.scheduler_output import SchedulerOutput
@@ -46,22 +47,6 @@ class SchedulerMistake(Exception):
 
 class NotDone(SchedulerMistake):
     """``schedule`` is still the stub (it returned None, or the class does not define it)."""
-
-
-class StepClock:
-    """The engine's clock for a check: one unit of time per forward step, whatever the machine.
-
-    The engine calls ``advance(seconds)`` after each forward pass with the real time it took; we
-    ignore that and count the step, so arrivals land on the same step in every run."""
-
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, _seconds: float) -> None:
-        self.t += 1.0
 
 
 @dataclass(frozen=True)
@@ -94,7 +79,7 @@ class Workload:
         return Engine(model, None, max_batch_size=self.max_batch_size, kv="paged", block_size=self.block_size,
                       token_budget=self.token_budget, policy=self.policy, admission=self.admission,
                       scheduler_cls=scheduler_cls,
-                      clock=StepClock(), **blocks)
+                      clock=VirtualClock(step_time=1.0), **blocks)
 
 
 @dataclass

@@ -19,21 +19,9 @@ from __future__ import annotations
 
 import math
 
+from ..core.clock import VirtualClock
 from ..engine.engine import Engine
 from ..core.request import Completion, Request, RequestStatus, Sequence, as_request_list
-
-
-class VirtualClock:
-    """Simulated seconds: moved forward by ``advance``, read by calling it."""
-
-    def __init__(self, t: float = 0.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, seconds: float) -> None:
-        self.t += max(0.0, seconds)
 
 
 class DisaggregatedServer:
@@ -41,11 +29,13 @@ class DisaggregatedServer:
 
     ``link_bytes_per_s`` is the handover bandwidth (default 10 GB/s, between PCIe and NVLink).
     ``prefill_options``/``decode_options`` go to each :class:`Engine` (``num_blocks``, ``token_budget``...).
+    ``step_time``: what a step costs on the simulated clocks (:class:`~cbteach.core.clock.VirtualClock`):
+    ``None``, what it really took; a number of seconds, the same on every machine.
     """
 
     def __init__(self, model, tokenizer=None, *, max_batch_size: int = 8, block_size: int = 16,
                  link_bytes_per_s: float = 10e9, prefill_options: dict | None = None,
-                 decode_options: dict | None = None):
+                 decode_options: dict | None = None, step_time=None):
         if not isinstance(link_bytes_per_s, (int, float)) or isinstance(link_bytes_per_s, bool) \
                 or not link_bytes_per_s > 0 or math.isinf(link_bytes_per_s):
             raise ValueError(f"link_bytes_per_s must be a finite number > 0, got {link_bytes_per_s!r}")
@@ -66,8 +56,8 @@ class DisaggregatedServer:
             if p != d:
                 raise ValueError(f"the prefill and decode pools must have the same {key} (blocks are copied from one "
                                  f"to the other as they are); got {p!r} and {d!r}")
-        self.prefill = Engine(model, tokenizer, clock=VirtualClock(), **options["prefill"])
-        self.decode = Engine(model, tokenizer, clock=VirtualClock(), **options["decode"])
+        self.prefill = Engine(model, tokenizer, clock=VirtualClock(step_time=step_time), **options["prefill"])
+        self.decode = Engine(model, tokenizer, clock=VirtualClock(step_time=step_time), **options["decode"])
         self.prefill.on_release(self._hand_over)
         self.transfers = {"requests": 0, "bytes": 0, "seconds": 0.0}
         self._originals: dict[object, Request] = {}
