@@ -1,0 +1,128 @@
+"""Starting, feeding and watching N worker processes, as vLLM's multiprocessing executor does.
+
+The driver (the process that holds the scheduler) starts one process per rank with ``spawn`` --
+a fresh interpreter, safe with CUDA and threads, importing only what it needs -- and keeps one
+pipe to each. The ranks meet through a file rendezvous in a private temporary folder (no port to
+race for) and join one ``torch.distributed`` process group; the driver is not part of it.
+
+Each step the driver sends the plan to **every** rank, then waits for every answer while watching
+every process: :func:`multiprocessing.connection.wait` returns when an answer arrives *or* a
+process exits. So a rank that dies -- killed, out of memory, crashed in its forward pass -- ends
+the engine with :class:`WorkerDied` naming it, within one wait, never a hang; the other ranks
+(blocked in an all-reduce the dead one will never join) are terminated. A step that takes longer
+than ``step_timeout`` seconds ends the same way.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import multiprocessing.connection
+import shutil
+import tempfile
+import time
+import weakref
+
+import torch.multiprocessing as torch_mp
+
+from ..errors import EngineRuleError
+from .worker import recv, send, worker_main
+
+
+class WorkerDied(EngineRuleError):
+    """A tensor-parallel rank died or failed: the group cannot go on, so the engine stops."""
+
+
+class WorkerGroup:
+    """``len(setups)`` worker processes, one per rank; :meth:`call` sends a message to all and gathers
+    their answers."""
+
+    def __init__(self, setups: list, start_timeout: float = 300.0, step_timeout: float = 120.0):
+        self.step_timeout = step_timeout
+        self._dir = tempfile.mkdtemp(prefix="cbteach-tp-")
+        ctx = torch_mp.get_context("spawn")  # torch's pickler: the shards travel through shared memory
+        self.conns, self.procs = [], []
+        for setup in setups:
+            setup.init_method = f"file://{self._dir}/rendezvous"
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=worker_main, args=(setup, child), name=f"cbteach-tp-rank{setup.rank}",
+                               daemon=True)
+            proc.start()
+            child.close()  # the driver keeps its end only: a dead worker's end then reads as closed
+            self.conns.append(parent)
+            self.procs.append(proc)
+        self._grace = {"seconds": 5.0}  # how long close() waits for workers to stop by themselves
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self._dir, self._grace)
+        self.memory = self._gather(start_timeout, "start", expect="ready")
+
+    @property
+    def alive(self) -> bool:
+        return self._finalizer.alive and all(p.is_alive() for p in self.procs)
+
+    def call(self, msg) -> list:
+        """Send ``msg`` to every rank; their answers, in rank order (``WorkerDied`` if any rank fails)."""
+        if not self._finalizer.alive:
+            raise WorkerDied("the tensor-parallel workers were stopped (the engine was closed or a rank died)")
+        for rank, conn in enumerate(self.conns):
+            try:
+                send(conn, msg)
+            except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+                self._fail(f"rank {rank} is gone (its pipe is closed){self._exit_note(rank)}")
+        return self._gather(self.step_timeout, "step", expect="ok")
+
+    def _gather(self, timeout: float, what: str, expect: str) -> list:
+        answers: list = [None] * len(self.conns)
+        pending = dict(enumerate(self.conns))
+        deadline = time.monotonic() + timeout
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._fail(f"no answer from rank(s) {sorted(pending)} within {timeout:g} s ({what})")
+            ready = mp.connection.wait([*pending.values(), *(p.sentinel for p in self.procs)], timeout=left)
+            for rank, conn in list(pending.items()):
+                if conn in ready:
+                    try:
+                        kind, payload = recv(conn)
+                    except (EOFError, OSError):
+                        self._fail(f"rank {rank} closed its pipe{self._exit_note(rank)}")
+                    if kind != expect:
+                        self._fail(payload if kind == "error" else f"rank {rank} answered {kind!r} to a {what}")
+                    answers[rank] = payload
+                    del pending[rank]
+            for rank, proc in enumerate(self.procs):
+                if proc.sentinel in ready and rank in pending and not pending[rank].poll():
+                    self._fail(f"rank {rank} (pid {proc.pid}) died{self._exit_note(rank)}")
+        return answers
+
+    def _exit_note(self, rank: int) -> str:
+        self.procs[rank].join(timeout=0.5)
+        code = self.procs[rank].exitcode
+        return "" if code is None else f" with exit code {code}"
+
+    def _fail(self, why: str):
+        self._grace["seconds"] = 0.0  # the others may be blocked in an all-reduce: no point waiting
+        self.close()
+        raise WorkerDied(f"tensor parallelism stopped: {why}")
+
+    def close(self) -> None:
+        """Stop every worker (asked first, then terminated, then killed) and remove the rendezvous."""
+        self._finalizer()
+
+
+def _stop(procs, conns, folder, grace: dict) -> None:
+    for conn in conns:
+        try:
+            send(conn, None)
+        except (OSError, EOFError):
+            pass
+    deadline = time.monotonic() + grace["seconds"]
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(timeout=2.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=2.0)
+    for conn in conns:
+        conn.close()
+    shutil.rmtree(folder, ignore_errors=True)
