@@ -57,16 +57,27 @@ def test_notebook_shape(path):
             assert not re.search(r"/(root|home|tmp|work)/", text), "an output shows a machine path"
 
 
+def imports_before(nb_cells, index) -> dict:
+    """The namespace the imports of the code cells before ``index`` make (where a stub runs in the notebook)."""
+    namespace: dict = {}
+    for c in nb_cells[:index]:
+        if c["cell_type"] == "code" and not is_solution(c):
+            for node in code_tree(source(c)).body:
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    exec(compile(ast.Module([node], []), "imports", "exec"), namespace)
+    return namespace
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_student_copy_empties_solutions_but_keeps_checks(path):
     nb = json.loads(path.read_text())
     student, n = strip_solutions(nb)
     assert n >= 1
-    for orig, new in zip(nb["cells"], student["cells"]):
+    for i, (orig, new) in enumerate(zip(nb["cells"], student["cells"])):
         if "solution" in orig.get("metadata", {}).get("tags", []):
             assert new["source"].startswith(PLACEHOLDER) and new["outputs"] == []
             assert not new["metadata"].get("jupyter", {}).get("source_hidden")  # visible: the learner types here
-            exec(compile(new["source"], "stub", "exec"), {})  # the stub runs
+            exec(compile(new["source"], "stub", "exec"), imports_before(nb["cells"], i))  # the stub runs there
             solution = "".join(orig["source"])
             assert solution.strip() not in new["source"]
             for node in ast.walk(ast.parse(new["source"])):  # it keeps given data, never a computed answer
