@@ -27,6 +27,17 @@ from ..errors import EngineRuleError
 from .worker import recv, send, worker_main
 
 
+def _context(start_method: str):
+    """``spawn`` (the default): a fresh interpreter per worker -- safe with threads and CUDA, and
+    nothing stays behind when the workers exit. ``forkserver``: one server process imports torch,
+    transformers and the worker once and forks each worker from it (faster repeated starts; the
+    server lives until this process exits). torch's contexts either way."""
+    ctx = torch_mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(["cbteach.parallel.worker", "transformers"])
+    return ctx
+
+
 class WorkerDied(EngineRuleError):
     """A tensor-parallel rank died or failed: the group cannot go on, so the engine stops."""
 
@@ -35,18 +46,19 @@ class WorkerGroup:
     """``len(setups)`` worker processes, one per rank; :meth:`call` sends a message to all and gathers
     their answers."""
 
-    def __init__(self, setups: list, start_timeout: float = 300.0, step_timeout: float = 120.0):
+    def __init__(self, setups: list, start_timeout: float = 300.0, step_timeout: float = 120.0,
+                 start_method: str = "spawn"):
         self.step_timeout = step_timeout
         self._dir = tempfile.mkdtemp(prefix="cbteach-tp-")
-        ctx = torch_mp.get_context("spawn")  # torch's pickler: the shards travel through shared memory
+        ctx = _context(start_method)
         self.conns, self.procs = [], []
         for setup in setups:
             setup.init_method = f"file://{self._dir}/rendezvous"
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=worker_main, args=(setup, child), name=f"cbteach-tp-rank{setup.rank}",
-                               daemon=True)
+            proc = ctx.Process(target=worker_main, args=(child,), name=f"cbteach-tp-rank{setup.rank}", daemon=True)
             proc.start()
             child.close()  # the driver keeps its end only: a dead worker's end then reads as closed
+            send(parent, setup)  # its shard, copied through the pipe
             self.conns.append(parent)
             self.procs.append(proc)
         self._grace = {"seconds": 5.0}  # how long close() waits for workers to stop by themselves

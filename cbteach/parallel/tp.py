@@ -27,6 +27,7 @@ each :class:`~cbteach.core.outputs.RunnerOutput`); :attr:`memory` is every rank'
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import os
 import time
@@ -38,6 +39,7 @@ import torch.distributed as dist
 from ..core.outputs import RunnerOutput
 from ..engine.model_runner import ModelRunner
 from ..kv.concat import KVTraffic
+from . import torchrun
 from .procs import WorkerDied, WorkerGroup
 from .shard import Layout, layout_for, shard_tensors
 from .worker import StepMessage, WorkerSetup
@@ -55,6 +57,7 @@ class ParallelConfig:
     step_timeout: float = 120.0
     start_timeout: float = 300.0
     num_threads: int | None = None  # torch threads per rank (None: this machine's cores / ranks)
+    start_method: str = "spawn"  # or "forkserver" (faster repeated starts; its server stays until exit)
 
     def __post_init__(self):
         n = self.tensor_parallel_size
@@ -63,6 +66,8 @@ class ParallelConfig:
         if self.backend not in (None, "gloo", "nccl"):
             raise ValueError(f"backend must be None (gloo on the CPU, NCCL on CUDA), 'gloo' or 'nccl', got "
                              f"{self.backend!r}")
+        if self.start_method not in ("spawn", "forkserver"):
+            raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {self.start_method!r}")
         for name in ("step_timeout", "start_timeout"):
             if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be a number of seconds > 0")
@@ -128,17 +133,24 @@ class TensorParallelRunner(ModelRunner):
         super().__init__(model, info, kv_cache)
         self.parallel = pc
         self.comm_log: list[dict] = []  # per step: all-reduces, bytes each rank sent, tokens
+        self.last_logits = None
         n = pc.tensor_parallel_size
         threads = pc.num_threads or max(1, (os.cpu_count() or 1) // n)
-        setups = [WorkerSetup(rank=r, layout=self.layout, model_cls=type(model), config=_config_copy(model),
-                              tensors=shard_tensors(model, self.layout, r), num_blocks=kv_cache.num_blocks,
-                              block_size=kv_cache.block_size, bucket_shapes=bool(kv_cache.bucket_shapes),
-                              kv_dtype=getattr(kv_cache.config, "kv_dtype", None),
-                              device="cpu" if info.device.type == "cpu" else f"cuda:{r}", backend=backend,
-                              init_method=None, num_threads=threads, accepts_logits_to_keep=info.accepts_logits_to_keep,
-                              timeout_s=pc.step_timeout)
-                  for r in range(n)]
-        self.group = _start(setups, pc)
+
+        def setup(rank: int) -> WorkerSetup:
+            return WorkerSetup(rank=rank, layout=self.layout, model_cls=type(model), config=copy.deepcopy(model.config),
+                               tensors=shard_tensors(model, self.layout, rank), num_blocks=kv_cache.num_blocks,
+                               block_size=kv_cache.block_size, bucket_shapes=bool(kv_cache.bucket_shapes),
+                               kv_dtype=getattr(kv_cache.config, "kv_dtype", None),
+                               device="cpu" if info.device.type == "cpu" else f"cuda:{rank}", backend=backend,
+                               init_method=None, num_threads=threads,
+                               accepts_logits_to_keep=info.accepts_logits_to_keep, timeout_s=pc.step_timeout)
+
+        if torchrun.launched_by_torchrun(n):  # this process is rank 0; torchrun started the others
+            self.group = torchrun.TorchrunGroup(setup(0), step_timeout=pc.step_timeout)
+        else:  # vLLM's multiprocessing executor: one process per rank
+            self.group = WorkerGroup([setup(r) for r in range(n)], start_timeout=pc.start_timeout,
+                                     step_timeout=pc.step_timeout, start_method=pc.start_method)
         self.memory: list[dict] = self.group.memory  # per rank: weight and KV pool bytes, its heads
 
     def describe(self) -> list[str]:
@@ -179,23 +191,9 @@ class TensorParallelRunner(ModelRunner):
         traffic = KVTraffic(bytes_read=sum(a["kv_bytes_read"] for a in answers),
                             bytes_written=sum(a["kv_bytes_written"] for a in answers))
         logits = answers[0]["logits"].to(self.info.device)
+        self.last_logits = logits  # the sampled rows' logits (equal on every rank after the all-reduces)
         sampled, fork_tokens, errors = self._sample(logits, plan, first_row)
         out = RunnerOutput(sampled=sampled, chunks=chunks, forward_time=forward_time, traffic=traffic,
                            fork_tokens=fork_tokens, errors=errors if any(e is not None for e in errors) else None)
         out.comm = comm
         return out
-
-
-def _config_copy(model):
-    import copy
-
-    return copy.deepcopy(model.config)
-
-
-def _start(setups: list, pc: ParallelConfig):
-    """Worker processes (vLLM's multiprocessing executor), or this process as rank 0 under torchrun."""
-    from . import torchrun
-
-    if torchrun.launched_by_torchrun(pc.tensor_parallel_size):
-        return torchrun.TorchrunGroup(setups[0], step_timeout=pc.step_timeout)
-    return WorkerGroup(setups, start_timeout=pc.start_timeout, step_timeout=pc.step_timeout)

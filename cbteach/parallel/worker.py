@@ -12,7 +12,6 @@ logits are then equal on every rank; rank 0's go back to the driver, which sampl
 """
 from __future__ import annotations
 
-import os
 import pickle
 import time
 import traceback
@@ -154,14 +153,16 @@ def recv(conn):
     return pickle.loads(conn.recv_bytes())
 
 
-def worker_main(setup: WorkerSetup, conn) -> None:
-    """A worker process (started by :class:`~cbteach.parallel.procs.WorkerGroup`): join the group,
-    build the shard, say ``("ready", memory)``, then answer each :class:`StepMessage` with
-    ``("ok", reply)`` until ``None`` (stop) or the driver's end of the pipe closes. Any error is sent
-    back as ``("error", text)`` before the process exits."""
-    torch.set_num_threads(setup.num_threads)
-    os.environ.setdefault("OMP_NUM_THREADS", str(setup.num_threads))
+def worker_main(conn) -> None:
+    """A worker process (started by :class:`~cbteach.parallel.procs.WorkerGroup`): read its
+    :class:`WorkerSetup` from the pipe, join the group, build the shard, say ``("ready", memory)``,
+    then answer each :class:`StepMessage` with ``("ok", reply)`` until ``None`` (stop) or the
+    driver's end of the pipe closes. Any error is sent back as ``("error", text)`` before it exits."""
+    rank = "?"
     try:
+        setup = recv(conn)
+        rank = setup.rank
+        torch.set_num_threads(setup.num_threads)
         init_group(setup)
         worker = Worker(setup)
         setup.tensors = None  # let go of the shipped copies (the model holds its own on the device)
@@ -175,7 +176,7 @@ def worker_main(setup: WorkerSetup, conn) -> None:
         pass  # the driver is gone: nothing to answer
     except BaseException as err:  # noqa: BLE001  (tell the driver what happened, whatever it was)
         try:
-            send(conn, ("error", f"rank {setup.rank}: {type(err).__name__}: {err}\n{traceback.format_exc()}"))
+            send(conn, ("error", f"rank {rank}: {type(err).__name__}: {err}\n{traceback.format_exc()}"))
         except (OSError, EOFError):
             pass
     finally:

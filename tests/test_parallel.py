@@ -1,0 +1,218 @@
+"""Tensor parallelism (cbteach.parallel): two real worker processes joined by torch.distributed (gloo).
+
+Greedy tokens must equal per-prompt ``model.generate`` and the single-process engine's, on GPT-2,
+Llama (GQA) and Qwen2 (one KV head, replicated on both ranks) and bierce; bad configurations are
+refused before any process starts; a rank that dies ends the engine with an error, never a hang;
+nothing is left running. Every engine is closed in ``finally``.
+"""
+import os
+import signal
+import time
+from dataclasses import fields
+
+import pytest
+import torch
+from conftest import EOS, reference, tiny_model
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from cbteach import Engine
+from cbteach.core.config import EngineConfig
+from cbteach.core.request import Request
+from cbteach.parallel import tp as tp_module
+from cbteach.parallel.procs import WorkerDied
+from cbteach.parallel.shard import layout_for, shard_tensors
+from cbteach.parallel.tp import TensorParallelRunner
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [3] * 13, [11, 12], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49], [6]]
+HAS_TP_OPTION = "tensor_parallel_size" in {f.name for f in fields(EngineConfig)}
+
+
+def tp_engine(model, tokenizer=None, n=2, **options):
+    """``Engine(..., tensor_parallel_size=n)`` -- through the engine's option once it has one, else by
+    giving a fresh engine the tensor-parallel runner (what make_runner will do)."""
+    options.setdefault("kv", "paged")
+    if HAS_TP_OPTION:
+        return Engine(model, tokenizer, tensor_parallel_size=n, **options)
+    eng = Engine(model, tokenizer, **options)
+    eng.runner = TensorParallelRunner(eng.runner.model, eng.info, eng.kv, eng.config, tensor_parallel_size=n)
+    return eng
+
+
+def close(eng):
+    eng.runner.close()
+
+
+def requests(max_new=10):
+    return [Request(p, max_new, request_id=i) for i, p in enumerate(PROMPTS)]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_tokens_equal_generate_and_single_process(arch):
+    model = tiny_model(arch)
+    opts = dict(max_batch_size=4, block_size=4, num_blocks=24, token_budget=8)  # chunked prefills, a tight pool
+    single = Engine(model, None, kv="paged", **opts).run(requests())
+    eng = tp_engine(model, **opts)
+    try:
+        eng.run([Request(PROMPTS[4], 1, request_id="probe")])  # one prefill: logits within fp32 tolerance
+        with torch.no_grad():
+            expected = model(torch.tensor([PROMPTS[4]])).logits[0, -1]
+        torch.testing.assert_close(eng.runner.last_logits[0], expected, atol=1e-4, rtol=1e-4)
+        outs = eng.run(requests())
+        comm, memory, procs = list(eng.runner.comm_log), eng.runner.memory, list(eng.runner.group.procs)
+    finally:
+        close(eng)
+        close(eng)  # idempotent
+    assert not any(p.is_alive() for p in procs)  # nothing left running
+    for p, o, s in zip(PROMPTS, outs, single):
+        assert o.output_ids == reference(model, p, 10, EOS), (arch, p)
+        assert o.output_ids == s.output_ids
+    layout = layout_for(model, 2)
+    hidden = layout.hidden_size
+    # One all-reduce after attention and one after the MLP of every layer; each carries the step's
+    # hidden states (tokens x hidden x 4 bytes in fp32).
+    assert all(c["all_reduces"] == 2 * layout.num_layers for c in comm)
+    assert all(c["all_reduce_bytes"] == 2 * layout.num_layers * c["num_tokens"] * hidden * 4 for c in comm)
+    full = sum(p.numel() * 4 for p in model.parameters())
+    assert all(m["weight_bytes"] < full for m in memory)
+    assert [m["q_heads"] for m in memory] == [[0, 1], [2, 3]]
+    if arch == "qwen2":  # one KV head, two ranks: each holds a copy
+        assert [m["kv_heads"] for m in memory] == [[0], [0]]
+
+
+@pytest.mark.timeout(180)
+def test_bierce_course_workload_equal(bierce):
+    bierce, tok = bierce
+    prompts = ["The devil's dictionary defines", "Love, n.", "A bore is a person who", "Politics:"]
+    reqs = lambda: [Request(p, 24, request_id=i) for i, p in enumerate(prompts)]  # noqa: E731
+    single = Engine(bierce, tok, max_batch_size=3, kv="paged", block_size=8).run(reqs())
+    eng = tp_engine(bierce, tok, max_batch_size=3, block_size=8)
+    try:
+        outs = eng.run(reqs())
+        memory = eng.runner.memory
+    finally:
+        close(eng)
+    assert [o.output_ids for o in outs] == [s.output_ids for s in single]
+    assert [m["kv_heads"] for m in memory] == [[0], [1]]  # bierce: 2 KV heads, one per rank
+    assert [m["q_heads"] for m in memory] == [[0, 1, 2], [3, 4, 5]]
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_rank_ends_the_engine_with_an_error():
+    model = tiny_model("llama")
+    eng = tp_engine(model, max_batch_size=2, block_size=4)
+    procs = list(eng.runner.group.procs)
+    try:
+        for r in requests(30)[:2]:
+            eng.add_request(r)
+        eng.step()
+        os.kill(procs[1].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerDied, match="rank 1"):
+            for _ in range(50):  # bounded: the first step after the kill raises
+                eng.step()
+        assert time.monotonic() - t0 < 60  # a bound on the error path, not a speed check
+        with pytest.raises(WorkerDied):
+            eng.step()  # and the engine stays stopped
+    finally:
+        close(eng)
+    assert not any(p.is_alive() for p in procs)
+
+
+# -- refused before any process starts -------------------------------------------------------------
+@pytest.fixture
+def no_processes(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("a worker process was started for a configuration that should be refused")
+
+    monkeypatch.setattr(tp_module, "WorkerGroup", refuse)
+
+
+def _runner(model, n, **opts):
+    opts.setdefault("kv", "paged")
+    eng = Engine(model, None, max_batch_size=2, **opts)
+    return TensorParallelRunner(eng.runner.model, eng.info, eng.kv, eng.config, tensor_parallel_size=n)
+
+
+def _llama(heads, kv_heads, hidden=48):
+    cfg = LlamaConfig(vocab_size=97, hidden_size=hidden, intermediate_size=96, num_hidden_layers=1,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+                      max_position_embeddings=64)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("model, n, match", [
+    (lambda: tiny_model("llama"), 3, "4 attention heads do not divide among 3"),
+    (lambda: tiny_model("gpt2"), 8, "more ranks than the model's 4 attention heads"),
+    (lambda: _llama(12, 4), 6, "multiple of 4"),  # 4 KV heads, 6 ranks: cannot replicate evenly
+    (lambda: _llama(12, 6), 4, "6 KV heads do not divide among 4"),
+    (lambda: tiny_model("llama"), 0, "tensor_parallel_size must be an int >= 1"),
+    (lambda: tiny_model("llama"), True, "tensor_parallel_size must be an int >= 1"),
+])
+def test_bad_layouts_refused(no_processes, model, n, match):
+    with pytest.raises(ValueError, match=match):
+        _runner(model(), n)
+
+
+def test_bad_engine_settings_refused(no_processes):
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="kv='paged'"):
+        _runner(model, 2, kv="concat")
+    with pytest.raises(ValueError, match="preemption='swap'"):
+        _runner(model, 2, preemption="swap")
+    eng = Engine(model, None, max_batch_size=2, kv="paged")
+    with pytest.raises(ValueError, match="'nccl' needs a CUDA model"):
+        TensorParallelRunner(eng.runner.model, eng.info, eng.kv, tp_module.ParallelConfig(2, backend="nccl"))
+    with pytest.raises(ValueError, match="backend must be"):
+        tp_module.ParallelConfig(2, backend="mpi")
+
+
+def test_unknown_architecture_refused(no_processes):
+    from transformers import OPTConfig, OPTForCausalLM
+
+    opt = OPTForCausalLM(OPTConfig(vocab_size=97, hidden_size=32, num_hidden_layers=1, ffn_dim=64,
+                                   num_attention_heads=4, max_position_embeddings=64)).eval()
+    with pytest.raises(ValueError, match="shards llama, qwen2, gpt2"):
+        _runner(opt, 2)
+
+
+# -- the shards themselves (no processes) ----------------------------------------------------------
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_shards_rebuild_the_layer(arch):
+    """Rank 0's and rank 1's shards put together are the original weights; a row-parallel bias is kept
+    once (rank 0) so the all-reduce adds it once."""
+    model = tiny_model(arch)
+    layout = layout_for(model, 2)
+    s0, s1 = shard_tensors(model, layout, 0), shard_tensors(model, layout, 1)
+    full = dict(model.named_parameters(remove_duplicate=False))
+    if arch == "gpt2":
+        w = full["transformer.h.0.attn.c_attn.weight"]  # [E, 3E]: q | k | v
+        e = layout.hidden_size
+        parts = [torch.cat([s["transformer.h.0.attn.c_attn.weight"][:, i * e // 2:(i + 1) * e // 2]
+                            for s in (s0, s1)], dim=1) for i in range(3)]
+        assert torch.equal(torch.cat(parts, dim=1), w)
+        assert s1["transformer.h.0.attn.c_proj.bias"] is None and s0["transformer.h.0.attn.c_proj.bias"] is not None
+        down = "transformer.h.0.mlp.c_proj.weight"
+        assert torch.equal(torch.cat([s0[down], s1[down]], dim=0), full[down])
+    else:
+        q = "model.layers.0.self_attn.q_proj.weight"
+        assert torch.equal(torch.cat([s0[q], s1[q]], dim=0), full[q])
+        o = "model.layers.0.self_attn.o_proj.weight"
+        assert torch.equal(torch.cat([s0[o], s1[o]], dim=1), full[o])
+        k = "model.layers.0.self_attn.k_proj.weight"
+        if layout.num_kv_heads < 2:  # replicated: both ranks hold the whole KV head
+            assert torch.equal(s0[k], full[k]) and torch.equal(s1[k], full[k])
+        else:
+            assert torch.equal(torch.cat([s0[k], s1[k]], dim=0), full[k])
+    emb = model.get_input_embeddings().weight
+    name = next(n for n, p in full.items() if p is emb)
+    assert torch.equal(s1[name], emb)  # embeddings replicated
+
+
+def test_gqa_replication_rule():
+    layout = layout_for(_llama(8, 2, hidden=64), 4)  # 2 KV heads, 4 ranks: each KV head on 2 ranks
+    assert [list(layout.kv_heads(r)) for r in range(4)] == [[0], [0], [1], [1]]
+    assert [list(layout.q_heads(r)) for r in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    group = layout.num_heads // layout.num_kv_heads
+    for r in range(4):  # every query head a rank computes reads a KV head that rank holds
+        assert all(h // group in layout.kv_heads(r) for h in layout.q_heads(r))
