@@ -127,7 +127,7 @@ def test_scheduler_output_and_statuses():
     assert eng.sequences[ids[1]].status is RequestStatus.WAITING
     out = eng.runner.execute(plan)
     assert out.sampled == [None]  # a partial prefill samples nothing
-    eng.scheduler.update_from_output(plan, out.sampled, eng.now())
+    eng.scheduler.update_from_output(plan, out, eng.now())
     assert eng.sequences[ids[0]].num_computed_tokens == 5
     drain(eng)
     assert all(eng.sequences[i].status is RequestStatus.FINISHED for i in ids)

@@ -152,7 +152,7 @@ def test_a_request_is_never_swapped_in_and_preempted_in_one_step():
     # 6 blocks of 2: a and b outgrow it, b (the later of equals) is swapped out; the urgent request
     # queues behind it. When a's room frees, b comes back -- and may not be sent away in that step.
     eng = Engine(model, max_batch_size=3, kv="paged", block_size=2, num_blocks=6, policy="priority",
-                 preemption="swap")
+                 preemption="swap", preempt_to_admit=True)
     a = Request([7, 8, 9, 10], 8, request_id="a", priority=5, ignore_eos=True)
     b = Request([11, 12, 13, 14], 6, request_id="b", priority=5, ignore_eos=True)
     urgent = Request(list(range(20, 26)), 4, request_id="u", priority=0, ignore_eos=True)

@@ -140,9 +140,11 @@ def test_priority_order_with_arrival_tie_break():
     assert order == ["urgent", "urgent2", "mid", "low"]
 
 
-def two_bulk_requests_filling_the_pool():
-    """Room for two running bulk requests only: an urgent arrival has to take a less urgent one's blocks."""
-    eng = Engine(MODEL, max_batch_size=4, kv="paged", block_size=4, num_blocks=10, policy="priority")
+def two_bulk_requests_filling_the_pool(preempt_to_admit=True):
+    """Room for two running bulk requests only: under V0's rule an urgent arrival takes a less urgent
+    one's blocks (``preempt_to_admit``); under V1's it waits for room."""
+    eng = Engine(MODEL, max_batch_size=4, kv="paged", block_size=4, num_blocks=10, policy="priority",
+                 preempt_to_admit=preempt_to_admit)
     eng.add_request(Request(list(range(6, 22)), 12, request_id="bulk1", priority=5))
     eng.add_request(Request(list(range(30, 46)), 12, request_id="bulk2", priority=5))
     eng.step()
@@ -159,11 +161,23 @@ def test_urgent_arrival_preempts_less_urgent_only_under_memory_pressure():
     for rid, p, n in [("bulk1", range(6, 22), 12), ("bulk2", range(30, 46), 12), ("urgent", range(50, 62), 3)]:
         assert eng.completions[rid].output_ids == expected(list(p), n)
     # Without pressure nobody is preempted.
-    eng = Engine(MODEL, max_batch_size=4, kv="paged", block_size=4, num_blocks=64, policy="priority")
+    eng = Engine(MODEL, max_batch_size=4, kv="paged", block_size=4, num_blocks=64, policy="priority",
+                 preempt_to_admit=True)
     eng.add_request(Request(list(range(6, 22)), 12, priority=5))
     eng.step()
     eng.add_request(Request([7, 8], 3, priority=0))
     assert not any(r.preempted for r in drain(eng))
+
+
+def test_v1_preempts_only_for_running_requests():
+    """vLLM V1 (the default): the urgent arrival waits for room; no running request is preempted to admit it."""
+    eng = two_bulk_requests_filling_the_pool(preempt_to_admit=False)
+    records = drain(eng)
+    admitted_urgent = next(r for r in records if "urgent" in r.admitted)
+    assert not admitted_urgent.preempted
+    assert not any(r.preempted and r.admitted for r in records)
+    for rid, p, n in [("bulk1", range(6, 22), 12), ("bulk2", range(30, 46), 12), ("urgent", range(50, 62), 3)]:
+        assert eng.completions[rid].output_ids == expected(list(p), n)
 
 
 def test_nobody_else_is_admitted_in_the_step_an_urgent_arrival_preempted():

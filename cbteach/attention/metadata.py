@@ -60,6 +60,7 @@ class AttentionMetadata:
     scratch_row: bool = False  # some group gathers padded queries: attention adds a zero row T for them
     whole_row: bool = False  # one dense group holds every packed row: its output is the step's output
     pool: object = None  # the PagedKVPool the attention function reads and writes
+    attention: object = None  # a plugged-in attention function (Engine(attention=...)); None: the engine's
     request_ids: list | None = None  # concat only: whose caches are gathered, in packed order
     past_key_values: object = None  # concat only: the packed DynamicCache, from the forward pass to the scatter
 

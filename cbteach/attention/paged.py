@@ -35,20 +35,35 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..errors import EngineRuleError
+
 NAME = "cbteach_paged"
 STEP_KWARG = "cbteach_step"  # the forward argument that carries the step's AttentionMetadata
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """``query`` is ``[1, heads, T, head_dim]``; ``key``/``value`` are ``[1, kv_heads, T, head_dim]``."""
+    """``query`` is ``[1, heads, T, head_dim]``; ``key``/``value`` are ``[1, kv_heads, T, head_dim]``.
+    Runs the step's attention function: :func:`default_attention`, or one plugged into the engine
+    (``Engine(..., attention=fn)``, notebook 05), which must return a tensor shaped like ``query``."""
     meta = kwargs.pop(STEP_KWARG, None)
     if meta is None:  # only an engine's model view calls us, and it always passes the step's metadata
         raise RuntimeError(f"{NAME!r} attention was called without the step's metadata ({STEP_KWARG}=...): "
                            "it is only for a cbteach engine's own view of the model")
-    layer = module.layer_idx
-    meta.pool.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
-    out = vectorised_attention(query, layer, meta, scaling)  # [1, heads, T, head_dim]
+    attend = meta.attention or default_attention
+    out = attend(query, key, value, meta, module.layer_idx, scaling)
+    if not isinstance(out, torch.Tensor) or out.shape != query.shape:
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise EngineRuleError(f"the attention function returned {got}; it must return a tensor shaped like the "
+                              f"queries, [1, heads, tokens, head_dim] = {tuple(query.shape)}")
     return out.transpose(1, 2).contiguous(), None
+
+
+def default_attention(query, key, value, meta, layer: int, scaling=None) -> torch.Tensor:
+    """The engine's attention over the pool: **write** this step's K/V at ``meta.slot_mapping``, then
+    **read** every sequence's context through its block table and **attend** causally
+    (:func:`vectorised_attention`). A plugged-in attention function has this signature."""
+    meta.pool.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    return vectorised_attention(query, layer, meta, scaling)
 
 
 def vectorised_attention(query, layer: int, meta, scaling=None) -> torch.Tensor:

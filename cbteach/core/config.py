@@ -26,6 +26,9 @@ KV_KINDS = ("concat", "paged")
 PREEMPTION_MODES = ("recompute", "swap")
 ADMISSION_RULES = ("per_chunk", "whole_prompt")
 KV_DTYPES = (None, "int8", "int8_block")
+PARALLEL_SAMPLING = ("fanout", "fork")
+ENGINE_OPTIONS = ("speculative", "num_speculative_tokens", "parallel_sampling", "async_scheduling",
+                  "tensor_parallel_size")
 POLICY_NAMES = ("fcfs", "priority")  # cbteach.engine.policies.POLICIES, named here so configs import no engine
 
 
@@ -62,6 +65,7 @@ class SchedulerConfig:
     policy: object = "fcfs"  # "fcfs", "priority" or a WaitingQueue subclass instance
     preemption: str = "recompute"
     admission: str = "per_chunk"
+    preempt_to_admit: bool = False  # V0's (and SGLang's) priority rule; V1 preempts only for running requests
 
     def __post_init__(self):
         check_positive_int("max_batch_size", self.max_batch_size)
@@ -73,6 +77,9 @@ class SchedulerConfig:
             raise ValueError(f"admission must be 'per_chunk' (vLLM V1's rule) or 'whole_prompt' (vLLM V0's), "
                              f"got {self.admission!r}")
         check_policy(self.policy)
+        if not isinstance(self.preempt_to_admit, bool):
+            raise ValueError(f"preempt_to_admit must be True (vLLM V0's and SGLang's rule: an urgent waiting request "
+                             f"may preempt less urgent running ones) or False (V1's), got {self.preempt_to_admit!r}")
 
 
 @dataclass(frozen=True)
@@ -146,9 +153,19 @@ class EngineConfig:
     speculative: object = None  # None, "ngram", "self" or a draft model
     num_speculative_tokens: int = 3
     keep_records: bool = True
+    parallel_sampling: str = "fanout"  # n > 1: V1's child requests, or "fork": PagedAttention's copy on write
+    async_scheduling: bool = False  # plan step N+1 while step N's forward runs (vLLM V1's async_scheduling)
+    tensor_parallel_size: int = 1  # worker processes the model is sharded over (cbteach.parallel)
 
     def __post_init__(self):
         check_positive_int("num_speculative_tokens", self.num_speculative_tokens)
+        check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        if self.parallel_sampling not in PARALLEL_SAMPLING:
+            raise ValueError(f"parallel_sampling must be 'fanout' (vLLM V1: n child requests sharing full prompt "
+                             f"blocks through the prefix cache) or 'fork' (PagedAttention and vLLM V0: samples fork "
+                             f"from the computed prompt, copy on write), got {self.parallel_sampling!r}")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
         if self.cache.watermark and self.scheduler.admission != "whole_prompt":
             raise ValueError("watermark is part of vLLM V0's admission rule: use it with admission='whole_prompt' "
                              "(the default, V1's per-chunk admission, keeps no watermark)")
@@ -159,12 +176,12 @@ class EngineConfig:
         """The engine's keyword arguments, sorted into their configs; an unknown one is refused."""
         sched_names = {f.name for f in fields(SchedulerConfig)} - {"max_batch_size"}
         cache_names = {f.name for f in fields(CacheConfig)} - {"kind"}
-        unknown = sorted(set(options) - sched_names - cache_names - {"speculative", "num_speculative_tokens"})
+        unknown = sorted(set(options) - sched_names - cache_names - set(ENGINE_OPTIONS))
         if unknown:
             raise ValueError(f"unknown engine option(s) {unknown}; allowed: {', '.join(sorted(sched_names))}, "
-                             f"speculative, num_speculative_tokens, keep_records, and with kv='paged': "
+                             f"{', '.join(ENGINE_OPTIONS)}, keep_records, and with kv='paged': "
                              f"{', '.join(sorted(cache_names))}")
         sched = SchedulerConfig(max_batch_size=max_batch_size, **{k: v for k, v in options.items() if k in sched_names})
         cache = CacheConfig(kind=kv, **{k: v for k, v in options.items() if k in cache_names})
-        return cls(scheduler=sched, cache=cache, speculative=options.get("speculative"),
-                   num_speculative_tokens=options.get("num_speculative_tokens", 3), keep_records=bool(keep_records))
+        return cls(scheduler=sched, cache=cache, keep_records=bool(keep_records),
+                   **{k: options[k] for k in ENGINE_OPTIONS if k in options})

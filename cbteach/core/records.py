@@ -56,6 +56,9 @@ class StepRecord:
     kv_bytes_read: int = 0  # paged: K/V that attention read through the block tables (concat: 0)
     kv_copy_time: float = 0.0
     kv_usage: dict | None = None  # paged cache: pool state after the step (block tables, fill)
+    # When the host and the model worked on this step: "schedule", "forward" and "update" -> (start, end)
+    # in time.perf_counter() seconds (with async scheduling, one step's work overlaps the next one's).
+    timings: dict = field(default_factory=dict)
 
     # -- derived views ---------------------------------------------------------------------
     @property
@@ -143,5 +146,6 @@ def fill_record(record: StepRecord, plan, out, kinds: list[str], num_outputs_bef
         for s, k, c, n, chunk, new, d, b in zip(plan.seqs, kinds, plan.num_computed_tokens, plan.num_scheduled_tokens,
                                                 out.chunks, out.sampled, plan.num_draft_tokens, num_outputs_before)]
     record.forward_time = out.forward_time
-    record.kv_bytes_copied, record.kv_bytes_read = out.traffic.bytes_copied, out.traffic.bytes_read
-    record.kv_copy_time = out.traffic.seconds
+    if out.traffic is not None:  # None: every sequence of the step failed before the cache did anything
+        record.kv_bytes_copied, record.kv_bytes_read = out.traffic.bytes_copied, out.traffic.bytes_read
+        record.kv_copy_time = out.traffic.seconds

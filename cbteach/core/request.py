@@ -69,6 +69,7 @@ class Completion:
     finish_time: float | None = None
     num_cached_prompt_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (vLLM's num_cached_tokens)
     samples: list | None = None  # n > 1: one Completion per sample (request_id (id, i)); output_ids are sample 0's
+    error: str | None = None  # finish_reason "error": what went wrong for this request alone
 
     @classmethod
     def of(cls, seq, tokenizer, now: float) -> Completion:
@@ -77,7 +78,7 @@ class Completion:
         return cls(request_id=seq.request_id, prompt_ids=list(seq.prompt_ids), output_ids=list(seq.output_ids),
                    finish_reason=seq.finish_reason, text=text, arrival_time=seq.arrival_time,
                    first_token_time=seq.first_token_time, token_times=list(seq.token_times), finish_time=now,
-                   num_cached_prompt_tokens=seq.num_cached_prompt_tokens)
+                   num_cached_prompt_tokens=seq.num_cached_prompt_tokens, error=seq.error)
 
     @classmethod
     def of_samples(cls, samples: list[Completion], now: float) -> Completion:
@@ -88,7 +89,8 @@ class Completion:
                    first_token_time=min((c.first_token_time for c in samples if c.first_token_time is not None),
                                         default=None),
                    token_times=first.token_times, finish_time=now,
-                   num_cached_prompt_tokens=first.num_cached_prompt_tokens, samples=samples)
+                   num_cached_prompt_tokens=first.num_cached_prompt_tokens, samples=samples,
+                   error=next((c.error for c in samples if c.error is not None), None))
 
     def __repr__(self) -> str:
         shown = repr(self.text[:40] + ("…" if len(self.text) > 40 else "")) if self.text is not None else ""
@@ -130,8 +132,10 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     slot: int | None = None  # which batch slot (timeline row) it occupies -- not a KV slot of a slot_mapping
-    finish_reason: str | None = None  # "eos", "length" or "aborted" once finished
+    finish_reason: str | None = None  # "eos", "stop", "length", "aborted" or "error" once finished
+    error: str | None = None  # finish_reason "error": what went wrong for this request alone
     num_preemptions: int = 0
+    num_placeholders: int = 0  # async scheduling: tokens a step in flight will give it, not appended yet
     # -- KV: its room in the cache (paged) -----------------------------------------------------------
     block_table: list[int] = field(default_factory=list)
     num_cached_prompt_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
@@ -170,11 +174,17 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def num_tokens_with_placeholders(self) -> int:
+        """Known tokens plus the ones a step in flight will give it (async scheduling; else the same)."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_placeholders
+
+    @property
     def is_decoding(self) -> bool:
         """It has sampled a token and everything before that token is computed: next it feeds that
         one token (plus any guesses). Anything else -- a prompt, a chunk of one, recomputing after a
         preemption -- is a prefill."""
-        return bool(self.output_ids) and self.num_computed_tokens == self.num_tokens - 1
+        return bool(self.output_ids or self.num_placeholders) and \
+            self.num_computed_tokens == self.num_tokens_with_placeholders - 1
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, prompt={len(self.prompt_ids)}, out={len(self.output_ids)}, "

@@ -10,7 +10,8 @@ request. What happens next is the same for both, so it lives here:
   own ``torch.Generator``, so its tokens do not depend on who else is in the batch.
 * :func:`stop_reason` says whether a request has finished: ``"eos"`` when it produced one of the
   model's stop ids (exactly the ones ``generate`` stops on: the generation config's
-  ``eos_token_id``), ``"length"`` at ``max_new_tokens``, else ``None``.
+  ``eos_token_id``), ``"stop"`` for one of the request's own ``stop_token_ids``, ``"length"`` at
+  ``max_new_tokens``, else ``None``.
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
-    n: int = 1  # parallel samples of one prompt, sharing its KV blocks (sample i draws from seed + i)
+    n: int = 1  # parallel samples of one prompt (sample i draws from seed + i): Engine(parallel_sampling=...)
+    stop_token_ids: tuple = ()  # more ids that end the request (finish_reason "stop"), even with ignore_eos
 
     def __post_init__(self):
         if not isinstance(self.n, numbers.Integral) or isinstance(self.n, bool) or self.n < 1:
@@ -47,6 +49,11 @@ class SamplingParams:
         # A Fraction or a NumPy number is a valid value; torch divides by floats.
         object.__setattr__(self, "temperature", float(t))
         object.__setattr__(self, "top_p", float(p))
+        ids = self.stop_token_ids
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__") or not all(
+                isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids (ints >= 0), got {ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
         if self.seed is not None and (not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool)
                                       or not -2**63 <= self.seed < 2**64):
             raise ValueError(f"seed must be None or an int in [-2**63, 2**64) (what torch.Generator takes), "
@@ -75,11 +82,39 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list 
             sorted_p, order = probs.sort(descending=True)
             # keep the smallest prefix whose mass reaches top_p (always at least the top token)
             drop = sorted_p.cumsum(0) - sorted_p >= p.top_p
+            drop[0] = False  # the most likely token is always kept (a top_p below float32's range would drop it)
             sorted_p[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
         gen = generators[i] if generators is not None else None
         tokens[i] = int(torch.multinomial(probs.cpu(), 1, generator=gen))
     return tokens
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
+                generators: list | None = None) -> tuple[list, list]:
+    """:func:`sample`, one failure at a time: ``(tokens, errors)`` where a row whose logits are not
+    finite, or whose draw fails, gets ``None`` and a message instead of a token -- that request alone
+    ends with an error, its neighbours' tokens (and seeded draws) are untouched."""
+    finite = torch.isfinite(logits).all(dim=-1).tolist()
+    tokens: list = [None] * len(params)
+    errors: list = [None] * len(params)
+    ok = [i for i, f in enumerate(finite) if f]
+    for i, f in enumerate(finite):
+        if not f:
+            errors[i] = "the model produced logits that are not finite for this request"
+    if not ok:
+        return tokens, errors
+    greedy = logits[ok].argmax(dim=-1).tolist()
+    for j, i in enumerate(ok):
+        p = params[i]
+        if p.greedy:
+            tokens[i] = greedy[j]
+            continue
+        try:
+            tokens[i] = sample(logits[i:i + 1], [p], [generators[i] if generators is not None else None])[0]
+        except (RuntimeError, ValueError) as err:
+            errors[i] = f"sampling failed: {err}"
+    return tokens, errors
 
 
 def make_generator(params: SamplingParams, sample_index: int = 0) -> torch.Generator | None:
@@ -91,10 +126,15 @@ def make_generator(params: SamplingParams, sample_index: int = 0) -> torch.Gener
     return torch.Generator().manual_seed(seed - 2**64 if seed >= 2**64 else seed)
 
 
-def stop_reason(output_ids: list[int], max_new_tokens: int, eos_ids, ignore_eos: bool = False) -> str | None:
-    """``"eos"``, ``"length"`` or ``None`` (keep going) after the last token was appended."""
+def stop_reason(output_ids: list[int], max_new_tokens: int, eos_ids, ignore_eos: bool = False,
+                stop_token_ids=()) -> str | None:
+    """``"eos"``, ``"stop"`` (one of ``stop_token_ids``), ``"length"`` or ``None`` (keep going) after
+    the last token was appended (vLLM V1's ``check_stop``, but for stop strings: text, checked by the
+    front end that detokenizes)."""
     if output_ids and output_ids[-1] in eos_ids and not ignore_eos:
         return "eos"
+    if output_ids and output_ids[-1] in stop_token_ids:
+        return "stop"
     if len(output_ids) >= max_new_tokens:
         return "length"
     return None

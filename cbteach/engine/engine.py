@@ -2,33 +2,30 @@
 
 One call to :meth:`Engine.step` is one forward pass of the model, in three calls (vLLM V1's split):
 
-1. ``plan = scheduler.schedule(now)`` -- who runs and how many tokens each feeds: sequences that
-   finished last step are gone, queued requests fill their slots (Orca), a token budget may cut a
-   long prompt into chunks (Sarathi-Serve), a refusal of KV room preempts (PagedAttention/vLLM).
-   :class:`~cbteach.engine.scheduler.Scheduler` in, a
-   :class:`~cbteach.core.scheduler_output.SchedulerOutput` out; the scheduler talks to the KV
-   manager through :class:`cbteach.kv.interface.KVManager` only;
-2. ``out = runner.execute(plan)`` -- pack those tokens into one ``[1, total_tokens]`` row, run the
-   model once with the KV cache's help, sample a token for every sequence whose known tokens are
-   now all computed. :class:`~cbteach.engine.model_runner.ModelRunner` talks to the cache through
-   :class:`cbteach.kv.interface.KVCache` (``kv="concat"`` or ``kv="paged"``);
-3. ``scheduler.update_from_output(plan, out.sampled, now)`` -- the one place where
-   ``num_computed_tokens`` and outputs change and where finished requests leave.
+1. ``plan = scheduler.schedule(now)`` -- who runs and how many tokens each feeds (Orca's refill,
+   Sarathi-Serve's chunks, PagedAttention's preemption); it ends by counting the plan as computed
+   (V1's ``_update_after_schedule``). :class:`~cbteach.engine.scheduler.Scheduler` in, a
+   :class:`~cbteach.core.scheduler_output.SchedulerOutput` out;
+2. ``output = runner.execute(plan)`` -- pack those tokens into one ``[1, total_tokens]`` row, run the
+   model once with the KV cache's help, sample (:class:`~cbteach.engine.model_runner.ModelRunner`,
+   or its tensor-parallel twin: :mod:`cbteach.engine.executor`);
+3. ``scheduler.update_from_output(plan, output, now)`` -- tokens appended, rejected guesses taken
+   back, finished requests out and their blocks freed (:mod:`cbteach.engine.update`).
+
+With ``async_scheduling=True`` step N+1 is planned while step N's forward runs
+(:mod:`cbteach.engine.async_scheduling`); the tokens are the same.
 
 The options are validated once into an :class:`~cbteach.core.config.EngineConfig`. The model is
-never changed: the engine runs its own view of it (:mod:`cbteach.core.model_view`), so other
-threads and other engines on the same model stay exact.
+never changed: the engine runs its own view of it (:mod:`cbteach.core.model_view`), and refuses to
+go on if the model changes under it (:mod:`cbteach.engine.fingerprint`). Plug points for your own
+pieces: ``scheduler_cls``, ``kv_manager``, ``attention`` and ``slot_mapping`` (notebooks 05, 06, 12).
 
 Greedy decoding in fp32 gives token for token what per-prompt ``model.generate`` gives for plain
-greedy search (a repetition penalty and the like are not implemented, and warned about); the
-tests check exactly that. (Packing changes float rounding, so an exact tie between two logits could
-break the other way: never seen in fp32, common in bf16 -- notebook 01, batch invariance.)
-
-**Time.** The engine has a clock (:meth:`Engine.now`, seconds since the engine was created).
-Every time in a :class:`~cbteach.core.request.Completion` is on it. A request's ``arrival_time`` of
-``None`` means "when it is added"; a number means "not before": on the engine clock for
-:meth:`add_request`, and relative to the start of the call for :meth:`run` (a trace replayed);
-never an absolute clock time such as ``time.time()``, which is refused.
+greedy search; the tests check exactly that. **Time**: every time in a
+:class:`~cbteach.core.request.Completion` is on the engine's clock (:meth:`Engine.now`; seconds
+since the engine was made, or simulated: :mod:`cbteach.core.clock`). An ``arrival_time`` of
+``None`` means "when it is added"; a number means "not before", on the engine clock for
+:meth:`add_request` and from the start of the call for :meth:`run`; never an absolute clock time.
 """
 from __future__ import annotations
 
@@ -36,33 +33,38 @@ import time
 
 from ..core import modelinfo
 from ..core.config import EngineConfig
-from .model_runner import ModelRunner
 from ..core.model_view import model_view
 from ..core.records import StepRecord, fill_record, new_record
 from ..core.request import Completion, Request, Sequence, as_request_list, validate_request
-from ..core.sampling import make_generator
+from ..errors import EngineClosedError
+from ..kv.caches import make_kv_cache
+from ..kv.manager import can_fork
+from . import async_scheduling, parallel_sampling
+from .executor import make_runner
+from .fingerprint import check_unchanged, fingerprint
+from .plug import RuleGuard, plug_pieces
 from .scheduler import Scheduler
 from .speculative import count_speculation, make_proposer, propose_for
-from ..kv.caches import make_kv_cache
 from .streaming import StreamEvent, stream_events  # noqa: F401  (StreamEvent: part of the engine's API)
 
 
 class Engine:
     """A small continuous-batching inference engine over a transformers causal LM.
 
-    ``Engine(model, tokenizer, max_batch_size=8)`` keeps the concatenating KV cache;
-    ``kv="paged"`` (with ``block_size``, ``num_blocks`` or ``kv_memory_bytes``) uses the paged one.
-    ``token_budget`` caps the tokens of one step; longer prompts are then prefilled in chunks.
-    ``policy`` is ``"fcfs"`` or ``"priority"`` (or a :class:`~cbteach.engine.policies.WaitingQueue`);
-    ``preemption`` is ``"recompute"`` or ``"swap"`` (V0's); ``admission`` is ``"per_chunk"`` (vLLM
-    V1's, the default) or ``"whole_prompt"`` (V0's, with an optional ``watermark``).
-    ``keep_records=False`` keeps no step history (long runs, benchmarks). ``scheduler_cls`` runs a
-    :class:`~cbteach.engine.scheduler.Scheduler` subclass of your own (notebook 06).
-    See :class:`~cbteach.core.config.EngineConfig` for every option.
+    ``Engine(model, tokenizer, max_batch_size=8)`` keeps the concatenating KV cache; ``kv="paged"``
+    (with ``block_size``, ``num_blocks`` or ``kv_memory_bytes``) uses the paged one. ``token_budget``
+    caps the tokens of one step (longer prompts are prefilled in chunks); ``policy`` is ``"fcfs"`` or
+    ``"priority"``; ``parallel_sampling`` is ``"fanout"`` (V1) or ``"fork"`` (copy on write);
+    ``async_scheduling`` overlaps planning with the forward pass; ``tensor_parallel_size`` shards the
+    model over processes. vLLM V0's rules are options named as V0's: ``admission="whole_prompt"``,
+    ``watermark``, ``preemption="swap"``, ``preempt_to_admit``. ``keep_records=False`` keeps no step
+    history. See :class:`~cbteach.core.config.EngineConfig` for every option; use it as a context
+    manager, or call :meth:`close`, to let go of its KV memory (and worker processes).
     """
 
     def __init__(self, model, tokenizer=None, *, max_batch_size: int, kv: str = "concat",
-                 keep_records: bool = True, clock=None, scheduler_cls=None, **options):
+                 keep_records: bool = True, clock=None, scheduler_cls=None, kv_manager=None, attention=None,
+                 slot_mapping=None, **options):
         self.config = EngineConfig.from_options(max_batch_size=max_batch_size, kv=kv, keep_records=keep_records,
                                                 **options)
         if scheduler_cls is not None and not (isinstance(scheduler_cls, type) and issubclass(scheduler_cls, Scheduler)):
@@ -73,10 +75,12 @@ class Engine:
         self.model = model  # never changed: the runner runs the engine's own view of it
         self.tokenizer = tokenizer
         self.kv = make_kv_cache(self.info, self.config)
+        plug_pieces(self.kv, kv_manager=kv_manager, attention=attention, slot_mapping=slot_mapping)
         self.scheduler = (scheduler_cls or Scheduler)(self.config.scheduler, self.kv.manager,
                                                       eos_ids=self.info.eos_ids,
                                                       swapper=self.kv if self.kv.kind == "paged" else None)
-        self.runner = ModelRunner(model_view(model, self.kv.attn_implementation), self.info, self.kv)
+        self.runner = make_runner(model, model_view(model, self.kv.attn_implementation), self.info, self.kv,
+                                  self.config)
         self.keep_records = self.config.keep_records
         self.records: list[StepRecord] = []
         self.completions: dict[object, Completion] = {}
@@ -87,6 +91,10 @@ class Engine:
         self.spec_stats = {"drafted": 0, "accepted": 0, "verify_steps": 0}  # speculative decoding
         self._t0 = time.perf_counter()
         self.clock = clock  # None: wall time; a VirtualClock: simulated time (cbteach.core.clock)
+        self._fingerprint = fingerprint(model, tokenizer)
+        self._closed = False
+        self._guard = RuleGuard(self.scheduler, self.kv) if scheduler_cls not in (None, Scheduler) else None
+        self._stepper = async_scheduling.AsyncStepper(self) if self.config.async_scheduling else None
 
     # -- requests in -------------------------------------------------------------------------
     def now(self) -> float:
@@ -102,18 +110,23 @@ class Engine:
         if any(i in self.sequences or i in self.groups or i in taken for i in _ids_of(rid, n)):
             raise ValueError(f"duplicate request_id {rid!r}: every request needs its own id (a request with n > 1 "
                              "samples also takes the ids (request_id, i) of its samples)")
-        if n > self.scheduler.max_batch_size:
-            raise ValueError(f"request {rid!r} asks for n={n} samples, but a batch holds at most "
-                             f"{self.scheduler.max_batch_size} sequences (max_batch_size): every sample needs a slot")
+        if n > 1 and self.config.parallel_sampling == "fork":
+            if not can_fork(self.kv.manager):
+                raise ValueError(f"request {rid!r} asks for n={n} samples, but this engine's KV manager "
+                                 f"({type(self.kv.manager).__name__}) cannot share blocks with copy on write, which "
+                                 "parallel_sampling='fork' needs; use parallel_sampling='fanout' (vLLM V1's default)")
+            if n > self.scheduler.max_batch_size:
+                raise ValueError(f"request {rid!r} asks for n={n} samples, but a batch holds at most "
+                                 f"{self.scheduler.max_batch_size} sequences (max_batch_size) and forked samples run "
+                                 "together; use parallel_sampling='fanout', whose samples take turns")
         # Each sample must fit alone: with less room, samples are preempted and take turns.
         self.kv.check_fits(len(prompt_ids) + request.max_new_tokens, rid)
         return prompt_ids
 
     def add_request(self, request: Request):
         """Validate and queue a request; returns its ``request_id``. Bad input raises ``ValueError``.
-
-        An explicit ``arrival_time`` is a time on the engine's clock (:meth:`now`); ``None`` means now.
-        """
+        An explicit ``arrival_time`` is a time on the engine's clock (:meth:`now`); ``None`` means now."""
+        self._check_open()
         prompt_ids = self.check_request(request)
         at = self.now() if request.arrival_time is None else float(request.arrival_time)
         self._enqueue(request, prompt_ids, at)
@@ -123,33 +136,28 @@ class Engine:
         """Take in a sequence whose K/V were computed elsewhere (a disaggregated prefill engine's
         handover): ``kv_blocks`` (per layer, host copies of its blocks) wait in host memory until
         ``seq.ready_time``, then come back like a swapped-out request's."""
-        if self.kv.kind != "paged":
-            raise ValueError("receive() needs kv='paged': handed-over K/V arrive as blocks")
+        if self.kv.kind != "paged" or self._stepper is not None:
+            raise ValueError("receive() needs kv='paged' (handed-over K/V arrive as blocks) and no async_scheduling")
         self.check_request(seq.request)
         self.sequences[seq.request_id] = seq
         self.kv.hold_swapped(seq, kv_blocks)
         self.scheduler.add_swapped(seq)
 
     def use_kv_manager(self, manager) -> None:
-        """Make ``manager`` (a :class:`cbteach.kv.interface.KVManager`) the paged cache's KV manager
-        on a fresh engine: the scheduler asks it for room, and the pool is addressed by its block
-        tables. It must use the pool's block size and no more blocks than the pool has."""
-        if self.kv.kind != "paged":
-            raise ValueError("use_kv_manager() needs an Engine(..., kv='paged'): only the paged pool is addressed "
-                             "by block tables")
+        """Make ``manager`` (a :class:`cbteach.kv.interface.KVManager`) the paged cache's KV manager on a
+        fresh engine -- what ``Engine(..., kv_manager=manager)`` does at construction."""
         if self.has_unfinished() or self.num_steps:
             raise ValueError("plug a KV manager into a fresh engine, before any request is added")
-        if manager.block_size != self.kv.block_size or manager.num_blocks > self.kv.num_blocks:
-            raise ValueError(f"the manager has {manager.num_blocks} blocks of {manager.block_size} slots; the pool "
-                             f"has {self.kv.num_blocks} of {self.kv.block_size}")
-        self.kv.manager = self.scheduler.kv_manager = manager
+        plug_pieces(self.kv, kv_manager=manager)
+        self.scheduler.kv_manager = self.kv.manager
 
     def on_release(self, callback) -> None:
         """Call ``callback(seq)`` just before a sequence's KV blocks are given back (it finished, was
         aborted or preempted), while its K/V are still in the pool: a disaggregated prefill engine
         ships them from there (:meth:`copy_kv_out`). Paged only."""
-        if self.kv.kind != "paged":
-            raise ValueError("on_release() needs kv='paged'")
+        if self.kv.kind != "paged" or self._stepper is not None:
+            raise ValueError("on_release() needs kv='paged' and no async_scheduling (blocks are copied out as they "
+                             "are freed, which must not overlap a forward pass)")
         self.kv.manager.before_free = callback
 
     def copy_kv_out(self, seq: Sequence) -> tuple[list, int]:
@@ -164,43 +172,69 @@ class Engine:
         return self._num_steps
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or (self._stepper is not None and self._stepper.in_flight)
 
     def kv_usage(self) -> dict:
         """The KV cache's state now (paged: blocks, tokens, utilisation, block tables, pool bytes)."""
         return self.kv.usage()
 
     def step(self) -> StepRecord:
-        """Run one forward pass over everything scheduled and return what happened."""
-        start = self.now()
+        """Run one forward pass over everything scheduled and return what happened (with async
+        scheduling: finish the step in flight, having launched the next one)."""
+        self._check_open()
+        return self._step()
+
+    def _step(self) -> StepRecord:
+        if self._stepper is not None:
+            return self._stepper.step()
+        start, t0 = self.now(), time.perf_counter()
         if self.proposer is not None:
             propose_for(self.scheduler.running, self.proposer)
         plan = self.scheduler.schedule(start)  # 1. who runs, how many tokens each
-        record = new_record(self._num_steps, self.kv.kind, start, plan)
+        if self._guard is not None:
+            self._guard.after_schedule(plan, start)
+        record = self._new_record(plan, start)
+        t1 = time.perf_counter()
+        record.timings["schedule"] = (t0, t1)
         if plan.seqs:
-            t_real = time.perf_counter()
-            out = self.runner.execute(plan)  # 2. one forward pass, one token per finished prefill/decode
-            if self.clock is not None:  # simulated time moves by the step's cost (cbteach.core.clock)
-                measured = time.perf_counter() - t_real
-                if hasattr(self.clock, "advance_step"):
-                    self.clock.advance_step(plan, measured)
-                else:
-                    self.clock.advance(measured)
-            now = self.now()
-            # read before update_from_output moves them on: Sequence.is_decoding decides, as planned
-            kinds = ["decode" if s.is_decoding else "prefill" for s in plan.seqs]
-            before = [len(s.output_ids) for s in plan.seqs]
-            finished = self.scheduler.update_from_output(plan, out.sampled, now, out.fork_tokens)  # 3. state moves
-            for seq in finished:
-                self._complete(seq, now)
-            fill_record(record, plan, out, kinds, before, finished)
-            count_speculation(self.spec_stats, record)
+            output = self.runner.execute(plan)  # 2. one forward pass, one token per finished prefill/decode
+            t2 = time.perf_counter()
+            record.timings["forward"] = (t1, t2)  # (with packing and sampling: the host waits for it all)
+            self._advance_clock(plan, t2 - t1)
+            self._update(plan, output, record)  # 3. state moves
+            record.timings["update"] = (t2, time.perf_counter())
+        return self._close_record(record)
+
+    def _new_record(self, plan, start: float) -> StepRecord:
+        return new_record(self._num_steps, self.kv.kind, start, plan)
+
+    def _advance_clock(self, plan, measured: float) -> None:
+        if self.clock is not None:  # simulated time moves by the step's cost (cbteach.core.clock)
+            if hasattr(self.clock, "advance_step"):
+                self.clock.advance_step(plan, measured)
+            else:
+                self.clock.advance(measured)
+
+    def _update(self, plan, output, record: StepRecord) -> None:
+        """``update_from_output`` and what the engine keeps of it: completions, the step's record."""
+        now = self.now()
+        before = [len(s.output_ids) for s in plan.seqs]
+        finished = self.scheduler.update_from_output(plan, output, now)
+        if self._guard is not None:
+            self._guard.after_update(plan, finished)
+        for seq in finished:
+            self._complete(seq, now)
+        fill_record(record, plan, output, plan.kinds, before, finished)
+        count_speculation(self.spec_stats, record)
+
+    def _close_record(self, record: StepRecord) -> StepRecord:
         record.num_waiting = len(self.scheduler.waiting)
         if self.keep_records and self.kv.kind == "paged":
             record.kv_usage = self.kv.usage()
-        record.duration = self.now() - start
+        record.duration = self.now() - record.start_time
         self._last_idle = record.idle
         if not record.idle:  # an idle step (waiting for arrivals) leaves no trace in the history
+            record.step = self._num_steps
             self._num_steps += 1
             if self.keep_records:
                 self.records.append(record)
@@ -223,23 +257,21 @@ class Engine:
                                "requests; please report this")
 
     def run(self, requests, progress: bool = False) -> list[Completion]:
-        """Add ``requests``, step until all are done, and return their completions in request order.
-
-        An explicit ``arrival_time`` counts seconds from the start of this call. All requests are
-        validated before any is queued, so a bad one raises ``ValueError`` and leaves the engine as
-        it was.
-        """
+        """Add ``requests``, step until all are done, and return their completions in request order
+        (an explicit ``arrival_time`` counts seconds from the start of this call). All requests are
+        validated before any is queued: a bad one raises ``ValueError`` and leaves the engine as it was.
+        ``progress=True`` shows a bar of finished requests (one with ``n`` samples: when all are done)."""
+        self._check_open()
         requests = self._add_all(requests)
-        ours = {r.request_id for r in requests}
         bar = None
         if progress:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(requests), desc="requests", unit="req")
         while self.has_unfinished():
-            record = self.step()
+            record = self._step()
             if bar is not None:
-                bar.update(sum(1 for rid in record.finished if rid in ours))
+                bar.update(sum(r.request_id in self.completions for r in requests) - bar.n)
             if record.idle:
                 self.wait_for_arrival()
         if bar is not None:
@@ -252,30 +284,61 @@ class Engine:
         until they are all done -- also requests added with :meth:`add_request` while streaming.
         Every request the stream covers ends with exactly one event carrying a ``finish_reason``,
         whoever drove the engine in between (another stream, :meth:`run`, :meth:`step`)."""
+        self._check_open()
         return stream_events(self, self._add_all(requests))
 
     def abort(self, request_id) -> Completion:
-        """Cancel a queued, running or swapped-out request: its KV blocks are freed at once, and its
+        """Cancel a queued, running or swapped-out request -- all its samples, or one sample given its
+        id ``(request_id, i)`` (vLLM's rule). Its KV blocks are freed at once, and its
         :class:`Completion` (``finish_reason="aborted"``, with what it generated so far) is returned."""
         try:
             seqs = self.groups.get(request_id) or [self.sequences[request_id]]
         except (TypeError, KeyError):
             raise ValueError(f"unknown request_id {request_id!r}: no such request was added to this engine") from None
-        seqs = seqs + [f for s in seqs for f in s.forks if f not in seqs]  # samples that would fork from it
         live = [s for s in seqs if not s.status.is_finished]
         if not live:
             raise ValueError(f"request {request_id!r} is already {seqs[0].status.value}; only a queued, running or "
                              "swapped-out request can be aborted")
+        if self._stepper is not None:
+            self._stepper.drain()  # the step in flight ends first: nobody is aborted half-way through one
         for seq in live:
-            self.scheduler.abort(seq)  # a sample that never forked is nowhere and holds nothing yet
-            for sibling in self.groups.get(seq.request.request_id, []):
-                if seq in sibling.forks:  # it will not fork: no slot, no first token
-                    sibling.forks.remove(seq)
+            group = self.groups.get(seq.request.request_id, [seq])
+            parallel_sampling.abort_sample(self.scheduler, seq, group)
             seq.finish_reason = "aborted"
             self._complete(seq, self.now())
         return self.completions.get(request_id) or seqs[0].completion
 
+    def close(self) -> None:
+        """Abort what is unfinished and let go of the KV memory and any worker processes; the engine
+        cannot be used after this. ``with Engine(...) as eng:`` closes it at the end of the block."""
+        if self._closed:
+            return
+        for seq in list(self.sequences.values()):
+            if not seq.status.is_finished:
+                self.abort(seq.request_id)
+        self._closed = True
+        if self._stepper is not None:
+            self._stepper.close()
+        self.runner.close()
+        self.kv.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def sample_ids(self, request_id) -> list:
+        """The sequence ids of a request: ``[request_id]``, or ``[(request_id, i) ...]`` for ``n > 1``."""
+        group = self.groups.get(request_id)
+        return [request_id] if group is None else [s.request_id for s in group]
+
     # -- internals ---------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("this engine was closed (Engine.close()); build a new one")
+        check_unchanged(self._fingerprint, self.model, self.tokenizer)
+
     def _add_all(self, requests) -> list[Request]:
         requests = as_request_list(requests, "Engine.run() and Engine.stream()")
         taken: set = set()
@@ -289,21 +352,14 @@ class Engine:
         return requests
 
     def _enqueue(self, request: Request, prompt_ids: list[int], arrival_time: float, claimed: bool = False):
-        n = request.sampling_params.n
-        seqs = [Sequence(request=request, prompt_ids=prompt_ids, arrival_time=arrival_time, claimed=claimed,
-                         generator=make_generator(request.sampling_params, i), sample_index=None if n == 1 else i)
-                for i in range(n)]
+        mode = self.config.parallel_sampling
+        seqs = parallel_sampling.make_samples(request, prompt_ids, arrival_time, claimed, mode)
         for seq in seqs:
             self.sequences[seq.request_id] = seq
-        if n > 1:  # parallel sampling: sample 0 computes the prompt, the others fork from it (copy on write)
+        if len(seqs) > 1:
             self.groups[request.request_id] = seqs
-            seqs[0].forks = seqs[1:]
-        self.scheduler.add(seqs[0])
-
-    def sample_ids(self, request_id) -> list:
-        """The sequence ids of a request: ``[request_id]``, or ``[(request_id, i) ...]`` for ``n > 1``."""
-        group = self.groups.get(request_id)
-        return [request_id] if group is None else [s.request_id for s in group]
+        for seq in parallel_sampling.queued(seqs, mode):
+            self.scheduler.add(seq)
 
     def _complete(self, seq: Sequence, now: float) -> None:
         seq.completion = Completion.of(seq, self.tokenizer, now)

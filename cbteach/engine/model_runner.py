@@ -15,28 +15,28 @@ The scheduler decides *who* runs and *how many* tokens each feeds (a
    fed speculative guesses gets every guess the model agrees with plus one token of its own
    (:mod:`cbteach.engine.speculative`).
 
-It changes no request state: :meth:`~cbteach.engine.scheduler.Scheduler.update_from_output` does that.
+It changes no request state: the scheduler's ``update_from_output`` does that, from the
+:class:`~cbteach.core.outputs.RunnerOutput` returned here. **One request's failure is its own**: a
+row whose sampling fails, or whose logits are not finite, gets an error instead of a token; if the
+forward pass itself raises, each sequence is run alone to find whose tokens the model fails on
+(paged K/V are written in place, so running a sequence again rewrites the same values). Breaking a
+rule of the engine (:class:`~cbteach.errors.EngineRuleError`) is never one request's fault:
+it stops the step.
 """
 from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
 
 import torch
 
-from ..core.sampling import sample
+from ..core.outputs import RunnerOutput
+from ..core.sampling import sample_rows
 from ..core.scheduler_output import SchedulerOutput
+from ..errors import EngineRuleError
 from .speculative import accept
 
-
-@dataclass
-class RunnerOutput:
-    sampled: list  # per scheduled sequence: its new token ids (several after speculation), or None
-    chunks: list  # per scheduled sequence: the token ids it fed (guesses included)
-    forward_time: float
-    traffic: object  # the KV cache's KVTraffic for this step
-    fork_tokens: list  # per scheduled sequence: first tokens of the samples forking from it (n > 1), or None
+__all__ = ["ModelRunner", "RunnerOutput"]
 
 
 class ModelRunner:
@@ -46,28 +46,84 @@ class ModelRunner:
     def __init__(self, model, info, kv_cache):
         self.model, self.info, self.kv_cache = model, info, kv_cache
 
+    def close(self) -> None:
+        """Nothing to release in one process (the tensor-parallel runner stops its workers here)."""
+
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        """Run ``plan``: :meth:`prepare`, :meth:`forward`, :meth:`finish`, with each request's failure its own."""
+        try:
+            return self._execute(plan)
+        except EngineRuleError:
+            raise
+        except Exception as err:  # noqa: BLE001  (the model failed on someone's tokens: find whose)
+            if len(plan.seqs) == 1:
+                return _failed(plan, f"the model failed on this request's tokens: {type(err).__name__}: {err}")
+            return self._execute_one_by_one(plan)
+
+    def _execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        step = self.prepare(plan)
+        self.forward(step)
+        return self.finish(plan, step)
+
+    # -- the three parts of execute(), apart for async scheduling ------------------------------------
+    def prepare(self, plan: SchedulerOutput, placeholders: dict | None = None) -> dict:
+        """Pack the plan and build its metadata (host work, and the step's one copy to the device).
+        ``placeholders``: for async scheduling, the token of each sequence whose last token the step
+        before is sampling right now (``{sequence: token id}``) -- its K/V are computed in this step."""
         seqs, starts, counts, drafts = (plan.seqs, plan.num_computed_tokens, plan.num_scheduled_tokens,
                                         plan.num_draft_tokens)
         # Speculative decoding: a decode may feed guesses past its known tokens (seq.draft_ids).
-        chunks = [s.token_ids(c, c + n - d) + s.draft_ids[:d] for s, c, n, d in zip(seqs, starts, counts, drafts)]
+        chunks = []
+        for s, c, n, d in zip(seqs, starts, counts, drafts):
+            end = c + n - d
+            chunk = s.token_ids(c, min(end, s.num_tokens))
+            if end > s.num_tokens:  # the token the step in flight is sampling (async scheduling)
+                chunk.append(placeholders[s])
+            chunks.append(chunk + s.draft_ids[:d])
         meta = self.kv_cache.build_metadata([t for ch in chunks for t in ch], seqs, starts, counts, self.info.device)
         # Logits of each sequence's last token -- and of every fed token of a speculative one.
         num_logits = [n if d else 1 for n, d in zip(counts, drafts)]
-        first_row = [0, *itertools.accumulate(num_logits)]  # sequence i's logits: rows first_row[i]:first_row[i+1]
         rows = self._logit_rows(meta, counts, num_logits, any(drafts))
         kwargs = self.kv_cache.forward_kwargs(meta)
         if self.info.accepts_logits_to_keep:
             kwargs["logits_to_keep"] = rows
+        return {"chunks": chunks, "meta": meta, "kwargs": kwargs, "rows": rows,
+                "first_row": [0, *itertools.accumulate(num_logits)]}  # sequence i's logits: first_row[i]:[i+1]
+
+    @torch.inference_mode()
+    def forward(self, step: dict) -> None:
+        """The model, once (what async scheduling runs in its worker thread); fills ``step``."""
+        meta, kwargs = step["meta"], step["kwargs"]
         t0 = time.perf_counter()
         out = self.model(input_ids=meta.input_ids, position_ids=meta.positions, **kwargs)
-        forward_time = time.perf_counter() - t0
-        traffic = self.kv_cache.after_forward(meta)
-        logits = out.logits[0] if self.info.accepts_logits_to_keep else out.logits[0, rows]
-        sampled, fork_tokens = self._sample(logits, plan, first_row)
-        return RunnerOutput(sampled=sampled, chunks=chunks, forward_time=forward_time, traffic=traffic,
-                            fork_tokens=fork_tokens)
+        step["forward_time"] = time.perf_counter() - t0
+        step["traffic"] = self.kv_cache.after_forward(meta)
+        step["logits"] = out.logits[0] if self.info.accepts_logits_to_keep else out.logits[0, step["rows"]]
+
+    def finish(self, plan: SchedulerOutput, step: dict) -> RunnerOutput:
+        """Sample from the step's logits: the :class:`RunnerOutput` the scheduler updates from."""
+        sampled, fork_tokens, errors = self._sample(step["logits"], plan, step["first_row"])
+        return RunnerOutput(sampled=sampled, chunks=step["chunks"], forward_time=step["forward_time"],
+                            traffic=step["traffic"], fork_tokens=fork_tokens,
+                            errors=errors if any(e is not None for e in errors) else None)
+
+    def _execute_one_by_one(self, plan: SchedulerOutput) -> RunnerOutput:
+        """The forward pass raised: run each sequence alone; the ones the model fails on get an error."""
+        parts = []
+        for i in range(len(plan.seqs)):
+            sub = plan.subset([i])
+            try:
+                parts.append(self._execute(sub))
+            except EngineRuleError:
+                raise
+            except Exception as err:  # noqa: BLE001
+                parts.append(_failed(sub, f"the model failed on this request's tokens: {type(err).__name__}: {err}"))
+        return RunnerOutput(
+            sampled=[p.sampled[0] for p in parts], chunks=[p.chunks[0] if p.chunks else [] for p in parts],
+            forward_time=sum(p.forward_time for p in parts), traffic=next((p.traffic for p in parts if p.traffic), None),
+            fork_tokens=[p.fork_tokens[0] if p.fork_tokens else None for p in parts],
+            errors=[p.error(0) for p in parts])
 
     def _logit_rows(self, meta, counts, num_logits, speculative: bool) -> torch.Tensor:
         """Packed rows whose logits we need: each sequence's last (``meta.logits_indices``), or, in a
@@ -77,27 +133,41 @@ class ModelRunner:
         ends = itertools.accumulate(counts)
         return torch.tensor([i for e, k in zip(ends, num_logits) for i in range(e - k, e)], device=self.info.device)
 
-    def _sample(self, logits, plan: SchedulerOutput, first_row: list[int]) -> tuple[list, list]:
+    def _sample(self, logits, plan: SchedulerOutput, first_row: list[int]) -> tuple[list, list, list]:
         """One new token per sequence whose known tokens are now all computed (``None`` for a prefill
         chunk that stopped short); a speculating sequence keeps the guesses the model agrees with. A
         prompt with parallel samples waiting to fork from it gives each its own first token, drawn
-        from the same logits with the sample's own generator (the prompt is computed once)."""
+        from the same logits with the sample's own generator (the prompt is computed once). A row
+        that cannot be sampled gets an error instead."""
         seqs = plan.seqs
         sampled: list = [None] * len(seqs)
         fork_tokens: list = [None] * len(seqs)
+        errors: list = [None] * len(seqs)
         plain = [i for i, (s, c, n, d) in enumerate(zip(seqs, plan.num_computed_tokens, plan.num_scheduled_tokens,
-                                                         plan.num_draft_tokens)) if not d and c + n == s.num_tokens]
+                                                         plan.num_draft_tokens)) if not d and c + n >= s.num_tokens]
         if plain:
             rows = [(i, s) for i in plain for s in [seqs[i], *seqs[i].forks]]  # forks: one row each, same logits
-            picked = sample(logits[[first_row[i + 1] - 1 for i, _ in rows]], [s.request.sampling_params for _, s in rows],
-                            [s.generator for _, s in rows])
-            for (i, s), token in zip(rows, picked):
-                if s is seqs[i]:
+            picked, row_errors = sample_rows(logits[[first_row[i + 1] - 1 for i, _ in rows]],
+                                             [s.request.sampling_params for _, s in rows], [s.generator for _, s in rows])
+            for (i, s), token, err in zip(rows, picked, row_errors):
+                if err is not None:
+                    errors[i] = errors[i] or err  # a fork's failure fails the prompt it shares
+                elif s is seqs[i]:
                     sampled[i] = [token]
                 else:
                     fork_tokens[i] = (fork_tokens[i] or []) + [token]
         for i, d in enumerate(plan.num_draft_tokens):
             if d:  # greedy verification of the guesses (drafts are only made for greedy requests)
-                targets = logits[first_row[i]:first_row[i + 1]].argmax(dim=-1).tolist()
-                sampled[i] = accept(seqs[i].draft_ids[:d], targets)
-        return sampled, fork_tokens
+                block = logits[first_row[i]:first_row[i + 1]]
+                if not bool(torch.isfinite(block).all()):
+                    errors[i] = "the model produced logits that are not finite for this request"
+                    continue
+                sampled[i] = accept(seqs[i].draft_ids[:d], block.argmax(dim=-1).tolist())
+        return sampled, fork_tokens, errors
+
+
+def _failed(plan: SchedulerOutput, message: str) -> RunnerOutput:
+    """Every sequence of ``plan`` failed with ``message``."""
+    n = len(plan.seqs)
+    return RunnerOutput(sampled=[None] * n, chunks=[[] for _ in range(n)], fork_tokens=[None] * n,
+                        errors=[message] * n)

@@ -4,8 +4,8 @@ This is Orca's idea (Yu et al., OSDI'22): a static batcher decides once per batc
 scheduler decides once per step, so a sequence that finished on step ``t`` leaves and a queued
 request takes its slot on step ``t + 1``. The step is split the way vLLM V1 splits it:
 :meth:`Scheduler.schedule` plans it and returns a :class:`SchedulerOutput` (``num_scheduled_tokens``
-per sequence); a model runner executes the plan; :meth:`Scheduler.update_from_output` is the *one*
-place where ``num_computed_tokens``, outputs and statuses change, and finished requests leave.
+per sequence); a model runner executes the plan; :meth:`~cbteach.engine.update.UpdateFromOutput.update_from_output`
+(:mod:`cbteach.engine.update`) turns the step's output into request state.
 
 There is no "prefill phase" and "decode phase" (vLLM V1's design note): every sequence has
 ``num_computed_tokens`` catching up with its ``num_tokens``. Planning follows V1's ``schedule()``:
@@ -17,34 +17,44 @@ There is no "prefill phase" and "decode phase" (vLLM V1's design note): every se
    **preempt** the policy's victim (:mod:`cbteach.engine.policies`) and ask again, until the sequence
    gets its room or is itself the victim (then the running loop stops, as V1's does). A victim is
    recomputed later from its prompt plus what it generated (``preemption="recompute"``), or its
-   blocks are copied to host memory and back (``"swap"``, vLLM V0 only; the vLLM paper, 4.5).
+   blocks are copied to host memory and back (``"swap"``: vLLM V0's, the vLLM paper's 4.5).
 3. **Never admit in a step that preempted** (V1): room is clearly short. Swapped-out sequences
-   come back first (V0's swap mode).
+   come back first (V0's swap).
 4. **Admissions**, in the waiting queue's order, while a slot (``max_batch_size``) and budget are
-   left: a request is let in when ``allocate_slots`` gives room for the chunk it feeds now (V1); the
-   first refusal ends admissions (nobody overtakes it). ``admission="whole_prompt"`` is V0's rule:
-   room for the whole remaining prompt, watermark kept. Under ``policy="priority"`` an urgent
-   request that does not fit may preempt less urgent running ones (V0's priority scheduling; V1
-   preempts only for running requests); then nobody else is admitted that step, and nobody admitted
-   or swapped in this step is sent away in it.
+   left: the prefix cache is asked which of the prompt's blocks are already computed
+   (``get_computed_blocks``), and the request is let in when ``allocate_slots`` gives room for the
+   chunk it feeds now (V1); the first refusal ends admissions (nobody overtakes it).
+5. **The plan counts as computed** (:meth:`Scheduler.update_after_schedule`, V1's
+   ``_update_after_schedule``): every planned sequence's ``num_computed_tokens`` moves on by its
+   scheduled tokens at the end of ``schedule()``, before the forward pass runs -- which is what lets
+   the next step be planned while this one computes (async scheduling). Speculative guesses that
+   the model rejects are taken back after the step.
+
+Rules that are vLLM V0's, not V1's, are options (:class:`~cbteach.core.config.SchedulerConfig`):
+``admission="whole_prompt"`` reserves room for the whole remaining prompt at admission (V0's block
+manager), with an optional ``watermark``; ``preempt_to_admit=True`` lets an urgent waiting request
+preempt less urgent running ones to get in (V0's and SGLang's priority scheduling; V1 preempts only
+to make room for running requests) -- then nobody else is admitted that step, and nobody admitted
+or swapped in this step is sent away in it.
 
 Writing a scheduler is overriding :meth:`Scheduler.schedule` with the public pieces below
-(``allocate_or_preempt``, ``preempt``, ``admit``, :meth:`SchedulerOutput.add`); notebook 06 does.
+(``allocate_or_preempt``, ``preempt``, ``admit``, :meth:`SchedulerOutput.add`,
+``update_after_schedule``); notebook 06 does.
 """
 from __future__ import annotations
 
 import math
 
 from ..core.config import SchedulerConfig
-from .policies import make_queue
 from ..core.request import RequestStatus, Sequence
-from ..core.sampling import stop_reason
 from ..core.scheduler_output import SchedulerOutput
+from .policies import make_queue
+from .update import UpdateFromOutput
 
 __all__ = ["Scheduler", "SchedulerOutput"]
 
 
-class Scheduler:
+class Scheduler(UpdateFromOutput):
     """A waiting queue (the policy's), the running batch, and swapped-out requests; see the module."""
 
     def __init__(self, config: SchedulerConfig, kv_manager, eos_ids=frozenset(), swapper=None):
@@ -87,14 +97,23 @@ class Scheduler:
     # -- planning a step -----------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
         """Plan one step at engine time ``now``: running sequences, then (if nobody was preempted)
-        swapped-out ones, then admissions."""
+        swapped-out ones, then admissions; the plan then counts as computed."""
         out = SchedulerOutput()
         budget = self.token_budget if self.token_budget is not None else math.inf
         budget = self.schedule_running(out, budget)
         if not out.preempted:
             budget = self.schedule_swapped(out, budget, now)
             self.schedule_waiting(out, budget, now)
+        self.update_after_schedule(out)
         return out
+
+    def update_after_schedule(self, out: SchedulerOutput) -> None:
+        """The planned tokens count as computed from now on (vLLM V1's ``_update_after_schedule``):
+        each planned sequence's ``num_computed_tokens`` moves on by its ``num_scheduled_tokens``
+        (guesses included; the ones the model rejects are taken back after the step). The plan keeps
+        the counts from before, which is where the model runner starts each sequence."""
+        for seq, n in zip(out.seqs, out.num_scheduled_tokens):
+            seq.num_computed_tokens += n
 
     def schedule_running(self, out: SchedulerOutput, budget: float) -> float:
         """Give every running sequence what it lacks, cut to the budget; preempt when room is refused."""
@@ -103,7 +122,10 @@ class Scheduler:
                 break
             if seq.status is not RequestStatus.RUNNING:  # preempted a moment ago to make room
                 continue
-            n = min(seq.num_tokens + len(seq.draft_ids) - seq.num_computed_tokens, budget)  # + speculative guesses
+            if len(seq.output_ids) + seq.num_placeholders >= seq.request.max_new_tokens:
+                continue  # async scheduling: the step in flight gives it its last token
+            # What it lacks: the rest of its prompt, or one token -- plus speculative guesses.
+            n = min(seq.num_tokens_with_placeholders + len(seq.draft_ids) - seq.num_computed_tokens, budget)
             ok, refund = self.allocate_or_preempt(seq, n, out)
             budget += refund
             if not ok:  # it was the victim itself: the running loop ends here (vLLM V1)
@@ -136,31 +158,46 @@ class Scheduler:
 
     def schedule_waiting(self, out: SchedulerOutput, budget: float, now: float) -> None:
         """Admit arrived requests in policy order while a slot, budget and KV room are left."""
+        whole = self.config.admission == "whole_prompt"
         while not self.swapped and self.num_slots_taken() < self.max_batch_size and budget > 0:
             seq = next((s for s in self.waiting if s.arrival_time <= now), None)
             if seq is None or seq in out.preempted:  # never re-admitted in the step that preempted it
                 break
-            if self.num_slots_taken() + seq.num_slots > self.max_batch_size:  # n > 1: room for every sample
+            if self.num_slots_taken() + seq.num_slots > self.max_batch_size:  # fork: room for every sample
                 break
-            self.kv_manager.take_cached_prefix(seq)  # prefix caching: start past the blocks already computed
-            remaining = seq.num_tokens - seq.num_computed_tokens
+            cached, num_cached = self.kv_manager.get_computed_blocks(seq)  # prefix caching; changes nothing
+            remaining = seq.num_tokens - num_cached
             n = min(remaining, budget)
-            need = remaining if self.config.admission == "whole_prompt" else n
             preempted = False
-            if self.kv_manager.num_admittable_tokens(seq) < need:
-                fits, refund = self._preempt_for(seq, need, out)
+            if self.config.preempt_to_admit and self.kv_manager.num_admittable_tokens(seq) < num_cached + (
+                    remaining if whole else n):
+                preempted, refund = self._preempt_for(seq, num_cached + (remaining if whole else n), out)
                 budget += refund
-                preempted = fits
-            if (self.config.admission == "whole_prompt" and self.kv_manager.num_admittable_tokens(seq) < need) \
-                    or self.kv_manager.allocate_slots(seq, n) is None:
-                self.kv_manager.free(seq)  # give back any cached-prefix blocks it took
-                seq.num_computed_tokens = 0
-                break  # nobody overtakes it
+                if preempted:  # victims gave their blocks back: look the prefix up again
+                    cached, num_cached = self.kv_manager.get_computed_blocks(seq)
+                    remaining = seq.num_tokens - num_cached
+                    n = min(remaining, budget)
+            # V0's whole-prompt rule: room for all of it, the watermark kept (conservative with cached blocks)
+            if (whole and self.kv_manager.num_admittable_tokens(seq) < seq.num_tokens) or \
+                    self._allocate_admission(seq, n, cached, remaining - n if whole else 0) is None:
+                break  # nobody overtakes it; nothing was taken, the cache's LRU order is untouched
+            seq.num_computed_tokens = num_cached
             self.admit(seq, out)
             out.add(seq, n)
             budget -= n
             if preempted:  # it preempted to get in: nobody else is admitted in this step
                 break
+
+    def _allocate_admission(self, seq: Sequence, n: int, cached: list, lookahead: int):
+        """``allocate_slots`` for an admission: with its cached blocks, and under V0's whole-prompt rule
+        room for the rest of its prompt too (``lookahead``). Arguments a manager does not need are not
+        passed, so a learner's two-argument ``allocate_slots`` works wherever they are empty."""
+        extra = {}
+        if cached:
+            extra["new_computed_blocks"] = cached
+        if lookahead:
+            extra["num_lookahead_tokens"] = lookahead
+        return self.kv_manager.allocate_slots(seq, n, **extra)
 
     # -- the pieces a scheduler is built from ------------------------------------------------------
     def allocate_or_preempt(self, seq: Sequence, n: int, out: SchedulerOutput) -> tuple[bool, int]:
@@ -176,16 +213,17 @@ class Scheduler:
         return True, refund
 
     def admit(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """Move ``seq`` from the waiting queue into the running batch (it has its KV room)."""
+        """Move ``seq`` from the waiting queue into the running batch (it has its KV room). It is not
+        in the plan until :meth:`SchedulerOutput.add` puts it there."""
         self.waiting.remove(seq)
         self._start(seq)
         self.kv_manager.on_admitted(seq)
         out.admitted.append(seq)
 
     def preempt(self, seq: Sequence, out: SchedulerOutput) -> int:
-        """Take ``seq`` out of the batch and free its KV blocks: it is queued again (``recompute``) or
-        its K/V copied to host memory first (``swap``). Returns the tokens it had been scheduled for
-        this step (now given back to the budget)."""
+        """Take ``seq`` out of the batch -- and out of this step's plan -- and free its KV blocks: it is
+        queued again (``recompute``) or its K/V copied to host memory first (``swap``). Returns the
+        tokens it had been scheduled for this step (now given back to the budget)."""
         refund = out.remove(seq)
         self.running.remove(seq)
         seq.slot = None
@@ -201,61 +239,6 @@ class Scheduler:
         self.waiting.readd_preempted(seq)
         return refund
 
-    # -- after the step --------------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: list, now: float,
-                           fork_tokens: list | None = None) -> list[Sequence]:
-        """Advance every scheduled sequence by what the step computed; append its sampled tokens
-        (``sampled[i]``: a list, several after speculative decoding, or None), stop the finished ones
-        and free their KV. ``fork_tokens[i]``: the first tokens of the samples waiting to fork from
-        sequence ``i`` (parallel sampling), which start now on its blocks. Returns the sequences that
-        finished on this step."""
-        finished = []
-        for i, (seq, c, n, drafts, tokens) in enumerate(zip(out.seqs, out.num_computed_tokens,
-                                                            out.num_scheduled_tokens, out.num_draft_tokens, sampled)):
-            # K/V stay valid for the known tokens and the accepted guesses; rejected ones are forgotten.
-            seq.num_computed_tokens = c + n - drafts + (len(tokens) - 1 if drafts else 0)
-            seq.draft_ids = []
-            if drafts:
-                self.kv_manager.trim(seq)  # blocks that held only rejected guesses go back to the pool
-            for token in tokens or ():  # None: a prefill chunk that did not reach the end of the known tokens
-                if self._append(seq, token, now):  # a stop inside accepted guesses drops the guesses after it
-                    seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
-                    break
-            # Only now are the accepted guesses among the sequence's tokens: the prefix cache hashes
-            # a block's tokens, so it must see them (and a finished sequence's last blocks too).
-            self.kv_manager.on_computed(seq)
-            if fork_tokens is not None and fork_tokens[i]:
-                for sample, token in zip(seq.forks, fork_tokens[i]):  # before seq may free its blocks
-                    self._fork(seq, sample, token, now, finished)
-                seq.forks = []
-            if seq.finish_reason:
-                self._finish(seq, finished)
-        return finished
-
-    def _fork(self, parent: Sequence, sample: Sequence, token: int, now: float, finished: list) -> None:
-        """Start ``sample`` on ``parent``'s blocks (just computed: its prompt) with its own first token."""
-        self.kv_manager.fork(parent, sample)
-        sample.num_computed_tokens = parent.num_computed_tokens
-        self._start(sample)
-        if self._append(sample, token, now):
-            self._finish(sample, finished)
-
-    def _append(self, seq: Sequence, token: int, now: float) -> bool:
-        """Append a sampled token to ``seq``'s output; True when it stops the sequence."""
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        seq.output_ids.append(token)
-        seq.token_times.append(now)
-        seq.finish_reason = stop_reason(seq.output_ids, seq.request.max_new_tokens, self.eos_ids,
-                                        seq.request.ignore_eos)
-        return seq.finish_reason is not None
-
-    def _finish(self, seq: Sequence, finished: list) -> None:
-        seq.status = RequestStatus.FINISHED
-        self.running.remove(seq)
-        self.kv_manager.free(seq)
-        finished.append(seq)
-
     def abort(self, seq: Sequence) -> None:
         """Take ``seq`` out wherever it is, and free its KV blocks (or its swapped-out copy) at once."""
         if seq in self.running:
@@ -267,10 +250,8 @@ class Scheduler:
                 self.swapper.discard(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-            self.kv_manager.free(seq)  # nothing, unless a cached prefix was taken
         seq.status = RequestStatus.ABORTED
         seq.slot = None
-        seq.forks = []  # the engine aborts them too
 
     # -- internals ---------------------------------------------------------------------------
     def _start(self, seq: Sequence) -> None:
@@ -279,9 +260,9 @@ class Scheduler:
         self.running.append(seq)
 
     def _preempt_for(self, seq: Sequence, needed: int, out: SchedulerOutput) -> tuple[bool, int]:
-        """Preempt running requests the policy lets ``seq`` displace (priority: less urgent ones) until
-        it has room for ``needed`` tokens. Nobody admitted or swapped in during this step is sent away
-        in it. Returns (whether it fits now, tokens given back by victims already scheduled)."""
+        """V0's priority rule (``preempt_to_admit``): preempt running requests the policy lets ``seq``
+        displace (less urgent ones) until it has room for ``needed`` tokens. Nobody admitted or swapped
+        in during this step is sent away in it. Returns (whether it fits now, tokens given back)."""
         def displaceable():
             return [r for r in self.running if self.waiting.may_preempt(seq, r)
                     and r not in out.admitted and r not in out.swapped_in]

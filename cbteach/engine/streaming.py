@@ -9,13 +9,17 @@ the completion's text.
 
 Every request the stream covers ends with exactly one event whose ``finish_reason`` is set: its last
 token's, or -- for a request aborted while streaming -- an event with no token and
-``finish_reason="aborted"`` (vLLM's streams end an aborted request the same way). A consumer that
+``finish_reason="aborted"`` (vLLM's streams end an aborted request the same way), or ``"error"`` for
+one that failed alone (its ``Completion.error`` says why). A consumer that
 stops listening (closes the generator, or drops it) aborts the requests it passed to the stream that
 are not finished: like a client that hangs up, it frees their KV blocks.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+# Ends that come with no token of their own: the last token (if any) was an ordinary one.
+ENDED_WITHOUT_TOKEN = ("aborted", "error")
 
 
 @dataclass
@@ -126,14 +130,14 @@ def _catch_up(engine, covered: _Covered, shown: dict):
         seq = engine.sequences[rid]
         done, out = seq.status.is_finished, seq.output_ids[:]  # as they are now: the consumer may drive on
         for j in range(covered.emitted[rid], len(out)):
-            last = done and seq.finish_reason != "aborted" and j == len(out) - 1
+            last = done and seq.finish_reason not in ENDED_WITHOUT_TOKEN and j == len(out) - 1
             reason = seq.finish_reason if last else None
             text = _increment(engine.tokenizer, seq, j + 1, shown, reason)
             covered.emitted[rid] = j + 1
             yield StreamEvent(rid, out[j], text, reason, seq.token_times[j])
         if done:
             covered.closed.add(rid)
-            if seq.finish_reason == "aborted" or not out:  # no last token carries it: a closing event alone
+            if seq.finish_reason in ENDED_WITHOUT_TOKEN or not out:  # no last token carries it: a closing event alone
                 yield StreamEvent(rid, None, None if engine.tokenizer is None else "", seq.finish_reason,
                                   engine.now())
 

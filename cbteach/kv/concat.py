@@ -138,6 +138,10 @@ class ConcatKVCache:
     def check_fits(self, num_tokens: int, request_id) -> None:
         self.manager.check_fits(num_tokens, request_id)
 
+    def close(self) -> None:
+        """Let go of every sequence's K/V (:meth:`cbteach.Engine.close`)."""
+        self.seq_kv.clear()
+
     def _fork(self, parent, child) -> None:
         """A sibling sample starts on the parent's K/V: the same tensors (never changed in place: each
         step's scatter makes new ones), so nothing is copied."""

@@ -27,10 +27,13 @@ from typing import Protocol, runtime_checkable
 class KVManager(Protocol):
     """What :class:`~cbteach.engine.scheduler.Scheduler` calls: who owns which room."""
 
-    def allocate_slots(self, seq, num_new_tokens: int) -> list | None:
+    def allocate_slots(self, seq, num_new_tokens: int, new_computed_blocks=(), num_lookahead_tokens: int = 0):
         """Room for ``num_new_tokens`` more tokens of ``seq`` (past its ``num_computed_tokens``): the
         blocks added, or ``None`` -- with nothing changed -- when the pool cannot give it. A refusal
-        is what makes the scheduler preempt (vLLM V1)."""
+        is what makes the scheduler preempt (vLLM V1). The scheduler passes the two optional
+        arguments only when they are not empty: an admission's prefix-cache hits (taken only if the
+        room is given), and V0's whole-prompt reservation. A manager without prefix caching or V0's
+        rule can take just ``(seq, num_new_tokens)``."""
 
     def free(self, seq) -> None:
         """Give back everything ``seq`` holds (finished, aborted or preempted)."""
@@ -50,14 +53,14 @@ class KVManager(Protocol):
     def num_freeable_tokens(self, seqs) -> float:
         """Room that freeing every sequence in ``seqs`` would make (priority preemption's check)."""
 
-    def take_cached_prefix(self, seq) -> int:
-        """Prefix caching: start a new ``seq`` on cached blocks of its prompt; returns tokens skipped."""
+    def get_computed_blocks(self, seq) -> tuple:
+        """Prefix caching: ``(blocks, num_tokens)`` of a new ``seq``'s longest cached prefix; takes nothing."""
 
     def on_admitted(self, seq) -> None:
         """``seq`` was admitted (prefix-cache hit statistics)."""
 
     def on_computed(self, seq) -> None:
-        """``seq`` computed more tokens (prefix caching makes its newly full blocks findable)."""
+        """After a step: ``seq``'s accepted speculative guesses may have filled blocks (prefix caching)."""
 
     def check_fits(self, num_tokens: int, request_id) -> None:
         """Raise ``ValueError`` if a request of ``num_tokens`` could never fit, even alone."""

@@ -70,6 +70,8 @@ class BlockAllocator:
 class KVCacheManager:
     """Block tables and allocation for a pool of ``num_blocks`` blocks of ``block_size`` tokens."""
 
+    copy_on_write = True  # fork() shares blocks and allocate_slots() copies a shared one before writing
+
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.0, prefix_caching: bool = False):
         """``watermark``: the fraction of blocks an admission must leave free (vLLM V0's block manager
         keeps 1%, so that a request let in now does not force a preemption on the very next step;
@@ -115,21 +117,33 @@ class KVCacheManager:
                 held[block] = held.get(block, 0) + 1
         return sum(1 for b, n in held.items() if n == self.allocator.ref_counts[b]) * self.block_size
 
-    def allocate_slots(self, seq, num_new_tokens: int) -> list[int] | None:
+    def allocate_slots(self, seq, num_new_tokens: int, new_computed_blocks=(), num_lookahead_tokens: int = 0):
         """Make room for ``num_new_tokens`` more tokens of ``seq``; return the blocks added (often none:
         a new block is taken only when the last one is full), or ``None`` -- with nothing changed --
-        when the pool has too few free blocks.
+        when the pool has too few free blocks (vLLM V1's ``allocate_slots``).
+
+        ``new_computed_blocks``: an admission's prefix-cache hits (:meth:`get_computed_blocks`), taken
+        only now, with the rest, so a refusal leaves the cache's LRU order as it was.
+        ``num_lookahead_tokens``: room for tokens beyond this step's (V0's whole-prompt reservation).
+        With prefix caching, the blocks this step fills become findable at once (V1's ``cache_blocks``):
+        an identical prompt admitted later in the *same* step shares them -- its attention reads them
+        in the same forward pass, layer by layer, after this step's K/V are written.
 
         Copy on write (PagedAttention, section 4.4): if the block the new tokens start in is shared
         with a sibling sample, this sequence gets its own copy of it first -- a fresh block, and a
         ``(src, dst)`` pair in :attr:`pending_copies` that the pool copies before the forward pass.
         """
-        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        first = seq.num_computed_tokens // self.block_size  # the block the first new token is written into
+        cached = list(new_computed_blocks)
+        computed = seq.num_computed_tokens + len(cached) * self.block_size
+        have = len(seq.block_table) + len(cached)
+        need = max(0, self.blocks_needed(computed + num_new_tokens + num_lookahead_tokens) - have)
+        first = computed // self.block_size  # the block the first new token is written into
         cow = num_new_tokens > 0 and first < len(seq.block_table) and \
             self.allocator.ref_counts[seq.block_table[first]] > 1
-        if need + cow > self.allocator.num_free:
+        revived = sum(1 for b in cached if self.allocator.ref_counts[b] == 0)  # cached blocks on the free list
+        if need + cow + revived > self.allocator.num_free:
             return None
+        seq.block_table.extend(self.allocator.take(b) for b in cached)
         new = [self.allocator.allocate() for _ in range(need + cow)]
         if self.prefix_cache is not None:
             for block in new:
@@ -142,6 +156,8 @@ class KVCacheManager:
             seq.block_table[first] = own
         seq.block_table.extend(new)
         self.seqs[seq.request_id] = seq
+        if self.prefix_cache is not None:
+            self.prefix_cache.register(seq, upto=computed + num_new_tokens)
         return new
 
     def fork(self, parent, child) -> None:
@@ -156,15 +172,20 @@ class KVCacheManager:
         return copies
 
     def free(self, seq) -> None:
-        """Give back every block of ``seq`` (finished, aborted or preempted)."""
+        """Give back every block of ``seq`` (finished, aborted or preempted). A block made findable at
+        allocation whose K/V this sequence will now never compute (it was preempted in the step that
+        planned them) is forgotten by the prefix cache first."""
         if self.before_free is not None:
             self.before_free(seq)  # last look at its blocks (a disaggregated prefill hands them over)
+        if self.prefix_cache is not None:
+            done = seq.num_computed_tokens // self.block_size
+            for block in seq.block_table[done:]:
+                self.prefix_cache.evict(block)
+            self.prefix_cache.forget(seq)
         for block in reversed(seq.block_table):  # the tail goes to the free list first: evicted first
             self.allocator.release(block)
         seq.block_table = []
         self.seqs.pop(seq.request_id, None)
-        if self.prefix_cache is not None:
-            self.prefix_cache.forget(seq)
 
     def trim(self, seq) -> None:
         """Give back the blocks past ``seq``'s computed tokens (they held rejected speculative guesses)."""
@@ -174,17 +195,15 @@ class KVCacheManager:
         del seq.block_table[keep:]
 
     # -- prefix caching --------------------------------------------------------------------------
-    def take_cached_prefix(self, seq) -> int:
-        """Start a block-less ``seq`` on the cached blocks of its longest cached prefix; returns the
-        tokens it skips. (Its known tokens are used: a preempted request finds its own old blocks.)"""
+    def get_computed_blocks(self, seq) -> tuple[list[int], int]:
+        """The blocks of the longest cached prefix of a block-less ``seq``'s tokens, and how many tokens
+        they hold (vLLM V1's ``get_computed_blocks``). Takes nothing: :meth:`allocate_slots` does, if
+        the admission goes ahead. (Its known tokens are used: a preempted request finds its own old
+        blocks.)"""
         if self.prefix_cache is None or seq.block_table or seq.num_computed_tokens:
-            return 0
+            return [], 0
         blocks = self.prefix_cache.lookup(seq.token_ids(0, seq.num_tokens))
-        seq.block_table = [self.allocator.take(b) for b in blocks]
-        seq.num_computed_tokens = len(blocks) * self.block_size
-        if blocks:
-            self.seqs[seq.request_id] = seq
-        return seq.num_computed_tokens
+        return blocks, len(blocks) * self.block_size
 
     def on_admitted(self, seq) -> None:
         """Count a first admission's prompt lookup in the hit statistics."""
@@ -240,6 +259,8 @@ class UnboundedKVManager:
     callbacks that drop a sequence's K/V (all of it, or the rejected speculative guesses).
     """
 
+    copy_on_write = True  # a fork shares the parent's tensors, which no step changes in place
+
     def __init__(self, on_free=None, on_trim=None, on_fork=None):
         self.on_free, self.on_trim, self.on_fork = on_free, on_trim, on_fork
 
@@ -258,7 +279,7 @@ class UnboundedKVManager:
     def num_freeable_tokens(self, seqs) -> float:
         return math.inf
 
-    def allocate_slots(self, seq, num_new_tokens: int) -> list[int]:
+    def allocate_slots(self, seq, num_new_tokens: int, new_computed_blocks=(), num_lookahead_tokens: int = 0):
         return []
 
     def free(self, seq) -> None:
@@ -272,8 +293,8 @@ class UnboundedKVManager:
     def check_fits(self, num_tokens: int, request_id) -> None:
         pass
 
-    def take_cached_prefix(self, seq) -> int:
-        return 0
+    def get_computed_blocks(self, seq) -> tuple[list, int]:
+        return [], 0
 
     def on_admitted(self, seq) -> None:
         pass
@@ -283,3 +304,16 @@ class UnboundedKVManager:
 
     def usage(self) -> dict:
         return {}
+
+
+def can_fork(manager) -> bool:
+    """Whether ``manager`` can run ``parallel_sampling="fork"``: it has ``fork`` and says it copies on
+    write. A subclass that replaces :meth:`KVCacheManager.allocate_slots` -- where the copy happens --
+    must say so again itself (``copy_on_write = True`` in its own class body): inheriting the promise
+    from a method it replaced would let sibling samples write into each other's shared blocks."""
+    cls = type(manager)
+    if not callable(getattr(manager, "fork", None)) or not getattr(manager, "copy_on_write", False):
+        return False
+    if isinstance(manager, KVCacheManager) and cls.allocate_slots is not KVCacheManager.allocate_slots:
+        return any("copy_on_write" in vars(c) for c in cls.__mro__[:cls.__mro__.index(KVCacheManager)])
+    return True

@@ -33,6 +33,7 @@ from .int8 import Int8BlockKVPool, Int8KVPool
 from .manager import KVCacheManager, PoolExhausted  # noqa: F401  (PoolExhausted: re-exported)
 from .pool import PagedKVPool
 from ..core.config import CacheConfig
+from ..errors import EngineRuleError
 from ..core.model_view import model_view
 from ..core.modelinfo import describe
 
@@ -70,6 +71,8 @@ class PagedKVCache:
         # on a CPU the padding would only cost compute.
         self.bucket_shapes = (torch.device(device).type == "cuda" if config.bucket_shapes is None
                               else config.bucket_shapes)
+        self.attention = None  # plugged-in pieces (Engine(attention=..., slot_mapping=...)); None: the engine's
+        self.slot_mapping = None
         paged_attention.register()
 
     block_size = property(lambda self: self.manager.block_size)
@@ -100,11 +103,44 @@ class PagedKVCache:
         take = getattr(self.manager, "take_pending_copies", None)  # a learner's manager that never forks has none
         if take is not None:
             self.pool.copy_blocks(take())
-        meta = attn_metadata.build(token_ids, num_computed, num_scheduled, device,
-                                   block_tables=[s.block_table for s in seqs], block_size=self.block_size,
-                                   bucket_shapes=self.bucket_shapes)
-        meta.pool = self.pool
+        tables = [s.block_table for s in seqs]
+        meta = attn_metadata.build(token_ids, num_computed, num_scheduled, device, block_tables=tables,
+                                   block_size=self.block_size, bucket_shapes=self.bucket_shapes)
+        meta.pool, meta.attention = self.pool, self.attention
+        if self.slot_mapping is not None:
+            meta.slot_mapping = self._plugged_slot_mapping(meta, tables, num_computed, num_scheduled)
         return meta
+
+    def plug(self, attention=None, slot_mapping=None) -> None:
+        """Run a learner's pieces (notebooks 05 and 12): ``attention(query, key, value, meta, layer,
+        scaling)`` instead of :func:`cbteach.attention.paged.default_attention`, and
+        ``slot_mapping(block_tables, num_computed_tokens, num_scheduled_tokens, block_size)`` (a list
+        of pool slots, one per scheduled token in packed order) instead of the engine's."""
+        for name, fn in (("attention", attention), ("slot_mapping", slot_mapping)):
+            if fn is not None and not callable(fn):
+                raise ValueError(f"{name} must be a function, got {type(fn).__name__}")
+        self.attention, self.slot_mapping = attention, slot_mapping
+
+    def _plugged_slot_mapping(self, meta, tables, num_computed, num_scheduled):
+        """The learner's slot mapping, used only if it puts every token where the engine would: a token's
+        K/V in the wrong slot would silently corrupt someone's context, so a disagreement stops the step."""
+        got = self.slot_mapping([list(t) for t in tables], list(num_computed), list(num_scheduled), self.block_size)
+        try:
+            mine = torch.as_tensor(list(got), dtype=torch.long, device=meta.slot_mapping.device)
+        except (TypeError, ValueError, RuntimeError):
+            raise EngineRuleError(f"slot_mapping returned {type(got).__name__}: return one pool slot (an int) per "
+                                  "scheduled token, in packed order") from None
+        if mine.shape != meta.slot_mapping.shape:
+            raise EngineRuleError(f"slot_mapping returned {mine.numel()} slots for {meta.slot_mapping.numel()} "
+                                  "scheduled tokens: one slot per token fed this step, in packed order")
+        wrong = (mine != meta.slot_mapping).nonzero()
+        if len(wrong):
+            t = int(wrong[0])
+            i = int((meta.query_start_loc[1:] <= t).sum())
+            raise EngineRuleError(f"slot_mapping put token {t - int(meta.query_start_loc[i])} of sequence {i} (position "
+                                  f"{int(meta.positions[0, t])}) where its block table does not: the engine stopped "
+                                  "rather than write K/V over another token's (run notebook 05's check)")
+        return mine
 
     def forward_kwargs(self, meta) -> dict:
         return {paged_attention.STEP_KWARG: meta, "use_cache": False}  # the pool is the cache
@@ -151,6 +187,11 @@ class PagedKVCache:
     def discard(self, seq) -> None:
         """Drop a swapped-out sequence's host copy (it was aborted)."""
         self.swap_space.pop(seq.request_id, None)
+
+    def close(self) -> None:
+        """Let go of the pool's memory (:meth:`cbteach.Engine.close`)."""
+        self.pool = None
+        self.swap_space.clear()
 
     # -- the manager's side -----------------------------------------------------------------
     def check_fits(self, num_tokens: int, request_id) -> None:

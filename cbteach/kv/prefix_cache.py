@@ -10,7 +10,8 @@ automatic prefix caching does it with block hashes:
 * a **full** block is named by a hash of its tokens *and of everything before it* (the hash of
   the previous block is part of the input), so equal hashes mean equal prefixes, not just equal
   blocks: ``h_i = sha256(h_{i-1}, tokens of block i)``;
-* when a block becomes full, its hash is recorded (``hash -> block``);
+* when a block is allocated for tokens that fill it, its hash is recorded (``hash -> block``; vLLM
+  V1 caches a block at allocation, so requests admitted in the same step already share it);
 * a new request looks up its prompt's block hashes in order and reuses every hit -- its block
   table starts with those blocks (their reference counts go up) and its ``num_computed_tokens``
   starts past them, so only the rest of the prompt is prefilled;
@@ -72,11 +73,14 @@ class PrefixCache:
         self.queries += num_prompt_tokens
         self.hits += num_hit_tokens
 
-    def register(self, seq) -> None:
-        """Record the hashes of ``seq``'s blocks that became full and computed (call after each step).
-        Only the new blocks are hashed: the chain's last hash is remembered per request."""
+    def register(self, seq, upto: int | None = None) -> None:
+        """Record the hashes of ``seq``'s blocks that are full once its first ``upto`` tokens are
+        computed (default: its ``num_computed_tokens``; the KV manager passes what this step will have
+        computed). Only known tokens count (never speculative guesses), and only new blocks are
+        hashed: the chain's last hash is remembered per request."""
         done, parent = self._chain.get(seq.request_id, (0, b""))
-        full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size  # K/V computed *and* tokens known
+        upto = seq.num_computed_tokens if upto is None else upto
+        full = min(upto, seq.num_tokens, len(seq.block_table) * self.block_size) // self.block_size
         for i in range(done, full):
             parent = chain_hash(parent, seq.token_ids(i * self.block_size, (i + 1) * self.block_size))
             block = seq.block_table[i]

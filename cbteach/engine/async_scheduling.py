@@ -1,0 +1,144 @@
+"""Async scheduling: plan step N+1 while step N's forward pass runs (vLLM V1's ``async_scheduling``).
+
+In the synchronous engine the CPU and the model take turns: schedule, *then* forward, *then*
+update, *then* schedule again -- the model idles while the host plans and books. On a GPU the host
+work is a fixed cost per step (a few milliseconds in Python) that a fast forward pass makes large;
+vLLM V1 hides it by overlapping it with the forward pass. Here the forward runs in a worker thread
+(PyTorch releases the interpreter lock inside its kernels), and one :meth:`AsyncStepper.step` does::
+
+    plan N+1      (host; step N's forward is running)
+    wait for N    then sample N's tokens (host)
+    launch N+1    its inputs need N's sampled tokens: the decodes of N+1 feed them
+    update N      (host; step N+1's forward is running)
+
+Two consequences, both as in vLLM V1. The scheduler plans N+1 before N's tokens exist: a sequence
+that will get a token from N has a **placeholder** for it (``Sequence.num_placeholders``), so N+1
+schedules its decode of that token. And a sequence that stops at N (EOS) may already be in N+1: its
+N+1 work is wasted and its N+1 output dropped (one step of one sequence's compute). A request
+preempted while its step is in flight keeps the token that step gives it -- as the synchronous
+engine, which appends it before it preempts. Tokens are the same as the synchronous engine's.
+
+Only vLLM V1's rules: ``kv="paged"``, no speculative decoding, no swap preemption, one process.
+Each step's record keeps when the host and the model worked (``StepRecord.timings``): notebook 09
+draws both timelines from them.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+
+def check_async_options(config, runner) -> None:
+    """Refuse what async scheduling cannot run exactly (before anything starts)."""
+    if config.cache.kind != "paged":
+        raise ValueError("async_scheduling needs kv='paged' (the concatenating cache copies every sequence's K/V "
+                         "around the forward pass, which can then not overlap the next step's planning)")
+    if config.speculative is not None:
+        raise ValueError("async_scheduling and speculative decoding do not go together here: the next step's "
+                         "guesses would need this step's accepted tokens")
+    if config.scheduler.preemption == "swap":
+        raise ValueError("async_scheduling follows vLLM V1, which preempts by recompute; swap is V0's")
+    if not all(callable(getattr(runner, m, None)) for m in ("prepare", "forward", "finish")):
+        raise ValueError("async_scheduling needs a model runner in this process (tensor_parallel_size=1)")
+
+
+class AsyncStepper:
+    """The engine's step loop with one forward pass always in flight (see the module)."""
+
+    def __init__(self, engine):
+        check_async_options(engine.config, engine.runner)
+        self.engine = engine
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cbteach-forward")  # the "device"
+        self.flight = None  # the step in flight: plan, record, prepared inputs, future, who gets a token
+
+    @property
+    def in_flight(self) -> bool:
+        return self.flight is not None
+
+    def step(self):
+        """Plan the next step while the one in flight runs, finish that one, launch the next, update from
+        the finished one; returns the finished step's record (or, with nothing to run, an idle record)."""
+        e = self.engine
+        if self.flight is None:  # the first step, or after idling: launch one, then go on as usual
+            plan, record = self._schedule()
+            if not plan.seqs:
+                return e._close_record(record)
+            self._launch(plan, record, self._mark_placeholders(plan), placeholders={})
+        done = self.flight
+        plan, record = self._schedule()  # while done's forward runs
+        expecting = self._mark_placeholders(plan)
+        output = self._wait(done)
+        self.flight = None
+        if plan.seqs:
+            last = {s: out[-1] for s, out in zip(done["plan"].seqs, output.sampled) if out}
+            # A sequence that failed in the step before has no token: any id will do, its output is dropped.
+            self._launch(plan, record, expecting, placeholders={s: last.get(s, 0) for s in expecting})
+        self._update(done, output)
+        finished = e._close_record(done["record"])
+        if not plan.seqs and plan.preempted:  # a step that only preempted goes into the history too
+            e._close_record(record)
+        return finished
+
+    def _schedule(self):
+        e = self.engine
+        start, t0 = e.now(), time.perf_counter()
+        plan = e.scheduler.schedule(start)
+        if e._guard is not None:
+            e._guard.after_schedule(plan, start)
+        record = e._new_record(plan, start)
+        record.timings["schedule"] = (t0, time.perf_counter())
+        return plan, record
+
+    def drain(self) -> None:
+        """Finish the step in flight and update from it, launching nothing (before an abort or close)."""
+        if self.flight is not None:
+            done, self.flight = self.flight, None
+            self._update(done, self._wait(done))
+            self.engine._close_record(done["record"])
+
+    def close(self) -> None:
+        self.drain()
+        self.worker.shutdown(wait=True)
+
+    # -- internals ---------------------------------------------------------------------------
+    def _mark_placeholders(self, plan) -> list:
+        """Sequences that will get a token from ``plan`` (they reach the end of their known tokens):
+        the next plan may schedule that token before it exists."""
+        expecting = [s for s, c, n in zip(plan.seqs, plan.num_computed_tokens, plan.num_scheduled_tokens)
+                     if c + n >= s.num_tokens + s.num_placeholders]
+        for s in expecting:
+            s.num_placeholders += 1
+        return expecting
+
+    def _launch(self, plan, record, expecting, placeholders) -> None:
+        e = self.engine
+        prepared = e.runner.prepare(plan, placeholders)
+        t_launch = time.perf_counter()
+        future = self.worker.submit(self._forward, prepared)
+        self.flight = {"plan": plan, "record": record, "prepared": prepared, "future": future,
+                       "expecting": expecting, "launch": t_launch}
+
+    def _forward(self, prepared):
+        t0 = time.perf_counter()
+        self.engine.runner.forward(prepared)
+        return t0, time.perf_counter()
+
+    def _wait(self, flight):
+        """Step ``flight``'s output: its forward's result, sampled (or, if the forward raised, each
+        sequence run alone, as the synchronous runner does)."""
+        e = self.engine
+        try:
+            t0, t1 = flight["future"].result()
+        except Exception:  # noqa: BLE001  (isolate: the synchronous path finds whose tokens failed)
+            flight["record"].timings["forward"] = (flight["launch"], time.perf_counter())
+            return e.runner.execute(flight["plan"])
+        flight["record"].timings["forward"] = (t0, t1)
+        e._advance_clock(flight["plan"], t1 - t0)
+        return e.runner.finish(flight["plan"], flight["prepared"])
+
+    def _update(self, flight, output) -> None:
+        t0 = time.perf_counter()
+        for s in flight["expecting"]:
+            s.num_placeholders -= 1
+        self.engine._update(flight["plan"], output, flight["record"])
+        flight["record"].timings["update"] = (t0, time.perf_counter())

@@ -1,0 +1,135 @@
+"""A KV manager of your own in the real engine: the two calls you write, the rest answered for you.
+
+Notebook 05 asks for the heart of a KV manager -- a free list (``free_blocks``) and two calls,
+``allocate_slots(seq, num_new_tokens)`` (return the blocks added, or ``None`` with nothing changed)
+and ``free(seq)``. The scheduler asks a manager more than that (how much room there is, who holds
+which block, prefix-cache lookups: :class:`cbteach.kv.interface.KVManager`), so
+:class:`PluggedKVManager` stands around yours: it passes those two calls on, answers the questions
+from your free list and the block tables you built, and **checks every call** against the rules a
+manager must keep -- refuse without changing anything, hand out only free blocks, add exactly the
+blocks the tokens need, take everything back on ``free``, lose and invent no block. A broken rule
+stops the engine with :class:`~cbteach.errors.EngineRuleError` naming it, before any token can be
+wrong. ``Engine(..., kv="paged", kv_manager=MyKVManager)`` builds one for you.
+
+(No prefix caching, no copy on write and no speculative decoding on it: those need more of a manager.)
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+from ..errors import EngineRuleError
+from .manager import KVCacheManager
+
+
+class _FreeCount:
+    """What the engine asks its allocator -- how many blocks are free, who holds each -- answered from
+    the learner's free list and the block tables of the sequences it served."""
+
+    def __init__(self, plugged):
+        self.plugged = plugged
+
+    @property
+    def num_free(self) -> int:
+        return len(self.plugged.mine.free_blocks)
+
+    @property
+    def ref_counts(self) -> list[int]:
+        counts = [0] * self.plugged.num_blocks
+        for seq in self.plugged.seqs.values():
+            for block in seq.block_table:
+                if _is_block(block, len(counts)):
+                    counts[block] += 1
+        return counts
+
+
+def _is_block(b, num_blocks: int) -> bool:
+    return isinstance(b, numbers.Integral) and not isinstance(b, bool) and 0 <= b < num_blocks
+
+
+class PluggedKVManager(KVCacheManager):
+    """``mine`` -- an object with ``free_blocks``, ``allocate_slots`` and ``free`` -- as the engine's KV manager."""
+
+    copy_on_write = False  # parallel_sampling="fork" is refused on it (fanout works)
+
+    def __init__(self, mine, num_blocks: int, block_size: int):
+        super().__init__(num_blocks, block_size, watermark=0)
+        for name in ("allocate_slots", "free"):
+            if not callable(getattr(mine, name, None)):
+                raise ValueError(f"a KV manager needs a method {name}(seq, ...); {type(mine).__name__} has none")
+        free = getattr(mine, "free_blocks", None)
+        if free is None or isinstance(free, (str, bytes)) or not hasattr(free, "__len__"):
+            raise ValueError(f"{type(mine).__name__} needs free_blocks: the ids of its free blocks")
+        self.mine = mine
+        self.allocator = _FreeCount(self)
+        self._check_pool(f"{type(mine).__name__}({num_blocks}, {block_size})")
+
+    def allocate_slots(self, seq, num_new_tokens: int, new_computed_blocks=(), num_lookahead_tokens: int = 0):
+        if new_computed_blocks or num_lookahead_tokens:
+            raise EngineRuleError("a plugged-in KV manager has no prefix cache and no whole-prompt reservation")
+        before, free_before = list(seq.block_table), list(self.mine.free_blocks)
+        call = f"allocate_slots({seq.request_id}, {num_new_tokens}) with {seq.num_computed_tokens} tokens computed"
+        new = self.mine.allocate_slots(seq, num_new_tokens)
+        need = math.ceil((seq.num_computed_tokens + num_new_tokens) / self.block_size) - len(before)
+        if new is None:
+            if list(seq.block_table) != before or list(self.mine.free_blocks) != free_before:
+                raise EngineRuleError(f"{call} returned None but changed the block table or the free list: refuse "
+                                      "without changing anything")
+            if need <= len(free_before):
+                raise EngineRuleError(f"{call} returned None although enough blocks were free: refuse only when the "
+                                      "free list is shorter than the number of *new* blocks the sequence needs")
+            return None
+        if not isinstance(new, list) or list(seq.block_table) != before + new:
+            raise EngineRuleError(f"{call}: return the list of blocks you added, and append them at the end of "
+                                  "seq.block_table (block i of the table holds tokens i*block_size ...)")
+        if need != len(new):
+            raise EngineRuleError(f"{call} added {len(new)} blocks where its tokens need {max(need, 0)} more: take a "
+                                  "new block only when the last one is full, and enough for every new token")
+        for block in new:
+            if block not in free_before:
+                raise EngineRuleError(f"{call} handed out block {block!r}, which was not in the free list")
+            if block in self.mine.free_blocks:
+                raise EngineRuleError(f"{call} handed out block {block} but left it in the free list")
+        self.seqs[seq.request_id] = seq
+        self._check_pool(call)
+        return new
+
+    def free(self, seq) -> None:
+        before = list(seq.block_table)
+        call = f"free({seq.request_id}) with blocks {before}"
+        if self.before_free is not None:
+            self.before_free(seq)
+        self.mine.free(seq)
+        if list(seq.block_table):
+            raise EngineRuleError(f"after {call}, seq.block_table is not empty: a finished or preempted sequence "
+                                  "holds no blocks (a preempted one comes back and starts a new table)")
+        missing = [b for b in before if b not in self.mine.free_blocks]
+        if missing:
+            raise EngineRuleError(f"after {call}, blocks {missing} are not back in the free list")
+        self.seqs.pop(seq.request_id, None)
+        self._check_pool(call)
+
+    def trim(self, seq) -> None:
+        raise EngineRuleError("speculative decoding needs a KV manager that can trim rejected guesses")
+
+    def fork(self, parent, child) -> None:
+        raise EngineRuleError("parallel_sampling='fork' needs a KV manager that copies on write")
+
+    def _check_pool(self, call: str) -> None:
+        free = list(self.mine.free_blocks)
+        bad = [b for b in free if not _is_block(b, self.num_blocks)]
+        if bad:
+            raise EngineRuleError(f"after {call}, the free list holds {bad[0]!r}: block ids are the ints "
+                                  "0 .. num_blocks - 1")
+        if len(set(free)) != len(free):
+            raise EngineRuleError(f"after {call}, a block is in the free list twice")
+        owners: dict = {}
+        for rid, s in self.seqs.items():
+            for block in s.block_table:
+                if block in owners:
+                    raise EngineRuleError(f"after {call}, block {block} is in two block tables ({owners[block]} "
+                                          f"and {rid})")
+                owners[block] = rid
+        if len(free) + len(owners) != self.num_blocks:
+            raise EngineRuleError(f"after {call}, {len(free)} free blocks + {len(owners)} in block tables != the "
+                                  f"pool's {self.num_blocks}: a block was lost or invented")
