@@ -1,36 +1,38 @@
-"""Notebook 06: build the scheduling step -- a :class:`~cbteach.engine.scheduler.Scheduler` subclass whose
-``schedule(now)`` decides who runs and with how many tokens -- checked in four stages.
+"""Notebook 06: build the engine's step -- ``schedule(now)``, who runs and with how many tokens, in
+four stages, and ``update_from_output``, what the step's output does to the requests, in a fifth.
 
 Each stage plugs the learner's class into the real :class:`~cbteach.Engine` (``scheduler_cls=``) on
 workloads built to expose the typical mistakes, runs the same workload with the engine's own
 scheduler, and compares, in this order:
 
-1. the rules, checked the moment they are broken (:mod:`cbteach.exercises.scheduler_check`): no
-   call to the engine's own scheduling; a plan within the token budget, running requests first and
-   in order, none skipped while budget is left, every chunk with KV room; admissions only of
-   arrived requests, in the policy's order, within ``max_batch_size``, never in a step that
-   preempted; the policy's victim;
+1. the rules, checked the moment they are broken (:mod:`cbteach.exercises.rules`);
 2. the schedule, step by step: when each step ran, who ran with how many tokens from which position,
    who was admitted and who was preempted -- the first step that differs is diagnosed;
-3. the tokens: equal to the engine's run, and on stage 1's first workload to per-prompt ``model.generate``;
+3. the outputs: tokens, finish reasons and token times equal to the engine's run, and on stage 1's
+   first workload the tokens equal to per-prompt ``model.generate``'s;
 4. the pool: every KV block back at the end.
 
 Stages: 1 -- no memory limit (a pool with room for every slot); 2 -- a token budget (chunked
-prefill); 3 -- a tiny pool (KV room, preemption, and a request that could never fit, which the
-engine refuses at add time); 4 -- the priority policy (its order, ties and victim). Hints name
-the misconception and where it showed, never the engine's choice or a value.
+prefill); 3 -- a tiny pool (KV room, preemption, prefix caching, and a request that could never fit,
+which the engine refuses at add time); 4 -- the priority policy (its order, ties and victim); 5 --
+``update_from_output``, run under the engine's own ``schedule`` (appending, stop rules, freeing,
+chunks that stop short, speculative guesses taken back). Hints name the misconception and where it
+showed, never the engine's choice or a value.
 """
 from __future__ import annotations
 
+import collections
+import dataclasses
 import functools
 import weakref
 
 import torch
 
 from ..engine.scheduler import Scheduler
-from . import report, self_check
 from ..viz.schedule import first_difference, plan_of
-from .scheduler_check import IDLE, NotDone, SchedulerMistake, Workload, run, watched
+from . import report, self_check
+from .rules import ROOM_STAGE, SchedulerMistake
+from .scheduler_check import NotDone, Workload, hint, run, watched, with_eos
 
 W = Workload
 ID8 = ("kite", "ash", "moss", "bee", "elm", "fox", "dew", "gnu")  # arrival order is not alphabetical order
@@ -47,7 +49,10 @@ STAGES = {
           (9, 10, 6, 8, 7, 9, 5), 4, arrivals=(0, 0, 0, 1.5, 2.5, 6.5, 9.5), token_budget=6, num_blocks=10),
         W("a long prompt arrives while others decode, a tiny pool of 8 blocks, a token budget of 5", ID8[:6],
           (3, 4, 2, 23, 3, 2), (9, 12, 10, 3, 6, 4), 4, arrivals=(0, 0, 1.5, 4.5, 5.5, 7.5), token_budget=5,
-          num_blocks=8)],
+          num_blocks=8),
+        W("prefix caching on: prompts sharing their first 12 tokens, a pool of 8 blocks", ID8[:6],
+          (15, 14, 17, 13, 16, 14), (6, 9, 5, 8, 7, 6), 3, arrivals=(0, 0, 0, 2.5, 4.5, 9.5), num_blocks=8,
+          shared_prefix=12, prefix_caching=True)],
     4: [W("priorities with ties, two slots", ID8, (5, 3, 6, 4, 2, 5, 3, 4), (4, 6, 3, 5, 4, 3, 6, 2), 2,
           priorities=(1, 0, 1, 2, 0, 1, 0, 2), policy="priority"),
         W("priorities, arrivals mid-run, a token budget of 7", ID8[:7], (6, 3, 9, 4, 5, 3, 2), (7, 5, 4, 6, 5, 4, 3),
@@ -58,20 +63,50 @@ STAGES = {
         W("priorities, arrivals mid-run, a tiny pool of 7 blocks and a token budget of 5", ID8[:7], (6, 3, 4, 3, 5, 8, 5),
           (11, 11, 10, 6, 7, 7, 8), 4, arrivals=(0, 0, 0.5, 2.5, 2.5, 3.5, 3.5), priorities=(2, 1, 1, 1, 2, 0, 0),
           token_budget=5, num_blocks=7, policy="priority")],
+    5: [W("stops: an EOS, a stop token, lengths, ignore_eos; long prompts in chunks of a budget of 6", ID8[:6],
+          (9, 4, 14, 3, 11, 5), (12, 14, 10, 16, 9, 13), 3, arrivals=(0, 0, 0, 1.5, 3.5, 6.5), token_budget=6,
+          ignore_eos=False),
+        W("speculative decoding: guesses accepted and rejected, a pool of 16 blocks", ID8[:5], (8, 6, 10, 7, 5),
+          (14, 12, 16, 10, 11), 3, arrivals=(0, 0, 0, 2.5, 5.5), num_blocks=16, speculative="draft", ignore_eos=False),
+        W("prefix caching and preemption in a pool of 7 blocks, a token budget of 7", ID8[:6], (13, 10, 15, 9, 12, 14),
+          (8, 10, 7, 9, 6, 8), 3, arrivals=(0, 0, 1.5, 2.5, 6.5, 8.5), token_budget=7, num_blocks=7,
+          shared_prefix=8, prefix_caching=True, ignore_eos=False)],
 }
 NEVER_FITS = W("a request that could never fit", ("whale",), (60,), (4,), 1, num_blocks=12)
 STAGE_NAMES = {1: "no memory limit", 2: "the token budget and chunked prefill", 3: "KV room and preemption",
-               4: "priorities"}
+               4: "priorities", 5: "update_from_output"}
 
-_references: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {workload name: Run}
+_references: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(workload, eos): Run}
 
 
-def reference_run(model, workload: W):
+def stops_for(model, w: W) -> tuple[W, frozenset | None]:
+    """A workload that stops at EOS (``w.ignore_eos`` False) whatever the model: the stop tokens are
+    chosen from what the model says on ``w`` when nothing stops it (greedy, so the same tokens come
+    again). EOS is the commonest token said; every second request ignores it; the first request that
+    says a token other than EOS gets that token as its stop token. Returns the workload and the EOS
+    ids to use (None: the model's own, for a workload that ignores EOS)."""
+    if w.ignore_eos:
+        return w, None
+    probe = reference_run(model, dataclasses.replace(w, ignore_eos=True))
+    said = [probe.engine.completions[rid].output_ids for rid in w.ids]
+    ignore = tuple(i % 2 == 1 for i in range(len(w.ids)))
+    heard_by_ignorers = {t for out, ig in zip(said, ignore) if ig for t in out}
+    counts = collections.Counter(t for out, ig in zip(said, ignore) if not ig for t in out[1:])
+    eos = max(counts, key=lambda t: (t in heard_by_ignorers, counts[t]))  # said, and ignored by someone
+    stops = []
+    for out, ig in zip(said, ignore):
+        other = [t for t in out[2:] if t != eos]
+        stops.append((other[0],) if other and ig and not any(stops) else ())
+    return dataclasses.replace(w, stop_token_ids=tuple(stops), ignore_eos=ignore), frozenset({eos})
+
+
+def reference_run(model, workload: W, eos_ids=None):
     """The engine's own scheduler on ``workload`` (cached per model: every stage compares with it)."""
     runs = _references.setdefault(model, {})
-    if workload.name not in runs:
-        runs[workload.name] = run(model, workload)
-    return runs[workload.name]
+    key = (workload, eos_ids)
+    if key not in runs:
+        runs[key] = run(model, workload, None if eos_ids is None else with_eos(Scheduler, eos_ids))
+    return runs[key]
 
 
 def generate_outputs(model, workload: W) -> dict:
@@ -86,16 +121,17 @@ def generate_outputs(model, workload: W) -> dict:
     return outs
 
 
-def diagnose(ref, mine) -> str:
+def diagnose(ref, mine, stage=None) -> str:
     """Name the misconception behind the first step where ``mine``'s schedule differs from ``ref``'s.
     The steps before it were identical, so both schedulers saw the same state."""
     t_ref, plan_ref, adm_ref, pre_ref = plan_of(ref)
     t, plan, adm, pre = plan_of(mine)
+    room, budget = stage is None or stage >= ROOM_STAGE, stage is None or stage >= 2
     if t != t_ref:
-        return IDLE if t > t_ref else "a step ran before anything could: only requests that have arrived may run"
+        return hint("idle", stage) if t > t_ref else "a step ran before anything could: only requests that have " \
+                                                      "arrived may run"
     if pre_ref and not pre:
-        return ("the KV manager refused room and nobody was preempted: when allocate_slots returns None, preempt "
-                "the policy's victim and ask again")
+        return hint("skipped_refused", stage)
     if pre and not pre_ref:
         return "a request was preempted although no request had been refused room"
     got, want = {r: n for r, _, n in plan}, {r: n for r, _, n in plan_ref}
@@ -106,36 +142,62 @@ def diagnose(ref, mine) -> str:
         if pre:
             return ("after a preemption, a request got fewer tokens than the budget allowed: a victim already planned "
                     "in this step gives its tokens back to the budget (preempt returns how many)")
-        return ("a running request got fewer tokens than it lacked (or none) while budget was left: check the "
-                "arithmetic on the budget and on what a request lacks -- an off-by-one?")
+        return ("a running request got fewer tokens than it lacked (or none)" + (" while budget was left" if budget
+                else "") + ": check the arithmetic on what a request lacks" + (" and on the budget" if budget else "")
+                + " -- an off-by-one?")
+    starts, starts_ref = {r: c for r, c, _ in plan}, {r: c for r, c, _ in plan_ref}
+    if room and any(starts_ref[r] > 0 and starts.get(r) != starts_ref[r] for r in adm_ref if r in starts_ref):
+        return ("a newcomer did not start past the blocks of its prompt already computed: with prefix caching, "
+                "get_computed_blocks finds them, its chunk is what it lacks past them, and it starts there")
     if len(adm) < len(adm_ref):
-        return ("a request that had arrived was left waiting although a slot, budget and KV room for its chunk were "
-                "free: did admissions stop too early (an off-by-one on the batch limit or the budget, a stop at a "
-                "request not arrived yet), or wait for room for a whole prompt instead of the chunk it feeds now?")
+        causes = ["an off-by-one on the batch limit" + (" or the budget" if budget else ""),
+                  "a stop at a request not arrived yet"]
+        tail = ", or wait for room for a whole prompt instead of the chunk it feeds now?" if room else "?"
+        free = "a slot, budget and KV room for its chunk were" if room else "a slot and budget were" if budget \
+            else "a slot was"
+        return (f"a request that had arrived was left waiting although {free} free: did admissions stop too early ("
+                + ", ".join(causes) + ")" + tail)
     if any(got.get(r, 0) != n for r, n in want.items()):
-        return "an admitted request's chunk is not what it lacks, cut to the budget that is left"
+        return "an admitted request's chunk is not what it lacks" + (", cut to the budget that is left" if budget else "")
     return "the step's plan differs from the engine's scheduler's on the same state: compare your loop with the rules"
 
 
-def _check_workload(cls, model, w: W, with_generate: bool) -> str | None:
-    """None if ``cls`` schedules ``w`` exactly as the engine does, else the hint."""
-    ref = reference_run(model, w)
+def _compare_outputs(mine, ref, where: str) -> str | None:
+    """The hint for the first way ``mine``'s completions differ from ``ref``'s (None: they agree)."""
+    for rid, c_ref in ref.engine.completions.items():
+        c = mine.engine.completions.get(rid)
+        if c is None:
+            return f"{where}: a request never completed -- update_from_output returns the sequences that finished"
+        if c.output_ids != c_ref.output_ids:
+            return f"{where}: the schedules matched but the tokens differ -- does your code change the requests' tokens?"
+        if c.finish_reason != c_ref.finish_reason:
+            return f"{where}: a request finished with the wrong finish_reason"
+        if (c.first_token_time, c.token_times) != (c_ref.first_token_time, c_ref.token_times):
+            return f"{where}: a request's token times differ: each token's time is `now` of the step that appended it"
+    return None
+
+
+def _check_workload(cls, model, w: W, stage: int, with_generate: bool) -> str | None:
+    """None if ``cls`` runs ``w`` exactly as the engine does, else the hint."""
+    w, eos = stops_for(model, w) if stage == 5 else (w, None)
+    ref = reference_run(model, w, eos)
     if ref.mistake is not None:  # the engine's own scheduler must pass its own check
         raise RuntimeError(f"the engine's scheduler failed workload {w.name!r}: {ref.mistake}")
-    mine = run(model, w, watched(cls), max_steps=3 * len(ref.records) + 20)
+    mine = run(model, w, watched(cls, stage, eos_ids=eos), max_steps=3 * len(ref.records) + 20, stage=stage)
     where = f"on the workload '{w.name}'"
     diff = first_difference(ref.records, mine.records)
     if isinstance(mine.mistake, NotDone):
         return str(mine.mistake)
     if diff is not None and diff < len(mine.records) and diff < len(ref.records):
-        return f"{where}, step {diff}: {diagnose(ref.records[diff], mine.records[diff])}"
+        return f"{where}, step {diff}: {diagnose(ref.records[diff], mine.records[diff], stage)}"
     if mine.mistake is not None:
         return f"{where}, step {len(mine.records)}: {mine.mistake}"
     if diff is not None:
         return f"{where}: your run took a different number of steps than the engine's with its scheduler"
+    differ = _compare_outputs(mine, ref, where)
+    if differ is not None:
+        return differ
     outputs = {rid: c.output_ids for rid, c in mine.engine.completions.items()}
-    if outputs != {rid: c.output_ids for rid, c in ref.engine.completions.items()}:
-        return f"{where}: the schedules matched but the tokens differ -- does your code change the requests' tokens?"
     if with_generate and outputs != generate_outputs(model, w):
         return f"{where}: the tokens differ from model.generate's -- does your code change the requests' tokens?"
     if mine.engine.kv_usage()["num_used_blocks"]:
@@ -159,33 +221,48 @@ def _bierce():
     return load_model()[0]
 
 
+def _refuse(stage, cls) -> str | None:
+    """Why ``cls`` cannot be checked at ``stage`` yet (None: it can)."""
+    if isinstance(stage, bool) or stage not in STAGES:
+        return f"stage must be one of {sorted(STAGES)}, got {stage!r}"
+    if cls is None or cls is Ellipsis:
+        return "not done yet: write your scheduler class, then run this check"
+    if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
+        return f"pass your scheduler class itself, a subclass of cbteach.engine.scheduler.Scheduler (got " \
+               f"{type(cls).__name__})"
+    if stage < 5 and cls.schedule is Scheduler.schedule:
+        return "not done yet: your class does not define schedule(self, now)"
+    if stage == 5 and cls.update_from_output is Scheduler.update_from_output:
+        return "not done yet: your class does not define update_from_output(self, plan, output, now)"
+    return None
+
+
 @self_check
 def check_stage(stage, scheduler_cls, model=None) -> bool:
-    """Stage ``stage`` (1-4, see :data:`STAGES`) of the scheduler exercise, for ``scheduler_cls`` (a
-    subclass of :class:`~cbteach.engine.scheduler.Scheduler` that overrides ``schedule``) on ``model``
-    (any causal LM the engine runs; None: the course's bierce). ``check_stage(MyScheduler, 1)`` works too."""
+    """Stage ``stage`` (1-5, see :data:`STAGES`) of the exercise, for ``scheduler_cls`` (a subclass of
+    :class:`~cbteach.engine.scheduler.Scheduler` that overrides ``schedule``; for stage 5,
+    ``update_from_output``, which runs under the engine's own ``schedule``) on ``model`` (any causal
+    LM the engine runs; None: the course's bierce). ``check_stage(MyScheduler, 1)`` works too."""
     if isinstance(scheduler_cls, int) and not isinstance(stage, int):
         stage, scheduler_cls = scheduler_cls, stage
-    if isinstance(stage, bool) or stage not in STAGES:
-        return report(False, "", f"stage must be one of {sorted(STAGES)}, got {stage!r}")
-    if scheduler_cls is None or scheduler_cls is Ellipsis:
-        return report(False, "", "not done yet: write your scheduler class, then run this check")
-    if not (isinstance(scheduler_cls, type) and issubclass(scheduler_cls, Scheduler)):
-        return report(False, "", f"pass your scheduler class itself, a subclass of cbteach.engine.scheduler.Scheduler "
-                                 f"(got {type(scheduler_cls).__name__})")
-    if scheduler_cls.schedule is Scheduler.schedule:
-        return report(False, "", "not done yet: your class does not define schedule(self, now)")
+    refused = _refuse(stage, scheduler_cls)
+    if refused:
+        return report(False, "", refused)
+    if stage == 5:  # the update alone: the engine's own schedule plans every step
+        scheduler_cls = type(scheduler_cls.__name__, (scheduler_cls,), {"schedule": Scheduler.schedule})
     model = _bierce() if model is None else model
     for i, w in enumerate(STAGES[stage]):
         try:
-            hint = _check_workload(scheduler_cls, model, w, with_generate=stage == 1 and i == 0)
+            hint_ = _check_workload(scheduler_cls, model, w, stage, with_generate=stage == 1 and i == 0)
         except SchedulerMistake as err:
-            hint = str(err)
-        if hint is not None:
-            return report(False, "", f"stage {stage} ({STAGE_NAMES[stage]}): {hint}")
+            hint_ = str(err)
+        if hint_ is not None:
+            return report(False, "", f"stage {stage} ({STAGE_NAMES[stage]}): {hint_}")
     extra = ""
     if stage == 3 and _never_fits(model):
         extra = "; a request that could never fit was refused by the engine at add time (ValueError), never queued"
-    return report(True, f"stage {stage} ({STAGE_NAMES[stage]}): on all {len(STAGES[stage])} workloads your scheduler "
-                        f"planned every step as the engine's does -- same requests, tokens, admissions and "
-                        f"preemptions -- with the same outputs and no KV block left behind{extra}", "")
+    what = ("your update appended, stopped and freed as the engine's does -- same steps, tokens, finish reasons and "
+            "token times" if stage == 5 else "your scheduler planned every step as the engine's does -- same "
+            "requests, tokens, admissions and preemptions -- with the same outputs")
+    return report(True, f"stage {stage} ({STAGE_NAMES[stage]}): on all {len(STAGES[stage])} workloads {what}, "
+                        f"and no KV block left behind{extra}", "")

@@ -1,52 +1,52 @@
-"""Run a learner's scheduler inside the real engine and watch it: the harness behind notebook 06's checks.
+"""Run a learner's scheduler inside the real engine and watch it: the harness behind notebook 06's
+checks and the scheduler tournament.
 
-The learner subclasses :class:`~cbteach.engine.scheduler.Scheduler` and writes ``schedule(now)``.
-This module plugs that class into an :class:`~cbteach.engine.engine.Engine` (``scheduler_cls=``) and
-runs it beside the engine's own scheduler on the same :class:`Workload`, so that the two runs can
-be compared step by step (``engine.records``). Three things make that comparison fair and safe:
+The learner subclasses :class:`~cbteach.engine.scheduler.Scheduler` and writes ``schedule(now)``
+(and, in notebook 06's stage 5, ``update_from_output``). This module plugs that class into an
+:class:`~cbteach.engine.engine.Engine` (``scheduler_cls=``) and runs it on a :class:`Workload`,
+beside the engine's own scheduler, so the two runs can be compared step by step
+(``engine.records``). Three things make that comparison fair and safe:
 
-* **a step clock** (:class:`~cbteach.core.clock.VirtualClock` with ``step_time=1``): time moves one unit per forward step, so a request that
-  "arrives at 3.5" arrives after the same step on every machine, in both runs;
-* **a watched subclass** (:func:`watched`): the learner's class is subclassed once more, so the
-  moment a rule is broken -- a request admitted before it arrived, in a step that preempted, past
-  the batch limit, out of the policy's order; a victim that is not the policy's; a plan that feeds
-  more than the budget or tokens without KV room -- it stops with a :class:`SchedulerMistake` that
-  names the misconception, where it happened (not after the damage spreads);
+* **a step clock** (:class:`~cbteach.core.clock.VirtualClock` with ``step_time=1``): time moves one
+  unit per forward step, so a request that "arrives at 3.5" arrives after the same step on every
+  machine, in both runs;
+* **a watched subclass** (:func:`watched`): the learner's class is subclassed once more, and every
+  rule is checked where it can be broken (:mod:`cbteach.exercises.rules`) -- the moment a request is
+  admitted or preempted, when ``schedule`` returns its plan, when ``update_from_output`` returns --
+  so the run stops with a :class:`SchedulerMistake` naming the misconception, before the damage
+  spreads. Its queue and KV manager are watched too: a loop that walks ``self.waiting`` while
+  ``admit`` removes from it, and a chunk planned without room from ``allocate_slots``, are seen;
 * **a tracer** around each ``schedule`` call (``sys.settrace``): it notices when the learner's code
   runs the engine's own scheduling (``super().schedule``, ``schedule_running``, ...), and stops a
   ``schedule`` that never returns after :data:`MAX_EVENTS` traced events.
 
-The schedules are compared with :func:`cbteach.viz.schedule.first_difference` (the notebook draws them).
+``rules="exercise"`` checks vLLM V1's rules as notebook 06 teaches them (the order of the loops, the
+policy's order and victim); ``rules="safety"`` only the rules that keep any engine correct, whatever
+its policy -- what the tournament enforces.
 """
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import dataclass
 
-from ..engine.engine import Engine
+import torch
+
 from ..core.clock import VirtualClock
 from ..core.request import Request
+from ..core.sampling import SamplingParams
+from ..engine.engine import Engine
 from ..engine.scheduler import Scheduler
-from ..core.scheduler_output import SchedulerOutput
+from . import rules
+from .rules import NotDone, SchedulerMistake, hint
+
+__all__ = ["NotDone", "SchedulerMistake", "Workload", "Run", "run", "drive", "watched", "with_eos", "hint"]
 
 MAX_EVENTS = 200_000  # traced calls and lines in one schedule() call: far beyond any honest step
 REFERENCE = {f.__code__: name for name, f in [
     ("super().schedule", Scheduler.schedule), ("schedule_running", Scheduler.schedule_running),
     ("schedule_swapped", Scheduler.schedule_swapped), ("schedule_waiting", Scheduler.schedule_waiting),
     ("allocate_or_preempt", Scheduler.allocate_or_preempt)]}
-
-
-IDLE = ("a step planned nothing although a request that had arrived could have run: a request that has not arrived "
-        "yet is skipped, not waited for; a long prompt is fed in chunks, not kept waiting to fit whole")
-
-
-class SchedulerMistake(Exception):
-    """The learner's scheduler broke a rule; the message is the hint (a misconception, never a value)."""
-
-
-class NotDone(SchedulerMistake):
-    """``schedule`` is still the stub (it returned None, or the class does not define it)."""
+UPDATE_REFERENCE = Scheduler.update_from_output.__code__
 
 
 @dataclass(frozen=True)
@@ -65,21 +65,57 @@ class Workload:
     block_size: int = 4
     policy: str = "fcfs"
     admission: str = "per_chunk"  # vLLM V1's rule; "whole_prompt" is V0's
-    ignore_eos: bool = True  # forced lengths: the workload's memory pressure does not depend on the model
+    ignore_eos: bool | tuple = True  # True: forced lengths, the memory pressure does not depend on the model
+    shared_prefix: int = 0  # the first tokens every prompt has in common (prefix caching)
+    prefix_caching: bool = False
+    speculative: str | None = None  # "draft": speculative decoding with a SometimesWrongDraft of the model
+    stop_token_ids: tuple = ()  # per request: a tuple of ids that end it (finish_reason "stop")
 
     def requests(self, vocab_size: int) -> list[Request]:
         span = max(1, min(vocab_size, 97) - 3)  # ids 3.. kept clear of special tokens
-        return [Request([3 + (11 * i + 7 * j + 5) % span for j in range(n)], self.max_new_tokens[i], request_id=rid,
-                        arrival_time=self.arrivals[i] if self.arrivals else 0.0,
-                        priority=self.priorities[i] if self.priorities else 0, ignore_eos=self.ignore_eos)
-                for i, (rid, n) in enumerate(zip(self.ids, self.prompt_lens))]
+        common = [3 + (7 * j + 2) % span for j in range(self.shared_prefix)]
+        out = []
+        for i, (rid, n) in enumerate(zip(self.ids, self.prompt_lens)):
+            own = [3 + (11 * i + 7 * j + 5) % span for j in range(n)]
+            prompt = (common[:max(0, n - 1)] + own)[:n]  # at least its last token its own
+            stop = self.stop_token_ids[i] if self.stop_token_ids else ()
+            ignore = self.ignore_eos[i] if isinstance(self.ignore_eos, tuple) else self.ignore_eos
+            out.append(Request(prompt, self.max_new_tokens[i], request_id=rid,
+                               arrival_time=self.arrivals[i] if self.arrivals else 0.0,
+                               priority=self.priorities[i] if self.priorities else 0, ignore_eos=ignore,
+                               sampling_params=SamplingParams(stop_token_ids=stop)))
+        return out
 
     def engine(self, model, scheduler_cls=None) -> Engine:
-        blocks = {} if self.num_blocks is None else {"num_blocks": self.num_blocks}
+        options = {} if self.num_blocks is None else {"num_blocks": self.num_blocks}
+        if self.prefix_caching:
+            options["prefix_caching"] = True
+        if self.speculative:
+            options["speculative"] = SometimesWrongDraft(model) if self.speculative == "draft" else self.speculative
         return Engine(model, None, max_batch_size=self.max_batch_size, kv="paged", block_size=self.block_size,
                       token_budget=self.token_budget, policy=self.policy, admission=self.admission,
-                      scheduler_cls=scheduler_cls,
-                      clock=VirtualClock(step_time=1.0), **blocks)
+                      scheduler_cls=scheduler_cls, clock=VirtualClock(step_time=1.0), **options)
+
+
+class SometimesWrongDraft(torch.nn.Module):
+    """A draft model for checks: the model itself, whose guesses are right up to a position that
+    moves with every call -- so on any model some guesses are accepted and some rejected, and a stop
+    token can fall inside accepted guesses."""
+
+    def __init__(self, target):
+        super().__init__()
+        self.target, self.config, self.calls = target, target.config, 0
+
+    def get_input_embeddings(self):
+        return self.target.get_input_embeddings()
+
+    def generate(self, ids, max_new_tokens: int, **kwargs):
+        out = self.target.generate(ids, max_new_tokens=max_new_tokens, **kwargs).clone()
+        wrong = self.calls % (max_new_tokens + 1)  # max_new_tokens: every guess right
+        self.calls += 1
+        if ids.shape[1] + wrong < out.shape[1]:
+            out[0, ids.shape[1] + wrong] = (out[0, ids.shape[1] + wrong] + 1) % self.config.vocab_size
+        return out
 
 
 @dataclass
@@ -91,7 +127,7 @@ class Run:
     mistake: SchedulerMistake | None = None
 
 
-def run(model, workload: Workload, scheduler_cls=None, max_steps: int = 2000) -> Run:
+def run(model, workload: Workload, scheduler_cls=None, max_steps: int = 2000, stage: int | None = None) -> Run:
     """Run ``workload`` with ``scheduler_cls`` (None: the engine's own scheduler) for at most
     ``max_steps`` forward steps. Idle steps (nothing scheduled) move the clock to the next arrival."""
     try:
@@ -100,40 +136,45 @@ def run(model, workload: Workload, scheduler_cls=None, max_steps: int = 2000) ->
         return Run(None, [], SchedulerMistake(f"the engine could not build your scheduler: {type(err).__name__}: {err}"))
     for r in workload.requests(model.config.vocab_size):
         eng.add_request(r)
+    return Run(eng, *drive(eng, max_steps, stage))
+
+
+def drive(eng: Engine, max_steps: int, stage: int | None = None) -> tuple[list, SchedulerMistake | None]:
+    """Step ``eng`` until every request is done, for at most ``max_steps`` steps: its records, and
+    the mistake that stopped it (None: it finished)."""
     records = []
     try:
         while eng.has_unfinished():
             if len(records) >= max_steps:
-                raise SchedulerMistake(f"requests were still unfinished after {max_steps} steps: are the same "
-                                       "requests preempted over and over, or is one never given its tokens?")
+                raise SchedulerMistake(hint("unfinished", stage).format(max_steps))
             rec = eng.step()
             if not rec.idle:  # a forward pass, or a step that only preempted
                 records.append(rec)
                 continue
             nxt = eng.scheduler.next_event_time(eng.now())
             if nxt is None:
-                raise SchedulerMistake(IDLE)
-            eng.clock.t = nxt
+                raise SchedulerMistake(hint("idle", stage))
+            eng.clock.advance(nxt - eng.now())
     except SchedulerMistake as err:
-        return Run(eng, records, err)
+        return records, err
     except Exception as err:  # noqa: BLE001 -- the learner's code, raised inside the engine
-        return Run(eng, records, SchedulerMistake(f"the run stopped with {type(err).__name__}: {err}"))
-    return Run(eng, records)
+        return records, SchedulerMistake(f"the run stopped with {type(err).__name__}: {err}")
+    return records, None
 
 
 class _Tracer:
-    """``sys.settrace`` for one ``schedule`` call: which engine scheduling code ran, and a bound on events."""
+    """``sys.settrace`` for one call: which engine code it ran, and a bound on events."""
 
-    def __init__(self):
-        self.called, self.events, self.saved = None, 0, None
+    def __init__(self, watch: dict):
+        self.watch, self.called, self.events, self.saved = watch, None, 0, None
 
     def __call__(self, frame, event, arg):
         self.events += 1
         if self.events > MAX_EVENTS:
             raise SchedulerMistake("schedule() did not return: a loop that never ends? (a retry loop must change "
                                    "something each time round -- preempt someone -- or stop)")
-        if event == "call" and frame.f_code in REFERENCE and self.called is None:
-            self.called = REFERENCE[frame.f_code]
+        if event == "call" and frame.f_code in self.watch and self.called is None:
+            self.called = self.watch[frame.f_code]
         return self
 
     def __enter__(self):
@@ -145,106 +186,133 @@ class _Tracer:
         sys.settrace(self.saved)
 
 
-CALLED_REFERENCE = ("your schedule() ran the engine's own scheduling ({}): the exercise is to write the step "
-                    "yourself, from allocate_slots, pick_victim, preempt, admit and SchedulerOutput.add")
+class QueueWatch:
+    """The policy's waiting queue, unchanged, but it knows when it is changed while being walked."""
+
+    def __init__(self, queue):
+        self.queue, self.version = queue, 0
+
+    def __getattr__(self, name):
+        return getattr(self.queue, name)
+
+    def __len__(self):
+        return len(self.queue)
+
+    def __contains__(self, seq):
+        return seq in self.queue
+
+    def __iter__(self):
+        version = self.version
+        for seq in list(self.queue):
+            if self.version != version:  # a plain list iterator would now skip a request
+                raise SchedulerMistake(hint("walked_waiting", None))
+            yield seq
+
+    def _changed(self, method, seq):
+        self.version += 1
+        return method(seq)
+
+    def add(self, seq):
+        return self._changed(self.queue.add, seq)
+
+    def remove(self, seq):
+        return self._changed(self.queue.remove, seq)
+
+    def readd_preempted(self, seq):
+        return self._changed(self.queue.readd_preempted, seq)
 
 
-def watched(cls: type) -> type:
-    """A subclass of the learner's ``cls`` that checks every rule where it can be broken."""
+class KVWatch:
+    """The KV manager, unchanged, but it remembers this step's grants and what each free saw."""
+
+    def __init__(self, manager):
+        self.manager = manager
+        self.begin_step()
+
+    def __getattr__(self, name):
+        return getattr(self.manager, name)
+
+    def begin_step(self):
+        self.granted, self.refused, self.frees = {}, set(), {}
+
+    def allocate_slots(self, seq, num_new_tokens, *args, **kwargs):
+        cached = kwargs.get("new_computed_blocks", args[0] if args else ())
+        start = seq.num_computed_tokens + len(cached) * self.manager.block_size  # an admission's cached prefix
+        got = self.manager.allocate_slots(seq, num_new_tokens, *args, **kwargs)
+        if got is None:
+            self.refused.add(id(seq))
+        else:
+            self.granted[id(seq)] = (start, num_new_tokens)
+        return got
+
+    def free(self, seq):
+        self.frees[id(seq)] = (len(seq.output_ids), seq.finish_reason)
+        return self.manager.free(seq)
+
+
+def watched(cls: type, stage: int | None = None, rules_: str = "exercise", eos_ids=None) -> type:
+    """A subclass of the learner's ``cls`` that checks every rule where it can be broken
+    (``rules_``: ``"exercise"`` or ``"safety"``, see the module); ``eos_ids`` replaces the model's."""
+    exercise = rules_ == "exercise"
+    own_schedule = cls.schedule is not Scheduler.schedule
+    own_update = cls.update_from_output.__code__ is not UPDATE_REFERENCE
 
     class Watched(cls):
         check_now = 0.0
 
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if eos_ids is not None:
+                self.eos_ids = frozenset(eos_ids)
+            if exercise:
+                self.waiting = QueueWatch(self.waiting)
+
+        @property
+        def kv_manager(self):
+            return self._watched_kv
+
+        @kv_manager.setter
+        def kv_manager(self, manager):
+            self._watched_kv = manager if isinstance(manager, KVWatch) else KVWatch(manager)
+
         def schedule(self, now):
             self.check_now = now
-            with _Tracer() as tracer:
+            self.kv_manager.begin_step()
+            before = list(self.running)
+            with _Tracer(REFERENCE) as tracer:
                 out = super().schedule(now)
-            if tracer.called:
-                raise SchedulerMistake(CALLED_REFERENCE.format(tracer.called))
-            if out is None:
-                raise NotDone("not done yet: schedule() returned None -- it must build and return the step's "
-                              "SchedulerOutput")
-            if not isinstance(out, SchedulerOutput):
-                raise SchedulerMistake(f"schedule() returned a {type(out).__name__}; it must return a SchedulerOutput")
-            check_plan(self, out)
+            if exercise and own_schedule and tracer.called:
+                raise SchedulerMistake(hint("called_reference", stage).format(tracer.called))
+            rules.check_plan(self, out, before, stage, exercise)
+            self.outputs_before = [len(s.output_ids) for s in out.seqs]
             return out
 
         def admit(self, seq, out):
-            check_admission(self, seq, out)
+            rules.check_admission(self, seq, out, stage, exercise)
             return super().admit(seq, out)
 
         def preempt(self, seq, out):
-            if seq not in self.running:
-                raise SchedulerMistake("preempt() was given a request that is not running: only a running request "
-                                       "holds KV blocks to give back")
-            if seq is not self.waiting.pick_victim(self.running):
-                raise SchedulerMistake("the victim is not the policy's: when room is refused, the request to preempt "
-                                       "is the one self.waiting.pick_victim(self.running) names, whoever asked")
+            rules.check_preemption(self, seq, stage, exercise)
             return super().preempt(seq, out)
+
+        def update_from_output(self, plan, output, now):
+            self.kv_manager.begin_step()
+            finished = super().update_from_output(plan, output, now)
+            if own_update:
+                rules.check_update(self, plan, output, finished, stage)
+            return finished
 
     Watched.__name__ = Watched.__qualname__ = cls.__name__
     return Watched
 
 
-def check_admission(sched, seq, out) -> None:
-    """The admission rules, checked at the moment ``sched.admit(seq, out)`` is called."""
-    if out.preempted:
-        raise SchedulerMistake("admitted in a step that preempted: when this step had to preempt, room is short -- "
-                               "a newcomer admitted now would only be preempted again (vLLM V1 admits nobody)")
-    if seq.arrival_time > sched.check_now:
-        raise SchedulerMistake("a request was admitted before it arrived: only requests whose arrival_time is at "
-                               "or before `now` may be admitted")
-    if len(sched.running) >= sched.max_batch_size:
-        raise SchedulerMistake("admitted past max_batch_size: every slot of the batch was already taken")
-    if seq not in sched.waiting:
-        raise SchedulerMistake("admit() was given a request that is not waiting")
-    first = next(s for s in sched.waiting if s.arrival_time <= sched.check_now)
-    if first is not seq:
-        left = math.inf if sched.token_budget is None else sched.token_budget - out.total_num_scheduled_tokens
-        need = min(first.num_tokens - first.num_computed_tokens, left)
-        if sched.kv_manager.num_admittable_tokens(first) < need:
-            raise SchedulerMistake("a waiting request overtook an earlier one that did not fit: the first request "
-                                   "(in the policy's order) that is refused room ends the admissions of the step")
-        raise SchedulerMistake("admitted out of the policy's order: walk self.waiting in its own order (it is "
-                               "the policy), skipping only requests that have not arrived yet")
+def with_eos(cls: type, eos_ids) -> type:
+    """``cls`` stopping at ``eos_ids`` instead of the model's EOS: the engine's own scheduler on the
+    same stop tokens as a watched learner's (see :func:`watched`)."""
+    class WithEos(cls):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.eos_ids = frozenset(eos_ids)
 
-
-def check_plan(sched, out: SchedulerOutput) -> None:
-    """What must hold of any plan ``schedule`` returns, whatever the reference would have done."""
-    seqs, counts = list(out.seqs), list(out.num_scheduled_tokens)
-    if len(set(map(id, seqs))) != len(seqs):
-        if any(seqs.count(s) > 1 for s in out.admitted):
-            raise SchedulerMistake("a request admitted in this step was planned a second time, as a running one: "
-                                   "running requests come first, admissions after them get what is left")
-        raise SchedulerMistake("a request was added to the plan twice in one step")
-    for seq, n in zip(seqs, counts):
-        if n < 1:
-            raise SchedulerMistake("a request was planned for no tokens: plan only what feeds at least one token")
-        if seq not in sched.running:
-            raise SchedulerMistake("the plan holds a request that is not running (preempted in this step, or never "
-                                   "admitted): a request you preempt leaves the plan, and the loop stops there")
-        if n > seq.num_tokens + len(seq.draft_ids) - seq.num_computed_tokens:
-            raise SchedulerMistake("a request was given more tokens than it lacks (num_tokens - num_computed_tokens)")
-        if len(seq.block_table) * sched.kv_manager.block_size < seq.num_computed_tokens + n:
-            raise SchedulerMistake("tokens were planned without KV room: every planned chunk needs allocate_slots to "
-                                   "have given it room -- None means refused: preempt the victim and ask again")
-    if sched.token_budget is not None and sum(counts) > sched.token_budget:
-        raise SchedulerMistake("the chunk exceeds the token budget: the step's plan feeds more tokens than "
-                               "token_budget; cut a prefill to the budget that is left (chunked prefill)")
-    admitted = [s for s in seqs if any(s is a for a in out.admitted)]
-    running = [s for s in seqs if not any(s is a for a in out.admitted)]
-    if seqs != running + admitted:
-        raise SchedulerMistake("a waiting request was planned before a running one: running requests come first, "
-                               "admissions get what is left")
-    if running != [s for s in sched.running if any(s is r for r in running)]:
-        raise SchedulerMistake("running requests were not planned in the running list's order (self.running)")
-    left = math.inf if sched.token_budget is None else sched.token_budget - sum(counts)
-    skipped = [s for s in sched.running if not any(s is r for r in seqs)]
-    if skipped and left > 0 and not out.preempted:
-        seq = skipped[0]
-        need = seq.num_computed_tokens + min(seq.num_tokens - seq.num_computed_tokens, left)
-        if len(seq.block_table) * sched.kv_manager.block_size < need:
-            raise SchedulerMistake("a running request was refused KV room and nobody was preempted: when "
-                                   "allocate_slots returns None, preempt the policy's victim and ask again")
-        raise SchedulerMistake("a running request was skipped while budget was left: every running request gets "
-                               "what it lacks, cut to the budget, before anyone is admitted")
+    WithEos.__name__ = WithEos.__qualname__ = cls.__name__
+    return WithEos
