@@ -1,0 +1,35 @@
+"""Measure bierce on this machine for the simulator's validation (cbteach/sim/data/bierce_cpu_runs.json).
+
+    python benchmarks/sim/measure_cpu.py [--out PATH] [--threads N]
+
+Runs the real engine over cbteach.sim.validate.RUNS on the wall clock and writes every step's plan and
+duration and every request's TTFT/TPOT. Run it on a quiet machine: the fit is only as good as the
+measurements. Then `python -m cbteach simulate validate --data PATH` reports the held-out error.
+"""
+import argparse
+import json
+import os
+
+import torch
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "..", "cbteach", "sim", "data",
+                                                 "bierce_cpu_runs.json"))
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier timings)")
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    from cbteach import load_model
+    from cbteach.sim.validate import measure_all
+
+    model, _ = load_model("bierce", device="cpu")
+    data = measure_all(model)
+    data["load_before"] = os.getloadavg()
+    with open(a.out, "w") as f:
+        json.dump(data, f)
+    print(f"wrote {a.out}: {sum(len(r['steps']) for r in data['runs'])} steps in {len(data['runs'])} runs")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,13 @@
+"""The same scheduler at GPU and cluster scale, by simulation (notebook 13; ``python -m cbteach simulate``).
+
+* :mod:`~cbteach.sim.shapes` and :mod:`~cbteach.sim.devices` -- models and devices as data, with sources;
+* :mod:`~cbteach.sim.cost` -- a step's time: roofline, overheads, tensor parallelism's all-reduces;
+* :mod:`~cbteach.sim.simulator` -- the engine's real scheduler and KV manager on simulated time;
+* :mod:`~cbteach.sim.validate` -- fitted on measured runs, its error on held-out ones;
+* :mod:`~cbteach.sim.static` -- continuous vs static batching and the factors of the gap;
+* :mod:`~cbteach.sim.capacity` -- the highest rate within latency targets, GPUs, cost per token.
+"""
+from .cost import CostModel, StepCost  # noqa: F401
+from .devices import DEVICES, Device, get_device  # noqa: F401
+from .shapes import MODELS, ModelShape, get_model, shape_from_config  # noqa: F401
+from .simulator import SimRequest, SimResult, simulate, synthetic_workload  # noqa: F401

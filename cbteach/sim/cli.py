@@ -1,0 +1,139 @@
+"""``python -m cbteach simulate``: the engine's scheduler on a cost model, from the command line.
+
+    python -m cbteach simulate validate                 # the cost model's error on held-out bierce runs
+    python -m cbteach simulate run --model llama-3-8b --device a100-80gb --rate 8
+    python -m cbteach simulate capacity --model llama-3-70b --device h100 --tp 4 --ttft 1 --tpot 0.05
+    python -m cbteach simulate static                   # continuous vs static, OPT-13B on an A100
+    python -m cbteach simulate devices | models
+
+Every number it prints is simulated (except ``validate``'s measured columns).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+from .devices import DEVICES
+from .shapes import MODELS
+
+
+def _pair(text: str) -> tuple:
+    try:
+        lo, hi = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO,HI (two token counts), got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected 1 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
+def _deployment_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="llama-3-8b", help=f"one of {', '.join(MODELS)}")
+    p.add_argument("--device", default="a100-80gb", help=f"one of {', '.join(DEVICES)}")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices per replica")
+    p.add_argument("--prompt", type=_pair, default=(128, 1024), help="prompt lengths LO,HI")
+    p.add_argument("--output", type=_pair, default=(32, 512), help="output lengths LO,HI")
+    p.add_argument("--requests", type=int, default=200, help="requests per simulated run")
+    p.add_argument("--batch", type=int, default=256, help="max_batch_size")
+    p.add_argument("--budget", type=int, default=2048, help="token budget per step")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m cbteach simulate", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    sub = p.add_subparsers(dest="what", required=True)
+    v = sub.add_parser("validate", help="fit on measured bierce runs, report the error on held-out ones")
+    v.add_argument("--data", default=None, help="measured runs (default: the shipped ones)")
+    r = sub.add_parser("run", help="one simulated run")
+    _deployment_args(r)
+    r.add_argument("--rate", type=float, default=4.0, help="requests per second (Poisson)")
+    c = sub.add_parser("capacity", help="highest rate meeting TTFT/TPOT targets; GPUs for N users; $/M tokens")
+    _deployment_args(c)
+    c.add_argument("--ttft", type=float, default=1.0, help="TTFT target, seconds (at --quantile)")
+    c.add_argument("--tpot", type=float, default=0.05, help="TPOT target, seconds (at --quantile)")
+    c.add_argument("--quantile", type=float, default=0.9)
+    c.add_argument("--users", type=int, default=None, help="also: devices for this many users")
+    c.add_argument("--rate-per-user", type=float, default=1 / 30, help="requests per second per user")
+    c.add_argument("--price", type=float, default=None, help="price per device-hour (default: the device's)")
+    s = sub.add_parser("static", help="continuous vs static batching and the factors of the gap")
+    s.add_argument("--model", default="opt-13b")
+    s.add_argument("--device", default="a100-40gb")
+    sub.add_parser("devices", help="the device table, with sources")
+    sub.add_parser("models", help="the shipped model shapes, with sources")
+    return p
+
+
+def _validate(a) -> dict:
+    from .validate import load, validation_report
+
+    rep = validation_report(load(a.data) if a.data else None)
+    d = rep["device"]
+    return {"fitted_cpu": {"step_overhead_s": d.step_overhead, "seq_overhead_s": d.seq_overhead,
+                           "flops": d.peak_flops, "attn_flops": d.attn_flops, "bytes_per_s": d.mem_bandwidth},
+            "train": rep["train"], "held_out": rep["held_out"], "worst": rep["worst"]}
+
+
+def _capacity(a) -> dict:
+    from .capacity import Deployment, cost_per_million_tokens, gpus_for_users, max_rate
+
+    dep = Deployment(model=a.model, device=a.device, tensor_parallel_size=a.tp, prompt_lens=a.prompt,
+                     output_lens=a.output, num_requests=a.requests, max_batch_size=a.batch, token_budget=a.budget)
+    cap = max_rate(dep, a.ttft, a.tpot, a.quantile)
+    out = {"simulated": True, "max_rate_req_s": cap.rate, "probes": len(cap.probes)}
+    if cap.rate > 0:
+        out["cost_per_million_output_tokens"] = cost_per_million_tokens(dep, cap.rate, a.price)
+        out.update({k: v for k, v in cap.result.summary().items() if k.startswith(("ttft", "tpot"))})
+        if a.users is not None:
+            out["devices_for_users"] = gpus_for_users(a.users, a.rate_per_user, cap.rate, a.tp)
+    return out
+
+
+def _run(a) -> dict:
+    from .capacity import Deployment
+
+    dep = Deployment(model=a.model, device=a.device, tensor_parallel_size=a.tp, prompt_lens=a.prompt,
+                     output_lens=a.output, num_requests=a.requests, max_batch_size=a.batch, token_budget=a.budget)
+    return {"simulated": True, **dep.run(a.rate).summary()}
+
+
+def _static(a) -> dict:
+    from .static import compare_batching
+
+    rep = compare_batching(a.model, a.device)
+    return {"simulated": True, **{k: v for k, v in rep.items() if k != "runs"}}
+
+
+def cli(argv=None) -> int:
+    a = _parser().parse_args(argv)
+    if a.what == "devices":
+        out = {k: {"memory_GB": d.memory_bytes / 1e9, "bandwidth_GB_s": d.mem_bandwidth / 1e9,
+                   "peak_TFLOPS": d.peak_flops / 1e12, "link_GB_s": d.link_bandwidth / 1e9,
+                   "price_per_hour": d.price_per_hour, "source": d.source} for k, d in DEVICES.items()}
+    elif a.what == "models":
+        out = {k: {"params_B": m.num_params / 1e9, "layers": m.num_layers, "heads": m.num_heads,
+                   "kv_heads": m.num_kv_heads, "source": m.source} for k, m in MODELS.items()}
+    else:
+        out = {"validate": _validate, "run": _run, "capacity": _capacity, "static": _static}[a.what](a)
+    if a.json:
+        print(json.dumps(out, indent=1, default=str))
+    else:
+        _print(out)
+    return 0
+
+
+def _print(out: dict, indent: str = "") -> None:
+    for key, value in out.items():
+        if isinstance(value, dict):
+            print(f"{indent}{key}:")
+            _print(value, indent + "  ")
+        elif isinstance(value, list) and value and isinstance(value[0], dict):
+            print(f"{indent}{key}:")
+            for item in value:
+                print(f"{indent}  - " + ", ".join(f"{k}={_fmt(v)}" for k, v in item.items()))
+        else:
+            print(f"{indent}{key}: {_fmt(value)}")
+
+
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)

@@ -1,0 +1,143 @@
+"""The engine's own scheduler at any scale: the model replaced by a cost model, time simulated.
+
+Vidur's idea (Agrawal et al., MLSys'24): to ask what a serving system does on hardware you do not
+have, keep the *scheduler* real and replace only the model's forward pass by a prediction of how
+long it takes. Here the real :class:`~cbteach.engine.scheduler.Scheduler` and
+:class:`~cbteach.kv.manager.KVCacheManager` run through the engine's three calls, exactly as
+:meth:`cbteach.Engine.step` makes them::
+
+    plan = scheduler.schedule(now)                 # who runs, how many tokens each
+    now += cost(plan)                              # instead of runner.execute(plan): no weights at all
+    scheduler.update_from_output(plan, out, now)   # a token for each sequence whose prompt is done
+
+Every sampled token is a placeholder (``0``) and every request stops at its output length (as a
+benchmark with ``ignore_eos`` does), so the schedule -- admissions, chunked prefills, preemptions
+when the pool is full -- is the engine's. Only time is simulated.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..core.config import SchedulerConfig
+from ..core.outputs import RunnerOutput
+from ..core.request import Request, Sequence
+from ..engine.scheduler import Scheduler
+from ..kv.manager import KVCacheManager
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    request_id: object
+    arrival_time: float
+    prompt_len: int
+    output_len: int
+
+
+def synthetic_workload(num_requests: int, rate: float | None, prompt_lens=(128, 512), output_lens=(16, 512),
+                       seed: int = 0, spread: str = "uniform") -> list[SimRequest]:
+    """``num_requests`` requests with lengths in the given ranges (inclusive) -- ``spread="uniform"``,
+    or ``"loguniform"`` for the high variance of real traffic (as many short answers as long ones
+    per doubling) -- and Poisson arrivals at ``rate`` per second (``None``: all at time 0). The same
+    seed draws the same unit gaps and lengths at every rate, so two runs differ by the rate alone."""
+    if spread not in ("uniform", "loguniform"):
+        raise ValueError(f"spread must be 'uniform' or 'loguniform', got {spread!r}")
+    if rate is not None and not rate > 0:
+        raise ValueError(f"rate must be None (all at once) or > 0 requests per second, got {rate!r}")
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1.0, num_requests)
+
+    def lengths(lo, hi):
+        if spread == "uniform":
+            return rng.integers(lo, hi + 1, num_requests)
+        return np.floor(np.exp(rng.uniform(np.log(lo), np.log(hi + 1), num_requests))).astype(int)
+
+    prompts, outputs = lengths(*prompt_lens), lengths(*output_lens)
+    times = np.zeros(num_requests) if rate is None else (np.cumsum(gaps) - gaps[0]) / rate
+    return [SimRequest(i, float(t), int(p), int(o)) for i, (t, p, o) in enumerate(zip(times, prompts, outputs))]
+
+
+@dataclass
+class SimResult:
+    """A simulated run: per request its times, per step its plan's size and cost."""
+
+    ttft: list[float]  # per request, seconds from arrival to first token
+    tpot: list[float]  # per request, mean seconds between its later tokens (nan for one-token outputs)
+    e2e: list[float]  # per request, arrival to last token
+    output_lens: list[int]
+    step_times: list[float] = field(default_factory=list)
+    step_tokens: list[int] = field(default_factory=list)
+    step_seqs: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    makespan: float = 0.0
+
+    @property
+    def throughput(self) -> float:
+        """Output tokens per second over the whole run."""
+        return sum(self.output_lens) / self.makespan if self.makespan > 0 else 0.0
+
+    def quantile(self, metric: str, q: float) -> float:
+        values = [v for v in getattr(self, metric) if not math.isnan(v)]
+        return float(np.quantile(values, q)) if values else math.nan
+
+    def summary(self) -> dict:
+        return {"requests": len(self.ttft), "steps": len(self.step_times), "makespan_s": self.makespan,
+                "throughput_tok_s": self.throughput, "ttft_p50": self.quantile("ttft", 0.5),
+                "ttft_p90": self.quantile("ttft", 0.9), "tpot_p50": self.quantile("tpot", 0.5),
+                "tpot_p90": self.quantile("tpot", 0.9), "preemptions": self.num_preemptions}
+
+
+def simulate(workload: list[SimRequest], step_time, *, max_batch_size: int, num_blocks: int, block_size: int = 16,
+             token_budget: int | None = None, policy="fcfs", admission: str = "per_chunk",
+             max_steps: int = 2_000_000) -> SimResult:
+    """Run ``workload`` through the engine's scheduler and KV manager; each step costs
+    ``step_time(plan)`` seconds (a :class:`~cbteach.sim.cost.CostModel`, or any function of the plan)."""
+    config = SchedulerConfig(max_batch_size=max_batch_size, token_budget=token_budget, policy=policy,
+                             admission=admission)
+    manager = KVCacheManager(num_blocks, block_size)
+    scheduler = Scheduler(config, manager)
+    seqs = []
+    for r in sorted(workload, key=lambda r: r.arrival_time):
+        if r.prompt_len < 1 or r.output_len < 1:
+            raise ValueError(f"request {r.request_id!r}: prompt and output lengths must be >= 1")
+        request = Request([1] * r.prompt_len, r.output_len, request_id=r.request_id, arrival_time=r.arrival_time,
+                          ignore_eos=True)
+        manager.check_fits(r.prompt_len + r.output_len, r.request_id)  # as Engine.add_request does
+        seq = Sequence(request=request, prompt_ids=list(request.prompt), arrival_time=r.arrival_time)
+        seqs.append(seq)
+        scheduler.add(seq)
+    result = SimResult(ttft=[], tpot=[], e2e=[], output_lens=[])
+    now = 0.0
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished():
+            break
+        plan = scheduler.schedule(now)
+        result.num_preemptions += len(plan.preempted)
+        if not plan.seqs:
+            if plan.preempted:
+                continue  # a step that only preempted: plan again
+            nxt = scheduler.next_event_time(now)
+            if nxt is None:
+                raise RuntimeError("the scheduler made no progress with nothing due later; please report this")
+            now = nxt
+            continue
+        dt = float(step_time(plan))
+        now += dt
+        result.step_times.append(dt)
+        result.step_tokens.append(plan.total_num_scheduled_tokens)
+        result.step_seqs.append(len(plan.seqs))
+        sampled = [[0] if c + n >= s.num_tokens else None
+                   for s, c, n in zip(plan.seqs, plan.num_computed_tokens, plan.num_scheduled_tokens)]
+        scheduler.update_from_output(plan, RunnerOutput(sampled=sampled), now)
+    else:
+        raise RuntimeError(f"simulation still running after {max_steps} steps")
+    for seq in seqs:
+        times = seq.token_times
+        result.ttft.append(seq.first_token_time - seq.arrival_time)
+        result.tpot.append((times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else math.nan)
+        result.e2e.append(times[-1] - seq.arrival_time)
+        result.output_lens.append(len(seq.output_ids))
+    result.makespan = now - min(s.arrival_time for s in seqs) if seqs else 0.0
+    return result

@@ -1,0 +1,187 @@
+"""Validated before it is believed: fit the cost model on some measured runs, predict the others.
+
+A simulator is only as good as its step times. So, as Vidur does against real GPUs, we measure:
+the real engine runs bierce on this machine over several workloads (:data:`RUNS`: batch sizes,
+prompt and output lengths, arrival rates, token budgets, one pool small enough to preempt), and
+every step's plan and duration is kept (:func:`measure`). The device ``"cpu"`` is then *fitted* --
+per-step and per-sequence overhead, effective FLOP/s and bytes/s, the same roofline form every
+device has (:mod:`cbteach.sim.cost`) -- on the **training** runs only (:func:`fit_cpu`), and asked to
+predict the **held-out** runs (:func:`validation_report`):
+
+* each held-out step's duration from its plan (mean absolute percentage error),
+* and, replaying the held-out workload through the simulator (the engine's scheduler, simulated
+  time), every request's TTFT and TPOT (relative error of their means) and the run's length.
+
+The goal is Vidur's: within 10%. The measured runs ship with the package
+(``cbteach/sim/data/bierce_cpu_runs.json``, from ``benchmarks/sim/measure_cpu.py``); re-measure on
+your own machine with :func:`measure_all`.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .cost import CostModel
+from .devices import Device
+from .simulator import simulate, synthetic_workload
+
+DATA = Path(__file__).resolve().parent / "data" / "bierce_cpu_runs.json"
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One measured workload: requests, lengths, arrivals and the engine's settings."""
+
+    name: str
+    num_requests: int
+    prompt_lens: tuple
+    output_lens: tuple
+    rate: float | None  # requests per second (Poisson), None: all at once
+    max_batch_size: int
+    token_budget: int | None = None
+    block_size: int = 16
+    num_blocks: int = 512
+    seed: int = 0
+    train: bool = True  # fitted on (True) or held out (False)
+
+
+RUNS = [
+    RunSpec("batch4-mixed", 16, (16, 160), (8, 64), None, 4, seed=1),
+    RunSpec("batch12-short-prompts", 24, (4, 32), (32, 96), None, 12, seed=2),
+    RunSpec("batch8-long-prompts-chunked", 12, (200, 600), (8, 32), None, 8, token_budget=128, seed=3),
+    RunSpec("poisson-batch8", 24, (16, 128), (16, 64), 12.0, 8, seed=4),
+    RunSpec("batch6-budget64", 16, (32, 256), (8, 48), None, 6, token_budget=64, seed=5, train=False),
+    RunSpec("batch16-mixed", 32, (8, 96), (16, 80), None, 16, seed=6, train=False),
+    RunSpec("poisson-tight-pool", 24, (32, 160), (24, 72), 16.0, 8, num_blocks=28, seed=7, train=False),
+]
+
+
+def workload_of(spec: RunSpec):
+    return synthetic_workload(spec.num_requests, spec.rate, spec.prompt_lens, spec.output_lens, seed=spec.seed)
+
+
+def measure(spec: RunSpec, model, vocab_size: int | None = None, repeats: int = 3) -> dict:
+    """Run ``spec`` on the real engine (wall clock) ``repeats`` times and keep the fastest run's every
+    step (plan and duration) and every request's TTFT and TPOT. Other work on the machine only ever
+    slows a run down, so the fastest is the closest to the machine's own speed."""
+    runs = [_measure_once(spec, model, vocab_size) for _ in range(repeats)]
+    return min(runs, key=lambda r: r["duration"])
+
+
+def _measure_once(spec: RunSpec, model, vocab_size: int | None) -> dict:
+    from ..core.request import Request
+    from ..engine.engine import Engine
+
+    vocab = vocab_size or model.get_input_embeddings().num_embeddings
+    rng = np.random.default_rng(spec.seed + 1000)
+    opts = dict(max_batch_size=spec.max_batch_size, kv="paged", block_size=spec.block_size,
+                num_blocks=spec.num_blocks, token_budget=spec.token_budget)
+    Engine(model, None, **opts).run([Request([1, 2, 3], 4, ignore_eos=True)])  # warm up this process
+    eng = Engine(model, None, **opts)
+    reqs = [Request(rng.integers(1, vocab, r.prompt_len).tolist(), r.output_len, request_id=r.request_id,
+                    arrival_time=r.arrival_time if spec.rate else None, ignore_eos=True) for r in workload_of(spec)]
+    comps = eng.run(reqs)
+    steps = [{"c": rec.num_computed_tokens, "n": rec.num_scheduled_tokens, "t": rec.duration}
+             for rec in eng.records if rec.seqs]
+    requests = [{"ttft": c.first_token_time - c.arrival_time,
+                 "tpot": (c.token_times[-1] - c.token_times[0]) / (len(c.token_times) - 1)
+                 if len(c.token_times) > 1 else None, "n": len(c.output_ids)} for c in comps]
+    return {"spec": asdict(spec), "steps": steps, "requests": requests,
+            "duration": eng.records[-1].start_time + eng.records[-1].duration - eng.records[0].start_time}
+
+
+def measure_all(model, runs=RUNS) -> dict:
+    import os
+    import platform
+
+    import torch
+
+    return {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                        "torch": torch.__version__},
+            "model": "bierce", "runs": [measure(spec, model) for spec in runs]}
+
+
+def load(path=DATA) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def _spec(run: dict) -> RunSpec:
+    d = dict(run["spec"])
+    d["prompt_lens"], d["output_lens"] = tuple(d["prompt_lens"]), tuple(d["output_lens"])
+    return RunSpec(**d)
+
+
+# -- fitting ---------------------------------------------------------------------------------------
+def fit_cpu(runs: list[dict], model="bierce", iterations: int = 30) -> Device:
+    """The device ``"cpu"``: step overhead, per-sequence overhead, effective FLOP/s and bytes/s that
+    best predict the measured step durations of ``runs`` (least squares on relative error), in the
+    roofline form ``overhead + S x per_seq + max(flops / F, bytes / B)``. The max makes the fit
+    piecewise linear: each step is assigned to the side of the roofline it is on, the four numbers are
+    refitted, and again, until the assignment stops changing."""
+    unit = CostModel(model, Device("unit", 1e30, 1.0, 1.0, 1.0, mfu=1.0, mbu=1.0, step_overhead=0.0,
+                                   seq_overhead=0.0, dtype_bytes=4))
+    feats, t = [], []
+    for run in runs:
+        for step in run["steps"]:
+            cost = unit.step(step["c"], step["n"])
+            feats.append((len(step["n"]), cost.flops - cost.attn_flops, cost.attn_flops, cost.bytes))
+            t.append(step["t"])
+    f, t = np.array(feats, dtype=float), np.array(t)
+    compute_side = np.ones(len(t), dtype=bool)
+    coef = np.zeros(5)
+    for _ in range(iterations):
+        c = compute_side[:, None]
+        x = np.column_stack([np.ones(len(t)), f[:, 0], np.where(c, f[:, 1:3], 0.0), np.where(compute_side, 0.0, f[:, 3])])
+        coef = np.clip(np.linalg.lstsq(x / t[:, None], np.ones(len(t)), rcond=None)[0], 1e-15, None)
+        new_side = f[:, 1] * coef[2] + f[:, 2] * coef[3] >= f[:, 3] * coef[4]
+        if (new_side == compute_side).all():
+            break
+        compute_side = new_side
+    return Device("cpu", memory_bytes=8e9, mem_bandwidth=1.0 / coef[4], peak_flops=1.0 / coef[2], link_bandwidth=5e9,
+                  link_latency=50e-6, mfu=1.0, mbu=1.0, step_overhead=float(coef[0]), seq_overhead=float(coef[1]),
+                  attn_flops=1.0 / coef[3], dtype_bytes=4,
+                  source=f"fitted on {sum(len(r['steps']) for r in runs)} measured steps of bierce "
+                         f"({', '.join(r['spec']['name'] for r in runs)})")
+
+
+# -- predicting --------------------------------------------------------------------------------------
+def _rel(pred: float, true: float) -> float:
+    return abs(pred - true) / true if true else math.nan
+
+
+def predict_run(run: dict, device: Device, model="bierce") -> dict:
+    """A held-out run predicted: each step from its plan, and the whole workload replayed."""
+    cost = CostModel(model, device)
+    measured = np.array([s["t"] for s in run["steps"]])
+    predicted = np.array([cost.step_time(s["c"], s["n"]) for s in run["steps"]])
+    spec = _spec(run)
+    sim = simulate(workload_of(spec), cost, max_batch_size=spec.max_batch_size, num_blocks=spec.num_blocks,
+                   block_size=spec.block_size, token_budget=spec.token_budget)
+    ttft = float(np.mean([r["ttft"] for r in run["requests"]]))
+    tpot = float(np.mean([r["tpot"] for r in run["requests"] if r["tpot"] is not None]))
+    sim_tpot = float(np.nanmean(sim.tpot))
+    return {"run": spec.name, "steps": len(measured), "simulated_steps": len(sim.step_times),
+            "step_mape": float(np.mean(np.abs(predicted - measured) / measured)),
+            "duration_measured": float(run["duration"]), "duration_simulated": sim.makespan,
+            "duration_error": _rel(sim.makespan, run["duration"]),
+            "ttft_measured": ttft, "ttft_simulated": float(np.mean(sim.ttft)), "ttft_error": _rel(float(np.mean(sim.ttft)), ttft),
+            "tpot_measured": tpot, "tpot_simulated": sim_tpot, "tpot_error": _rel(sim_tpot, tpot)}
+
+
+def validation_report(data: dict | None = None) -> dict:
+    """Fit on the training runs of ``data`` (default: the shipped measurements), predict the held-out
+    ones; the errors, per run and worst over the held-out runs."""
+    data = load() if data is None else data
+    train = [r for r in data["runs"] if r["spec"]["train"]]
+    test = [r for r in data["runs"] if not r["spec"]["train"]]
+    if not train or not test:
+        raise ValueError("validation needs at least one training run and one held-out run")
+    device = fit_cpu(train)
+    per_run = [predict_run(r, device) for r in test]
+    worst = {k: max(p[k] for p in per_run) for k in ("step_mape", "duration_error", "ttft_error", "tpot_error")}
+    return {"device": device, "train": [r["spec"]["name"] for r in train], "held_out": per_run, "worst": worst,
+            "machine": data.get("machine", {})}
