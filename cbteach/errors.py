@@ -15,6 +15,10 @@ class EngineRuleError(RuntimeError):
     """A plugged-in piece broke a rule of the engine; the message names the rule."""
 
 
+class EngineDeadError(RuntimeError):
+    """A part of the engine outside this process died (a tensor-parallel worker): the engine cannot go on."""
+
+
 class ModelChangedError(RuntimeError):
     """The model changed under the engine (dtype, device, modules, EOS ids or weights): build a new engine."""
 

@@ -27,6 +27,7 @@ class RunnerOutput:
     traffic: object = None  # the KV cache's KVTraffic for this step
     fork_tokens: list | None = None
     errors: list | None = None
+    comm: dict | None = None  # tensor parallelism: {"all_reduces", "all_reduce_bytes", "num_tokens", "world_size"}
 
     def error(self, i: int) -> str | None:
         return self.errors[i] if self.errors is not None else None

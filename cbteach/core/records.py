@@ -56,6 +56,8 @@ class StepRecord:
     kv_bytes_read: int = 0  # paged: K/V that attention read through the block tables (concat: 0)
     kv_copy_time: float = 0.0
     kv_usage: dict | None = None  # paged cache: pool state after the step (block tables, fill)
+    num_all_reduces: int = 0  # tensor parallelism: all-reduces in this step's forward pass
+    all_reduce_bytes: int = 0  # ... and the bytes each rank sent into them
     # When the host and the model worked on this step: "schedule", "forward" and "update" -> (start, end)
     # in time.perf_counter() seconds (with async scheduling, one step's work overlaps the next one's).
     timings: dict = field(default_factory=dict)
@@ -146,6 +148,8 @@ def fill_record(record: StepRecord, plan, out, kinds: list[str], num_outputs_bef
         for s, k, c, n, chunk, new, d, b in zip(plan.seqs, kinds, plan.num_computed_tokens, plan.num_scheduled_tokens,
                                                 out.chunks, out.sampled, plan.num_draft_tokens, num_outputs_before)]
     record.forward_time = out.forward_time
+    if out.comm is not None:
+        record.num_all_reduces, record.all_reduce_bytes = out.comm["all_reduces"], out.comm["all_reduce_bytes"]
     if out.traffic is not None:  # None: every sequence of the step failed before the cache did anything
         record.kv_bytes_copied, record.kv_bytes_read = out.traffic.bytes_copied, out.traffic.bytes_read
         record.kv_copy_time = out.traffic.seconds

@@ -94,7 +94,11 @@ class Engine:
         self._fingerprint = fingerprint(model, tokenizer)
         self._closed = False
         self._guard = RuleGuard(self.scheduler, self.kv) if scheduler_cls not in (None, Scheduler) else None
-        self._stepper = async_scheduling.AsyncStepper(self) if self.config.async_scheduling else None
+        try:
+            self._stepper = async_scheduling.AsyncStepper(self) if self.config.async_scheduling else None
+        except Exception:
+            self.runner.close()  # worker processes started for nothing
+            raise
 
     # -- requests in -------------------------------------------------------------------------
     def now(self) -> float:
@@ -136,8 +140,9 @@ class Engine:
         """Take in a sequence whose K/V were computed elsewhere (a disaggregated prefill engine's
         handover): ``kv_blocks`` (per layer, host copies of its blocks) wait in host memory until
         ``seq.ready_time``, then come back like a swapped-out request's."""
-        if self.kv.kind != "paged" or self._stepper is not None:
-            raise ValueError("receive() needs kv='paged' (handed-over K/V arrive as blocks) and no async_scheduling")
+        if self.kv.kind != "paged" or self._stepper is not None or self.config.tensor_parallel_size > 1:
+            raise ValueError("receive() needs kv='paged' (handed-over K/V arrive as blocks), no async_scheduling and "
+                             "one process")
         self.check_request(seq.request)
         self.sequences[seq.request_id] = seq
         self.kv.hold_swapped(seq, kv_blocks)
@@ -155,6 +160,8 @@ class Engine:
         """Call ``callback(seq)`` just before a sequence's KV blocks are given back (it finished, was
         aborted or preempted), while its K/V are still in the pool: a disaggregated prefill engine
         ships them from there (:meth:`copy_kv_out`). Paged only."""
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError("on_release() needs the K/V in this process; with tensor_parallel_size > 1 the ranks hold them")
         if self.kv.kind != "paged" or self._stepper is not None:
             raise ValueError("on_release() needs kv='paged' and no async_scheduling (blocks are copied out as they "
                              "are freed, which must not overlap a forward pass)")
@@ -201,7 +208,7 @@ class Engine:
             t2 = time.perf_counter()
             record.timings["forward"] = (t1, t2)  # (with packing and sampling: the host waits for it all)
             self._advance_clock(plan, t2 - t1)
-            self._update(plan, output, record)  # 3. state moves
+            self._update(plan, output, record)  # (3. inside: update_from_output)
             record.timings["update"] = (t2, time.perf_counter())
         return self._close_record(record)
 
@@ -219,7 +226,7 @@ class Engine:
         """``update_from_output`` and what the engine keeps of it: completions, the step's record."""
         now = self.now()
         before = [len(s.output_ids) for s in plan.seqs]
-        finished = self.scheduler.update_from_output(plan, output, now)
+        finished = self.scheduler.update_from_output(plan, output, now)  # 3. state moves
         if self._guard is not None:
             self._guard.after_update(plan, finished)
         for seq in finished:

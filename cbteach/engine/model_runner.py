@@ -33,7 +33,7 @@ import torch
 from ..core.outputs import RunnerOutput
 from ..core.sampling import sample_rows
 from ..core.scheduler_output import SchedulerOutput
-from ..errors import EngineRuleError
+from ..errors import EngineDeadError, EngineRuleError
 from .speculative import accept
 
 __all__ = ["ModelRunner", "RunnerOutput"]
@@ -54,7 +54,7 @@ class ModelRunner:
         """Run ``plan``: :meth:`prepare`, :meth:`forward`, :meth:`finish`, with each request's failure its own."""
         try:
             return self._execute(plan)
-        except EngineRuleError:
+        except (EngineRuleError, EngineDeadError):
             raise
         except Exception as err:  # noqa: BLE001  (the model failed on someone's tokens: find whose)
             if len(plan.seqs) == 1:
@@ -115,7 +115,7 @@ class ModelRunner:
             sub = plan.subset([i])
             try:
                 parts.append(self._execute(sub))
-            except EngineRuleError:
+            except (EngineRuleError, EngineDeadError):
                 raise
             except Exception as err:  # noqa: BLE001
                 parts.append(_failed(sub, f"the model failed on this request's tokens: {type(err).__name__}: {err}"))

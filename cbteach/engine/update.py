@@ -57,8 +57,9 @@ class UpdateFromOutput:
             self.kv_manager.on_computed(seq)
             forks = output.fork_tokens[i] if output.fork_tokens is not None else None
             if forks:
+                computed = out.num_computed_tokens[i] + out.num_scheduled_tokens[i]  # the prompt, all of it
                 for sample, token in zip(seq.forks, forks):  # before seq may free its blocks
-                    self._fork(seq, sample, token, now, finished)
+                    self._fork(seq, sample, token, computed, now, finished)
                 seq.forks = []
             if seq.finish_reason:
                 self._finish(seq, finished)
@@ -75,10 +76,13 @@ class UpdateFromOutput:
                                         seq.request.ignore_eos, params.stop_token_ids)
         return seq.finish_reason is not None
 
-    def _fork(self, parent: Sequence, sample: Sequence, token: int, now: float, finished: list) -> None:
-        """Start ``sample`` on ``parent``'s blocks (just computed: its prompt) with its own first token."""
+    def _fork(self, parent: Sequence, sample: Sequence, token: int, computed: int, now: float,
+              finished: list) -> None:
+        """Start ``sample`` on ``parent``'s blocks (just computed: its prompt, ``computed`` tokens) with its
+        own first token. (Not ``parent.num_computed_tokens``: with async scheduling the parent's next step
+        is already planned, and counted.)"""
         self.kv_manager.fork(parent, sample)
-        sample.num_computed_tokens = parent.num_computed_tokens
+        sample.num_computed_tokens = computed
         self._start(sample)
         if self._append(sample, token, now):
             self._finish(sample, finished)

@@ -8,8 +8,9 @@ from .paged import PagedKVCache
 def make_kv_cache(info, config):
     """The KV cache ``config`` asks for, sized for the model ``info`` describes."""
     cache = config.cache
-    if cache.kind == "paged":
-        return PagedKVCache.for_model(info, cache, max_batch_size=config.scheduler.max_batch_size)
+    if cache.kind == "paged":  # with tensor parallelism the ranks hold the K/V: here only the block bookkeeping
+        return PagedKVCache.for_model(info, cache, max_batch_size=config.scheduler.max_batch_size,
+                                      allocate_pool=config.tensor_parallel_size == 1)
     # valid paged-pool options are accepted and ignored, so one call can switch kv= back and forth
     return ConcatKVCache(info.num_layers, cache_kwarg=info.cache_kwarg, attn_implementation=info.attn_implementation,
                          dtype=info.dtype)

@@ -55,15 +55,16 @@ class PagedKVCache:
     attn_implementation = paged_attention.NAME  # the engine's model view calls paged attention
 
     def __init__(self, config: CacheConfig, *, num_layers, num_kv_heads, head_dim, num_blocks,
-                 dtype=torch.float32, device="cpu"):
+                 dtype=torch.float32, device="cpu", allocate_pool: bool = True):
         if not isinstance(config, CacheConfig):
             raise ValueError(f"PagedKVCache takes a CacheConfig, got {type(config).__name__}")
         self.config = config
         self.manager = KVCacheManager(num_blocks, config.block_size, watermark=config.watermark,
                                       prefix_caching=config.prefix_caching)
+        # allocate_pool=False: the K/V live elsewhere (tensor-parallel ranks); this keeps the bookkeeping
         self.pool = _pool_class(config.kv_dtype)(num_layers=num_layers, num_blocks=num_blocks,
                                                  block_size=config.block_size, num_kv_heads=num_kv_heads,
-                                                 head_dim=head_dim, dtype=dtype, device=device)
+                                                 head_dim=head_dim, dtype=dtype, device=device) if allocate_pool else None
         self.last_traffic = KVTraffic()
         self.swap_space: dict = {}  # request id -> per-layer host copies of its K/V blocks
         self.swap_stats = {"bytes_out": 0, "bytes_in": 0, "seconds": 0.0}
@@ -79,7 +80,7 @@ class PagedKVCache:
     num_blocks = property(lambda self: self.manager.num_blocks)
 
     @classmethod
-    def for_model(cls, info, config: CacheConfig, max_batch_size: int = 8) -> PagedKVCache:
+    def for_model(cls, info, config: CacheConfig, max_batch_size: int = 8, allocate_pool: bool = True) -> PagedKVCache:
         """A pool for the model ``info`` describes, sized as ``config`` says (see
         :meth:`CacheConfig.pool_num_blocks`)."""
         pool_cls = _pool_class(config.kv_dtype)
@@ -87,7 +88,7 @@ class PagedKVCache:
             info.num_layers, info.num_kv_heads, info.head_dim, block_size=config.block_size)
         num_blocks = config.pool_num_blocks(info.max_positions, max_batch_size, config.block_size * per_token)
         return cls(config, num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
-                   num_blocks=num_blocks, dtype=info.dtype, device=info.device)
+                   num_blocks=num_blocks, dtype=info.dtype, device=info.device, allocate_pool=allocate_pool)
 
     def slots(self, seq, start: int, end: int) -> torch.Tensor:
         """Pool slots of the sequence's tokens ``start..end-1``: ``block_table[p // B] * B + p % B``.
@@ -199,8 +200,10 @@ class PagedKVCache:
 
     def usage(self) -> dict:
         """Blocks, tokens stored and utilisation now, plus the pool's bytes."""
-        return {**self.manager.usage(), "pool_bytes": self.pool.nbytes,
-                "kv_bytes_per_token": self.pool.bytes_per_token, "num_swapped": len(self.swap_space)}
+        pool = self.pool
+        return {**self.manager.usage(), "pool_bytes": pool.nbytes if pool is not None else 0,
+                "kv_bytes_per_token": pool.bytes_per_token if pool is not None else 0,
+                "num_swapped": len(self.swap_space)}
 
 
 @torch.no_grad()

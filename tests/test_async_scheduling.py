@@ -1,0 +1,100 @@
+"""Async scheduling (vLLM V1's ``async_scheduling``): step N+1 planned while step N's forward runs.
+
+The tokens must be the synchronous engine's -- greedy ones equal per-prompt ``generate``, seeded ones
+the same request run alone -- under chunked prefill, preemption, prefix caching and parallel
+sampling, with no block leaked; the records must show the overlap; what async cannot run is refused.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cbteach import Engine, Request, SamplingParams
+from conftest import ARCHS, VOCAB, reference, tiny_model
+
+
+def workload(seed: int, n: int = 8) -> list[Request]:
+    g = random.Random(seed)
+    return [Request([g.randrange(6, VOCAB) for _ in range(g.randint(1, 30))], g.randint(1, 16), request_id=i,
+                    ignore_eos=g.random() < 0.3) for i in range(n)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("options", [dict(), dict(token_budget=7), dict(num_blocks=12, block_size=4),
+                                     dict(prefix_caching=True, block_size=4)])
+def test_async_tokens_equal_generate(arch, options):
+    model = tiny_model(arch)
+    reqs = workload(hash(arch) % 100)
+    eng = Engine(model, max_batch_size=4, kv="paged", async_scheduling=True, **options)
+    got = eng.run(reqs)
+    assert [c.output_ids for c in got] == [reference(model, r.prompt, r.max_new_tokens) if not r.ignore_eos
+                                           else reference(model, r.prompt, r.max_new_tokens, eos_id=-1)
+                                           for r in reqs]
+    usage = eng.kv_usage()
+    assert usage["num_used_blocks"] == 0 and not eng.has_unfinished()
+
+
+@pytest.mark.parametrize("mode", ["fanout", "fork"])
+def test_async_seeded_samples_equal_the_synchronous_engines(mode):
+    model = tiny_model("llama")
+    reqs = [Request([7, 8, 9, 10, 11], 10, request_id="a", ignore_eos=True,
+                    sampling_params=SamplingParams(temperature=1.0, seed=3, n=3)),
+            Request([20, 21], 9, request_id="b", ignore_eos=True, sampling_params=SamplingParams(temperature=0.8, seed=1))]
+    opts = dict(max_batch_size=4, kv="paged", block_size=4, num_blocks=14, parallel_sampling=mode)
+    sync = Engine(model, **opts).run(reqs)
+    fast = Engine(model, async_scheduling=True, **opts).run(reqs)
+    assert [s.output_ids for s in fast[0].samples] == [s.output_ids for s in sync[0].samples]
+    assert fast[1].output_ids == sync[1].output_ids
+
+
+def test_the_records_show_planning_overlapping_the_forward():
+    model = tiny_model("gpt2")
+    eng = Engine(model, max_batch_size=4, kv="paged", async_scheduling=True)
+    eng.run(workload(1, 6))
+    steps = [r for r in eng.records if "forward" in r.timings and "schedule" in r.timings]
+    overlapped = sum(1 for a, b in zip(steps, steps[1:]) if b.timings["schedule"][0] < a.timings["forward"][1])
+    assert overlapped >= len(steps) // 2  # step N+1 was planned before step N's forward ended
+
+
+def test_a_step_with_a_stop_in_flight_drops_the_next_steps_work():
+    """A request that stops at EOS in step N may already be planned into N+1: its N+1 output is dropped."""
+    model = tiny_model("llama")
+    g = random.Random(0)
+    for _ in range(200):  # a prompt that stops by itself early
+        p = [g.randrange(6, VOCAB) for _ in range(4)]
+        out = reference(model, p, 12)
+        if len(out) < 12:
+            break
+    eng = Engine(model, max_batch_size=2, kv="paged", async_scheduling=True)
+    got = eng.run([Request(p, 12), Request([30, 31], 12, ignore_eos=True)])
+    assert got[0].output_ids == out and got[0].finish_reason == "eos"
+    assert got[1].output_ids == reference(model, [30, 31], 12, eos_id=-1)
+
+
+def test_abort_and_close_during_async_steps():
+    model = tiny_model("qwen2")
+    eng = Engine(model, max_batch_size=3, kv="paged", async_scheduling=True)
+    eng.add_request(Request([7, 8, 9], 20, request_id="x", ignore_eos=True))
+    eng.add_request(Request([10, 11], 6, request_id="y"))
+    eng.step()
+    eng.step()
+    assert eng.abort("x").finish_reason == "aborted"
+    eng.run([])
+    assert eng.completions["y"].output_ids == reference(model, [10, 11], 6)
+    eng.add_request(Request([12], 30, request_id="z", ignore_eos=True))
+    eng.step()
+    eng.close()
+    assert eng.completions["z"].finish_reason == "aborted"
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(kv="concat"), "needs kv='paged'"),
+    (dict(kv="paged", speculative="ngram"), "speculative"),
+    (dict(kv="paged", preemption="swap"), "swap is V0's"),
+    (dict(kv="paged", async_scheduling="yes"), "async_scheduling must be True or False"),
+])
+def test_what_async_cannot_run_is_refused(options, message):
+    opts = {"async_scheduling": True, **options}
+    with pytest.raises(ValueError, match=message):
+        Engine(tiny_model("gpt2"), max_batch_size=2, **opts)

@@ -1,0 +1,220 @@
+"""The engine follows vLLM V1's contract, and the six defects of issue 26 stay fixed.
+
+* ``num_computed_tokens`` moves at the end of ``schedule()`` (``update_after_schedule``); the plan keeps
+  the counts from before; rejected guesses are taken back after the step;
+* one request's failure (sampling, non-finite logits, the model on its tokens) ends that request with
+  ``finish_reason="error"``; neighbours are exact (greedy and seeded), nothing leaks;
+* ``admission="whole_prompt"`` reserves the whole prompt at admission;
+* the model changing under an engine is refused; ``close()`` lets go;
+* a failed prefix-cache admission leaves the LRU order as it was.
+Every token is compared with per-prompt ``model.generate`` or with the same request run alone.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cbteach import Engine, Request, SamplingParams
+from cbteach.core.sampling import sample_rows
+from cbteach.errors import EngineClosedError, ModelChangedError
+from conftest import ARCHS, reference, tiny_model
+
+PROMPTS = [[7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18, 19, 20, 21, 22]]
+
+
+def _no_leak(eng):
+    usage = eng.kv_usage()
+    assert usage["num_used_blocks"] == 0 and usage["block_tables"] == {}
+
+
+# -- V1's placement of num_computed_tokens -------------------------------------------------------------
+def test_schedule_moves_num_computed_tokens_and_the_plan_keeps_the_counts_before():
+    eng = Engine(tiny_model("llama"), max_batch_size=2, kv="paged", block_size=4, token_budget=4)
+    rid = eng.add_request(Request(PROMPTS[2], 3))
+    seq = eng.sequences[rid]
+    plan = eng.scheduler.schedule(eng.now())
+    assert plan.num_computed_tokens == [0] and plan.num_scheduled_tokens == [4]
+    assert seq.num_computed_tokens == 4  # already counted: the next step could be planned now
+    out = eng.runner.execute(plan)
+    assert out.sampled == [None]  # a chunk that stops short samples nothing
+    eng.scheduler.update_from_output(plan, out, eng.now())
+    assert seq.num_computed_tokens == 4 and seq.output_ids == []
+
+
+def test_rejected_guesses_are_taken_back_after_the_step():
+    model = tiny_model("gpt2")
+    prompt = [7, 8, 9, 10]
+    truth = reference(model, prompt, 6)
+    eng = Engine(model, max_batch_size=2, kv="paged", block_size=2)
+    rid = eng.add_request(Request(prompt, 6, ignore_eos=True))
+    eng.step()  # the prompt, and the first token
+    seq = eng.sequences[rid]
+    seq.draft_ids = [truth[1], (truth[2] + 1) % 97, truth[3]]  # right, wrong, (right but after a wrong one)
+    plan = eng.scheduler.schedule(eng.now())
+    assert plan.num_scheduled_tokens == [4] and plan.num_draft_tokens == [3]
+    assert seq.num_computed_tokens == 5 + 3  # V1 counts the guesses at planning...
+    eng.scheduler.update_from_output(plan, eng.runner.execute(plan), eng.now())
+    assert seq.output_ids == truth[:3]  # the right guess and the model's own token
+    assert seq.num_computed_tokens == 5 + 1  # ... and takes the rejected two back after the step
+    assert len(seq.block_table) == 3  # the block that held only rejected guesses went back
+    eng.run([])
+    assert eng.completions[rid].output_ids == truth
+
+
+# -- one request's failure is its own ------------------------------------------------------------------
+def test_a_top_p_below_float32s_range_keeps_the_most_likely_token():
+    logits = torch.tensor([[0.0, 3.0, 1.0]])
+    tokens, errors = sample_rows(logits, [SamplingParams(temperature=1.0, top_p=1e-46, seed=0)],
+                                 [torch.Generator().manual_seed(0)])
+    assert tokens == [1] and errors == [None]
+
+
+def _poison_request(model, marker: int):
+    """Hooks (public torch API; the engine's view of the model shares them) that make the logits NaN for
+    every row whose fed token is ``marker``: a model error on that request's tokens alone."""
+    state = {}
+
+    def remember(module, args, kwargs):
+        state["ids"], state["rows"] = kwargs.get("input_ids")[0], kwargs.get("logits_to_keep")
+
+    def poison(module, args, output):
+        ids, rows = state["ids"], state["rows"]
+        fed = ids[rows] if isinstance(rows, torch.Tensor) else ids[-output.shape[1]:]
+        output[0, fed == marker] = float("nan")
+        return output
+
+    return [model.register_forward_pre_hook(remember, with_kwargs=True),
+            model.get_output_embeddings().register_forward_hook(poison)]
+
+
+@pytest.mark.parametrize("kv", ["paged", "concat"])
+def test_a_request_whose_logits_fail_ends_alone_and_its_neighbours_stay_exact(kv):
+    model = tiny_model("llama")
+    good = [Request(p, 8, request_id=f"g{i}", ignore_eos=True) for i, p in enumerate(PROMPTS)]
+    seeded = Request([30, 31, 32], 8, request_id="s", ignore_eos=True,
+                     sampling_params=SamplingParams(temperature=1.0, seed=4))
+    alone = Engine(model, max_batch_size=4, kv=kv, block_size=4).run([seeded])[0].output_ids
+    bad = Request([40, 41, 96], 8, request_id="bad")
+    eng = Engine(model, max_batch_size=6, kv=kv, block_size=4)
+    hooks = _poison_request(model, 96)
+    got = {c.request_id: c for c in eng.run(good + [seeded, bad])}
+    for h in hooks:
+        h.remove()
+    assert got["bad"].finish_reason == "error" and "not finite" in got["bad"].error
+    for r in good:
+        assert got[r.request_id].output_ids == reference(model, r.prompt, 8) and got[r.request_id].error is None
+    assert got["s"].output_ids == alone  # its seeded draws were not disturbed
+    assert not eng.has_unfinished()
+    if kv == "paged":
+        _no_leak(eng)
+
+
+def test_a_model_that_raises_on_one_requests_tokens_fails_only_that_request():
+    model = tiny_model("qwen2")
+
+    def refuse(module, args, kwargs):
+        if bool((kwargs["input_ids"] == 95).any()):
+            raise RuntimeError("the model refuses token 95")
+
+    eng = Engine(model, max_batch_size=4, kv="paged", block_size=4)
+    handle = model.register_forward_pre_hook(refuse, with_kwargs=True)
+    try:
+        got = eng.run([Request(PROMPTS[0], 6, request_id="a"), Request([9, 95, 9], 6, request_id="bad"),
+                       Request(PROMPTS[1], 6, request_id="b")])
+    finally:
+        handle.remove()
+    assert [c.finish_reason for c in got][1] == "error" and "refuses token 95" in got[1].error
+    assert got[0].output_ids == reference(model, PROMPTS[0], 6) and got[2].output_ids == reference(model, PROMPTS[1], 6)
+    _no_leak(eng)
+
+
+def test_a_stream_ends_a_failed_request_with_one_error_event():
+    model = tiny_model("gpt2")
+    eng = Engine(model, max_batch_size=4, kv="paged", block_size=4)
+    hooks = _poison_request(model, 94)
+    events = list(eng.stream([Request([20, 21], 4, request_id="ok", ignore_eos=True),
+                              Request([22, 94], 4, request_id="bad")]))
+    for h in hooks:
+        h.remove()
+    bad = [e for e in events if e.request_id == "bad"]
+    assert [e.finish_reason for e in bad] == ["error"] and bad[0].token_id is None
+    ok = [e for e in events if e.request_id == "ok"]
+    assert [e.token_id for e in ok] == reference(model, [20, 21], 4) and ok[-1].finish_reason == "length"
+
+
+# -- V0's whole-prompt admission reserves the whole prompt ------------------------------------------------
+def test_whole_prompt_admission_reserves_the_whole_prompt():
+    model = tiny_model("llama")
+    prompt = list(range(10, 30))  # 20 tokens, fed 4 at a time
+    eng = Engine(model, max_batch_size=2, kv="paged", block_size=4, num_blocks=12, token_budget=4,
+                 admission="whole_prompt")
+    rid = eng.add_request(Request(prompt, 4))
+    eng.step()
+    seq = eng.sequences[rid]
+    assert seq.num_computed_tokens == 4 and len(seq.block_table) == 5  # room for all 20 prompt tokens
+    got = eng.run([])
+    assert eng.completions[rid].output_ids == reference(model, prompt, 4) and not got
+    _no_leak(eng)
+
+
+# -- the model changing under an engine -------------------------------------------------------------------
+@pytest.mark.parametrize("change", ["dtype", "embeddings", "eos", "weights"])
+def test_changing_the_model_under_an_engine_is_refused(change):
+    model = tiny_model("llama")
+    eng = Engine(model, max_batch_size=2, kv="paged", block_size=4)
+    eng.run([Request([7, 8], 2)])
+    if change == "dtype":
+        model.to(torch.float64)
+    elif change == "embeddings":
+        model.resize_token_embeddings(model.config.vocab_size + 8)
+    elif change == "eos":
+        model.generation_config.eos_token_id = 3
+    else:
+        with torch.no_grad():
+            next(model.parameters()).add_(0.01)
+    with pytest.raises(ModelChangedError, match="build a new Engine"):
+        eng.run([Request([7, 8], 2)])
+    with pytest.raises(ModelChangedError):
+        eng.step()
+    fresh = Engine(model, max_batch_size=2, kv="paged", block_size=4)  # a new engine for the model as it is
+    assert fresh.run([Request([7, 8], 2)])[0].output_ids == reference(model, [7, 8], 2, eos_id=model.generation_config.eos_token_id)
+
+
+# -- closing ------------------------------------------------------------------------------------------
+def test_close_aborts_what_is_running_and_lets_go_of_the_pool():
+    model = tiny_model("gpt2")
+    with Engine(model, max_batch_size=2, kv="paged", block_size=4) as eng:
+        eng.add_request(Request([7, 8, 9], 20, request_id="x"))
+        eng.step()
+    assert eng.completions["x"].finish_reason == "aborted" and eng.kv.pool is None
+    with pytest.raises(EngineClosedError):
+        eng.run([Request([7], 2)])
+    eng.close()  # a second close does nothing
+
+
+# -- prefix caching: V1's same-step sharing and an untouched LRU order ---------------------------------------
+@pytest.mark.parametrize("arch", ARCHS)
+def test_identical_prompts_admitted_in_one_step_share_their_full_blocks(arch):
+    model = tiny_model(arch)
+    prompt = list(range(6, 39))  # 33 tokens: two full blocks of 16
+    eng = Engine(model, max_batch_size=4, kv="paged", block_size=16, prefix_caching=True)
+    got = eng.run([Request(prompt, 5, request_id=i) for i in range(3)])
+    assert [c.num_cached_prompt_tokens for c in got] == [0, 32, 32]
+    assert all(c.output_ids == reference(model, prompt, 5) for c in got)
+    assert eng.records[0].num_prefill_tokens == 33 + 1 + 1
+
+
+def test_a_refused_admission_leaves_the_prefix_caches_lru_order():
+    model = tiny_model("llama")
+    eng = Engine(model, max_batch_size=4, kv="paged", block_size=4, num_blocks=8, prefix_caching=True)
+    eng.run([Request(list(range(10, 19)), 1, request_id="warm")])  # 9 tokens: two full blocks stay cached
+    eng.add_request(Request(list(range(40, 60)), 8, request_id="big", ignore_eos=True))  # holds 5..7 blocks
+    eng.step()
+    order = list(eng.kv.manager.allocator.free_blocks)
+    eng.add_request(Request(list(range(10, 19)) + list(range(60, 72)), 4, request_id="hit"))  # needs 6, hits 2
+    plan = eng.scheduler.schedule(eng.now())
+    assert "hit" not in [s.request_id for s in plan.admitted]  # refused: too little room
+    after = list(eng.kv.manager.allocator.free_blocks)
+    # Nothing was taken and given back: the blocks still free keep their least-recently-used order.
+    assert [b for b in after if b in order] == [b for b in order if b in after]
+    assert eng.kv.manager.get_computed_blocks(eng.sequences["hit"])[1] == 8  # its prefix is still findable
