@@ -1,86 +1,65 @@
-"""``python -m cbteach serve`` over real HTTP on 127.0.0.1: exact answers, bad input, disconnects, auth, metrics.
+"""``python -m cbteach serve`` over real HTTP on 127.0.0.1: exact answers, bad input, disconnects, isolation, metrics.
 
-Every answer is compared with transformers' own ``model.generate`` on one prompt at a time (greedy,
-bierce). Clients are the official ``openai`` package (async, many streams at once) and httpx. Every
-wait is bounded; nothing is timed.
+The HTTP side runs in a thread of this process, its engine core in a process of its own (as a user
+gets it). Every answer is compared with transformers' own ``model.generate`` on one prompt at a time
+(greedy, bierce). Clients are the official ``openai`` package (async, many streams at once) and
+httpx. Every wait is bounded; nothing is timed.
 """
 import asyncio
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 
 import numpy as np
 import pytest
-import torch
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi", reason="the serve extra is not installed (pip install 'cbteach[serve]')")
 pytest.importorskip("uvicorn", reason="the serve extra is not installed (pip install 'cbteach[serve]')")
+pytest.importorskip("zmq", reason="the serve extra is not installed (pip install 'cbteach[serve]')")
+pytest.importorskip("msgspec", reason="the serve extra is not installed (pip install 'cbteach[serve]')")
+
+from serverkit import LAB, WAIT_S, core_sum, failure, make_ref, success  # noqa: E402
+from serverkit import metrics as scrape  # noqa: E402
+from serverkit import wait_idle as idle  # noqa: E402
 
 from cbteach.bierce.corpus import headword_prompts  # noqa: E402
 from cbteach.serving import server as srv  # noqa: E402
-from cbteach.serving.server_metrics import parse  # noqa: E402
 
 NUM_BLOCKS = 300  # 4,800 tokens: room for a 4,000-token answer that is still running when its client leaves
 LONG = 4000
-WAIT_S = 30
 
 
 @pytest.fixture(scope="module")
 def server():
-    s = srv.ServerThread(["--port", "0", "--num-blocks", str(NUM_BLOCKS), "--max-batch-size", "8"]).start()
-    yield s
-    s.stop()
+    s = srv.ServerThread(["--port", "0", "--num-blocks", str(NUM_BLOCKS), "--max-batch-size", "8",
+                          "--fault-injection"]).start()
+    try:
+        yield s
+    finally:
+        s.stop()
 
 
 @pytest.fixture(scope="module")
 def ref(bierce):
-    """Greedy per-prompt ``generate``: ``ref(prompt ids or text, n) -> output ids``, cached."""
-    model, tok = bierce
-    cache = {}
-
-    def run(prompt, n):
-        ids = tuple(tok(prompt)["input_ids"]) if isinstance(prompt, str) else tuple(prompt)
-        if (ids, n) not in cache:
-            x = torch.tensor([ids])
-            out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n,
-                                 eos_token_id=model.generation_config.eos_token_id,
-                                 pad_token_id=model.generation_config.eos_token_id)
-            cache[(ids, n)] = out[0, len(ids):].tolist()
-        return cache[(ids, n)]
-
-    run.tok = tok
-    return run
+    return make_ref(*bierce)
 
 
 def text_of(ref, ids):
-    return ref.tok.decode(ids, skip_special_tokens=True)
+    return ref.text(ids)
 
 
 def metrics(server) -> dict:
-    return parse(httpx.get(server.url + "/metrics", timeout=WAIT_S).text)
+    return scrape(server.url)
 
 
 def wait_idle(server) -> dict:
-    """Poll /metrics until nothing runs or waits and every KV block is free (bounded); return the scrape."""
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        m = metrics(server)
-        if m['cbteach:num_requests_running{model_name="bierce"}'] == 0 and \
-                m['cbteach:num_requests_waiting{model_name="bierce"}'] == 0 and \
-                m['cbteach:kv_cache_usage_perc{model_name="bierce"}'] == 0:
-            return m
-        time.sleep(0.1)
-    pytest.fail(f"the server did not become idle with every block free within {WAIT_S} s: {m}")
+    return idle(server.url)
 
 
 def reason_count(m, reason) -> float:
-    return m[f'cbteach:request_success_total{{model_name="bierce",finished_reason="{reason}"}}']
+    return success(m, reason) if reason in ("stop", "length") else failure(m, reason)
 
 
 def client(server, **kw):
@@ -192,36 +171,43 @@ def test_load_two_hundred_poisson_requests_from_fifty_clients_none_lost(server, 
 
 # -- bad input ---------------------------------------------------------------------------------------
 BAD = [
-    (b"{not json", 400, None), (b"[1, 2]", 400, None),
+    (b"{not json", 400, None), (b"[1, 2]", 400, None), (b"[" * 100_000 + b"]" * 100_000, 400, None),
     ({"model": "gpt-4", "prompt": "x", "max_tokens": 4}, 404, "model"),
     ({"prompt": "x"}, 400, "max_tokens"), ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
     ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"), ({"prompt": "x", "max_tokens": 10 ** 6}, 400, "max_tokens"),
     ({"prompt": "x", "max_tokens": "10"}, 400, "max_tokens"), ({"prompt": "x", "max_tokens": 4.5}, 400, "max_tokens"),
     ({"prompt": 5, "max_tokens": 4}, 400, "prompt"), ({"prompt": "", "max_tokens": 4}, 400, "prompt"),
     ({"prompt": [], "max_tokens": 4}, 400, "prompt"), ({"prompt": [1, "a"], "max_tokens": 4}, 400, "prompt"),
-    ({"prompt": [1, -3], "max_tokens": 4}, 400, "prompt"), ({"prompt": [99999], "max_tokens": 4}, 400, None),
+    ({"prompt": [1, -3], "max_tokens": 4}, 400, "prompt"), ({"prompt": [99999], "max_tokens": 4}, 400, "prompt"),
     ({"prompt": "x", "max_tokens": 4, "temperature": "hot"}, 400, "temperature"),
     ({"prompt": "x", "max_tokens": 4, "temperature": -1}, 400, "temperature"),
     ({"prompt": "x", "max_tokens": 4, "top_p": 0}, 400, "top_p"),
     ({"prompt": "x", "max_tokens": 4, "n": 0}, 400, "n"), ({"prompt": "x", "max_tokens": 4, "n": 99}, 400, "n"),
     ({"prompt": "x", "max_tokens": 4, "stream": "yes"}, 400, "stream"),
-    ({"prompt": "x", "max_tokens": 4, "stop": 5}, 400, "stop"), ({"prompt": "x", "max_tokens": 4, "seed": -2}, 400, "seed"),
+    ({"prompt": "x", "max_tokens": 4, "stop": 5}, 400, "stop"),
+    ({"prompt": "x", "max_tokens": 4, "seed": -2}, 400, "seed"),
     ({"prompt": "x", "max_tokens": 4, "logprobs": 3}, 400, "logprobs"),
-    ({"prompt": [7] * 4090, "max_tokens": 10}, 400, None),  # longer than the model's 4,096 positions
+    ({"prompt": "x", "max_tokens": 4, "cbteach_fail_after": -1}, 400, "cbteach_fail_after"),
+    ({"prompt": [7] * 4090, "max_tokens": 10}, 400, "prompt"),  # longer than the model's 4,096 positions
+    ({"prompt": "q. " * 3000, "max_tokens": 10}, 400, "prompt"),  # tokenized (in a thread): 9,000 tokens
+    ({"prompt": "a" * 900_000, "max_tokens": 4}, 400, "prompt"),  # refused before it is tokenized
 ]
-BAD_CHAT = [({"messages": "hi", "max_tokens": 4}, 400, "messages"), ({"messages": [], "max_tokens": 4}, 400, "messages"),
+BAD_CHAT = [({"messages": "hi", "max_tokens": 4}, 400, "messages"),
+            ({"messages": [], "max_tokens": 4}, 400, "messages"),
             ({"messages": [{"role": "wizard", "content": "x"}], "max_tokens": 4}, 400, "messages"),
             ({"messages": [{"role": "user", "content": 3}], "max_tokens": 4}, 400, "messages"),
             ({"messages": [{"role": "user", "content": "x"}]}, 400, "max_completion_tokens")]
 
 
 def _post(server, path, body):
-    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    raw = {"content": body, "headers": {"content-type": "application/json"}}
+    kw = raw if isinstance(body, bytes) else {"json": body}
     return httpx.post(server.url + path, timeout=WAIT_S, **kw)
 
 
 def test_bad_input_gets_an_openai_error_and_disturbs_nobody(server, ref):
-    """While one long answer streams, every kind of bad input is refused with a 4xx; the stream stays exact."""
+    """While one long answer streams, every kind of bad input is refused with a JSON error body; the stream stays
+    exact. JSON nested 100,000 deep is a 400, not a crash; a 900 KB prompt is refused without being tokenized."""
     body = {"prompt": "EXECUTIVE, n.", "max_tokens": 200, "stream": True, "return_token_ids": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=WAIT_S) as live:
         lines = live.iter_lines()
@@ -230,13 +216,19 @@ def test_bad_input_gets_an_openai_error_and_disturbs_nobody(server, ref):
                                                                     for b, s, p in BAD_CHAT]
         for path, bad, status, param in cases:
             r = _post(server, path, bad)
-            assert r.status_code == status, (bad if isinstance(bad, bytes) else str(bad)[:80], r.text)
+            assert r.status_code == status, (bad[:40] if isinstance(bad, bytes) else str(bad)[:80], r.text[:300])
             err = r.json()["error"]
             assert set(err) == {"message", "type", "param", "code"} and err["message"]
             assert err["param"] == param, (str(bad)[:80], err)
         rest = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
     ids = [t for e in [json.loads(first[6:])] + rest for t in e["choices"][0].get("token_ids", [])]
     assert ids == ref("EXECUTIVE, n.", 200)
+    tokenized = server.frontend.checker.num_tokenized
+    huge = _post(server, "/v1/completions", {"prompt": "a" * 900_000, "max_tokens": 4}).json()["error"]
+    assert "4096 positions" in huge["message"] and huge["code"] == "context_length_exceeded"
+    assert server.frontend.checker.num_tokenized == tokenized  # refused by its length alone
+    assert _post(server, "/v1/completions", {"prompt": "q. " * 3000, "max_tokens": 4}).status_code == 400
+    assert server.frontend.checker.num_tokenized == tokenized + 1  # this one could have fitted: tokenized, then refused
     big = _post(server, "/v1/completions", b'{"prompt": "' + b"a" * (2 << 20) + b'", "max_tokens": 4}')
     assert big.status_code == 413 and big.json()["error"]["message"]
     assert httpx.get(server.url + "/v1/nothing", timeout=WAIT_S).json()["error"]["code"] == "not_found"
@@ -252,22 +244,101 @@ def test_a_client_that_vanishes_mid_stream_is_aborted_and_its_blocks_freed(serve
         for _ in range(3):
             next(line for line in lines if line.startswith("data: {"))
         busy = metrics(server)
-        assert busy['cbteach:kv_cache_usage_perc{model_name="bierce"}'] > 0  # it holds blocks while it runs
-        assert busy['cbteach:num_requests_running{model_name="bierce"}'] == 1
+        assert core_sum(busy, "kv_cache_usage_perc") > 0  # it holds blocks while it runs
+        assert core_sum(busy, "num_requests_running") == 1
         lines.close()  # httpx closes the connection: the client is gone
     after = wait_idle(server)  # the connection closed: the request left the batch, every block is free
     assert reason_count(after, "abort") == reason_count(before, "abort") + 1
     assert reason_count(after, "length") == reason_count(before, "length")  # it did not run to its end
+    assert core_sum(after, "engine_core_messages_in_total") == core_sum(before, "engine_core_messages_in_total") + 2
 
 
-def test_a_waiting_non_streamed_client_that_hangs_up_is_aborted(server):
+def test_a_waiting_non_streamed_client_that_hangs_up_is_aborted_at_once(server):
     before = metrics(server)
     body = {"prompt": "CYNIC, n.", "max_tokens": LONG, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(WAIT_S, read=0.5))
     after = wait_idle(server)
     assert reason_count(after, "abort") == reason_count(before, "abort") + 1
-    assert reason_count(after, "length") == reason_count(before, "length")  # it did not run to its end
+    # aborted when the connection closed, long before its 4,000 tokens (not at the next poll of a timer)
+    made = f"cbteach:generation_tokens_total{{{LAB}}}"
+    assert after[made] - before[made] < LONG
+
+
+# -- one request that fails inside the engine ---------------------------------------------------------
+def test_a_request_that_fails_in_the_engine_ends_alone_with_an_error(server, ref):
+    """A fault injected into one request's sampling: that stream ends with an OpenAI-style error event, the same
+    request not streamed gets a 500 error body (not a 200 with an odd finish_reason), neither counts as a success,
+    and the neighbours in the same batch finish exactly."""
+    prompts = headword_prompts(6)
+    before = metrics(server)
+
+    async def neighbour(c, prompt):
+        r = await c.completions.create(model="bierce", prompt=prompt, max_tokens=30,
+                                       extra_body={"return_token_ids": True})
+        return r.choices[0].token_ids
+
+    async def failing_stream(c):
+        stream = await c.completions.create(model="bierce", prompt="CYNIC, n.", max_tokens=30, stream=True,
+                                            extra_body={"cbteach_fail_after": 3})
+        got = []
+        with pytest.raises(openai.APIError) as err:
+            async for chunk in stream:
+                got.append(chunk.choices[0].text)
+        return got, err.value
+
+    async def go():
+        c = client(server)
+        try:
+            return await asyncio.wait_for(asyncio.gather(failing_stream(c), *(neighbour(c, p) for p in prompts)), 90)
+        finally:
+            await c.close()
+
+    (pieces, err), *answers = asyncio.run(go())
+    assert "failed inside the engine" in str(err) and "fault injected" in str(err)
+    assert 0 < len(pieces) <= 3  # its first tokens came, then the error
+    for prompt, ids in zip(prompts, answers):
+        assert ids == ref(prompt, 30), prompt
+    r = httpx.post(server.url + "/v1/completions", timeout=WAIT_S,
+                   json={"prompt": "BORE, n.", "max_tokens": 30, "cbteach_fail_after": 0})
+    err = r.json()["error"]
+    assert r.status_code == 500 and err["type"] == "server_error" and err["code"] == "engine_error"
+    after = wait_idle(server)
+    assert failure(after, "error") == failure(before, "error") + 2
+    done = sum(success(after, k) - success(before, k) for k in ("stop", "length"))
+    assert done == len(prompts)  # the neighbours, and nothing else
+
+
+# -- one message per step, and what crosses the socket -----------------------------------------------
+def test_one_message_per_step_and_token_ids_only(server, ref):
+    """Sixteen streams at once: the core sends exactly one message per engine step (not one per token per stream),
+    a few hundred bytes each; the API server sends one message per request in."""
+    before = metrics(server)
+    prompts = headword_prompts(16)
+
+    async def one(c, prompt):
+        stream = await c.completions.create(model="bierce", prompt=prompt, max_tokens=20, stream=True,
+                                            extra_body={"return_token_ids": True})
+        chunks = [x async for x in stream]
+        return [t for chunk in chunks for ch in chunk.choices for t in (getattr(ch, "token_ids", None) or [])]
+
+    async def go():
+        c = client(server)
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(one(c, p) for p in prompts)), 90)
+        finally:
+            await c.close()
+
+    results = asyncio.run(go())
+    assert results == [ref(p, 20) for p in prompts]
+    after = wait_idle(server)
+    d = {k: core_sum(after, k) - core_sum(before, k) for k in
+         ("engine_core_steps_total", "engine_core_messages_out_total", "engine_core_messages_in_total",
+          "engine_core_bytes_out_total")}
+    tokens = sum(len(r) for r in results)
+    assert d["engine_core_messages_out_total"] == d["engine_core_steps_total"] < tokens / 4
+    assert d["engine_core_messages_in_total"] == len(prompts)
+    assert d["engine_core_bytes_out_total"] / d["engine_core_messages_out_total"] < 1000
 
 
 # -- metrics -------------------------------------------------------------------------------------------
@@ -276,7 +347,7 @@ def test_metrics_count_what_was_served(server):
     bodies = [httpx.post(server.url + "/v1/completions", timeout=WAIT_S,
                          json={"prompt": p, "max_tokens": 5}).json() for p in headword_prompts(3)]
     after = wait_idle(server)
-    lab = '{model_name="bierce"}'
+    lab = "{" + LAB + "}"
     for name, key in (("prompt_tokens_total", "prompt_tokens"), ("generation_tokens_total", "completion_tokens")):
         grown = after[f"cbteach:{name}{lab}"] - before[f"cbteach:{name}{lab}"]
         assert grown == sum(b["usage"][key] for b in bodies), name
@@ -284,38 +355,22 @@ def test_metrics_count_what_was_served(server):
     assert after[ttft] - before[ttft] == 3
     itl = f"cbteach:inter_token_latency_seconds_count{lab}"
     assert after[itl] - before[itl] == sum(b["usage"]["completion_tokens"] - 1 for b in bodies)
-    assert f"cbteach:num_preemptions_total{lab}" in after
-    assert after['cbteach:time_to_first_token_seconds_bucket{model_name="bierce",le="+Inf"}'] == after[ttft]
+    assert f'cbteach:num_preemptions_total{{{LAB},engine="0"}}' in after
+    assert after[f'cbteach:time_to_first_token_seconds_bucket{{{LAB},le="+Inf"}}'] == after[ttft]
 
 
 def test_live_steps_show_who_ran(server):
     httpx.post(server.url + "/v1/completions", json={"prompt": "BORE, n.", "max_tokens": 3}, timeout=WAIT_S)
     steps = httpx.get(server.url + "/live/steps", timeout=WAIT_S).json()
-    assert steps["max_batch_size"] == 8
+    assert steps["max_batch_size"] == 8 and steps["num_cores"] == 1
     last = steps["steps"][-3:]
     assert [s["seqs"][0][2] for s in last] == ["prefill", "decode", "decode"]
     assert last[0]["admitted"] and last[-1]["finished"] and last[0]["kv_total"] == NUM_BLOCKS
+    assert {s["core"] for s in last} == {0}
     assert "EventSource" in httpx.get(server.url + "/", timeout=WAIT_S).text
 
 
-# -- auth, safety, the command line -------------------------------------------------------------------
-def test_api_key_guards_v1_but_not_health_or_metrics_and_a_request_too_big_for_the_pool_is_refused():
-    with srv.ServerThread(["--port", "0", "--api-key", "sesame", "--num-blocks", "4"]) as s:
-        body = {"prompt": "x", "max_tokens": 2}
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}):
-            for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models")):
-                r = httpx.request(method, s.url + path, json=body, headers=headers, timeout=WAIT_S)
-                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-        ok = {"Authorization": "Bearer sesame"}
-        assert httpx.post(s.url + "/v1/completions", json=body, headers=ok, timeout=WAIT_S).status_code == 200
-        assert httpx.get(s.url + "/v1/models", headers=ok, timeout=WAIT_S).json()["data"][0]["id"] == "bierce"
-        assert httpx.get(s.url + "/health", timeout=WAIT_S).status_code == 200
-        assert httpx.get(s.url + "/metrics", timeout=WAIT_S).status_code == 200
-        too_big = {"prompt": "x y", "max_tokens": 64}  # 66 tokens; the pool holds 4 blocks of 16
-        r = httpx.post(s.url + "/v1/completions", json=too_big, headers=ok, timeout=WAIT_S)
-        assert r.status_code == 400 and "KV" in r.json()["error"]["message"], r.text
-
-
+# -- the command line ---------------------------------------------------------------------------------
 def test_refuses_a_public_host_without_a_key_and_names_the_extra(capsys, monkeypatch):
     assert srv.main(["--host", "0.0.0.0"]) == 2
     assert "--api-key" in capsys.readouterr().err
@@ -324,44 +379,13 @@ def test_refuses_a_public_host_without_a_key_and_names_the_extra(capsys, monkeyp
     assert "pip install 'cbteach[serve]'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         srv.main(["--help"])
-    assert "--max-batch-size" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "--max-batch-size" in out and "--data-parallel-size" in out and "--scheduler" in out
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_sigterm_ends_in_flight_streams_and_exits_cleanly(tmp_path):
-    """As a user would run it: the command in a subprocess; SIGTERM while a stream runs."""
-    port = _free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
-    log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "cbteach.serving.server", "--port", str(port),
-                             "--drain-timeout", "1"], stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
-            time.sleep(0.2)
-        body = {"prompt": "CYNIC, n.", "max_tokens": 3000, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=WAIT_S) as r:
-            lines = r.iter_lines()
-            next(line for line in lines if line.startswith("data: {"))
-            proc.send_signal(signal.SIGTERM)
-            rest = list(lines)  # the stream ends: it was aborted after the drain timeout
-        assert proc.wait(timeout=WAIT_S) == 0, (tmp_path / "serve.log").read_text()
-        finals = [json.loads(line[6:])["choices"][0]["finish_reason"] for line in rest if line.startswith("data: {")]
-        assert finals and finals[-1] == "abort"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-        log.close()
+def test_a_piece_that_does_not_import_is_refused_before_anything_starts(capsys):
+    assert srv.main(["--port", "0", "--scheduler", "no_such_module_here:MyScheduler"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot start" in err and "--scheduler" in err and "no_such_module_here" in err and "serving" not in err
+    assert srv.main(["--port", "0", "--attention", "cbteach.attention.paged"]) == 2
+    assert "MODULE:NAME" in capsys.readouterr().err

@@ -1,63 +1,61 @@
-"""The HTTP side: FastAPI routes that turn OpenAI requests into jobs for the engine worker, and back.
+"""The HTTP side: FastAPI routes that turn OpenAI requests into requests for the engine cores, and back.
 
-Each request is handled by a coroutine on uvicorn's event loop; none of them touches the engine. A
-:class:`Run` submits one :class:`~cbteach.serving.server_worker.Job` per choice, waits until the
-worker has accepted (or refused) all of them -- so bad input still gets its 4xx before any byte of a
-stream is sent -- and then relays the worker's events: as one JSON body, or as server-sent events
-ending ``data: [DONE]``. Whatever way a run ends -- finished, the client gone, the stream cancelled
-at shutdown -- its ``finally`` aborts the jobs still in flight, so their KV blocks go back to the pool.
+Each request is handled by a coroutine on uvicorn's event loop. A :class:`Run` checks and tokenizes
+its prompts (:mod:`.tokenization`), routes one request per choice to an engine core
+(:class:`~.frontend.Frontend`), waits until each core has accepted (or refused) its share -- so bad
+input still gets its 4xx before any byte of a stream is sent -- and then relays the events the
+output processor puts on its queue: as one JSON body, or as server-sent events ending
+``data: [DONE]``. A stream that fell behind finds several events waiting and writes them in one
+send. Whatever way a run ends -- finished, the client gone, the server stopping -- its ``finally``
+aborts what is still in flight, so the KV blocks go back to the pool at once.
 
-FastAPI and uvicorn are imported here and only here (plus :mod:`.server`), so ``import cbteach``
-works without the ``serve`` extra. (No ``from __future__ import annotations`` here: FastAPI reads the
-routes' ``Request`` annotations at definition time, and ``Request`` is imported inside :func:`create_app`.)
+An answer that cannot be finished is an error, never a ``200`` that pretends: a request that failed
+inside the engine gets a ``500`` (``server_error``) saying why, one cut short by shutdown or by a
+dead engine core a ``503``; a stream already under way ends with an error event
+(``data: {"error": {...}}``, as vLLM sends) and ``[DONE]``. Its neighbours are not touched.
+
+FastAPI and uvicorn are imported here and in :mod:`.server` and :mod:`.server_http` only, so
+``import cbteach`` works without the ``serve`` extra. (No ``from __future__ import annotations``
+here: FastAPI reads the routes' ``Request`` annotations at definition time.)
 """
 import asyncio
-import hmac
 import json
 import time
 import uuid
-from contextlib import asynccontextmanager
-from functools import partial
-from importlib import resources
 
 from . import openai_protocol as proto
 from .openai_protocol import APIError
-from .server_worker import Job
+from .server_routes import add_routes
 
-ACCEPT_POLL_S = 1.0  # how often a waiting handler checks that the worker is still alive
-DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
-LIVE_PUSH_S = 0.05  # the live view gets at most ~20 updates a second (several steps each)
+FAILED = {"error": (500, "server_error", "this request failed inside the engine"),
+          "dead": (503, "server_error", "the engine core serving this request died"),
+          "abort": (503, "server_error", "the server stopped before this answer was complete")}
 
 
 class Run:
-    """One HTTP request's jobs and the events the worker sends back for them."""
+    """One HTTP request's choices and the events that come back for them."""
 
-    def __init__(self, req: proto.GenerationRequest, worker, loop):
-        self.req, self.worker, self.loop = req, worker, loop
+    def __init__(self, req: proto.GenerationRequest, fe, created: float, fail_after=None):
+        self.req, self.fe, self.created, self.fail_after = req, fe, created, fail_after
         self.id = f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
+        self.unix_time = int(time.time())
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.jobs = [Job(prompt, req.max_tokens, sp, partial(self._emit, i), stop=req.stop,
-                         ignore_eos=req.ignore_eos, request_id=f"{self.id}-{i}") for i, prompt, sp in req.choices()]
-        self.prompt_tokens = [0] * len(self.jobs)
-        self.finished = [None] * len(self.jobs)  # (reason, num_output_tokens)
-        self.early: list = []  # events that came while other choices were still being accepted
-
-    def _emit(self, index: int, event) -> None:  # worker thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, event))
-
-    async def _next(self):
-        while True:
-            try:
-                return await asyncio.wait_for(self.queue.get(), ACCEPT_POLL_S)
-            except asyncio.TimeoutError:
-                if not self.worker.alive:
-                    raise APIError(503, "the engine worker has stopped", type="server_error") from None
+        self.states: list = []
+        self.prompt_tokens: list = []
+        self.finished: list = []  # per choice: (reason, num_output_tokens, error) once it ends
 
     async def start(self) -> None:
-        """Submit every job and wait for the worker's verdict on each; a refusal aborts the others."""
-        for job in self.jobs:
-            self.worker.submit(job)
+        """Tokenize, route every choice, and wait for the cores' verdicts; a refusal aborts the others."""
+        choices = list(self.req.choices())
+        self.fe.check_open(len(choices))
+        ids = [await self.fe.checker.to_ids(p, self.req.max_tokens) for p in self.req.prompts]
+        self.fe.check_open(len(choices))  # (tokenizing took time)
+        per_prompt = len(choices) // len(self.req.prompts)
+        for i, _, sp in choices:
+            self.states.append(self.fe.submit(self.req, i, ids[i // per_prompt], sp, self.queue, self.created,
+                                              self.fail_after))
+        self.prompt_tokens = [len(st.prompt_ids) for st in self.states]
+        self.finished = [None] * len(self.states)
         try:
             await self._accepted()
         except BaseException:  # refused, or the handler was cancelled while waiting: nothing may keep running
@@ -65,219 +63,158 @@ class Run:
             raise
 
     async def _accepted(self) -> None:
-        pending, errors = set(range(len(self.jobs))), []
+        pending, errors, self.early = set(range(len(self.states))), [], []
         while pending:
-            index, event = await self._next()
+            index, event = await self.queue.get()
             if event[0] == "accepted":
-                self.prompt_tokens[index] = event[1]
                 pending.discard(index)
-            elif event[0] == "error":  # the engine's message names our internal id: the client never saw it
-                errors.append(event[1].replace(f"request {self.jobs[index].request_id!r}: ", ""))
-                self.finished[index] = ("error", 0)
+            elif event[0] == "rejected":
+                named = f"request {self.states[index].request_id!r}"  # an id the client never saw
+                errors.append(event[1].replace(named + ": ", "").replace(named, "this request"))
+                self.finished[index] = ("error", 0, event[1])
                 pending.discard(index)
             else:
+                if event[0] == "finish":
+                    self.finished[index] = event[1:]
+                    pending.discard(index)
                 self.early.append((index, event))
         if errors:
-            status = 503 if "shutting down" in errors[0] else 400
-            raise APIError(status, errors[0], type="invalid_request_error" if status == 400 else "server_error")
+            raise APIError(400, errors[0])
+        failure = next((f for f in self.finished if f is not None and f[0] in FAILED), None)
+        if failure is not None:
+            raise _failure(failure)
 
     async def events(self):
-        """``(choice index, event)`` until every choice has finished."""
-        for item in self.early:
-            yield item
-        self.early = []
+        """``(choice index, [events])`` batches until every choice has finished (or one failed)."""
+        early, self.early = self.early, []
+        for item in early:
+            yield [item]
         while any(f is None for f in self.finished):
-            index, event = await self._next()
-            if event[0] == "finish":
-                self.finished[index] = (event[1], event[2])
-            yield index, event
+            batch = [await self.queue.get()]
+            while not self.queue.empty():
+                batch.append(self.queue.get_nowait())
+            for index, event in batch:
+                if event[0] == "finish":
+                    self.finished[index] = event[1:]
+            yield batch
+            if any(f is not None and f[0] in FAILED for f in self.finished):
+                return
 
     def abort(self) -> None:
-        for job, done in zip(self.jobs, self.finished):
-            if done is None:
-                self.worker.abort(job.request_id)
+        for st in self.states:
+            self.fe.client.abort(st)
 
     def usage(self) -> dict:
         return proto.usage(sum(self.prompt_tokens), sum(f[1] for f in self.finished if f is not None))
 
     async def whole(self, request) -> dict:
-        """Collect the answer (aborting it if the client goes away while it waits)."""
-        texts, ids = [[] for _ in self.jobs], [[] for _ in self.jobs]
-        gen, checked = self.events(), time.monotonic()
+        """Collect the answer; a client that hangs up meanwhile aborts it at once."""
+        texts, ids = [[] for _ in self.states], [[] for _ in self.states]
+        watcher = asyncio.ensure_future(_disconnected(request))
+        watcher.add_done_callback(lambda t: t.cancelled() or self.abort())
         try:
-            while True:
-                task = asyncio.ensure_future(gen.__anext__())
-                while not task.done():
-                    await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-                    if time.monotonic() - checked >= DISCONNECT_POLL_S:  # tokens may flow faster than the poll
-                        checked = time.monotonic()
-                        if await request.is_disconnected():
-                            task.cancel()
-                            raise asyncio.CancelledError("the client disconnected")
-                try:
-                    index, event = task.result()
-                except StopAsyncIteration:
-                    break
-                if event[0] == "delta":
-                    texts[index].append(event[1])
-                    ids[index].extend(event[2])
+            async for batch in self.events():
+                for index, event in batch:
+                    if event[0] == "delta":
+                        texts[index].append(event[1])
+                        ids[index].extend(event[2])
         finally:
+            watcher.cancel()
             self.abort()
-        if any(f[0] == "error" for f in self.finished):
-            raise APIError(500, "the engine failed while generating; see the server's log", type="server_error")
+        failure = next((f for f in self.finished if f is not None and f[0] in FAILED), None)
+        if failure is not None:
+            raise _failure(failure)
         choices = [proto.choice(self.req, i, "".join(t), f[0], d)
                    for i, (t, f, d) in enumerate(zip(texts, self.finished, ids))]
-        return proto.response(self.req, self.id, self.created, choices, self.usage())
+        return proto.response(self.req, self.id, self.unix_time, choices, self.usage())
 
     async def sse(self):
         """The stream: a role chunk per choice (chat), a chunk per step with tokens, a closing chunk per choice
-        with its ``finish_reason``, the usage chunk if asked for, and ``[DONE]``."""
-        req, rid, created = self.req, self.id, self.created
+        with its ``finish_reason``, the usage chunk if asked for, and ``[DONE]``; or an error event."""
+        req, rid, t = self.req, self.id, self.unix_time
         try:
             if req.kind == "chat":
-                for i in range(len(self.jobs)):
-                    yield _data(proto.chunk(req, rid, created, i, None, role=True))
-            async for index, event in self.events():
-                if event[0] == "delta":
-                    yield _data(proto.chunk(req, rid, created, index, event[1], token_ids=event[2]))
-                elif event[0] == "finish":
-                    yield _data(proto.chunk(req, rid, created, index, None, event[1]))
-            if req.include_usage:
-                yield _data(proto.usage_chunk(req, rid, created, self.usage()))
+                yield "".join(_data(proto.chunk(req, rid, t, i, None, role=True)) for i in range(len(self.states)))
+            async for batch in self.events():
+                parts = []
+                for index, event in batch:
+                    if event[0] == "delta" and (event[1] or event[2]):
+                        parts.append(_data(proto.chunk(req, rid, t, index, event[1], token_ids=event[2])))
+                    elif event[0] == "finish" and event[1] in FAILED:
+                        parts.append(_data(_failure(event[1:]).body()))
+                    elif event[0] == "finish":
+                        parts.append(_data(proto.chunk(req, rid, t, index, None, event[1])))
+                if parts:
+                    yield "".join(parts)  # every event that was waiting, in one write
+            if req.include_usage and not any(f is None or f[0] in FAILED for f in self.finished):
+                yield _data(proto.usage_chunk(req, rid, t, self.usage()))
             yield "data: [DONE]\n\n"
         finally:  # the client hung up, or the server is going down: stop generating for nobody
             self.abort()
+
+
+def _failure(finished) -> APIError:
+    reason, _, error = finished
+    status, kind, what = FAILED[reason]
+    return APIError(status, f"{what}: {error}" if error else what, type=kind,
+                    code={"error": "engine_error", "dead": "engine_dead", "abort": "aborted"}[reason])
 
 
 def _data(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-async def read_json(request, limit: int):
-    """The body as JSON, refusing more than ``limit`` bytes without reading them all."""
+async def _disconnected(request) -> None:
+    """Returns when the client hangs up (the body has been read: the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def read_json(request, limit: int, timeout: float):
+    """The body as JSON, refusing more than ``limit`` bytes without reading them all, or a body that takes longer
+    than ``timeout`` seconds to arrive; a document nested too deeply for the parser is a 400 too."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"the request body is larger than this server's limit of {limit} bytes")
     parts, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise APIError(413, f"the request body is larger than this server's limit of {limit} bytes")
-        parts.append(part)
+
+    async def read():
+        nonlocal size
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise APIError(413, f"the request body is larger than this server's limit of {limit} bytes")
+            parts.append(part)
+    try:
+        await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="timeout") from None
     try:
         return json.loads(b"".join(parts))
+    except RecursionError:
+        raise proto.bad("the request body is nested too deeply to read") from None
     except (ValueError, UnicodeDecodeError) as err:
         raise proto.bad(f"the request body is not valid JSON: {err}") from None
 
 
-def create_app(worker, limits: proto.Limits, hub, metrics, *, api_key: str | None = None,
-               max_body_bytes: int = 1 << 20, max_in_flight: int = 512, max_model_len: int | None = None):
-    """The FastAPI application around a started-or-not :class:`~cbteach.serving.server_worker.EngineWorker`."""
-    from fastapi import FastAPI, Request
-    from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
-    from starlette.exceptions import HTTPException
+def create_app(fe, on_startup=None, on_shutdown=None):
+    """The FastAPI application around a started :class:`~.frontend.Frontend`."""
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI
 
     @asynccontextmanager
     async def lifespan(app):
-        hub.bind(asyncio.get_running_loop())
-        if not worker.alive:
-            worker.start()
+        await fe.client.attach()
+        if on_startup is not None:
+            on_startup()
         yield
-        hub.close()
-        await asyncio.get_running_loop().run_in_executor(None, worker.stop)
+        fe.hub.close()
+        await fe.client.shutdown()
+        fe.close()
+        if on_shutdown is not None:
+            on_shutdown()
 
     app = FastAPI(title="cbteach", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    tokenizer = worker.tokenizer
-
-    @app.exception_handler(APIError)
-    async def api_error(request, err: APIError):
-        return JSONResponse(err.body(), status_code=err.status)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request, err: HTTPException):
-        code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code)
-        return JSONResponse(APIError(err.status_code, f"{err.detail}: {request.method} {request.url.path}",
-                                     code=code).body(), status_code=err.status_code)
-
-    def authorize(request) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(401, "a valid API key is required: send the header 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
-
-    async def generate(request, parse):
-        authorize(request)
-        req = parse(await read_json(request, max_body_bytes))
-        if worker.num_in_flight + req.n * len(req.prompts) > max_in_flight:
-            raise APIError(503, f"the server has {max_in_flight} requests in flight, its limit; retry later",
-                           type="server_error", code="server_overloaded")
-        run = Run(req, worker, asyncio.get_running_loop())
-        await run.start()
-        if req.stream:
-            return StreamingResponse(run.sse(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return JSONResponse(await run.whole(request))
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await generate(request, lambda body: proto.parse_completion(body, limits))
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await generate(request, lambda body: proto.parse_chat(body, limits, tokenizer))
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        authorize(request)
-        return {"object": "list", "data": [{"id": limits.served_model, "object": "model", "created": 0,
-                                            "owned_by": "cbteach", "max_model_len": max_model_len}]}
-
-    @app.get("/health")
-    async def health():
-        if not worker.alive:
-            raise APIError(503, "the engine worker has stopped", type="server_error")
-        return {"status": "ok"}
-
-    @app.get("/metrics")
-    async def prometheus():
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    @app.get("/")
-    async def live_page():
-        return HTMLResponse(resources.files("cbteach.serving").joinpath("static/live.html").read_text())
-
-    @app.get("/live/steps")
-    async def live_steps(since: int = -1):
-        return {"max_batch_size": hub.max_batch_size, "steps": hub.steps(since)}
-
-    @app.get("/live/events")
-    async def live_events():
-        return StreamingResponse(_live_stream(hub), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
+    add_routes(app, fe, Run, read_json)
     return app
-
-
-async def _live_stream(hub):
-    """The live view's stream: the recent history first, then batches of new steps; ends at shutdown."""
-    q = hub.subscribe()
-    try:
-        yield "retry: 1000\n\n"
-        yield _data({"max_batch_size": hub.max_batch_size, "steps": hub.steps()[-200:]})
-        while not hub.closed:
-            try:
-                first = await asyncio.wait_for(q.get(), 15)
-            except asyncio.TimeoutError:
-                yield ": keep-alive\n\n"
-                continue
-            batch = [first]
-            while not q.empty():
-                batch.append(q.get_nowait())
-            if None in batch:
-                return
-            yield _data({"max_batch_size": hub.max_batch_size, "steps": batch})
-            await asyncio.sleep(LIVE_PUSH_S)
-    finally:
-        hub.unsubscribe(q)

@@ -2,31 +2,51 @@
 
 A production server is watched, not asked: Prometheus scrapes ``/metrics`` every few seconds and a
 dashboard draws the batch filling up. The names are vLLM's (``vllm/v1/metrics/loggers.py``) under a
-``cbteach:`` prefix, so a vLLM dashboard reads this server after a search-and-replace:
+``cbteach:`` prefix, so a vLLM dashboard reads this server after a search-and-replace. As in vLLM,
+what belongs to one engine core carries its index in an ``engine`` label:
 
-* gauges -- ``num_requests_running`` (in the batch), ``num_requests_waiting`` (queued, preempted or
-  swapped out), ``kv_cache_usage_perc`` (used KV blocks / all blocks, 0 to 1);
-* counters -- ``prompt_tokens_total``, ``generation_tokens_total``, ``num_preemptions_total``,
-  ``request_success_total{finished_reason=...}`` (``stop``, ``length``, ``abort``, ``error``);
+* per core, gauges -- ``num_requests_running`` (in its batch), ``num_requests_waiting`` (queued,
+  preempted or swapped out), ``kv_cache_usage_perc`` (used KV blocks / all blocks, 0 to 1),
+  ``engine_load_tokens`` (what routing compares: tokens it still has to compute);
+* per core, counters -- ``num_preemptions_total``, and how the core and the API server talk:
+  ``engine_core_steps_total``, ``engine_core_messages_{out,in}_total`` and
+  ``engine_core_bytes_{out,in}_total`` (one message out per step), and where the core's time went,
+  ``engine_core_{step,idle,io}_seconds_total`` (stepping; waiting for requests with nothing to do;
+  encoding, sending and receiving);
+* counters -- ``prompt_tokens_total``, ``generation_tokens_total``,
+  ``request_success_total{finished_reason=...}`` (only ``stop`` and ``length``: an answer the client
+  got whole) and ``request_failure_total{reason=...}`` (``abort``: the client left or the server
+  stopped first; ``error``: it failed in the engine, or its core died);
 * histograms -- ``time_to_first_token_seconds`` (from the moment the HTTP request was read: queueing
   and prefill), ``inter_token_latency_seconds`` (one gap per request per step that gave it tokens),
-  ``e2e_request_latency_seconds``.
+  ``e2e_request_latency_seconds`` (answers that finished).
 
-The worker thread updates everything (it owns the engine; the gauges are refreshed after every step
-and after every command it takes, so an abort shows at once); the HTTP thread only renders, under a
-lock.
+Everything is updated on the API server's event loop, as each step's message arrives
+(:mod:`.output_processor`), and rendered there: no locks.
 """
 from __future__ import annotations
-
-import threading
 
 PREFIX = "cbteach:"
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
-FINISH_REASONS = ("stop", "length", "abort", "error")
-OUT_OF_BATCH = ("waiting", "preempted", "swapped")  # RequestStatus values of a request not in the running batch
+SUCCESS = ("stop", "length")
+FAILURE = ("abort", "error")
+REASON = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort", "error": "error", "dead": "error"}
+CORE_GAUGES = (("num_requests_running", "num_running", "Requests in the core's running batch."),
+               ("num_requests_waiting", "num_waiting", "Requests queued, preempted or swapped out."),
+               ("kv_cache_usage_perc", "kv_usage", "Fraction of the core's KV blocks in use (1 = full)."),
+               ("engine_load_tokens", "load", "Tokens the core still has to compute (what routing compares)."))
+CORE_COUNTERS = (("num_preemptions_total", "num_preemptions", "Preemptions."),
+                 ("engine_core_steps_total", "num_steps", "Engine steps (forward passes)."),
+                 ("engine_core_messages_out_total", "num_messages_out", "Messages the core sent (one per step)."),
+                 ("engine_core_bytes_out_total", "bytes_out", "Bytes of the messages the core sent."),
+                 ("engine_core_messages_in_total", "num_messages_in", "Messages the core received."),
+                 ("engine_core_bytes_in_total", "bytes_in", "Bytes of the messages the core received."),
+                 ("engine_core_step_seconds_total", "step_s", "Seconds the core spent in Engine.step()."),
+                 ("engine_core_idle_seconds_total", "idle_s", "Seconds the core waited for requests, idle."),
+                 ("engine_core_io_seconds_total", "io_s", "Seconds the core spent encoding, sending, receiving."))
 
 
 class Histogram:
@@ -52,74 +72,69 @@ class Histogram:
 
 
 class ServerMetrics:
-    """Everything ``/metrics`` shows, for one served model."""
+    """Everything ``/metrics`` shows, for one served model and its engine cores."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, num_cores: int = 1):
         self.labels = f'model_name="{model_name}"'
-        self.lock = threading.Lock()
-        self.running = self.waiting = 0
-        self.kv_usage = 0.0
-        self.counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "num_preemptions_total": 0}
-        self.finished_by_reason = dict.fromkeys(FINISH_REASONS, 0)
+        self.cores = [{"num_running": 0, "num_waiting": 0, "kv_usage": 0.0, "load": 0} for _ in range(num_cores)]
+        self.core_totals = [{} for _ in range(num_cores)]  # the cores' own running totals (CoreStats)
+        self.counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0}
+        self.success = dict.fromkeys(SUCCESS, 0)
+        self.failure = dict.fromkeys(FAILURE, 0)
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
 
-    # -- called by the worker thread ---------------------------------------------------------------
-    def accepted(self, job) -> None:
-        with self.lock:
-            self.counters["prompt_tokens_total"] += job.num_prompt_tokens
+    # -- from the output processor, on the event loop --------------------------------------------
+    def accepted(self, state) -> None:
+        self.counters["prompt_tokens_total"] += len(state.prompt_ids)
 
-    def tokens(self, job, n: int, now: float) -> None:
-        with self.lock:
-            self.counters["generation_tokens_total"] += n
-            if job.first_token_at is None:
-                self.ttft.observe(now - job.created)
-            else:
-                self.itl.observe(now - job.last_token_at)
+    def tokens(self, state, n: int, now: float) -> None:
+        self.counters["generation_tokens_total"] += n
+        if state.first_token_at is None:
+            self.ttft.observe(now - state.created)
+        else:
+            self.itl.observe(now - state.last_token_at)
 
-    def step(self, worker, record) -> None:
-        with self.lock:
-            self.counters["num_preemptions_total"] += len(record.preempted)
-        self.refresh(worker)
+    def finished(self, state, reason: str, now: float) -> None:
+        reason = REASON.get(reason, "error")
+        if reason in self.success:
+            self.success[reason] += 1
+            self.e2e.observe(now - state.created)
+        else:
+            self.failure[reason] += 1
 
-    def finished(self, job, reason: str, now: float) -> None:
-        reason = {"eos": "stop"}.get(reason, reason)  # the engine's "eos" is OpenAI's (and vLLM's) "stop"
-        with self.lock:
-            self.finished_by_reason[reason] = self.finished_by_reason.get(reason, 0) + 1
-            self.e2e.observe(now - job.created)
+    def core_stats(self, core: int, stats, load: int) -> None:
+        g = self.cores[core]
+        g["num_running"], g["num_waiting"], g["load"] = stats.num_running, stats.num_waiting, load
+        g["kv_usage"] = stats.kv_used / stats.kv_total if stats.kv_total else 0.0
+        self.core_totals[core] = {key: getattr(stats, key) for _, key, _ in CORE_COUNTERS}
 
-    def refresh(self, worker) -> None:
-        """The gauges, read from the engine (on the worker thread: the engine is not thread-safe)."""
-        engine = worker.engine
-        statuses = [engine.sequences[rid].status.value for rid in worker.jobs]
-        waiting = sum(s in OUT_OF_BATCH for s in statuses)
-        usage = engine.kv_usage()
-        kv = usage["num_used_blocks"] / usage["num_blocks"] if usage.get("num_blocks") else 0.0
-        with self.lock:
-            self.running, self.waiting, self.kv_usage = len(statuses) - waiting, waiting, kv
-
-    # -- called by the HTTP side -------------------------------------------------------------------
+    # -- the scrape -------------------------------------------------------------------------------
     def render(self) -> str:
         """The Prometheus text exposition format (version 0.0.4)."""
         p, lab = PREFIX, self.labels
-        with self.lock:
-            out = []
-            for name, kind, doc, value in (
-                    ("num_requests_running", "gauge", "Requests in the running batch.", self.running),
-                    ("num_requests_waiting", "gauge", "Requests queued, preempted or swapped out.", self.waiting),
-                    ("kv_cache_usage_perc", "gauge", "Fraction of KV blocks in use (1 = full).", self.kv_usage)):
-                out += [f"# HELP {p}{name} {doc}", f"# TYPE {p}{name} {kind}", f"{p}{name}{{{lab}}} {value}"]
-            for name, value in self.counters.items():
-                out += [f"# HELP {p}{name} {name.replace('_', ' ')}.", f"# TYPE {p}{name} counter",
-                        f"{p}{name}{{{lab}}} {value}"]
-            name = f"{p}request_success_total"
-            out += [f"# HELP {name} Finished requests, by finish reason.", f"# TYPE {name} counter"]
-            out += [f'{name}{{{lab},finished_reason="{r}"}} {n}' for r, n in self.finished_by_reason.items()]
-            for name, doc, hist in (("time_to_first_token_seconds", "Time to first token.", self.ttft),
-                                    ("inter_token_latency_seconds", "Inter-token latency.", self.itl),
-                                    ("e2e_request_latency_seconds", "End-to-end request latency.", self.e2e)):
-                out += [f"# HELP {p}{name} {doc}", f"# TYPE {p}{name} histogram"] + hist.lines(p + name, lab)
+        out = []
+        for name, key, doc in CORE_GAUGES:
+            out += [f"# HELP {p}{name} {doc}", f"# TYPE {p}{name} gauge"]
+            out += [f'{p}{name}{{{lab},engine="{i}"}} {g[key]}' for i, g in enumerate(self.cores)]
+        for name, key, doc in CORE_COUNTERS:
+            out += [f"# HELP {p}{name} {doc}", f"# TYPE {p}{name} counter"]
+            out += [f'{p}{name}{{{lab},engine="{i}"}} {t.get(key, 0)}' for i, t in enumerate(self.core_totals)]
+        for name, value in self.counters.items():
+            out += [f"# HELP {p}{name} {name.replace('_', ' ')}.", f"# TYPE {p}{name} counter",
+                    f"{p}{name}{{{lab}}} {value}"]
+        for name, label, doc, table in (("request_success_total", "finished_reason", "Answers finished whole.",
+                                         self.success),
+                                        ("request_failure_total", "reason", "Requests that ended without a whole "
+                                         "answer (abort: the client left or the server stopped; error).",
+                                         self.failure)):
+            out += [f"# HELP {p}{name} {doc}", f"# TYPE {p}{name} counter"]
+            out += [f'{p}{name}{{{lab},{label}="{r}"}} {n}' for r, n in table.items()]
+        for name, doc, hist in (("time_to_first_token_seconds", "Time to first token.", self.ttft),
+                                ("inter_token_latency_seconds", "Inter-token latency.", self.itl),
+                                ("e2e_request_latency_seconds", "End-to-end latency of finished answers.", self.e2e)):
+            out += [f"# HELP {p}{name} {doc}", f"# TYPE {p}{name} histogram"] + hist.lines(p + name, lab)
         return "\n".join(out) + "\n"
 
 

@@ -1,0 +1,101 @@
+"""``python -m cbteach serve``'s options: the server, its engine cores, each request's caps, the network's limits.
+
+The engine options are :class:`cbteach.Engine`'s, passed to every engine core. Four more plug the
+learner's own pieces into each core's engine (notebook 12): ``--scheduler MODULE:CLASS`` (a
+:class:`~cbteach.engine.scheduler.Scheduler` subclass), ``--kv-manager MODULE:CLASS`` (built as
+``CLASS(num_blocks, block_size)``), ``--attention MODULE:FUNCTION`` and ``--slot-mapping
+MODULE:FUNCTION`` -- imported as Python imports them (the current folder is on the path).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m cbteach serve", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                description="Serve a model with cbteach's continuous-batching engine behind an "
+                                            "OpenAI-compatible API, with a live view of the batch at /. The engine "
+                                            "runs in engine-core processes of its own (vLLM V1's split).")
+    p.add_argument("--model", default="bierce", help="bierce (embedded, offline), bierce-draft, or a hub id / folder")
+    p.add_argument("--served-model-name", default=None, help="the name clients use in 'model' (default: --model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind; anything but loopback needs --api-key")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port, announced at start)")
+    p.add_argument("--api-key", default=os.environ.get("CBTEACH_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route but /health; the live view opens as "
+                        "/?key=KEY (default: $CBTEACH_API_KEY, else none)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, mps, or auto (the best this machine has)")
+    p.add_argument("--threads", type=_positive_int, default=1, help="torch CPU threads of each engine core")
+    p.add_argument("--data-parallel-size", type=_positive_int, default=1,
+                   help="engine cores, each with its own model copy and KV pool; requests go to the least loaded")
+    p.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
+                   help="processes that share each engine core's model, split by layers' heads (Megatron-LM)")
+    e = p.add_argument_group("engine (the same options as cbteach.Engine)")
+    e.add_argument("--kv", choices=("paged", "concat"), default="paged", help="KV cache")
+    e.add_argument("--max-batch-size", type=_positive_int, default=8, help="most requests in one step (batch slots)")
+    e.add_argument("--token-budget", type=_positive_int, default=None,
+                   help="most tokens in one step; longer prompts are prefilled in chunks (default: no limit)")
+    e.add_argument("--num-blocks", type=_positive_int, default=None,
+                   help="paged: KV blocks in the pool (default: enough for every slot at the model's full length)")
+    e.add_argument("--kv-memory-bytes", type=_positive_int, default=None, help="paged: size the pool by bytes instead")
+    e.add_argument("--block-size", type=_positive_int, default=16, help="paged: tokens per KV block")
+    e.add_argument("--policy", choices=("fcfs", "priority"), default="fcfs", help="waiting-queue order")
+    e.add_argument("--preemption", choices=("recompute", "swap"), default="recompute",
+                   help="how a request gives its KV blocks back when the pool is full")
+    e.add_argument("--prefix-caching", action="store_true", help="paged: reuse cached blocks of shared prefixes")
+    e.add_argument("--speculative", default=None,
+                   help="speculative decoding: 'ngram' (prompt lookup) or a draft model's name (e.g. bierce-draft)")
+    e.add_argument("--num-speculative-tokens", type=_positive_int, default=3, help="guesses per step")
+    g = p.add_argument_group("your own pieces in the engine (notebook 12)")
+    g.add_argument("--scheduler", default=None, metavar="MODULE:CLASS", help="a Scheduler subclass")
+    g.add_argument("--kv-manager", default=None, metavar="MODULE:CLASS",
+                   help="a KV manager class, built as CLASS(num_blocks, block_size) (paged)")
+    g.add_argument("--attention", default=None, metavar="MODULE:FUNCTION",
+                   help="fn(query, key, value, meta, layer, scaling) (paged)")
+    g.add_argument("--slot-mapping", default=None, metavar="MODULE:FUNCTION",
+                   help="fn(block_tables, num_computed_tokens, num_scheduled_tokens, block_size) (paged)")
+    c = p.add_argument_group("per-request caps")
+    c.add_argument("--max-tokens-cap", type=_positive_int, default=None,
+                   help="the largest max_tokens a request may ask (default: the model's positions)")
+    c.add_argument("--default-max-tokens", type=_positive_int, default=None,
+                   help="max_tokens of a request that gives none (default: none, the field is required)")
+    c.add_argument("--max-n", type=_positive_int, default=8, help="most choices (n x prompts) in one request")
+    c.add_argument("--max-body-bytes", type=_positive_int, default=1 << 20, help="largest request body")
+    c.add_argument("--max-in-flight", type=_positive_int, default=512,
+                   help="requests (choices) queued or running at once; more get 503")
+    n = p.add_argument_group("the network's limits")
+    n.add_argument("--header-timeout", type=_positive_float, default=10.0,
+                   help="seconds a connection has to send a request's headers; slower ones get 408 and are closed")
+    n.add_argument("--body-timeout", type=_positive_float, default=30.0,
+                   help="seconds a request's body may take to arrive; slower ones get 408")
+    n.add_argument("--max-connections", type=_positive_int, default=1024,
+                   help="open connections at once; one more gets 503 and is closed")
+    n.add_argument("--max-live-listeners", type=_positive_int, default=16,
+                   help="live-view pages streaming at once; one more gets 503")
+    p.add_argument("--drain-timeout", type=_positive_float, default=5.0,
+                   help="on SIGTERM, seconds in-flight requests may take to finish before they are aborted")
+    p.add_argument("--startup-timeout", type=_positive_float, default=300.0,
+                   help="seconds the engine cores may take to load the model")
+    p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--fault-injection", action="store_true", help=argparse.SUPPRESS)  # tests: cbteach_fail_after
+    return p

@@ -1,0 +1,124 @@
+"""``python -m cbteach serve`` as a user runs it, a process with its engine core beside it: the port it
+announces, a port in use, SIGTERM mid-load, a killed engine core, a killed server.
+
+Every process started here is killed in a ``finally`` (:class:`serverkit.Served`); every wait is bounded.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+psutil = pytest.importorskip("psutil")
+pytest.importorskip("fastapi", reason="the serve extra is not installed (pip install 'cbteach[serve]')")
+pytest.importorskip("zmq", reason="the serve extra is not installed (pip install 'cbteach[serve]')")
+pytest.importorskip("msgspec", reason="the serve extra is not installed (pip install 'cbteach[serve]')")
+
+from serverkit import WAIT_S, Served, wait_for  # noqa: E402
+
+LONG = {"prompt": "CYNIC, n.", "max_tokens": 3000, "ignore_eos": True}
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def stream_events(url, body, started: threading.Event, out: list):
+    """A streamed request in a thread: every data line's JSON (or "[DONE]") into ``out``."""
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=WAIT_S) as r:
+        out.append(r.status_code)
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                out.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+                started.set()
+    started.set()
+
+
+def background(target, *args) -> threading.Thread:
+    t = threading.Thread(target=target, args=args, daemon=True)
+    t.start()
+    return t
+
+
+def whole(url, body, out: list):
+    try:
+        r = httpx.post(url + "/v1/completions", json=body, timeout=WAIT_S)
+        out.append((r.status_code, r.json()))
+    except httpx.HTTPError as err:
+        out.append((None, repr(err)))
+
+
+def test_port_zero_announces_its_port_and_sigterm_drains_then_stops_both_processes(tmp_path):
+    with Served(["--drain-timeout", "5"], tmp_path / "serve.log") as s:
+        assert not s.url.endswith(":0") and httpx.get(s.url + "/health", timeout=WAIT_S).status_code == 200
+        cores = s.core_pids()
+        assert len(cores) == 1
+        long_events, short_events, cut = [], [], []
+        long_started, short_started = threading.Event(), threading.Event()
+        threads = [background(stream_events, s.url, LONG, long_started, long_events),
+                   background(whole, s.url, LONG, cut)]
+        assert long_started.wait(WAIT_S)
+        threads.append(background(stream_events, s.url, {"prompt": "BORE, n.", "max_tokens": 5}, short_started,
+                                  short_events))
+        assert short_started.wait(WAIT_S)
+        assert s.stop() == 0, s.text()[-3000:]  # SIGTERM: drain, abort what is left, stop the core, exit 0
+        for t in threads:
+            t.join(WAIT_S)
+        # the short answer finished within the drain; the long stream was cut with an error event, not a finish_reason
+        assert short_events[-1] == "[DONE]" and short_events[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+        assert long_events[-1] == "[DONE]" and long_events[-2]["error"]["code"] == "aborted", long_events[-3:]
+        assert all(e["choices"][0]["finish_reason"] is None for e in long_events[1:-2])
+        status, body = cut[0]  # the whole answer cut by shutdown: an error status, not a 200 that pretends
+        assert status == 503 and body["error"]["code"] == "aborted"
+        wait_for(lambda: all(gone(p) for p in cores), "the engine core to exit")
+        assert "Traceback" not in s.text()
+
+
+def test_a_port_in_use_fails_before_anything_starts(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        r = subprocess.run([sys.executable, "-m", "cbteach", "serve", "--port", str(port)], capture_output=True,
+                           text=True, timeout=WAIT_S * 2, env=env)
+    assert r.returncode == 2
+    assert "cannot start" in r.stderr and f"127.0.0.1:{port}" in r.stderr and "in use" in r.stderr
+    assert "serving" not in r.stderr and "engine core" not in r.stderr
+
+
+def test_a_killed_engine_core_fails_its_requests_turns_health_red_and_the_server_exits_non_zero(tmp_path):
+    with Served([], tmp_path / "serve.log") as s:
+        (core,) = s.core_pids()
+        events, cut, started = [], [], threading.Event()
+        threads = [background(stream_events, s.url, LONG, started, events), background(whole, s.url, LONG, cut)]
+        assert started.wait(WAIT_S)
+        wait_for(lambda: httpx.get(s.url + "/metrics", timeout=WAIT_S).text.count(
+            'num_requests_running{model_name="bierce",engine="0"} 2'), "both requests to be running")
+        os.kill(core, signal.SIGKILL)
+        for t in threads:
+            t.join(WAIT_S)
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_dead", events[-3:]
+        assert "engine core 0" in events[-2]["error"]["message"]
+        assert cut[0][0] == 503 and cut[0][1]["error"]["code"] == "engine_dead"
+        health = httpx.get(s.url + "/health", timeout=WAIT_S)  # (it answers for a moment before it exits)
+        assert health.status_code == 503 and "engine core 0" in health.json()["error"]["message"]
+        assert s.proc.wait(WAIT_S) == 1
+        assert "engine core 0" in s.text()
+
+
+def test_engine_cores_never_outlive_a_killed_server(tmp_path):
+    with Served(["--data-parallel-size", "2"], tmp_path / "serve.log") as s:
+        cores = s.core_pids()
+        assert len(cores) == 2
+        s.proc.kill()  # SIGKILL: no drain, no goodbye
+        s.proc.wait(WAIT_S)
+        wait_for(lambda: all(gone(p) for p in cores), "the orphaned engine cores to exit by themselves")

@@ -1,0 +1,110 @@
+"""What an operator found when trying the server, each fixed: the API key guards every route but /health (the
+live view takes it once, as /?key=, then by cookie), live-view listeners are capped, slow clients are cut off
+(headers, body) and connections are capped; a request the KV pool can never hold is refused by the core."""
+import socket
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi", reason="the serve extra is not installed (pip install 'cbteach[serve]')")
+pytest.importorskip("zmq", reason="the serve extra is not installed (pip install 'cbteach[serve]')")
+pytest.importorskip("msgspec", reason="the serve extra is not installed (pip install 'cbteach[serve]')")
+
+from serverkit import WAIT_S  # noqa: E402
+
+from cbteach.serving.server import ServerThread  # noqa: E402
+
+KEY = "sesame"
+OK = {"Authorization": f"Bearer {KEY}"}
+HEADER_TIMEOUT, BODY_TIMEOUT, MAX_CONNECTIONS = 2, 1, 6
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerThread(["--port", "0", "--api-key", KEY, "--num-blocks", "4", "--max-live-listeners", "2",
+                      "--header-timeout", str(HEADER_TIMEOUT), "--body-timeout", str(BODY_TIMEOUT),
+                      "--max-connections", str(MAX_CONNECTIONS)]).start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def host_port(server):
+    host, port = server.url.rsplit("/", 1)[1].rsplit(":", 1)
+    return host, int(port)
+
+
+def test_the_api_key_guards_every_route_but_health(server):
+    body = {"prompt": "x", "max_tokens": 2}
+    routes = [("POST", "/v1/completions"), ("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/"),
+              ("GET", "/live/steps"), ("GET", "/live/events")]
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        for method, path in routes:
+            r = httpx.request(method, server.url + path, json=body, headers=headers, timeout=WAIT_S)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, headers)
+    assert httpx.post(server.url + "/v1/completions", json=body, headers=OK, timeout=WAIT_S).status_code == 200
+    assert httpx.get(server.url + "/v1/models", headers=OK, timeout=WAIT_S).json()["data"][0]["id"] == "bierce"
+    assert "cbteach:num_requests_running" in httpx.get(server.url + "/metrics", headers=OK, timeout=WAIT_S).text
+    assert httpx.get(server.url + "/health", timeout=WAIT_S).status_code == 200
+    assert httpx.get(server.url + "/?key=wrong", timeout=WAIT_S).status_code == 401
+    with httpx.Client(base_url=server.url, timeout=WAIT_S) as browser:  # a browser: no headers, a cookie
+        page = browser.get(f"/?key={KEY}")
+        assert page.status_code == 200 and "EventSource" in page.text
+        assert browser.get("/live/steps").status_code == 200  # the cookie the page got
+        assert browser.get("/metrics").status_code == 401  # the cookie is for the live view only
+        assert browser.post("/v1/completions", json=body).status_code == 401
+
+
+def test_a_request_the_pool_can_never_hold_is_refused_by_the_engine_core(server):
+    too_big = {"prompt": "x y", "max_tokens": 64}  # 66 tokens; the pool holds 4 blocks of 16
+    r = httpx.post(server.url + "/v1/completions", json=too_big, headers=OK, timeout=WAIT_S)
+    assert r.status_code == 400 and "KV" in r.json()["error"]["message"] and "'r" not in r.json()["error"]["message"]
+
+
+def test_live_view_listeners_are_capped(server):
+    with httpx.Client(base_url=server.url, headers=OK, timeout=WAIT_S) as c:
+        with c.stream("GET", "/live/events") as a, c.stream("GET", "/live/events") as b:
+            assert a.status_code == b.status_code == 200
+            third = c.get("/live/events")
+            assert third.status_code == 503 and third.json()["error"]["code"] == "too_many_listeners"
+        deadline = time.monotonic() + WAIT_S
+        while len(server.frontend.hub.listeners) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the two pages closed: their places are free again
+        with c.stream("GET", "/live/events") as again:
+            assert again.status_code == 200
+
+
+def test_slow_headers_are_cut_off_and_connections_are_capped(server):
+    host, port = host_port(server)
+    slow = socket.create_connection((host, port), timeout=WAIT_S)
+    try:
+        slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # ... and the rest never comes
+        t = time.monotonic()
+        reply = slow.recv(4096)
+        assert reply.startswith(b"HTTP/1.1 408") and b"--header-timeout" in reply
+        assert time.monotonic() - t < WAIT_S and slow.recv(4096) == b""  # closed
+    finally:
+        slow.close()
+    idle = [socket.create_connection((host, port), timeout=WAIT_S) for _ in range(MAX_CONNECTIONS)]
+    try:
+        extra = socket.create_connection((host, port), timeout=WAIT_S)
+        try:
+            reply = extra.recv(4096)
+            assert reply.startswith(b"HTTP/1.1 503") and b"too_many_connections" in reply
+        finally:
+            extra.close()
+    finally:
+        for s in idle:
+            s.close()
+    assert httpx.get(server.url + "/health", timeout=WAIT_S).status_code == 200  # the server is fine
+
+
+def test_a_body_that_never_arrives_gets_408(server):
+    host, port = host_port(server)
+    with socket.create_connection((host, port), timeout=WAIT_S) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+                  b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\":")
+        reply = s.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive" in reply

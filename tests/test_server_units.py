@@ -1,0 +1,208 @@
+"""The API server's parts without a server: the incremental detokenizer, the prompt checks, the messages to and
+from the engine cores, the output processor's bookkeeping, the coalesced stream writes, and the metrics."""
+import asyncio
+import random
+
+import pytest
+
+pytest.importorskip("msgspec", reason="the serve extra is not installed (pip install 'cbteach[serve]')")
+
+from cbteach.serving import core_messages as msg  # noqa: E402
+from cbteach.serving import openai_protocol as proto  # noqa: E402
+from cbteach.serving.detokenizer import IncrementalDetokenizer  # noqa: E402
+from cbteach.serving.output_processor import OutputProcessor, RequestState  # noqa: E402
+from cbteach.serving.server_metrics import ServerMetrics, parse  # noqa: E402
+from cbteach.serving.tokenization import PromptChecker  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tok(bierce):
+    return bierce[1]
+
+
+@pytest.fixture(scope="module")
+def spm_like():
+    """A SentencePiece-style tokenizer (Metaspace "▁" spaces, byte fallback), trained here in a moment."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from cbteach.bierce.corpus import headword_prompts
+
+    t = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    t.pre_tokenizer = pre_tokenizers.Metaspace()
+    t.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace()])
+    bytes_ = [f"<0x{i:02X}>" for i in range(256)]
+    t.train_from_iterator([p + " to be or not, é ü ß — ok" for p in headword_prompts(200)] * 3,
+                          trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "</s>", *bytes_]))
+    return PreTrainedTokenizerFast(tokenizer_object=t, eos_token="</s>", unk_token="<unk>")
+
+
+def stream(tokenizer, ids, stop=(), seed=0):
+    """Feed ``ids`` in random step sizes; the pieces sent and the detokenizer."""
+    rng, d, pieces, i = random.Random(seed), IncrementalDetokenizer(tokenizer, stop), [], 0
+    while i < len(ids) and not d.stopped:
+        k = rng.choice([1, 1, 1, 2, 3])
+        pieces.append(d.add(ids[i:i + k]))
+        i += k
+    pieces.append(d.finish())
+    return pieces, d
+
+
+@pytest.mark.parametrize("which", ["bierce", "spm_like"])
+def test_incremental_text_adds_up_to_one_full_decode(request, which):
+    tokenizer = request.getfixturevalue("tok" if which == "bierce" else which)
+    rng = random.Random(1)
+    for trial in range(150):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 120))]
+        pieces, _ = stream(tokenizer, ids, seed=trial)
+        assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True), (which, ids)
+
+
+def test_a_text_answer_streams_its_characters_whole(spm_like):
+    ids = spm_like("to be or not, é ü ß — ok")["input_ids"]
+    pieces, _ = stream(spm_like, ids)
+    assert "".join(pieces) == spm_like.decode(ids, skip_special_tokens=True)
+    assert not any("\ufffd" in p for p in pieces)  # a character split over byte tokens waits for its last byte
+
+
+def test_detokenizing_is_linear_not_quadratic(tok):
+    rng = random.Random(2)
+    ids = [rng.randrange(len(tok)) for _ in range(2000)]
+    d = IncrementalDetokenizer(tok)
+    for t in ids:
+        d.add([t])
+    assert d.num_decoded_tokens < 15 * len(ids)  # re-decoding every answer every step: 2,001,000
+
+
+def test_stop_strings_cut_the_text_where_a_full_decode_would(tok):
+    rng = random.Random(3)
+    for trial in range(100):
+        ids = [rng.randrange(len(tok)) for _ in range(60)]
+        full = tok.decode(ids, skip_special_tokens=True)
+        if len(full) < 12:
+            continue
+        at = rng.randrange(2, len(full) - 6)
+        stop = full[at:at + rng.randint(1, 5)]
+        pieces, d = stream(tok, ids, stop=(stop, "NEVER-THERE"), seed=trial)
+        text = "".join(pieces)
+        assert text == full[:full.index(stop)] and d.stopped
+        assert all(stop not in "".join(pieces[:k + 1]) for k in range(len(pieces)))  # never sent, even in part
+        assert d.num_decoded_tokens < 15 * len(ids)
+
+
+class CountingTokenizer:
+    def __init__(self, tok):
+        self.tok, self.calls = tok, 0
+        self.backend_tokenizer = getattr(tok, "backend_tokenizer", None)
+
+    def __call__(self, text, **kw):
+        self.calls += 1
+        return self.tok(text, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+
+def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(tok):
+    counting = CountingTokenizer(tok)
+    checker = PromptChecker(counting, max_positions=4096, vocab_size=len(tok))
+    try:
+        with pytest.raises(proto.APIError) as err:
+            asyncio.run(checker.to_ids("a" * 900_000, 4))
+        assert err.value.status == 400 and err.value.code == "context_length_exceeded" and counting.calls == 0
+        assert asyncio.run(checker.to_ids("CYNIC, n.", 4)) == tok("CYNIC, n.")["input_ids"] and counting.calls == 1
+        long_but_possible = "q. " * 3000  # could fit by its length; it has 9,000 tokens
+        assert len(long_but_possible) <= (4096 - 4) * checker.max_chars_per_token
+        with pytest.raises(proto.APIError, match="9000 tokens"):
+            asyncio.run(checker.to_ids(long_but_possible, 4))  # tokenized in the worker thread, then refused
+        assert counting.calls == 2
+        with pytest.raises(proto.APIError, match="vocabulary"):
+            asyncio.run(checker.to_ids([1, len(tok)], 4))
+    finally:
+        checker.close()
+
+
+def test_messages_round_trip_compactly():
+    out = msg.StepOutputs(core=1, step=7, t=0.5, outputs=[msg.SeqOutput(f"r{i}", [100 + i], i, "decode", 1)
+                                                          for i in range(16)],
+                          finished=[msg.Finished("r3", "error", "sampling failed")], accepted=["r20"])
+    data = msg.encoder.encode(out)
+    assert msg.output_decoder.decode(data) == out
+    assert len(data) < 400  # array-like structs: no field names on the wire
+    add = msg.AddRequest("r9", [1, 2, 3], 16, seed=4)
+    assert msg.input_decoder.decode(msg.encoder.encode(add)) == add
+    with pytest.raises(msgspec_errors()):
+        msg.input_decoder.decode(msg.encoder.encode(out))  # an output is not an input
+
+
+def msgspec_errors():
+    import msgspec
+
+    return msgspec.ValidationError
+
+
+def state(rid, tok, queue, prompt=(1, 2, 3), max_tokens=10, stop=(), index=0):
+    return RequestState(rid, list(prompt), max_tokens, IncrementalDetokenizer(tok, stop), queue, index)
+
+
+def test_the_output_processor_keeps_each_cores_load_and_ends_requests_once(tok):
+    async def go():
+        q = asyncio.Queue()
+        p = OutputProcessor(metrics=ServerMetrics("m", 2))
+        p.load = [0, 0]
+        aborted = []
+        p.abort_in_core = lambda st: aborted.append(st.request_id)
+        a, b = state("a", tok, q), state("b", tok, q, stop=(tok.decode([300]),), index=1)
+        p.add(a, 0)
+        p.add(b, 1)
+        assert p.load == [13, 13]  # prompt + max_tokens each
+        p.process(msg.StepOutputs(core=0, step=0, t=0, accepted=["a"], outputs=[msg.SeqOutput("a", [200])]))
+        assert p.load == [9, 13]  # a's prompt is computed, one of its ten tokens made
+        p.process(msg.StepOutputs(core=1, step=0, t=0, accepted=["b"], outputs=[msg.SeqOutput("b", [300])]))
+        assert aborted == ["b"] and "b" not in p.states and p.load == [9, 0]  # its stop string: dropped in the core
+        p.process(msg.StepOutputs(core=0, step=1, t=0, outputs=[msg.SeqOutput("a", [201])],
+                                  finished=[msg.Finished("a", "length")]))
+        p.process(msg.StepOutputs(core=0, step=2, t=0, finished=[msg.Finished("a", "length")]))  # (late: ignored)
+        assert p.load == [0, 0] and not p.states
+        events = [q.get_nowait() for _ in range(q.qsize())]
+        finishes = [(i, e[1]) for i, e in events if e[0] == "finish"]
+        assert sorted(finishes) == [(0, "length"), (1, "stop")]
+        return parse(p.metrics.render())
+
+    m = asyncio.run(go())
+    assert m['cbteach:request_success_total{model_name="m",finished_reason="stop"}'] == 1
+    assert m['cbteach:request_success_total{model_name="m",finished_reason="length"}'] == 1
+
+
+def test_a_stream_that_fell_behind_writes_what_waits_in_one_send(tok):
+    from cbteach.serving.server_app import Run
+
+    class Client:
+        def abort(self, st):
+            st.done = True
+
+    fe = type("FE", (), {"client": Client()})()
+    req = proto.parse_completion({"prompt": "x", "max_tokens": 5, "stream": True}, proto.Limits("bierce", 100))
+
+    async def go():
+        run = Run(req, fe, created=0.0)
+        run.states, run.finished, run.early = [state("r", tok, run.queue)], [None], []
+        for word in ("a", "b", "c"):
+            run.queue.put_nowait((0, ("delta", word, [1])))
+        run.queue.put_nowait((0, ("finish", "length", 3, None)))
+        return [part async for part in run.sse()]
+
+    writes = asyncio.run(go())
+    assert len(writes) == 2 and writes[0].count("data: ") == 4 and writes[1] == "data: [DONE]\n\n"
+
+
+def test_failures_are_not_counted_as_successes():
+    m = ServerMetrics("m")
+    st = type("S", (), {"created": 0.0, "prompt_ids": [1]})()
+    for reason in ("eos", "length", "abort", "error", "dead"):
+        m.finished(st, reason, 1.0)
+    got = parse(m.render())
+    assert got['cbteach:request_success_total{model_name="m",finished_reason="stop"}'] == 1
+    assert got['cbteach:request_failure_total{model_name="m",reason="abort"}'] == 1
+    assert got['cbteach:request_failure_total{model_name="m",reason="error"}'] == 2
+    assert got['cbteach:e2e_request_latency_seconds_count{model_name="m"}'] == 2
