@@ -206,3 +206,43 @@ def test_failures_are_not_counted_as_successes():
     assert got['cbteach:request_failure_total{model_name="m",reason="abort"}'] == 1
     assert got['cbteach:request_failure_total{model_name="m",reason="error"}'] == 2
     assert got['cbteach:e2e_request_latency_seconds_count{model_name="m"}'] == 2
+
+
+@pytest.mark.parametrize("kv", ["paged", "concat"])
+def test_an_injected_fault_fails_that_request_alone(bierce, kv):
+    """The fault injector the tests' servers use: paged, a real failure in the forward pass (the engine reruns the
+    step one by one and ends only the marked request); concat, the request ended as such a failure would end it."""
+    from cbteach import Engine, Request
+    from cbteach.serving.faults import FaultInjector
+
+    model, tok = bierce
+    with Engine(model, tok, max_batch_size=4, kv=kv, keep_records=False) as eng:
+        faults = FaultInjector(eng)
+        for rid, prompt in (("a", "CYNIC, n."), ("b", "BORE, n."), ("c", "ALONE, adj.")):
+            eng.add_request(Request(prompt, 12, request_id=rid))
+        faults.add("b", 3)
+        ended = {}
+        for _ in range(40):
+            if not eng.has_unfinished():
+                break
+            record = eng.step()
+            outputs = [msg.SeqOutput(s.request_id, list(s.new_token_ids)) for s in record.seqs]
+            for f in faults.after_step(outputs, eng.abort):
+                ended[f.request_id] = (f.finish_reason, f.error)
+            for rid in record.finished:
+                ended[rid] = (eng.sequences[rid].finish_reason, eng.sequences[rid].error)
+        assert ended["b"][0] == "error" and "fault injected" in ended["b"][1]
+        if kv == "paged":
+            assert len(eng.sequences["b"].output_ids) == 3  # it failed at its fourth token's forward pass
+        for rid, prompt in (("a", "CYNIC, n."), ("c", "ALONE, adj.")):
+            x = torch_ids(tok, prompt)
+            want = model.generate(x, attention_mask=x.new_ones(x.shape), do_sample=False, max_new_tokens=12,
+                                  pad_token_id=0)[0, x.shape[1]:].tolist()
+            assert eng.sequences[rid].output_ids == want and ended[rid][0] in ("eos", "length")
+        assert eng.kv_usage().get("num_used_blocks", 0) == 0
+
+
+def torch_ids(tok, text):
+    import torch
+
+    return torch.tensor([tok(text)["input_ids"]])

@@ -20,7 +20,8 @@ What the loop also does, as a server's core must:
 * **requests that fail alone end alone**: the engine ends a request whose sampling or model call
   failed with ``finish_reason="error"`` (its neighbours go on, exactly); that becomes a
   :class:`~.core_messages.Finished` with the error, and the API server answers that request --
-  only that one -- with an error;
+  only that one -- with an error (``serve --fault-injection`` makes such failures for the tests:
+  :mod:`.faults`);
 * **an engine that fails as a whole** (a broken rule, a bug) sends :class:`~.core_messages.Dead`
   and exits non-zero: nothing is left running in a state nobody can trust;
 * **it never outlives its API server**: it checks its parent every loop, and exits when it is gone;
@@ -44,6 +45,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from . import core_messages as msg
+from .faults import FaultInjector
 
 IDLE_POLL_MS = 200  # how long an idle core waits for a message before it checks on its parent
 PIECES = {"scheduler": "scheduler_cls", "kv_manager": "kv_manager", "attention": "attention",
@@ -122,11 +124,9 @@ class EngineCore:
         self.t0 = time.perf_counter()
         self.accepted: list = []
         self.rejected: list = []
-        self.faults: dict = {}  # request id -> tokens after which it fails (fault injection)
-        self.counts: dict = {}  # request id -> tokens so far, for the faults above
         self.changed = False  # an abort (or an admission) changed the counts since the last message
         self.stopping = False
-        self.fail_request = _engine_fault_seam() if spec.fault_injection else None
+        self.faults = FaultInjector(engine) if spec.fault_injection else None  # tests only
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> None:
@@ -178,9 +178,8 @@ class EngineCore:
             self.rejected.append((m.request_id, str(err)))
             return
         self.accepted.append(m.request_id)
-        if m.fail_after is not None and self.spec.fault_injection:
-            self.faults[m.request_id] = m.fail_after
-            self.counts[m.request_id] = 0
+        if m.fail_after is not None and self.faults is not None:
+            self.faults.add(m.request_id, m.fail_after)
 
     def _abort(self, rid: str) -> None:
         seq = self.engine.sequences.get(rid)
@@ -193,8 +192,8 @@ class EngineCore:
         """A long-running server must not keep every request it ever served."""
         self.engine.sequences.pop(rid, None)
         self.engine.completions.pop(rid, None)
-        self.faults.pop(rid, None)
-        self.counts.pop(rid, None)
+        if self.faults is not None:
+            self.faults.forget(rid)
 
     def _step(self) -> None:
         t = time.perf_counter()
@@ -212,29 +211,9 @@ class EngineCore:
             seq = self.engine.sequences[rid]
             finished.append(msg.Finished(rid, seq.finish_reason, getattr(seq, "error", None)))
             self._forget(rid)
-        finished += self._inject_faults(outputs)
+        if self.faults is not None:
+            finished += self.faults.after_step(outputs, self._abort)
         self._send(self.engine.num_steps - 1, outputs, finished, list(record.admitted), list(record.preempted))
-
-    def _inject_faults(self, outputs) -> list:
-        """Fault injection for tests (``serve --fault-injection``): a request asked to fail after k tokens
-        fails at its next sample. With the engine's own seam (``cbteach.engine.faults.fail_request``) the
-        failure happens inside the engine's step; without it, the loop ends the request as such a failure
-        would -- alone, its blocks freed, ``finish_reason="error"`` -- and its neighbours go on."""
-        failed = []
-        for o in outputs:
-            if o.request_id not in self.faults:
-                continue
-            before = self.counts[o.request_id]
-            self.counts[o.request_id] += len(o.new_token_ids)
-            limit = self.faults[o.request_id]
-            if self.fail_request is not None and self.counts[o.request_id] >= limit:
-                self.fail_request(self.engine, o.request_id)  # the engine fails it at its next sample
-                self.faults.pop(o.request_id)
-            elif self.fail_request is None and self.counts[o.request_id] > limit:
-                o.new_token_ids = o.new_token_ids[:limit - before]
-                self._abort(o.request_id)
-                failed.append(msg.Finished(o.request_id, "error", "sampling failed (a fault injected for tests)"))
-        return failed
 
     def _send(self, step: int, outputs, finished, admitted, preempted) -> None:
         t = time.perf_counter()
@@ -258,14 +237,6 @@ class EngineCore:
         if isinstance(free, int) and self.stats.kv_total:
             return self.stats.kv_total - free
         return int(self.engine.kv_usage().get("num_used_blocks") or 0)
-
-
-def _engine_fault_seam():
-    """The engine's fault-injection seam, ``cbteach.engine.faults.fail_request``, if this engine has one."""
-    try:
-        return importlib.import_module("cbteach.engine.faults").fail_request
-    except (ImportError, AttributeError):
-        return None
 
 
 def run_engine_core(spec: CoreSpec) -> int:
