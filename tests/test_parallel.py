@@ -8,7 +8,6 @@ nothing is left running. Every engine is closed in ``finally``.
 import os
 import signal
 import time
-from dataclasses import fields
 
 import pytest
 import torch
@@ -16,7 +15,6 @@ from conftest import EOS, reference, tiny_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from cbteach import Engine
-from cbteach.core.config import EngineConfig
 from cbteach.core.request import Request
 from cbteach.parallel import tp as tp_module
 from cbteach.parallel.procs import WorkerDied
@@ -24,22 +22,15 @@ from cbteach.parallel.shard import layout_for, shard_tensors
 from cbteach.parallel.tp import TensorParallelRunner
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [3] * 13, [11, 12], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49], [6]]
-HAS_TP_OPTION = "tensor_parallel_size" in {f.name for f in fields(EngineConfig)}
 
 
 def tp_engine(model, tokenizer=None, n=2, **options):
-    """``Engine(..., tensor_parallel_size=n)`` -- through the engine's option once it has one, else by
-    giving a fresh engine the tensor-parallel runner (what make_runner will do)."""
     options.setdefault("kv", "paged")
-    if HAS_TP_OPTION:
-        return Engine(model, tokenizer, tensor_parallel_size=n, **options)
-    eng = Engine(model, tokenizer, **options)
-    eng.runner = TensorParallelRunner(eng.runner.model, eng.info, eng.kv, eng.config, tensor_parallel_size=n)
-    return eng
+    return Engine(model, tokenizer, tensor_parallel_size=n, **options)
 
 
 def close(eng):
-    eng.runner.close()
+    eng.close()
 
 
 def requests(max_new=10):
@@ -60,6 +51,7 @@ def test_tokens_equal_generate_and_single_process(arch):
         torch.testing.assert_close(eng.runner.last_logits[0], expected, atol=1e-4, rtol=1e-4)
         outs = eng.run(requests())
         comm, memory, procs = list(eng.runner.comm_log), eng.runner.memory, list(eng.runner.group.procs)
+        records = [r for r in eng.records if r.seqs]
     finally:
         close(eng)
         close(eng)  # idempotent
@@ -73,6 +65,8 @@ def test_tokens_equal_generate_and_single_process(arch):
     # hidden states (tokens x hidden x 4 bytes in fp32).
     assert all(c["all_reduces"] == 2 * layout.num_layers for c in comm)
     assert all(c["all_reduce_bytes"] == 2 * layout.num_layers * c["num_tokens"] * hidden * 4 for c in comm)
+    assert all(r.num_all_reduces == 2 * layout.num_layers for r in records)  # in the step records too
+    assert all(r.all_reduce_bytes == 2 * layout.num_layers * r.num_tokens * hidden * 4 for r in records)
     full = sum(p.numel() * 4 for p in model.parameters())
     assert all(m["weight_bytes"] < full for m in memory)
     assert [m["q_heads"] for m in memory] == [[0, 1], [2, 3]]
@@ -130,8 +124,7 @@ def no_processes(monkeypatch):
 
 def _runner(model, n, **opts):
     opts.setdefault("kv", "paged")
-    eng = Engine(model, None, max_batch_size=2, **opts)
-    return TensorParallelRunner(eng.runner.model, eng.info, eng.kv, eng.config, tensor_parallel_size=n)
+    return Engine(model, None, max_batch_size=2, tensor_parallel_size=n, **opts)
 
 
 def _llama(heads, kv_heads, hidden=48):
@@ -146,8 +139,8 @@ def _llama(heads, kv_heads, hidden=48):
     (lambda: tiny_model("gpt2"), 8, "more ranks than the model's 4 attention heads"),
     (lambda: _llama(12, 4), 6, "multiple of 4"),  # 4 KV heads, 6 ranks: cannot replicate evenly
     (lambda: _llama(12, 6), 4, "6 KV heads do not divide among 4"),
-    (lambda: tiny_model("llama"), 0, "tensor_parallel_size must be an int >= 1"),
-    (lambda: tiny_model("llama"), True, "tensor_parallel_size must be an int >= 1"),
+    (lambda: tiny_model("llama"), 0, "tensor_parallel_size"),
+    (lambda: tiny_model("llama"), True, "tensor_parallel_size"),
 ])
 def test_bad_layouts_refused(no_processes, model, n, match):
     with pytest.raises(ValueError, match=match):

@@ -23,7 +23,7 @@ import weakref
 
 import torch.multiprocessing as torch_mp
 
-from ..errors import EngineRuleError
+from ..errors import EngineDeadError
 from .worker import recv, send, worker_main
 
 
@@ -38,7 +38,7 @@ def _context(start_method: str):
     return ctx
 
 
-class WorkerDied(EngineRuleError):
+class WorkerDied(EngineDeadError):
     """A tensor-parallel rank died or failed: the group cannot go on, so the engine stops."""
 
 
