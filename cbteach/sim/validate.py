@@ -118,7 +118,7 @@ def _spec(run: dict) -> RunSpec:
 # -- fitting ---------------------------------------------------------------------------------------
 def fit_cpu(runs: list[dict], model="bierce", iterations: int = 30) -> Device:
     """The device ``"cpu"``: step overhead, per-sequence overhead, effective FLOP/s and bytes/s that
-    best predict the measured step durations of ``runs`` (least squares on relative error), in the
+    best predict the measured step durations of ``runs`` (least absolute relative error), in the
     roofline form ``overhead + S x per_seq + max(flops / F, bytes / B)``. The max makes the fit
     piecewise linear: each step is assigned to the side of the roofline it is on, the four numbers are
     refitted, and again, until the assignment stops changing."""
@@ -136,7 +136,7 @@ def fit_cpu(runs: list[dict], model="bierce", iterations: int = 30) -> Device:
     for _ in range(iterations):
         c = compute_side[:, None]
         x = np.column_stack([np.ones(len(t)), f[:, 0], np.where(c, f[:, 1:3], 0.0), np.where(compute_side, 0.0, f[:, 3])])
-        coef = np.clip(np.linalg.lstsq(x / t[:, None], np.ones(len(t)), rcond=None)[0], 1e-15, None)
+        coef = _robust_fit(x / t[:, None])
         new_side = f[:, 1] * coef[2] + f[:, 2] * coef[3] >= f[:, 3] * coef[4]
         if (new_side == compute_side).all():
             break
@@ -146,6 +146,19 @@ def fit_cpu(runs: list[dict], model="bierce", iterations: int = 30) -> Device:
                   attn_flops=1.0 / coef[3], dtype_bytes=4,
                   source=f"fitted on {sum(len(r['steps']) for r in runs)} measured steps of bierce "
                          f"({', '.join(r['spec']['name'] for r in runs)})")
+
+
+def _robust_fit(x: np.ndarray, rounds: int = 30) -> np.ndarray:
+    """Coefficients ``c >= 0`` with ``x @ c`` close to 1 in the least-absolute-deviation sense
+    (iteratively reweighted least squares): a step slowed down by other work on the machine is an
+    outlier, and an absolute-error fit lets a few of them pull far less than a squared-error fit."""
+    w = np.ones(len(x))
+    coef = np.zeros(x.shape[1])
+    for _ in range(rounds):
+        sw = np.sqrt(w)[:, None]
+        coef = np.clip(np.linalg.lstsq(x * sw, sw[:, 0], rcond=None)[0], 1e-15, None)
+        w = 1.0 / np.maximum(np.abs(x @ coef - 1.0), 1e-3)
+    return coef
 
 
 # -- predicting --------------------------------------------------------------------------------------

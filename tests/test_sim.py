@@ -1,0 +1,173 @@
+"""The simulator (cbteach.sim): the engine's own scheduler on a cost model, validated and used.
+
+The first test is the one the rest stand on: with the same step time, a simulated run and the real
+engine (a real model, the engine's clock simulated) take the same steps and give every request the
+same TTFT and TPOT -- the simulator *is* the engine's scheduler, only the forward pass is replaced.
+"""
+import json
+import math
+
+import numpy as np
+import pytest
+from conftest import sim_clock, tiny_model
+
+from cbteach import Engine
+from cbteach.core.request import Request
+from cbteach.sim import CostModel, get_device, get_model, shape_from_config, simulate, synthetic_workload
+from cbteach.sim.capacity import Deployment, cost_per_million_tokens, gpus_for_users, max_rate, meets
+from cbteach.sim.static import compare_batching, simulate_static
+from cbteach.sim.validate import fit_cpu, load, predict_run, validation_report
+
+
+@pytest.mark.parametrize("budget, num_blocks", [(None, 64), (8, 64), (None, 9)])  # plain, chunked, preempting
+def test_simulated_run_is_the_engines_schedule(budget, num_blocks):
+    model = tiny_model("llama")
+    workload = synthetic_workload(10, 40.0, (3, 20), (2, 12), seed=3)
+    eng = Engine(model, None, max_batch_size=4, kv="paged", block_size=4, num_blocks=num_blocks, token_budget=budget,
+                 clock=sim_clock(0.01))
+    reqs = [Request([7] * r.prompt_len, r.output_len, request_id=r.request_id, arrival_time=r.arrival_time,
+                    ignore_eos=True) for r in workload]
+    comps = eng.run(reqs)
+    sim = simulate(workload, lambda plan: 0.01, max_batch_size=4, num_blocks=num_blocks, block_size=4,
+                   token_budget=budget)
+    engine_steps = [r.num_tokens for r in eng.records if r.seqs]
+    assert sim.step_tokens == engine_steps
+    assert sim.ttft == pytest.approx([c.first_token_time - c.arrival_time for c in comps], abs=1e-9)
+    assert sim.e2e == pytest.approx([c.token_times[-1] - c.arrival_time for c in comps], abs=1e-9)
+    if num_blocks == 9:
+        assert sim.num_preemptions > 0  # the small pool did preempt, in both
+
+
+def test_model_shapes_from_configs():
+    assert get_model("llama-3-8b").num_params == pytest.approx(8.03e9, rel=0.01)
+    assert get_model("llama-3-70b").num_params == pytest.approx(70.6e9, rel=0.01)
+    assert get_model("qwen2.5-7b").num_params == pytest.approx(7.6e9, rel=0.02)
+    assert get_model("opt-13b").num_params == pytest.approx(12.85e9, rel=0.01)
+    for arch in ("llama", "qwen2", "gpt2"):  # read as the engine reads a model
+        from cbteach.core.modelinfo import describe
+
+        model = tiny_model(arch)
+        shape, info = shape_from_config(model.config), describe(model)
+        assert (shape.num_layers, shape.num_kv_heads, shape.head_dim) == (info.num_layers, info.num_kv_heads,
+                                                                          info.head_dim)
+        weights = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "wpe" not in n)
+        assert shape.num_params == pytest.approx(weights, rel=0.01)
+    with pytest.raises(ValueError, match="unknown model"):
+        get_model("gpt-5")
+    with pytest.raises(ValueError, match="unknown device"):
+        get_device("tpu-v9")
+
+
+def test_roofline_sides_and_tensor_parallelism():
+    one = CostModel("llama-3-8b", "a100-80gb")
+    decode = one.step([1000] * 16, [1] * 16)
+    prefill = one.step([0], [4096])
+    assert decode.bound == "memory" and prefill.bound == "compute"
+    assert decode.bytes > one.weight_bytes_per_device  # the weights, plus the K/V it reads
+    two = CostModel("llama-3-8b", "a100-80gb", 2)
+    d2 = two.step([1000] * 16, [1] * 16)
+    assert two.weight_bytes_per_device == pytest.approx(one.weight_bytes_per_device / 2)
+    assert d2.comm > 0 and decode.comm == 0 and d2.comm_bytes == 2 * 32 * 16 * 4096 * 2
+    assert d2.memory < decode.memory
+    assert two.kv_capacity_tokens() > 2 * one.kv_capacity_tokens()  # half the weights each: more room left
+    assert CostModel("llama-3-70b", "h100", 16).kv_bytes_per_token_per_device == \
+        CostModel("llama-3-70b", "h100", 8).kv_bytes_per_token_per_device  # 8 KV heads: replicated past 8
+    with pytest.raises(ValueError, match="does not fit"):
+        CostModel("llama-3-70b", "a100-40gb").kv_capacity_tokens()
+    with pytest.raises(ValueError, match="do not split"):
+        CostModel("llama-3-8b", "h100", 3)
+
+
+def test_common_random_numbers_across_rates():
+    a, b = synthetic_workload(50, 1.0, seed=5), synthetic_workload(50, 4.0, seed=5)
+    assert [r.prompt_len for r in a] == [r.prompt_len for r in b]
+    assert [r.arrival_time / 4 for r in a] == pytest.approx([r.arrival_time for r in b])
+    spread = synthetic_workload(400, None, (16, 16), (16, 1536), spread="loguniform")
+    lens = [r.output_len for r in spread]
+    assert min(lens) >= 16 and max(lens) <= 1536 and np.median(lens) < 400  # log-uniform: many short ones
+
+
+def test_validation_on_held_out_runs():
+    data = load()
+    report = validation_report(data)
+    held_out = [r["spec"]["name"] for r in data["runs"] if not r["spec"]["train"]]
+    assert [p["run"] for p in report["held_out"]] == held_out and set(held_out).isdisjoint(report["train"])
+    # Fitted on the training runs only: changing a held-out run's measurements changes nothing fitted.
+    changed = json.loads(json.dumps(data))
+    for run in changed["runs"]:
+        if not run["spec"]["train"]:
+            for step in run["steps"]:
+                step["t"] *= 3
+    assert validation_report(changed)["device"] == report["device"]
+    for p in report["held_out"]:
+        assert p["simulated_steps"] > 0 and all(math.isfinite(p[k]) for k in ("step_mape", "ttft_error", "tpot_error"))
+    # The report is what the notebook and the README state (benchmarks/sim/results/validation.json).
+    from pathlib import Path
+
+    stored = json.loads((Path(__file__).parent.parent / "benchmarks/sim/results/validation.json").read_text())
+    assert stored["worst"] == pytest.approx(report["worst"], rel=1e-6)
+
+
+def test_fit_recovers_a_known_device():
+    truth = get_device("t4").with_(step_overhead=2e-3, seq_overhead=1e-4, dtype_bytes=4, mfu=1.0, mbu=1.0,
+                                   attn_flops=5e12)
+    cost = CostModel("bierce", truth)
+    rng = np.random.default_rng(0)
+    steps = []
+    for _ in range(200):
+        s = int(rng.integers(1, 12))
+        c = rng.integers(0, 2000, s).tolist()
+        n = [1] * s if rng.random() < 0.7 else rng.integers(1, 400, s).tolist()
+        steps.append({"c": c, "n": n, "t": cost.step_time(c, n)})
+    fitted = fit_cpu([{"spec": {"name": "synthetic"}, "steps": steps}])
+    pred = CostModel("bierce", fitted)
+    errors = [abs(pred.step_time(s["c"], s["n"]) - s["t"]) / s["t"] for s in steps]
+    assert max(errors) < 0.03  # steps near the ridge of the roofline may land on the other side
+    assert fitted.step_overhead == pytest.approx(2e-3, rel=0.1)
+
+
+def test_capacity_search_is_monotone_in_targets_and_rate():
+    dep = Deployment(num_requests=60, output_lens=(16, 128), prompt_lens=(64, 512))
+    caps = [max_rate(dep, ttft, tpot, bisections=5).rate for ttft, tpot in [(0.2, 0.02), (0.5, 0.03), (2.0, 0.1)]]
+    assert 0 < caps[0] <= caps[1] <= caps[2]
+    rates = [1, 2, 4, 8, 16, 32, 64]
+    p90 = [dep.run(r).quantile("ttft", 0.9) for r in rates]
+    assert all(a <= b + 1e-12 for a, b in zip(p90, p90[1:]))  # more traffic never waits less
+    met = [meets(dep.run(r), 0.5, 0.03) for r in rates]
+    assert met == sorted(met, reverse=True)  # met up to a rate, missed above it
+    assert [gpus_for_users(u, 0.05, caps[1], 2) for u in (1, 100, 1000, 5000)] == sorted(
+        gpus_for_users(u, 0.05, caps[1], 2) for u in (1, 100, 1000, 5000))
+    assert cost_per_million_tokens(dep, 2 * caps[1]) < cost_per_million_tokens(dep, caps[1])
+    with pytest.raises(ValueError, match="ttft_target"):
+        max_rate(dep, 0, 0.05)
+
+
+def test_static_vs_continuous_factors():
+    small = synthetic_workload(120, None, (64, 512), (16, 1536), seed=1, spread="loguniform")
+    rep = compare_batching("opt-13b", "a100-40gb", small)
+    f = rep["factors"]
+    assert rep["total"] == pytest.approx(f["memory"] * f["padding"] * f["waiting"])
+    assert f["memory"] > 1 and f["padding"] >= 1 and f["waiting"] > 1
+    assert rep["batch_size_static"] < rep["batch_size_paged"]
+    one = simulate_static(small[:3], CostModel("opt-13b", "a100-40gb"), 3)
+    assert len(one.step_times) == max(r.output_len for r in small[:3])  # one prefill, then the longest decode
+
+
+def test_cli(capsys):
+    from cbteach.__main__ import main
+
+    assert main(["simulate", "--json", "run", "--requests", "20", "--rate", "2", "--model", "qwen2.5-7b"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["simulated"] is True and out["requests"] == 20
+    assert main(["simulate", "models"]) == 0 and "llama-3-70b" in capsys.readouterr().out
+    assert main(["simulate", "run", "--device", "tpu"]) == 2
+    with pytest.raises(SystemExit):
+        main(["simulate", "run", "--prompt", "9,3"])
+
+
+def test_predict_run_replays_the_held_out_workload():
+    data = load()
+    device = fit_cpu([r for r in data["runs"] if r["spec"]["train"]])
+    run = next(r for r in data["runs"] if not r["spec"]["train"])
+    p = predict_run(run, device)
+    assert p["simulated_steps"] == pytest.approx(p["steps"], rel=0.1)  # the same scheduler, nearly the same steps
