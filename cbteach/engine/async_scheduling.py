@@ -62,7 +62,7 @@ class AsyncStepper:
         if self.flight is None:  # the first step, or after idling: launch one, then go on as usual
             plan, record = self._schedule()
             if not plan.seqs:
-                return e._close_record(record)
+                return e.end_record(record)
             self._launch(plan, record, self._mark_placeholders(plan), placeholders={})
         done = self.flight
         plan, record = self._schedule()  # while done's forward runs
@@ -73,19 +73,19 @@ class AsyncStepper:
             last = {s: out[-1] for s, out in zip(done["plan"].seqs, output.sampled) if out}
             # A sequence that failed in the step before has no token: any id will do, its output is dropped.
             self._launch(plan, record, expecting, placeholders={s: last.get(s, 0) for s in expecting})
-        self._update(done, output)
-        finished = e._close_record(done["record"])
+        self.apply_output(done, output)
+        finished = e.end_record(done["record"])
         if not plan.seqs and plan.preempted:  # a step that only preempted goes into the history too
-            e._close_record(record)
+            e.end_record(record)
         return finished
 
     def _schedule(self):
         e = self.engine
         start, t0 = e.now(), time.perf_counter()
         plan = e.scheduler.schedule(start)
-        if e._guard is not None:
-            e._guard.after_schedule(plan, start)
-        record = e._new_record(plan, start)
+        if e.rules is not None:
+            e.rules.after_schedule(plan, start)
+        record = e.begin_record(plan, start)
         record.timings["schedule"] = (t0, time.perf_counter())
         return plan, record
 
@@ -93,8 +93,8 @@ class AsyncStepper:
         """Finish the step in flight and update from it, launching nothing (before an abort or close)."""
         if self.flight is not None:
             done, self.flight = self.flight, None
-            self._update(done, self._wait(done))
-            self.engine._close_record(done["record"])
+            self.apply_output(done, self._wait(done))
+            self.engine.end_record(done["record"])
 
     def close(self) -> None:
         self.drain()
@@ -133,12 +133,12 @@ class AsyncStepper:
             flight["record"].timings["forward"] = (flight["launch"], time.perf_counter())
             return e.runner.execute(flight["plan"])
         flight["record"].timings["forward"] = (t0, t1)
-        e._advance_clock(flight["plan"], t1 - t0)
+        e.advance_clock(flight["plan"], t1 - t0)
         return e.runner.finish(flight["plan"], flight["prepared"])
 
-    def _update(self, flight, output) -> None:
+    def apply_output(self, flight, output) -> None:
         t0 = time.perf_counter()
         for s in flight["expecting"]:
             s.num_placeholders -= 1
-        self.engine._update(flight["plan"], output, flight["record"])
+        self.engine.apply_output(flight["plan"], output, flight["record"])
         flight["record"].timings["update"] = (t0, time.perf_counter())

@@ -1,24 +1,15 @@
 """The continuous-batching engine: iteration-level scheduling + ragged packing, one step at a time.
 
-One call to :meth:`Engine.step` is one forward pass of the model, in three calls (vLLM V1's split):
-
-1. ``plan = scheduler.schedule(now)`` -- who runs and how many tokens each feeds (Orca's refill,
-   Sarathi-Serve's chunks, PagedAttention's preemption); it ends by counting the plan as computed
-   (V1's ``_update_after_schedule``). :class:`~cbteach.engine.scheduler.Scheduler` in, a
-   :class:`~cbteach.core.scheduler_output.SchedulerOutput` out;
-2. ``output = runner.execute(plan)`` -- pack those tokens into one ``[1, total_tokens]`` row, run the
-   model once with the KV cache's help, sample (:class:`~cbteach.engine.model_runner.ModelRunner`,
-   or its tensor-parallel twin: :mod:`cbteach.engine.executor`);
-3. ``scheduler.update_from_output(plan, output, now)`` -- tokens appended, rejected guesses taken
-   back, finished requests out and their blocks freed (:mod:`cbteach.engine.update`).
-
-With ``async_scheduling=True`` step N+1 is planned while step N's forward runs
-(:mod:`cbteach.engine.async_scheduling`); the tokens are the same.
+:class:`Engine` is the :class:`~cbteach.engine.engine_core.EngineCore` (the step loop: schedule,
+execute, update -- vLLM V1's split, Orca's refill, Sarathi-Serve's chunks, PagedAttention's
+preemption) with the request API around it: :meth:`Engine.add_request`, :meth:`Engine.run`,
+:meth:`Engine.stream`, :meth:`Engine.abort`, :meth:`Engine.close`.
 
 The options are validated once into an :class:`~cbteach.core.config.EngineConfig`. The model is
 never changed: the engine runs its own view of it (:mod:`cbteach.core.model_view`), and refuses to
 go on if the model changes under it (:mod:`cbteach.engine.fingerprint`). Plug points for your own
-pieces: ``scheduler_cls``, ``kv_manager``, ``attention`` and ``slot_mapping`` (notebooks 05, 06, 12).
+pieces: ``scheduler_cls``, ``kv_manager``, ``attention`` and ``slot_mapping`` (notebooks 05, 06, 12;
+:mod:`cbteach.engine.plug`).
 
 Greedy decoding in fp32 gives token for token what per-prompt ``model.generate`` gives for plain
 greedy search; the tests check exactly that. **Time**: every time in a
@@ -29,26 +20,15 @@ since the engine was made, or simulated: :mod:`cbteach.core.clock`). An ``arriva
 """
 from __future__ import annotations
 
-import time
-
-from ..core import modelinfo
-from ..core.config import EngineConfig
-from ..core.model_view import model_view
-from ..core.records import StepRecord, fill_record, new_record
 from ..core.request import Completion, Request, Sequence, as_request_list, validate_request
-from ..errors import EngineClosedError
-from ..kv.caches import make_kv_cache
 from ..kv.manager import can_fork
-from . import async_scheduling, parallel_sampling
-from .executor import make_runner
-from .fingerprint import check_unchanged, fingerprint
-from .plug import RuleGuard, plug_pieces
-from .scheduler import Scheduler
-from .speculative import count_speculation, make_proposer, propose_for
+from . import parallel_sampling
+from .engine_core import EngineCore
+from .plug import plug_pieces
 from .streaming import StreamEvent, stream_events  # noqa: F401  (StreamEvent: part of the engine's API)
 
 
-class Engine:
+class Engine(EngineCore):
     """A small continuous-batching inference engine over a transformers causal LM.
 
     ``Engine(model, tokenizer, max_batch_size=8)`` keeps the concatenating KV cache; ``kv="paged"``
@@ -61,49 +41,6 @@ class Engine:
     history. See :class:`~cbteach.core.config.EngineConfig` for every option; use it as a context
     manager, or call :meth:`close`, to let go of its KV memory (and worker processes).
     """
-
-    def __init__(self, model, tokenizer=None, *, max_batch_size: int, kv: str = "concat",
-                 keep_records: bool = True, clock=None, scheduler_cls=None, kv_manager=None, attention=None,
-                 slot_mapping=None, **options):
-        self.config = EngineConfig.from_options(max_batch_size=max_batch_size, kv=kv, keep_records=keep_records,
-                                                **options)
-        if scheduler_cls is not None and not (isinstance(scheduler_cls, type) and issubclass(scheduler_cls, Scheduler)):
-            raise ValueError(f"scheduler_cls must be a subclass of cbteach.engine.scheduler.Scheduler, got {scheduler_cls!r}")
-        self.info = modelinfo.describe(model, tokenizer)  # refuses models the engine cannot run exactly
-        self.proposer = make_proposer(self.config.speculative, self.config.num_speculative_tokens,
-                                      vocab_size=self.info.vocab_size)
-        self.model = model  # never changed: the runner runs the engine's own view of it
-        self.tokenizer = tokenizer
-        self.kv = make_kv_cache(self.info, self.config)
-        plug_pieces(self.kv, kv_manager=kv_manager, attention=attention, slot_mapping=slot_mapping)
-        self.scheduler = (scheduler_cls or Scheduler)(self.config.scheduler, self.kv.manager,
-                                                      eos_ids=self.info.eos_ids,
-                                                      swapper=self.kv if self.kv.kind == "paged" else None)
-        self.runner = make_runner(model, model_view(model, self.kv.attn_implementation), self.info, self.kv,
-                                  self.config)
-        self.keep_records = self.config.keep_records
-        self.records: list[StepRecord] = []
-        self.completions: dict[object, Completion] = {}
-        self.sequences: dict[object, Sequence] = {}  # every sequence ever added, by id ((id, i) for samples)
-        self.groups: dict[object, list[Sequence]] = {}  # requests with n > 1 samples: id -> its samples
-        self._num_steps = 0
-        self._last_idle = True  # whether the last step did nothing at all (see wait_for_arrival)
-        self.spec_stats = {"drafted": 0, "accepted": 0, "verify_steps": 0}  # speculative decoding
-        self._t0 = time.perf_counter()
-        self.clock = clock  # None: wall time; a VirtualClock: simulated time (cbteach.core.clock)
-        self._fingerprint = fingerprint(model, tokenizer)
-        self._closed = False
-        self._guard = RuleGuard(self.scheduler, self.kv) if scheduler_cls not in (None, Scheduler) else None
-        try:
-            self._stepper = async_scheduling.AsyncStepper(self) if self.config.async_scheduling else None
-        except Exception:
-            self.runner.close()  # worker processes started for nothing
-            raise
-
-    # -- requests in -------------------------------------------------------------------------
-    def now(self) -> float:
-        """Seconds on the engine's clock (since the engine was created)."""
-        return self.clock() if self.clock is not None else time.perf_counter() - self._t0
 
     def check_request(self, request: Request, taken=()) -> list[int]:
         """Everything that can be wrong with ``request``, found before it touches the engine: raises
@@ -170,98 +107,6 @@ class Engine:
     def copy_kv_out(self, seq: Sequence) -> tuple[list, int]:
         """Host copies of the blocks holding ``seq``'s computed tokens, and their bytes (paged only)."""
         return self.kv.copy_out(seq)
-
-    # -- stepping ----------------------------------------------------------------------------
-    @property
-    def num_steps(self) -> int:
-        """Steps run so far -- forward passes, and the rare step that only preempted (idle waits for
-        arrivals not counted) -- kept even without records."""
-        return self._num_steps
-
-    def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or (self._stepper is not None and self._stepper.in_flight)
-
-    def kv_usage(self) -> dict:
-        """The KV cache's state now (paged: blocks, tokens, utilisation, block tables, pool bytes)."""
-        return self.kv.usage()
-
-    def step(self) -> StepRecord:
-        """Run one forward pass over everything scheduled and return what happened (with async
-        scheduling: finish the step in flight, having launched the next one)."""
-        self._check_open()
-        return self._step()
-
-    def _step(self) -> StepRecord:
-        if self._stepper is not None:
-            return self._stepper.step()
-        start, t0 = self.now(), time.perf_counter()
-        if self.proposer is not None:
-            propose_for(self.scheduler.running, self.proposer)
-        plan = self.scheduler.schedule(start)  # 1. who runs, how many tokens each
-        if self._guard is not None:
-            self._guard.after_schedule(plan, start)
-        record = self._new_record(plan, start)
-        t1 = time.perf_counter()
-        record.timings["schedule"] = (t0, t1)
-        if plan.seqs:
-            output = self.runner.execute(plan)  # 2. one forward pass, one token per finished prefill/decode
-            t2 = time.perf_counter()
-            record.timings["forward"] = (t1, t2)  # (with packing and sampling: the host waits for it all)
-            self._advance_clock(plan, t2 - t1)
-            self._update(plan, output, record)  # (3. inside: update_from_output)
-            record.timings["update"] = (t2, time.perf_counter())
-        return self._close_record(record)
-
-    def _new_record(self, plan, start: float) -> StepRecord:
-        return new_record(self._num_steps, self.kv.kind, start, plan)
-
-    def _advance_clock(self, plan, measured: float) -> None:
-        if self.clock is not None:  # simulated time moves by the step's cost (cbteach.core.clock)
-            if hasattr(self.clock, "advance_step"):
-                self.clock.advance_step(plan, measured)
-            else:
-                self.clock.advance(measured)
-
-    def _update(self, plan, output, record: StepRecord) -> None:
-        """``update_from_output`` and what the engine keeps of it: completions, the step's record."""
-        now = self.now()
-        before = [len(s.output_ids) for s in plan.seqs]
-        finished = self.scheduler.update_from_output(plan, output, now)  # 3. state moves
-        if self._guard is not None:
-            self._guard.after_update(plan, finished)
-        for seq in finished:
-            self._complete(seq, now)
-        fill_record(record, plan, output, plan.kinds, before, finished)
-        count_speculation(self.spec_stats, record)
-
-    def _close_record(self, record: StepRecord) -> StepRecord:
-        record.num_waiting = len(self.scheduler.waiting)
-        if self.keep_records and self.kv.kind == "paged":
-            record.kv_usage = self.kv.usage()
-        record.duration = self.now() - record.start_time
-        self._last_idle = record.idle
-        if not record.idle:  # an idle step (waiting for arrivals) leaves no trace in the history
-            record.step = self._num_steps
-            self._num_steps += 1
-            if self.keep_records:
-                self.records.append(record)
-        return record
-
-    def wait_for_arrival(self) -> None:
-        """Nothing could be scheduled: wait (sleep, or move a simulated clock) until the next request
-        arrives or a handed-over request's K/V are ready. With nothing due later, work that cannot
-        be scheduled is a scheduler bug: ``RuntimeError``, never a busy loop."""
-        now = self.now()
-        nxt = self.scheduler.next_event_time(now)
-        if nxt is not None:
-            if self.clock is not None:
-                self.clock.advance(nxt - now)
-            else:
-                time.sleep(nxt - now)
-        elif self.has_unfinished() and self._last_idle:  # (after a step that only preempted, step again)
-            raise RuntimeError(f"the scheduler made no progress with {len(self.scheduler.running)} running, "
-                               f"{len(self.scheduler.waiting)} waiting and {len(self.scheduler.swapped)} swapped-out "
-                               "requests; please report this")
 
     def run(self, requests, progress: bool = False) -> list[Completion]:
         """Add ``requests``, step until all are done, and return their completions in request order
@@ -335,17 +180,7 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def sample_ids(self, request_id) -> list:
-        """The sequence ids of a request: ``[request_id]``, or ``[(request_id, i) ...]`` for ``n > 1``."""
-        group = self.groups.get(request_id)
-        return [request_id] if group is None else [s.request_id for s in group]
-
     # -- internals ---------------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise EngineClosedError("this engine was closed (Engine.close()); build a new one")
-        check_unchanged(self._fingerprint, self.model, self.tokenizer)
-
     def _add_all(self, requests) -> list[Request]:
         requests = as_request_list(requests, "Engine.run() and Engine.stream()")
         taken: set = set()
@@ -367,15 +202,6 @@ class Engine:
             self.groups[request.request_id] = seqs
         for seq in parallel_sampling.queued(seqs, mode):
             self.scheduler.add(seq)
-
-    def _complete(self, seq: Sequence, now: float) -> None:
-        seq.completion = Completion.of(seq, self.tokenizer, now)
-        group = self.groups.get(seq.request.request_id)
-        if group is None:
-            self.completions[seq.request_id] = seq.completion
-        elif all(s.completion is not None for s in group):  # the request is done when its last sample is
-            self.completions[seq.request.request_id] = Completion.of_samples([s.completion for s in group], now)
-
 
 def _ids_of(request_id, n: int) -> list:
     """The ids a request takes: its own, and ``(request_id, i)`` for each of ``n > 1`` samples."""

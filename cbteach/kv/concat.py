@@ -30,6 +30,7 @@ cache (:mod:`cbteach.kv.paged`) moves only the ``N`` new tokens' K/V.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -37,7 +38,6 @@ import torch
 from transformers import DynamicCache
 
 from ..attention import metadata as attn_metadata
-from .manager import UnboundedKVManager
 from ..attention.packing import additive_mask, block_diagonal_causal_mask
 
 MASK_HONOURING = ("eager", "sdpa")  # attention implementations that obey a 4-D attention_mask
@@ -65,10 +65,64 @@ def layer_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     return cache.key_cache[layer], cache.value_cache[layer]  # transformers < 4.56
 
 
+class UnboundedKVManager:
+    """The concatenating cache's manager: memory grows with the sequences, so room is never refused.
+
+    It keeps no bookkeeping of its own; ``on_free(seq)`` and ``on_trim(seq)`` are the cache's
+    callbacks that drop a sequence's K/V (all of it, or the rejected speculative guesses).
+    """
+
+    copy_on_write = True  # a fork shares the parent's tensors, which no step changes in place
+
+    def __init__(self, on_free=None, on_trim=None, on_fork=None):
+        self.on_free, self.on_trim, self.on_fork = on_free, on_trim, on_fork
+
+    def fork(self, parent, child) -> None:
+        if self.on_fork is not None:
+            self.on_fork(parent, child)
+
+    def take_pending_copies(self) -> list:
+        return []
+
+    def num_allocatable_tokens(self, seq) -> float:
+        return math.inf
+
+    num_admittable_tokens = num_allocatable_tokens
+
+    def num_freeable_tokens(self, seqs) -> float:
+        return math.inf
+
+    def allocate_slots(self, seq, num_new_tokens: int, new_computed_blocks=(), num_lookahead_tokens: int = 0):
+        return []
+
+    def free(self, seq) -> None:
+        if self.on_free is not None:
+            self.on_free(seq)
+
+    def trim(self, seq) -> None:
+        if self.on_trim is not None:
+            self.on_trim(seq)
+
+    def check_fits(self, num_tokens: int, request_id) -> None:
+        pass
+
+    def get_computed_blocks(self, seq) -> tuple[list, int]:
+        return [], 0
+
+    def on_admitted(self, seq) -> None:
+        pass
+
+    def on_computed(self, seq) -> None:
+        pass
+
+    def usage(self) -> dict:
+        return {}
+
+
 class ConcatKVCache:
     """Per-sequence caches, gathered into one ``DynamicCache`` before each step and scattered after.
 
-    Memory grows with the sequences, so its KV manager (:class:`~cbteach.kv.manager.UnboundedKVManager`)
+    Memory grows with the sequences, so its KV manager (:class:`UnboundedKVManager`)
     never refuses room; it tells this cache when a sequence's K/V can go. The step's own state (the
     packed ``DynamicCache`` between the forward pass and the scatter) travels in the step's metadata.
     """

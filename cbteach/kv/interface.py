@@ -14,7 +14,7 @@ quickest way to see who may do what:
 
 Implementations: :class:`~cbteach.kv.paged.PagedKVCache` with
 :class:`~cbteach.kv.manager.KVCacheManager` (PagedAttention), and
-:class:`~cbteach.kv.concat.ConcatKVCache` with :class:`~cbteach.kv.manager.UnboundedKVManager`.
+:class:`~cbteach.kv.concat.ConcatKVCache` with :class:`~cbteach.kv.concat.UnboundedKVManager`.
 vLLM V1 has the same split (``KVCacheManager`` for the scheduler, the model runner's KV tensors
 and attention backends for the forward pass).
 """

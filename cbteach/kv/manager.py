@@ -252,60 +252,6 @@ class KVCacheManager:
         }
 
 
-class UnboundedKVManager:
-    """The concatenating cache's manager: memory grows with the sequences, so room is never refused.
-
-    It keeps no bookkeeping of its own; ``on_free(seq)`` and ``on_trim(seq)`` are the cache's
-    callbacks that drop a sequence's K/V (all of it, or the rejected speculative guesses).
-    """
-
-    copy_on_write = True  # a fork shares the parent's tensors, which no step changes in place
-
-    def __init__(self, on_free=None, on_trim=None, on_fork=None):
-        self.on_free, self.on_trim, self.on_fork = on_free, on_trim, on_fork
-
-    def fork(self, parent, child) -> None:
-        if self.on_fork is not None:
-            self.on_fork(parent, child)
-
-    def take_pending_copies(self) -> list:
-        return []
-
-    def num_allocatable_tokens(self, seq) -> float:
-        return math.inf
-
-    num_admittable_tokens = num_allocatable_tokens
-
-    def num_freeable_tokens(self, seqs) -> float:
-        return math.inf
-
-    def allocate_slots(self, seq, num_new_tokens: int, new_computed_blocks=(), num_lookahead_tokens: int = 0):
-        return []
-
-    def free(self, seq) -> None:
-        if self.on_free is not None:
-            self.on_free(seq)
-
-    def trim(self, seq) -> None:
-        if self.on_trim is not None:
-            self.on_trim(seq)
-
-    def check_fits(self, num_tokens: int, request_id) -> None:
-        pass
-
-    def get_computed_blocks(self, seq) -> tuple[list, int]:
-        return [], 0
-
-    def on_admitted(self, seq) -> None:
-        pass
-
-    def on_computed(self, seq) -> None:
-        pass
-
-    def usage(self) -> dict:
-        return {}
-
-
 def can_fork(manager) -> bool:
     """Whether ``manager`` can run ``parallel_sampling="fork"``: it has ``fork`` and says it copies on
     write. A subclass that replaces :meth:`KVCacheManager.allocate_slots` -- where the copy happens --
