@@ -119,3 +119,15 @@ def test_live_view_and_metrics_show_every_core(server):
         assert {k for k in m if k.startswith(f"cbteach:{name}{{")} == {
             f'cbteach:{name}{{{LAB},engine="{i}"}}' for i in (0, 1)}
     assert httpx.get(server.url + "/health", timeout=WAIT_S).json()["engine_cores"] == 2
+
+
+@pytest.mark.timeout(240)
+def test_tensor_parallel_size_reaches_the_engine_core(ref):
+    """``serve --tensor-parallel-size 2``: the core's engine shards the model over two worker processes
+    (cbteach.parallel); greedy answers are still generate's."""
+    pytest.importorskip("cbteach.parallel.tp", reason="tensor parallelism is not in this tree")
+    with ServerThread(["--port", "0", "--tensor-parallel-size", "2", "--max-batch-size", "4"]) as s:
+        r = httpx.post(s.url + "/v1/completions", timeout=WAIT_S * 2,
+                       json={"prompt": ["CYNIC, n.", "BORE, n."], "max_tokens": 16, "return_token_ids": True})
+        got = [c["token_ids"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+        assert got == [ref("CYNIC, n.", 16), ref("BORE, n.", 16)]

@@ -57,7 +57,7 @@ def whole(url, body, out: list):
 
 
 def test_port_zero_announces_its_port_and_sigterm_drains_then_stops_both_processes(tmp_path):
-    with Served(["--drain-timeout", "5"], tmp_path / "serve.log") as s:
+    with Served(["--drain-timeout", "3"], tmp_path / "serve.log") as s:
         assert not s.url.endswith(":0") and httpx.get(s.url + "/health", timeout=WAIT_S).status_code == 200
         cores = s.core_pids()
         assert len(cores) == 1
@@ -116,9 +116,9 @@ def test_a_killed_engine_core_fails_its_requests_turns_health_red_and_the_server
 
 
 def test_engine_cores_never_outlive_a_killed_server(tmp_path):
-    with Served(["--data-parallel-size", "2"], tmp_path / "serve.log") as s:
+    with Served([], tmp_path / "serve.log") as s:
         cores = s.core_pids()
-        assert len(cores) == 2
+        assert len(cores) == 1
         s.proc.kill()  # SIGKILL: no drain, no goodbye
         s.proc.wait(WAIT_S)
         wait_for(lambda: all(gone(p) for p in cores), "the orphaned engine cores to exit by themselves")

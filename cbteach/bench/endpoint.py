@@ -69,6 +69,9 @@ async def _one(client, url, i, prompt, max_tokens, args, workload, tok, t0) -> A
                     continue
                 now = time.perf_counter() - t0
                 event = json.loads(line[6:])
+                if event.get("error"):  # the server cut the stream short (vLLM's and cbteach's error event)
+                    ans.error = f"stream error: {event['error'].get('message', event['error'])}"[:200]
+                    return ans
                 usage = event.get("usage") or usage
                 for c in event.get("choices") or []:
                     piece = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")

@@ -128,7 +128,7 @@ class CoreClient:
             self.bytes_in += len(data)
             m = msg.output_decoder.decode(data)
             if isinstance(m, msg.StepOutputs):
-                self.processor.process(m)
+                self.processor.process(m, len(data))
             elif isinstance(m, msg.Dead):
                 self._died(f"engine core {m.core} failed: {m.message.splitlines()[0]}")
 

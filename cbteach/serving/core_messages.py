@@ -95,6 +95,7 @@ class StepOutputs(msgspec.Struct, tag="step", array_like=True):
     rejected: list[tuple[str, str]] = []  # (request_id, why): the engine's own validation refused it
     admitted: list[str] = []
     preempted: list[str] = []
+    duration: float = 0.0  # seconds this step took inside engine.step()
     stats: CoreStats = msgspec.field(default_factory=CoreStats)
 
 

@@ -198,7 +198,8 @@ class EngineCore:
     def _step(self) -> None:
         t = time.perf_counter()
         record = self.engine.step()
-        self.stats.step_s += time.perf_counter() - t
+        duration = time.perf_counter() - t
+        self.stats.step_s += duration
         if record.idle:  # nothing could run and nothing is due later: the engine's own error
             self.engine.wait_for_arrival()
             return
@@ -213,9 +214,10 @@ class EngineCore:
             self._forget(rid)
         if self.faults is not None:
             finished += self.faults.after_step(outputs, self._abort)
-        self._send(self.engine.num_steps - 1, outputs, finished, list(record.admitted), list(record.preempted))
+        self._send(self.engine.num_steps - 1, outputs, finished, list(record.admitted), list(record.preempted),
+                   duration)
 
-    def _send(self, step: int, outputs, finished, admitted, preempted) -> None:
+    def _send(self, step: int, outputs, finished, admitted, preempted, duration: float = 0.0) -> None:
         t = time.perf_counter()
         s, sched = self.stats, self.engine.scheduler
         s.num_running = len(sched.running)
@@ -224,7 +226,7 @@ class EngineCore:
         s.num_messages_out += 1
         out = msg.StepOutputs(core=self.spec.index, step=step, t=t - self.t0, outputs=outputs, finished=finished,
                               accepted=self.accepted, rejected=self.rejected, admitted=admitted,
-                              preempted=preempted, stats=s)
+                              preempted=preempted, duration=duration, stats=s)
         data = msg.encoder.encode(out)
         self.outbox.send(data, copy=False)
         s.bytes_out += len(data)

@@ -75,8 +75,8 @@ class OutputProcessor:
         state.charged = new
 
     # -- one message from a core ----------------------------------------------------------------
-    def process(self, m) -> None:
-        """Apply one :class:`~.core_messages.StepOutputs`."""
+    def process(self, m, nbytes: int = 0) -> None:
+        """Apply one :class:`~.core_messages.StepOutputs` (``nbytes``: its size on the wire)."""
         t = time.perf_counter()
         self.num_messages += 1
         states = self.states
@@ -107,7 +107,7 @@ class OutputProcessor:
         if self.metrics is not None:
             self.metrics.core_stats(m.core, m.stats, self.load[m.core])
         if self.hub is not None and m.step >= 0:
-            self.hub.publish(m)
+            self.hub.publish(m, nbytes)
         self.process_s += time.perf_counter() - t
 
     def _tokens(self, st: RequestState, ids, now: float) -> None:

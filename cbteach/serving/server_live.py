@@ -2,8 +2,10 @@
 
 The notebooks draw the running batch after the fact, from step records. The server draws it while it
 happens: every step message an engine core sends (:class:`~.core_messages.StepOutputs`) is turned
-into a summary -- which core, who ran in which batch slot, prefill or decode, how many tokens, who
-was admitted, finished or preempted, how many wait, how many KV blocks are in use -- on the API
+into a summary -- which core, when (``t``, on the core's clock) and for how long (``duration``, the
+step inside the engine), the message's ``bytes``, who ran in which batch slot, prefill or decode,
+how many tokens, who was admitted, finished or preempted, how many wait, how many KV blocks are in
+use -- on the API
 server's event loop, which fans it out to the pages listening on ``GET /live/events`` (server-sent
 events) and keeps the last :data:`HISTORY` in memory for ``GET /live/steps`` (what notebook 11 reads).
 
@@ -34,14 +36,15 @@ class LiveHub:
         self.closed = False
         self.seq = 0  # summaries published so far: a page asks for those after the last it saw
 
-    def publish(self, m) -> None:
+    def publish(self, m, nbytes: int = 0) -> None:
         """Summarise one step message of a core and hand it to every listener."""
         if not m.outputs and not m.preempted:
             return
         done = {f.request_id for f in m.finished}
         s = m.stats
         summary = {
-            "n": self.seq, "core": m.core, "step": m.step, "t": round(m.t, 4),
+            "n": self.seq, "core": m.core, "step": m.step, "t": round(m.t, 5),
+            "duration": round(m.duration, 6), "bytes": nbytes,
             "seqs": [[o.request_id, o.slot, o.kind, o.num_scheduled_tokens, len(o.new_token_ids)] for o in m.outputs],
             "admitted": list(m.admitted), "finished": sorted(done), "preempted": list(m.preempted),
             "waiting": s.num_waiting, "kv_used": s.kv_used, "kv_total": s.kv_total,
