@@ -60,6 +60,10 @@ def print_targets(rows: dict, tg: dict, lengths=None, batch_size=None) -> None:
     verdict = {True: "met", False: "NOT met", None: "not measured"}
     print(f"  target: paged speed-up >= {a['goal']} x ideal: {_fmt(a['value'], '.2f')} x -> {verdict[a['met']]}")
     print(f"  target: paged >= {b['goal']} x transformers_cb tok/s: {_fmt(b['value'], '.2f')} x -> {verdict[b['met']]}")
+    c, d = tg["paged_vs_static"], tg["async_host_fraction"]
+    print(f"  target: paged no slower than static (>= {c['goal']} x): {_fmt(c['value'], '.2f')} x -> {verdict[c['met']]}")
+    print(f"  target: async scheduling, time outside the forward <= {d['goal']:.0%} of the loop: "
+          f"{_fmt(d['value'], '.1%')} -> {verdict[d['met']]}")
 
 
 def _floats(text):

@@ -155,6 +155,7 @@ def run_cbteach(model, tok, requests, batch_size, kv="paged", keep_records=False
     for r in requests:
         eng.add_request(replace(r, arrival_time=t_run + _arrival(r)))
     steps = peak = 0
+    t_loop = time.perf_counter()
     while eng.has_unfinished():
         rec = eng.step()
         if not rec.idle:
@@ -169,7 +170,10 @@ def run_cbteach(model, tok, requests, batch_size, kv="paged", keep_records=False
     comps = [replace(c, arrival_time=c.arrival_time - t_run, first_token_time=c.first_token_time - t_run,
                      token_times=[t - t_run for t in c.token_times], finish_time=c.finish_time - t_run)
              for c in (eng.completions[r.request_id] for r in requests)]
-    extra = {"preemptions": sum(s.num_preemptions for s in eng.sequences.values()), "peak_batch": peak}
+    loop = time.perf_counter() - t_loop
+    extra = {"preemptions": sum(s.num_preemptions for s in eng.sequences.values()), "peak_batch": peak,
+             # the share of the serving loop the model was not computing: scheduling, packing, sampling, updates
+             "host_fraction": max(0.0, 1 - eng.forward_seconds / loop) if loop > 0 else 0.0}
     if kv == "paged":
         extra["num_blocks"] = eng.kv.num_blocks
         if keep_records:
@@ -256,5 +260,7 @@ def runners(model, tok, batch_size, *, token_budget=TOKEN_BUDGET, num_blocks=Non
         "cbteach_paged": lambda rs, first: run_cbteach(model, tok, rs, batch_size, "paged", keep_records=first, **pool),
         "cbteach_paged_budget": lambda rs, first: run_cbteach(model, tok, rs, batch_size, "paged", keep_records=first,
                                                               token_budget=token_budget, **pool),
+        "cbteach_paged_async": lambda rs, first: run_cbteach(model, tok, rs, batch_size, "paged", keep_records=first,
+                                                             async_scheduling=True, **pool),
         "transformers_cb": lambda rs, first: run_transformers_cb(model, tok, rs, batch_size, num_blocks),
     }

@@ -95,20 +95,18 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     """:func:`sample`, one failure at a time: ``(tokens, errors)`` where a row whose logits are not
     finite, or whose draw fails, gets ``None`` and a message instead of a token -- that request alone
     ends with an error, its neighbours' tokens (and seeded draws) are untouched."""
-    finite = torch.isfinite(logits).all(dim=-1).tolist()
+    # One pass gives the greedy tokens and the row maxima: a NaN (argmax picks it) or an infinite
+    # maximum means the model failed on that row.
+    top, argmax = logits.max(dim=-1)  # (the first maximum, as argmax and generate take it)
+    finite, argmax = torch.isfinite(top).tolist(), argmax.tolist()
     tokens: list = [None] * len(params)
     errors: list = [None] * len(params)
-    ok = [i for i, f in enumerate(finite) if f]
-    for i, f in enumerate(finite):
-        if not f:
+    for i, p in enumerate(params):
+        if not finite[i]:
             errors[i] = "the model produced logits that are not finite for this request"
-    if not ok:
-        return tokens, errors
-    greedy = logits[ok].argmax(dim=-1).tolist()
-    for j, i in enumerate(ok):
-        p = params[i]
+            continue
         if p.greedy:
-            tokens[i] = greedy[j]
+            tokens[i] = argmax[i]
             continue
         try:
             tokens[i] = sample(logits[i:i + 1], [p], [generators[i] if generators is not None else None])[0]

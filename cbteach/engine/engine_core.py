@@ -63,6 +63,7 @@ class EngineCore:
         self._num_steps = 0
         self._last_idle = True  # whether the last step did nothing at all (see wait_for_arrival)
         self.spec_stats = {"drafted": 0, "accepted": 0, "verify_steps": 0}  # speculative decoding
+        self.forward_seconds = 0.0  # the model's forward passes, all steps together (the rest is host work)
         self._t0 = time.perf_counter()
         self.clock = clock  # None: wall time; a VirtualClock: simulated time (cbteach.core.clock)
         self._fingerprint = fingerprint(model, tokenizer)
@@ -142,6 +143,7 @@ class EngineCore:
         for seq in finished:
             self._complete(seq, now)
         fill_record(record, plan, output, plan.kinds, before, finished)
+        self.forward_seconds += output.forward_time
         count_speculation(self.spec_stats, record)
 
     def end_record(self, record: StepRecord) -> StepRecord:
