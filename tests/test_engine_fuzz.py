@@ -16,6 +16,7 @@ import pytest
 from cbteach import Engine, Request, SamplingParams
 from cbteach.bench.memory_experiments import ReservingKVManager
 from conftest import ARCHS, VOCAB, reference, sim_clock, tiny_model
+from test_plug_points import FreeListManager, my_attention, my_slot_mapping
 
 MODELS = {arch: tiny_model(arch) for arch in ARCHS}
 
@@ -23,12 +24,12 @@ MODELS = {arch: tiny_model(arch) for arch in ARCHS}
 def draw_case(seed: int) -> tuple[dict, list[Request], str]:
     g = random.Random(seed)
     arch = g.choice(ARCHS)
-    kv = g.choice(["concat", "paged", "paged", "paged", "reserve"])
+    kv = g.choice(["concat", "paged", "paged", "paged", "reserve", "freelist", "pieces"])
     opts: dict = {"max_batch_size": g.randint(1, 5)}
     if kv != "concat":
         opts.update(kv="paged", block_size=1 if kv == "reserve" else g.choice([1, 2, 4, 16]))
         opts["num_blocks"] = 400 if kv == "reserve" else g.choice([None, "tight", "roomy"])
-        if kv == "paged":
+        if kv in ("paged", "pieces"):
             opts["prefix_caching"] = g.random() < 0.5
             if g.random() < 0.3:
                 opts.update(admission="whole_prompt")
@@ -37,8 +38,8 @@ def draw_case(seed: int) -> tuple[dict, list[Request], str]:
     opts["policy"] = g.choice(["fcfs", "priority"])
     if opts["policy"] == "priority" and g.random() < 0.5:
         opts["preempt_to_admit"] = True
-    opts["parallel_sampling"] = "fork" if kv in ("concat", "paged") and g.random() < 0.4 else "fanout"
-    if kv == "paged" and opts.get("admission") != "whole_prompt":
+    opts["parallel_sampling"] = "fork" if kv in ("concat", "paged", "pieces") and g.random() < 0.4 else "fanout"
+    if kv != "concat" and opts.get("admission") != "whole_prompt":
         pick = g.random()
         if pick < 0.3:
             opts["async_scheduling"] = True
@@ -62,7 +63,9 @@ def draw_case(seed: int) -> tuple[dict, list[Request], str]:
         bs = opts["block_size"]
         need = max(-(-(len(r.prompt) + r.max_new_tokens) // bs) for r in reqs)
         opts["num_blocks"] = need + g.randint(0, 2) if opts["num_blocks"] == "tight" else 3 * need
-    return opts, reqs, arch if kv != "reserve" else arch + "+reserve"
+    if kv == "freelist":
+        opts.pop("prefix_caching", None)
+    return opts, reqs, arch + ("" if kv in ("concat", "paged") else "+" + kv)
 
 
 def _alone(model, r: Request, i: int) -> list[int]:
@@ -81,6 +84,10 @@ def test_every_feature_combination_is_exact_and_leaks_nothing(seed):
     pieces = {}
     if label.endswith("+reserve"):
         pieces["kv_manager"] = ReservingKVManager(opts["num_blocks"])
+    elif label.endswith("+freelist"):
+        pieces["kv_manager"] = FreeListManager
+    elif label.endswith("+pieces"):
+        pieces.update(attention=my_attention, slot_mapping=my_slot_mapping)
     eng = Engine(model, clock=sim_clock(0.01), **opts, **pieces)
     got = eng.run(reqs)
     for r, c in zip(reqs, got):

@@ -11,7 +11,8 @@ blocks the tokens need, take everything back on ``free``, lose and invent no blo
 stops the engine with :class:`~cbteach.errors.EngineRuleError` naming it, before any token can be
 wrong. ``Engine(..., kv="paged", kv_manager=MyKVManager)`` builds one for you.
 
-(No prefix caching, no copy on write and no speculative decoding on it: those need more of a manager.)
+(No prefix caching and no copy on write on it -- ``parallel_sampling="fork"`` is refused, fanout
+works; rejected speculative guesses' blocks are put back on the free list for you.)
 """
 from __future__ import annotations
 
@@ -110,7 +111,13 @@ class PluggedKVManager(KVCacheManager):
         self._check_pool(call)
 
     def trim(self, seq) -> None:
-        raise EngineRuleError("speculative decoding needs a KV manager that can trim rejected guesses")
+        """Blocks that held only rejected speculative guesses go back to the learner's free list."""
+        keep = self.blocks_needed(seq.num_computed_tokens)
+        extra, seq.block_table[keep:] = seq.block_table[keep:], []
+        free = self.mine.free_blocks
+        for block in extra:
+            free.append(block) if hasattr(free, "append") else free.add(block)
+        self._check_pool(f"trim({seq.request_id})")
 
     def fork(self, parent, child) -> None:
         raise EngineRuleError("parallel_sampling='fork' needs a KV manager that copies on write")
