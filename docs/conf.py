@@ -45,8 +45,10 @@ def _links(app, pagename, templatename, context, doctree):
              ' in Colab</a>']
     if pagename in notebooks:
         items.append(f'<a class="cbteach-download" href="{prefix}notebooks/{name}" download>Download the notebook</a>')
+    spec = FACTS.get("pip_spec", "cbteach").replace("cbteach @", "cbteach[lab] @", 1)
     items.append(f'<a class="cbteach-local" href="{prefix}index.html#run-it-locally">Run it locally</a>: '
-                 f"<code>pip install \"{FACTS.get('pip_spec', 'cbteach')}\"</code>, then "
+                 "(Linux) <code>pip install torch --index-url https://download.pytorch.org/whl/cpu</code>, "
+                 f"<code>pip install \"{spec}\"</code>, then "
                  "<code>python -m cbteach notebooks course</code> and <code>jupyter lab course</code> -- "
                  "or <code>make lab</code> in a clone")
     context["body"] = '<div class="cbteach-run">' + " · ".join(items) + "</div>\n" + context["body"]

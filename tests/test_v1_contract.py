@@ -218,3 +218,17 @@ def test_a_refused_admission_leaves_the_prefix_caches_lru_order():
     # Nothing was taken and given back: the blocks still free keep their least-recently-used order.
     assert [b for b in after if b in order] == [b for b in order if b in after]
     assert eng.kv.manager.get_computed_blocks(eng.sequences["hit"])[1] == 8  # its prefix is still findable
+
+
+def test_release_forgets_a_finished_request_only():
+    model = tiny_model("gpt2")
+    eng = Engine(model, max_batch_size=2, kv="paged", block_size=4)
+    done = eng.run([Request([7, 8], 3, request_id="a"), Request([9], 2, request_id="n",
+                                                                sampling_params=SamplingParams(n=2))])
+    eng.add_request(Request([10, 11], 30, request_id="live", ignore_eos=True))
+    with pytest.raises(ValueError, match="only a finished or aborted request"):
+        eng.release("live")
+    eng.release("a")
+    eng.release("n")
+    assert "a" not in eng.completions and ("n", 1) not in eng.sequences and "n" not in eng.groups
+    assert [c.output_ids for c in eng.run([Request([7, 8], 3, request_id="a")])] == [done[0].output_ids]

@@ -160,6 +160,18 @@ class Engine(EngineCore):
             self._complete(seq, self.now())
         return self.completions.get(request_id) or seqs[0].completion
 
+    def release(self, request_id) -> None:
+        """Forget a finished (or aborted) request: its sequences and completion leave the engine's
+        dictionaries, so a long-running server does not keep every request it ever served."""
+        seqs = self.groups.get(request_id) or [self.sequences.get(request_id)]
+        if seqs[0] is None or not all(s.status.is_finished for s in seqs):
+            raise ValueError(f"request {request_id!r} is not a finished request of this engine; only a finished "
+                             "or aborted request can be released")
+        for s in seqs:
+            self.sequences.pop(s.request_id, None)
+        self.groups.pop(request_id, None)
+        self.completions.pop(request_id, None)
+
     def close(self) -> None:
         """Abort what is unfinished and let go of the KV memory and any worker processes; the engine
         cannot be used after this. ``with Engine(...) as eng:`` closes it at the end of the block."""

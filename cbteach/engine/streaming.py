@@ -87,18 +87,18 @@ class _Covered:
     def __init__(self, engine, own: list):
         self.engine = engine
         self.ids = list(own)
-        self.seen = len(engine.sequences)  # requests known when the stream was made
+        self.known = set(engine.sequences)  # requests known when the stream was made (or seen since)
         self.emitted: dict = {rid: 0 for rid in own}  # request id -> output tokens handed out
         self.closed: set = set()
 
     def refresh(self) -> None:
         """Pick up requests added to the engine one by one since the last look."""
-        ids = list(self.engine.sequences)
-        for rid in ids[self.seen:]:
-            if rid not in self.emitted and not self.engine.sequences[rid].claimed:
-                self.ids.append(rid)
-                self.emitted[rid] = 0
-        self.seen = len(ids)
+        for rid, seq in list(self.engine.sequences.items()):
+            if rid not in self.known:
+                self.known.add(rid)
+                if rid not in self.emitted and not seq.claimed:
+                    self.ids.append(rid)
+                    self.emitted[rid] = 0
 
     def open_ids(self) -> list:
         return [rid for rid in self.ids if rid not in self.closed]
