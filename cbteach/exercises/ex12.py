@@ -1,0 +1,233 @@
+"""Notebook 12: your engine -- every piece you wrote, in one engine, proved, measured and served.
+
+The exercise is the assembly: ``my_engine(model, tok, **options)`` returns an
+:class:`~cbteach.Engine` with all four of the learner's pieces plugged in
+(:mod:`cbteach.exercises.capstone`). :func:`check_my_engine` runs it on the course's workload --
+bierce's headword prompts, answers that stop at EOS, a pool small enough to preempt and a token
+budget small enough to chunk -- beside the engine's own pieces on the same simulated clock, and
+requires:
+
+1. every piece plugged in (the scheduler is yours, the KV manager, the attention, the slot mapping);
+2. the same schedule, step for step (who ran, with how many tokens, admitted, preempted);
+3. every request's tokens equal to per-prompt ``model.generate``'s, and every block back.
+
+When the assembled engine goes wrong, each piece's own check (notebooks 05 and 06) is run to name
+the piece to look at. :func:`benchmark` measures both engines with the course's metrics (wall
+time: throughput, TTFT, TPOT), and :func:`submit` sends a scheduler to a workshop tournament.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from ..core.clock import VirtualClock
+from ..engine.engine import Engine
+from ..serving.metrics import summarize
+from ..viz.schedule import first_difference
+from . import report, self_check
+from .capstone import PIECES, Pieces, check_piece, serve_options
+
+OPTIONS = dict(max_batch_size=4, block_size=4, num_blocks=32, token_budget=8)  # it preempts and chunks
+NUM_REQUESTS, MAX_NEW_TOKENS = 10, 40
+
+
+def course_requests(model, tok, n: int = NUM_REQUESTS, max_new_tokens: int = MAX_NEW_TOKENS) -> list:
+    """The course's workload: bierce's headword prompts (token-id prompts for a model without
+    bierce's tokenizer), answers that stop at EOS."""
+    from ..core.request import Request
+
+    if tok is not None and len(tok) >= 2048:
+        from ..serving.workloads import headwords
+
+        return headwords(tok, n=n, max_new_tokens=max_new_tokens).requests()
+    span = max(1, min(model.config.vocab_size, 97) - 3)
+    return [Request([3 + (13 * i + 5 * j) % span for j in range(4 + 3 * i)], max_new_tokens, request_id=f"r{i}")
+            for i in range(n)]
+
+
+def generate_outputs(model, requests) -> dict:
+    """Per-prompt greedy ``model.generate`` (it stops at EOS): the ground truth."""
+    import torch
+
+    outs = {}
+    gen = model.generation_config
+    pad = gen.pad_token_id if gen.pad_token_id is not None else gen.eos_token_id
+    for r in requests:
+        ids = torch.tensor([list(r.prompt)], device=model.device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=r.max_new_tokens,
+                             pad_token_id=pad[0] if isinstance(pad, list) else pad)
+        outs[r.request_id] = out[0, ids.shape[1]:].tolist()
+    return outs
+
+
+def run(engine, requests) -> list:
+    """Every request through ``engine`` (bounded by the engine's own run loop); the records."""
+    engine.run(requests)
+    return engine.records
+
+
+def _plugged(engine, pieces: Pieces) -> str | None:
+    """What of ``pieces`` is not in ``engine`` (None: all of it)."""
+    want = pieces.objects
+    if not isinstance(engine, Engine):
+        return f"my_engine must return a cbteach Engine, got {type(engine).__name__}"
+    if want.get("scheduler") is not None and not isinstance(engine.scheduler, want["scheduler"]):
+        return "your engine does not run your scheduler: pass scheduler_cls= (MyScheduler's schedule with MyUpdate's " \
+               "update, the class capstone gives you)"
+    if engine.kv.kind != "paged":
+        return "your engine has no paged KV cache: pass kv='paged' -- the KV manager, the attention and the slot " \
+               "mapping are the paged cache's pieces"
+    manager = engine.kv.manager
+    if want.get("kv_manager") is not None and not isinstance(getattr(manager, "mine", manager), want["kv_manager"]):
+        return "your engine does not use your KV manager: pass kv_manager= (the class, MyKVManager)"
+    for piece in ("attention", "slot_mapping"):
+        if want.get(piece) is not None and getattr(engine.kv, piece) is not want[piece]:
+            return f"your engine does not use your {piece.replace('_', ' ')}: pass {PIECES[piece][3]}="
+    return None
+
+
+def compare(my_engine, pieces: Pieces, model, tok=None) -> dict:
+    """Run the course workload on ``my_engine(model, tok, **OPTIONS)`` and on the engine's own pieces,
+    both on a step clock; what agreed (``plugged``, ``schedule``, ``tokens``, ``generate``, ``blocks``)."""
+    requests = course_requests(model, tok)
+    mine = my_engine(model, tok, clock=VirtualClock(step_time=0.01), **OPTIONS)
+    out = {"plugged": _plugged(mine, pieces)}
+    if out["plugged"] is not None:
+        return out
+    ref = Engine(model, tok, kv="paged", clock=VirtualClock(step_time=0.01), **OPTIONS)
+    ref_records = run(ref, course_requests(model, tok))
+    try:
+        my_records = run(mine, requests)
+    except Exception as err:  # noqa: BLE001 -- a piece of the learner's, inside the engine
+        out["error"] = f"{type(err).__name__}: {err}"
+        return out
+    expected = generate_outputs(model, requests)
+    outputs = {rid: c.output_ids for rid, c in mine.completions.items()}
+    out.update(steps=len(my_records), diverges_at=first_difference(ref_records, my_records),
+               tokens=outputs == {rid: c.output_ids for rid, c in ref.completions.items()},
+               generate=outputs == expected, blocks=mine.kv_usage()["num_used_blocks"] == 0,
+               num_requests=len(requests), num_tokens=sum(len(t) for t in expected.values()),
+               preemptions=sum(len(r.preempted) for r in my_records),
+               chunks=sum(1 for r in my_records for s in r.seqs if s.kind == "prefill" and s.sampled is None))
+    return out
+
+
+def _blame(pieces: Pieces, model, tok) -> str:
+    """Run each piece's own check; the first one that fails, with its hint."""
+    for piece in ("kv_manager", "slot_mapping", "attention", "scheduler"):
+        obj = pieces.objects.get(piece)
+        if obj is None:
+            continue
+        ok, said = check_piece(piece, obj, model, tok, slot_mapping=pieces.objects.get("slot_mapping"))
+        if not ok:
+            return f"your {piece.replace('_', ' ')} (notebook {PIECES[piece][0]}) fails its own check: {said}"
+    return "every piece passes its own check, so look at how they are put together in my_engine"
+
+
+_last: list = []  # the last check's (arguments, answer): the notebook's later cells ask again, and get it at once
+
+
+def check_my_engine(my_engine, pieces, model, tok=None) -> bool:
+    """``my_engine(model, tok, **options)`` -> an Engine with every piece of ``pieces`` plugged in; see the
+    module. Asked again about the same objects, it repeats its answer without running everything again."""
+    key = (my_engine, pieces, model, tok)
+    if _last and all(a is b for a, b in zip(_last[0], key)):
+        return report(_last[1], _last[2], _last[2])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        ok = _check_my_engine(my_engine, pieces, model, tok)
+    text = out.getvalue().strip()[2:]
+    _last[:] = [key, ok, text]
+    return report(ok, text, text)
+
+
+@self_check
+def _check_my_engine(my_engine, pieces, model, tok=None) -> bool:
+    if my_engine is None or my_engine is Ellipsis or not callable(my_engine):
+        return report(False, "", "not done yet: write my_engine(model, tok, **options), returning an Engine with your "
+                                 "pieces plugged in")
+    if not isinstance(pieces, Pieces):
+        return report(False, "", "pass the pieces capstone.pieces_from_notebooks() found")
+    missing = [p for p, o in pieces.objects.items() if o is None]
+    if missing:
+        return report(False, "", f"not done yet: no {', '.join(missing)} in notebooks "
+                                 f"{' and '.join(sorted({PIECES[p][0] for p in missing}))} -- write them there, save, "
+                                 "and run the cell that reads your pieces again")
+    got = compare(my_engine, pieces, model, tok)
+    if got["plugged"] is not None:
+        return report(False, "", got["plugged"])
+    if "error" in got:
+        return report(False, "", f"your engine stopped: {got['error']}. {_blame(pieces, model, tok)}")
+    if not (got["generate"] and got["tokens"] and got["blocks"] and got["diverges_at"] is None):
+        what = ("its tokens differ from model.generate's" if not got["generate"] else
+                "KV blocks were left in use" if not got["blocks"] else
+                f"its schedule parts from the engine's at step {got['diverges_at']}")
+        return report(False, "", f"your engine ran the course workload, but {what}. {_blame(pieces, model, tok)}")
+    return report(True, f"your engine -- your KV manager, slot mapping, attention, scheduler and update -- served "
+                        f"{got['num_requests']} requests ({got['num_tokens']} tokens, {got['preemptions']} preemptions, "
+                        f"{got['chunks']} prefill chunks) step for step as the engine's own pieces do, every token equal "
+                        f"to model.generate's, every KV block back", "")
+
+
+def side_by_side(my_engine, model, tok=None) -> tuple:
+    """Your engine and the engine's own pieces after the course workload, on the same step clock."""
+    mine = my_engine(model, tok, clock=VirtualClock(step_time=0.01), **OPTIONS)
+    own = Engine(model, tok, kv="paged", clock=VirtualClock(step_time=0.01), **OPTIONS)
+    for engine in (mine, own):
+        engine.run(course_requests(model, tok))
+    return mine, own
+
+
+def serve_my_engine(module_path, *server_args):
+    """``serve`` with every piece of the module at ``module_path`` (:func:`capstone.write_module`):
+    its HTTP side in a thread of this process, its engine core in a process of its own, which imports
+    the module -- so its folder goes on ``sys.path`` and ``PYTHONPATH``. Returns the started server."""
+    from ..serving.server import ServerThread
+
+    importable(Path(module_path).parent)
+    return ServerThread(["--port", "0", *server_args, *serve_options(Path(module_path).stem)]).start()
+
+
+def importable(folder) -> None:
+    """Let this process, and the processes it starts, import modules from ``folder`` (what running
+    ``python -m cbteach serve`` from that folder does)."""
+    folder = str(Path(folder).resolve())
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if folder not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([folder, *paths])
+
+
+def benchmark(my_engine, model, tok=None, repeat: int = 1) -> dict:
+    """The course's metrics for your engine and the engine's own on the course workload, on wall time:
+    ``{name: summarize(...)}`` (throughput, TTFT, TPOT, ...); the best of ``repeat`` runs by throughput."""
+    results = {}
+    for name, build in (("your engine", lambda: my_engine(model, tok, **OPTIONS)),
+                        ("the engine's own pieces", lambda: Engine(model, tok, kv="paged", **OPTIONS))):
+        runs = []
+        for _ in range(repeat):
+            eng = build()
+            runs.append(summarize(eng.run(course_requests(model, tok))))
+        results[name] = max(runs, key=lambda s: s["tokens_per_s"] or 0.0)
+    return results
+
+
+def submit(url: str, source: str, name: str, api_key: str, timeout: float = 300.0) -> dict:
+    """Send a scheduler file's text to a workshop's tournament server (``python -m cbteach tournament
+    DIR --serve``); returns its entry -- goodput and rank, or why it was disqualified."""
+    body = json.dumps({"name": name, "source": source}).encode()
+    req = urllib.request.Request(url.rstrip("/") + "/submit", data=body, method="POST",
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {api_key}"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())["entry"]
+    except urllib.error.HTTPError as err:
+        detail = json.loads(err.read() or b"{}").get("detail", err.reason)
+        raise ValueError(f"the tournament refused the submission ({err.code}): {detail}") from None

@@ -1,0 +1,67 @@
+"""The scheduler tournament: ``python -m cbteach tournament DIR`` ranks a room's schedulers.
+
+Every ``*.py`` file in ``DIR`` defines ``MyScheduler`` (a :class:`~cbteach.engine.scheduler.Scheduler`
+subclass, as notebook 06 asks). Each runs in the real engine on the same trace -- Poisson arrivals,
+short and long prompts, mixed output lengths, a token budget and a pool too small for everyone -- on
+the engine's simulated clock, so every machine gets the same table (:mod:`cbteach.exercises.tournament_core`).
+The policy is free; the rules that keep an engine correct are not: a scheduler that breaks one is
+disqualified with the rule's hint, the others are ranked by goodput under TTFT and TPOT targets, in
+a table and a plot (``--plot``). ``--serve`` is the instructor's variant: learners submit their files
+over HTTP and the board is shown at ``/`` (:mod:`cbteach.exercises.tournament_server`,
+notebooks/INSTRUCTOR.md).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from .tournament_core import (BASELINE, Entry, Trace, generate_outputs, load_scheduler, load_schedulers,  # noqa: F401
+                              run_entry, run_tournament, table)
+
+
+def cli(argv=None) -> int:
+    """``python -m cbteach tournament DIR [--serve]``."""
+    p = argparse.ArgumentParser(prog="python -m cbteach tournament", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("dir", type=Path, help="folder of schedulers: each *.py file defines MyScheduler")
+    p.add_argument("--model", default="bierce", help="'bierce' (embedded, offline) or a hub id")
+    p.add_argument("--requests", type=int, default=Trace.num_requests, help="requests in the trace")
+    p.add_argument("--rate", type=float, default=Trace.rate, help="arrivals per simulated second (Poisson)")
+    p.add_argument("--seed", type=int, default=Trace.seed, help="the trace's random seed")
+    p.add_argument("--ttft-slo", type=float, default=Trace.ttft_slo, help="TTFT target, simulated seconds")
+    p.add_argument("--tpot-slo", type=float, default=Trace.tpot_slo, help="TPOT target, simulated seconds")
+    p.add_argument("--plot", type=Path, default=None, help="save the leaderboard's figure here (PNG)")
+    p.add_argument("--json", type=Path, default=None, help="save the results here")
+    p.add_argument("--serve", action="store_true", help="take submissions over HTTP into DIR (the instructor's "
+                                                        "variant; needs cbteach[serve] and CBTEACH_API_KEY)")
+    p.add_argument("--host", default="127.0.0.1", help="with --serve: the address to listen on")
+    p.add_argument("--port", type=int, default=8100, help="with --serve: the port")
+    a = p.parse_args(argv)
+    if a.requests < 1 or a.rate <= 0 or a.ttft_slo <= 0 or a.tpot_slo <= 0:
+        raise ValueError("--requests must be >= 1 and --rate, --ttft-slo, --tpot-slo > 0")
+    from ..models import load_model
+
+    model = load_model(a.model)[0]
+    trace = Trace(num_requests=a.requests, rate=a.rate, seed=a.seed, ttft_slo=a.ttft_slo, tpot_slo=a.tpot_slo)
+    if a.serve:
+        from .tournament_server import serve
+
+        return serve(a.dir, model, trace, host=a.host, port=a.port)
+    entries = run_tournament(load_schedulers(a.dir), model, trace)
+    print(table(entries, trace))
+    if a.json is not None:
+        a.json.write_text(json.dumps([{k: v for k, v in asdict(e).items() if k != "summary"} for e in entries],
+                                     indent=1))
+    if a.plot is not None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from ..viz.tournament import plot_tournament
+
+        plot_tournament(entries, trace.ttft_slo, trace.tpot_slo).savefig(a.plot, dpi=110, bbox_inches="tight")
+        print(f"figure saved to {a.plot}")
+    sys.stdout.flush()
+    return 0

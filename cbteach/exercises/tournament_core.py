@@ -1,0 +1,223 @@
+"""The scheduler tournament itself: one trace, every entrant in the real engine, the rules, the ranking.
+
+Every ``*.py`` file in ``DIR`` defines ``MyScheduler`` (a :class:`~cbteach.engine.scheduler.Scheduler`
+subclass, as notebook 06 asks). Each runs in the real :class:`~cbteach.Engine` on the same
+:class:`Trace` -- Poisson arrivals, short and long prompts, mixed output lengths, a token budget and
+a pool too small for everyone -- on the engine's simulated clock
+(:class:`~cbteach.core.clock.VirtualClock` with a step cost that grows with the step's tokens), so
+every machine gets the same result.
+
+The policy is free: admission order, victims, chunk sizes, shortest-first, priorities. The rules
+that keep an engine correct are not (:mod:`cbteach.exercises.rules`, ``rules_="safety"``, and the
+engine's own :class:`~cbteach.engine.plug.RuleGuard`): a plan within the token budget and the batch
+size, room from ``allocate_slots`` before every chunk, nobody admitted before arriving or planned
+twice, no blocks held by a request that left the batch, every request finished, every block back,
+and every request's tokens equal to per-prompt ``model.generate``'s. A scheduler that breaks one is
+**disqualified** with the rule's hint; the others are **ranked by goodput** -- requests per
+simulated second that met both latency targets (TTFT and TPOT, DistServe's measure) -- in a table
+and a plot (:mod:`cbteach.viz.tournament`). The engine's own scheduler (vLLM V1's rules) runs too,
+as the baseline to beat.
+
+The command line is :mod:`cbteach.exercises.tournament`; the instructor's variant, which takes
+submissions over HTTP, is :mod:`cbteach.exercises.tournament_server`.
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..core.clock import VirtualClock
+from ..core.request import Request
+from ..engine.engine import Engine
+from ..engine.scheduler import Scheduler
+from ..serving.metrics import summarize
+from .scheduler_check import SchedulerMistake, drive, watched
+
+BASELINE = "the engine's own (vLLM V1)"
+
+
+@dataclass(frozen=True)
+class Trace:
+    """The workload every entrant runs: ``num_requests`` Poisson arrivals at ``rate`` per simulated
+    second; a ``long_share`` of the prompts long. Outputs have fixed lengths (``ignore_eos``), so the
+    load is the trace's, not the model's. A step costs ``step_overhead + per_token * tokens`` seconds."""
+
+    num_requests: int = 24
+    rate: float = 10.0
+    seed: int = 0
+    short_prompt: tuple = (4, 24)
+    long_prompt: tuple = (60, 140)
+    long_share: float = 0.3
+    output: tuple = (8, 40)
+    max_batch_size: int = 6
+    token_budget: int = 64
+    block_size: int = 8
+    num_blocks: int = 48
+    step_overhead: float = 0.01
+    per_token: float = 0.0005
+    ttft_slo: float = 0.5
+    tpot_slo: float = 0.03
+
+    def requests(self, vocab_size: int) -> list[Request]:
+        rng = random.Random(self.seed)
+        span = max(1, min(vocab_size, 97) - 3)
+        t, out = 0.0, []
+        for i in range(self.num_requests):
+            t += rng.expovariate(self.rate)
+            lo, hi = self.long_prompt if rng.random() < self.long_share else self.short_prompt
+            n = rng.randint(lo, hi)
+            prompt = [3 + rng.randrange(span) for _ in range(n)]
+            out.append(Request(prompt, rng.randint(*self.output), request_id=f"r{i:02d}", arrival_time=round(t, 4),
+                               ignore_eos=True))
+        return out
+
+    def step_time(self, plan) -> float:
+        return self.step_overhead + self.per_token * plan.total_num_scheduled_tokens
+
+    def engine(self, model, scheduler_cls=None) -> Engine:
+        return Engine(model, None, max_batch_size=self.max_batch_size, kv="paged", block_size=self.block_size,
+                      num_blocks=self.num_blocks, token_budget=self.token_budget, scheduler_cls=scheduler_cls,
+                      clock=VirtualClock(step_time=self.step_time))
+
+
+@dataclass
+class Entry:
+    """One entrant's result: its metrics, or why it was disqualified."""
+
+    name: str
+    disqualified: str | None = None
+    goodput: float | None = None  # good requests per simulated second
+    num_good: int = 0
+    num_requests: int = 0
+    ttft_p90: float | None = None
+    tpot_p90: float | None = None
+    ttft_mean: float | None = None
+    duration: float | None = None
+    steps: int = 0
+    preemptions: int = 0
+    rank: int | None = None
+    summary: dict = field(default_factory=dict, repr=False)
+
+
+def generate_outputs(model, requests) -> dict:
+    """Per-prompt greedy ``model.generate`` with EOS off (the trace's outputs have fixed lengths)."""
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id, config.do_sample = [], False  # [] stops nowhere (None would fall back to the model's EOS)
+    config.pad_token_id = config.pad_token_id if config.pad_token_id is not None else 0
+    outs = {}
+    for r in requests:
+        ids = torch.tensor([r.prompt], device=model.device)
+        config.max_new_tokens = r.max_new_tokens
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        outs[r.request_id] = out[0, ids.shape[1]:].tolist()
+    return outs
+
+
+def load_schedulers(folder) -> dict:
+    """``{name: MyScheduler class, or the reason it cannot run}`` for every ``*.py`` file in ``folder``."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ValueError(f"{folder} is not a folder: give the folder that holds the schedulers' .py files")
+    files = sorted(p for p in folder.glob("*.py") if not p.name.startswith("_"))
+    if not files:
+        raise ValueError(f"{folder} holds no .py file: each entrant is a file that defines MyScheduler")
+    found = {}
+    for path in files:
+        found[path.stem] = load_scheduler(path)
+    return found
+
+
+def load_scheduler(path: Path):
+    """The ``MyScheduler`` class the file at ``path`` defines, or the reason it cannot run (a str)."""
+    spec = importlib.util.spec_from_file_location(f"cbteach_tournament_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:  # noqa: BLE001 -- a learner's file
+        return f"the file did not run: {type(err).__name__}: {err}"
+    cls = getattr(module, "MyScheduler", None)
+    if cls is None:
+        return "the file defines no class MyScheduler"
+    if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
+        return "MyScheduler is not a subclass of cbteach.engine.scheduler.Scheduler"
+    if cls.schedule is Scheduler.schedule:
+        return "MyScheduler does not define schedule(self, now)"
+    return cls
+
+
+def run_entry(name: str, cls, model, trace: Trace, expected: dict) -> Entry:
+    """Run one entrant on ``trace``; ``expected``: every request's tokens (``model.generate``'s)."""
+    entry = Entry(name, num_requests=trace.num_requests)
+    if isinstance(cls, str):
+        entry.disqualified = cls
+        return entry
+    try:
+        eng = trace.engine(model, cls if cls is Scheduler else watched(cls, rules_="safety"))
+    except Exception as err:  # noqa: BLE001 -- the learner's __init__
+        entry.disqualified = f"the engine could not build it: {type(err).__name__}: {err}"
+        return entry
+    for r in trace.requests(model.config.vocab_size):
+        eng.add_request(r)
+    records, mistake = drive(eng, max_steps=40 * trace.num_requests)
+    entry.steps, entry.preemptions = len(records), sum(len(r.preempted) for r in records)
+    if mistake is None:
+        mistake = _final_rules(eng, expected)
+    if mistake is not None:
+        entry.disqualified = str(mistake)
+        return entry
+    s = summarize(eng.completions, ttft_target=trace.ttft_slo, tpot_target=trace.tpot_slo)
+    entry.summary = s
+    entry.goodput, entry.num_good, entry.duration = s["goodput"], s["num_good"], s["duration"]
+    entry.ttft_p90, entry.tpot_p90, entry.ttft_mean = s["ttft_p90"], s["tpot_p90"], s["ttft_mean"]
+    return entry
+
+
+def _final_rules(eng, expected: dict) -> SchedulerMistake | None:
+    """What must hold once the run is over: every block back, every request's tokens exact."""
+    if eng.kv_usage()["num_used_blocks"]:
+        return SchedulerMistake("KV blocks are still in use after every request finished: a request that left "
+                                "the batch kept its blocks")
+    for rid, tokens in expected.items():
+        c = eng.completions.get(rid)
+        if c is None or c.output_ids != tokens:
+            return SchedulerMistake("a request's tokens differ from model.generate's: a scheduler chooses who runs "
+                                    "when, never what a request computes -- its prompt and its outputs are not the "
+                                    "scheduler's to change")
+    return None
+
+
+def run_tournament(entrants: dict, model, trace: Trace = Trace(), baseline: bool = True) -> list[Entry]:
+    """Run every entrant (``{name: class or reason}``) and the engine's own scheduler; returns the
+    entries ranked by goodput (best first; ties by mean TTFT, then name), disqualified ones last."""
+    expected = generate_outputs(model, trace.requests(model.config.vocab_size))
+    field_ = dict(entrants)
+    if baseline:
+        field_[BASELINE] = Scheduler
+    entries = [run_entry(name, cls, model, trace, expected) for name, cls in field_.items()]
+    ranked = sorted((e for e in entries if e.disqualified is None),
+                    key=lambda e: (-(e.goodput or 0.0), e.ttft_mean if e.ttft_mean is not None else float("inf"),
+                                   e.name))
+    for i, e in enumerate(ranked, 1):
+        e.rank = i
+    return ranked + sorted((e for e in entries if e.disqualified is not None), key=lambda e: e.name)
+
+
+def table(entries: list[Entry], trace: Trace) -> str:
+    """The leaderboard as text."""
+    head = (f"goodput: requests per simulated second meeting TTFT <= {trace.ttft_slo:g} s and TPOT <= "
+            f"{trace.tpot_slo:g} s; {trace.num_requests} requests, budget {trace.token_budget}, "
+            f"{trace.num_blocks} blocks of {trace.block_size}, {trace.max_batch_size} slots")
+    lines = [head, f"{'rank':>4}  {'scheduler':28s} {'goodput':>8} {'met SLO':>8} {'TTFT p90':>9} {'TPOT p90':>9} "
+                   f"{'steps':>6} {'preempt':>7}"]
+    for e in entries:
+        if e.disqualified is None:
+            lines.append(f"{e.rank:>4}  {e.name[:28]:28s} {e.goodput:8.3f} {e.num_good:>4}/{e.num_requests:<3} "
+                         f"{e.ttft_p90:8.3f}s {e.tpot_p90:8.4f}s {e.steps:>6} {e.preemptions:>7}")
+        else:
+            lines.append(f"{'DQ':>4}  {e.name[:28]:28s} disqualified: {e.disqualified}")
+    return "\n".join(lines)

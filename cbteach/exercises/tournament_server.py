@@ -1,0 +1,150 @@
+"""The tournament over the workshop's network: learners submit schedulers, the room watches the board.
+
+``CBTEACH_API_KEY=<key> python -m cbteach tournament DIR --serve --host 0.0.0.0`` (needs
+``cbteach[serve]``) serves
+
+* ``POST /submit`` -- ``{"name": ..., "source": ...}`` with ``Authorization: Bearer <key>``: the file
+  is saved as ``DIR/<name>.py`` (a new submission under the same name replaces the old), run at once
+  on the trace, and the answer is its entry -- its goodput and rank, or why it was disqualified;
+* ``GET /`` -- the leaderboard, a page that refreshes itself (project it);
+  ``GET /leaderboard.json`` and ``GET /plot.png`` -- the same as data and as the figure.
+
+A submission is Python that runs on the instructor's machine, so the key is always required (there
+is no open mode), names are plain (letters, digits, ``-`` and ``_``), sources are capped at 64 KiB, and
+entrants run one at a time. Use it on a room's network you trust. Learners submit with
+:func:`cbteach.exercises.ex12.submit`.
+"""
+from __future__ import annotations
+
+import hashlib
+import html
+import io
+import os
+import re
+import secrets
+import threading
+from pathlib import Path
+
+from .tournament_core import BASELINE, Trace, load_scheduler, generate_outputs, run_entry, table
+
+NAME = re.compile(r"^[A-Za-z0-9_-]{1,40}$")
+MAX_SOURCE = 64 * 1024
+
+
+class Board:
+    """The entrants' results, kept per (name, source) so a resubmission reruns only that entrant."""
+
+    def __init__(self, folder: Path, model, trace: Trace):
+        self.folder, self.model, self.trace = Path(folder), model, trace
+        self.lock = threading.Lock()
+        self.expected = generate_outputs(model, trace.requests(model.config.vocab_size))
+        self.results: dict[str, tuple[str, object]] = {}  # name -> (source hash, Entry)
+        from ..engine.scheduler import Scheduler
+
+        self.baseline = run_entry(BASELINE, Scheduler, model, trace, self.expected)
+        for path in sorted(self.folder.glob("*.py")):
+            if not path.name.startswith("_"):
+                self._run(path.stem, path.read_text(encoding="utf-8"))
+
+    def _run(self, name: str, source: str):
+        digest = hashlib.sha256(source.encode()).hexdigest()
+        if name in self.results and self.results[name][0] == digest:
+            return self.results[name][1]
+        path = self.folder / f"{name}.py"
+        entry = run_entry(name, load_scheduler(path), self.model, self.trace, self.expected)
+        self.results[name] = (digest, entry)
+        return entry
+
+    def submit(self, name: str, source: str):
+        if not isinstance(name, str) or not NAME.match(name):
+            raise ValueError("name must be 1-40 letters, digits, '-' or '_'")
+        if not isinstance(source, str) or not source.strip() or len(source.encode()) > MAX_SOURCE:
+            raise ValueError(f"source must be the text of a .py file defining MyScheduler, at most {MAX_SOURCE} bytes")
+        with self.lock:
+            (self.folder / f"{name}.py").write_text(source, encoding="utf-8")
+            entry = self._run(name, source)
+            return entry, self.entries()
+
+    def entries(self) -> list:
+        """Every entrant and the baseline, ranked (ranks are given afresh each time)."""
+        everyone = [e for _, e in self.results.values()] + [self.baseline]
+        ranked = sorted((e for e in everyone if e.disqualified is None),
+                        key=lambda e: (-(e.goodput or 0.0), e.ttft_mean or 0.0, e.name))
+        for i, e in enumerate(ranked, 1):
+            e.rank = i
+        out = sorted((e for e in everyone if e.disqualified is not None), key=lambda e: e.name)
+        for e in out:
+            e.rank = None
+        return ranked + out
+
+
+def _row(e) -> dict:
+    keys = ("name", "rank", "disqualified", "goodput", "num_good", "num_requests", "ttft_p90", "tpot_p90", "steps",
+            "preemptions")
+    return {k: getattr(e, k) for k in keys}
+
+
+def make_app(board: Board, api_key: str):
+    """The FastAPI app around ``board``; ``POST /submit`` needs ``api_key``."""
+    from fastapi import FastAPI, Header, HTTPException, Response
+    from fastapi.responses import HTMLResponse
+
+    app = FastAPI(title="cbteach scheduler tournament")
+
+    @app.post("/submit")
+    def submit(body: dict, authorization: str | None = Header(default=None)):
+        if authorization is None or not secrets.compare_digest(authorization, f"Bearer {api_key}"):
+            raise HTTPException(status_code=401, detail="a submission needs Authorization: Bearer <the room's key>")
+        try:
+            entry, entries = board.submit(body.get("name"), body.get("source"))
+        except ValueError as err:
+            raise HTTPException(status_code=400, detail=str(err)) from None
+        return {"entry": _row(entry), "leaderboard": [_row(e) for e in entries]}
+
+    @app.get("/leaderboard.json")
+    def leaderboard():
+        with board.lock:
+            return [_row(e) for e in board.entries()]
+
+    @app.get("/plot.png")
+    def plot():
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        from ..viz.tournament import plot_tournament
+
+        with board.lock:
+            fig = plot_tournament(board.entries(), board.trace.ttft_slo, board.trace.tpot_slo)
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+        plt.close(fig)
+        return Response(buf.getvalue(), media_type="image/png")
+
+    @app.get("/", response_class=HTMLResponse)
+    def page():
+        with board.lock:
+            text = table(board.entries(), board.trace)
+        return ("<!doctype html><meta charset=utf-8><meta http-equiv=refresh content=10>"
+                "<title>cbteach tournament</title><h1>Scheduler tournament</h1>"
+                f"<pre>{html.escape(text)}</pre><img src='/plot.png' alt='leaderboard figure' style='max-width:100%'>")
+
+    return app
+
+
+def serve(folder, model, trace: Trace, host: str = "127.0.0.1", port: int = 8100) -> int:
+    """Run the submission server until Ctrl-C (``python -m cbteach tournament DIR --serve``)."""
+    api_key = os.environ.get("CBTEACH_API_KEY")
+    if not api_key:
+        raise ValueError("--serve runs the Python files learners submit: set CBTEACH_API_KEY to the room's key "
+                         "(learners pass it to ex12.submit) and use it only on a network you trust")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    import uvicorn
+
+    board = Board(folder, model, trace)
+    print(f"tournament: {len(board.results)} entrant(s) in {folder}; submissions at http://{host}:{port}/submit, "
+          f"the board at http://{host}:{port}/")
+    uvicorn.run(make_app(board, api_key), host=host, port=port, log_level="warning")
+    return 0

@@ -1,0 +1,234 @@
+"""Notebook 12, your engine: the learner's pieces -- read from notebooks 05 and 06 as the notebook reads
+them -- plugged into one engine equal the engine's own pieces token for token and step for step on
+the course workload (and per-prompt ``generate``); the check names a missing or broken piece; the
+student copy's stubs say "not done yet"; ``serve`` refuses a piece that fails its check before it
+starts, and serves OpenAI clients exactly with the solution pieces."""
+import asyncio
+import contextlib
+import io
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from cbteach import Engine
+from cbteach.exercises import capstone, ex12
+from cbteach.student import write_course
+from conftest import tiny_model
+
+NOTEBOOKS = Path(__file__).parent.parent / "notebooks"
+# Notebook 05's slot mapping and attention, written as its exercise asks, for as long as the notebook has no
+# solution cell for them yet (then the notebook's own are used).
+PAGED = '''
+import torch
+import torch.nn.functional as F
+
+
+def my_slot_mapping(block_tables, num_computed_tokens, num_scheduled_tokens, block_size):
+    slots = []
+    for table, c, n in zip(block_tables, num_computed_tokens, num_scheduled_tokens):
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(c, c + n)]
+    return slots
+
+
+def my_attention(query, key, value, meta, layer, scaling):
+    meta.pool.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    out = torch.empty_like(query)
+    bs, group = meta.block_size, query.shape[1] // key.shape[1]
+    for i, (c, n) in enumerate(zip(meta.num_computed_tokens, meta.num_scheduled_tokens)):
+        start = int(meta.query_start_loc[i])
+        pos = torch.arange(c + n, device=query.device)
+        k, v = meta.pool.read_slots(layer, meta.block_tables[i, pos // bs] * bs + pos % bs)
+        k = k.transpose(0, 1).repeat_interleave(group, 0)[None].to(query.dtype)
+        v = v.transpose(0, 1).repeat_interleave(group, 0)[None].to(query.dtype)
+        mask = torch.ones(n, c + n, dtype=torch.bool, device=query.device).tril(diagonal=c)
+        out[:, :, start:start + n] = F.scaled_dot_product_attention(query[:, :, start:start + n], k, v,
+                                                                    attn_mask=mask, scale=scaling)
+    return out
+'''
+
+
+def solution_source() -> str:
+    """The pieces module the course copy gives (notebook 05's paged pieces filled in while it lacks them)."""
+    source, _ = capstone.pieces_source(NOTEBOOKS)
+    if "def my_slot_mapping" not in source:
+        source = source.replace("\n\n\n", "\n" + PAGED + "\n\n", 1)
+    return source
+
+
+def pieces_of(source: str) -> capstone.Pieces:
+    namespace = {"__name__": "my_engine"}
+    exec(compile(source, "my_engine.py", "exec"), namespace)
+    objects = {p: namespace.get(names[0]) for p, (_, names, _, _) in capstone.PIECES.items()}
+    objects["scheduler"] = namespace[capstone.ENGINE_CLASS]
+    return capstone.Pieces(objects, source)
+
+
+SOLUTION = solution_source()
+
+
+def my_engine_of(pieces, drop=None):
+    def my_engine(model, tok, **options):
+        kwargs = {k: v for k, v in pieces.engine_kwargs().items() if k != drop}
+        return Engine(model, tok, kv="paged", **kwargs, **options)
+    return my_engine
+
+
+def check(my_engine, pieces, model, tok=None):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        ok = ex12.check_my_engine(my_engine, pieces, model, tok)
+    return ok, out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama")
+
+
+@pytest.mark.parametrize("which", ["bierce", "llama", "qwen2"])
+def test_the_solution_pieces_equal_the_engines_own_token_for_token_and_step_for_step(which, bierce):
+    model, tok = bierce if which == "bierce" else (tiny_model(which), None)
+    pieces = pieces_of(SOLUTION)
+    got = ex12.compare(my_engine_of(pieces), pieces, model, tok)
+    assert got["plugged"] is None and "error" not in got, got
+    assert got["diverges_at"] is None and got["tokens"] and got["generate"] and got["blocks"], got
+    assert got["preemptions"] > 0 and got["chunks"] > 0, got  # the workload exercises every piece
+
+
+def test_the_check_passes_the_assembled_solution(bierce):
+    pieces = pieces_of(SOLUTION)
+    ok, out = check(my_engine_of(pieces), pieces, *bierce)
+    assert ok and out.startswith("✓") and "step for step" in out, out
+
+
+BROKEN = {  # a piece broken the way learners break it -> the words that must name it
+    "kv_manager": ("        self.free_blocks.extend(seq.block_table)\n", "", "kv manager (notebook 05)"),
+    "scheduler": ("n = min(seq.num_tokens - num_cached_tokens, budget)", "n = seq.num_tokens - num_cached_tokens",
+                  "scheduler (notebook 06)"),
+    "update": ("                self.kv_manager.free(seq)\n                finished.append(seq)",
+               "                finished.append(seq)", "scheduler (notebook 06)"),
+}
+
+
+@pytest.mark.parametrize("piece", sorted(BROKEN))
+def test_a_broken_piece_is_named_by_its_own_check(piece, llama):
+    old, new, words = BROKEN[piece]
+    assert old in SOLUTION, old
+    broken = pieces_of(SOLUTION.replace(old, new, 1))
+    ok, out = check(my_engine_of(broken), broken, llama)
+    assert not ok and out.startswith("✗") and words in out, out
+
+
+@pytest.mark.parametrize("drop, words", [("attention", "your attention"), ("slot_mapping", "your slot mapping"),
+                                         ("kv_manager", "your KV manager"), ("scheduler_cls", "your scheduler")])
+def test_a_piece_left_out_of_the_engine_is_named(drop, words, llama):
+    pieces = pieces_of(SOLUTION)
+    ok, out = check(my_engine_of(pieces, drop=drop), pieces, llama)
+    assert not ok and words in out, out
+
+
+@pytest.mark.parametrize("answer, words", [(None, "not done yet"), (..., "not done yet"), (lambda m, t, **o: 3, "Engine"),
+                                           (lambda m, t, **o: 1 / 0, "ZeroDivisionError")])
+def test_anything_a_learner_passes_gets_a_hint(answer, words, llama):
+    ok, out = check(answer, pieces_of(SOLUTION), llama)
+    assert not ok and out.startswith("✗") and words in out, out
+
+
+def test_pieces_are_read_from_the_notebooks_and_the_student_copys_stubs_are_not_done(tmp_path, llama):
+    course = capstone.pieces_from_notebooks(NOTEBOOKS)
+    assert course.objects["kv_manager"].__name__ == "MyKVManager" and course.objects["scheduler"] is not None
+    assert set(course.where) == {"05", "06"}
+    write_course(NOTEBOOKS, tmp_path, student=True, say=lambda _m: None)
+    student = capstone.pieces_from_notebooks(tmp_path)
+    assert all(v is None for v in student.objects.values()), student.objects
+    ok, out = check(my_engine_of(student), student, llama)
+    assert not ok and "not done yet" in out, out
+    with pytest.raises(ValueError, match="no notebook 05"):
+        capstone.pieces_from_notebooks(tmp_path / "nowhere")
+
+
+def test_the_pieces_module_is_what_serve_imports(tmp_path, monkeypatch):
+    path = capstone.write_module(tmp_path / "my_engine_mod.py", NOTEBOOKS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib
+
+    module = importlib.import_module("my_engine_mod")
+    assert issubclass(getattr(module, capstone.ENGINE_CLASS), module.MyScheduler)
+    options = capstone.serve_options("my_engine_mod")
+    assert options[options.index("--scheduler") + 1] == f"my_engine_mod:{capstone.ENGINE_CLASS}"
+    assert path.read_text().startswith('"""')
+
+
+@pytest.fixture()
+def pieces_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "good_pieces.py").write_text(SOLUTION)
+    (tmp_path / "bad_pieces.py").write_text(SOLUTION.replace(*BROKEN["scheduler"][:2], 1))
+    return tmp_path
+
+
+def test_serve_refuses_a_piece_that_fails_its_check_before_it_starts(pieces_dir):
+    from cbteach.__main__ import main
+
+    with pytest.raises(ValueError, match=r"--scheduler bad_pieces:MyEngineScheduler failed its check.*token budget"):
+        capstone.refuse_broken_pieces(["--scheduler", f"bad_pieces:{capstone.ENGINE_CLASS}"])
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["serve", "--port", "0", f"--scheduler=bad_pieces:{capstone.ENGINE_CLASS}"]) == 2
+    assert "failed its check" in err.getvalue() and "does not start" in err.getvalue()
+    with pytest.raises(ValueError, match="cannot import"):
+        capstone.refuse_broken_pieces(["--attention", "no_such_module:fn"])
+    with pytest.raises(ValueError, match="takes a value"):
+        capstone.refuse_broken_pieces(["--kv-manager"])
+
+
+def test_serve_lets_pieces_that_pass_their_checks_start(pieces_dir):
+    pieces = capstone.refuse_broken_pieces(capstone.serve_options("good_pieces"))
+    assert set(pieces) == {"scheduler_cls", "kv_manager", "attention", "slot_mapping"}
+    assert capstone.refuse_broken_pieces(["--max-batch-size", "4"]) == {}
+
+
+@pytest.mark.timeout(600)
+def test_serve_with_the_learners_pieces_answers_openai_clients_exactly(tmp_path, monkeypatch, bierce):
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from serverkit import make_ref
+
+    from cbteach.bierce.corpus import headword_prompts
+    from cbteach.serving.server import ServerThread
+
+    (tmp_path / "room_engine.py").write_text(SOLUTION)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    ref = make_ref(*bierce)
+    prompts, lengths = headword_prompts(8), [5 + 7 * (i % 3) for i in range(8)]
+    server = ServerThread(["--port", "0", "--max-batch-size", "3", "--block-size", "4", "--token-budget", "8",
+                           *capstone.serve_options("room_engine")]).start()
+    try:
+        async def one(client, prompt, n):
+            r = await client.completions.create(model="bierce", prompt=prompt, max_tokens=n, temperature=0,
+                                                extra_body={"return_token_ids": True})
+            return r.choices[0]
+
+        async def go():
+            client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+            return await asyncio.gather(*(one(client, p, n) for p, n in zip(prompts, lengths)))
+
+        answers = asyncio.run(go())
+    finally:
+        server.stop()
+    for prompt, n, choice in zip(prompts, lengths, answers):
+        want = ref(prompt, n)
+        assert choice.token_ids == want and choice.text == ref.text(want), prompt
+        assert choice.finish_reason == ("stop" if len(want) < n else "length")
+
+
+def test_the_notebook_reads_the_pieces_it_assembles():
+    nb = json.loads((NOTEBOOKS / "12_your_engine.ipynb").read_text())
+    code = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
+    assert "pieces_from_notebooks" in code and "check_my_engine" in code and "serve_options" in code
+    assert sys.gettrace() is None

@@ -1,0 +1,244 @@
+"""The scheduler tournament: on a folder of one correct scheduler, a better policy and several that
+break a rule, it ranks the rule-keepers by goodput and disqualifies each breaker with the hint for
+its rule; the same trace gives the same table on every run; the command line writes a table, a
+JSON file and a figure. Every entrant's tokens are checked against per-prompt ``model.generate``."""
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from cbteach.exercises import tournament as T
+from conftest import tiny_model
+
+NOTEBOOK = Path(__file__).parent.parent / "notebooks" / "06_scheduling_and_latency.ipynb"
+SOLUTION = next("".join(c["source"]) for c in json.loads(NOTEBOOK.read_text())["cells"]
+                if "solution" in c.get("metadata", {}).get("tags", []))
+HEADER = "import math\nfrom cbteach.engine.scheduler import Scheduler, SchedulerOutput\n\n\n"
+CORRECT = HEADER + SOLUTION  # notebook 06's scheduler, as a learner's file
+ARRIVED = "[s for s in self.waiting if s.arrival_time <= now]"
+
+
+def variant(old, new):
+    assert old in CORRECT, old
+    return CORRECT.replace(old, new)
+
+
+# name -> (file source, words of the hint that disqualifies it); None: it keeps every rule
+ENTRANTS = {
+    "correct": (CORRECT, None),
+    "shortest_first": (variant("for seq in " + ARRIVED, "for seq in sorted(" + ARRIVED + ", key=lambda s: s.num_tokens + "
+                                                         "s.request.max_new_tokens)"), None),
+    "over_budget": (variant("n = min(seq.num_tokens - num_cached_tokens, budget)", "n = seq.num_tokens - num_cached_tokens"),
+                    "token budget"),
+    "no_room": (variant("while self.kv_manager.allocate_slots(seq, n) is None:", "while False:"), "without KV room"),
+    "before_arrival": (variant(ARRIVED, "list(self.waiting)"), "before it arrived"),
+    "past_the_batch": (variant("len(self.running) >= self.max_batch_size", "len(self.running) > self.max_batch_size"),
+                       "max_batch_size"),
+    "planned_twice": (variant("            out.add(seq, n)\n            budget -= n\n        for",
+                              "            out.add(seq, n)\n            out.add(seq, 1)\n            budget -= n\n        for"),
+                      "twice"),
+    "keeps_victims_blocks": (variant("budget += self.preempt(victim, out)",
+                                     "self.running.remove(victim)\n                budget += out.remove(victim)\n"
+                                     "                out.preempted.append(victim)\n"
+                                     "                self.waiting.readd_preempted(victim)"), "still holds its KV blocks"),
+    "truncates_long_prompts": (variant("            cached, num_cached_tokens =",
+                                       "            del seq.prompt_ids[48:]  # long prompts cut to fit\n"
+                                       "            cached, num_cached_tokens ="), "differ from model.generate"),
+    "forgets_update": (variant("        self.update_after_schedule(out)", "        pass"), "update_after_schedule"),
+    "starves": (variant("if out.preempted or len(", "if seq.prompt_ids[0] % 5 == 0:\n                continue\n"
+                                                    "            if out.preempted or len("), "planned nothing"),
+    "raises": (variant("        out = SchedulerOutput()", "        out = SchedulerOutput()\n        {}['x']"), "KeyError"),
+    "endless": (variant("            while self.kv_manager.allocate_slots(seq, n) is None:",
+                        "            while len(self.running) > 0:\n                pass\n"
+                        "            while self.kv_manager.allocate_slots(seq, n) is None:"), "did not return"),
+    "no_class": ("class Other:\n    pass\n", "defines no class MyScheduler"),
+    "syntax_error": ("def (:\n", "did not run"),
+}
+TRACE = T.Trace(num_requests=16)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def room(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("room")
+    for name, (src, _) in ENTRANTS.items():
+        (folder / f"{name}.py").write_text(src)
+    (folder / "_helper.py").write_text("raise SystemExit('a helper module is not an entrant')\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def results(room, model):
+    return T.run_tournament(T.load_schedulers(room), model, TRACE)
+
+
+def test_rule_keepers_are_ranked_by_goodput_and_breakers_disqualified_with_their_hint(results):
+    by = {e.name: e for e in results}
+    assert set(by) == set(ENTRANTS) | {T.BASELINE}  # the _helper file is no entrant
+    for name, (_, words) in ENTRANTS.items():
+        e = by[name]
+        if words is None:
+            assert e.disqualified is None and e.rank is not None, (name, e.disqualified)
+        else:
+            assert e.rank is None and e.disqualified and words in e.disqualified, (name, e.disqualified)
+    ranked = [e for e in results if e.rank is not None]
+    assert [e.rank for e in ranked] == list(range(1, len(ranked) + 1))
+    assert [e.goodput for e in ranked] == sorted((e.goodput for e in ranked), reverse=True)
+    assert results[:len(ranked)] == ranked  # disqualified ones come last
+
+
+def test_the_notebooks_scheduler_is_the_engines_own_and_a_better_policy_wins(results):
+    by = {e.name: e for e in results}
+    correct, base, sjf = by["correct"], by[T.BASELINE], by["shortest_first"]
+    assert (correct.goodput, correct.steps, correct.preemptions) == (base.goodput, base.steps, base.preemptions)
+    assert sjf.goodput > base.goodput  # shortest-first meets more targets on this trace
+    assert 0 < base.num_good < TRACE.num_requests  # the trace is hard enough to rank on
+
+
+def test_the_trace_is_deterministic_and_mixed(model):
+    a, b = TRACE.requests(97), TRACE.requests(97)
+    assert [(r.prompt, r.max_new_tokens, r.arrival_time) for r in a] == [(r.prompt, r.max_new_tokens, r.arrival_time)
+                                                                         for r in b]
+    lengths = [len(r.prompt) for r in a]
+    assert min(lengths) <= TRACE.short_prompt[1] and max(lengths) >= TRACE.long_prompt[0]
+    gaps = [y.arrival_time - x.arrival_time for x, y in zip(a, a[1:])]
+    assert len(set(gaps)) > 5 and all(g >= 0 for g in gaps)
+    once = T.run_tournament({"correct": T.load_scheduler(_write(CORRECT))}, model, TRACE, baseline=False)
+    again = T.run_tournament({"correct": T.load_scheduler(_write(CORRECT))}, model, TRACE, baseline=False)
+    assert T.table(once, TRACE) == T.table(again, TRACE)
+
+
+def _write(src, name="entrant.py"):
+    import tempfile
+
+    path = Path(tempfile.mkdtemp()) / name
+    path.write_text(src)
+    return path
+
+
+def test_tokens_are_checked_against_generate_without_eos(model):
+    import torch
+
+    reqs = TRACE.requests(model.config.vocab_size)[:3]
+    expected = T.generate_outputs(model, reqs)
+    for r in reqs:
+        ids = torch.tensor([r.prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=r.max_new_tokens,
+                             eos_token_id=[], pad_token_id=0)
+        assert expected[r.request_id] == out[0, ids.shape[1]:].tolist()
+        assert len(expected[r.request_id]) == r.max_new_tokens  # the trace's lengths are fixed
+
+
+def test_the_command_line_writes_a_table_json_and_a_figure(room, tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    small = tmp_path / "small"
+    small.mkdir()
+    for name in ("correct", "over_budget"):
+        (small / f"{name}.py").write_text(ENTRANTS[name][0])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = T.cli([str(small), "--requests", "6", "--plot", str(tmp_path / "t.png"), "--json", str(tmp_path / "t.json")])
+    text = out.getvalue()
+    assert rc == 0 and "goodput" in text and "DQ" in text and "token budget" in text
+    rows = json.loads((tmp_path / "t.json").read_text())
+    assert {r["name"] for r in rows} == {"correct", "over_budget", T.BASELINE}
+    assert (tmp_path / "t.png").stat().st_size > 10_000
+
+
+def test_the_command_line_refuses_what_it_cannot_run(tmp_path):
+    from cbteach.__main__ import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["tournament", str(tmp_path / "missing")]) == 2
+        assert main(["tournament", str(tmp_path)]) == 2  # empty
+    assert "not a folder" in err.getvalue() and "no .py file" in err.getvalue()
+
+
+def test_the_figure_has_titles_and_labels(results):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from cbteach.viz.tournament import plot_tournament
+
+    fig = plot_tournament(results, TRACE.ttft_slo, TRACE.tpot_slo)
+    assert fig._suptitle.get_text()
+    for ax in fig.axes:
+        assert ax.get_title() and ax.get_xlabel() and ax.get_ylabel()
+    plt.close("all")
+    with pytest.raises(ValueError):
+        plot_tournament([], 1, 1)
+
+
+def test_the_instructors_server_takes_submissions_and_ranks_them(tmp_path, model):
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from cbteach.exercises.tournament_server import Board, make_app
+
+    (tmp_path / "first.py").write_text(CORRECT)
+    board = Board(tmp_path, model, T.Trace(num_requests=6))
+    client = TestClient(make_app(board, "room-key"))
+    key = {"Authorization": "Bearer room-key"}
+    assert client.post("/submit", json={"name": "x", "source": CORRECT}).status_code == 401
+    assert client.post("/submit", json={"name": "x", "source": CORRECT}, headers={"Authorization": "Bearer no"}
+                       ).status_code == 401
+    assert client.post("/submit", json={"name": "../evil", "source": CORRECT}, headers=key).status_code == 400
+    assert client.post("/submit", json={"name": "big", "source": "#" * 70_000}, headers=key).status_code == 400
+    r = client.post("/submit", json={"name": "over", "source": ENTRANTS["over_budget"][0]}, headers=key)
+    assert r.status_code == 200 and "token budget" in r.json()["entry"]["disqualified"]
+    r = client.post("/submit", json={"name": "sjf", "source": ENTRANTS["shortest_first"][0]}, headers=key)
+    assert r.status_code == 200 and r.json()["entry"]["rank"] >= 1
+    names = [e["name"] for e in client.get("/leaderboard.json").json()]
+    assert set(names) == {"first", "over", "sjf", T.BASELINE} and names[-1] == "over"  # disqualified last
+    assert (tmp_path / "sjf.py").read_text() == ENTRANTS["shortest_first"][0]
+    assert "Scheduler tournament" in client.get("/").text
+    assert client.get("/plot.png").headers["content-type"] == "image/png"
+
+
+def test_serving_the_tournament_needs_the_rooms_key(tmp_path, monkeypatch, model):
+    from cbteach.exercises.tournament_server import serve
+
+    monkeypatch.delenv("CBTEACH_API_KEY", raising=False)
+    with pytest.raises(ValueError, match="CBTEACH_API_KEY"):
+        serve(tmp_path, model, T.Trace(num_requests=4))
+
+
+def test_a_learner_submits_from_the_notebook_over_http(tmp_path, model):
+    pytest.importorskip("fastapi")
+    import threading
+    import time
+
+    import uvicorn
+
+    from cbteach.exercises import ex12
+    from cbteach.exercises.tournament_server import Board, make_app
+    from cbteach.serving.server_launch import free_port
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(make_app(Board(tmp_path, model, T.Trace(num_requests=6)), "k"),
+                                           host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        for _ in range(200):  # bounded: 10 s
+            if server.started:
+                break
+            time.sleep(0.05)
+        entry = ex12.submit(f"http://127.0.0.1:{port}", CORRECT, "alice", "k")
+        assert entry["name"] == "alice" and entry["rank"] in (1, 2) and entry["disqualified"] is None
+        with pytest.raises(ValueError, match="refused the submission \\(401\\)"):
+            ex12.submit(f"http://127.0.0.1:{port}", CORRECT, "bob", "wrong key")
+    finally:
+        server.should_exit = True
+        thread.join(10)
