@@ -2,8 +2,9 @@
 
 The notebooks draw the running batch after the fact, from step records. The server draws it while it
 happens: every step message an engine core sends (:class:`~.core_messages.StepOutputs`) is turned
-into a summary -- which core, when (``t``, on the core's clock) and for how long (``duration``, the
-step inside the engine), the message's ``bytes``, who ran in which batch slot, prefill or decode,
+into a summary -- which core, when (``core_t``: on the core's clock, when it sent the message;
+``t``: on the API server's, when it arrived, comparable between cores) and for how long
+(``duration``, the step inside the engine), the message's ``bytes``, who ran in which batch slot, prefill or decode,
 how many tokens, who was admitted, finished or preempted, how many wait, how many KV blocks are in
 use -- on the API
 server's event loop, which fans it out to the pages listening on ``GET /live/events`` (server-sent
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 
 HISTORY = 2000  # steps kept for /live/steps and for a page that opens mid-run
 LISTENER_QUEUE = 1000
@@ -35,6 +37,7 @@ class LiveHub:
         self.max_listeners = max_listeners
         self.closed = False
         self.seq = 0  # summaries published so far: a page asks for those after the last it saw
+        self.t0 = time.perf_counter()
 
     def publish(self, m, nbytes: int = 0) -> None:
         """Summarise one step message of a core and hand it to every listener."""
@@ -43,7 +46,8 @@ class LiveHub:
         done = {f.request_id for f in m.finished}
         s = m.stats
         summary = {
-            "n": self.seq, "core": m.core, "step": m.step, "t": round(m.t, 5),
+            "n": self.seq, "core": m.core, "step": m.step, "core_t": round(m.t, 5),
+            "t": round(time.perf_counter() - self.t0, 5),
             "duration": round(m.duration, 6), "bytes": nbytes,
             "seqs": [[o.request_id, o.slot, o.kind, o.num_scheduled_tokens, len(o.new_token_ids)] for o in m.outputs],
             "admitted": list(m.admitted), "finished": sorted(done), "preempted": list(m.preempted),
