@@ -90,6 +90,8 @@ MISTAKES = [
     ("the plan not counted as computed", "        self.update_after_schedule(out)  # 3.", "        pass  # 3.", 1,
      "update_after_schedule"),
     ("admitted but never planned", ADD_ADMITTED, "            self.admit(seq, out)\n", 1, "admitted but not planned"),
+    ("walking self.running while preempt() removes from it", "for seq in list(self.running):  # 1.",
+     "for seq in self.running:  # 1.", 4, "walk a copy (list(self.running))"),
     # stage 2: the token budget
     ("budget off by one, under", "budget)  # a decode's", "budget - 1)  # a decode's", 2, "fewer tokens"),
     ("budget off by one, over", "            budget -= n\n        self.update", "            budget -= n - 1\n"
@@ -99,6 +101,11 @@ MISTAKES = [
     ("a long prompt kept waiting until it fits the budget whole", ADMIT_N,
      WHOLE + "\n            if n > budget:\n                break", 2, "fit whole"),
     ("a running prefill not chunked", "budget)  # a decode's", "math.inf)  # a decode's", 2, "exceeds the token budget"),
+    ("room asked for before the chunk is cut to the budget", "n = min(seq.num_tokens - seq.num_computed_tokens, budget)"
+     "  # a decode's 1, or a chunk of prompt\n            while self.kv_manager.allocate_slots(seq, n) is None:",
+     "n = min(seq.num_tokens - seq.num_computed_tokens, budget)  # a decode's 1, or a chunk of prompt\n"
+     "            while self.kv_manager.allocate_slots(seq, seq.num_tokens - seq.num_computed_tokens) is None:", 2,
+     "more tokens than the chunk planned"),
     ("only decodes run", "or seq not in self.running:  # budget spent",
      "or seq not in self.running or not seq.output_ids:  # budget spent", 2, "fewer tokens"),
     # stage 3: KV room, preemption, prefix caching
@@ -172,6 +179,10 @@ HAND_STOP = ("\"stop\" if token in seq.request.sampling_params.stop_token_ids el
              "else None")
 
 UPDATE_MISTAKES = [
+    ("a chunk that stopped short not skipped", "            if tokens is None:  # a prefill chunk that stopped short: "
+     "no token this step\n                continue\n", "", "output.sampled[i] is None"),
+    ("only the first of the accepted guesses appended", "            for token in tokens:\n",
+     "            for token in tokens[:1]:\n", "not appended"),
     ("blocks never freed", FINISH, FINISH.replace("                self.kv_manager.free(seq)\n", ""), "still holds its KV blocks"),
     ("blocks freed before the last token is recorded", TAIL, FREE_FIRST, "freed before its last token was recorded"),
     ("a chunk that stopped short counted as a token (its first token time set)",

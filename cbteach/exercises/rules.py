@@ -2,8 +2,8 @@
 
 :func:`~cbteach.exercises.scheduler_check.watched` calls these from inside the learner's class:
 :func:`check_admission` and :func:`check_preemption` the moment ``admit``/``preempt`` is called,
-:func:`check_plan` when ``schedule`` returns, :func:`check_update` when ``update_from_output``
-returns. A broken rule raises :class:`SchedulerMistake` with a hint that names the misconception
+:func:`check_plan` when ``schedule`` returns (the update's rules, checked when ``update_from_output``
+returns, are :mod:`cbteach.exercises.update_rules`). A broken rule raises :class:`SchedulerMistake` with a hint that names the misconception
 and where it showed -- never the engine's choice or a value.
 
 Two sets: the **safety** rules keep any engine correct whatever its policy (a plan within the token
@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 
 from ..core.request import RequestStatus
-from ..core.sampling import stop_reason
 from ..core.scheduler_output import SchedulerOutput
 
 
@@ -41,6 +40,8 @@ HINTS = {
                         "yourself, from allocate_slots, pick_victim, preempt, admit and SchedulerOutput.add",
     "walked_waiting": "your loop walked self.waiting itself while admit() removed requests from it, so the request "
                       "after each admitted one was skipped: walk a copy (a list made before the loop)",
+    "walked_running": "your loop walked self.running itself while preempt() removed a request from it, so the "
+                      "request after it was skipped: walk a copy (list(self.running)), skipping those preempted",
     "not_a_plan": "schedule() returned a {}; it must return a SchedulerOutput",
     "plan_none": "not done yet: schedule() returned None -- it must build and return the step's SchedulerOutput",
     "no_update_after_schedule": "the planned tokens were not counted as computed: schedule() ends with "
@@ -49,6 +50,8 @@ HINTS = {
                "self.kv_manager.allocate_slots(seq, n), for exactly those n tokens, before out.add(seq, n)",
     "no_room1": " (here the pool has room for everyone, so allocate_slots never refuses)",
     "no_room3": " -- None means refused: preempt the victim and ask again",
+    "room_for_more": "allocate_slots was asked for more tokens than the chunk planned: ask for exactly the n tokens "
+                     "you plan (cut to the budget first), or the pool gives room nobody uses this step",
     "refused_planned": "tokens were planned without KV room: allocate_slots refused them (None) and the chunk was "
                        "planned anyway -- on a refusal, preempt the policy's victim and ask again",
     "start_mismatch": "a chunk was planned from another position than its room was given for: with prefix caching "
@@ -118,7 +121,8 @@ def _mistake(key: str, stage, *args):
     return SchedulerMistake(hint(key, stage).format(*args) if args else hint(key, stage))
 
 
-def _has(seqs, seq) -> bool:
+def includes(seqs, seq) -> bool:
+    """Whether ``seq`` itself (not an equal one) is in ``seqs``."""
     return any(s is seq for s in seqs)
 
 
@@ -174,6 +178,8 @@ def check_plan(sched, out, before: list, stage, exercise: bool) -> None:
             raise _mistake("start_mismatch", stage)
         if grant is None or grant[1] < n or len(seq.block_table) * sched.kv_manager.block_size < c + n:
             raise _mistake("no_room", stage)
+        if exercise and grant[1] > n:
+            raise _mistake("room_for_more", stage)
         if hasattr(sched, "update_after_schedule") and seq.num_computed_tokens != c + n:
             raise _mistake("no_update_after_schedule", stage)
     if sched.token_budget is not None and sum(counts) > sched.token_budget:
@@ -189,168 +195,28 @@ def check_plan(sched, out, before: list, stage, exercise: bool) -> None:
         if seq not in sched.running and not seq.status.is_finished:
             if seq.block_table:
                 raise _mistake("held_victim", stage)
-            if not _has(out.preempted, seq):
+            if not includes(out.preempted, seq):
                 raise _mistake("left_unpreempted", stage)
     if any(s.block_table for s in sched.waiting):
         raise _mistake("held_waiting", stage)
     if exercise:
-        if any(not _has(seqs, s) for s in out.admitted if s in sched.running):
+        if any(not includes(seqs, s) for s in out.admitted if s in sched.running):
             raise _mistake("admitted_unplanned", stage)
         _check_v1_order(sched, out, seqs, counts, stage)
 
 
 def _check_v1_order(sched, out, seqs, counts, stage) -> None:
     """vLLM V1's order of a plan: running requests first, in order, none skipped while budget is left."""
-    admitted = [s for s in seqs if _has(out.admitted, s)]
-    running = [s for s in seqs if not _has(out.admitted, s)]
+    admitted = [s for s in seqs if includes(out.admitted, s)]
+    running = [s for s in seqs if not includes(out.admitted, s)]
     if seqs != running + admitted:
         raise _mistake("waiting_first", stage)
-    if running != [s for s in sched.running if _has(running, s)]:
+    if running != [s for s in sched.running if includes(running, s)]:
         raise _mistake("running_order", stage)
     left = math.inf if sched.token_budget is None else sched.token_budget - sum(counts)
-    skipped = [s for s in sched.running if not _has(seqs, s)]
+    skipped = [s for s in sched.running if not includes(seqs, s)]
     if skipped and left > 0 and not out.preempted:
         seq = skipped[0]
         need = seq.num_computed_tokens + min(seq.num_tokens - seq.num_computed_tokens, left)
         refused = len(seq.block_table) * sched.kv_manager.block_size < need
         raise _mistake("skipped_refused" if refused and (stage is None or stage >= ROOM_STAGE) else "skipped", stage)
-
-
-# -- after the step: update_from_output (stage 5) ----------------------------------------------------
-UPDATE_HINTS = {
-    "update_none": "not done yet: update_from_output() returned None -- it must return the list of the sequences "
-                   "that finished in this step",
-    "not_a_list": "update_from_output() returned a {}; it must return a list of the sequences that finished",
-    "short_chunk_token": "a prefill chunk that stopped short of its prompt's end was given a token: its "
-                         "output.sampled[i] is None -- nothing is appended for it, and it has no first token yet",
-    "first_token_time": "a request's first_token_time is wrong: it is set once, to `now`, in the step that appends its "
-                        "first token -- not in a step that only fed a chunk of its prompt",
-    "token_times": "every appended token needs its time: seq.token_times gets `now` for each token appended (the "
-                   "latency metrics, TTFT and ITL, are read from them)",
-    "token_missing": "a token the step sampled for a request was not appended to seq.output_ids",
-    "tokens_wrong": "the tokens appended are not the ones the step sampled (output.sampled[i], in order)",
-    "eos_not_recorded": "a request that stopped at EOS did not keep its EOS token: append the token first, then "
-                        "check the stop -- output_ids ends with the EOS id, as generate's output does",
-    "missed_eos": "a request that produced an EOS token went on: after each appended token check the stop "
-                  "(stop_reason: EOS unless ignore_eos, the request's stop_token_ids, max_new_tokens)",
-    "missed_stop": "a request went on past one of its stop_token_ids: after each appended token check the stop "
-                   "(stop_reason takes the request's sampling_params.stop_token_ids)",
-    "missed_length": "a request went past max_new_tokens: after each appended token check the stop (stop_reason)",
-    "early_stop": "a request stopped although no stop rule held: EOS stops a request only without ignore_eos, "
-                  "max_new_tokens counts output tokens (stop_reason says which rule holds, or None)",
-    "wrong_reason": "finish_reason does not name the rule that stopped the request (stop_reason returns it)",
-    "after_stop": "tokens were appended after the one that stopped the request: a stop inside accepted "
-                  "speculative guesses drops the guesses after it",
-    "left_running": "a finished request was left in self.running: a request that stops leaves the batch "
-                    "(self.running.remove(seq)), or it would be planned again",
-    "status": "a finished request's status is not RequestStatus.FINISHED",
-    "not_freed": "a finished request still holds its KV blocks: free them when it stops "
-                 "(self.kv_manager.free(seq)) -- the leak every engine has had once",
-    "freed_early": "a finished request's blocks were freed before its last token was recorded: append the token "
-                   "and check the stop first, free after",
-    "not_returned": "a request that finished in this step is missing from the list update_from_output returned: the "
-                    "engine completes only the sequences it is given back",
-    "returned_unfinished": "the list update_from_output returned holds a request that has not finished",
-    "drafts_not_taken_back": "after a step with speculative guesses, num_computed_tokens still counts the guesses "
-                             "the model rejected: take them back (plan.num_draft_tokens[i] of them were fed, "
-                             "len(tokens) - 1 were accepted)",
-    "drafts_over": "num_computed_tokens went down by more than the rejected guesses: only guesses the model "
-                   "rejected are taken back",
-    "moved": "num_computed_tokens of a request changed in update_from_output although it fed no speculative "
-             "guesses: schedule() already counted the planned tokens as computed (update_after_schedule, "
-             "vLLM V1); the update only takes rejected guesses back",
-    "not_trimmed": "blocks that held only rejected guesses were kept: give them back with "
-                   "self.kv_manager.trim(seq) once num_computed_tokens is taken back",
-    "drafts_kept": "seq.draft_ids still holds this step's guesses after the update: clear them (the next step's "
-                   "guesses are proposed afresh)",
-}
-
-
-def _update_mistake(key: str, *args) -> SchedulerMistake:
-    return SchedulerMistake(UPDATE_HINTS[key].format(*args) if args else UPDATE_HINTS[key])
-
-
-def _stop_rule(sched, seq, outputs: list) -> str | None:
-    params = seq.request.sampling_params
-    return stop_reason(outputs, seq.request.max_new_tokens, sched.eos_ids, seq.request.ignore_eos,
-                       getattr(params, "stop_token_ids", ()))
-
-
-def check_update(sched, plan, output, finished, stage) -> None:
-    """What must hold after ``update_from_output(plan, output, now)`` returned ``finished``."""
-    if finished is None:
-        raise NotDone(UPDATE_HINTS["update_none"])
-    if not isinstance(finished, (list, tuple)):
-        raise _update_mistake("not_a_list", type(finished).__name__)
-    errors = getattr(output, "errors", None) or [None] * len(plan.seqs)
-    for i, (seq, c, n, d) in enumerate(zip(plan.seqs, plan.num_computed_tokens, plan.num_scheduled_tokens,
-                                           plan.num_draft_tokens)):
-        if errors[i] is not None or seq.status is RequestStatus.ABORTED:
-            continue  # a failure of its own, the engine's business
-        _check_tokens(sched, seq, output.sampled[i], sched.outputs_before[i])
-        if seq.finish_reason:
-            _check_finished(sched, seq, finished)
-            continue
-        want = c + n - d + (len(output.sampled[i]) - 1 if d else 0)
-        if seq.num_computed_tokens != want:
-            raise _update_mistake(("drafts_not_taken_back" if seq.num_computed_tokens > want else "drafts_over")
-                                  if d else "moved")
-        size = getattr(sched.kv_manager, "block_size", None)
-        if d and size and len(seq.block_table) > math.ceil(seq.num_computed_tokens / size):
-            raise _update_mistake("not_trimmed")
-        if seq.draft_ids:
-            raise _update_mistake("drafts_kept")
-    for seq in finished:
-        if not getattr(seq, "finish_reason", None):
-            raise _update_mistake("returned_unfinished")
-
-
-def _check_tokens(sched, seq, got, before: int) -> None:
-    """The tokens appended to ``seq`` (``got``: what the step sampled for it; ``before``: outputs it had)."""
-    new = seq.output_ids[before:]
-    if got is None:
-        if new:
-            raise _update_mistake("short_chunk_token")
-        if not seq.output_ids and seq.first_token_time is not None:
-            raise _update_mistake("first_token_time")
-        return
-    got, head = list(got), seq.output_ids[:before]
-    # what should have happened: got[:k] appended, k the first token on which a stop rule holds
-    k = next((j + 1 for j in range(len(got)) if _stop_rule(sched, seq, head + got[:j + 1])), len(got))
-    rule = _stop_rule(sched, seq, head + got[:k])
-    missed = {"eos": "missed_eos", "stop": "missed_stop"}.get(rule, "missed_length")
-    if new != got[:len(new)]:
-        raise _update_mistake("tokens_wrong")
-    if len(new) > k:
-        raise _update_mistake("after_stop" if seq.finish_reason else missed)
-    if len(new) < k:
-        if not seq.finish_reason:
-            raise _update_mistake("token_missing")
-        eos_dropped = rule == "eos" and len(new) == k - 1 and seq.finish_reason == "eos"
-        raise _update_mistake("eos_not_recorded" if eos_dropped else "early_stop")
-    if rule and not seq.finish_reason:
-        raise _update_mistake(missed)
-    if seq.finish_reason and not rule:
-        raise _update_mistake("early_stop")
-    if seq.finish_reason != rule:
-        raise _update_mistake("wrong_reason")
-    if len(seq.token_times) != len(seq.output_ids):
-        raise _update_mistake("token_times")
-    if seq.first_token_time is None or (before == 0 and seq.first_token_time != seq.token_times[0]):
-        raise _update_mistake("first_token_time")
-
-
-def _check_finished(sched, seq, finished) -> None:
-    if seq in sched.running:
-        raise _update_mistake("left_running")
-    if seq.block_table:
-        raise _update_mistake("not_freed")
-    freed = sched.kv_manager.frees.get(id(seq))
-    if freed is None:
-        raise _update_mistake("not_freed")
-    if freed[0] < len(seq.output_ids) or freed[1] is None:
-        raise _update_mistake("freed_early")
-    if seq.status is not RequestStatus.FINISHED:
-        raise _update_mistake("status")
-    if not _has(finished, seq):
-        raise _update_mistake("not_returned")

@@ -20,8 +20,8 @@ beside the engine's own scheduler, so the two runs can be compared step by step
   runs the engine's own scheduling (``super().schedule``, ``schedule_running``, ...), and stops a
   ``schedule`` that never returns after :data:`MAX_EVENTS` traced events.
 
-``rules="exercise"`` checks vLLM V1's rules as notebook 06 teaches them (the order of the loops, the
-policy's order and victim); ``rules="safety"`` only the rules that keep any engine correct, whatever
+``rules_="exercise"`` checks vLLM V1's rules as notebook 06 teaches them (the order of the loops, the
+policy's order and victim); ``rules_="safety"`` only the rules that keep any engine correct, whatever
 its policy -- what the tournament enforces.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ from ..core.request import Request
 from ..core.sampling import SamplingParams
 from ..engine.engine import Engine
 from ..engine.scheduler import Scheduler
-from . import rules
+from . import rules, update_rules
 from .rules import NotDone, SchedulerMistake, hint
 
 __all__ = ["NotDone", "SchedulerMistake", "Workload", "Run", "run", "drive", "watched", "with_eos", "hint"]
@@ -222,6 +222,35 @@ class QueueWatch:
         return self._changed(self.queue.readd_preempted, seq)
 
 
+class RunningWatch(list):
+    """The running list, unchanged, but it knows when a loop over it skips a request: removing one at or
+    before the loop's position shifts the rest left, and a plain list iterator steps over the next."""
+
+    def __init__(self, items=()):
+        super().__init__(items)
+        self.cursors: list = []  # [position, skipped] of each live loop
+
+    def __iter__(self):
+        cursor = [0, False]
+        self.cursors.append(cursor)
+        try:
+            while True:
+                if cursor[1]:
+                    raise SchedulerMistake(hint("walked_running", None))
+                if cursor[0] >= len(self):
+                    return
+                cursor[0] += 1
+                yield self[cursor[0] - 1]
+        finally:
+            self.cursors.remove(cursor)
+
+    def remove(self, seq):
+        i = next(j for j in range(len(self)) if self[j] is seq)
+        super().pop(i)
+        for cursor in self.cursors:  # the request that moved into a visited position is never visited
+            cursor[1] = cursor[1] or (i < cursor[0] and cursor[0] - 1 < len(self))
+
+
 class KVWatch:
     """The KV manager, unchanged, but it remembers this step's grants and what each free saw."""
 
@@ -265,7 +294,7 @@ def watched(cls: type, stage: int | None = None, rules_: str = "exercise", eos_i
             if eos_ids is not None:
                 self.eos_ids = frozenset(eos_ids)
             if exercise:
-                self.waiting = QueueWatch(self.waiting)
+                self.waiting, self.running = QueueWatch(self.waiting), RunningWatch(self.running)
 
         @property
         def kv_manager(self):
@@ -297,9 +326,14 @@ def watched(cls: type, stage: int | None = None, rules_: str = "exercise", eos_i
 
         def update_from_output(self, plan, output, now):
             self.kv_manager.begin_step()
-            finished = super().update_from_output(plan, output, now)
+            try:
+                finished = super().update_from_output(plan, output, now)
+            except TypeError as err:  # the commonest way to trip over a chunk that got no token
+                if own_update and any(t is None for t in output.sampled):
+                    raise SchedulerMistake(f"{update_rules.UPDATE_HINTS['none_token']} ({err})") from None
+                raise
             if own_update:
-                rules.check_update(self, plan, output, finished, stage)
+                update_rules.check_update(self, plan, output, finished, stage)
             return finished
 
     Watched.__name__ = Watched.__qualname__ = cls.__name__

@@ -1,0 +1,158 @@
+"""The rules of ``update_from_output`` (notebook 06, stage 5), checked when it returns, and their hints.
+
+After the forward pass, for each planned sequence: rejected speculative guesses taken back (and the
+blocks that held only them), the sampled tokens appended with their times, the stop rules checked
+after each (``stop_reason``: EOS unless ``ignore_eos``, ``stop_token_ids``, ``max_new_tokens``), and a
+finished request out of ``running``, marked finished, its blocks freed *after* its last token is
+recorded, and returned. :func:`check_update` compares what the learner's update did with what those
+rules say, sequence by sequence, and raises :class:`~cbteach.exercises.rules.SchedulerMistake` with
+the hint for the first rule broken. (It reads the watched KV manager's record of each ``free``:
+:class:`~cbteach.exercises.scheduler_check.KVWatch`.)
+"""
+from __future__ import annotations
+
+import math
+
+from ..core.request import RequestStatus
+from ..core.sampling import stop_reason
+from .rules import NotDone, SchedulerMistake, includes
+
+UPDATE_HINTS = {
+    "update_none": "not done yet: update_from_output() returned None -- it must return the list of the sequences "
+                   "that finished in this step",
+    "not_a_list": "update_from_output() returned a {}; it must return a list of the sequences that finished",
+    "none_token": "the update tripped over a prefill chunk that stopped short of its prompt's end: its "
+                  "output.sampled[i] is None -- it got no token this step, so skip it",
+    "short_chunk_token": "a prefill chunk that stopped short of its prompt's end was given a token: its "
+                         "output.sampled[i] is None -- nothing is appended for it, and it has no first token yet",
+    "first_token_time": "a request's first_token_time is wrong: it is set once, to `now`, in the step that appends its "
+                        "first token -- not in a step that only fed a chunk of its prompt",
+    "token_times": "every appended token needs its time: seq.token_times gets `now` for each token appended (the "
+                   "latency metrics, TTFT and ITL, are read from them)",
+    "token_missing": "a token the step sampled for a request was not appended to seq.output_ids",
+    "tokens_wrong": "the tokens appended are not the ones the step sampled (output.sampled[i], in order)",
+    "eos_not_recorded": "a request that stopped at EOS did not keep its EOS token: append the token first, then "
+                        "check the stop -- output_ids ends with the EOS id, as generate's output does",
+    "missed_eos": "a request that produced an EOS token went on: after each appended token check the stop "
+                  "(stop_reason: EOS unless ignore_eos, the request's stop_token_ids, max_new_tokens)",
+    "missed_stop": "a request went on past one of its stop_token_ids: after each appended token check the stop "
+                   "(stop_reason takes the request's sampling_params.stop_token_ids)",
+    "missed_length": "a request went past max_new_tokens: after each appended token check the stop (stop_reason)",
+    "early_stop": "a request stopped although no stop rule held: EOS stops a request only without ignore_eos, "
+                  "max_new_tokens counts output tokens (stop_reason says which rule holds, or None)",
+    "wrong_reason": "finish_reason does not name the rule that stopped the request (stop_reason returns it)",
+    "after_stop": "tokens were appended after the one that stopped the request: a stop inside accepted "
+                  "speculative guesses drops the guesses after it",
+    "left_running": "a finished request was left in self.running: a request that stops leaves the batch "
+                    "(self.running.remove(seq)), or it would be planned again",
+    "status": "a finished request's status is not RequestStatus.FINISHED",
+    "not_freed": "a finished request still holds its KV blocks: free them when it stops "
+                 "(self.kv_manager.free(seq)) -- the leak every engine has had once",
+    "freed_early": "a finished request's blocks were freed before its last token was recorded: append the token "
+                   "and check the stop first, free after",
+    "not_returned": "a request that finished in this step is missing from the list update_from_output returned: the "
+                    "engine completes only the sequences it is given back",
+    "returned_unfinished": "the list update_from_output returned holds a request that has not finished",
+    "drafts_not_taken_back": "after a step with speculative guesses, num_computed_tokens still counts the guesses "
+                             "the model rejected: take them back (plan.num_draft_tokens[i] of them were fed, "
+                             "len(tokens) - 1 were accepted)",
+    "drafts_over": "num_computed_tokens went down by more than the rejected guesses: only guesses the model "
+                   "rejected are taken back",
+    "moved": "num_computed_tokens of a request changed in update_from_output although it fed no speculative "
+             "guesses: schedule() already counted the planned tokens as computed (update_after_schedule, "
+             "vLLM V1); the update only takes rejected guesses back",
+    "not_trimmed": "blocks that held only rejected guesses were kept: give them back with "
+                   "self.kv_manager.trim(seq) once num_computed_tokens is taken back",
+    "drafts_kept": "seq.draft_ids still holds this step's guesses after the update: clear them (the next step's "
+                   "guesses are proposed afresh)",
+}
+
+
+def _update_mistake(key: str, *args) -> SchedulerMistake:
+    return SchedulerMistake(UPDATE_HINTS[key].format(*args) if args else UPDATE_HINTS[key])
+
+
+def _stop_rule(sched, seq, outputs: list) -> str | None:
+    params = seq.request.sampling_params
+    return stop_reason(outputs, seq.request.max_new_tokens, sched.eos_ids, seq.request.ignore_eos,
+                       getattr(params, "stop_token_ids", ()))
+
+
+def check_update(sched, plan, output, finished, stage) -> None:
+    """What must hold after ``update_from_output(plan, output, now)`` returned ``finished``."""
+    if finished is None:
+        raise NotDone(UPDATE_HINTS["update_none"])
+    if not isinstance(finished, (list, tuple)):
+        raise _update_mistake("not_a_list", type(finished).__name__)
+    errors = getattr(output, "errors", None) or [None] * len(plan.seqs)
+    for i, (seq, c, n, d) in enumerate(zip(plan.seqs, plan.num_computed_tokens, plan.num_scheduled_tokens,
+                                           plan.num_draft_tokens)):
+        if errors[i] is not None or seq.status is RequestStatus.ABORTED:
+            continue  # a failure of its own, the engine's business
+        _check_tokens(sched, seq, output.sampled[i], sched.outputs_before[i])
+        if seq.finish_reason:
+            _check_finished(sched, seq, finished)
+            continue
+        want = c + n - d + (len(output.sampled[i]) - 1 if d else 0)
+        if seq.num_computed_tokens != want:
+            raise _update_mistake(("drafts_not_taken_back" if seq.num_computed_tokens > want else "drafts_over")
+                                  if d else "moved")
+        size = getattr(sched.kv_manager, "block_size", None)
+        if d and size and len(seq.block_table) > math.ceil(seq.num_computed_tokens / size):
+            raise _update_mistake("not_trimmed")
+        if seq.draft_ids:
+            raise _update_mistake("drafts_kept")
+    for seq in finished:
+        if not getattr(seq, "finish_reason", None):
+            raise _update_mistake("returned_unfinished")
+
+
+def _check_tokens(sched, seq, got, before: int) -> None:
+    """The tokens appended to ``seq`` (``got``: what the step sampled for it; ``before``: outputs it had)."""
+    new = seq.output_ids[before:]
+    if got is None:
+        if new:
+            raise _update_mistake("short_chunk_token")
+        if not seq.output_ids and seq.first_token_time is not None:
+            raise _update_mistake("first_token_time")
+        return
+    got, head = list(got), seq.output_ids[:before]
+    # what should have happened: got[:k] appended, k the first token on which a stop rule holds
+    k = next((j + 1 for j in range(len(got)) if _stop_rule(sched, seq, head + got[:j + 1])), len(got))
+    rule = _stop_rule(sched, seq, head + got[:k])
+    missed = {"eos": "missed_eos", "stop": "missed_stop"}.get(rule, "missed_length")
+    if new != got[:len(new)]:
+        raise _update_mistake("tokens_wrong")
+    if len(new) > k:
+        raise _update_mistake("after_stop" if seq.finish_reason else missed)
+    if len(new) < k:
+        if not seq.finish_reason:
+            raise _update_mistake("token_missing")
+        eos_dropped = rule == "eos" and len(new) == k - 1 and seq.finish_reason == "eos"
+        raise _update_mistake("eos_not_recorded" if eos_dropped else "early_stop")
+    if rule and not seq.finish_reason:
+        raise _update_mistake(missed)
+    if seq.finish_reason and not rule:
+        raise _update_mistake("early_stop")
+    if seq.finish_reason != rule:
+        raise _update_mistake("wrong_reason")
+    if len(seq.token_times) != len(seq.output_ids):
+        raise _update_mistake("token_times")
+    if seq.first_token_time is None or (before == 0 and seq.first_token_time != seq.token_times[0]):
+        raise _update_mistake("first_token_time")
+
+
+def _check_finished(sched, seq, finished) -> None:
+    if seq in sched.running:
+        raise _update_mistake("left_running")
+    if seq.block_table:
+        raise _update_mistake("not_freed")
+    freed = sched.kv_manager.frees.get(id(seq))
+    if freed is None:
+        raise _update_mistake("not_freed")
+    if freed[0] < len(seq.output_ids) or freed[1] is None:
+        raise _update_mistake("freed_early")
+    if seq.status is not RequestStatus.FINISHED:
+        raise _update_mistake("status")
+    if not includes(finished, seq):
+        raise _update_mistake("not_returned")
