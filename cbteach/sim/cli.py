@@ -70,7 +70,7 @@ def _validate(a) -> dict:
     rep = validation_report(load(a.data) if a.data else None)
     d = rep["device"]
     return {"fitted_cpu": {"step_overhead_s": d.step_overhead, "seq_overhead_s": d.seq_overhead,
-                           "flops": d.peak_flops, "attn_flops": d.attn_flops, "bytes_per_s": d.mem_bandwidth},
+                           "flops": d.peak_flops, "attn_flops": d.attn_flops, "kv_bytes_per_s": d.kv_bandwidth},
             "train": rep["train"], "held_out": rep["held_out"], "worst": rep["worst"]}
 
 

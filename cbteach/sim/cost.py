@@ -8,7 +8,9 @@ One forward pass over a packed row of ``T`` tokens from ``S`` sequences must
   FLOPs per (query, key) pair, plus the LM head for the sampled rows.
 
 On a device that reads ``B`` bytes/s and computes ``F`` FLOP/s, the step takes at least
-``max(bytes / B, flops / F)`` -- the roofline (Williams et al., 2009; notebook 01). A decode step
+``max(bytes / B, flops / F)`` -- the roofline (Williams et al., 2009; notebook 01), when reading and
+computing overlap, as a GPU's kernels do (on this CPU the engine copies K/V blocks, then computes on
+them: the two times add up -- the fitted ``"cpu"`` says so with ``overlap=False``). A decode step
 of a few sequences is memory-bound (the weights dominate); a long prefill is compute-bound. Real
 engines reach a fraction of both peaks (the device's ``mbu``, ``mfu``) and spend time outside the
 kernels (scheduling, preparing inputs, sampling), modelled as ``step_overhead + S x seq_overhead +
@@ -41,9 +43,12 @@ class StepCost:
     bytes: float
     comm_bytes: float
 
+    overlap: bool = True
+
     @property
     def total(self) -> float:
-        return self.overhead + max(self.compute, self.memory) + self.comm
+        kernels = max(self.compute, self.memory) if self.overlap else self.compute + self.memory
+        return self.overhead + kernels + self.comm
 
     @property
     def bound(self) -> str:
@@ -110,8 +115,10 @@ class CostModel:
             comm_bytes = 2 * s.num_layers * message
             comm = 2 * s.num_layers * (d.link_latency + 2 * (tp - 1) / tp * message / d.link_bandwidth)
         overhead = d.step_overhead + S * d.seq_overhead + T * d.token_overhead
-        return StepCost(compute=compute, memory=nbytes / (d.mem_bandwidth * d.mbu), comm=comm, overhead=overhead,
-                        flops=dense + attn, attn_flops=attn, bytes=nbytes, comm_bytes=comm_bytes)
+        kv_bytes = kv * (context + T)
+        memory = self.weight_bytes_per_device / (d.mem_bandwidth * d.mbu) + kv_bytes / (d.kv_bandwidth or d.mem_bandwidth * d.mbu)
+        return StepCost(compute=compute, memory=memory, comm=comm, overhead=overhead,
+                        flops=dense + attn, attn_flops=attn, bytes=nbytes, comm_bytes=comm_bytes, overlap=d.overlap)
 
     def step_time(self, num_computed_tokens, num_scheduled_tokens) -> float:
         return self.step(num_computed_tokens, num_scheduled_tokens).total

@@ -35,6 +35,8 @@ class Device:
     seq_overhead: float = 2e-5  # seconds per sequence in the step (assumed; fitted for the CPU)
     token_overhead: float = 0.0  # seconds per token fed (fitted for the CPU: packing, embedding, norms)
     attn_flops: float | None = None  # achieved FLOP/s of attention, if not peak x mfu (fitted for the CPU)
+    kv_bandwidth: float | None = None  # achieved bytes/s of reading K/V, if not mem_bandwidth x mbu (fitted for the CPU)
+    overlap: bool = True  # reads overlap compute (a GPU's kernels: the roofline's max); False: they add up
     dtype_bytes: int = 2  # bytes per weight and per K/V element
     price_per_hour: float = 0.0  # illustrative, per device
     source: str = ""

@@ -3,7 +3,8 @@
 A simulator is only as good as its step times. So, as Vidur does against real GPUs, we measure:
 the real engine runs bierce on this machine over several workloads (:data:`RUNS`: batch sizes,
 prompt and output lengths, arrival rates, token budgets, one pool small enough to preempt), and
-every step's plan and duration is kept (:func:`measure`). The device ``"cpu"`` is then *fitted* --
+every step's plan and duration is kept (:func:`measure`), timed in the process's CPU seconds so
+that other programs on a shared machine do not count. The device ``"cpu"`` is then *fitted* --
 per-step and per-sequence overhead, effective FLOP/s and bytes/s, the same roofline form every
 device has (:mod:`cbteach.sim.cost`) -- on the **training** runs only (:func:`fit_cpu`), and asked to
 predict the **held-out** runs (:func:`validation_report`):
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -49,14 +51,15 @@ class RunSpec:
     train: bool = True  # fitted on (True) or held out (False)
 
 
-RUNS = [
+RUNS = [  # training and held-out runs alternate, so a drift of the machine's speed during the measurement
+    # (warming up, another program starting) does not land on one side only
     RunSpec("batch4-mixed", 16, (16, 160), (8, 64), None, 4, seed=1),
-    RunSpec("batch12-short-prompts", 24, (4, 32), (32, 96), None, 12, seed=2),
-    RunSpec("batch8-long-prompts-chunked", 12, (200, 600), (8, 32), None, 8, token_budget=128, seed=3),
-    RunSpec("poisson-batch8", 24, (16, 128), (16, 64), 12.0, 8, seed=4),
     RunSpec("batch6-budget64", 16, (32, 256), (8, 48), None, 6, token_budget=64, seed=5, train=False),
+    RunSpec("batch12-short-prompts", 24, (4, 32), (32, 96), None, 12, seed=2),
     RunSpec("batch16-mixed", 32, (8, 96), (16, 80), None, 16, seed=6, train=False),
+    RunSpec("batch8-long-prompts-chunked", 12, (200, 600), (8, 32), None, 8, token_budget=128, seed=3),
     RunSpec("poisson-tight-pool", 24, (32, 160), (24, 72), 16.0, 8, num_blocks=28, seed=7, train=False),
+    RunSpec("poisson-batch8", 24, (16, 128), (16, 64), 12.0, 8, seed=4),
 ]
 
 
@@ -64,10 +67,30 @@ def workload_of(spec: RunSpec):
     return synthetic_workload(spec.num_requests, spec.rate, spec.prompt_lens, spec.output_lens, seed=spec.seed)
 
 
+class ProcessClock:
+    """The engine's clock in this process's CPU seconds (``time.process_time``): a step costs what the
+    machine spent on it, not the wall time other programs on a shared machine stole from it. Waiting
+    for an arrival moves the clock without spending anything (:class:`~cbteach.core.clock.VirtualClock`'s
+    ``advance``); a step moves it by itself, so ``advance_step`` adds nothing."""
+
+    def __init__(self):
+        self.offset = -time.process_time()
+
+    def __call__(self) -> float:
+        return time.process_time() + self.offset
+
+    def advance(self, seconds: float) -> None:
+        self.offset += max(0.0, seconds)
+
+    def advance_step(self, plan, measured: float) -> None:
+        pass
+
+
 def measure(spec: RunSpec, model, vocab_size: int | None = None, repeats: int = 3) -> dict:
-    """Run ``spec`` on the real engine (wall clock) ``repeats`` times and keep the fastest run's every
-    step (plan and duration) and every request's TTFT and TPOT. Other work on the machine only ever
-    slows a run down, so the fastest is the closest to the machine's own speed."""
+    """Run ``spec`` on the real engine ``repeats`` times, timed in CPU seconds (:class:`ProcessClock`),
+    and keep the fastest run's every step (plan and duration) and every request's TTFT and TPOT.
+    Other work on a shared machine still slows a run down a little (caches, memory bandwidth), so the
+    fastest is the closest to the machine's own speed."""
     runs = [_measure_once(spec, model, vocab_size) for _ in range(repeats)]
     return min(runs, key=lambda r: r["duration"])
 
@@ -81,7 +104,7 @@ def _measure_once(spec: RunSpec, model, vocab_size: int | None) -> dict:
     opts = dict(max_batch_size=spec.max_batch_size, kv="paged", block_size=spec.block_size,
                 num_blocks=spec.num_blocks, token_budget=spec.token_budget)
     Engine(model, None, **opts).run([Request([1, 2, 3], 4, ignore_eos=True)])  # warm up this process
-    eng = Engine(model, None, **opts)
+    eng = Engine(model, None, clock=ProcessClock(), **opts)
     reqs = [Request(rng.integers(1, vocab, r.prompt_len).tolist(), r.output_len, request_id=r.request_id,
                     arrival_time=r.arrival_time if spec.rate else None, ignore_eos=True) for r in workload_of(spec)]
     comps = eng.run(reqs)
@@ -94,15 +117,19 @@ def _measure_once(spec: RunSpec, model, vocab_size: int | None) -> dict:
             "duration": eng.records[-1].start_time + eng.records[-1].duration - eng.records[0].start_time}
 
 
-def measure_all(model, runs=RUNS) -> dict:
+def measure_all(model, runs=RUNS, repeats: int = 10) -> dict:
+    """Every run of ``runs``, measured ``repeats`` times round-robin (so a slow spell of the machine hits
+    all runs alike), keeping each run's fastest repeat."""
     import os
     import platform
 
     import torch
 
+    rounds = [[_measure_once(spec, model, None) for spec in runs] for _ in range(repeats)]
+    best = [min((r[i] for r in rounds), key=lambda m: m["duration"]) for i in range(len(runs))]
     return {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                        "torch": torch.__version__},
-            "model": "bierce", "runs": [measure(spec, model) for spec in runs]}
+                        "torch": torch.__version__, "clock": "process CPU seconds"},
+            "model": "bierce", "runs": best}
 
 
 def load(path=DATA) -> dict:
@@ -116,36 +143,31 @@ def _spec(run: dict) -> RunSpec:
 
 
 # -- fitting ---------------------------------------------------------------------------------------
-def fit_cpu(runs: list[dict], model="bierce", iterations: int = 30) -> Device:
-    """The device ``"cpu"``: step overhead, per-sequence overhead, effective FLOP/s and bytes/s that
-    best predict the measured step durations of ``runs`` (least absolute relative error), in the
-    roofline form ``overhead + S x per_seq + max(flops / F, bytes / B)``. The max makes the fit
-    piecewise linear: each step is assigned to the side of the roofline it is on, the four numbers are
-    refitted, and again, until the assignment stops changing."""
+def fit_cpu(runs: list[dict], model="bierce") -> Device:
+    """The device ``"cpu"``: the step overhead, per-sequence overhead, effective FLOP/s of the dense
+    layers and of attention, and effective bytes/s of reading K/V, that best predict the
+    measured step durations of ``runs`` (least absolute relative error). On this CPU reading and
+    computing do not overlap (the engine gathers K/V blocks, then attends), so the fitted device adds
+    the two times (``overlap=False``) and the fit is linear in the five numbers."""
     unit = CostModel(model, Device("unit", 1e30, 1.0, 1.0, 1.0, mfu=1.0, mbu=1.0, step_overhead=0.0,
                                    seq_overhead=0.0, dtype_bytes=4))
-    feats, t = [], []
+    weights = unit.weight_bytes_per_device
+    rows, t = [], []
     for run in runs:
         for step in run["steps"]:
             cost = unit.step(step["c"], step["n"])
-            feats.append((len(step["n"]), cost.flops - cost.attn_flops, cost.attn_flops, cost.bytes))
+            rows.append((1.0, len(step["n"]), cost.flops - cost.attn_flops, cost.attn_flops, cost.bytes - weights))
             t.append(step["t"])
-    f, t = np.array(feats, dtype=float), np.array(t)
-    compute_side = np.ones(len(t), dtype=bool)
-    coef = np.zeros(5)
-    for _ in range(iterations):
-        c = compute_side[:, None]
-        x = np.column_stack([np.ones(len(t)), f[:, 0], np.where(c, f[:, 1:3], 0.0), np.where(compute_side, 0.0, f[:, 3])])
-        coef = _robust_fit(x / t[:, None])
-        new_side = f[:, 1] * coef[2] + f[:, 2] * coef[3] >= f[:, 3] * coef[4]
-        if (new_side == compute_side).all():
-            break
-        compute_side = new_side
-    return Device("cpu", memory_bytes=8e9, mem_bandwidth=1.0 / coef[4], peak_flops=1.0 / coef[2], link_bandwidth=5e9,
-                  link_latency=50e-6, mfu=1.0, mbu=1.0, step_overhead=float(coef[0]), seq_overhead=float(coef[1]),
-                  attn_flops=1.0 / coef[3], dtype_bytes=4,
+    x, t = np.array(rows), np.array(t)
+    overhead, per_seq, per_flop, per_attn_flop, per_kv_byte = _robust_fit(x / t[:, None])
+    # Reading the weights costs the same every step: it is part of the fitted step overhead (mem_bandwidth
+    # is set so high that the cost model adds nothing more for it); K/V reads have their own bandwidth.
+    return Device("cpu", memory_bytes=8e9, mem_bandwidth=1e18, kv_bandwidth=1.0 / per_kv_byte, peak_flops=1.0 / per_flop,
+                  link_bandwidth=5e9, link_latency=50e-6, mfu=1.0, mbu=1.0, step_overhead=float(overhead),
+                  seq_overhead=float(per_seq), attn_flops=1.0 / per_attn_flop, overlap=False, dtype_bytes=4,
                   source=f"fitted on {sum(len(r['steps']) for r in runs)} measured steps of bierce "
-                         f"({', '.join(r['spec']['name'] for r in runs)})")
+                         f"({', '.join(r['spec']['name'] for r in runs)}); its step overhead includes reading "
+                         "the weights")
 
 
 def _robust_fit(x: np.ndarray, rounds: int = 30) -> np.ndarray:
