@@ -232,3 +232,16 @@ def test_the_notebook_reads_the_pieces_it_assembles():
     code = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
     assert "pieces_from_notebooks" in code and "check_my_engine" in code and "serve_options" in code
     assert sys.gettrace() is None
+
+
+def test_a_scheduler_without_prefix_caching_serves_an_engine_without_it(pieces_dir):
+    """A V1 scheduler that never asks for cached blocks is right for an engine that caches none: serve
+    checks it on prefix caching only when --prefix-caching is on."""
+    source = SOLUTION.replace("cached, num_cached_tokens = self.kv_manager.get_computed_blocks(seq)",
+                              "cached, num_cached_tokens = [], 0")
+    assert source != SOLUTION
+    (pieces_dir / "no_cache.py").write_text(source)
+    option = ["--scheduler", f"no_cache:{capstone.ENGINE_CLASS}"]
+    assert set(capstone.refuse_broken_pieces(option)) == {"scheduler_cls"}
+    with pytest.raises(ValueError, match="past the blocks"):
+        capstone.refuse_broken_pieces(option + ["--prefix-caching"])

@@ -157,11 +157,12 @@ def serve_options(module: str) -> list[str]:
 
 # -- a piece's own check ----------------------------------------------------------------------------------
 
-def check_piece(piece: str, obj, model, tok=None, slot_mapping=None) -> tuple[bool, str]:
-    """Run ``piece``'s own notebook check on ``obj``: (passed, what the check said, its first line)."""
+def check_piece(piece: str, obj, model, tok=None, slot_mapping=None, prefix_caching: bool = True) -> tuple[bool, str]:
+    """Run ``piece``'s own notebook check on ``obj``: (passed, what the check said -- its failure if any).
+    ``prefix_caching=False``: the scheduler is not checked on workloads with prefix caching on."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        ok = _run_check(piece, obj, model, tok, slot_mapping)
+        ok = _run_check(piece, obj, model, tok, slot_mapping, prefix_caching)
     lines = [line[2:] if line[:2] in ("✓ ", "✗ ") else line for line in out.getvalue().strip().splitlines()]
     failed = [line for line in out.getvalue().splitlines() if line.startswith("✗ ")]
     return bool(ok), (failed[0][2:] if failed else (lines[-1] if lines else ""))
@@ -173,7 +174,7 @@ def _token_prompts(model) -> list:
     return [[3 + (13 * i + 5 * j) % span for j in range(5 + 4 * i)] for i in range(5)]
 
 
-def _run_check(piece, obj, model, tok, slot_mapping) -> bool:
+def _run_check(piece, obj, model, tok, slot_mapping, prefix_caching=True) -> bool:
     prompts = None if tok is not None else _token_prompts(model)
     if piece == "kv_manager":
         from .ex05 import check_kv_manager
@@ -195,7 +196,7 @@ def _run_check(piece, obj, model, tok, slot_mapping) -> bool:
         ([5] if obj.update_from_output is not Scheduler.update_from_output else [])
     if not stages:
         return check_stage(1, obj, model)  # "not done yet"
-    return all(check_stage(s, obj, model) for s in stages)  # all() stops at the first stage that fails
+    return all(check_stage(s, obj, model, prefix_caching=prefix_caching) for s in stages)  # stops at a failure
 
 
 def _options(argv: list[str]) -> dict:
@@ -217,11 +218,13 @@ def _options(argv: list[str]) -> dict:
 def refuse_broken_pieces(argv) -> dict:
     """``serve`` with piece options: import each ``MODULE:NAME`` (the current folder on the path) and
     run its notebook's check on serve's ``--model``; a piece that fails raises ``ValueError`` with the
-    check's hint, before the server starts. Returns the pieces, by Engine keyword."""
+    check's hint, before the server starts. (A scheduler meets prefix caching in its check only if serve
+    turns it on.) Returns the pieces, by Engine keyword."""
     from ..models import load_model
     from ..serving.engine_core import load_piece
 
-    options = _options(list(argv))
+    argv = list(argv)
+    options = _options(argv)
     specs = {k: v for k, v in options.items() if k != "model"}
     if not specs:
         return {}
@@ -232,7 +235,8 @@ def refuse_broken_pieces(argv) -> dict:
     for piece in ("kv_manager", "slot_mapping", "attention", "scheduler"):
         if piece not in loaded:
             continue
-        ok, said = check_piece(piece, loaded[piece], model, tok, slot_mapping=loaded.get("slot_mapping"))
+        ok, said = check_piece(piece, loaded[piece], model, tok, slot_mapping=loaded.get("slot_mapping"),
+                               prefix_caching="--prefix-caching" in argv)
         if not ok:
             raise ValueError(f"{PIECES[piece][2]} {specs[piece]} failed its check (notebook {PIECES[piece][0]}), so "
                              f"the server does not start: {said}")

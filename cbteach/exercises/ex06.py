@@ -238,11 +238,13 @@ def _refuse(stage, cls) -> str | None:
 
 
 @self_check
-def check_stage(stage, scheduler_cls, model=None) -> bool:
+def check_stage(stage, scheduler_cls, model=None, *, prefix_caching: bool = True) -> bool:
     """Stage ``stage`` (1-5, see :data:`STAGES`) of the exercise, for ``scheduler_cls`` (a subclass of
     :class:`~cbteach.engine.scheduler.Scheduler` that overrides ``schedule``; for stage 5,
     ``update_from_output``, which runs under the engine's own ``schedule``) on ``model`` (any causal
-    LM the engine runs; None: the course's bierce). ``check_stage(MyScheduler, 1)`` works too."""
+    LM the engine runs; None: the course's bierce). ``check_stage(MyScheduler, 1)`` works too.
+    ``prefix_caching=False`` leaves out the workloads that turn prefix caching on (for an engine that
+    never caches prefixes: ``serve`` without ``--prefix-caching``)."""
     if isinstance(scheduler_cls, int) and not isinstance(stage, int):
         stage, scheduler_cls = scheduler_cls, stage
     refused = _refuse(stage, scheduler_cls)
@@ -251,7 +253,8 @@ def check_stage(stage, scheduler_cls, model=None) -> bool:
     if stage == 5:  # the update alone: the engine's own schedule plans every step
         scheduler_cls = type(scheduler_cls.__name__, (scheduler_cls,), {"schedule": Scheduler.schedule})
     model = _bierce() if model is None else model
-    for i, w in enumerate(STAGES[stage]):
+    workloads = [w for w in STAGES[stage] if prefix_caching or not w.prefix_caching]
+    for i, w in enumerate(workloads):
         try:
             hint_ = _check_workload(scheduler_cls, model, w, stage, with_generate=stage == 1 and i == 0)
         except SchedulerMistake as err:
@@ -264,5 +267,5 @@ def check_stage(stage, scheduler_cls, model=None) -> bool:
     what = ("your update appended, stopped and freed as the engine's does -- same steps, tokens, finish reasons and "
             "token times" if stage == 5 else "your scheduler planned every step as the engine's does -- same "
             "requests, tokens, admissions and preemptions -- with the same outputs")
-    return report(True, f"stage {stage} ({STAGE_NAMES[stage]}): on all {len(STAGES[stage])} workloads {what}, "
+    return report(True, f"stage {stage} ({STAGE_NAMES[stage]}): on all {len(workloads)} workloads {what}, "
                         f"and no KV block left behind{extra}", "")
