@@ -242,3 +242,10 @@ def test_a_learner_submits_from_the_notebook_over_http(tmp_path, model):
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_a_scheduler_cannot_escape_the_rules_by_changing_its_limits(model):
+    src = variant("        out = SchedulerOutput()\n", "        self.token_budget = None  # no budget for me\n"
+                  "        out = SchedulerOutput()\n")
+    entry = T.run_tournament({"cheat": T.load_scheduler(_write(src))}, model, TRACE, baseline=False)[0]
+    assert entry.disqualified and "token budget" in entry.disqualified

@@ -121,6 +121,10 @@ def _mistake(key: str, stage, *args):
     return SchedulerMistake(hint(key, stage).format(*args) if args else hint(key, stage))
 
 
+# The limits are read from the scheduler's config (frozen), never from attributes a scheduler could
+# change: a plan is held to the engine's token budget and batch size, whatever the scheduler believes.
+
+
 def includes(seqs, seq) -> bool:
     """Whether ``seq`` itself (not an equal one) is in ``seqs``."""
     return any(s is seq for s in seqs)
@@ -132,7 +136,7 @@ def check_admission(sched, seq, out, stage, exercise: bool) -> None:
         raise _mistake("not_waiting", stage)
     if seq.arrival_time > sched.check_now:
         raise _mistake("before_arrival", stage)
-    if sched.num_slots_taken() + seq.num_slots > sched.max_batch_size:
+    if sched.num_slots_taken() + seq.num_slots > sched.config.max_batch_size:
         raise _mistake("past_batch", stage)
     if not exercise:
         return
@@ -140,7 +144,8 @@ def check_admission(sched, seq, out, stage, exercise: bool) -> None:
         raise _mistake("after_preempt", stage)
     first = next(s for s in sched.waiting if s.arrival_time <= sched.check_now)
     if first is not seq:
-        left = math.inf if sched.token_budget is None else sched.token_budget - out.total_num_scheduled_tokens
+        budget = sched.config.token_budget
+        left = math.inf if budget is None else budget - out.total_num_scheduled_tokens
         if sched.kv_manager.num_admittable_tokens(first) < min(first.num_tokens - first.num_computed_tokens, left):
             raise _mistake("overtook", stage)
         raise _mistake("out_of_order", stage)
@@ -182,9 +187,9 @@ def check_plan(sched, out, before: list, stage, exercise: bool) -> None:
             raise _mistake("room_for_more", stage)
         if hasattr(sched, "update_after_schedule") and seq.num_computed_tokens != c + n:
             raise _mistake("no_update_after_schedule", stage)
-    if sched.token_budget is not None and sum(counts) > sched.token_budget:
+    if sched.config.token_budget is not None and sum(counts) > sched.config.token_budget:
         raise _mistake("budget", stage)
-    if sched.num_slots_taken() > sched.max_batch_size:
+    if sched.num_slots_taken() > sched.config.max_batch_size:
         raise _mistake("batch", stage)
     for seq in sched.running:
         if seq.arrival_time > sched.check_now:
@@ -213,7 +218,7 @@ def _check_v1_order(sched, out, seqs, counts, stage) -> None:
         raise _mistake("waiting_first", stage)
     if running != [s for s in sched.running if includes(running, s)]:
         raise _mistake("running_order", stage)
-    left = math.inf if sched.token_budget is None else sched.token_budget - sum(counts)
+    left = math.inf if sched.config.token_budget is None else sched.config.token_budget - sum(counts)
     skipped = [s for s in sched.running if not includes(seqs, s)]
     if skipped and left > 0 and not out.preempted:
         seq = skipped[0]
