@@ -54,12 +54,13 @@ class RuleGuard:
 
     def after_schedule(self, plan, now: float) -> None:
         s = self.scheduler
+        limits = s.config  # frozen: a scheduler cannot move its own limits (self.token_budget = None)
         total = plan.total_num_scheduled_tokens
-        if s.token_budget is not None and total > s.token_budget:
-            raise EngineRuleError(f"the plan schedules {total} tokens, over the token budget of {s.token_budget}")
-        if s.num_slots_taken() > s.max_batch_size:
+        if limits.token_budget is not None and total > limits.token_budget:
+            raise EngineRuleError(f"the plan schedules {total} tokens, over the token budget of {limits.token_budget}")
+        if s.num_slots_taken() > limits.max_batch_size:
             raise EngineRuleError(f"{s.num_slots_taken()} sequences hold batch slots, over max_batch_size="
-                                  f"{s.max_batch_size}")
+                                  f"{limits.max_batch_size}")
         if len({id(q) for q in plan.seqs}) != len(plan.seqs):
             raise EngineRuleError("a sequence is planned twice in one step")
         for seq, c, n in zip(plan.seqs, plan.num_computed_tokens, plan.num_scheduled_tokens):
