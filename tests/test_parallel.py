@@ -209,3 +209,43 @@ def test_gqa_replication_rule():
     group = layout.num_heads // layout.num_kv_heads
     for r in range(4):  # every query head a rank computes reads a KV head that rank holds
         assert all(h // group in layout.kv_heads(r) for h in layout.q_heads(r))
+
+
+@pytest.mark.timeout(180)
+def test_copy_on_write_and_prefix_caching_reach_every_rank():
+    """Forked samples share prompt blocks and copy one on write; the copies are made on every rank's pool
+    (the plan carries them), and cached prefixes are read from every rank's blocks."""
+    from cbteach import SamplingParams
+
+    model = tiny_model("llama")
+    shared = list(range(1, 14))
+    prompts = [shared + [20], shared + [21], [9, 8, 7, 9, 8]]
+    sp = SamplingParams(n=2, temperature=1.0, seed=7)
+    reqs = lambda: [Request(p, 8, request_id=i, sampling_params=sp) for i, p in enumerate(prompts)]  # noqa: E731
+    opts = dict(max_batch_size=6, kv="paged", block_size=4, parallel_sampling="fork", prefix_caching=True)
+    single = Engine(model, None, **opts).run(reqs())
+    eng = tp_engine(model, **opts)
+    try:
+        outs = eng.run(reqs())
+        copies = eng.kv_usage()["num_cow_copies"]
+    finally:
+        close(eng)
+    assert copies > 0
+    assert [[s.output_ids for s in c.samples] for c in outs] == [[s.output_ids for s in c.samples] for c in single]
+
+
+@pytest.mark.timeout(180)
+def test_runs_under_torchrun():
+    """``torchrun --nproc-per-node 2``: rank 0 holds the engine, rank 1 serves (benchmarks/tp/torchrun_check.py)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed beside this Python")
+    proc = subprocess.run([str(torchrun), "--nproc-per-node", "2", str(root / "benchmarks/tp/torchrun_check.py"),
+                           "--model", "qwen2"], capture_output=True, text=True, timeout=150, cwd=root)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "torchrun tp: 4/4 equal" in proc.stdout

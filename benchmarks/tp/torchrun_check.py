@@ -37,18 +37,13 @@ def main():
         return 0
     from cbteach import Engine
     from cbteach.core.request import Request
-    from cbteach.parallel.tp import TensorParallelRunner
 
     world = int(os.environ["WORLD_SIZE"])
     prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [3] * 13, [11, 12]]
     reqs = lambda: [Request(p, 12, request_id=i) for i, p in enumerate(prompts)]  # noqa: E731
     single = Engine(model, None, max_batch_size=4, kv="paged", block_size=4).run(reqs())
-    eng = Engine(model, None, max_batch_size=4, kv="paged", block_size=4)
-    eng.runner = TensorParallelRunner(eng.runner.model, eng.info, eng.kv, eng.config, tensor_parallel_size=world)
-    try:
+    with Engine(model, None, max_batch_size=4, kv="paged", block_size=4, tensor_parallel_size=world) as eng:
         outs = eng.run(reqs())
-    finally:
-        eng.runner.close()
     same = [a.output_ids == b.output_ids for a, b in zip(outs, single)]
     for i, (o, ok) in enumerate(zip(outs, same)):
         print(f"request {i}: {o.output_ids} {'equal' if ok else 'DIFFERS'}")
