@@ -193,7 +193,7 @@ def test_a_stream_that_fell_behind_writes_what_waits_in_one_send(tok):
         return [part async for part in run.sse()]
 
     writes = asyncio.run(go())
-    assert len(writes) == 2 and writes[0].count("data: ") == 4 and writes[1] == "data: [DONE]\n\n"
+    assert len(writes) == 2 and writes[0].count(b"data: ") == 4 and writes[1] == b"data: [DONE]\n\n"
 
 
 def test_failures_are_not_counted_as_successes():

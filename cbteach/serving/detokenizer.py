@@ -26,11 +26,21 @@ from __future__ import annotations
 INITIAL_WINDOW = 5  # tokens of context before the first new one (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET)
 
 
+def fast_decode(tokenizer):
+    """``decode(ids)`` as ``tokenizer.decode(ids, skip_special_tokens=True)`` gives it: straight from the Rust
+    tokenizer when the Python wrapper would add nothing (no clean-up of spaces), else through the wrapper."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
 class IncrementalDetokenizer:
     """The text of one answer, a step at a time: ``add(new_ids) -> text to send``, then ``finish()``."""
 
     def __init__(self, tokenizer, stop: tuple = ()):
         self.tokenizer = tokenizer
+        self.decode = fast_decode(tokenizer)
         self.stop = tuple(stop)
         self.hold = max((len(s) - 1 for s in self.stop), default=0)  # chars that may start a stop string
         self.ids: list[int] = []
@@ -43,7 +53,7 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids) -> str:
         self.num_decoded_tokens += len(ids)
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.decode(ids)
 
     def add(self, new_ids) -> str:
         """Take one step's new token ids; return the text that may be sent now ("" while it waits)."""

@@ -23,6 +23,8 @@ import json
 import time
 import uuid
 
+import msgspec
+
 from . import openai_protocol as proto
 from .openai_protocol import APIError
 from .server_routes import add_routes
@@ -134,7 +136,7 @@ class Run:
         req, rid, t = self.req, self.id, self.unix_time
         try:
             if req.kind == "chat":
-                yield "".join(_data(proto.chunk(req, rid, t, i, None, role=True)) for i in range(len(self.states)))
+                yield b"".join(_data(proto.chunk(req, rid, t, i, None, role=True)) for i in range(len(self.states)))
             async for batch in self.events():
                 parts = []
                 for index, event in batch:
@@ -145,10 +147,10 @@ class Run:
                     elif event[0] == "finish":
                         parts.append(_data(proto.chunk(req, rid, t, index, None, event[1])))
                 if parts:
-                    yield "".join(parts)  # every event that was waiting, in one write
+                    yield b"".join(parts)  # every event that was waiting, in one write
             if req.include_usage and not any(f is None or f[0] in FAILED for f in self.finished):
                 yield _data(proto.usage_chunk(req, rid, t, self.usage()))
-            yield "data: [DONE]\n\n"
+            yield b"data: [DONE]\n\n"
         finally:  # the client hung up, or the server is going down: stop generating for nobody
             self.abort()
 
@@ -160,8 +162,11 @@ def _failure(finished) -> APIError:
                     code={"error": "engine_error", "dead": "engine_dead", "abort": "aborted"}[reason])
 
 
-def _data(obj) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+_json = msgspec.json.Encoder()
+
+
+def _data(obj) -> bytes:
+    return b"data: " + _json.encode(obj) + b"\n\n"
 
 
 async def _disconnected(request) -> None:
