@@ -73,3 +73,8 @@ def test_bad_input_is_a_hint_not_a_traceback(run, capsys):
     assert not ex13.check_tp(kv_right, lambda *a: 1 / 0, **run)
     assert "the check stopped with ZeroDivisionError" in capsys.readouterr().out
     assert not ex13.check_tp(kv_right, bytes_right, [], num_layers=2, hidden_size=64)
+    capsys.readouterr()
+    assert not ex13.check_tp(lambda *a: None, lambda *a: None, **run)  # the student copy's stubs
+    assert "return the list of KV head indices" in capsys.readouterr().out
+    assert not ex13.check_tp(kv_right, lambda *a: 3.5, **run)
+    assert "a whole number of bytes" in capsys.readouterr().out

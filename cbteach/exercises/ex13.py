@@ -15,7 +15,7 @@ A wrong answer gets a hint naming the idea it missed, never the right value.
 from __future__ import annotations
 
 from ..parallel.shard import Layout
-from . import report, self_check
+from . import is_int, report, self_check
 
 # (num_heads, num_kv_heads, world_size): bierce and the course's tiny models, and real shapes.
 SHAPES = [(6, 2, 2), (4, 2, 2), (4, 1, 2), (8, 2, 4), (8, 8, 4), (32, 8, 8), (64, 8, 16), (32, 8, 2)]
@@ -77,6 +77,9 @@ def check_tp(kv_heads_of_rank, all_reduce_bytes, comm_log, *, num_layers: int, h
         for rank in range(world):
             truth = list(layout.kv_heads(rank))
             got = kv_heads_of_rank(rank, world, heads, kv)
+            if got is None or isinstance(got, (str, float)):
+                return report(False, "", f"kv_heads_of_rank returned {got!r}: return the list of KV head indices "
+                                         "the rank holds, e.g. [0] or [2, 3]")
             got = list(got) if not isinstance(got, int) else [got]
             if got != truth:
                 ok = report(False, "", f"kv_heads_of_rank({rank}, world_size={world}, num_heads={heads}, "
@@ -92,6 +95,8 @@ def check_tp(kv_heads_of_rank, all_reduce_bytes, comm_log, *, num_layers: int, h
     for step in comm_log:
         truth, tokens = step["all_reduce_bytes"], step["num_tokens"]
         got = all_reduce_bytes(num_layers, tokens, hidden_size, dtype_bytes)
+        if not is_int(got):
+            return report(False, "", f"all_reduce_bytes returned {got!r}: return a whole number of bytes (an int)")
         if got != truth:
             bytes_ok = report(False, "", f"all_reduce_bytes(num_layers={num_layers}, num_tokens={tokens}, hidden_size="
                                          f"{hidden_size}, dtype_bytes={dtype_bytes}) returned {got!r}, not what the "

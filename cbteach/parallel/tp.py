@@ -74,16 +74,14 @@ class ParallelConfig:
 
 
 def parallel_config(config, tensor_parallel_size=None) -> ParallelConfig:
-    """A :class:`ParallelConfig` from the engine's config (its ``tensor_parallel_size``, or its own
-    ``parallel`` config), or ``config`` itself when it is one."""
+    """A :class:`ParallelConfig` from the engine's :class:`~cbteach.core.config.EngineConfig` (its
+    ``tensor_parallel_size``) or the keyword, or ``config`` itself when it is one."""
     if isinstance(config, ParallelConfig):
         return config
-    inner = getattr(config, "parallel", None)
-    if isinstance(inner, ParallelConfig):
-        return inner
     n = tensor_parallel_size if tensor_parallel_size is not None else getattr(config, "tensor_parallel_size", None)
-    return ParallelConfig(tensor_parallel_size=2 if n is None else n,
-                          backend=getattr(config, "distributed_backend", None))
+    if n is None:
+        raise ValueError("say how many ranks: tensor_parallel_size=N (or pass a ParallelConfig)")
+    return ParallelConfig(tensor_parallel_size=n, backend=getattr(config, "distributed_backend", None))
 
 
 def pick_backend(device: torch.device, backend: str | None) -> str:
