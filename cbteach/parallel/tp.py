@@ -106,6 +106,10 @@ def check_config(model, info, kv_cache, config, pc: ParallelConfig) -> tuple[Lay
     """Everything that would stop a tensor-parallel run, found before any process starts."""
     layout = layout_for(model, pc.tensor_parallel_size)
     backend = pick_backend(info.device, pc.backend)
+    world = os.environ.get("WORLD_SIZE")
+    if "TORCHELASTIC_RUN_ID" in os.environ and world != str(pc.tensor_parallel_size):
+        raise ValueError(f"under torchrun the engine's ranks are torchrun's: tensor_parallel_size must be WORLD_SIZE "
+                         f"({world}), got {pc.tensor_parallel_size}")
     if info.device.type == "cuda" and torch.cuda.device_count() < pc.tensor_parallel_size:
         raise ValueError(f"tensor_parallel_size={pc.tensor_parallel_size} needs that many GPUs; this machine has "
                          f"{torch.cuda.device_count()}")

@@ -3,11 +3,12 @@
 A simulator is only as good as its step times. So, as Vidur does against real GPUs, we measure:
 the real engine runs bierce on this machine over several workloads (:data:`RUNS`: batch sizes,
 prompt and output lengths, arrival rates, token budgets, one pool small enough to preempt), and
-every step's plan and duration is kept (:func:`measure`), timed in the process's CPU seconds so
-that other programs on a shared machine do not count. The device ``"cpu"`` is then *fitted* --
-per-step and per-sequence overhead, effective FLOP/s and bytes/s, the same roofline form every
-device has (:mod:`cbteach.sim.cost`) -- on the **training** runs only (:func:`fit_cpu`), and asked to
-predict the **held-out** runs (:func:`validation_report`):
+every step's plan and duration is kept (:func:`measure_all`), timed in the process's CPU seconds so
+that other programs on a shared machine do not count, each run repeated and its fastest repeat kept.
+The device ``"cpu"`` is then *fitted* -- per-step and per-sequence overhead, effective FLOP/s of the
+layers and of attention, effective bytes/s of reading K/V (:mod:`cbteach.sim.cost`; on this CPU the
+reads and the arithmetic add up instead of overlapping) -- on the **training** runs only
+(:func:`fit_cpu`), and asked to predict the **held-out** runs (:func:`validation_report`):
 
 * each held-out step's duration from its plan (mean absolute percentage error),
 * and, replaying the held-out workload through the simulator (the engine's scheduler, simulated
