@@ -19,42 +19,11 @@ from cbteach.student import write_course
 from conftest import tiny_model
 
 NOTEBOOKS = Path(__file__).parent.parent / "notebooks"
-# Notebook 05's slot mapping and attention, written as its exercise asks, for as long as the notebook has no
-# solution cell for them yet (then the notebook's own are used).
-PAGED = '''
-import torch
-import torch.nn.functional as F
-
-
-def my_slot_mapping(block_tables, num_computed_tokens, num_scheduled_tokens, block_size):
-    slots = []
-    for table, c, n in zip(block_tables, num_computed_tokens, num_scheduled_tokens):
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(c, c + n)]
-    return slots
-
-
-def my_attention(query, key, value, meta, layer, scaling):
-    meta.pool.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
-    out = torch.empty_like(query)
-    bs, group = meta.block_size, query.shape[1] // key.shape[1]
-    for i, (c, n) in enumerate(zip(meta.num_computed_tokens, meta.num_scheduled_tokens)):
-        start = int(meta.query_start_loc[i])
-        pos = torch.arange(c + n, device=query.device)
-        k, v = meta.pool.read_slots(layer, meta.block_tables[i, pos // bs] * bs + pos % bs)
-        k = k.transpose(0, 1).repeat_interleave(group, 0)[None].to(query.dtype)
-        v = v.transpose(0, 1).repeat_interleave(group, 0)[None].to(query.dtype)
-        mask = torch.ones(n, c + n, dtype=torch.bool, device=query.device).tril(diagonal=c)
-        out[:, :, start:start + n] = F.scaled_dot_product_attention(query[:, :, start:start + n], k, v,
-                                                                    attn_mask=mask, scale=scaling)
-    return out
-'''
 
 
 def solution_source() -> str:
-    """The pieces module the course copy gives (notebook 05's paged pieces filled in while it lacks them)."""
+    """The pieces module the course copy gives: every solution cell of notebooks 05 and 06."""
     source, _ = capstone.pieces_source(NOTEBOOKS)
-    if "def my_slot_mapping" not in source:
-        source = source.replace("\n\n\n", "\n" + PAGED + "\n\n", 1)
     return source
 
 
@@ -225,6 +194,12 @@ def test_serve_with_the_learners_pieces_answers_openai_clients_exactly(tmp_path,
         want = ref(prompt, n)
         assert choice.token_ids == want and choice.text == ref.text(want), prompt
         assert choice.finish_reason == ("stop" if len(want) < n else "length")
+
+
+def test_the_course_notebooks_hold_every_piece():
+    pieces = pieces_of(SOLUTION)
+    assert all(v is not None for v in pieces.objects.values()), pieces.objects
+    assert "def my_slot_mapping" in SOLUTION and "def my_attention" in SOLUTION and "class MyUpdate" in SOLUTION
 
 
 def test_the_notebook_reads_the_pieces_it_assembles():
