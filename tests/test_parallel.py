@@ -75,19 +75,30 @@ def test_tokens_equal_generate_and_single_process(arch):
 
 
 @pytest.mark.timeout(180)
-def test_bierce_course_workload_equal(bierce):
+def test_bierce_with_forked_samples_and_prefix_caching(bierce):
+    """bierce (6 heads, 2 KV heads: one per rank) on prompts sharing a prefix, two of them sampled twice
+    with forks that share their prompt's blocks: copy-on-write copies and cached prefix blocks are made
+    and read on every rank's pool (the plan carries the copies)."""
+    from cbteach import SamplingParams
+
     bierce, tok = bierce
-    prompts = ["The devil's dictionary defines", "Love, n.", "A bore is a person who", "Politics:"]
-    reqs = lambda: [Request(p, 24, request_id=i) for i, p in enumerate(prompts)]  # noqa: E731
-    single = Engine(bierce, tok, max_batch_size=3, kv="paged", block_size=8).run(reqs())
-    eng = tp_engine(bierce, tok, max_batch_size=3, block_size=8)
+    prompts = ["The devil's dictionary defines LOVE, n.", "The devil's dictionary defines BORE, n.", "Politics:"]
+    sp = [SamplingParams(n=2, temperature=1.0, seed=3), None, SamplingParams(n=2, temperature=0.8, seed=4)]
+    reqs = lambda: [Request(p, 16, request_id=i, **({"sampling_params": s} if s else {}))  # noqa: E731
+                    for i, (p, s) in enumerate(zip(prompts, sp))]
+    # two slots: request 0's two samples run first, request 1 then finds their prompt's blocks cached
+    opts = dict(max_batch_size=2, kv="paged", block_size=4, parallel_sampling="fork", prefix_caching=True)
+    single = Engine(bierce, tok, **opts).run(reqs())
+    eng = tp_engine(bierce, tok, **opts)
     try:
         outs = eng.run(reqs())
-        memory = eng.runner.memory
+        memory, usage = eng.runner.memory, eng.kv_usage()
     finally:
         close(eng)
-    assert [o.output_ids for o in outs] == [s.output_ids for s in single]
-    assert [m["kv_heads"] for m in memory] == [[0], [1]]  # bierce: 2 KV heads, one per rank
+    tokens = lambda c: [s.output_ids for s in c.samples] if c.samples else c.output_ids  # noqa: E731
+    assert [tokens(o) for o in outs] == [tokens(s) for s in single]
+    assert usage["num_cow_copies"] > 0 and usage["prefix_hits"] > 0
+    assert [m["kv_heads"] for m in memory] == [[0], [1]]
     assert [m["q_heads"] for m in memory] == [[0, 1, 2], [3, 4, 5]]
 
 
@@ -209,29 +220,6 @@ def test_gqa_replication_rule():
     group = layout.num_heads // layout.num_kv_heads
     for r in range(4):  # every query head a rank computes reads a KV head that rank holds
         assert all(h // group in layout.kv_heads(r) for h in layout.q_heads(r))
-
-
-@pytest.mark.timeout(180)
-def test_copy_on_write_and_prefix_caching_reach_every_rank():
-    """Forked samples share prompt blocks and copy one on write; the copies are made on every rank's pool
-    (the plan carries them), and cached prefixes are read from every rank's blocks."""
-    from cbteach import SamplingParams
-
-    model = tiny_model("llama")
-    shared = list(range(1, 14))
-    prompts = [shared + [20], shared + [21], [9, 8, 7, 9, 8]]
-    sp = SamplingParams(n=2, temperature=1.0, seed=7)
-    reqs = lambda: [Request(p, 8, request_id=i, sampling_params=sp) for i, p in enumerate(prompts)]  # noqa: E731
-    opts = dict(max_batch_size=6, kv="paged", block_size=4, parallel_sampling="fork", prefix_caching=True)
-    single = Engine(model, None, **opts).run(reqs())
-    eng = tp_engine(model, **opts)
-    try:
-        outs = eng.run(reqs())
-        copies = eng.kv_usage()["num_cow_copies"]
-    finally:
-        close(eng)
-    assert copies > 0
-    assert [[s.output_ids for s in c.samples] for c in outs] == [[s.output_ids for s in c.samples] for c in single]
 
 
 @pytest.mark.timeout(180)
