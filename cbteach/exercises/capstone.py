@@ -231,6 +231,8 @@ def refuse_broken_pieces(argv) -> dict:
     if "" not in sys.path and str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))  # python -m puts it there; a direct call may not
     loaded = {piece: load_piece(spec, piece) for piece, spec in specs.items()}
+    print(f"checking {len(loaded)} piece(s) with their notebooks' checks before the server starts (seconds on "
+          "bierce)...", file=sys.stderr)
     model, tok = load_model(options.get("model", "bierce"), device="cpu")
     for piece in ("kv_manager", "slot_mapping", "attention", "scheduler"):
         if piece not in loaded:
