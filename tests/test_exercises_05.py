@@ -102,7 +102,25 @@ def test_ex05_accepts_right_managers(model, capsys, answer):
     assert out.startswith("✓") and "preemptions" in out
 
 
+class Stub:  # what the student copy hands out: every method's body is "..."
+    def __init__(self, num_blocks, block_size):
+        ...
+
+    def allocate_slots(self, seq, num_new_tokens):
+        ...
+
+    def free(self, seq):
+        ...
+
+
+class NoFreeList(Right):  # forgot to make the free list
+    def __init__(self, num_blocks, block_size):
+        self.block_size = block_size
+
+
 @pytest.mark.parametrize("wrong, words", [
+    (Stub, "not done yet"),
+    (NoFreeList, "should keep self.free_blocks"),
     (OneTooMany, "only when the last one is full"),
     (Floor, "too few for its tokens"),
     (TotalNotNew, "*new* blocks"),
@@ -194,3 +212,255 @@ def test_ex05_fails_managers_that_refuse_wrongly(model, capsys, wrong, words):
     assert not ex05.check_kv_manager(wrong, model)
     out = capsys.readouterr().out
     assert out.startswith("✗") and words in out
+
+
+# == Exercise 2: the slot mapping and paged attention ==================================================
+# Wrong answers are written as a learner would write them, not taken from the check's own list of mistakes.
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from cbteach.attention.metadata import build  # noqa: E402
+from cbteach.attention.paged import default_attention, reference_attention  # noqa: E402
+from cbteach.exercises import ex05_attention, ex05_mistakes, ex05_steps  # noqa: E402
+
+
+def slot_mapping(block_tables, num_computed_tokens, num_scheduled_tokens, block_size):
+    out = []
+    for table, c, n in zip(block_tables, num_computed_tokens, num_scheduled_tokens):
+        out += [table[p // block_size] * block_size + p % block_size for p in range(c, c + n)]
+    return out
+
+
+def attention(query, key, value, meta, layer, scaling, *, order="write_first", diagonal=0, heads="interleave",
+              context="exact", slot="right", mask_decodes=True, scale=True, write_layer=None):
+    """The notebook's solution, with one mistake switched on by a keyword."""
+    def write():
+        meta.pool.write(layer if write_layer is None else write_layer, meta.slot_mapping,
+                        key[0].transpose(0, 1), value[0].transpose(0, 1))
+    if order == "write_first":
+        write()
+    out, bs = torch.empty_like(query), meta.block_size
+    group = query.shape[1] // key.shape[1]
+    for i, (c, n) in enumerate(zip(meta.num_computed_tokens, meta.num_scheduled_tokens)):
+        start = int(meta.query_start_loc[i])
+        length = {"exact": c + n, "floor": (c + n) // bs * bs, "whole_blocks": math.ceil((c + n) / bs) * bs,
+                  "padded_row": meta.block_tables.shape[1] * bs}[context]
+        pos = torch.arange(length)
+        table = meta.block_tables[i]
+        slots = {"right": lambda: table[pos // bs] * bs + pos % bs, "swapped": lambda: table[pos % bs] * bs + pos // bs,
+                 "no_times": lambda: table[pos // bs] + pos % bs}[slot]()
+        k, v = meta.pool.read_slots(layer, slots)
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+        if heads == "interleave":
+            k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        elif heads == "tile":
+            k, v = k.repeat(group, 1, 1), v.repeat(group, 1, 1)
+        mask = torch.ones(n, length, dtype=torch.bool).tril(diagonal=c + diagonal if diagonal != "zero" else 0)
+        if n == 1 and not mask_decodes:
+            mask = None
+        out[0, :, start:start + n] = F.scaled_dot_product_attention(query[0, :, start:start + n], k, v, attn_mask=mask,
+                                                                    scale=scaling if scale else None)
+    if order == "write_after":
+        write()
+    return out
+
+
+def wrong_attention(**mistake):
+    return lambda q, k, v, meta, layer, scaling: attention(q, k, v, meta, layer, scaling, **mistake)
+
+
+def concat_new(query, key, value, meta, layer, scaling):
+    """Never writes the pool: reads the history and appends this step's keys itself."""
+    out, bs, group = torch.empty_like(query), meta.block_size, query.shape[1] // key.shape[1]
+    for i, (c, n) in enumerate(zip(meta.num_computed_tokens, meta.num_scheduled_tokens)):
+        s = int(meta.query_start_loc[i])
+        pos = torch.arange(c)
+        k, v = meta.pool.read_slots(layer, meta.block_tables[i, pos // bs] * bs + pos % bs)
+        k = torch.cat([k, key[0, :, s:s + n].transpose(0, 1)]).transpose(0, 1).repeat_interleave(group, 0)
+        v = torch.cat([v, value[0, :, s:s + n].transpose(0, 1)]).transpose(0, 1).repeat_interleave(group, 0)
+        mask = torch.ones(n, c + n, dtype=torch.bool).tril(diagonal=c)
+        out[0, :, s:s + n] = F.scaled_dot_product_attention(query[0, :, s:s + n], k, v, attn_mask=mask, scale=scaling)
+    return out
+
+
+def gqa_not_repeated(query, key, value, meta, layer, scaling):
+    return wrong_attention(heads="none")(query, key, value, meta, layer, scaling)
+
+
+def engine_style(query, key, value, meta, layer, scaling):
+    """Another right answer: the engine's own readable version behind its write."""
+    meta.pool.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    return reference_attention(query, layer, meta, scaling)
+
+
+class RightOnlyOnTheHandBuiltSteps:
+    """Right on the check's own steps, wrong from then on: only the real engine can catch it."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, q, k, v, meta, layer, scaling):
+        self.calls += 1
+        late = self.calls > len(ex05_steps.HEADS)
+        return attention(q, k, v, meta, layer, scaling, diagonal=1 if late else 0)
+
+
+def gathers_whole_blocks(query, key, value, meta, layer, scaling):
+    """Another right answer: whole blocks gathered at once, the padding masked, enable_gqa for the heads."""
+    meta.pool.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    out, bs = torch.empty_like(query), meta.block_size
+    for i, (c, n) in enumerate(zip(meta.num_computed_tokens, meta.num_scheduled_tokens)):
+        s = int(meta.query_start_loc[i])
+        k, v = meta.pool.read(layer, meta.block_tables[i:i + 1])  # [1, width * bs, kv_heads, D]
+        k, v = k[0].transpose(0, 1), v[0].transpose(0, 1)
+        keys = torch.arange(k.shape[1])
+        mask = keys[None, :] <= (c + torch.arange(n))[:, None]  # causal, and nothing past the sequence's end
+        out[0, :, s:s + n] = F.scaled_dot_product_attention(query[0, :, s:s + n], k, v, attn_mask=mask, scale=scaling,
+                                                            enable_gqa=True)
+    return out
+
+
+@pytest.mark.parametrize("right", [attention, gathers_whole_blocks, wrong_attention(mask_decodes=False)],
+                         ids=["loop", "whole_blocks_masked", "decodes_unmasked"])
+def test_ex05_attention_accepts_right_answers_in_the_real_engine(model, capsys, right):
+    assert ex05_attention.check_paged_attention(right, model, slot_mapping=slot_mapping)
+    out = capsys.readouterr().out
+    assert out.startswith("✓") and "equal to generate's" in out
+
+
+def test_ex05_slot_mapping_accepts_right_answers(model, capsys):
+    assert ex05_attention.check_slot_mapping(slot_mapping, model)
+    numpy_ints = lambda *a: __import__("numpy").array(slot_mapping(*a))  # noqa: E731
+    assert ex05_attention.check_slot_mapping(numpy_ints, model)
+    assert capsys.readouterr().out.count("✓") == 2
+
+
+def _swapped(tables, computed, scheduled, bs):
+    return [t[p % bs] * bs + p // bs for t, c, n in zip(tables, computed, scheduled) for p in range(c, c + n)]
+
+
+WRONG_SLOTS = [
+    (_swapped, "block and offset are swapped"),
+    (lambda t, c, s, bs: [x[p // bs] + p % bs for x, cc, n in zip(t, c, s) for p in range(cc, cc + n)],
+     "block b starts at slot b * block_size"),
+    (lambda t, c, s, bs: [x[p // bs] * bs + p % bs for x, n in zip(t, s) for p in range(n)], "not 0"),
+    (lambda t, c, s, bs: [x[p // bs] * bs + p % bs for x, cc, n in zip(t, c, s) for p in range(cc + 1, cc + n + 1)],
+     "positions count from 0"),
+    (lambda t, c, s, bs: [x[-1] * bs + p % bs for x, cc, n in zip(t, c, s) for p in range(cc, cc + n)],
+     "not every new token goes into the sequence's last block"),
+    (lambda t, c, s, bs: [[x[p // bs] * bs + p % bs for p in range(cc, cc + n)] for x, cc, n in zip(t, c, s)],
+     "one flat list"),
+    (lambda t, c, s, bs: [x[(cc + n - 1) // bs] * bs + (cc + n - 1) % bs for x, cc, n in zip(t, c, s)],
+     "one slot per token fed this step"),
+    (lambda t, c, s, bs: slot_mapping(t[::-1], c[::-1], s[::-1], bs), "wrong order"),
+    (lambda t, c, s, bs: None, "not done yet"),
+    (lambda t, c, s, bs: [float(x) for x in slot_mapping(t, c, s, bs)], "whole number"),
+    (lambda t, c, s, bs: build([1] * sum(s), c, s, "cpu", block_tables=t, block_size=bs).slot_mapping.tolist(),
+     "called the engine's build"),
+]
+
+
+@pytest.mark.parametrize("wrong, hint", WRONG_SLOTS, ids=[h for _, h in WRONG_SLOTS])
+def test_ex05_wrong_slot_mappings_fail_with_their_hint(model, capsys, wrong, hint):
+    assert not ex05_attention.check_slot_mapping(wrong, model)
+    out = capsys.readouterr().out
+    assert out.startswith("✗") and hint in out, out
+    for _, bs, seqs in ex05_steps.STEPS:  # the right slots are never shown
+        right = slot_mapping([t for _, _, t in seqs], [c for c, _, _ in seqs], [n for _, n, _ in seqs], bs)
+        assert str(right) not in out and str(right)[1:-1] not in out
+
+
+WRONG_ATTENTION = [
+    (wrong_attention(slot="swapped"), "block and offset are swapped"),
+    (wrong_attention(slot="no_times"), "block b starts at slot b * block_size"),
+    (wrong_attention(order="write_after"), "write them into the pool first"),
+    (wrong_attention(order="never"), "does not hold this step's keys and values"),
+    (concat_new, "does not hold this step's keys and values"),
+    (wrong_attention(write_layer=0), "another layer's pool"),
+    (wrong_attention(diagonal=-1), "do not see their own key"),
+    (wrong_attention(diagonal=1), "one key past their own position"),
+    (wrong_attention(diagonal="zero"), "a chunk that continues a prompt starts after"),
+    (wrong_attention(heads="tile"), "the query heads that share a KV head are consecutive"),
+    (gqa_not_repeated, "grouped-query attention"),
+    (wrong_attention(context="whole_blocks", mask_decodes=False), "stale K/V"),
+    (wrong_attention(context="padded_row", mask_decodes=False), "stale K/V"),
+    (wrong_attention(context="floor"), "only partly filled"),
+    (wrong_attention(scale=False), "use the scaling the layer passes you"),
+    (lambda *a: None, "not done yet"),
+    (lambda q, *a: q.transpose(1, 2), "shaped like the queries"),
+    (RightOnlyOnTheHandBuiltSteps(), "in the real engine"),
+    (engine_style, "called the engine's reference_attention"),
+    (default_attention, "called the engine's default_attention"),
+]
+
+
+@pytest.mark.parametrize("wrong, hint", WRONG_ATTENTION, ids=[h for _, h in WRONG_ATTENTION])
+def test_ex05_wrong_attention_fails_with_its_hint(model, capsys, wrong, hint):
+    assert not ex05_attention.check_paged_attention(wrong, model, slot_mapping=slot_mapping)
+    out = capsys.readouterr().out
+    assert out.startswith("✗") and hint in out, out
+    assert "tensor(" not in out  # no output, key or slot is printed
+
+
+def test_ex05_attention_checks_the_slot_mapping_first_and_wants_functions(model, capsys):
+    assert not ex05_attention.check_paged_attention(attention, model, slot_mapping=_swapped)
+    assert "block and offset are swapped" in capsys.readouterr().out
+    assert not ex05_attention.check_paged_attention(attention, model, slot_mapping=lambda *a: None)
+    assert "not done yet" in capsys.readouterr().out  # the student copy: both stubs, the slot mapping named first
+    assert not ex05_attention.check_paged_attention(attention(1, 2, 3, 4, 5, 6) if False else 3, model)
+    assert "pass your function itself" in capsys.readouterr().out
+    assert not ex05_attention.check_slot_mapping([1, 2], model)
+    assert "pass your function itself" in capsys.readouterr().out
+
+
+def test_ex05_hand_built_steps_are_real_steps():
+    """Each table holds exactly the blocks its tokens need, no block has two owners, and the check's
+    reference slots and attention are the engine's."""
+    for _, bs, seqs in ex05_steps.STEPS:
+        assert all(len(t) == math.ceil((c + n) / bs) for c, n, t in seqs)
+        blocks = [b for _, _, t in seqs for b in t]
+        assert len(blocks) == len(set(blocks))
+        tables, computed, scheduled = [t for _, _, t in seqs], [c for c, _, _ in seqs], [n for _, n, _ in seqs]
+        meta = build([1] * sum(scheduled), computed, scheduled, "cpu", block_tables=tables, block_size=bs)
+        assert meta.slot_mapping.tolist() == ex05_mistakes.slots(tables, computed, scheduled, bs)
+    for n, (index, heads, kv_heads, head_dim, scaling) in enumerate(ex05_steps.HEADS):
+        meta, q, k, v = ex05_steps._step(ex05_steps.STEPS[index], heads, kv_heads, head_dim, seed=n)
+        mine, engine = ex05_steps._fresh(meta), ex05_steps._fresh(meta)
+        expected = default_attention(q, k, v, engine, 1, scaling)
+        assert torch.allclose(ex05_mistakes.attend(q, k, v, mine, 1, scaling), expected, atol=1e-5)
+
+
+def test_ex05_every_mistake_changes_some_hand_built_step():
+    """A mistake that gave the right output on every step could never be caught by them."""
+    for name in ex05_mistakes.ATTENTION_MISTAKES:
+        differs = False
+        for n, (index, heads, kv_heads, head_dim, scaling) in enumerate(ex05_steps.HEADS):
+            meta, q, k, v = ex05_steps._step(ex05_steps.STEPS[index], heads, kv_heads, head_dim, seed=n)
+            right = ex05_mistakes.attend(q, k, v, ex05_steps._fresh(meta), 1, scaling)
+            try:
+                wrong = ex05_mistakes.attend(q, k, v, ex05_steps._fresh(meta), 1, scaling, mistake=name)
+            except (IndexError, RuntimeError):
+                differs = True
+                continue
+            differs = differs or not torch.allclose(right, wrong, atol=1e-5, equal_nan=False)
+        assert differs, name
+
+
+def test_ex05_engine_runs_mix_chunks_with_decodes_and_preempt(model):
+    prompts = ex05_attention._prompts(None, None)
+    kinds, preempted = set(), 0
+    for _, m, ps, options in ex05_attention.engine_runs(model, prompts):
+        seen = []
+
+        def spy(q, k, v, meta, layer, scaling):
+            seen.append(list(zip(meta.num_computed_tokens, meta.num_scheduled_tokens)))
+            return default_attention(q, k, v, meta, layer, scaling)
+        from cbteach import Engine, Request
+        eng = Engine(m, None, kv="paged", attention=spy, **options)
+        eng.run([Request(list(p), ex05_attention.MAX_NEW_TOKENS, request_id=i) for i, p in enumerate(ps)])
+        preempted += sum(len(r.preempted) for r in eng.records)
+        for step in seen:
+            if any(n > 1 and c > 0 for c, n in step) and any(n == 1 for c, n in step):
+                kinds.add("chunk beside decodes")
+    assert kinds == {"chunk beside decodes"} and preempted > 0

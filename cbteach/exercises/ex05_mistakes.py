@@ -1,0 +1,127 @@
+"""The right slot mapping and paged attention of notebook 05's exercise -- and each typical mistake.
+
+:func:`slots` and :func:`attend` compute a step the right way, or, given ``mistake=``, the way a
+learner who made that mistake would. The check (:mod:`cbteach.exercises.ex05_attention`) names a
+wrong answer by finding the mistake whose output it equals; each mistake's hint names the idea
+that was missed, never a slot or a value. (These are the check's own references, written for
+clarity; the engine computes the same in :mod:`cbteach.attention.metadata` and
+:mod:`cbteach.attention.paged`, and the tests hold the two equal.)
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_SWAPPED = ("block and offset are swapped: a position's block is its index in the block table, "
+            "position // block_size; the offset inside that block is the remainder, position % block_size")
+
+# name -> hint, in the order the check tries them
+SLOT_MISTAKES = {
+    "swapped": _SWAPPED,
+    "offset_times": _SWAPPED,
+    "no_times": ("a slot is an address in the pool seen as one long row of slots: block b starts at slot "
+                 "b * block_size, so the block id is scaled by the block size before the offset is added"),
+    "no_offset": "every token of a block got the block's first slot: add the token's offset inside its block",
+    "from_zero": ("this step's tokens come after the num_computed_tokens already in the cache: a sequence's "
+                  "first new token is at position num_computed_tokens, not 0"),
+    "plus_one": ("positions count from 0: a sequence's first new token is at position num_computed_tokens "
+                 "exactly (the token before it, at num_computed_tokens - 1, is already in the cache)"),
+    "packed_index": ("positions are counted inside each sequence (from its num_computed_tokens on), not along "
+                     "the packed row of the whole step"),
+    "last_block": ("not every new token goes into the sequence's last block: a chunk can begin in a partly "
+                   "filled block and run on into the next ones -- find each token's block from its own position"),
+}
+
+
+def slots(block_tables, num_computed_tokens, num_scheduled_tokens, block_size, mistake=None) -> list[int]:
+    """The pool slot of every scheduled token, in packed order (with ``mistake``: that mistake's)."""
+    out, row = [], 0
+    for table, c, n in zip(block_tables, num_computed_tokens, num_scheduled_tokens):
+        for j in range(n):
+            p = {"from_zero": j, "plus_one": c + j + 1, "packed_index": row}.get(mistake, c + j)
+            block, offset = p // block_size, p % block_size
+            if mistake == "swapped":
+                out.append(table[offset] * block_size + block)
+            elif mistake == "offset_times":
+                out.append(offset * block_size + table[block])
+            elif mistake == "no_times":
+                out.append(table[block] + offset)
+            elif mistake == "no_offset":
+                out.append(table[block] * block_size)
+            elif mistake == "last_block":
+                out.append(table[-1] * block_size + offset)
+            else:
+                out.append(table[block] * block_size + offset)
+            row += 1
+    return out
+
+
+_CAUSAL = ("a query sees the keys up to its own position, itself included: query j of a sequence that had "
+           "c tokens computed is at position c + j")
+_STALE = ("a sequence owns only positions 0 .. c + n - 1 of its blocks: the rest of its last block -- and the "
+          "padding of its block-table row (block 0, someone else's) -- hold stale K/V or none yet. A decode's "
+          "single query would attend to all of it: read only the context's own slots")
+
+# name -> hint, in the order the check tries them
+ATTENTION_MISTAKES = {
+    "read_first": ("this step's keys and values are part of its own context: write them into the pool first, "
+                   "then read the context through the block table"),
+    "swapped": _SWAPPED,
+    "no_times": SLOT_MISTAKES["no_times"],
+    "causal_minus": _CAUSAL + " (your queries do not see their own key)",
+    "causal_minus_prefill": _CAUSAL + " (your queries do not see their own key)",
+    "causal_plus": _CAUSAL + " (your queries see one key past their own position)",
+    "causal_zero": ("a chunk that continues a prompt starts after the c tokens already computed: its query j is "
+                    "at position c + j and sees every earlier key of the sequence, the cached ones too"),
+    "no_mask": ("a prompt or a chunk of one feeds several queries at once: each may see only the keys up to its "
+                "own position, not the later tokens of its own chunk (a causal mask)"),
+    "gqa_tile": ("grouped-query heads: the query heads that share a KV head are consecutive -- with g query heads "
+                 "per KV head, heads 0 .. g-1 read KV head 0, the next g read KV head 1, and so on"),
+    "whole_blocks": _STALE,
+    "padded_row": _STALE,
+    "floor_blocks": ("a sequence's last block is usually only partly filled, and the tokens in it are part of "
+                     "the context: round the number of blocks up, or better, read positions 0 .. c + n - 1"),
+    "no_scale": ("use the scaling the layer passes you (scaling=): not every model scales scores by "
+                 "1 / sqrt(head_dim)"),
+}
+
+
+def attend(query, key, value, meta, layer: int, scaling=None, mistake=None) -> torch.Tensor:
+    """Paged attention for one step, one sequence at a time (with ``mistake``: that mistake's): write the
+    step's K/V at ``meta.slot_mapping``, read each context through its block table, attend causally."""
+    pool, bs = meta.pool, meta.block_size
+    write = lambda: pool.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))  # noqa: E731
+    if mistake != "read_first":
+        write()
+    heads, kv_heads, head_dim = query.shape[1], key.shape[1], query.shape[3]
+    out = torch.empty_like(query)
+    for i, (c, n) in enumerate(zip(meta.num_computed_tokens, meta.num_scheduled_tokens)):
+        start, length, table = int(meta.query_start_loc[i]), c + n, meta.block_tables[i]
+        width = {"whole_blocks": -(-length // bs) * bs, "padded_row": table.numel() * bs,
+                 "floor_blocks": length // bs * bs}.get(mistake, length)
+        pos = torch.arange(width, device=query.device)
+        if mistake == "swapped":
+            slot = table[pos % bs] * bs + pos // bs
+        elif mistake == "no_times":
+            slot = table[pos // bs] + pos % bs
+        else:
+            slot = table[pos // bs] * bs + pos % bs
+        k, v = pool.read_slots(layer, slot)  # [width, kv_heads, D]
+        k, v = k.transpose(0, 1).to(query.dtype), v.transpose(0, 1).to(query.dtype)  # [kv_heads, width, D]
+        group = heads // kv_heads
+        if mistake == "gqa_tile":
+            k, v = k.repeat(group, 1, 1), v.repeat(group, 1, 1)
+        else:
+            k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        diagonal = {"causal_minus": c - 1, "causal_plus": c + 1, "causal_zero": 0}.get(mistake, c)
+        if mistake == "causal_minus_prefill":
+            diagonal = c - 1 if n > 1 else c
+        mask = torch.ones(n, width, dtype=torch.bool, device=query.device).tril(diagonal=diagonal)
+        if (mistake == "no_mask" and n > 1) or (mistake in ("whole_blocks", "padded_row") and n == 1):
+            mask = None
+        scale = head_dim ** -0.5 if mistake == "no_scale" else scaling
+        out[0, :, start:start + n] = F.scaled_dot_product_attention(query[0, :, start:start + n], k, v,
+                                                                    attn_mask=mask, scale=scale)
+    if mistake == "read_first":
+        write()
+    return out

@@ -1,0 +1,265 @@
+"""Notebook 05's paged-attention exercise, on steps built by hand: each shaped so a typical mistake shows.
+
+A step here is a handful of sequences -- decodes, a prompt, a chunk that continues a prompt across a
+block boundary -- with block tables that are neither in order nor full (a partly filled last block,
+a table padded with another sequence's block), on a pool whose every slot holds random K/V: the
+history, and stale values past every sequence's length. The learner's slot mapping and attention run
+on each; a wrong answer is named by recomputing the step *with* each known mistake
+(:mod:`cbteach.exercises.ex05_mistakes`) and finding the one it equals. A mistake may crash on one
+step (an index past a block table) and be recognisable on another, so every step is run and the
+most telling failure is reported.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from ..attention import paged as engine_attention
+from ..attention.metadata import build
+from ..kv.pool import PagedKVPool
+from . import is_int
+from .ex05_mistakes import ATTENTION_MISTAKES, SLOT_MISTAKES, attend, slots
+
+# (what, block_size, [(num_computed_tokens, num_scheduled_tokens, block_table), ...]) of each step.
+STEPS = [
+    ("three decodes, one of them the first token of a new block", 4, [(5, 1, [7, 2]), (2, 1, [4]), (8, 1, [1, 9, 3])]),
+    ("a prompt, a chunk that continues a prompt across a block boundary, a decode", 4,
+     [(0, 6, [3, 8]), (5, 4, [6, 0, 10]), (3, 1, [11])]),
+    ("blocks of two: a chunk, a prompt, a decode", 2, [(3, 2, [5, 1, 4]), (0, 3, [0, 2]), (4, 1, [3, 6, 7])]),
+    ("blocks of one token", 1, [(1, 2, [4, 0, 2]), (0, 2, [1, 3])]),
+    ("blocks of 16: a long chunk, a decode, a short prompt", 16, [(20, 12, [2, 0]), (31, 1, [1, 3]), (0, 5, [4])]),
+]
+# Attention on those steps: (step index, query heads, KV heads, head_dim, scaling or None for head_dim ** -0.5).
+HEADS = [(0, 2, 2, 8, None), (1, 4, 2, 8, None), (2, 4, 1, 8, 0.6), (1, 6, 3, 4, 0.35), (4, 4, 2, 8, None)]
+
+
+class Fail(Exception):
+    """The learner's piece is wrong; the message says how (``named``: a known mistake was recognised)."""
+
+    def __init__(self, message: str, named: bool = False):
+        super().__init__(message)
+        self.named = named
+
+
+class _EngineCalls:
+    """``sys.setprofile`` around one call of the learner's function: did it call the engine's own version?"""
+
+    def __init__(self, functions):
+        self.codes, self.called, self.saved = {f.__code__: f.__name__ for f in functions}, None, None
+
+    def __call__(self, frame, event, arg):
+        if event == "call" and self.called is None:
+            self.called = self.codes.get(frame.f_code)
+
+    def __enter__(self):
+        self.saved = sys.getprofile()
+        sys.setprofile(self)
+        return self
+
+    def __exit__(self, *exc):
+        sys.setprofile(self.saved)
+
+
+ENGINE_ATTENTION = (engine_attention.default_attention, engine_attention.vectorised_attention,
+                    engine_attention.reference_attention, engine_attention.paged_attention_forward)
+
+
+def _first_named(failures: list) -> None:
+    """Raise the most telling failure of a check's cases: one that names a known mistake, else the first.
+    (A mistake can crash on one step -- an index past a block table -- and be recognisable on another.)"""
+    if failures:
+        raise next((f for f in failures if f.named), failures[0])
+
+
+def _case_text(case) -> str:
+    what, bs, seqs = case
+    return (f"({what}; block_size {bs}, block_tables {[t for _, _, t in seqs]}, num_computed_tokens "
+            f"{[c for c, _, _ in seqs]}, num_scheduled_tokens {[n for _, n, _ in seqs]})")
+
+
+def _kind(c: int, n: int) -> str:
+    if n == 1:
+        return f"the decode at position {c}"
+    return f"the prompt of {n} tokens" if c == 0 else f"the chunk of {n} tokens after {c} computed"
+
+
+# -- the slot mapping ------------------------------------------------------------------------------
+
+def _as_slots(got, total: int) -> list[int]:
+    if got is None:
+        raise Fail("not done yet: your slot mapping returned None -- write it in the cell above")
+    if isinstance(got, torch.Tensor):
+        got = got.flatten().tolist()
+    try:
+        got = list(got)
+    except TypeError:
+        raise Fail(f"return a list of pool slots, one int per scheduled token; got {type(got).__name__}") from None
+    if got and all(isinstance(x, (list, tuple)) for x in got):
+        raise Fail("return one flat list in packed order -- sequence 0's tokens, then sequence 1's, ... -- "
+                    "not a list per sequence")
+    if not all(is_int(x) for x in got):
+        raise Fail("a slot is a whole number (an int): block id times block_size plus an offset")
+    if len(got) != total:
+        raise Fail(f"you returned {len(got)} slots for {total} scheduled tokens: one slot per token fed this "
+                    "step -- a decode feeds one, a prompt or a chunk of it feeds several")
+    return [int(x) for x in got]
+
+
+def _diagnose_slots(got, case) -> tuple[str, bool]:
+    _, bs, seqs = case
+    args = ([t for _, _, t in seqs], [c for c, _, _ in seqs], [n for _, n, _ in seqs], bs)
+    for name, hint in SLOT_MISTAKES.items():
+        try:
+            if slots(*args, mistake=name) == got:
+                return hint, True
+        except IndexError:
+            continue
+    right = slots(*args)
+    if sorted(right) == sorted(got):
+        return ("the right slots in the wrong order: packed order is sequence 0's tokens first, in position "
+                "order, then sequence 1's, ..."), True
+    wrong, start = [], 0
+    for c, n, _ in seqs:
+        if got[start:start + n] != right[start:start + n]:
+            wrong.append(_kind(c, n))
+        start += n
+    return ("these tokens' slots are not where their block tables put them: " + ", ".join(wrong) +
+            ". A token at position p lies in block p // block_size of its table, at offset p % block_size"), False
+
+
+def check_slot_mapping_cases(slot_mapping) -> None:
+    """Run ``slot_mapping`` on every hand-built step; raise :class:`Fail` naming the mistake."""
+    failures = []
+    for case in STEPS:
+        _, bs, seqs = case
+        args = ([list(t) for _, _, t in seqs], [c for c, _, _ in seqs], [n for _, n, _ in seqs], bs)
+        try:
+            with _EngineCalls([build]) as seen:
+                got = slot_mapping(*args)
+        except Exception as err:  # the learner's code
+            failures.append(Fail(f"your slot mapping raised {type(err).__name__}: {err}\n  on the step "
+                                 f"{_case_text(case)}"))
+            continue
+        if seen.called:
+            raise Fail(f"write the slot mapping yourself: your function called the engine's {seen.called}")
+        got = _as_slots(got, sum(args[2]))
+        if got != slots(*args):
+            hint, named = _diagnose_slots(got, case)
+            failures.append(Fail(f"{hint}\n  on the step {_case_text(case)}", named))
+    _first_named(failures)
+
+
+# -- paged attention -------------------------------------------------------------------------------
+
+def _step(case, heads, kv_heads, head_dim, seed):
+    """A hand-built step: its metadata (on a pool full of random K/V -- history and stale slots alike)
+    and random queries, keys and values."""
+    _, bs, seqs = case
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = 1 + max(b for _, _, t in seqs for b in t)
+    pool = PagedKVPool(num_layers=2, num_blocks=num_blocks, block_size=bs, num_kv_heads=kv_heads, head_dim=head_dim)
+    for t in pool.k + pool.v:
+        t.copy_(torch.randn(t.shape, generator=g))
+    computed, scheduled = [c for c, _, _ in seqs], [n for _, n, _ in seqs]
+    meta = build([1] * sum(scheduled), computed, scheduled, "cpu", block_tables=[t for _, _, t in seqs],
+                 block_size=bs)
+    meta.pool = pool
+    T = sum(scheduled)
+    q = torch.randn(1, heads, T, head_dim, generator=g)
+    k, v = torch.randn(1, kv_heads, T, head_dim, generator=g), torch.randn(1, kv_heads, T, head_dim, generator=g)
+    return meta, q, k, v
+
+
+def _fresh(meta):
+    """The same step on a copy of its pool (each run writes into its own)."""
+    m = type(meta)(**vars(meta))
+    old = meta.pool
+    m.pool = PagedKVPool(num_layers=len(old.k), num_blocks=old.k[0].shape[0], block_size=old.k[0].shape[1],
+                         num_kv_heads=old.k[0].shape[2], head_dim=old.k[0].shape[3])
+    for dst, src in zip(m.pool.k + m.pool.v, old.k + old.v):
+        dst.copy_(src)
+    return m
+
+
+def _check_writes(meta, before, k, v, layer) -> None:
+    """This step's K/V at its slots of ``layer``, and nothing else changed anywhere in the pool."""
+    pool, idx = meta.pool, meta.slot_mapping
+    flat = lambda t: t.view(-1, *t.shape[2:])  # noqa: E731
+    new_k, new_v = k[0].transpose(0, 1), v[0].transpose(0, 1)
+    K, V = flat(pool.k[layer])[idx], flat(pool.v[layer])[idx]
+    if not (torch.allclose(K, new_k) and torch.allclose(V, new_v)):
+        if torch.allclose(K, new_v) and torch.allclose(V, new_k):
+            raise Fail("the keys went where the values go and the other way round")
+        others = [i for i in range(len(pool.k)) if i != layer and torch.allclose(flat(pool.k[i])[idx], new_k)]
+        if others:
+            raise Fail("you wrote this step's K/V into another layer's pool: every layer has its own -- write "
+                        "into the layer your function was called for")
+        raise Fail("after your function ran, the pool at meta.slot_mapping does not hold this step's keys and "
+                    "values: write them there (meta.pool.write) -- the next steps read them from the pool, and "
+                    "so does this step's own attention")
+    keep = torch.ones(flat(pool.k[0]).shape[0], dtype=torch.bool)
+    keep[idx] = False
+    for i, (a, b) in enumerate(zip(pool.k + pool.v, before.k + before.v)):
+        if not torch.equal(flat(a)[keep], flat(b)[keep]):
+            raise Fail("your function changed pool slots that are not this step's: they hold other tokens' K/V "
+                        "(this sequence's history, or another sequence's)")
+
+
+def _close(a, b) -> bool:
+    return a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=1e-4, equal_nan=True)
+
+
+def _diagnose(out, meta, q, k, v, layer, scaling) -> tuple[str, bool]:
+    for name, hint in ATTENTION_MISTAKES.items():
+        try:
+            if _close(out, attend(q, k, v, _fresh(meta), layer, scaling, mistake=name)):
+                return hint, True
+        except (IndexError, RuntimeError):  # this mistake would not even run on this step
+            continue
+    right = attend(q, k, v, _fresh(meta), layer, scaling)
+    wrong = [_kind(c, n) for i, (c, n) in enumerate(zip(meta.num_computed_tokens, meta.num_scheduled_tokens))
+             if not _close(out[:, :, int(meta.query_start_loc[i]):int(meta.query_start_loc[i + 1])],
+                           right[:, :, int(meta.query_start_loc[i]):int(meta.query_start_loc[i + 1])])]
+    return ("the output is wrong for " + ", ".join(wrong) + ". Each sequence's queries attend to its own "
+            "context only -- positions 0 .. its length - 1, read through its block table -- each query up to "
+            "its own position"), False
+
+
+def check_attention_cases(attention) -> None:
+    """Run ``attention`` on every hand-built step; raise :class:`Fail` naming the mistake."""
+    passed_plain, failures = False, []
+    for n, (index, heads, kv_heads, head_dim, scaling) in enumerate(HEADS):
+        case = STEPS[index]
+        meta, q, k, v = _step(case, heads, kv_heads, head_dim, seed=n)
+        scale = scaling if scaling is not None else head_dim ** -0.5
+        where = (f"{_case_text(case)[:-1]}; {heads} query heads, {kv_heads} KV heads, head_dim {head_dim}, "
+                 f"scaling {scale:g}, layer 1)")
+        mine, before = _fresh(meta), _fresh(meta).pool
+        try:
+            with _EngineCalls(ENGINE_ATTENTION) as seen:
+                out = attention(q.clone(), k.clone(), v.clone(), mine, 1, scale)
+        except Exception as err:  # the learner's code
+            more = ""
+            if heads != kv_heads and passed_plain:
+                more = (f"\n  It ran when every query head had its own KV head; here {heads} query heads share "
+                        f"{kv_heads} KV heads (grouped-query attention): each KV head serves a group of "
+                        f"{heads // kv_heads} consecutive query heads")
+            failures.append(Fail(f"your attention raised {type(err).__name__}: {err}\n  on the step {where}{more}",
+                                  named=bool(more)))
+            continue
+        if seen.called:
+            raise Fail(f"write the attention yourself: your function called the engine's {seen.called}")
+        if out is None:
+            raise Fail("not done yet: your attention returned None -- write it in the cell above")
+        if not isinstance(out, torch.Tensor) or out.shape != q.shape:
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise Fail(f"your attention returned {got}; return a tensor shaped like the queries, [1, heads, "
+                        f"tokens, head_dim] = {tuple(q.shape)} {where}")
+        _check_writes(mine, before, k, v, 1)
+        if not _close(out, attend(q, k, v, _fresh(meta), 1, scale)):
+            hint, named = _diagnose(out, meta, q, k, v, 1, scale)
+            failures.append(Fail(f"{hint}\n  on the step {where}", named))
+            continue
+        passed_plain = passed_plain or heads == kv_heads
+    _first_named(failures)
