@@ -107,7 +107,8 @@ def test_prefix_reuse_names_the_missed_rule(model, capsys, wrong, hint):
     (lambda prompts, bs: [0], "should return"),
     (lambda prompts, bs: [0.0] * len(prompts), "should return"),
     (lambda prompts, bs: 1 / 0, "raised ZeroDivisionError"),
-    (lambda prompts, bs: None, "one number per prompt"),
+    (lambda prompts, bs: None, "not done yet"),  # the student copy's stub
+    (lambda prompts, bs: 3, "one number per prompt"),
 ])
 def test_prefix_reuse_refuses_malformed_answers(model, capsys, answer, says):
     ok, out = run(ex08.check_prefix_reuse, answer, model, capsys=capsys)
@@ -169,7 +170,7 @@ def test_accept_is_checked_against_the_engine(capsys):
     (keeps_the_guess, "keeps the wrong guess"),
     (accepted_only, "at least one token more than it accepts"),
     (goes_on, "stop at the first mismatch"),
-    (lambda d, t: [], "section 5's picture"),
+    (lambda d, t: [], "section 6's picture"),
 ])
 def test_accept_names_the_missed_rule(capsys, wrong, hint):
     ok, out = run(ex08.check_accept, wrong, capsys=capsys)
@@ -180,7 +181,9 @@ def test_accept_names_the_missed_rule(capsys, wrong, hint):
 def test_accept_refuses_malformed_answers(capsys):
     ok, out = run(ex08.check_accept, right_accept([1], [1, 2]), capsys=capsys)
     assert not ok and "pass your function itself" in out
-    ok, out = run(ex08.check_accept, lambda d, t: None, capsys=capsys)
+    ok, out = run(ex08.check_accept, lambda d, t: None, capsys=capsys)  # the student copy's stub
+    assert not ok and "not done yet" in out
+    ok, out = run(ex08.check_accept, lambda d, t: 3, capsys=capsys)
     assert not ok and "should return a list" in out
     ok, out = run(ex08.check_accept, lambda d, t: t[len(t)], capsys=capsys)
     assert not ok and "raised IndexError" in out
@@ -261,6 +264,7 @@ def test_handover_never_prints_the_expected_bytes(model, capsys):
     (right_handover, None),
     (lambda *a: 5, "did not return (bytes, seconds)"),
     (lambda *a: ("5", 1.0), "two numbers"),
+    (lambda *a: None, "not done yet"),  # the student copy's stub: no TypeError about unpacking None
 ])
 def test_handover_refuses_malformed_answers(model, capsys, answer, says):
     if says is None:  # not callable: the learner passed the result, not the function

@@ -125,6 +125,8 @@ def check_prefix_reuse(predict, model, prompts=None, block_size=None) -> bool:
             got = predict([list(p) for p in case], bs)
         except Exception as err:  # the learner's code: say what failed, and on which case
             return report(False, "", f"predict raised {type(err).__name__}: {err} (case: {what})")
+        if got is None:
+            return report(False, "", "not done yet: predict_reuse returned None -- write it in the cell above")
         try:
             got = list(got)
         except TypeError:
@@ -173,7 +175,7 @@ def _accept_hint(drafts, targets, got) -> str:
     if not drafts:
         return "with no guesses the step is a plain decode: it yields exactly one token, the model's own"
     return ("a verify step keeps the model's tokens for as long as the guesses agree with them, and no further: "
-            "follow section 5's picture on a small case by hand")
+            "follow section 6's picture on a small case by hand")
 
 
 @functools.lru_cache(maxsize=1)
@@ -212,6 +214,8 @@ def check_accept(accept) -> bool:
             got = accept(list(drafts), list(targets))
         except Exception as err:  # the learner's code
             return report(False, "", f"accept({drafts}, {targets}) raised {type(err).__name__}: {err}")
+        if got is None:
+            return report(False, "", "not done yet: accept returned None -- write it in the cell above")
         if not isinstance(got, (list, tuple)) or not all(is_int(t) for t in got):
             return report(False, "", f"accept({drafts}, {targets}) returned {got!r}; it should return a list of "
                                      "token ids (ints)")

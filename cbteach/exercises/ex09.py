@@ -106,6 +106,8 @@ def check_handover(handover, model, prompt_len: int | None = None) -> bool:
                                                                   f"heads, hidden = {SHAPES[shape]})"))
         try:
             got = handover(n, m.config, bs, kv_dtype, link)
+            if got is None:
+                return report(False, "", "not done yet: handover returned None -- write it in the cell above")
             nbytes, seconds = got
         except Exception as err:  # the learner's code, or a result that is not a pair
             return report(False, "", f"handover(...) failed or did not return (bytes, seconds) for {where}: "
