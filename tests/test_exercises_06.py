@@ -326,6 +326,7 @@ def test_there_are_thirty_wrong_schedulers_and_every_stage_has_its_own():
 def test_waiting_first_and_calling_the_reference_fail(model, make, stage, words):
     ok, out = check(stage, make(), model)
     assert not ok and words in out, out
+    assert "victim" not in out and "preempt(" not in out and "preempt," not in out, out  # stage 1's words only
 
 
 def test_the_update_stage_uses_the_engines_schedule_whatever_the_class_plans(model):
