@@ -272,3 +272,22 @@ def test_no_stored_claim_reports_that_it_did_not_hold(path):
     failed = [(i, text) for i, c in enumerate(cells(path)) if c["cell_type"] == "code"
               for text in failed_claims(stored_text(c))]
     assert not failed, f"stored outputs report claims that did not hold (cell, claim): {failed}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_student_copy_prints_no_solution_source(path):
+    """No stored output of the student copy shows a solution: not a line of a solution cell, and no printed
+    source of a function the exercise asks for (06's printout of the engine's ``schedule`` only appears once
+    stage 4 passes, in a check cell, whose output the student copy drops)."""
+    nb = json.loads(path.read_text())
+    solutions = [source(c) for c in nb["cells"] if is_solution(c)]
+    lines = {line.strip() for s in solutions for line in s.splitlines() if len(line.strip()) >= 30}
+    asked = {node.name for s in solutions for node in ast.walk(code_tree(s))
+             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    student, _ = strip_solutions(nb)
+    for i, c in enumerate(student["cells"]):
+        if c["cell_type"] != "code" or is_solution(c):
+            continue
+        text = stored_text(c)
+        shown = [line for line in lines if line in text] + [f"def {n}(" for n in asked if f"def {n}(" in text]
+        assert not shown, f"cell {i} of the student copy shows solution source: {shown[:3]}"
