@@ -39,7 +39,8 @@ def _deployment_args(p: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m cbteach simulate", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python -m cbteach simulate",
+                                description="the engine's scheduler on a cost model: every number it prints is simulated",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     sub = p.add_subparsers(dest="what", required=True)
