@@ -123,3 +123,21 @@ def test_bad_answers_are_explained(model, capsys):
     assert "ZeroDivisionError" in capsys.readouterr().out
     assert not ex07.check_benchmark(lambda runs, repeat, clock: ({"static": 1.0}, "yes"), model)
     assert "pair" in capsys.readouterr().out
+
+
+def test_the_goodput_figure_draws_each_draws_own_arrival_rate():
+    """Notebook 07, section 4: a Poisson draw arrives faster or slower than its nominal load, so the line no
+    goodput can pass is the draw's own arrival rate, one per point."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from cbteach.viz import bench as vb
+
+    points = [{"workload": {"params": {"rate": r}}, "engines": {"cbteach_paged": {"goodput": r / 2}}} for r in (0.1, 0.2)]
+    ax = vb.plot_goodput(points, unit="steps", arrived=[0.13, 0.27])
+    line = next(ln for ln in ax.get_lines() if ln.get_label() == "arrival rate of the draw")
+    assert list(line.get_ydata()) == [0.13, 0.27] and ax.get_title() and ax.get_xlabel() and ax.get_ylabel()
+    with pytest.raises(ValueError, match="one rate per point"):
+        vb.plot_goodput(points, arrived=[0.1])
+    plt.close("all")

@@ -181,20 +181,26 @@ def plot_latency_vs_rate(points, *, capacity: dict | None = None, title: str | N
     return fig
 
 
-def plot_goodput(points, *, title: str | None = None, ax=None, unit: str = "ms"):
+def plot_goodput(points, *, title: str | None = None, ax=None, unit: str = "ms", arrived=None):
     """Goodput (requests that met the targets, per second -- or per step with ``unit="steps"``) against
-    the offered rate, per engine, on log axes (a goodput of 0 is left out); the diagonal is the offered
-    rate itself, what a server meeting every target would reach."""
+    the offered rate, per engine, on log axes (a goodput of 0 is left out); the dashed line is what a
+    server meeting every target would reach: the offered rate itself, or -- given ``arrived``, one rate
+    per point -- the rate at which that point's requests really arrived (a Poisson draw of a few dozen
+    requests comes faster or slower than its rate)."""
     points = _points(points, "rate")
     per = _unit(unit)[1]
     rates = _rates(points)
+    if arrived is not None and len(arrived) != len(points):
+        raise ValueError(f"arrived needs one rate per point ({len(points)}), got {len(arrived)}")
     fig, ax = get_axes(ax, figsize=(6.5, 4))
     shown = []
     for i, n in enumerate(points[0]["engines"]):
         good = [p["engines"][n].get("goodput") or np.nan for p in points]
         shown += [g for g in good if g == g]
         ax.plot(rates, good, "o-", color=engine_color(n, i), label=n)
-    ax.plot(rates, rates, "--", color="#999999", label="offered rate")
+    line = rates if arrived is None else list(arrived)
+    shown += line
+    ax.plot(rates, line, "--", color="#999999", label="offered rate" if arrived is None else "arrival rate of the draw")
     ax.set(xlabel=f"offered load ({per}, log scale)", ylabel=f"goodput ({per}, log scale)",
            xscale="log", yscale="log")
     ax.set_ylim(0.5 * min(shown + rates), 1.5 * max(shown + rates))
