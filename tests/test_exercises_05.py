@@ -170,10 +170,14 @@ class RaisingFree(Right):
     free_blocks = property(lambda self: 1 / 0, lambda self, v: None)
 
 
-@pytest.mark.parametrize("broken", [NoneTable, NoneFree, Offset, RaisingFree])
-def test_ex05_broken_managers_get_a_hint_not_a_traceback(model, capsys, broken):
+@pytest.mark.parametrize("broken, words", [(NoneTable, "leave it an empty list"),
+                                           (NoneFree, "block ids are the ints 0 .. num_blocks - 1"),
+                                           (Offset, "every block 0 .. num_blocks - 1 free"),
+                                           (RaisingFree, "the check stopped with ZeroDivisionError")])
+def test_ex05_broken_managers_get_a_hint_not_a_traceback(model, capsys, broken, words):
     assert not ex05.check_kv_manager(broken, model)
-    assert capsys.readouterr().out.startswith("✗")
+    out = capsys.readouterr().out
+    assert out.startswith("✗") and words in out and "Traceback" not in out, out
 
 
 # -- vLLM V1's contract: the scheduler asks allocate_slots for each chunk, and its refusal triggers preemption ------

@@ -100,6 +100,9 @@ class Watched(KVCacheManager):
             self.mine.free(seq)
         except Exception as err:
             raise Wrong(f"{call} raised {type(err).__name__}: {err}") from None
+        if not isinstance(seq.block_table, list):
+            raise Wrong(f"after {call}, seq.block_table is {seq.block_table!r}: leave it an empty list, [] (a preempted "
+                        "sequence comes back and appends its new blocks to it)")
         if list(seq.block_table):
             raise Wrong(f"after {call}, seq.block_table is not empty: a finished or preempted sequence holds no "
                         "blocks (a preempted one comes back and starts a new table)")
@@ -172,6 +175,8 @@ def _check_init(manager_class) -> str | None:
     free = getattr(mine, "free_blocks", None)
     if free is None or isinstance(free, (str, bytes)) or not hasattr(free, "__len__"):
         return "MyKVManager(num_blocks, block_size) should keep self.free_blocks: the ids of the free blocks"
+    if not all(is_int(b) for b in free):
+        return f"MyKVManager(6, 4).free_blocks is {list(free)!r}: block ids are the ints 0 .. num_blocks - 1"
     if sorted(free) != list(range(6)):
         return f"MyKVManager(6, 4).free_blocks is {list(free)!r}: a new pool has every block 0 .. num_blocks - 1 free"
     return None
