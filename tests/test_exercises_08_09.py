@@ -353,3 +353,44 @@ def test_token_gaps_plot_every_gap(model):
 def test_accept_answers_of_the_wrong_kind_get_a_hint_not_a_traceback(returns, capsys):
     ok, out = run(ex08.check_accept, returns, capsys=capsys)
     assert not ok and out.startswith("✗")
+
+
+# -- notebook 09, section 4: async scheduling drawn from step timings -------------------------------------
+
+def _timed_record(step, schedule, forward, update):
+    from types import SimpleNamespace
+    return SimpleNamespace(step=step, timings={"schedule": schedule, "forward": forward, "update": update})
+
+
+def test_overlap_stats_count_what_the_timings_show():
+    from cbteach.viz.overlap import overlap_stats
+    serial = [_timed_record(i, (3 * i, 3 * i + 0.5), (3 * i + 0.5, 3 * i + 2.5), (3 * i + 2.5, 3 * i + 3)) for i in range(4)]
+    s = overlap_stats(serial)
+    assert (s["steps"], s["overlapped"]) == (4, 0) and s["forward_s"] == 8 and s["span_s"] == 11 and s["gaps_s"] == 3
+    # async: step i + 1 is planned while step i's forward runs, and the forwards follow each other
+    overlapped = [_timed_record(i, (2 * i - 1.5 if i else 0, 2 * i - 1 if i else 0.5), (2 * i + 0.5, 2 * i + 2.5),
+                                (2 * i + 2.5, 2 * i + 3)) for i in range(4)]
+    s = overlap_stats(overlapped)
+    assert s["overlapped"] == 3 and s["gaps_s"] == 0 and s["span_s"] == s["forward_s"] == 8
+    with pytest.raises(ValueError, match="no step record carries timings"):
+        overlap_stats([_timed_record(0, (0, 1), (1, 2), (2, 3))][:0])
+
+
+def test_overlap_timelines_are_drawn_from_a_real_run_in_both_modes(model):
+    from cbteach.viz.overlap import overlap_stats, plot_overlap
+    records, outputs = {}, {}
+    for name, flag in (("synchronous", False), ("async scheduling", True)):
+        eng = Engine(model, None, max_batch_size=4, kv="paged", async_scheduling=flag)
+        reqs = [Request([10 + i, 20 + i, 30 + i], 12, request_id=i, ignore_eos=True) for i in range(4)]
+        outputs[name] = [c.output_ids for c in eng.run(reqs)]
+        records[name] = eng.records
+    assert outputs["synchronous"] == outputs["async scheduling"]
+    assert overlap_stats(records["synchronous"])["overlapped"] == 0  # one after another, whatever the machine
+    for recs in records.values():
+        for r in recs:  # each phase ends after it starts; a step's forward comes after its own schedule
+            assert all(a <= b for a, b in r.timings.values())
+            assert r.timings["schedule"][1] <= r.timings["forward"][0] + 1e-9
+    axs = plot_overlap(records, steps=(2, 6), title="test")
+    assert len(axs) == 2 and all(ax.get_title() and ax.get_xlabel() and ax.get_yticklabels() for ax in axs)
+    with pytest.raises(ValueError, match="no step in"):
+        plot_overlap({"synchronous": records["synchronous"]}, steps=(500, 501))
