@@ -45,6 +45,7 @@ class Answer:
         self.first_token_time = self.finish_time = None
         self.finish_reason = "aborted"  # until the stream ends properly
         self.text = ""
+        self.pieces: list[str] = []
         self.error = None
 
 
@@ -64,11 +65,7 @@ async def _one(client, url, i, prompt, max_tokens, args, workload, tok, t0) -> A
             if r.status_code != 200:
                 ans.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
                 return ans
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                now = time.perf_counter() - t0
-                event = json.loads(line[6:])
+            async for event, now in _events(r, t0):
                 if event.get("error"):  # the server cut the stream short (vLLM's and cbteach's error event)
                     ans.error = f"stream error: {event['error'].get('message', event['error'])}"[:200]
                     return ans
@@ -79,10 +76,11 @@ async def _one(client, url, i, prompt, max_tokens, args, workload, tok, t0) -> A
                         chunks += 1
                         ans.token_times.append(now)
                         ans.output_ids.extend(c.get("token_ids") or [])
-                        ans.text += piece or ""
+                        ans.pieces.append(piece or "")
                     if c.get("finish_reason"):
                         ans.finish_reason = c["finish_reason"]
         ans.finish_time = time.perf_counter() - t0
+        ans.text = "".join(ans.pieces)
     except Exception as err:  # a server that hangs up or times out: counted, reported, never fatal
         ans.error = f"{type(err).__name__}: {err}"
         return ans
@@ -91,6 +89,25 @@ async def _one(client, url, i, prompt, max_tokens, args, workload, tok, t0) -> A
         ans.output_ids = [None] * n  # the count is what the metrics need
     ans.first_token_time = ans.token_times[0] if ans.token_times else None
     return ans
+
+
+async def _events(response, t0: float):
+    """``(event, seconds since t0)`` for each server-sent ``data:`` JSON event of a streamed response, as its
+    bytes arrive: split on blank lines, decoded with msgspec (a client that costs little CPU measures the
+    server, not itself -- on a small machine they share the processors)."""
+    import msgspec
+
+    decode, buf = msgspec.json.decode, b""
+    async for part in response.aiter_bytes():
+        buf = (buf + part).replace(b"\r\n", b"\n")  # (a CRLF split over two parts is joined first)
+        *done, buf = buf.split(b"\n\n")
+        if not done:
+            continue
+        now = time.perf_counter() - t0
+        for block in done:
+            for line in block.split(b"\n"):
+                if line.startswith(b"data: ") and line != b"data: [DONE]":
+                    yield decode(line[6:]), now
 
 
 async def run(base_url: str, workload, args, tok) -> tuple[list[Answer], float]:

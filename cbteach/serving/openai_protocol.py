@@ -3,9 +3,10 @@
 A serving engine is only as robust as the layer that reads what clients send. Every field of a
 ``/v1/completions`` or ``/v1/chat/completions`` body is checked here, before anything reaches the
 engine, and a bad one becomes an :class:`APIError` -- a 4xx with OpenAI's error body
-``{"error": {"message", "type", "param", "code"}}`` that names the field. The engine's own
-validation (prompt ids in the vocabulary, prompt + ``max_tokens`` within the model's positions,
-a request that could never fit the KV pool) runs later, in the worker, and is reported the same way.
+``{"error": {"message", "type", "param", "code"}}`` that names the field. The prompt's checks
+(its length before it is tokenized, ids in the vocabulary, prompt + ``max_tokens`` within the
+model's positions: :mod:`.tokenization`) and the engine core's own (a request that could never fit
+the KV pool) come next, and are reported the same way.
 
 Defaults follow the model, as vLLM's ``--generation-config auto`` does: without ``temperature`` a
 request decodes the way the model's generation config says ``generate`` would (bierce's: greedy), so
@@ -235,7 +236,9 @@ def render_chat(messages: list, tokenizer) -> str:
 
 
 # -- writing responses -------------------------------------------------------------------------------
-FINISH = {"eos": "stop", "stop": "stop", "length": "length", "aborted": "abort", "abort": "abort"}
+# The engine's finish reasons as OpenAI's. A request that was aborted or failed has no finish_reason: it
+# is an error (a status, or an error event in a stream: server_app.py), never a 200 that pretends.
+FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
