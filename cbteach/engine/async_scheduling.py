@@ -115,6 +115,7 @@ class AsyncStepper:
         prepared = e.runner.prepare(plan, placeholders)
         t_launch = time.perf_counter()
         future = self.worker.submit(self._forward, prepared)
+        time.sleep(0)  # give up the interpreter lock: the worker starts the forward now, not when we next wait
         self.flight = {"plan": plan, "record": record, "prepared": prepared, "future": future,
                        "expecting": expecting, "launch": t_launch}
 
