@@ -122,3 +122,26 @@ def test_engine_cores_never_outlive_a_killed_server(tmp_path):
         s.proc.kill()  # SIGKILL: no drain, no goodbye
         s.proc.wait(WAIT_S)
         wait_for(lambda: all(gone(p) for p in cores), "the orphaned engine cores to exit by themselves")
+
+
+def test_with_two_cores_a_killed_core_fails_only_its_requests_and_the_other_finishes_exactly(tmp_path, bierce):
+    from serverkit import make_ref
+
+    ref = make_ref(*bierce)
+    with Served(["--data-parallel-size", "2"], tmp_path / "serve.log") as s:
+        cores = s.core_pids()  # started in order: core 0, core 1
+        doomed, survivor = [], []
+        started = [threading.Event(), threading.Event()]
+        threads = [background(stream_events, s.url, LONG, started[0], doomed)]  # core 0 (both idle: the lowest)
+        assert started[0].wait(WAIT_S)
+        body = {"prompt": "BORE, n.", "max_tokens": 60, "return_token_ids": True}
+        threads.append(background(stream_events, s.url, body, started[1], survivor))  # core 1: less to do
+        assert started[1].wait(WAIT_S)
+        os.kill(cores[0], signal.SIGKILL)
+        for t in threads:
+            t.join(WAIT_S)
+        assert doomed[-1] == "[DONE]" and doomed[-2]["error"]["code"] == "engine_dead", doomed[-3:]
+        ids = [t for e in survivor[1:] if e != "[DONE]" for c in e.get("choices", []) for t in c.get("token_ids") or []]
+        assert ids == ref("BORE, n.", 60) and survivor[-1] == "[DONE]"  # its core went on; it finished exactly
+        assert s.proc.wait(WAIT_S) == 1
+        wait_for(lambda: all(gone(p) for p in cores), "both engine cores to be gone")

@@ -15,8 +15,9 @@ lowest core. A request stays on its core: its KV cache is there.
 
 **Death.** The event loop checks every core's process ten times a second. A core that exits when it
 was not told to -- killed, out of memory, or after a :class:`~.core_messages.Dead` saying why --
-fails every request in flight with an error at once, turns ``/health`` unhealthy and calls
-``on_dead`` (the server then exits non-zero): never a request left waiting forever.
+fails every request it held with an error at once, turns ``/health`` unhealthy and calls
+``on_dead``: the server takes no new request, lets the other cores finish theirs (the drain), and
+exits non-zero. Never a request left waiting forever.
 """
 from __future__ import annotations
 
@@ -65,7 +66,8 @@ class CoreClient:
         processor.load = [0] * data_parallel_size
         processor.abort_in_core = lambda st: self._send(st.core, msg.Abort([st.request_id]))
         self.ready: list[msg.Ready] = []
-        self.dead: str | None = None  # why the server can no longer serve
+        self.dead: str | None = None  # why the server can no longer serve (the first core that died)
+        self.dead_cores: set = set()
         self.on_dead = None  # called once, on the event loop, when a core dies
         self.stopping = False
         self.bytes_in = self.messages_in = 0
@@ -130,22 +132,24 @@ class CoreClient:
             if isinstance(m, msg.StepOutputs):
                 self.processor.process(m, len(data))
             elif isinstance(m, msg.Dead):
-                self._died(f"engine core {m.core} failed: {m.message.splitlines()[0]}")
+                self._died(m.core, f"engine core {m.core} failed: {m.message.splitlines()[0]}")
 
     async def _watch_cores(self) -> None:
         while not self.stopping:
             for i, p in enumerate(self.procs):
                 if p.poll() is not None and not self.stopping:
-                    self._died(f"engine core {i} (pid {p.pid}) exited with code {p.returncode}")
-                    return
+                    self._died(i, f"engine core {i} (pid {p.pid}) exited with code {p.returncode}")
             await asyncio.sleep(WATCH_S)
 
-    def _died(self, why: str) -> None:
-        if self.dead is not None:
+    def _died(self, core: int, why: str) -> None:
+        """Core ``core`` is gone: the requests it held fail now; the others' cores go on while the server drains."""
+        if core in self.dead_cores:
             return
-        self.dead = why
-        self.processor.fail_all("dead", f"{why}; the server is shutting down")
-        if self.on_dead is not None:
+        self.dead_cores.add(core)
+        first = self.dead is None
+        self.dead = self.dead or why
+        self.processor.fail_all("dead", f"{why}; the server is shutting down", core=core)
+        if first and self.on_dead is not None:
             self.on_dead(why)
 
     def submit(self, state, request: msg.AddRequest) -> int:
@@ -163,8 +167,8 @@ class CoreClient:
             self.processor.end(state, "abort")
 
     def _send(self, core: int, m) -> None:
-        if self.dead is None:
-            self.pushes[core].send(msg.encoder.encode(m), copy=False)
+        if core not in self.dead_cores:
+            self.pushes[core].send(msg.encoder.encode(m))
 
     @property
     def alive(self) -> bool:

@@ -32,7 +32,8 @@ clients (``--header-timeout``, ``--body-timeout``, ``--max-connections``; :mod:`
 The port is bound before anything starts (a port in use fails at once; ``--port 0`` announces the
 port it got). SIGTERM stops taking requests, lets in-flight ones finish for up to
 ``--drain-timeout`` seconds, aborts the rest, stops the cores and exits 0. If an engine core dies,
-the requests it held get an error, ``/health`` turns 503 and the server exits 1.
+the requests it held get an error at once, ``/health`` turns 503, new requests are refused, the
+other cores' requests finish (the same drain), and the server exits 1.
 """
 from __future__ import annotations
 
