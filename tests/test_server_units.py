@@ -246,3 +246,42 @@ def torch_ids(tok, text):
     import torch
 
     return torch.tensor([tok(text)["input_ids"]])
+
+
+def test_the_engine_core_sends_one_message_per_step_and_forgets_what_it_served(bierce):
+    """The core's loop pieces in this process (inproc sockets): adds in, one StepOutputs per step out, an abort
+    that frees at once, a refusal reported, and no finished request kept."""
+    import zmq
+
+    from cbteach import Engine
+    from cbteach.serving.engine_core import CoreSpec, EngineCore
+
+    model, tok = bierce
+    ctx = zmq.Context()
+    push_in, inbox, outbox, sink = (ctx.socket(k) for k in (zmq.PUSH, zmq.PULL, zmq.PUSH, zmq.PULL))
+    push_in.bind("inproc://in"), inbox.connect("inproc://in"), outbox.bind("inproc://out"), sink.connect("inproc://out")
+    try:
+        with Engine(model, tok, max_batch_size=4, kv="paged", num_blocks=40, keep_records=False) as eng:
+            core = EngineCore(CoreSpec(0, "", "", 0), eng, inbox, outbox)
+            for rid, n in (("a", 5), ("b", 9), ("c", 30)):
+                push_in.send(msg.encoder.encode(msg.AddRequest(rid, tok("CYNIC, n.")["input_ids"], n)))
+            push_in.send(msg.encoder.encode(msg.AddRequest("huge", [1] * 700, 10)))  # 45 blocks: never fits
+            messages, tokens = [], {}
+            for _ in range(100):
+                core._take_inputs()
+                if not eng.has_unfinished():
+                    break
+                core._step()
+                messages.append(msg.output_decoder.decode(sink.recv()))
+                for o in messages[-1].outputs:
+                    tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if len(tokens.get("b", [])) == 4:
+                    push_in.send(msg.encoder.encode(msg.Abort(["c"])))
+            assert [m.step for m in messages] == list(range(len(messages))) and core.stats.num_steps == len(messages)
+            assert messages[0].accepted == ["a", "b", "c"] and messages[0].rejected[0][0] == "huge"
+            assert (len(tokens["a"]), len(tokens["b"])) == (5, 9) and len(tokens["c"]) < 30
+            assert {f.request_id for m in messages for f in m.finished} == {"a", "b"}  # c was aborted, not finished
+            assert eng.sequences == {} and eng.completions == {}  # nothing kept
+            assert eng.kv_usage()["num_used_blocks"] == 0
+    finally:
+        ctx.destroy(linger=0)

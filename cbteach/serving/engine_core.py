@@ -189,9 +189,10 @@ class EngineCore:
         self._forget(rid)
 
     def _forget(self, rid: str) -> None:
-        """A long-running server must not keep every request it ever served."""
-        self.engine.sequences.pop(rid, None)
-        self.engine.completions.pop(rid, None)
+        """A long-running server must not keep every request it ever served (Engine.release)."""
+        seq = self.engine.sequences.get(rid)
+        if seq is not None and seq.status.is_finished:
+            self.engine.release(rid)
         if self.faults is not None:
             self.faults.forget(rid)
 
