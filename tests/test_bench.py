@@ -93,12 +93,15 @@ def test_bench_small_run_writes_every_engine(tmp_path, bierce):
     assert rows["hf_generate"]["steps"] == rows["hf_generate"]["tokens"]  # one request at a time
     assert rows["hf_batch_generate"]["steps"] == rows["static"]["steps"]  # the same waves
     assert rows["cbteach_concat"]["identical_to_static"] and rows["cbteach_paged"]["identical_to_static"]
-    for name in ("cbteach_paged", "cbteach_paged_budget"):
+    for name in ("cbteach_paged", "cbteach_paged_budget", "cbteach_paged_async"):
         assert 0 < rows[name]["paged_utilisation"] <= 1 and rows[name]["preemptions"] == 0
         assert rows[name]["peak_batch"] == 2
     assert data["workload"]["name"] == "headwords" and data["workload"]["num_requests"] == 4
     assert data["machine"]["device"] == "cpu" and data["machine"]["torch_threads"] == 1
-    assert set(data["targets"]) == {"paged_vs_ideal", "paged_vs_transformers_cb"}
+    assert set(data["targets"]) == {"paged_vs_ideal", "paged_vs_transformers_cb", "paged_vs_static",
+                                    "async_host_fraction"}
+    assert 0 <= rows["cbteach_paged_async"]["host_fraction"] < 1 and rows["cbteach_paged_async"]["matched"]
+    assert data["targets"]["async_host_fraction"]["met"] is (rows["cbteach_paged_async"]["host_fraction"] <= 0.05)
     assert all(t["met"] in (True, False) for t in data["targets"].values())
     sh = data["step_time_vs_history"]
     assert min(sh["concat"]["kv_bytes_copied"]) > 0 and min(sh["paged"]["kv_bytes_read"]) > 0
