@@ -313,7 +313,7 @@ class RightOnlyOnTheHandBuiltSteps:
 def gathers_whole_blocks(query, key, value, meta, layer, scaling):
     """Another right answer: whole blocks gathered at once, the padding masked, enable_gqa for the heads."""
     meta.pool.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
-    out, bs = torch.empty_like(query), meta.block_size
+    out = torch.empty_like(query)
     for i, (c, n) in enumerate(zip(meta.num_computed_tokens, meta.num_scheduled_tokens)):
         s = int(meta.query_start_loc[i])
         k, v = meta.pool.read(layer, meta.block_tables[i:i + 1])  # [1, width * bs, kv_heads, D]
