@@ -266,11 +266,10 @@ def test_no_stored_claim_reports_that_it_did_not_hold(path):
     """A cell that backs the prose prints ``claim: <text> -- holds`` (:func:`cbteach.perf.claims.claim`);
     outputs stored where a claim did not hold contradict the text beside them: re-run on a quiet machine
     (``tools/store_outputs.py``) or fix the claim."""
-    from cbteach.perf.claims import FAILED, failed_claims
+    from cbteach.perf.claims import FAILED, failed_claims, stored_failed_claims
 
     assert failed_claims(f"claim: a sample -- {FAILED}") == ["a sample"]  # the reader still knows the format
-    failed = [(i, text) for i, c in enumerate(cells(path)) if c["cell_type"] == "code"
-              for text in failed_claims(stored_text(c))]
+    failed = stored_failed_claims(path)
     assert not failed, f"stored outputs report claims that did not hold (cell, claim): {failed}"
 
 

@@ -153,3 +153,19 @@ def test_roofline_figure_has_title_and_labelled_axes():
         plot_roofline([], [(LLAMA2_7B, A100)])
     import matplotlib.pyplot as plt
     plt.close("all")
+
+
+def test_stored_failed_claims_reads_a_notebooks_outputs(tmp_path):
+    """What ``tools/store_outputs.py`` and the notebook tests run on stored outputs: stream lines (as a
+    list or a string) and plain-text results are read; markdown cells are not outputs."""
+    import json
+
+    from cbteach.perf.claims import stored_failed_claims
+    failed = "claim: b -- DID NOT HOLD on this machine\n"
+    cells = [{"cell_type": "markdown", "source": failed},
+             {"cell_type": "code", "outputs": [{"output_type": "stream", "text": ["claim: a -- holds\n", failed]}]},
+             {"cell_type": "code", "outputs": [{"output_type": "execute_result",
+                                                "data": {"text/plain": "claim: c -- DID NOT HOLD on this machine"}}]}]
+    path = tmp_path / "n.ipynb"
+    path.write_text(json.dumps({"cells": cells}))
+    assert stored_failed_claims(path) == [(1, "b"), (2, "c")]

@@ -10,8 +10,9 @@ beside them compares timings. Outputs stored on a busy machine (another job, ano
 beside this one) show timings that contradict the prose. So this refuses to start when the 1-minute
 load average is 1 or more (``--force`` overrides), and runs the notebooks strictly one after another,
 each with ``jupyter nbconvert --execute --inplace`` in its own subprocess and a time limit per cell.
-It prints each notebook's wall time and the load average after it; the exit status is 1 when any
-notebook failed, timed out or the machine was busy.
+It prints each notebook's wall time and the load average after it, and every claim line
+(:mod:`cbteach.perf.claims`) the stored outputs report did not hold; the exit status is 1 when any
+notebook failed, timed out, stored a failed claim, or the machine was busy.
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # cbteach from this checkout, even outside the venv
+from cbteach.perf.claims import stored_failed_claims  # noqa: E402
 MAX_LOAD = 1.0  # the 1-minute load average above which timings are not worth storing
 
 
@@ -79,6 +82,12 @@ def main(argv=None) -> int:
               + ("" if after is None else f"  (load average {after:.2f})"), flush=True)
         if not ok:
             failed.append(path.name)
+            continue
+        broken = stored_failed_claims(path)  # stored outputs must not contradict the prose beside them
+        for cell, text in broken:
+            print(f"  cell {cell}: a claim did not hold: {text}")
+        if broken:
+            failed.append(f"{path.name} (claims that did not hold; re-run it on a quieter machine, or fix them)")
     if failed:
         print(f"{len(failed)} notebook(s) failed: {', '.join(failed)}")
     return 1 if failed else 0

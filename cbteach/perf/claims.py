@@ -45,6 +45,25 @@ def failed_claims(output: str) -> list[str]:
     return [m["text"] for m in CLAIM_LINE.finditer(output) if m["verdict"] == FAILED]
 
 
+def stored_failed_claims(notebook) -> list[tuple[int, str]]:
+    """``(cell index, claim text)`` for every claim a notebook's *stored* outputs report did not hold.
+
+    Run after storing outputs (``tools/store_outputs.py`` does): outputs that say a claim failed
+    contradict the prose beside them, and must not be committed."""
+    import json
+    from pathlib import Path
+
+    cells = json.loads(Path(notebook).read_text(encoding="utf-8"))["cells"]
+    found = []
+    for i, cell in enumerate(cells):
+        if cell.get("cell_type") != "code":
+            continue
+        for out in cell.get("outputs", []):
+            text = out.get("text") or out.get("data", {}).get("text/plain", "")
+            found += [(i, t) for t in failed_claims("".join(text) if isinstance(text, list) else text)]
+    return found
+
+
 def timeit(fn, repeats: int = 15, warmup: int = 3, sync=None) -> float:
     """Median wall time of ``fn()`` in seconds, over ``repeats`` calls after ``warmup`` calls.
 
