@@ -10,10 +10,8 @@ own. They must agree token for token, block count for block count, preemption fo
 """
 from __future__ import annotations
 
-import math
-
 from ..engine.engine import Engine
-from ..kv.manager import KVCacheManager
+from ..kv.plugged import PluggedKVManager
 from ..bench.memory_experiments import plug
 from ..core.request import Request
 from . import is_int, report, self_check
@@ -30,108 +28,18 @@ class Wrong(Exception):
     """What the learner's manager did wrong, found while the engine ran."""
 
 
-class _FreeCount:
-    """The engine asks its allocator how many blocks are free, and who holds each (to know what preempting
-    would free); this answers from the learner's free list and the block tables of the sequences it served."""
+class Watched(PluggedKVManager):
+    """The engine's own wrapper for a plugged-in manager (:class:`~cbteach.kv.plugged.PluggedKVManager`:
+    it passes each call on and checks every rule), with the check's error, and the learner's exceptions
+    reported with the call that raised them."""
 
-    def __init__(self, mine, watched):
-        self.mine, self.watched = mine, watched
+    Error = Wrong
 
-    @property
-    def num_free(self) -> int:
-        return len(self.mine.free_blocks)
-
-    @property
-    def ref_counts(self) -> list[int]:
-        counts = [0] * self.watched.num_blocks
-        for seq in self.watched.seqs.values():
-            for block in seq.block_table:
-                if is_int(block) and 0 <= block < len(counts):
-                    counts[block] += 1
-        return counts
-
-
-class Watched(KVCacheManager):
-    """The engine's manager interface around the learner's object; checks every call it passes on."""
-
-    def __init__(self, mine, num_blocks: int, block_size: int):
-        super().__init__(num_blocks, block_size, watermark=0)
-        self.mine = mine
-        self.allocator = _FreeCount(mine, self)
-
-    def allocate_slots(self, seq, num_new_tokens):
-        before, free_before = list(seq.block_table), list(self.mine.free_blocks)
-        call = f"allocate_slots({seq.request_id}, {num_new_tokens}) with {seq.num_computed_tokens} tokens computed"
+    def call_mine(self, call: str, method: str, *args):
         try:
-            new = self.mine.allocate_slots(seq, num_new_tokens)
+            return super().call_mine(call, method, *args)
         except Exception as err:  # the learner's code: say what failed, and on which call
             raise Wrong(f"{call} raised {type(err).__name__}: {err}") from None
-        need = math.ceil((seq.num_computed_tokens + num_new_tokens) / self.block_size) - len(before)
-        if new is None:
-            if list(seq.block_table) != before or list(self.mine.free_blocks) != free_before:
-                raise Wrong(f"{call} returned None but changed the block table or the free list: refuse without "
-                            "changing anything")
-            if need <= len(free_before):
-                raise Wrong(f"{call} returned None although enough blocks were free: refuse only when the free "
-                            "list is shorter than the number of *new* blocks the sequence needs")
-            return None
-        if not isinstance(new, list) or list(seq.block_table) != before + new:
-            raise Wrong(f"{call}: return the list of blocks you added, and append them at the end of "
-                        "seq.block_table (block i of the table holds tokens i*block_size ...)")
-        held = len(seq.block_table) * self.block_size
-        if need < len(new):
-            raise Wrong(f"{call} gave it {_blocks(len(seq.block_table))} ({held} slots): more than its tokens need; "
-                        "take a new block only when the last one is full")
-        if need > len(new):
-            raise Wrong(f"{call} gave it {_blocks(len(seq.block_table))} ({held} slots): too few for its tokens")
-        for block in new:
-            if block not in free_before:
-                raise Wrong(f"{call} handed out block {block!r}, which was not in the free list")
-            if block in self.mine.free_blocks:
-                raise Wrong(f"{call} handed out block {block} but left it in the free list")
-        self.seqs[seq.request_id] = seq
-        self._check_pool(call)
-        return new
-
-    def free(self, seq):
-        before = list(seq.block_table)
-        call = f"free({seq.request_id}) with blocks {before}"
-        try:
-            self.mine.free(seq)
-        except Exception as err:
-            raise Wrong(f"{call} raised {type(err).__name__}: {err}") from None
-        if not isinstance(seq.block_table, list):
-            raise Wrong(f"after {call}, seq.block_table is {seq.block_table!r}: leave it an empty list, [] (a preempted "
-                        "sequence comes back and appends its new blocks to it)")
-        if list(seq.block_table):
-            raise Wrong(f"after {call}, seq.block_table is not empty: a finished or preempted sequence holds no "
-                        "blocks (a preempted one comes back and starts a new table)")
-        missing = [b for b in before if b not in self.mine.free_blocks]
-        if missing:
-            raise Wrong(f"after {call}, blocks {missing} are not back in the free list")
-        self.seqs.pop(seq.request_id, None)
-        self._check_pool(call)
-
-    def _check_pool(self, call):
-        free = list(self.mine.free_blocks)
-        bad = [b for b in free if not is_int(b) or not 0 <= b < self.num_blocks]
-        if bad:
-            raise Wrong(f"after {call}, the free list holds {bad[0]!r}: block ids are the ints 0 .. num_blocks - 1")
-        if len(set(free)) != len(free):
-            raise Wrong(f"after {call}, a block is in the free list twice")
-        owners: dict = {}
-        for rid, s in self.seqs.items():
-            for block in s.block_table:
-                if block in owners:
-                    raise Wrong(f"after {call}, block {block} is in two block tables ({owners[block]} and {rid})")
-                owners[block] = rid
-        if len(free) + len(owners) != self.num_blocks:
-            raise Wrong(f"after {call}, {len(free)} free blocks + {len(owners)} in block tables != the pool's "
-                        f"{self.num_blocks}: a block was lost or invented")
-
-
-def _blocks(n: int) -> str:
-    return f"{n} block" + ("" if n == 1 else "s")
 
 
 def serve(model, case, manager_class=None) -> dict:
@@ -199,7 +107,7 @@ def check_kv_manager(manager_class, model) -> bool:
         expected = serve(model, case)
         try:
             got = serve(model, case, manager_class)
-        except Wrong as err:
+        except (Wrong, ValueError) as err:  # ValueError: a method or free_blocks missing
             return report(False, "", f"{where}: {err}")
         if got["free_at_end"] != num_blocks:
             return report(False, "", f"{where}: when every request had finished, not every block was back in the "

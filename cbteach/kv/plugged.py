@@ -48,10 +48,19 @@ def _is_block(b, num_blocks: int) -> bool:
     return isinstance(b, numbers.Integral) and not isinstance(b, bool) and 0 <= b < num_blocks
 
 
+def _blocks(n: int) -> str:
+    return f"{n} block" + ("" if n == 1 else "s")
+
+
 class PluggedKVManager(KVCacheManager):
-    """``mine`` -- an object with ``free_blocks``, ``allocate_slots`` and ``free`` -- as the engine's KV manager."""
+    """``mine`` -- an object with ``free_blocks``, ``allocate_slots`` and ``free`` -- as the engine's KV manager.
+
+    ``Error`` is what a broken rule raises; notebook 05's check (:mod:`cbteach.exercises.ex05`) uses
+    this same class with its own error and turns an exception from the learner's code into a hint
+    (:meth:`call_mine`)."""
 
     copy_on_write = False  # parallel_sampling="fork" is refused on it (fanout works)
+    Error: type[Exception] = EngineRuleError
 
     def __init__(self, mine, num_blocks: int, block_size: int):
         super().__init__(num_blocks, block_size, watermark=0)
@@ -65,32 +74,40 @@ class PluggedKVManager(KVCacheManager):
         self.allocator = _FreeCount(self)
         self._check_pool(f"{type(mine).__name__}({num_blocks}, {block_size})")
 
+    def call_mine(self, call: str, method: str, *args):
+        """``mine.<method>(*args)``. Here an exception in it propagates as it is; ``call`` describes the
+        call, for a subclass that turns the exception into a message of its own."""
+        return getattr(self.mine, method)(*args)
+
     def allocate_slots(self, seq, num_new_tokens: int, new_computed_blocks=(), num_lookahead_tokens: int = 0):
         if new_computed_blocks or num_lookahead_tokens:
-            raise EngineRuleError("a plugged-in KV manager has no prefix cache and no whole-prompt reservation")
+            raise self.Error("a plugged-in KV manager has no prefix cache and no whole-prompt reservation")
         before, free_before = list(seq.block_table), list(self.mine.free_blocks)
         call = f"allocate_slots({seq.request_id}, {num_new_tokens}) with {seq.num_computed_tokens} tokens computed"
-        new = self.mine.allocate_slots(seq, num_new_tokens)
+        new = self.call_mine(call, "allocate_slots", seq, num_new_tokens)
         need = math.ceil((seq.num_computed_tokens + num_new_tokens) / self.block_size) - len(before)
         if new is None:
             if list(seq.block_table) != before or list(self.mine.free_blocks) != free_before:
-                raise EngineRuleError(f"{call} returned None but changed the block table or the free list: refuse "
-                                      "without changing anything")
+                raise self.Error(f"{call} returned None but changed the block table or the free list: refuse "
+                                 "without changing anything")
             if need <= len(free_before):
-                raise EngineRuleError(f"{call} returned None although enough blocks were free: refuse only when the "
-                                      "free list is shorter than the number of *new* blocks the sequence needs")
+                raise self.Error(f"{call} returned None although enough blocks were free: refuse only when the "
+                                 "free list is shorter than the number of *new* blocks the sequence needs")
             return None
         if not isinstance(new, list) or list(seq.block_table) != before + new:
-            raise EngineRuleError(f"{call}: return the list of blocks you added, and append them at the end of "
-                                  "seq.block_table (block i of the table holds tokens i*block_size ...)")
-        if need != len(new):
-            raise EngineRuleError(f"{call} added {len(new)} blocks where its tokens need {max(need, 0)} more: take a "
-                                  "new block only when the last one is full, and enough for every new token")
+            raise self.Error(f"{call}: return the list of blocks you added, and append them at the end of "
+                             "seq.block_table (block i of the table holds tokens i*block_size ...)")
+        held = f"{_blocks(len(seq.block_table))} ({len(seq.block_table) * self.block_size} slots)"
+        if need < len(new):
+            raise self.Error(f"{call} gave it {held}: more than its tokens need; take a new block only when the "
+                             "last one is full")
+        if need > len(new):
+            raise self.Error(f"{call} gave it {held}: too few for its tokens")
         for block in new:
             if block not in free_before:
-                raise EngineRuleError(f"{call} handed out block {block!r}, which was not in the free list")
+                raise self.Error(f"{call} handed out block {block!r}, which was not in the free list")
             if block in self.mine.free_blocks:
-                raise EngineRuleError(f"{call} handed out block {block} but left it in the free list")
+                raise self.Error(f"{call} handed out block {block} but left it in the free list")
         self.seqs[seq.request_id] = seq
         self._check_pool(call)
         return new
@@ -100,13 +117,16 @@ class PluggedKVManager(KVCacheManager):
         call = f"free({seq.request_id}) with blocks {before}"
         if self.before_free is not None:
             self.before_free(seq)
-        self.mine.free(seq)
-        if list(seq.block_table):
-            raise EngineRuleError(f"after {call}, seq.block_table is not empty: a finished or preempted sequence "
-                                  "holds no blocks (a preempted one comes back and starts a new table)")
+        self.call_mine(call, "free", seq)
+        if not isinstance(seq.block_table, list):
+            raise self.Error(f"after {call}, seq.block_table is {seq.block_table!r}: leave it an empty list, [] (a "
+                             "preempted sequence comes back and appends its new blocks to it)")
+        if seq.block_table:
+            raise self.Error(f"after {call}, seq.block_table is not empty: a finished or preempted sequence "
+                             "holds no blocks (a preempted one comes back and starts a new table)")
         missing = [b for b in before if b not in self.mine.free_blocks]
         if missing:
-            raise EngineRuleError(f"after {call}, blocks {missing} are not back in the free list")
+            raise self.Error(f"after {call}, blocks {missing} are not back in the free list")
         self.seqs.pop(seq.request_id, None)
         self._check_pool(call)
 
@@ -120,23 +140,23 @@ class PluggedKVManager(KVCacheManager):
         self._check_pool(f"trim({seq.request_id})")
 
     def fork(self, parent, child) -> None:
-        raise EngineRuleError("parallel_sampling='fork' needs a KV manager that copies on write")
+        raise self.Error("parallel_sampling='fork' needs a KV manager that copies on write")
 
     def _check_pool(self, call: str) -> None:
         free = list(self.mine.free_blocks)
         bad = [b for b in free if not _is_block(b, self.num_blocks)]
         if bad:
-            raise EngineRuleError(f"after {call}, the free list holds {bad[0]!r}: block ids are the ints "
-                                  "0 .. num_blocks - 1")
+            raise self.Error(f"after {call}, the free list holds {bad[0]!r}: block ids are the ints "
+                             "0 .. num_blocks - 1")
         if len(set(free)) != len(free):
-            raise EngineRuleError(f"after {call}, a block is in the free list twice")
+            raise self.Error(f"after {call}, a block is in the free list twice")
         owners: dict = {}
         for rid, s in self.seqs.items():
             for block in s.block_table:
                 if block in owners:
-                    raise EngineRuleError(f"after {call}, block {block} is in two block tables ({owners[block]} "
-                                          f"and {rid})")
+                    raise self.Error(f"after {call}, block {block} is in two block tables ({owners[block]} "
+                                     f"and {rid})")
                 owners[block] = rid
         if len(free) + len(owners) != self.num_blocks:
-            raise EngineRuleError(f"after {call}, {len(free)} free blocks + {len(owners)} in block tables != the "
-                                  f"pool's {self.num_blocks}: a block was lost or invented")
+            raise self.Error(f"after {call}, {len(free)} free blocks + {len(owners)} in block tables != the "
+                             f"pool's {self.num_blocks}: a block was lost or invented")
