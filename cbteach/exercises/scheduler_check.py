@@ -18,7 +18,9 @@ beside the engine's own scheduler, so the two runs can be compared step by step
   ``admit`` removes from it, and a chunk planned without room from ``allocate_slots``, are seen;
 * **a tracer** around each ``schedule`` call (``sys.settrace``): it notices when the learner's code
   runs the engine's own scheduling (``super().schedule``, ``schedule_running``, ...), and stops a
-  ``schedule`` that never returns after :data:`MAX_EVENTS` traced events.
+  ``schedule`` that never returns after :data:`~cbteach.exercises.watchers.MAX_EVENTS` traced events.
+
+The watchers themselves are in :mod:`cbteach.exercises.watchers`.
 
 ``rules_="exercise"`` checks vLLM V1's rules as notebook 06 teaches them (the order of the loops, the
 policy's order and victim); ``rules_="safety"`` only the rules that keep any engine correct, whatever
@@ -26,7 +28,6 @@ its policy -- what the tournament enforces.
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -38,10 +39,10 @@ from ..engine.engine import Engine
 from ..engine.scheduler import Scheduler
 from . import rules, update_rules
 from .rules import NotDone, SchedulerMistake, hint
+from .watchers import KVWatch, QueueWatch, RunningWatch, Tracer
 
 __all__ = ["NotDone", "SchedulerMistake", "Workload", "Run", "run", "drive", "watched", "with_eos", "hint"]
 
-MAX_EVENTS = 200_000  # traced calls and lines in one schedule() call: far beyond any honest step
 REFERENCE = {f.__code__: name for name, f in [
     ("super().schedule", Scheduler.schedule), ("schedule_running", Scheduler.schedule_running),
     ("schedule_swapped", Scheduler.schedule_swapped), ("schedule_waiting", Scheduler.schedule_waiting),
@@ -162,123 +163,6 @@ def drive(eng: Engine, max_steps: int, stage: int | None = None) -> tuple[list, 
     return records, None
 
 
-class _Tracer:
-    """``sys.settrace`` for one call: which engine code it ran, and a bound on events."""
-
-    def __init__(self, watch: dict):
-        self.watch, self.called, self.events, self.saved = watch, None, 0, None
-
-    def __call__(self, frame, event, arg):
-        self.events += 1
-        if self.events > MAX_EVENTS:
-            raise SchedulerMistake("schedule() did not return: a loop that never ends? (a retry loop must change "
-                                   "something each time round -- preempt someone -- or stop)")
-        if event == "call" and frame.f_code in self.watch and self.called is None:
-            self.called = self.watch[frame.f_code]
-        return self
-
-    def __enter__(self):
-        self.saved = sys.gettrace()
-        sys.settrace(self)
-        return self
-
-    def __exit__(self, *exc):
-        sys.settrace(self.saved)
-
-
-class QueueWatch:
-    """The policy's waiting queue, unchanged, but it knows when it is changed while being walked."""
-
-    def __init__(self, queue):
-        self.queue, self.version = queue, 0
-
-    def __getattr__(self, name):
-        return getattr(self.queue, name)
-
-    def __len__(self):
-        return len(self.queue)
-
-    def __contains__(self, seq):
-        return seq in self.queue
-
-    def __iter__(self):
-        version = self.version
-        for seq in list(self.queue):
-            if self.version != version:  # a plain list iterator would now skip a request
-                raise SchedulerMistake(hint("walked_waiting", None))
-            yield seq
-
-    def _changed(self, method, seq):
-        self.version += 1
-        return method(seq)
-
-    def add(self, seq):
-        return self._changed(self.queue.add, seq)
-
-    def remove(self, seq):
-        return self._changed(self.queue.remove, seq)
-
-    def readd_preempted(self, seq):
-        return self._changed(self.queue.readd_preempted, seq)
-
-
-class RunningWatch(list):
-    """The running list, unchanged, but it knows when a loop over it skips a request: removing one at or
-    before the loop's position shifts the rest left, and a plain list iterator steps over the next."""
-
-    def __init__(self, items=()):
-        super().__init__(items)
-        self.cursors: list = []  # [position, skipped] of each live loop
-
-    def __iter__(self):
-        cursor = [0, False]
-        self.cursors.append(cursor)
-        try:
-            while True:
-                if cursor[1]:
-                    raise SchedulerMistake(hint("walked_running", None))
-                if cursor[0] >= len(self):
-                    return
-                cursor[0] += 1
-                yield self[cursor[0] - 1]
-        finally:
-            self.cursors.remove(cursor)
-
-    def remove(self, seq):
-        i = next(j for j in range(len(self)) if self[j] is seq)
-        super().pop(i)
-        for cursor in self.cursors:  # the request that moved into a visited position is never visited
-            cursor[1] = cursor[1] or (i < cursor[0] and cursor[0] - 1 < len(self))
-
-
-class KVWatch:
-    """The KV manager, unchanged, but it remembers this step's grants and what each free saw."""
-
-    def __init__(self, manager):
-        self.manager = manager
-        self.begin_step()
-
-    def __getattr__(self, name):
-        return getattr(self.manager, name)
-
-    def begin_step(self):
-        self.granted, self.refused, self.frees = {}, set(), {}
-
-    def allocate_slots(self, seq, num_new_tokens, *args, **kwargs):
-        cached = kwargs.get("new_computed_blocks", args[0] if args else ())
-        start = seq.num_computed_tokens + len(cached) * self.manager.block_size  # an admission's cached prefix
-        got = self.manager.allocate_slots(seq, num_new_tokens, *args, **kwargs)
-        if got is None:
-            self.refused.add(id(seq))
-        else:
-            self.granted[id(seq)] = (start, num_new_tokens)
-        return got
-
-    def free(self, seq):
-        self.frees[id(seq)] = (len(seq.output_ids), seq.finish_reason)
-        return self.manager.free(seq)
-
-
 def watched(cls: type, stage: int | None = None, rules_: str = "exercise", eos_ids=None) -> type:
     """A subclass of the learner's ``cls`` that checks every rule where it can be broken
     (``rules_``: ``"exercise"`` or ``"safety"``, see the module); ``eos_ids`` replaces the model's."""
@@ -308,7 +192,7 @@ def watched(cls: type, stage: int | None = None, rules_: str = "exercise", eos_i
             self.check_now = now
             self.kv_manager.begin_step()
             before = list(self.running)
-            with _Tracer(REFERENCE) as tracer:
+            with Tracer(REFERENCE) as tracer:
                 out = super().schedule(now)
             if exercise and own_schedule and tracer.called:
                 raise SchedulerMistake(hint("called_reference", stage).format(tracer.called))

@@ -7,7 +7,7 @@ finished request out of ``running``, marked finished, its blocks freed *after* i
 recorded, and returned. :func:`check_update` compares what the learner's update did with what those
 rules say, sequence by sequence, and raises :class:`~cbteach.exercises.rules.SchedulerMistake` with
 the hint for the first rule broken. (It reads the watched KV manager's record of each ``free``:
-:class:`~cbteach.exercises.scheduler_check.KVWatch`.)
+:class:`~cbteach.exercises.watchers.KVWatch`.)
 """
 from __future__ import annotations
 
