@@ -123,6 +123,33 @@ def test_prompt_as_token_ids_batched_prompts_and_n(server, ref):
     assert got == [ref(ids, 12)] * 2 + [ref("ALONE, adj.", 12)] * 2
 
 
+def test_usage_counts_each_prompt_once_whatever_n(server, ref):
+    """OpenAI's (and vLLM's) usage: ``prompt_tokens`` is the prompts' tokens, once each, not once per choice."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    one = len(ref.tok("CYNIC, n.")["input_ids"])
+    r = client.completions.create(model="bierce", prompt="CYNIC, n.", max_tokens=3, n=3)
+    assert r.usage.prompt_tokens == one and r.usage.completion_tokens == sum(len(ref("CYNIC, n.", 3)) for _ in r.choices)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    two = client.completions.create(model="bierce", prompt=["CYNIC, n.", "BORE, n."], max_tokens=2, n=2)
+    assert two.usage.prompt_tokens == one + len(ref.tok("BORE, n.")["input_ids"])
+    chunks = list(client.completions.create(model="bierce", prompt="CYNIC, n.", max_tokens=3, n=2, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens == one and not chunks[-1].choices
+    raw = httpx.post(server.url + "/v1/completions", timeout=WAIT_S, json={
+        "prompt": "CYNIC, n.", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}).text
+    events = [json.loads(x[6:]) for x in raw.splitlines() if x.startswith("data: {")]
+    assert all("usage" in e for e in events) and all(e["usage"] is None for e in events[:-1])  # null until the last
+    wait_idle(server)
+
+
+def test_the_model_can_be_retrieved_and_health_answers_head(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    assert client.models.retrieve("bierce").id == "bierce"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    assert httpx.head(server.url + "/health", timeout=WAIT_S).status_code == 200
+
+
 def test_stop_string_cuts_the_answer_and_frees_the_request(server, ref):
     want = text_of(ref, ref("CYNIC, n.", 40))
     stop = want.strip()[4:8]  # a piece from inside the greedy answer
@@ -191,12 +218,18 @@ BAD = [
     ({"prompt": [7] * 4090, "max_tokens": 10}, 400, "prompt"),  # longer than the model's 4,096 positions
     ({"prompt": "q. " * 3000, "max_tokens": 10}, 400, "prompt"),  # tokenized (in a thread): 9,000 tokens
     ({"prompt": "a" * 900_000, "max_tokens": 4}, 400, "prompt"),  # refused before it is tokenized
+    (b'{"prompt": "a\\ud800b", "max_tokens": 4}', 400, "prompt"),  # a lone surrogate: valid JSON, not text
+    (b'{"model": "\\ud800", "prompt": "a", "max_tokens": 4}', 400, "model"),
+    ({"prompt": "x", "max_tokens": 4, "user": 5}, 400, "user"),
 ]
 BAD_CHAT = [({"messages": "hi", "max_tokens": 4}, 400, "messages"),
             ({"messages": [], "max_tokens": 4}, 400, "messages"),
             ({"messages": [{"role": "wizard", "content": "x"}], "max_tokens": 4}, 400, "messages"),
             ({"messages": [{"role": "user", "content": 3}], "max_tokens": 4}, 400, "messages"),
-            ({"messages": [{"role": "user", "content": "x"}]}, 400, "max_completion_tokens")]
+            ({"messages": [{"role": "user", "content": "x"}]}, 400, "max_completion_tokens"),
+            (b'{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 4}', 400, "messages"),
+            ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 4, "max_tokens": -1}, 400,
+             "max_tokens")]
 
 
 def _post(server, path, body):

@@ -78,7 +78,7 @@ class Frontend:
             raise proto.APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
         if self.num_in_flight + choices > self.max_in_flight:
             raise proto.APIError(503, f"the server has {self.max_in_flight} requests in flight, its limit; retry later",
-                                 type="server_error", code="server_overloaded")
+                                 type="server_error", code="server_overloaded", retry_after=1)
 
     def submit(self, req: proto.GenerationRequest, index: int, ids: list, sampling, queue, created: float,
                fail_after: int | None = None) -> RequestState:

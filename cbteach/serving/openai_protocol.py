@@ -26,6 +26,7 @@ just text).
 """
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from dataclasses import dataclass
@@ -43,9 +44,10 @@ class APIError(Exception):
     """A request the server refuses: HTTP ``status`` and OpenAI's error object."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, retry_after: int | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.retry_after = retry_after  # seconds, for a Retry-After header (a 503 the client may retry)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -148,6 +150,8 @@ def _common(body, limits: Limits, kind: str, prompts: tuple, max_tokens_names: t
     for name, allowed in UNSUPPORTED.items():
         if name in body and body[name] not in allowed:
             raise bad(f"'{name}' is not supported by cbteach's server", name, "unsupported_parameter")
+    for other in max_tokens_names[1:]:  # chat: max_tokens is deprecated for max_completion_tokens; both are checked
+        _int(body, other, None, 1, limits.max_tokens_cap)
     name = next((k for k in max_tokens_names if body.get(k) is not None), max_tokens_names[0])
     max_tokens = _int(body, name, limits.default_max_tokens, 1, limits.max_tokens_cap)
     if max_tokens is None:
@@ -161,6 +165,8 @@ def _common(body, limits: Limits, kind: str, prompts: tuple, max_tokens_names: t
     if options is not None and (not isinstance(options, dict) or not stream):
         raise bad("'stream_options' must be an object, and only goes with \"stream\": true", "stream_options")
     include_usage = bool(options and options.get("include_usage") is True)
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise bad(f"'user' must be a string (an id for your end user), got {type(body['user']).__name__}", "user")
     seed = body.get("seed")
     if seed is not None and (not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or seed < 0
                              or seed >= 2**63):
@@ -168,6 +174,26 @@ def _common(body, limits: Limits, kind: str, prompts: tuple, max_tokens_names: t
     return GenerationRequest(kind, prompts, max_tokens, _number(body, "temperature", limits.default_temperature, 0, 2),
                              _number(body, "top_p", 1.0, 0, 1, low_open=True), seed, n, _stop(body), stream,
                              include_usage, _bool(body, "ignore_eos"), _bool(body, "return_token_ids"), model)
+
+
+def check_text(body) -> None:
+    """Every string in a parsed body must be text: JSON may spell a lone UTF-16 surrogate (``"\\ud800"``),
+    which no tokenizer, and no UTF-8 response that quotes it, can take. The error names the top-level
+    field that holds it."""
+    if _is_text(body):
+        return
+    fields = body.items() if isinstance(body, dict) else ()
+    param = next((k for k, v in fields if _is_text(k) and not _is_text(v)), None)
+    raise bad("the request holds a string that is not valid Unicode text (a lone UTF-16 surrogate such as "
+              "\\ud800): send text as UTF-8, or surrogate pairs", param)
+
+
+def _is_text(value) -> bool:
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _check_body(body) -> dict:
@@ -275,7 +301,10 @@ def chunk(req: GenerationRequest, rid: str, created: int, index: int, text: str 
     if req.return_token_ids and token_ids is not None:
         c["token_ids"] = list(token_ids)
     obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [c]}
+    out = {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [c]}
+    if req.include_usage:  # OpenAI: with include_usage every chunk has "usage", null until the last one
+        out["usage"] = None
+    return out
 
 
 def usage_chunk(req: GenerationRequest, rid: str, created: int, use: dict) -> dict:

@@ -56,7 +56,7 @@ class Run:
         for i, _, sp in choices:
             self.states.append(self.fe.submit(self.req, i, ids[i // per_prompt], sp, self.queue, self.created,
                                               self.fail_after))
-        self.prompt_tokens = [len(st.prompt_ids) for st in self.states]
+        self.prompt_tokens = [len(x) for x in ids]  # each prompt once, whatever n (OpenAI's and vLLM's usage)
         self.finished = [None] * len(self.states)
         try:
             await self._accepted()
@@ -190,16 +190,23 @@ async def read_json(request, limit: int, timeout: float):
             if size > limit:
                 raise APIError(413, f"the request body is larger than this server's limit of {limit} bytes")
             parts.append(part)
+    from starlette.requests import ClientDisconnect
+
     try:
         await asyncio.wait_for(read(), timeout)
     except asyncio.TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="timeout") from None
+    except ClientDisconnect:  # nobody is left to read the answer; say so in the log's one line, not a traceback
+        raise APIError(400, "the client closed the connection before its request body arrived",
+                       code="client_disconnected") from None
     try:
-        return json.loads(b"".join(parts))
+        body = json.loads(b"".join(parts))
+        proto.check_text(body)
     except RecursionError:
         raise proto.bad("the request body is nested too deeply to read") from None
     except (ValueError, UnicodeDecodeError) as err:
         raise proto.bad(f"the request body is not valid JSON: {err}") from None
+    return body
 
 
 def create_app(fe, on_startup=None, on_shutdown=None):

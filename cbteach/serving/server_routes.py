@@ -31,7 +31,8 @@ def add_routes(app, fe, Run, read_json) -> None:
 
     @app.exception_handler(APIError)
     async def api_error(request, err: APIError):
-        return JSONResponse(err.body(), status_code=err.status)
+        headers = None if err.retry_after is None else {"Retry-After": str(err.retry_after)}
+        return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(request, err: HTTPException):
@@ -73,13 +74,23 @@ def add_routes(app, fe, Run, read_json) -> None:
     async def chat_completions(request: Request):
         return await generate(request, lambda body: proto.parse_chat(body, fe.limits, fe.tokenizer))
 
+    def model_card() -> dict:
+        return {"id": fe.name, "object": "model", "created": 0, "owned_by": "cbteach", "max_model_len": fe.max_model_len}
+
     @app.get("/v1/models")
     async def models(request: Request):
         authorize(request)
-        return {"object": "list", "data": [{"id": fe.name, "object": "model", "created": 0, "owned_by": "cbteach",
-                                            "max_model_len": fe.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
 
-    @app.get("/health")
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str):
+        authorize(request)
+        if model_id != fe.name:
+            raise APIError(404, f"The model {model_id!r} does not exist; this server serves {fe.name!r}",
+                           param="model", code="model_not_found")
+        return model_card()
+
+    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers often ask with HEAD
     async def health():
         if not fe.client.alive:
             raise APIError(503, f"unhealthy: {fe.client.dead or 'an engine core has stopped'}", type="server_error",
