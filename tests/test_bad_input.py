@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from cbteach import Engine, Request, static_batching
+from cbteach import Engine, Request, SamplingParams, static_batching
 from conftest import EOS, VOCAB, drain, reference, tiny_model
 
 MAXPOS = 256
@@ -19,6 +19,8 @@ BAD = {
     "not ids": (lambda: Request([7, "x"], 3), "must be ints"),
     "set prompt": (lambda: Request({7, 8}, 3), "prompt must be a str or a list of token ids, not set"),
     "dict prompt": (lambda: Request({7: 8}, 3), "prompt must be a str or a list of token ids, not dict"),
+    "stop id outside the vocabulary": (lambda: Request([7, 8], 3, sampling_params=SamplingParams(
+        stop_token_ids=[VOCAB + 3])), f"stop token id {VOCAB + 3} is outside the vocabulary"),
 }
 
 
@@ -196,6 +198,8 @@ def test_eos_ids_union_and_ignored_generation_settings():
     (dict(policy=[]), "policy must be one of"),
     (dict(policy={}), "policy must be one of"),
     (dict(num_speculative_tokens=0), "num_speculative_tokens must be an integer >= 1"),
+    (dict(keep_records="no"), "keep_records must be True"),
+    (dict(keep_records=1), "keep_records must be True"),
 ])
 def test_bad_engine_options_are_refused_whatever_the_cache(model, kv, options, message):
     before = model.config._attn_implementation
@@ -207,6 +211,8 @@ def test_bad_engine_options_are_refused_whatever_the_cache(model, kv, options, m
 def test_not_a_model_or_not_a_list_of_requests(model):
     with pytest.raises(ValueError, match="model must be a transformers causal LM"):
         Engine(None, max_batch_size=2)
+    with pytest.raises(ValueError, match="a text prompt needs a tokenizer that can be called on text"):
+        Engine(model, "gpt2", max_batch_size=2).run([Request("a name is not a tokenizer", 2)])
     eng = Engine(model, max_batch_size=2)
     with pytest.raises(ValueError, match=r"takes a list of Requests; for one request pass \[request\]"):
         eng.run(Request([7], 2))

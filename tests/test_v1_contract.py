@@ -17,7 +17,7 @@ import torch
 from cbteach import Engine, Request, SamplingParams
 from cbteach.core.sampling import sample_rows
 from cbteach.errors import EngineClosedError, ModelChangedError
-from conftest import ARCHS, reference, tiny_model
+from conftest import ARCHS, drain, reference, tiny_model
 
 PROMPTS = [[7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18, 19, 20, 21, 22]]
 
@@ -220,6 +220,94 @@ def test_a_refused_admission_leaves_the_prefix_caches_lru_order():
     assert eng.kv.manager.get_computed_blocks(eng.sequences["hit"])[1] == 8  # its prefix is still findable
 
 
+def _refuse_token(model, token: int):
+    def refuse(module, args, kwargs):
+        if bool((kwargs["input_ids"] == token).any()):
+            raise RuntimeError(f"the model refuses token {token}")
+    return model.register_forward_pre_hook(refuse, with_kwargs=True)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_failure_beside_a_same_step_prefix_hit_leaves_the_sharer_exact_and_the_cache_clean(arch):
+    """``a`` allocates blocks that become findable at once (V1); ``b``, admitted in the same step, finds its
+    prefix in them. The model then fails on ``a``'s last token: the blocks were never written. ``b`` computes
+    them itself and stays exact, and no later prompt is offered them from the cache."""
+    model = tiny_model(arch)
+    prefix = list(range(10, 18))  # two full blocks of 4
+    eng = Engine(model, max_batch_size=4, kv="paged", block_size=4, num_blocks=32, prefix_caching=True)
+    handle = _refuse_token(model, 95)
+    try:
+        a, b = eng.run([Request(prefix + [95], 6, request_id="a"), Request(prefix + [30], 6, request_id="b")])
+        later, = eng.run([Request(prefix + [31], 6, request_id="later")])
+    finally:
+        handle.remove()
+    assert a.finish_reason == "error" and "refuses token 95" in a.error
+    assert b.num_cached_prompt_tokens == 8 and b.output_ids == reference(model, prefix + [30], 6)
+    assert later.output_ids == reference(model, prefix + [31], 6)
+    _no_leak(eng)
+
+
+def test_async_scheduling_a_request_that_fails_on_its_first_step_ends_alone():
+    """The failing request is already in the next step (planned while its first one ran, on a placeholder):
+    that step's token for it is dropped, its record shows none, and its neighbour is exact."""
+    model = tiny_model("llama")
+    eng = Engine(model, max_batch_size=4, kv="paged", block_size=4, async_scheduling=True)
+    handle = _refuse_token(model, 95)
+    try:
+        bad, ok = eng.run([Request([20, 21, 95], 5, request_id="bad", ignore_eos=True),
+                           Request([10, 11, 12], 5, request_id="ok", ignore_eos=True)])
+    finally:
+        handle.remove()
+    assert bad.finish_reason == "error" and bad.output_ids == []
+    assert ok.output_ids == reference(model, [10, 11, 12], 5, eos_id=None)
+    parts = [s for r in eng.records for s in r.seqs if s.request_id == "bad"]
+    assert all(p.sampled is None and p.new_token_ids == [] for p in parts)
+    _no_leak(eng)
+
+
+class _Ticking:
+    """A clock that moves 1 ms at every reading, as wall time moves while the host works."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        self.t += 0.001
+        return self.t
+
+    def advance(self, dt):
+        self.t += dt
+
+
+@pytest.mark.parametrize("arrival", [0.0015, 0.0025, 0.0035, 0.0045])
+def test_an_arrival_that_falls_due_while_the_host_works_is_served(arrival):
+    """The step saw the arrival ahead of it and did nothing; by the time the engine asks how long to wait,
+    it is due. The engine steps again -- no 'made no progress' error."""
+    model = tiny_model("gpt2")
+    eng = Engine(model, max_batch_size=2, kv="paged", clock=_Ticking())
+    done, = eng.run([Request([1, 2, 3], 3, arrival_time=arrival)])
+    assert done.output_ids == reference(model, [1, 2, 3], 3)
+
+
+def test_preempt_to_admit_preempts_nobody_when_cached_blocks_make_room():
+    """The newcomer's prefix is held by the running request: it needs one new block, and four are free. V0's
+    priority rule must not preempt for room it already has."""
+    model = tiny_model("llama")
+    running = [(7 * i) % 90 + 6 for i in range(28)]  # seven full blocks of 4
+    eng = Engine(model, max_batch_size=4, kv="paged", block_size=4, num_blocks=11, prefix_caching=True,
+                 policy="priority", preempt_to_admit=True)
+    eng.add_request(Request(running, 8, request_id="R", priority=2, ignore_eos=True))
+    eng.step()
+    assert eng.kv_usage()["num_free_blocks"] == 4
+    eng.add_request(Request(running + [5], 6, request_id="W", priority=1, ignore_eos=True))
+    record = eng.step()
+    assert record.preempted == [] and sorted(s.request_id for s in record.seqs) == ["R", "W"]
+    drain(eng)
+    assert eng.completions["R"].output_ids == reference(model, running, 8, eos_id=None)
+    assert eng.completions["W"].output_ids == reference(model, running + [5], 6, eos_id=None)
+    _no_leak(eng)
+
+
 def test_release_forgets_a_finished_request_only():
     model = tiny_model("gpt2")
     eng = Engine(model, max_batch_size=2, kv="paged", block_size=4)
@@ -228,6 +316,8 @@ def test_release_forgets_a_finished_request_only():
     eng.add_request(Request([10, 11], 30, request_id="live", ignore_eos=True))
     with pytest.raises(ValueError, match="only a finished or aborted request"):
         eng.release("live")
+    with pytest.raises(ValueError, match="not a finished request of this engine"):
+        eng.release(["a"])  # unhashable: never a request's id
     eng.release("a")
     eng.release("n")
     assert "a" not in eng.completions and ("n", 1) not in eng.sequences and "n" not in eng.groups

@@ -183,5 +183,8 @@ class EngineConfig:
                              f"{', '.join(sorted(cache_names))}")
         sched = SchedulerConfig(max_batch_size=max_batch_size, **{k: v for k, v in options.items() if k in sched_names})
         cache = CacheConfig(kind=kv, **{k: v for k, v in options.items() if k in cache_names})
-        return cls(scheduler=sched, cache=cache, keep_records=bool(keep_records),
+        if not isinstance(keep_records, bool):
+            raise ValueError(f"keep_records must be True (keep every step's record: engine.records) or False, "
+                             f"got {keep_records!r}")
+        return cls(scheduler=sched, cache=cache, keep_records=keep_records,
                    **{k: options[k] for k in ENGINE_OPTIONS if k in options})

@@ -141,12 +141,16 @@ def fill_record(record: StepRecord, plan, out, kinds: list[str], num_outputs_bef
     ``kinds``/``num_outputs_before``: read before the scheduler updated the sequences), the
     finished requests, the forward pass's time and the KV bytes it moved."""
     record.finished = [s.request_id for s in finished]
+    # What each sequence got is what was appended to it: a token the runner sampled for a sequence that
+    # had already stopped or failed (async scheduling: it was in the step in flight) was dropped.
+    ended = {id(s) for s in finished}
     record.seqs = [
         SeqStep(request_id=s.request_id, slot=s.slot, kind=k, num_computed_tokens=c, num_scheduled_tokens=n,
-                token_ids=chunk, sampled=s.output_ids[-1] if new else None, new_token_ids=s.output_ids[b:],
-                num_draft_tokens=d, finish_reason=s.finish_reason if new else None)
-        for s, k, c, n, chunk, new, d, b in zip(plan.seqs, kinds, plan.num_computed_tokens, plan.num_scheduled_tokens,
-                                                out.chunks, out.sampled, plan.num_draft_tokens, num_outputs_before)]
+                token_ids=chunk, sampled=s.output_ids[-1] if len(s.output_ids) > b else None,
+                new_token_ids=s.output_ids[b:], num_draft_tokens=d,
+                finish_reason=s.finish_reason if len(s.output_ids) > b or id(s) in ended else None)
+        for s, k, c, n, chunk, d, b in zip(plan.seqs, kinds, plan.num_computed_tokens, plan.num_scheduled_tokens,
+                                           out.chunks, plan.num_draft_tokens, num_outputs_before)]
     record.forward_time = out.forward_time
     if out.comm is not None:
         record.num_all_reduces, record.all_reduce_bytes = out.comm["all_reduces"], out.comm["all_reduce_bytes"]

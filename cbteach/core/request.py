@@ -215,9 +215,9 @@ def as_request_list(requests, where: str) -> list:
 def validate_request(request, *, tokenizer, vocab_size: int, max_pos: int | None) -> list[int]:
     """Check a request and return its prompt as token ids; raise ``ValueError`` saying what is wrong.
 
-    Checked: the prompt's type, that it is not empty, that its ids are inside the vocabulary,
-    that ``max_new_tokens`` is an integer >= 1, and that prompt + ``max_new_tokens`` fits in the
-    model's positions.
+    Checked: the prompt's type, that it is not empty, that its ids and its ``stop_token_ids`` are
+    inside the vocabulary, that ``max_new_tokens`` is an integer >= 1, and that prompt +
+    ``max_new_tokens`` fits in the model's positions.
     """
     if not isinstance(request, Request):
         raise ValueError(f"expected a cbteach.Request, got {type(request).__name__}")
@@ -250,6 +250,9 @@ def validate_request(request, *, tokenizer, vocab_size: int, max_pos: int | None
         if tokenizer is None:
             raise ValueError(f"request {rid!r}: a text prompt needs a tokenizer; pass one to the engine "
                              "or give the prompt as a list of token ids")
+        if not callable(tokenizer):
+            raise ValueError(f"request {rid!r}: a text prompt needs a tokenizer that can be called on text "
+                             f"(a transformers tokenizer); the engine's is a {type(tokenizer).__name__}")
         ids = list(tokenizer(prompt)["input_ids"])
     else:
         try:
@@ -266,6 +269,10 @@ def validate_request(request, *, tokenizer, vocab_size: int, max_pos: int | None
     if bad:
         raise ValueError(f"request {rid!r}: token id {bad[0]} is outside the vocabulary; "
                          f"ids must be in [0, {vocab_size})")
+    stops = [t for t in request.sampling_params.stop_token_ids if not 0 <= t < vocab_size]
+    if stops:
+        raise ValueError(f"request {rid!r}: stop token id {stops[0]} is outside the vocabulary and could never be "
+                         f"sampled; ids must be in [0, {vocab_size})")
     mnt = request.max_new_tokens
     if not isinstance(mnt, numbers.Integral) or isinstance(mnt, bool) or mnt < 1:
         raise ValueError(f"request {rid!r}: max_new_tokens must be an integer >= 1, got {mnt!r}")

@@ -30,7 +30,8 @@ GREEDY_BELOW = 1e-5
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request picks its tokens. ``temperature=0`` means greedy (argmax), the default; so
-    does any temperature below ``1e-5`` (as in vLLM), where dividing by it would overflow."""
+    does any temperature below ``1e-5`` (as in vLLM), where dividing by it would overflow. (vLLM's
+    ``SamplingParams`` has more -- ``top_k``, ``min_p``, penalties, logprobs; the course needs these.)"""
 
     temperature: float = 0.0
     top_p: float = 1.0

@@ -163,7 +163,10 @@ class Engine(EngineCore):
     def release(self, request_id) -> None:
         """Forget a finished (or aborted) request: its sequences and completion leave the engine's
         dictionaries, so a long-running server does not keep every request it ever served."""
-        seqs = self.groups.get(request_id) or [self.sequences.get(request_id)]
+        try:
+            seqs = self.groups.get(request_id) or [self.sequences.get(request_id)]
+        except TypeError:  # an unhashable id was never a request's
+            seqs = [None]
         if seqs[0] is None or not all(s.status.is_finished for s in seqs):
             raise ValueError(f"request {request_id!r} is not a finished request of this engine; only a finished "
                              "or aborted request can be released")

@@ -15,6 +15,7 @@ With ``async_scheduling=True`` step N+1 is planned while step N's forward runs
 """
 from __future__ import annotations
 
+import math
 import time
 
 from ..core import modelinfo
@@ -62,6 +63,7 @@ class EngineCore:
         self.groups: dict[object, list[Sequence]] = {}  # requests with n > 1 samples: id -> its samples
         self._num_steps = 0
         self._last_idle = True  # whether the last step did nothing at all (see wait_for_arrival)
+        self._last_start = math.inf  # the engine time the last step was planned at (none yet)
         self.spec_stats = {"drafted": 0, "accepted": 0, "verify_steps": 0}  # speculative decoding
         self.forward_seconds = 0.0  # the model's forward passes, all steps together (the rest is host work)
         self._t0 = time.perf_counter()
@@ -153,6 +155,7 @@ class EngineCore:
             record.kv_usage = self.kv.usage()
         record.duration = self.now() - record.start_time
         self._last_idle = record.idle
+        self._last_start = record.start_time
         if not record.idle:  # an idle step (waiting for arrivals) leaves no trace in the history
             record.step = self._num_steps
             self._num_steps += 1
@@ -165,8 +168,12 @@ class EngineCore:
         arrives or a handed-over request's K/V are ready. With nothing due later, work that cannot
         be scheduled is a scheduler bug: ``RuntimeError``, never a busy loop."""
         now = self.now()
-        nxt = self.scheduler.next_event_time(now)
+        # Events after the time the last step planned at: one due between then and now (the clock moved
+        # while the host worked) is due at once -- step again, without waiting.
+        nxt = self.scheduler.next_event_time(min(now, self._last_start))
         if nxt is not None:
+            if nxt <= now:
+                return
             if self.clock is not None:
                 self.clock.advance(nxt - now)
             else:

@@ -109,21 +109,52 @@ class ModelRunner:
                             errors=errors if any(e is not None for e in errors) else None)
 
     def _execute_one_by_one(self, plan: SchedulerOutput) -> RunnerOutput:
-        """The forward pass raised: run each sequence alone; the ones the model fails on get an error."""
+        """The forward pass raised: run each sequence alone; the ones the model fails on get an error.
+
+        Alone, a sequence no longer shares the pass with those before it. With prefix caching that
+        matters: an admission may have found, as its cached prefix, blocks that an earlier sequence of
+        this very step was to fill (they are findable from their allocation on, and in one pass they are
+        written, layer by layer, before they are read). If that sequence failed, they were never
+        written -- so the later one computes them itself, from the first unwritten block on: the same
+        tokens at the same positions give the same K/V, and its answer stays exact."""
         parts = []
-        for i in range(len(plan.seqs)):
+        unwritten: set = set()  # blocks this step was to fill for a sequence that failed
+        for i, seq in enumerate(plan.seqs):
             sub = plan.subset([i])
+            # (Only an admission finds a cached prefix in this step's blocks; it feeds no speculative guesses.)
+            start = self._redo_from(seq, plan.num_computed_tokens[i], unwritten)
+            if start is not None and not plan.num_draft_tokens[i]:
+                sub.num_scheduled_tokens[0] += sub.num_computed_tokens[0] - start
+                sub.num_computed_tokens[0] = start
+            written = self._blocks_of(seq, sub.num_computed_tokens[0], sub.num_scheduled_tokens[0])
             try:
                 parts.append(self._execute(sub))
+                unwritten.difference_update(written)
             except (EngineRuleError, EngineDeadError):
                 raise
             except Exception as err:  # noqa: BLE001
+                unwritten.update(written)
                 parts.append(_failed(sub, f"the model failed on this request's tokens: {type(err).__name__}: {err}"))
         return RunnerOutput(
             sampled=[p.sampled[0] for p in parts], chunks=[p.chunks[0] if p.chunks else [] for p in parts],
             forward_time=sum(p.forward_time for p in parts), traffic=next((p.traffic for p in parts if p.traffic), None),
             fork_tokens=[p.fork_tokens[0] if p.fork_tokens else None for p in parts],
             errors=[p.error(0) for p in parts])
+
+    def _blocks_of(self, seq, start: int, count: int) -> list:
+        """The blocks of ``seq`` that tokens ``start .. start + count - 1`` are written into (paged caches)."""
+        size = getattr(self.kv_cache, "block_size", None)
+        if size is None or count <= 0:
+            return []
+        return seq.block_table[start // size:(start + count - 1) // size + 1]
+
+    def _redo_from(self, seq, computed: int, unwritten: set) -> int | None:
+        """Where ``seq`` must start computing so that it reads no block in ``unwritten`` (``None``: it reads none)."""
+        if not unwritten:
+            return None
+        reads = self._blocks_of(seq, 0, computed)
+        first = next((k for k, block in enumerate(reads) if block in unwritten), None)
+        return None if first is None else first * self.kv_cache.block_size
 
     def _logit_rows(self, meta, counts, num_logits, speculative: bool) -> torch.Tensor:
         """Packed rows whose logits we need: each sequence's last (``meta.logits_indices``), or, in a

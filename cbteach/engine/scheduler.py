@@ -169,9 +169,9 @@ class Scheduler(UpdateFromOutput):
             remaining = seq.num_tokens - num_cached
             n = min(remaining, budget)
             preempted = False
-            if self.config.preempt_to_admit and self.kv_manager.num_admittable_tokens(seq) < num_cached + (
+            if self.config.preempt_to_admit and self._admittable(seq, cached) < num_cached + (
                     remaining if whole else n):
-                preempted, refund = self._preempt_for(seq, num_cached + (remaining if whole else n), out)
+                preempted, refund = self._preempt_for(seq, cached, num_cached + (remaining if whole else n), out)
                 budget += refund
                 if preempted:  # victims gave their blocks back: look the prefix up again
                     cached, num_cached = self.kv_manager.get_computed_blocks(seq)
@@ -259,23 +259,34 @@ class Scheduler(UpdateFromOutput):
         seq.slot = self._free_slot()
         self.running.append(seq)
 
-    def _preempt_for(self, seq: Sequence, needed: int, out: SchedulerOutput) -> tuple[bool, int]:
+    def _admittable(self, seq: Sequence, cached: list) -> float:
+        """The room an admission of ``seq`` with prefix-cache hits ``cached`` may use (hits that others
+        hold cost nothing). ``cached`` is passed only when not empty, as :meth:`_allocate_admission` does."""
+        if cached:
+            return self.kv_manager.num_admittable_tokens(seq, new_computed_blocks=cached)
+        return self.kv_manager.num_admittable_tokens(seq)
+
+    def _preempt_for(self, seq: Sequence, cached: list, needed: int, out: SchedulerOutput) -> tuple[bool, int]:
         """V0's priority rule (``preempt_to_admit``): preempt running requests the policy lets ``seq``
-        displace (less urgent ones) until it has room for ``needed`` tokens. Nobody admitted or swapped
-        in during this step is sent away in it. Returns (whether it fits now, tokens given back)."""
+        displace (less urgent ones) until it has room for ``needed`` tokens (``cached``: its prefix-cache
+        hits). Nobody admitted or swapped in during this step is sent away in it -- nor anyone whose
+        blocks an admission of this step shares: its K/V for this step would then never be written.
+        Returns (whether it fits now, tokens given back)."""
+        shared = {b for a in out.admitted for b in a.block_table}
+
         def displaceable():
             return [r for r in self.running if self.waiting.may_preempt(seq, r)
-                    and r not in out.admitted and r not in out.swapped_in]
+                    and r not in out.admitted and r not in out.swapped_in and not shared.intersection(r.block_table)]
 
         refund, lower = 0, displaceable()
         # Only blocks no one else holds come free (prefix caching shares blocks): if preempting all of
         # them would still not make room, preempt nobody -- victims would lose their work for nothing.
-        if not lower or self.kv_manager.num_admittable_tokens(seq) + self.kv_manager.num_freeable_tokens(lower) < needed:
+        if not lower or self._admittable(seq, cached) + self.kv_manager.num_freeable_tokens(lower) < needed:
             return False, refund
-        while self.kv_manager.num_admittable_tokens(seq) < needed and lower:
+        while self._admittable(seq, cached) < needed and lower:
             refund += self.preempt(self.waiting.pick_victim(lower), out)
             lower = displaceable()
-        return self.kv_manager.num_admittable_tokens(seq) >= needed, refund
+        return self._admittable(seq, cached) >= needed, refund
 
     def _free_slot(self) -> int:
         used = {s.slot for s in self.running}

@@ -42,7 +42,7 @@ class UpdateFromOutput:
             if seq.status.is_finished:  # stopped or aborted while this step was in flight: dropped (V1)
                 continue
             if output.error(i) is not None:
-                self._fail(seq, output.error(i), finished)
+                self._fail(seq, output.error(i), finished, computed_before=out.num_computed_tokens[i])
                 continue
             if drafts:  # V1: the rejected guesses' K/V are forgotten; what they wrote will be overwritten
                 seq.num_computed_tokens -= drafts - (len(tokens) - 1)
@@ -98,9 +98,13 @@ class UpdateFromOutput:
         self.kv_manager.free(seq)
         finished.append(seq)
 
-    def _fail(self, seq: Sequence, message: str, finished: list) -> None:
+    def _fail(self, seq: Sequence, message: str, finished: list, computed_before: int) -> None:
         """The step failed for ``seq`` alone: it ends with ``finish_reason="error"`` (its blocks freed),
-        and so do samples still waiting to fork from its prompt."""
+        and so do samples still waiting to fork from its prompt. Its count of computed tokens goes back
+        to ``computed_before`` (the step's start) first: the blocks this step was to fill were made
+        findable when they were allocated, their K/V may never have been written, and ``free`` drops
+        from the prefix cache every block past the computed tokens -- no later prompt may reuse them."""
+        seq.num_computed_tokens = min(seq.num_computed_tokens, computed_before)
         for s in [seq, *seq.forks]:
             s.finish_reason, s.error = "error", message
         waiting_forks, seq.forks = seq.forks, []

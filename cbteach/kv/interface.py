@@ -47,8 +47,10 @@ class KVManager(Protocol):
     def take_pending_copies(self) -> list:
         """Copy-on-write ``(src, dst)`` block copies the pool must make before the next forward pass."""
 
-    def num_admittable_tokens(self, seq) -> float:
-        """Tokens ``seq`` could be given now, keeping any admission watermark (V0 admission, swap-in)."""
+    def num_admittable_tokens(self, seq, new_computed_blocks=()) -> float:
+        """Tokens ``seq`` could be given now, keeping any admission watermark (V0 admission, swap-in).
+        ``new_computed_blocks`` (passed only when not empty): an admission's prefix-cache hits, which
+        cost no room where another sequence holds them."""
 
     def num_freeable_tokens(self, seqs) -> float:
         """Room that freeing every sequence in ``seqs`` would make (priority preemption's check)."""

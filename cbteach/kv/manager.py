@@ -98,15 +98,19 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)
 
-    def num_allocatable_tokens(self, seq) -> int:
+    def num_allocatable_tokens(self, seq, new_computed_blocks=()) -> int:
         """How many more tokens ``seq`` could be given right now: its last block's empty slots plus
-        every free block. The scheduler shrinks a prefill chunk to this before it preempts anyone."""
-        room = (len(seq.block_table) + self.allocator.num_free) * self.block_size
+        every free block. (vLLM V1's scheduler does not shrink a chunk to this: it asks for the whole
+        chunk and preempts when refused.) ``new_computed_blocks``: an admission's prefix-cache hits --
+        one that another sequence holds costs no free block, so it counts as room; one on the free
+        list is counted there already."""
+        held = sum(1 for b in new_computed_blocks if self.allocator.ref_counts[b] > 0)
+        room = (len(seq.block_table) + held + self.allocator.num_free) * self.block_size
         return max(0, room - seq.num_computed_tokens)
 
-    def num_admittable_tokens(self, seq) -> int:
+    def num_admittable_tokens(self, seq, new_computed_blocks=()) -> int:
         """Like :meth:`num_allocatable_tokens`, less the watermark: the room an admission may use."""
-        return self.num_allocatable_tokens(seq) - self.watermark_blocks * self.block_size
+        return self.num_allocatable_tokens(seq, new_computed_blocks) - self.watermark_blocks * self.block_size
 
     def num_freeable_tokens(self, seqs) -> int:
         """The room that freeing every sequence in ``seqs`` would make: their blocks held by no one else.
@@ -222,7 +226,8 @@ class KVCacheManager:
         if need + self.watermark_blocks > self.num_blocks:
             wm = f" (plus a watermark of {self.watermark_blocks} kept free at admission)" if self.watermark_blocks else ""
             raise ValueError(f"request {request_id!r} needs up to {need} KV blocks of {self.block_size} tokens{wm} "
-                             f"but the pool has only {self.num_blocks}; raise num_blocks or shorten it")
+                             f"but the pool has only {self.num_blocks}: shorten it (its prompt or its max tokens), "
+                             "or give the pool more blocks (num_blocks)")
 
     def usage(self) -> dict:
         """The pool's bookkeeping right now: blocks, tokens stored, how well the used blocks are filled."""
