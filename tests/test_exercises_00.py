@@ -203,3 +203,31 @@ def test_a_generator_answer_and_a_deleted_generate(model, capsys):
     check_greedy_decode(deletes_generate, model, ids_for(model), 20, EOS)
     assert "Traceback" not in capsys.readouterr().out
     assert "generate" not in vars(model) and callable(model.generate)  # the class's own generate is back
+
+
+def test_an_exception_in_the_learners_code_names_its_line():
+    """A check that stops on the learner's exception says which line of *their* code raised it (the
+    deepest frame outside cbteach and the Python installation), not just the error's name."""
+    from cbteach.exercises import raised, report, self_check
+
+    def learners_code(xs):
+        total = 0
+        for i in range(len(xs) + 1):
+            total += xs[i]  # one past the end
+        return total
+
+    @self_check
+    def check(fn):
+        return report(fn([1, 2]) == 3, "right", "wrong")
+
+    try:
+        learners_code([1, 2])
+    except IndexError as err:
+        said = raised(err)
+    assert said.startswith("IndexError: list index out of range (line ") and "total += xs[i]" in said
+    import io
+    from contextlib import redirect_stdout
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert check(learners_code) is False
+    assert "total += xs[i]" in out.getvalue() and "of your code" in out.getvalue()

@@ -135,6 +135,8 @@ def test_ex05_names_what_is_wrong(model, capsys, wrong, words):
     assert not ex05.check_kv_manager(wrong, model)
     out = capsys.readouterr().out
     assert out.startswith("✗") and words in out
+    if wrong is Floor:  # short of blocks with plenty free: the hint must not send it to refusing
+        assert "refuse (return None)" not in out, out
 
 
 def test_ex05_wants_the_class(model, capsys):
@@ -210,7 +212,7 @@ def test_ex05_a_case_makes_the_manager_refuse(model):
     assert Counting.refusals > 0, "no case made the scheduler ask for room the manager had to refuse"
 
 
-@pytest.mark.parametrize("wrong, words", [(NeverRefuses, "too few for its tokens"),
+@pytest.mark.parametrize("wrong, words", [(NeverRefuses, "then refuse (return None) and change nothing"),
                                           (TakesThenRefuses, "returned None but changed")])
 def test_ex05_fails_managers_that_refuse_wrongly(model, capsys, wrong, words):
     assert not ex05.check_kv_manager(wrong, model)
@@ -285,6 +287,19 @@ def concat_new(query, key, value, meta, layer, scaling):
         v = torch.cat([v, value[0, :, s:s + n].transpose(0, 1)]).transpose(0, 1).repeat_interleave(group, 0)
         mask = torch.ones(n, c + n, dtype=torch.bool).tril(diagonal=c)
         out[0, :, s:s + n] = F.scaled_dot_product_attention(query[0, :, s:s + n], k, v, attn_mask=mask, scale=scaling)
+    return out
+
+
+def sdpa_is_causal(query, key, value, meta, layer, scaling):
+    """The commonest real-world slip: SDPA's own causal flag over the whole context (it aligns top-left)."""
+    meta.pool.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    out, bs, group = torch.empty_like(query), meta.block_size, query.shape[1] // key.shape[1]
+    for i, (c, n) in enumerate(zip(meta.num_computed_tokens, meta.num_scheduled_tokens)):
+        s = int(meta.query_start_loc[i])
+        pos = torch.arange(c + n)
+        k, v = meta.pool.read_slots(layer, meta.block_tables[i, pos // bs] * bs + pos % bs)
+        k, v = k.transpose(0, 1).repeat_interleave(group, 0), v.transpose(0, 1).repeat_interleave(group, 0)
+        out[0, :, s:s + n] = F.scaled_dot_product_attention(query[0, :, s:s + n], k, v, is_causal=n > 1, scale=scaling)
     return out
 
 
@@ -385,6 +400,7 @@ WRONG_ATTENTION = [
     (wrong_attention(diagonal=-1), "do not see their own key"),
     (wrong_attention(diagonal=1), "one key past their own position"),
     (wrong_attention(diagonal="zero"), "a chunk that continues a prompt starts after"),
+    (sdpa_is_causal, "is_causal=True lines its mask up top-left"),
     (wrong_attention(heads="tile"), "the query heads that share a KV head are consecutive"),
     (gqa_not_repeated, "grouped-query attention"),
     (wrong_attention(context="whole_blocks", mask_decodes=False), "stale K/V"),

@@ -99,6 +99,24 @@ def test_a_piece_left_out_of_the_engine_is_named(drop, words, llama):
     assert not ok and words in out, out
 
 
+def test_assembly_slips_get_a_hint_that_names_the_slip(llama):
+    """Two slips learners make putting the engine together: an instance of the KV manager where the class
+    goes (built for another pool), and options not passed on to Engine."""
+    pieces = pieces_of(SOLUTION)
+    kw = pieces.engine_kwargs()
+
+    def instance(model, tok, **options):
+        return Engine(model, tok, kv="paged", **{**kw, "kv_manager": kw["kv_manager"](64, 4)}, **options)
+
+    def no_options(model, tok, **options):
+        return Engine(model, tok, kv="paged", **kw)
+
+    ok, out = check(instance, pieces, llama)
+    assert not ok and "pass the class itself" in out and "64 free blocks" in out, out
+    ok, out = check(no_options, pieces, llama)
+    assert not ok and "pass them on" in out and "**options" in out, out
+
+
 @pytest.mark.parametrize("answer, words", [(None, "not done yet"), (..., "not done yet"), (lambda m, t, **o: 3, "Engine"),
                                            (lambda m, t, **o: 1 / 0, "ZeroDivisionError")])
 def test_anything_a_learner_passes_gets_a_hint(answer, words, llama):

@@ -36,6 +36,12 @@ def plug_pieces(kv, kv_manager=None, attention=None, slot_mapping=None) -> None:
     if kv_manager is not None:
         manager = kv_manager(kv.num_blocks, kv.block_size) if isinstance(kv_manager, type) else kv_manager
         if not isinstance(manager, KVManager):
+            free = getattr(manager, "free_blocks", None)
+            if not isinstance(kv_manager, type) and hasattr(free, "__len__") and len(free) != kv.num_blocks:
+                raise ValueError(f"kv_manager is a {type(manager).__name__} with {len(free)} free blocks, but this "
+                                 f"engine's pool has {kv.num_blocks} blocks of {kv.block_size} slots: pass the class "
+                                 f"itself (kv_manager={type(manager).__name__}) and the engine builds it with the "
+                                 "pool's size")
             manager = PluggedKVManager(manager, kv.num_blocks, kv.block_size)
         if getattr(manager, "block_size", None) != kv.block_size or getattr(manager, "num_blocks", 0) > kv.num_blocks:
             raise ValueError(f"the manager has {getattr(manager, 'num_blocks', '?')} blocks of "

@@ -10,11 +10,31 @@ raises, a tensor where a list was expected -- the check prints what stopped it a
 """
 import functools
 import numbers
+import os
+import sys
+import traceback
+
+_NOT_YOURS = tuple(os.path.abspath(p) + os.sep for p in
+                   {os.path.dirname(os.path.dirname(__file__)), sys.prefix, sys.base_prefix, sys.exec_prefix})
 
 
 def report(ok: bool, good: str, bad: str) -> bool:
     print(("✓ " + good) if ok else ("✗ " + bad))
     return ok
+
+
+def raised(err: BaseException) -> str:
+    """``"IndexError: list index out of range (line 7 of your code: out[i] = x)"``: the error, and the last
+    line of the learner's own code it passed through -- found in the traceback as the deepest frame
+    outside cbteach and the Python installation (a notebook cell, a file of theirs)."""
+    said = f"{type(err).__name__}: {err}"
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if not os.path.abspath(f.filename).startswith(_NOT_YOURS)]
+    if not frames:
+        return said
+    line = frames[-1]
+    code = f": {line.line.strip()}" if line.line else ""
+    return f"{said} (line {line.lineno} of your code{code})"
 
 
 def self_check(check):
@@ -24,7 +44,7 @@ def self_check(check):
         try:
             return check(*args, **kwargs)
         except Exception as err:  # the learner's code, or an answer of a kind the check could not use
-            return report(False, "", f"the check stopped with {type(err).__name__}: {err}\n  Run your code on a "
+            return report(False, "", f"the check stopped with {raised(err)}\n  Run your code on a "
                           "small case by hand and look at what it returns (its type, length and values).")
     return wrapper
 

@@ -11,7 +11,7 @@ import math
 
 from ..engine.engine import Engine
 from ..core.request import Request
-from . import is_int, report, self_check
+from . import is_int, raised, report, self_check
 
 # (answer lengths, max_batch_size): one wave, one slot, more slots than requests, a long request
 # first (short ones refill around it), a long request last (FCFS cannot pull it forward), a mix.
@@ -73,7 +73,7 @@ def check_fcfs_simulator(simulate, model, lengths=None, batch_size=None) -> bool
         try:
             got = simulate(list(case_lengths), b)
         except Exception as err:  # the learner's code: say what failed, and on which input
-            return report(False, "", f"simulate({case_lengths}, {b}) raised {type(err).__name__}: {err}")
+            return report(False, "", f"simulate({case_lengths}, {b}) raised {raised(err)}")
         if got is None:
             return report(False, "", "not done yet: your simulator returned None -- write it in the cell above")
         if not is_int(got):

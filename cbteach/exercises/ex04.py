@@ -25,7 +25,7 @@ from ..attention.packing import additive_mask, block_diagonal_causal_mask
 from ..engine.engine import Engine
 from ..core.request import Request
 from ..kv.concat import KVTraffic, layer_kv
-from . import report, self_check
+from . import raised, report, self_check
 
 HEADS, DIM = 2, 3
 
@@ -167,7 +167,7 @@ def check_gather_scatter(gather, scatter, model, tokenizer) -> bool:
         try:
             hint = hint_of(gather if name == "gather" else scatter)
         except Exception as err:  # the learner's code
-            hint = f"it raised {type(err).__name__}: {err}"
+            hint = f"it raised {raised(err)}"
         if hint:
             return report(False, "", f"{name}, on a step with sequences of 3, 0 and 2 cached tokens: {hint}")
     engine = Engine(model, tokenizer, max_batch_size=2, kv="concat")
@@ -176,7 +176,7 @@ def check_gather_scatter(gather, scatter, model, tokenizer) -> bool:
     try:
         out = engine.run(reqs)
     except Exception as err:  # the learner's functions, called by the engine
-        return report(False, "", f"inside the engine, a step failed with {type(err).__name__}: {err} -- on some "
+        return report(False, "", f"inside the engine, a step failed with {raised(err)} -- on some "
                                  "step a sequence's cache did not hold exactly its tokens so far")
     fused = sum(r.is_fused for r in engine.records)
     for c, (p, n) in zip(out, WORKLOAD):

@@ -14,7 +14,7 @@ from ..engine.engine import Engine
 from ..kv.plugged import PluggedKVManager
 from ..bench.memory_experiments import plug
 from ..core.request import Request
-from . import is_int, report, self_check
+from . import is_int, raised, report, self_check
 
 # (block_size, num_blocks, max_batch_size, [(prompt tokens, new tokens), ...]): several blocks each and
 # blocks reused after a finish; prompts shorter than a block; one-token blocks; a pool so small it preempts.
@@ -39,7 +39,7 @@ class Watched(PluggedKVManager):
         try:
             return super().call_mine(call, method, *args)
         except Exception as err:  # the learner's code: say what failed, and on which call
-            raise Wrong(f"{call} raised {type(err).__name__}: {err}") from None
+            raise Wrong(f"{call} raised {raised(err)}") from None
 
 
 def serve(model, case, manager_class=None) -> dict:
@@ -71,7 +71,7 @@ def _check_init(manager_class) -> str | None:
     try:
         mine = manager_class(6, 4)
     except Exception as err:
-        return f"MyKVManager(6, 4) raised {type(err).__name__}: {err}"
+        return f"MyKVManager(6, 4) raised {raised(err)}"
     if not hasattr(mine, "free_blocks"):
         try:
             stub = mine.allocate_slots(_Probe(), 1) is None

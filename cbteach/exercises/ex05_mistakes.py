@@ -73,6 +73,9 @@ ATTENTION_MISTAKES = {
     "causal_plus": _CAUSAL + " (your queries see one key past their own position)",
     "causal_zero": ("a chunk that continues a prompt starts after the c tokens already computed: its query j is "
                     "at position c + j and sees every earlier key of the sequence, the cached ones too"),
+    "is_causal": ("SDPA's is_causal=True lines its mask up top-left: query j sees keys 0 .. j, which is right only "
+                  "when a sequence has as many keys as queries. A chunk after c computed tokens has c keys more "
+                  "than queries -- each query must see the cached ones too: build the mask yourself"),
     "no_mask": ("a prompt or a chunk of one feeds several queries at once: each may see only the keys up to its "
                 "own position, not the later tokens of its own chunk (a causal mask)"),
     "gqa_tile": ("grouped-query heads: the query heads that share a KV head are consecutive -- with g query heads "
@@ -117,6 +120,8 @@ def attend(query, key, value, meta, layer: int, scaling=None, mistake=None) -> t
         if mistake == "causal_minus_prefill":
             diagonal = c - 1 if n > 1 else c
         mask = torch.ones(n, width, dtype=torch.bool, device=query.device).tril(diagonal=diagonal)
+        if mistake == "is_causal":  # SDPA's is_causal=True where n > 1: a top-left mask; a decode unmasked
+            mask = torch.ones(n, width, dtype=torch.bool, device=query.device).tril(diagonal=0) if n > 1 else None
         if (mistake == "no_mask" and n > 1) or (mistake in ("whole_blocks", "padded_row") and n == 1):
             mask = None
         scale = head_dim ** -0.5 if mistake == "no_scale" else scaling

@@ -18,7 +18,7 @@ import torch
 from ..attention import paged as engine_attention
 from ..attention.metadata import build
 from ..kv.pool import PagedKVPool
-from . import is_int
+from . import is_int, raised
 from .ex05_mistakes import ATTENTION_MISTAKES, SLOT_MISTAKES, attend, slots
 
 # (what, block_size, [(num_computed_tokens, num_scheduled_tokens, block_table), ...]) of each step.
@@ -138,7 +138,7 @@ def check_slot_mapping_cases(slot_mapping) -> None:
             with _EngineCalls([build]) as seen:
                 got = slot_mapping(*args)
         except Exception as err:  # the learner's code
-            failures.append(Fail(f"your slot mapping raised {type(err).__name__}: {err}\n  on the step "
+            failures.append(Fail(f"your slot mapping raised {raised(err)}\n  on the step "
                                  f"{_case_text(case)}"))
             continue
         if seen.called:
@@ -245,7 +245,7 @@ def check_attention_cases(attention) -> None:
                 more = (f"\n  It ran when every query head had its own KV head; here {heads} query heads share "
                         f"{kv_heads} KV heads (grouped-query attention): each KV head serves a group of "
                         f"{heads // kv_heads} consecutive query heads")
-            failures.append(Fail(f"your attention raised {type(err).__name__}: {err}\n  on the step {where}{more}",
+            failures.append(Fail(f"your attention raised {raised(err)}\n  on the step {where}{more}",
                                   named=bool(more)))
             continue
         if seen.called:

@@ -87,16 +87,30 @@ def engine_runs(model, clock: Clock, repeat: int = 3, batch_size: int = 2, stale
     return runs
 
 
-def _timed_runs(events) -> tuple[dict, list, list]:
-    """From the clock's log: each engine's timed durations (a run with a clock reading right before and
-    right after it), the names of untimed runs in order, and the timed runs' names in order."""
-    durations, untimed, order = {}, [], []
+def _timed_flags(events) -> list[bool]:
+    """For each run in the clock's log, in order: was it timed on its own (a reading right before and
+    right after it)? A harness that reads the clock twice around each run (two readings in a row
+    somewhere) uses each reading once: the reading that ended one run's timing does not start the
+    next -- an untimed warm-up right after a timed run stays untimed. One that reads once between
+    runs shares each reading between the run before and the run after."""
+    own_pairs = any(a[0] == b[0] == "read" for a, b in zip(events, events[1:]))
+    flags, used = [], -1  # used: the index of the last reading that ended a timing
     for i, e in enumerate(events):
         if e[0] != "run":
             continue
-        before = i > 0 and events[i - 1][0] == "read"
+        before = i > 0 and events[i - 1][0] == "read" and not (own_pairs and used == i - 1)
         after = i + 1 < len(events) and events[i + 1][0] == "read"
-        if before and after:
+        flags.append(before and after)
+        used = i + 1 if before and after else used
+    return flags
+
+
+def _timed_runs(events) -> tuple[dict, list, list]:
+    """From the clock's log: each engine's timed durations, the names of untimed runs in order, and the
+    timed runs' names in order (:func:`_timed_flags` says which runs were timed)."""
+    durations, untimed, order = {}, [], []
+    for e, timed in zip([e for e in events if e[0] == "run"], _timed_flags(events)):
+        if timed:
             durations.setdefault(e[1], []).append(e[2])
             order.append(e[1])
         else:
@@ -113,10 +127,9 @@ def _diagnose(events, names, repeat, got, truth_same) -> str | None:
     first_runs = {name: runs.index(name) for name in names if name in runs}
     if len(first_runs) < len(names):
         return "some engine was never run: run every engine in runs"
+    timed = _timed_flags(events)
     for name in names:  # the first run of each engine must not be timed
-        k = first_runs[name]
-        i = [j for j, e in enumerate(events) if e[0] == "run"][k]
-        if 0 < i < len(events) - 1 and events[i - 1][0] == "read" and events[i + 1][0] == "read":
+        if timed[first_runs[name]]:
             return ("an engine's first run pays one-off costs (allocation, caches, lazy imports) that a server "
                     "pays once: warm every engine up with one untimed run before timing any")
     if not durations:
@@ -168,9 +181,10 @@ def check_benchmark(benchmark, model) -> bool:
         if got is None or got is Ellipsis:
             return report(False, "", "not done yet: benchmark returned nothing; it should return (medians, "
                                      "same_tokens)")
-        if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], dict)
-                and isinstance(got[1], bool)):
+        truthy = isinstance(got, tuple) and len(got) == 2 and type(got[1]).__name__ in ("bool", "bool_")
+        if not (truthy and isinstance(got[0], dict)):  # (a NumPy bool is a bool too)
             return report(False, "", f"benchmark should return a pair (dict of medians, bool); got {got!r:.80}")
+        got = (got[0], bool(got[1]))
         hint = _diagnose(clock.events, list(runs), repeat, got, truth_same)
         if hint:
             which = f"{len(runs)} engines{', one with a stale-state bug' if stale else ''}, repeat={repeat}"

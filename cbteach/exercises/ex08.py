@@ -23,7 +23,7 @@ from ..engine import model_runner
 from ..engine.engine import Engine
 from ..core.request import Request
 from ..engine.speculative import accept as engine_accept
-from . import is_int, report, self_check
+from . import is_int, raised, report, self_check
 
 # ---------------------------------------------------------------- prefix reuse ----------------
 
@@ -124,7 +124,7 @@ def check_prefix_reuse(predict, model, prompts=None, block_size=None) -> bool:
         try:
             got = predict([list(p) for p in case], bs)
         except Exception as err:  # the learner's code: say what failed, and on which case
-            return report(False, "", f"predict raised {type(err).__name__}: {err} (case: {what})")
+            return report(False, "", f"predict raised {raised(err)} (case: {what})")
         if got is None:
             return report(False, "", "not done yet: predict_reuse returned None -- write it in the cell above")
         try:
@@ -213,7 +213,7 @@ def check_accept(accept) -> bool:
         try:
             got = accept(list(drafts), list(targets))
         except Exception as err:  # the learner's code
-            return report(False, "", f"accept({drafts}, {targets}) raised {type(err).__name__}: {err}")
+            return report(False, "", f"accept({drafts}, {targets}) raised {raised(err)}")
         if got is None:
             return report(False, "", "not done yet: accept returned None -- write it in the cell above")
         if not isinstance(got, (list, tuple)) or not all(is_int(t) for t in got):

@@ -96,7 +96,10 @@ def compare(my_engine, pieces: Pieces, model, tok=None) -> dict:
     """Run the course workload on ``my_engine(model, tok, **OPTIONS)`` and on the engine's own pieces,
     both on a step clock; what agreed (``plugged``, ``schedule``, ``tokens``, ``generate``, ``blocks``)."""
     requests = course_requests(model, tok)
-    mine = my_engine(model, tok, clock=VirtualClock(step_time=0.01), **OPTIONS)
+    try:
+        mine = my_engine(model, tok, clock=VirtualClock(step_time=0.01), **OPTIONS)
+    except Exception as err:  # noqa: BLE001 -- the learner's my_engine, building its Engine
+        return {"plugged": _build_hint(err)}
     out = {"plugged": _plugged(mine, pieces)}
     if out["plugged"] is not None:
         return out
@@ -116,6 +119,15 @@ def compare(my_engine, pieces: Pieces, model, tok=None) -> dict:
                preemptions=sum(len(r.preempted) for r in my_records),
                chunks=sum(1 for r in my_records for s in r.seqs if s.kind == "prefill" and s.sampled is None))
     return out
+
+
+def _build_hint(err: Exception) -> str:
+    """What to say when ``my_engine(model, tok, **options)`` raised before it returned an engine."""
+    said = f"{type(err).__name__}: {err}"
+    if isinstance(err, TypeError) and ("keyword" in str(err) or "argument" in str(err)):
+        return (f"my_engine(model, tok, **options) raised {said} -- the check calls it with options (a clock, "
+                "the batch size, the token budget): pass them on, Engine(model, tok, ..., **options)")
+    return f"my_engine(model, tok, **options) raised {said}"
 
 
 def _blame(pieces: Pieces, model, tok) -> str:

@@ -34,10 +34,10 @@ def _kv_hint(got, truth, rank, heads, kv, world) -> str:
         return ("each rank keeps only the KV heads its own query heads read -- that is why a rank's KV pool is "
                 "smaller than the whole model's")
     if kv < world and got == [rank % kv]:
-        return ("the copies of one KV head sit on consecutive ranks: query head h reads KV head h // (heads / "
-                "kv_heads), and rank r holds query heads r * heads / world_size onwards")
-    return ("rank r computes query heads r * heads / world_size up to the next rank's first; it holds exactly the KV "
-            "heads those query heads read (query head h reads KV head h // (heads / kv_heads))")
+        return ("the copies of one KV head sit on consecutive ranks, not round robin: the ranks whose query heads "
+                "read KV head 0 come first, then those that read KV head 1")
+    return ("a rank holds exactly the KV heads its own query heads read: which query heads does this rank "
+            "compute, and which KV head does each of them read under grouped-query attention?")
 
 
 def _bytes_hint(got, truth, layers, tokens, hidden, dtype_bytes, world) -> str:

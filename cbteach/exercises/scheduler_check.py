@@ -37,7 +37,7 @@ from ..core.request import Request
 from ..core.sampling import SamplingParams
 from ..engine.engine import Engine
 from ..engine.scheduler import Scheduler
-from . import rules, update_rules
+from . import raised, rules, update_rules
 from .rules import NotDone, SchedulerMistake, hint
 from .watchers import KVWatch, QueueWatch, RunningWatch, Tracer
 
@@ -134,7 +134,7 @@ def run(model, workload: Workload, scheduler_cls=None, max_steps: int = 2000, st
     try:
         eng = workload.engine(model, scheduler_cls)
     except Exception as err:  # noqa: BLE001 -- the learner's __init__
-        return Run(None, [], SchedulerMistake(f"the engine could not build your scheduler: {type(err).__name__}: {err}"))
+        return Run(None, [], SchedulerMistake(f"the engine could not build your scheduler: {raised(err)}"))
     for r in workload.requests(model.config.vocab_size):
         eng.add_request(r)
     return Run(eng, *drive(eng, max_steps, stage))
@@ -159,7 +159,7 @@ def drive(eng: Engine, max_steps: int, stage: int | None = None) -> tuple[list, 
     except SchedulerMistake as err:
         return records, err
     except Exception as err:  # noqa: BLE001 -- the learner's code, raised inside the engine
-        return records, SchedulerMistake(f"the run stopped with {type(err).__name__}: {err}")
+        return records, SchedulerMistake(f"the run stopped with {raised(err)}")
     return records, None
 
 

@@ -101,6 +101,9 @@ class PluggedKVManager(KVCacheManager):
         if need < len(new):
             raise self.Error(f"{call} gave it {held}: more than its tokens need; take a new block only when the "
                              "last one is full")
+        if need > len(new) and need > len(free_before):
+            raise self.Error(f"{call} gave it {held}: too few for its tokens -- it needed {need} new blocks and only "
+                             f"{_blocks(len(free_before))} were free: then refuse (return None) and change nothing")
         if need > len(new):
             raise self.Error(f"{call} gave it {held}: too few for its tokens")
         for block in new:
