@@ -19,7 +19,7 @@ pytest.importorskip("fastapi", reason="the serve extra is not installed (pip ins
 pytest.importorskip("zmq", reason="the serve extra is not installed (pip install 'cbteach[serve]')")
 pytest.importorskip("msgspec", reason="the serve extra is not installed (pip install 'cbteach[serve]')")
 
-from serverkit import WAIT_S, Served, wait_for  # noqa: E402
+from serverkit import WAIT_S, Served, core_sum, metrics, wait_for  # noqa: E402
 
 LONG = {"prompt": "CYNIC, n.", "max_tokens": 3000, "ignore_eos": True}
 
@@ -40,6 +40,21 @@ def stream_events(url, body, started: threading.Event, out: list):
                 out.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
                 started.set()
     started.set()
+
+
+def in_flight(url) -> float:
+    m = metrics(url)
+    return core_sum(m, "num_requests_running") + core_sum(m, "num_requests_waiting")
+
+
+def refuses(url) -> bool:
+    try:
+        httpx.get(url + "/health", timeout=2)
+    except httpx.ConnectError:
+        return True
+    except httpx.HTTPError:
+        return False
+    return False
 
 
 def background(target, *args) -> threading.Thread:
@@ -80,6 +95,25 @@ def test_port_zero_announces_its_port_and_sigterm_drains_then_stops_both_process
         assert status == 503 and body["error"]["code"] == "aborted"
         wait_for(lambda: all(gone(p) for p in cores), "the engine core to exit")
         assert "Traceback" not in s.text()
+
+
+def test_a_second_sigterm_aborts_what_is_left_without_waiting_out_the_drain(tmp_path):
+    """An operator who signals twice will not wait: the requests still in flight end with the abort error at
+    once, not after the 600 s drain, and the process exits 0 (the waits below are only bounds). One request
+    runs at a time, so the queued ones are still there however fast the machine is."""
+    with Served(["--drain-timeout", "600", "--max-batch-size", "1"], tmp_path / "serve.log") as s:
+        streams = [([], threading.Event()) for _ in range(3)]
+        threads = [background(stream_events, s.url, LONG, started, events) for events, started in streams]
+        wait_for(lambda: in_flight(s.url) == 3, "all three requests to be in the engine core")  # (in any order)
+        s.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: refuses(s.url), "the drain to start (the port stops taking connections)")
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(WAIT_S) == 0, s.text()[-3000:]
+        for t in threads:
+            t.join(WAIT_S)
+        ends = [events[-2] for events, _ in streams]
+        assert all(events[-1] == "[DONE]" for events, _ in streams)
+        assert any("error" in e and e["error"]["code"] == "aborted" for e in ends), ends
 
 
 def test_a_port_in_use_fails_before_anything_starts(tmp_path):

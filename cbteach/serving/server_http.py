@@ -11,7 +11,7 @@ Two things a bare uvicorn does not do, and a server on a network must:
 * **A clean exit.** On the first SIGTERM (or Ctrl-C) :class:`Server` stops taking requests, ends the
   live view's endless streams, lets the requests in flight finish for up to ``drain_timeout``
   seconds, then aborts the rest -- a stream ends with an error event, a whole answer is a ``503`` --
-  and uvicorn's shutdown then stops the engine cores. The process exits 0; it exits 1 if an engine
+  and uvicorn's shutdown then stops the engine cores. A second signal aborts the rest at once. The process exits 0; it exits 1 if an engine
   core died (its requests failed at once; the other cores' finished in the same drain).
 """
 from __future__ import annotations
@@ -98,9 +98,12 @@ def server_class():
             await super().startup(sockets=sockets)
 
         def handle_exit(self, sig, frame) -> None:
-            if not self.draining and self.frontend is not None and self.loop is not None:
-                self.draining = True
-                self.loop.call_soon_threadsafe(self._drain)
+            if self.frontend is not None and self.loop is not None:
+                if not self.draining:
+                    self.draining = True
+                    self.loop.call_soon_threadsafe(self._drain)
+                elif sig is not None:  # a second signal: the operator will not wait -- abort what is left now
+                    self.loop.call_soon_threadsafe(self.frontend.abort_all)
             super().handle_exit(sig, frame)
 
         def _drain(self) -> None:
