@@ -261,7 +261,8 @@ def test_async_scheduling_a_request_that_fails_on_its_first_step_ends_alone():
     assert bad.finish_reason == "error" and bad.output_ids == []
     assert ok.output_ids == reference(model, [10, 11, 12], 5, eos_id=None)
     parts = [s for r in eng.records for s in r.seqs if s.request_id == "bad"]
-    assert all(p.sampled is None and p.new_token_ids == [] for p in parts)
+    assert len(parts) == 2  # its first step, and the one planned while that ran
+    assert all(p.sampled is None and p.new_token_ids == [] for p in parts) and parts[0].finish_reason == "error"
     _no_leak(eng)
 
 
