@@ -85,6 +85,11 @@ def _demo(rest: list[str]) -> int:
         device = device_option(a.device)
     except ValueError as e:
         p.error(str(e))
+    from .demo import make_requests
+
+    most = len(make_requests(1))
+    if a.batch_size > most:  # more slots than requests: static batching would pad empty rows, for show
+        p.error(f"--batch-size {a.batch_size}: the demo has {most} requests, so at most {most} slots can be used")
     return 0 if run_demo(a.model, a.batch_size, a.max_new_tokens, repeat=a.repeat, device=device) else 1
 
 

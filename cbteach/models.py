@@ -116,10 +116,20 @@ def load_model(name: str = DEFAULT_MODEL, device=None, dtype=None):
     except (OSError, ValueError) as err:
         if name in EMBEDDED:
             raise
+        use = (f"load_model({DEFAULT_MODEL!r}) (on the command line: --model {DEFAULT_MODEL})")
+        cause = f"Cause: {type(err).__name__}: {str(err).splitlines()[0]}"
+        path = Path(name)
+        if path.is_file():
+            raise ValueError(f"could not load model {name!r}: it is a file, not a model folder (a folder with "
+                             f"config.json and the weights). The course runs offline on the embedded model: "
+                             f"use {use}. {cause}") from None
+        if path.is_dir() or name.startswith(("/", "./", "../", "~")):
+            raise ValueError(f"could not load model {name!r}: {'the folder holds no model' if path.is_dir() else 'no such folder'}"
+                             f". The course runs offline on the embedded model: use {use}. {cause}") from None
         raise ValueError(
             f"could not load model {name!r}: it is not a local directory and not in the Hugging Face cache, "
             f"and the hub could not be reached (offline?). The course runs offline on the embedded model: "
-            f"use load_model({DEFAULT_MODEL!r}). Cause: {type(err).__name__}: {str(err).splitlines()[0]}"
+            f"use {use}. {cause}"
         ) from None
     finally:
         if bars:

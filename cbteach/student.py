@@ -121,12 +121,16 @@ def write_course(src: Path, dst: Path, student: bool, force: bool = False, clear
         raise FileNotFoundError(f"no notebooks found in {src}")
     if dst.exists() and not dst.is_dir():
         raise NotADirectoryError(f"{dst} is a file, not a folder")
-    there = [dst / p.name for p in notebooks if (dst / p.name).exists()]
+    if dst.exists() and dst.resolve() == src.resolve():
+        raise ValueError(f"{dst} is the folder the notebooks come from: writing there would replace them "
+                         "(the solutions with stubs); choose another folder")
+    extras = COURSE_EXTRAS + (() if student else INSTRUCTOR_FILES)
+    there = [dst / name for name in [p.name for p in notebooks] + [e for e in extras if (src / e).exists()]
+             if (dst / name).exists()]
     if there and not force:
-        raise FileExistsError(f"{dst} already holds {len(there)} of the notebooks ({there[0].name}, ...); "
+        raise FileExistsError(f"{dst} already holds {len(there)} of the course's files ({there[0].name}, ...); "
                               "your work there is kept: choose another folder, or add --force to overwrite")
     dst.mkdir(parents=True, exist_ok=True)
-    extras = COURSE_EXTRAS + (() if student else INSTRUCTOR_FILES)
     for path in notebooks:
         nb = json.loads(path.read_text(encoding="utf-8"))
         if student:

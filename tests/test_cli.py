@@ -145,12 +145,75 @@ def test_mask_paged_options(capsys):
     (["--layout", "paged", "--block-tables", "0;1"], "block_tables has 2 entries for 3 sequences"),
     (["--layout", "paged", "--block-tables", "0;1;2"], "its block table needs at least 2 blocks of 4, got 1"),
     (["--layout", "paged", "--block-tables", "0;x;2,3"], "block tables look like 0,1;2;3,4"),
+    (["--layout", "paged", "--block-tables", "5;5;5,6"], "block 5 appears twice in the block tables"),
+    (["--layout", "paged", "--block-size", "1000000000"], "a mask to read in a terminal has at most"),
 ])
 def test_mask_bad_arguments_are_argparse_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["mask", "--cached", "3,0,5", "--new", "1,4,1", *argv])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_mask_too_large_to_read_is_refused_before_it_is_built(capsys):
+    """100,000 new tokens would be a 10^10-cell mask: refused by its size, not by the machine's memory."""
+    with pytest.raises(SystemExit) as exc:
+        main(["mask", "--cached", "0", "--new", "100000"])
+    assert exc.value.code == 2 and "100000 queries" in capsys.readouterr().err
+
+
+def test_mask_png_says_where_the_file_went(tmp_path, capsys):
+    assert main(["mask", "--cached", "1", "--new", "1", "--png", str(tmp_path / "noext")]) == 0
+    assert f"heatmap saved to {tmp_path / 'noext.png'}" in capsys.readouterr().out
+    assert (tmp_path / "noext.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_course_files_beside_the_notebooks_are_kept_too_and_a_copy_onto_itself_is_refused(tmp_path, capsys):
+    dst = tmp_path / "course"
+    dst.mkdir()
+    (dst / "INSTRUCTOR.md").write_text("my notes")
+    assert main(["notebooks", str(dst)]) == 2
+    assert "INSTRUCTOR.md" in capsys.readouterr().err and (dst / "INSTRUCTOR.md").read_text() == "my notes"
+    assert main(["notebooks", str(tmp_path / "src")]) == 0
+    capsys.readouterr()
+    assert main(["student", str(tmp_path / "src"), str(tmp_path / "src"), "--force"]) == 2
+    assert "the folder the notebooks come from" in capsys.readouterr().err
+    first = sorted((tmp_path / "src").glob("*.ipynb"))[0]
+    assert "solution" in first.read_text()  # the originals are untouched
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--batch-size", "7"], "at most 6 slots"),
+    (["bench", "--workload", "length_variance", "--sweep", "inf"], "finite numbers"),
+    (["bench", "--workload", "length_variance", "--sweep", "nan,2"], "finite numbers"),
+    (["bench", "--workload", "length_variance", "--sweep", "1.5"], "whole numbers of tokens"),
+    (["simulate", "run", "--requests", "0"], "argument --requests: expected an integer > 0"),
+    (["simulate", "capacity", "--users", "0"], "argument --users: expected an integer > 0"),
+    (["simulate", "capacity", "--price=-1"], "argument --price: expected a number > 0"),
+])
+def test_more_bad_arguments_are_one_line_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and message in err and "Traceback" not in err
+
+
+def test_simulate_validate_names_a_data_file_it_cannot_use(tmp_path, capsys):
+    for text in ("[1, 2]", "{}", "not json"):
+        bad = tmp_path / "runs.json"
+        bad.write_text(text)
+        assert main(["simulate", "validate", "--data", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert f"--data {bad}" in err and "Traceback" not in err
+
+
+def test_tournament_checks_its_port_and_output_paths_before_it_runs(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["tournament", str(tmp_path), "--port", "70000"])
+    assert "0..65535" in capsys.readouterr().err
+    assert main(["tournament", str(tmp_path), "--json", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--json {tmp_path}: it is a folder" in err
 
 
 def test_student_copy(tmp_path):
@@ -244,7 +307,9 @@ def test_demo_and_student_errors_are_one_line(tmp_path, capsys):
     assert "'0' is not an integer >= 1" in capsys.readouterr().err
     assert main(["demo", "--model", "some-org/not-here"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("python -m cbteach demo: error:") and "bierce" in err and "Traceback" not in err
+    assert err.startswith("python -m cbteach demo: error:") and "--model bierce" in err and "Traceback" not in err
+    assert main(["demo", "--model", str(tmp_path / "no-such-folder")]) == 2
+    assert "no such folder" in capsys.readouterr().err
     blocker = tmp_path / "file"
     blocker.write_text("x")
     assert main(["student", "notebooks", str(blocker / "out")]) == 2

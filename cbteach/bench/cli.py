@@ -67,7 +67,17 @@ def print_targets(rows: dict, tg: dict, lengths=None, batch_size=None) -> None:
 
 
 def _floats(text):
-    return [float(x) for x in text.split(",") if x]
+    """argparse type for ``--sweep``: comma-separated finite numbers."""
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = None
+    if not values or any(v != v or v in (float("inf"), float("-inf")) for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated finite numbers (e.g. 8,32,128), got {text!r}")
+    return values
+
+
+_floats.__name__ = "sweep values"
 
 
 def _number(kind, low, strict=True):
@@ -87,7 +97,7 @@ def _number(kind, low, strict=True):
 POSITIVE_INT, POSITIVE = _number(int, 0), _number(float, 0)
 
 
-def _unwritable(path: Path) -> str | None:
+def unwritable(path: Path) -> str | None:
     """Why ``path`` cannot be written (None: it can): a folder there, or a parent that cannot be made."""
     if path.is_dir():
         return "it is a folder; give a file name"
@@ -168,8 +178,10 @@ def _check(p: argparse.ArgumentParser, a) -> tuple[list[str], Path]:
         p.error("--sweep needs --workload length_variance (caps) or poisson (rates)")
     if a.sweep and (min(a.sweep) <= 0 or (a.workload == "length_variance" and min(a.sweep) < 1)):
         p.error("--sweep values must be caps >= 1 (length_variance) or rates > 0 (poisson)")
+    if a.sweep and a.workload == "length_variance" and any(v != int(v) for v in a.sweep):
+        p.error("--sweep caps for length_variance are whole numbers of tokens (e.g. 8,32,128)")
     path = a.json or a.out / f"bench-{a.model.replace('/', '_')}.json"
-    problem = _unwritable(path)  # found now, not after minutes of measuring
+    problem = unwritable(path)  # found now, not after minutes of measuring
     if problem:
         p.error(f"cannot write the results to {path}: {problem}")
     return engines, path

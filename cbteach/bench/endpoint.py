@@ -190,11 +190,21 @@ def main(argv=None) -> int:
     a = parser().parse_args(sys.argv[1:] if argv is None else list(argv))
     try:
         levels = [int(x) for x in a.concurrency.split(",")]
-        if not levels or min(levels) < 1 or a.requests < 1 or a.warmup < 0 or a.timeout <= 0:
-            raise ValueError
     except ValueError:
-        print("--concurrency takes integers >= 1 (e.g. 1,16); --requests >= 1, --warmup >= 0, --timeout > 0",
-              file=sys.stderr)
+        levels = []
+    wrong = [(not levels or min(levels) < 1, f"--concurrency takes integers >= 1 (e.g. 1,16), got {a.concurrency!r}"),
+             (a.requests < 1, f"--requests must be >= 1, got {a.requests}"),
+             (a.warmup < 0, f"--warmup must be >= 0, got {a.warmup}"),
+             (not 0 < a.timeout < float("inf"), f"--timeout must be a number of seconds > 0, got {a.timeout}")]
+    said = next((why for bad, why in wrong if bad), None)
+    if said is not None:
+        print(f"python -m cbteach bench-serve: error: {said}", file=sys.stderr)
+        return 2
+    from .cli import unwritable
+
+    problem = a.json is not None and unwritable(a.json)
+    if problem:  # found now, not after the whole benchmark has run
+        print(f"python -m cbteach bench-serve: error: --json {a.json}: {problem}", file=sys.stderr)
         return 2
     try:
         import httpx  # noqa: F401

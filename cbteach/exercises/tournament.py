@@ -14,12 +14,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
 from .tournament_core import (BASELINE, Entry, Trace, generate_outputs, load_scheduler, load_schedulers,  # noqa: F401
                               run_entry, run_tournament, table)
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number in 0..65535, got {text!r}")
+    return value
 
 
 def cli(argv=None) -> int:
@@ -38,10 +49,17 @@ def cli(argv=None) -> int:
     p.add_argument("--serve", action="store_true", help="take submissions over HTTP into DIR (the instructor's "
                                                         "variant; needs cbteach[serve] and CBTEACH_API_KEY)")
     p.add_argument("--host", default="127.0.0.1", help="with --serve: the address to listen on")
-    p.add_argument("--port", type=int, default=8100, help="with --serve: the port")
+    p.add_argument("--port", type=_port, default=8100, help="with --serve: the port (0..65535)")
     a = p.parse_args(argv)
-    if a.requests < 1 or a.rate <= 0 or a.ttft_slo <= 0 or a.tpot_slo <= 0:
-        raise ValueError("--requests must be >= 1 and --rate, --ttft-slo, --tpot-slo > 0")
+    if a.requests < 1 or not (a.rate > 0 and a.ttft_slo > 0 and a.tpot_slo > 0) or math.inf in (a.rate, a.ttft_slo,
+                                                                                                   a.tpot_slo):
+        raise ValueError("--requests must be >= 1 and --rate, --ttft-slo, --tpot-slo finite numbers > 0")
+    from ..bench.cli import unwritable
+
+    for option, path in (("--json", a.json), ("--plot", a.plot)):
+        problem = path is not None and unwritable(path)
+        if problem:  # found now, not after the whole tournament has run
+            raise ValueError(f"{option} {path}: {problem}")
     from ..models import load_model
 
     model = load_model(a.model)[0]
@@ -61,7 +79,8 @@ def cli(argv=None) -> int:
         matplotlib.use("Agg")
         from ..viz.tournament import plot_tournament
 
-        plot_tournament(entries, trace.ttft_slo, trace.tpot_slo).savefig(a.plot, dpi=110, bbox_inches="tight")
-        print(f"figure saved to {a.plot}")
+        plot_tournament(entries, trace.ttft_slo, trace.tpot_slo).savefig(a.plot, dpi=110, bbox_inches="tight",
+                                                                         format="png")
+        print(f"figure saved to {a.plot} (PNG)")
     sys.stdout.flush()
     return 0

@@ -27,15 +27,29 @@ def _pair(text: str) -> tuple:
     return lo, hi
 
 
+def _positive(kind):
+    """An argparse type: a ``kind`` (int or float) > 0, finite."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or value != value or value <= 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"expected a{'n integer' if kind is int else ' number'} > 0, got {text!r}")
+        return value
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
 def _deployment_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="llama-3-8b", help=f"one of {', '.join(MODELS)}")
     p.add_argument("--device", default="a100-80gb", help=f"one of {', '.join(DEVICES)}")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices per replica")
+    p.add_argument("--tp", type=_positive(int), default=1, help="tensor-parallel devices per replica")
     p.add_argument("--prompt", type=_pair, default=(128, 1024), help="prompt lengths LO,HI")
     p.add_argument("--output", type=_pair, default=(32, 512), help="output lengths LO,HI")
-    p.add_argument("--requests", type=int, default=200, help="requests per simulated run")
-    p.add_argument("--batch", type=int, default=256, help="max_batch_size")
-    p.add_argument("--budget", type=int, default=2048, help="token budget per step")
+    p.add_argument("--requests", type=_positive(int), default=200, help="requests per simulated run")
+    p.add_argument("--batch", type=_positive(int), default=256, help="max_batch_size")
+    p.add_argument("--budget", type=_positive(int), default=2048, help="token budget per step")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -48,15 +62,15 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--data", default=None, help="measured runs (default: the shipped ones)")
     r = sub.add_parser("run", help="one simulated run")
     _deployment_args(r)
-    r.add_argument("--rate", type=float, default=4.0, help="requests per second (Poisson)")
+    r.add_argument("--rate", type=_positive(float), default=4.0, help="requests per second (Poisson)")
     c = sub.add_parser("capacity", help="highest rate meeting TTFT/TPOT targets; GPUs for N users; $/M tokens")
     _deployment_args(c)
     c.add_argument("--ttft", type=float, default=1.0, help="TTFT target, seconds (at --quantile)")
     c.add_argument("--tpot", type=float, default=0.05, help="TPOT target, seconds (at --quantile)")
     c.add_argument("--quantile", type=float, default=0.9)
-    c.add_argument("--users", type=int, default=None, help="also: devices for this many users")
-    c.add_argument("--rate-per-user", type=float, default=1 / 30, help="requests per second per user")
-    c.add_argument("--price", type=float, default=None, help="price per device-hour (default: the device's)")
+    c.add_argument("--users", type=_positive(int), default=None, help="also: devices for this many users")
+    c.add_argument("--rate-per-user", type=_positive(float), default=1 / 30, help="requests per second per user")
+    c.add_argument("--price", type=_positive(float), default=None, help="price per device-hour (default: the device's)")
     s = sub.add_parser("static", help="continuous vs static batching and the factors of the gap")
     s.add_argument("--model", default="opt-13b")
     s.add_argument("--device", default="a100-40gb")
@@ -68,7 +82,19 @@ def _parser() -> argparse.ArgumentParser:
 def _validate(a) -> dict:
     from .validate import load, validation_report
 
-    rep = validation_report(load(a.data) if a.data else None)
+    data = None
+    if a.data:
+        try:
+            data = load(a.data)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"--data {a.data}: cannot read it as measured runs ({err})") from None
+        if not isinstance(data, dict) or not isinstance(data.get("runs"), list) or not data["runs"]:
+            raise ValueError(f"--data {a.data}: expected a JSON object with a non-empty list 'runs' (the format "
+                             "of benchmarks/sim/results/, written by benchmarks/sim/measure_cpu.py)")
+    try:
+        rep = validation_report(data)
+    except (KeyError, TypeError, IndexError) as err:
+        raise ValueError(f"--data {a.data}: a run lacks what the fit needs ({type(err).__name__}: {err})") from None
     d = rep["device"]
     return {"fitted_cpu": {"step_overhead_s": d.step_overhead, "seq_overhead_s": d.seq_overhead,
                            "flops": d.peak_flops, "attn_flops": d.attn_flops, "kv_bytes_per_s": d.kv_bandwidth},
@@ -80,8 +106,13 @@ def _capacity(a) -> dict:
 
     dep = Deployment(model=a.model, device=a.device, tensor_parallel_size=a.tp, prompt_lens=a.prompt,
                      output_lens=a.output, num_requests=a.requests, max_batch_size=a.batch, token_budget=a.budget)
-    cap = max_rate(dep, a.ttft, a.tpot, a.quantile)
+    limit = 4096.0
+    cap = max_rate(dep, a.ttft, a.tpot, a.quantile, max_rate_limit=limit)
     out = {"simulated": True, "max_rate_req_s": cap.rate, "probes": len(cap.probes)}
+    if cap.rate >= limit:  # never missed a target: the capacity is at least the search's limit, not known
+        out["max_rate_req_s"] = f">= {limit:g} (the search's upper limit: no rate it tried missed a target; " \
+                                f"{a.requests} requests may be too few to load the system)"
+        return out
     if cap.rate > 0:
         out["cost_per_million_output_tokens"] = cost_per_million_tokens(dep, cap.rate, a.price)
         out.update({k: v for k, v in cap.result.summary().items() if k.startswith(("ttft", "tpot"))})

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 
+MAX_QUERIES, MAX_KEYS = 512, 2048  # a mask beyond this is neither readable nor cheap to draw
+
 
 def lengths(text: str) -> list[int]:
     """argparse type for ``"3,0,5"`` (an empty string is an empty list: a step with no sequences)."""
@@ -79,6 +81,20 @@ def cli(argv=None) -> int:
                      "give one of each per sequence")
     if args.layout != "paged" and (args.block_size is not None or args.block_tables is not None):
         parser.error("--block-size and --block-tables apply only to --layout paged")
+    queries, keys = sum(args.new), sum(args.cached) + sum(args.new)
+    block = args.block_size or DEFAULT_BLOCK_SIZE
+    if args.layout == "paged":  # a sequence's keys are read in whole blocks
+        keys = sum(-(-(c + n) // block) * block for c, n in zip(args.cached, args.new))
+    if queries > MAX_QUERIES or keys > MAX_KEYS:
+        parser.error(f"this step has {queries} queries and {keys} keys; a mask to read in a terminal has at most "
+                     f"{MAX_QUERIES} queries and {MAX_KEYS} keys (use fewer tokens, or a smaller --block-size)")
+    taken = {}
+    for seq, table in enumerate(args.block_tables or []):
+        for b in table:
+            if b in taken:
+                parser.error(f"block {b} appears twice in the block tables (sequences {taken[b]} and {seq}): a "
+                             "block holds the K/V of one sequence's tokens")
+            taken[b] = seq
     kwargs = dict(cached=args.cached, new=args.new, layout=args.layout)
     if args.layout == "paged":
         kwargs.update(block_size=args.block_size or DEFAULT_BLOCK_SIZE, block_tables=args.block_tables)
@@ -95,9 +111,10 @@ def cli(argv=None) -> int:
         fig = Figure(figsize=figsize(*view.mask.shape))
         FigureCanvasAgg(fig)
         mask_heatmap(**kwargs, ax=fig.add_subplot())
+        path = args.png if args.png.lower().endswith(".png") else args.png + ".png"  # what savefig writes
         try:
-            fig.savefig(args.png, dpi=120, bbox_inches="tight")
+            fig.savefig(path, dpi=120, bbox_inches="tight", format="png")
         except OSError as e:
-            parser.error(f"cannot write {args.png}: {e}")
-        print(f"heatmap saved to {args.png}")
+            parser.error(f"cannot write {path}: {e}")
+        print(f"heatmap saved to {path}")
     return 0
