@@ -11,8 +11,9 @@ Two things a bare uvicorn does not do, and a server on a network must:
 * **A clean exit.** On the first SIGTERM (or Ctrl-C) :class:`Server` stops taking requests, ends the
   live view's endless streams, lets the requests in flight finish for up to ``drain_timeout``
   seconds, then aborts the rest -- a stream ends with an error event, a whole answer is a ``503`` --
-  and uvicorn's shutdown then stops the engine cores. A second signal aborts the rest at once. The process exits 0; it exits 1 if an engine
-  core died (its requests failed at once; the other cores' finished in the same drain).
+  and uvicorn's shutdown then stops the engine cores; a second signal aborts the rest at once. The
+  process exits 0; it exits 1 if an engine core died (its requests failed at once; the other cores'
+  finished in the same drain).
 """
 from __future__ import annotations
 
