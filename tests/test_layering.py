@@ -10,7 +10,7 @@ import cbteach
 ROOT = pathlib.Path(cbteach.__file__).parent
 # Which floor each subpackage (or top-level module) of cbteach stands on.
 FLOORS = {
-    "attention": 1, "perf": 1, "models": 1, "bierce": 1, "errors": 1,
+    "attention": 1, "perf": 1, "models": 1, "bierce": 1, "errors": 1, "argtypes": 1,
     "core": 2,
     "kv": 3,
     "engine": 4, "parallel": 4,

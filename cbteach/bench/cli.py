@@ -12,6 +12,7 @@ from ..models import load_model
 from ..serving import workloads as wl
 from . import measure
 from .experiments import machine_info, step_time_vs_history
+from ..argtypes import POSITIVE, POSITIVE_INT, number
 from .measure import (ALL_ENGINES, METRICS, REFERENCE, TOKEN_BUDGET, clean, compare, slot_steps, sweep,
                       targets)
 
@@ -80,21 +81,6 @@ def _floats(text):
 _floats.__name__ = "sweep values"
 
 
-def _number(kind, low, strict=True):
-    """An argparse type: ``kind`` (int or float) above ``low`` (``strict``) or at least ``low``."""
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            value = None
-        if value is None or value != value or (value <= low if strict else value < low):
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'} "
-                                             f"{'>' if strict else '>='} {low}")
-        return value
-    return parse
-
-
-POSITIVE_INT, POSITIVE = _number(int, 0), _number(float, 0)
 
 
 def unwritable(path: Path) -> str | None:
@@ -153,7 +139,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ttft-target", type=POSITIVE, default=1.0, help="goodput: TTFT target in seconds")
     p.add_argument("--tpot-target", type=POSITIVE, default=0.05, help="goodput: TPOT target in seconds")
     p.add_argument("--repeat", type=POSITIVE_INT, default=1, help="timed runs per engine (the median is reported)")
-    p.add_argument("--history", type=_number(int, 0, strict=False), default=256,
+    p.add_argument("--history", type=number(int, 0, strict=False), default=256,
                    help="decode steps for the step-time experiment (0: skip)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder for bench-<model>.json")
     p.add_argument("--json", type=Path, default=None, help="write the results to this file instead")

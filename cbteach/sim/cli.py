@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..argtypes import POSITIVE, POSITIVE_INT
 from .devices import DEVICES
 from .shapes import MODELS
 
@@ -27,29 +28,15 @@ def _pair(text: str) -> tuple:
     return lo, hi
 
 
-def _positive(kind):
-    """An argparse type: a ``kind`` (int or float) > 0, finite."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            value = None
-        if value is None or value != value or value <= 0 or value == float("inf"):
-            raise argparse.ArgumentTypeError(f"expected a{'n integer' if kind is int else ' number'} > 0, got {text!r}")
-        return value
-    parse.__name__ = f"positive {kind.__name__}"
-    return parse
-
-
 def _deployment_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="llama-3-8b", help=f"one of {', '.join(MODELS)}")
     p.add_argument("--device", default="a100-80gb", help=f"one of {', '.join(DEVICES)}")
-    p.add_argument("--tp", type=_positive(int), default=1, help="tensor-parallel devices per replica")
+    p.add_argument("--tp", type=POSITIVE_INT, default=1, help="tensor-parallel devices per replica")
     p.add_argument("--prompt", type=_pair, default=(128, 1024), help="prompt lengths LO,HI")
     p.add_argument("--output", type=_pair, default=(32, 512), help="output lengths LO,HI")
-    p.add_argument("--requests", type=_positive(int), default=200, help="requests per simulated run")
-    p.add_argument("--batch", type=_positive(int), default=256, help="max_batch_size")
-    p.add_argument("--budget", type=_positive(int), default=2048, help="token budget per step")
+    p.add_argument("--requests", type=POSITIVE_INT, default=200, help="requests per simulated run")
+    p.add_argument("--batch", type=POSITIVE_INT, default=256, help="max_batch_size")
+    p.add_argument("--budget", type=POSITIVE_INT, default=2048, help="token budget per step")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -62,15 +49,15 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--data", default=None, help="measured runs (default: the shipped ones)")
     r = sub.add_parser("run", help="one simulated run")
     _deployment_args(r)
-    r.add_argument("--rate", type=_positive(float), default=4.0, help="requests per second (Poisson)")
+    r.add_argument("--rate", type=POSITIVE, default=4.0, help="requests per second (Poisson)")
     c = sub.add_parser("capacity", help="highest rate meeting TTFT/TPOT targets; GPUs for N users; $/M tokens")
     _deployment_args(c)
     c.add_argument("--ttft", type=float, default=1.0, help="TTFT target, seconds (at --quantile)")
     c.add_argument("--tpot", type=float, default=0.05, help="TPOT target, seconds (at --quantile)")
     c.add_argument("--quantile", type=float, default=0.9)
-    c.add_argument("--users", type=_positive(int), default=None, help="also: devices for this many users")
-    c.add_argument("--rate-per-user", type=_positive(float), default=1 / 30, help="requests per second per user")
-    c.add_argument("--price", type=_positive(float), default=None, help="price per device-hour (default: the device's)")
+    c.add_argument("--users", type=POSITIVE_INT, default=None, help="also: devices for this many users")
+    c.add_argument("--rate-per-user", type=POSITIVE, default=1 / 30, help="requests per second per user")
+    c.add_argument("--price", type=POSITIVE, default=None, help="price per device-hour (default: the device's)")
     s = sub.add_parser("static", help="continuous vs static batching and the factors of the gap")
     s.add_argument("--model", default="opt-13b")
     s.add_argument("--device", default="a100-40gb")
