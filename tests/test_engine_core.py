@@ -122,7 +122,7 @@ def test_scheduler_output_and_statuses():
     eng = Engine(model, max_batch_size=2, token_budget=5)
     ids = [eng.add_request(Request([7, 8, 9, 10, 11, 12], 2)), eng.add_request(Request([13], 1))]
     plan = eng.scheduler.schedule(eng.now())
-    assert plan.num_scheduled_tokens == [5] and plan.total_num_scheduled_tokens == 5  # chunk of the budget
+    assert plan.num_scheduled_tokens == {ids[0]: 5} and plan.total_num_scheduled_tokens == 5  # chunk of the budget
     assert eng.sequences[ids[0]].status is RequestStatus.RUNNING
     assert eng.sequences[ids[1]].status is RequestStatus.WAITING
     out = eng.runner.execute(plan)

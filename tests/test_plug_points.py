@@ -3,6 +3,8 @@ held to. With correct pieces the tokens equal ``generate``'s; a piece that break
 engine with :class:`~cbteach.errors.EngineRuleError` naming it -- never wrong tokens."""
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import pytest
@@ -97,8 +99,8 @@ class ForgetsToCount(Scheduler):
 class OverBudget(Scheduler):
     def schedule(self, now):
         out = super().schedule(now)
-        out.num_scheduled_tokens = [n + 1 for n in out.num_scheduled_tokens]
-        return out
+        more = {rid: n + 1 for rid, n in out.num_scheduled_tokens.items()}
+        return dataclasses.replace(out, num_scheduled_tokens=more, total_num_scheduled_tokens=sum(more.values()))
 
 
 @pytest.mark.parametrize("cls,message", [(ForgetsToCount, "update_after_schedule"), (OverBudget, "token budget|only")])

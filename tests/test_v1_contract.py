@@ -33,7 +33,7 @@ def test_schedule_moves_num_computed_tokens_and_the_plan_keeps_the_counts_before
     rid = eng.add_request(Request(PROMPTS[2], 3))
     seq = eng.sequences[rid]
     plan = eng.scheduler.schedule(eng.now())
-    assert plan.num_computed_tokens == [0] and plan.num_scheduled_tokens == [4]
+    assert plan.num_computed_tokens_of() == {rid: 0} and plan.num_scheduled_tokens == {rid: 4}
     assert seq.num_computed_tokens == 4  # already counted: the next step could be planned now
     out = eng.runner.execute(plan)
     assert out.sampled == [None]  # a chunk that stops short samples nothing
@@ -51,7 +51,7 @@ def test_rejected_guesses_are_taken_back_after_the_step():
     seq = eng.sequences[rid]
     seq.draft_ids = [truth[1], (truth[2] + 1) % 97, truth[3]]  # right, wrong, (right but after a wrong one)
     plan = eng.scheduler.schedule(eng.now())
-    assert plan.num_scheduled_tokens == [4] and plan.num_draft_tokens == [3]
+    assert plan.num_scheduled_tokens == {rid: 4} and plan.scheduled_spec_decode_tokens == {rid: seq.draft_ids}
     assert seq.num_computed_tokens == 5 + 3  # V1 counts the guesses at planning...
     eng.scheduler.update_from_output(plan, eng.runner.execute(plan), eng.now())
     assert seq.output_ids == truth[:3]  # the right guess and the model's own token
@@ -213,7 +213,7 @@ def test_a_refused_admission_leaves_the_prefix_caches_lru_order():
     order = list(eng.kv.manager.allocator.free_blocks)
     eng.add_request(Request(list(range(10, 19)) + list(range(60, 72)), 4, request_id="hit"))  # needs 6, hits 2
     plan = eng.scheduler.schedule(eng.now())
-    assert "hit" not in [s.request_id for s in plan.admitted]  # refused: too little room
+    assert "hit" not in plan.admitted_req_ids  # refused: too little room
     after = list(eng.kv.manager.allocator.free_blocks)
     # Nothing was taken and given back: the blocks still free keep their least-recently-used order.
     assert [b for b in after if b in order] == [b for b in order if b in after]

@@ -129,28 +129,28 @@ class StepRecord:
 def new_record(step: int, kv_kind: str, start_time: float, plan) -> StepRecord:
     """A step's record as planned: who was admitted, preempted or swapped in (``plan``: its
     :class:`~cbteach.core.scheduler_output.SchedulerOutput`)."""
-    return StepRecord(step=step, kv_kind=kv_kind, start_time=start_time,
-                      admitted=[s.request_id for s in plan.admitted],
-                      preempted=[s.request_id for s in plan.preempted],
-                      swapped_in=[s.request_id for s in plan.swapped_in])
+    return StepRecord(step=step, kv_kind=kv_kind, start_time=start_time, admitted=list(plan.admitted_req_ids),
+                      preempted=list(plan.preempted_req_ids), swapped_in=list(plan.swapped_in_req_ids))
 
 
-def fill_record(record: StepRecord, plan, out, kinds: list[str], num_outputs_before: list[int],
-                finished: list) -> None:
-    """Add what the step did to ``record``: each sequence's part (``out``: the runner's output;
-    ``kinds``/``num_outputs_before``: read before the scheduler updated the sequences), the
-    finished requests, the forward pass's time and the KV bytes it moved."""
+def fill_record(record: StepRecord, step, out, num_outputs_before: list[int], finished: list) -> None:
+    """Add what the step did to ``record``: each sequence's part (``step``: the planned step -- its
+    message, sequences and kinds; ``out``: the runner's output; ``num_outputs_before``: read before
+    the scheduler updated the sequences), the finished requests, the forward pass's time and the KV
+    bytes it moved."""
     record.finished = [s.request_id for s in finished]
+    plan = step.plan
+    starts = plan.num_computed_tokens_of()
     # What each sequence got is what was appended to it: a token the runner sampled for a sequence that
     # had already stopped or failed (async scheduling: it was in the step in flight) was dropped.
     ended = {id(s) for s in finished}
     record.seqs = [
-        SeqStep(request_id=s.request_id, slot=s.slot, kind=k, num_computed_tokens=c, num_scheduled_tokens=n,
-                token_ids=chunk, sampled=s.output_ids[-1] if len(s.output_ids) > b else None,
-                new_token_ids=s.output_ids[b:], num_draft_tokens=d,
+        SeqStep(request_id=s.request_id, slot=s.slot, kind=k, num_computed_tokens=starts[s.request_id],
+                num_scheduled_tokens=plan.num_scheduled_tokens[s.request_id], token_ids=chunk,
+                sampled=s.output_ids[-1] if len(s.output_ids) > b else None, new_token_ids=s.output_ids[b:],
+                num_draft_tokens=plan.num_draft_tokens(s.request_id),
                 finish_reason=s.finish_reason if len(s.output_ids) > b or id(s) in ended else None)
-        for s, k, c, n, chunk, d, b in zip(plan.seqs, kinds, plan.num_computed_tokens, plan.num_scheduled_tokens,
-                                           out.chunks, plan.num_draft_tokens, num_outputs_before)]
+        for s, k, chunk, b in zip(step.seqs, step.kinds, out.chunks, num_outputs_before)]
     record.forward_time = out.forward_time
     if out.comm is not None:
         record.num_all_reduces, record.all_reduce_bytes = out.comm["all_reduces"], out.comm["all_reduce_bytes"]

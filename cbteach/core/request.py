@@ -125,7 +125,7 @@ class Sequence:
     # -- identity: what was asked ----------------------------------------------------------------
     request: Request
     prompt_ids: list[int]
-    generator: object = None  # torch.Generator of a seeded, sampled request
+    generator_state: bytes | None = None  # a handed-over seeded request's random stream (its runner keeps the generator)
     claimed: bool = False  # added by run() or stream(), which report on it themselves (streams skip it)
     # -- scheduling: where it is, how far it got ---------------------------------------------------
     status: RequestStatus = RequestStatus.WAITING

@@ -1,29 +1,115 @@
-"""What the scheduler hands the model runner: the plan for one step (vLLM V1's ``SchedulerOutput``).
+"""What the scheduler hands the model runner: one step's plan, as a **message** (vLLM V1's ``SchedulerOutput``).
 
-It is plain data. For each sequence in the batch: ``num_scheduled_tokens`` (how many of its tokens
-go through the model now), a snapshot of ``num_computed_tokens`` taken when it was planned (where
-they start: the scheduler moves the sequence's own count on at the end of ``schedule()``, as vLLM
-V1's ``_update_after_schedule`` does, so the snapshot is what the model runner reads), and
-``num_draft_tokens`` (how many of them are speculative guesses fed past the known tokens). Plus who
-was admitted, preempted or swapped in while planning -- for the engine's step record.
+The scheduler and the model runner share no objects. The scheduler keeps the requests' live state
+(:class:`~cbteach.core.request.Sequence`); the runner keeps its own copy of what it needs to run them
+-- token ids, block tables, sampling state -- its **persistent batch**
+(:mod:`cbteach.engine.input_batch`), and changes it only from this message. That is vLLM V1's
+boundary (``vllm/v1/core/sched/output.py``; the runner's side is ``vllm/v1/worker/gpu_input_batch.py``),
+and it is what lets the next step be planned while this one runs (async scheduling), and the same
+message go to every tensor-parallel rank.
+
+The message is plain data -- ids, ints, lists, frozen dataclasses; no ``Sequence``, no generator, no
+tensor -- and it pickles. To keep it small it sends each request's data once:
+
+* :class:`NewRequestData` -- a request the runner has never seen: its prompt, sampling parameters,
+  block ids and ``num_computed_tokens`` (a prefix-cache hit starts past zero);
+* :class:`CachedRequestData` -- requests the runner already holds: only what changed -- blocks added
+  since the last step (or, when the table changed otherwise -- resumed after a preemption, a block
+  copied on write, blocks trimmed -- the whole table), and ``num_computed_tokens``. No token ids: the
+  runner appended the tokens it sampled itself. A running request's entry does not grow with its length;
+* ``num_scheduled_tokens`` -- ``{request id: tokens fed this step}``, in the order they are packed;
+  ``scheduled_spec_decode_tokens`` -- speculative guesses fed after the known tokens;
+* ``finished_req_ids`` -- requests that finished or were aborted since the last message: the runner
+  forgets them.
+
+Two fields are cbteach's, not V1's: ``block_copies`` (copy-on-write copies the pool makes before the
+forward pass, for PagedAttention's parallel sampling -- V1 has no copy on write) and ``scheduled_forks``
+(samples that fork from a prompt this step, with their sample index). ``admitted_req_ids``,
+``preempted_req_ids`` and ``swapped_in_req_ids`` are for the engine's step record; the runner ignores them.
+
+While it plans, the scheduler keeps working notes with live sequences -- :class:`StepPlan`, V1's local
+lists in ``schedule()`` -- and turns them into the message at the end
+(:meth:`~cbteach.engine.scheduler.Scheduler.make_output`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from .request import Sequence
+from .sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request scheduled for the first time: everything the runner keeps about it."""
+
+    req_id: object
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    sample_index: int  # its seed is ``seed + sample_index`` (parallel sampling); 0 for a lone request
+    block_ids: list[int]
+    num_computed_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)  # tokens it has already (a handed-over request's)
+    generator_state: bytes | None = None  # a handed-over seeded request's random stream, to go on with
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    """Requests the runner already holds, as a diff. Entry ``i`` is request ``req_ids[i]``: its block
+    table gets ``new_block_ids[i]`` appended -- or, where ``replace_block_ids[i]``, becomes it (V1's
+    ``resumed_from_preemption``; cbteach also replaces after a copy on write or a trim)."""
+
+    req_ids: list = field(default_factory=list)
+    replace_block_ids: list[bool] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's plan, as sent to the model runner (see the module)."""
+
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+    num_scheduled_tokens: dict = field(default_factory=dict)  # request id -> tokens fed now, in packed order
+    total_num_scheduled_tokens: int = 0
+    scheduled_spec_decode_tokens: dict = field(default_factory=dict)  # request id -> guesses fed after its tokens
+    finished_req_ids: frozenset = frozenset()
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy on write (src, dst), before the forward
+    scheduled_forks: dict = field(default_factory=dict)  # request id -> [(sample id, sample index)] forking from it
+    admitted_req_ids: list = field(default_factory=list)  # for the step record
+    preempted_req_ids: list = field(default_factory=list)
+    swapped_in_req_ids: list = field(default_factory=list)
+
+    @property
+    def req_ids(self) -> list:
+        """The scheduled requests, in packed order."""
+        return list(self.num_scheduled_tokens)
+
+    def num_computed_tokens_of(self) -> dict:
+        """``{request id: num_computed_tokens}`` where each scheduled request starts this step."""
+        start = {r.req_id: r.num_computed_tokens for r in self.scheduled_new_reqs}
+        start.update(zip(self.scheduled_cached_reqs.req_ids, self.scheduled_cached_reqs.num_computed_tokens))
+        return start
+
+    def num_draft_tokens(self, req_id) -> int:
+        """Speculative guesses fed for ``req_id`` this step."""
+        return len(self.scheduled_spec_decode_tokens.get(req_id, ()))
+
+    def __repr__(self) -> str:
+        parts = " ".join(f"{rid}:{n}" for rid, n in self.num_scheduled_tokens.items())
+        return (f"SchedulerOutput({self.total_num_scheduled_tokens} tokens [{parts}], "
+                f"{len(self.scheduled_new_reqs)} new, {len(self.scheduled_cached_reqs.req_ids)} cached"
+                f"{f', finished={sorted(map(str, self.finished_req_ids))}' if self.finished_req_ids else ''})")
 
 
 @dataclass
-class SchedulerOutput:
-    """The plan for one step. ``seqs[i]`` feeds ``num_scheduled_tokens[i]`` tokens, starting at
-    position ``num_computed_tokens[i]``; the last ``num_draft_tokens[i]`` of them are guesses."""
+class StepPlan:
+    """The scheduler's working notes while it plans one step (live sequences; never leaves the
+    scheduler). ``seqs[i]`` feeds ``num_scheduled_tokens[i]`` tokens from its ``num_computed_tokens``."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
-    num_computed_tokens: list[int] = field(default_factory=list)
-    num_draft_tokens: list[int] = field(default_factory=list)
-    kinds: list[str] = field(default_factory=list)  # "decode" or "prefill", as planned (for the step record)
     admitted: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)  # recomputed later or swapped out
     swapped_in: list[Sequence] = field(default_factory=list)
@@ -34,13 +120,8 @@ class SchedulerOutput:
 
     def add(self, seq: Sequence, n: int) -> None:
         """Schedule ``n`` tokens of ``seq`` from its ``num_computed_tokens`` on (its KV room is taken)."""
-        n = int(n)
         self.seqs.append(seq)
-        self.num_scheduled_tokens.append(n)
-        self.num_computed_tokens.append(seq.num_computed_tokens)
-        # Tokens past the known ones are speculative guesses (seq.draft_ids): counted once, here.
-        self.num_draft_tokens.append(max(0, seq.num_computed_tokens + n - seq.num_tokens_with_placeholders))
-        self.kinds.append("decode" if seq.is_decoding else "prefill")
+        self.num_scheduled_tokens.append(int(n))
 
     def remove(self, seq: Sequence) -> int:
         """Take ``seq`` out of the plan (it was preempted after being scheduled); returns its tokens."""
@@ -48,14 +129,4 @@ class SchedulerOutput:
             return 0
         i = self.seqs.index(seq)
         self.seqs.pop(i)
-        self.num_computed_tokens.pop(i)
-        self.num_draft_tokens.pop(i)
-        self.kinds.pop(i)
         return self.num_scheduled_tokens.pop(i)
-
-    def subset(self, indices: list[int]) -> SchedulerOutput:
-        """The plan for sequences ``indices`` only (to run them alone), without admission events."""
-        sub = SchedulerOutput()
-        for name in ("seqs", "num_scheduled_tokens", "num_computed_tokens", "num_draft_tokens", "kinds"):
-            setattr(sub, name, [getattr(self, name)[i] for i in indices])
-        return sub

@@ -60,64 +60,69 @@ class AsyncStepper:
         the finished one; returns the finished step's record (or, with nothing to run, an idle record)."""
         e = self.engine
         if self.flight is None:  # the first step, or after idling: launch one, then go on as usual
-            plan, record = self._schedule()
-            if not plan.seqs:
-                return e.end_record(record)
-            self._launch(plan, record, self._mark_placeholders(plan), placeholders={})
+            planned = self._schedule()
+            if not planned.plan.num_scheduled_tokens:
+                self._forget_finished(planned.plan)
+                return e.end_record(planned.record)
+            self._launch(planned, self._mark_placeholders(planned))
         done = self.flight
-        plan, record = self._schedule()  # while done's forward runs
-        expecting = self._mark_placeholders(plan)
-        output = self._wait(done)
+        planned = self._schedule()  # while done's forward runs
+        expecting = self._mark_placeholders(planned)
+        output = self._wait(done)  # its sampled tokens join the runner's batch: the next step feeds them
         self.flight = None
-        if plan.seqs:
-            last = {s: out[-1] for s, out in zip(done["plan"].seqs, output.sampled) if out}
-            # A sequence that failed in the step before has no token: any id will do, its output is dropped.
-            self._launch(plan, record, expecting, placeholders={s: last.get(s, 0) for s in expecting})
+        if planned.plan.num_scheduled_tokens:
+            self._launch(planned, expecting)
+        else:
+            self._forget_finished(planned.plan)
         self.apply_output(done, output)
-        finished = e.end_record(done["record"])
-        if not plan.seqs and plan.preempted:  # a step that only preempted goes into the history too
-            e.end_record(record)
+        finished = e.end_record(done["planned"].record)
+        if not planned.plan.num_scheduled_tokens and planned.plan.preempted_req_ids:
+            e.end_record(planned.record)  # a step that only preempted goes into the history too
         return finished
 
     def _schedule(self):
         e = self.engine
         start, t0 = e.now(), time.perf_counter()
-        plan = e.scheduler.schedule(start)
-        if e.rules is not None:
-            e.rules.after_schedule(plan, start)
-        record = e.begin_record(plan, start)
-        record.timings["schedule"] = (t0, time.perf_counter())
-        return plan, record
+        planned = e.begin_step(e.scheduler.schedule(start), start)
+        planned.record.timings["schedule"] = (t0, time.perf_counter())
+        return planned
 
     def drain(self) -> None:
         """Finish the step in flight and update from it, launching nothing (before an abort or close)."""
         if self.flight is not None:
             done, self.flight = self.flight, None
             self.apply_output(done, self._wait(done))
-            self.engine.end_record(done["record"])
+            self.engine.end_record(done["planned"].record)
 
     def close(self) -> None:
         self.drain()
         self.worker.shutdown(wait=True)
 
     # -- internals ---------------------------------------------------------------------------
-    def _mark_placeholders(self, plan) -> list:
-        """Sequences that will get a token from ``plan`` (they reach the end of their known tokens):
+    def _mark_placeholders(self, planned) -> list:
+        """Sequences that will get a token from this step (they reach the end of their known tokens):
         the next plan may schedule that token before it exists."""
-        expecting = [s for s, c, n in zip(plan.seqs, plan.num_computed_tokens, plan.num_scheduled_tokens)
-                     if c + n >= s.num_tokens + s.num_placeholders]
+        starts = planned.plan.num_computed_tokens_of()
+        expecting = [s for s, n in zip(planned.seqs, planned.plan.num_scheduled_tokens.values())
+                     if starts[s.request_id] + n >= s.num_tokens + s.num_placeholders]
         for s in expecting:
             s.num_placeholders += 1
         return expecting
 
-    def _launch(self, plan, record, expecting, placeholders) -> None:
-        e = self.engine
-        prepared = e.runner.prepare(plan, placeholders)
+    def _forget_finished(self, plan) -> None:
+        if plan.finished_req_ids:  # nothing to run, but the runner forgets who finished
+            self.engine.runner.update_states(plan)
+
+    def _launch(self, planned, expecting) -> None:
+        """Apply the plan to the runner's batch -- only now, after the step before finished: a failure
+        there is recovered from the batch as that step saw it -- and start its forward pass."""
+        runner = self.engine.runner
+        prepared = runner.prepare(runner.update_states(planned.plan))
         t_launch = time.perf_counter()
         future = self.worker.submit(self._forward, prepared)
         time.sleep(0)  # give up the interpreter lock: the worker starts the forward now, not when we next wait
-        self.flight = {"plan": plan, "record": record, "prepared": prepared, "future": future,
-                       "expecting": expecting, "launch": t_launch}
+        self.flight = {"planned": planned, "prepared": prepared, "future": future, "expecting": expecting,
+                       "launch": t_launch}
 
     def _forward(self, prepared):
         t0 = time.perf_counter()
@@ -126,20 +131,20 @@ class AsyncStepper:
 
     def _wait(self, flight):
         """Step ``flight``'s output: its forward's result, sampled (or, if the forward raised, each
-        sequence run alone, as the synchronous runner does)."""
-        e = self.engine
+        row run alone, as the synchronous runner does)."""
+        e, record = self.engine, flight["planned"].record
         try:
             t0, t1 = flight["future"].result()
-        except Exception:  # noqa: BLE001  (isolate: the synchronous path finds whose tokens failed)
-            flight["record"].timings["forward"] = (flight["launch"], time.perf_counter())
-            return e.runner.execute(flight["plan"])
-        flight["record"].timings["forward"] = (t0, t1)
-        e.advance_clock(flight["plan"], t1 - t0)
-        return e.runner.finish(flight["plan"], flight["prepared"])
+        except Exception as err:  # noqa: BLE001  (isolate: find whose tokens failed)
+            record.timings["forward"] = (flight["launch"], time.perf_counter())
+            return e.runner.recover(flight["prepared"]["rows"], err)
+        record.timings["forward"] = (t0, t1)
+        e.advance_clock(flight["planned"].plan, t1 - t0)
+        return e.runner.finish(flight["prepared"])
 
     def apply_output(self, flight, output) -> None:
         t0 = time.perf_counter()
         for s in flight["expecting"]:
             s.num_placeholders -= 1
-        self.engine.apply_output(flight["plan"], output, flight["record"])
-        flight["record"].timings["update"] = (t0, time.perf_counter())
+        self.engine.apply_output(flight["planned"], output)
+        flight["planned"].record.timings["update"] = (t0, time.perf_counter())

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 from ..core import modelinfo
 from ..core.config import EngineConfig
@@ -31,6 +32,17 @@ from .fingerprint import check_unchanged, fingerprint
 from .plug import RuleGuard, plug_pieces
 from .scheduler import Scheduler
 from .speculative import count_speculation, make_proposer, propose_for
+
+
+@dataclass
+class PlannedStep:
+    """A step as planned, on the engine's side: the message, the live sequences it schedules (in its
+    order) and whether each was a prefill or a decode then, and the step's record."""
+
+    plan: object  # the SchedulerOutput
+    seqs: list[Sequence]
+    kinds: list[str]
+    record: StepRecord
 
 
 class EngineCore:
@@ -107,25 +119,31 @@ class EngineCore:
         start, t0 = self.now(), time.perf_counter()
         if self.proposer is not None:
             propose_for(self.scheduler.running, self.proposer)
-        plan = self.scheduler.schedule(start)  # 1. who runs, how many tokens each
-        if self.rules is not None:
-            self.rules.after_schedule(plan, start)
-        record = self.begin_record(plan, start)
+        plan = self.scheduler.schedule(start)  # 1. who runs, how many tokens each: a message
+        step = self.begin_step(plan, start)
         t1 = time.perf_counter()
-        record.timings["schedule"] = (t0, t1)
-        if plan.seqs:
+        step.record.timings["schedule"] = (t0, t1)
+        if plan.num_scheduled_tokens:
             output = self.runner.execute(plan)  # 2. one forward pass, one token per finished prefill/decode
             t2 = time.perf_counter()
-            record.timings["forward"] = (t1, t2)  # (with packing and sampling: the host waits for it all)
+            step.record.timings["forward"] = (t1, t2)  # (with packing and sampling: the host waits for it all)
             self.advance_clock(plan, t2 - t1)
-            self.apply_output(plan, output, record)  # (3. inside: update_from_output)
-            record.timings["update"] = (t2, time.perf_counter())
-        return self.end_record(record)
+            self.apply_output(step, output)  # (3. inside: update_from_output)
+            step.record.timings["update"] = (t2, time.perf_counter())
+        elif plan.finished_req_ids:
+            self.runner.update_states(plan)  # nothing to run, but the runner forgets who finished
+        return self.end_record(step.record)
 
     # -- the parts of a step (the async stepper calls them in its own order) ---------------------------
-    def begin_record(self, plan, start: float) -> StepRecord:
-        """The record of a step as planned."""
-        return new_record(self._num_steps, self.kv.kind, start, plan)
+    def begin_step(self, plan, start: float) -> PlannedStep:
+        """A planned step: its message, the scheduled sequences and their kinds as planned, its record."""
+        if self.rules is not None:
+            self.rules.after_schedule(plan, start)
+        starts = plan.num_computed_tokens_of()
+        seqs = [self.scheduler.requests[rid] for rid in plan.num_scheduled_tokens]
+        kinds = ["decode" if (s.output_ids or s.num_placeholders) and starts[s.request_id] ==
+                 s.num_tokens_with_placeholders - 1 else "prefill" for s in seqs]
+        return PlannedStep(plan, seqs, kinds, new_record(self._num_steps, self.kv.kind, start, plan))
 
     def advance_clock(self, plan, measured: float) -> None:
         """A simulated clock moves by the step's cost; the wall clock moves by itself."""
@@ -135,18 +153,18 @@ class EngineCore:
             else:
                 self.clock.advance(measured)
 
-    def apply_output(self, plan, output, record: StepRecord) -> None:
+    def apply_output(self, step: PlannedStep, output) -> None:
         """``update_from_output`` and what the engine keeps of it: completions, the step's record."""
         now = self.now()
-        before = [len(s.output_ids) for s in plan.seqs]
-        finished = self.scheduler.update_from_output(plan, output, now)  # 3. state moves
+        before = [len(s.output_ids) for s in step.seqs]
+        finished = self.scheduler.update_from_output(step.plan, output, now)  # 3. state moves
         if self.rules is not None:
-            self.rules.after_update(plan, finished)
+            self.rules.after_update(step.seqs, finished)
         for seq in finished:
             self._complete(seq, now)
-        fill_record(record, plan, output, plan.kinds, before, finished)
+        fill_record(step.record, step, output, before, finished)
         self.forward_seconds += output.forward_time
-        count_speculation(self.spec_stats, record)
+        count_speculation(self.spec_stats, step.record)
 
     def end_record(self, record: StepRecord) -> StepRecord:
         """Close a step's record: numbered and kept unless nothing happened (an idle wait)."""

@@ -19,7 +19,6 @@ Either way sample ``i`` gives what a request with ``seed + i`` gives alone, and 
 from __future__ import annotations
 
 from ..core.request import Sequence
-from ..core.sampling import make_generator
 
 
 def make_samples(request, prompt_ids: list[int], arrival_time: float, claimed: bool, mode: str) -> list[Sequence]:
@@ -27,7 +26,7 @@ def make_samples(request, prompt_ids: list[int], arrival_time: float, claimed: b
     in its ``forks``. Returns them all; :func:`queued` says which go to the waiting queue."""
     n = request.sampling_params.n
     seqs = [Sequence(request=request, prompt_ids=prompt_ids, arrival_time=arrival_time, claimed=claimed,
-                     generator=make_generator(request.sampling_params, i), sample_index=None if n == 1 else i)
+                     sample_index=None if n == 1 else i)
             for i in range(n)]
     if n > 1 and mode == "fork":
         seqs[0].forks = seqs[1:]

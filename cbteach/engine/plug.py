@@ -61,16 +61,18 @@ class RuleGuard:
     def after_schedule(self, plan, now: float) -> None:
         s = self.scheduler
         limits = s.config  # frozen: a scheduler cannot move its own limits (self.token_budget = None)
-        total = plan.total_num_scheduled_tokens
+        total = sum(plan.num_scheduled_tokens.values())
         if limits.token_budget is not None and total > limits.token_budget:
             raise EngineRuleError(f"the plan schedules {total} tokens, over the token budget of {limits.token_budget}")
         if s.num_slots_taken() > limits.max_batch_size:
             raise EngineRuleError(f"{s.num_slots_taken()} sequences hold batch slots, over max_batch_size="
                                   f"{limits.max_batch_size}")
-        if len({id(q) for q in plan.seqs}) != len(plan.seqs):
-            raise EngineRuleError("a sequence is planned twice in one step")
-        for seq, c, n in zip(plan.seqs, plan.num_computed_tokens, plan.num_scheduled_tokens):
-            rid = seq.request_id
+        starts = plan.num_computed_tokens_of()
+        for rid, n in plan.num_scheduled_tokens.items():
+            seq, c = s.requests.get(rid), starts.get(rid)
+            if seq is None or c is None:
+                raise EngineRuleError(f"{rid!r} is planned but the scheduler does not hold it: plan only requests "
+                                      "it was given (add), and build the step's message with make_output(plan)")
             if seq not in s.running:
                 raise EngineRuleError(f"{rid!r} is planned but not running: admit() it first (and a preempted "
                                       "request leaves the plan)")
@@ -87,9 +89,10 @@ class RuleGuard:
                                       f"{len(seq.block_table) * self.kv.block_size}: ask allocate_slots for room "
                                       "before planning a chunk")
 
-    def after_update(self, plan, finished: list) -> None:
+    def after_update(self, seqs: list, finished: list) -> None:
+        """``seqs``: the step's scheduled sequences; ``finished``: what ``update_from_output`` returned."""
         s = self.scheduler
-        for seq in plan.seqs:
+        for seq in [*seqs, *finished]:
             if seq.finish_reason is not None and seq in s.running:
                 raise EngineRuleError(f"{seq.request_id!r} finished ({seq.finish_reason}) but is still in running")
             if seq.finish_reason is not None and seq.block_table:

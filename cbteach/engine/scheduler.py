@@ -47,11 +47,11 @@ import math
 
 from ..core.config import SchedulerConfig
 from ..core.request import RequestStatus, Sequence
-from ..core.scheduler_output import SchedulerOutput
+from ..core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput, StepPlan
 from .policies import make_queue
 from .update import UpdateFromOutput
 
-__all__ = ["Scheduler", "SchedulerOutput"]
+__all__ = ["Scheduler", "SchedulerOutput", "StepPlan"]
 
 
 class Scheduler(UpdateFromOutput):
@@ -69,15 +69,20 @@ class Scheduler(UpdateFromOutput):
         self.swapper = swapper  # the paged cache: copies a sequence's blocks to host memory and back
         self.running: list[Sequence] = []  # in admission order
         self.swapped: list[Sequence] = []  # swapped out (or handed over), waiting for room to come back
+        self.requests: dict[object, Sequence] = {}  # every unfinished request, by id (V1's ``requests``)
+        self.finished_req_ids: set = set()  # finished or aborted since the last message: the runner forgets them
+        self.sent_block_ids: dict[object, list[int]] = {}  # the block table the runner holds, per request
 
     def add(self, seq: Sequence) -> None:
         seq.status = RequestStatus.WAITING
+        self.requests[seq.request_id] = seq
         self.waiting.add(seq)
 
     def add_swapped(self, seq: Sequence) -> None:
         """Queue a sequence whose K/V wait in host memory (swapped out, or handed over by another
         engine); it comes back when its ``ready_time`` has passed and its blocks fit."""
         seq.status = RequestStatus.SWAPPED
+        self.requests[seq.request_id] = seq
         self.swapped.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -97,25 +102,65 @@ class Scheduler(UpdateFromOutput):
     # -- planning a step -----------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
         """Plan one step at engine time ``now``: running sequences, then (if nobody was preempted)
-        swapped-out ones, then admissions; the plan then counts as computed."""
-        out = SchedulerOutput()
+        swapped-out ones, then admissions; then the message, and the plan counts as computed."""
+        plan = StepPlan()
         budget = self.token_budget if self.token_budget is not None else math.inf
-        budget = self.schedule_running(out, budget)
-        if not out.preempted:
-            budget = self.schedule_swapped(out, budget, now)
-            self.schedule_waiting(out, budget, now)
-        self.update_after_schedule(out)
-        return out
+        budget = self.schedule_running(plan, budget)
+        if not plan.preempted:
+            budget = self.schedule_swapped(plan, budget, now)
+            self.schedule_waiting(plan, budget, now)
+        output = self.make_output(plan)
+        self.update_after_schedule(output)
+        return output
 
-    def update_after_schedule(self, out: SchedulerOutput) -> None:
+    def make_output(self, plan: StepPlan) -> SchedulerOutput:
+        """The message for the model runner (see :mod:`cbteach.core.scheduler_output`): a request the
+        runner has not seen goes in whole, one it holds as a diff of its block table. Read before
+        :meth:`update_after_schedule`: ``num_computed_tokens`` is where each request starts."""
+        new, cached = [], CachedRequestData()  # (its lists are filled here, before the message is sent)
+        spec, forks = {}, {}
+        for seq, n in zip(plan.seqs, plan.num_scheduled_tokens):
+            rid, table = seq.request_id, seq.block_table
+            sent = self.sent_block_ids.get(rid)
+            if sent is None:
+                new.append(NewRequestData(req_id=rid, prompt_token_ids=list(seq.prompt_ids),
+                                          sampling_params=seq.request.sampling_params,
+                                          sample_index=seq.sample_index or 0, block_ids=list(table),
+                                          num_computed_tokens=seq.num_computed_tokens,
+                                          output_token_ids=list(seq.output_ids), generator_state=seq.generator_state))
+            else:
+                appended = len(table) >= len(sent) and table[:len(sent)] == sent
+                cached.req_ids.append(rid)
+                cached.replace_block_ids.append(not appended)
+                cached.new_block_ids.append(table[len(sent):] if appended else list(table))
+                cached.num_computed_tokens.append(seq.num_computed_tokens)
+            self.sent_block_ids[rid] = list(table)
+            # Tokens past the known ones (and past any the step in flight will give it) are guesses.
+            d = max(0, seq.num_computed_tokens + n - seq.num_tokens_with_placeholders)
+            if d:
+                spec[rid] = list(seq.draft_ids[:d])
+            if seq.forks:
+                forks[rid] = [(f.request_id, f.sample_index) for f in seq.forks]
+        take = getattr(self.kv_manager, "take_pending_copies", None)  # a learner's manager may not copy on write
+        finished, self.finished_req_ids = frozenset(self.finished_req_ids), set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new, scheduled_cached_reqs=cached,
+            num_scheduled_tokens={s.request_id: n for s, n in zip(plan.seqs, plan.num_scheduled_tokens)},
+            total_num_scheduled_tokens=plan.total_num_scheduled_tokens, scheduled_spec_decode_tokens=spec,
+            finished_req_ids=finished, block_copies=list(take()) if take is not None else [],
+            scheduled_forks=forks, admitted_req_ids=[s.request_id for s in plan.admitted],
+            preempted_req_ids=[s.request_id for s in plan.preempted],
+            swapped_in_req_ids=[s.request_id for s in plan.swapped_in])
+
+    def update_after_schedule(self, output: SchedulerOutput) -> None:
         """The planned tokens count as computed from now on (vLLM V1's ``_update_after_schedule``):
-        each planned sequence's ``num_computed_tokens`` moves on by its ``num_scheduled_tokens``
-        (guesses included; the ones the model rejects are taken back after the step). The plan keeps
-        the counts from before, which is where the model runner starts each sequence."""
-        for seq, n in zip(out.seqs, out.num_scheduled_tokens):
-            seq.num_computed_tokens += n
+        each scheduled request's ``num_computed_tokens`` moves on by its ``num_scheduled_tokens``
+        (guesses included; the ones the model rejects are taken back after the step). The message
+        keeps the counts from before, which is where the model runner starts each request."""
+        for rid, n in output.num_scheduled_tokens.items():
+            self.requests[rid].num_computed_tokens += n
 
-    def schedule_running(self, out: SchedulerOutput, budget: float) -> float:
+    def schedule_running(self, out: StepPlan, budget: float) -> float:
         """Give every running sequence what it lacks, cut to the budget; preempt when room is refused."""
         for seq in list(self.running):
             if budget <= 0:
@@ -134,7 +179,7 @@ class Scheduler(UpdateFromOutput):
             budget -= n
         return budget
 
-    def schedule_swapped(self, out: SchedulerOutput, budget: float, now: float) -> float:
+    def schedule_swapped(self, out: StepPlan, budget: float, now: float) -> float:
         """Bring swapped-out sequences back, in policy order, when their blocks fit again (V0's swap)."""
         while self.swapped and self.num_slots_taken() < self.max_batch_size and budget > 0:
             ready = [s for s in self.swapped if s.ready_time <= now]  # K/V handed over from elsewhere arrive late
@@ -156,7 +201,7 @@ class Scheduler(UpdateFromOutput):
             budget -= n
         return budget
 
-    def schedule_waiting(self, out: SchedulerOutput, budget: float, now: float) -> None:
+    def schedule_waiting(self, out: StepPlan, budget: float, now: float) -> None:
         """Admit arrived requests in policy order while a slot, budget and KV room are left."""
         whole = self.config.admission == "whole_prompt"
         while not self.swapped and self.num_slots_taken() < self.max_batch_size and budget > 0:
@@ -200,7 +245,7 @@ class Scheduler(UpdateFromOutput):
         return self.kv_manager.allocate_slots(seq, n, **extra)
 
     # -- the pieces a scheduler is built from ------------------------------------------------------
-    def allocate_or_preempt(self, seq: Sequence, n: int, out: SchedulerOutput) -> tuple[bool, int]:
+    def allocate_or_preempt(self, seq: Sequence, n: int, out: StepPlan) -> tuple[bool, int]:
         """Ask the KV manager for room for ``n`` more tokens of ``seq``; while it refuses, preempt
         the policy's victim among the running sequences and ask again. Returns (whether ``seq`` got
         its room, tokens given back by victims that were already scheduled this step)."""
@@ -212,7 +257,7 @@ class Scheduler(UpdateFromOutput):
                 return False, refund
         return True, refund
 
-    def admit(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def admit(self, seq: Sequence, out: StepPlan) -> None:
         """Move ``seq`` from the waiting queue into the running batch (it has its KV room). It is not
         in the plan until :meth:`SchedulerOutput.add` puts it there."""
         self.waiting.remove(seq)
@@ -220,7 +265,7 @@ class Scheduler(UpdateFromOutput):
         self.kv_manager.on_admitted(seq)
         out.admitted.append(seq)
 
-    def preempt(self, seq: Sequence, out: SchedulerOutput) -> int:
+    def preempt(self, seq: Sequence, out: StepPlan) -> int:
         """Take ``seq`` out of the batch -- and out of this step's plan -- and free its KV blocks: it is
         queued again (``recompute``) or its K/V copied to host memory first (``swap``). Returns the
         tokens it had been scheduled for this step (now given back to the budget)."""
@@ -252,10 +297,19 @@ class Scheduler(UpdateFromOutput):
             self.waiting.remove(seq)
         seq.status = RequestStatus.ABORTED
         seq.slot = None
+        self.forget(seq)
+
+    def forget(self, seq: Sequence) -> None:
+        """``seq`` finished or was aborted: it leaves :attr:`requests`, and the next message tells the
+        runner to forget it too."""
+        self.requests.pop(seq.request_id, None)
+        self.sent_block_ids.pop(seq.request_id, None)
+        self.finished_req_ids.add(seq.request_id)
 
     # -- internals ---------------------------------------------------------------------------
     def _start(self, seq: Sequence) -> None:
         seq.status = RequestStatus.RUNNING
+        self.requests[seq.request_id] = seq
         seq.slot = self._free_slot()
         self.running.append(seq)
 
@@ -266,7 +320,7 @@ class Scheduler(UpdateFromOutput):
             return self.kv_manager.num_admittable_tokens(seq, new_computed_blocks=cached)
         return self.kv_manager.num_admittable_tokens(seq)
 
-    def _preempt_for(self, seq: Sequence, cached: list, needed: int, out: SchedulerOutput) -> tuple[bool, int]:
+    def _preempt_for(self, seq: Sequence, cached: list, needed: int, out: StepPlan) -> tuple[bool, int]:
         """V0's priority rule (``preempt_to_admit``): preempt running requests the policy lets ``seq``
         displace (less urgent ones) until it has room for ``needed`` tokens (``cached``: its prefix-cache
         hits). Nobody admitted or swapped in during this step is sent away in it -- nor anyone whose

@@ -34,19 +34,23 @@ class UpdateFromOutput:
     ``kv_manager``, ``eos_ids`` and ``_start`` from there)."""
 
     def update_from_output(self, out: SchedulerOutput, output: RunnerOutput, now: float) -> list[Sequence]:
-        """Turn one step's ``output`` into request state (see the module). Returns the sequences
-        that finished on this step, samples that forked and stopped at once included."""
+        """Turn one step's ``output`` into request state (see the module): ``output``'s lists are in the
+        order of ``out.num_scheduled_tokens``. Returns the sequences that finished on this step, samples
+        that forked and stopped at once included."""
         finished = []
-        for i, (seq, drafts) in enumerate(zip(out.seqs, out.num_draft_tokens)):
+        start = out.num_computed_tokens_of()
+        for i, (rid, n) in enumerate(out.num_scheduled_tokens.items()):
+            seq = self.requests.get(rid)
+            if seq is None or seq.status.is_finished:  # stopped or aborted while this step was in flight: dropped (V1)
+                continue
             tokens = output.sampled[i]
-            if seq.status.is_finished:  # stopped or aborted while this step was in flight: dropped (V1)
-                continue
             if output.error(i) is not None:
-                self._fail(seq, output.error(i), finished, computed_before=out.num_computed_tokens[i])
+                self._fail(seq, output.error(i), finished, computed_before=start[rid])
                 continue
+            drafts = out.num_draft_tokens(rid)
             if drafts:  # V1: the rejected guesses' K/V are forgotten; what they wrote will be overwritten
                 seq.num_computed_tokens -= drafts - (len(tokens) - 1)
-                self.kv_manager.trim(seq)  # blocks that held only rejected guesses go back to the pool
+                self.kv_manager.trim(seq)  # cbteach's: blocks that held only rejected guesses go back (V1 keeps them)
             seq.draft_ids = []
             for token in tokens or ():  # None: a prefill chunk that did not reach the end of the known tokens
                 if self._append(seq, token, now):  # a stop inside accepted guesses drops the guesses after it
@@ -57,10 +61,10 @@ class UpdateFromOutput:
             self.kv_manager.on_computed(seq)
             forks = output.fork_tokens[i] if output.fork_tokens is not None else None
             if forks:
-                computed = out.num_computed_tokens[i] + out.num_scheduled_tokens[i]  # the prompt, all of it
-                for sample, token in zip(seq.forks, forks):  # before seq may free its blocks
-                    self._fork(seq, sample, token, computed, now, finished)
-                seq.forks = []
+                ids = dict(out.scheduled_forks.get(rid, ()))
+                for sample in [f for f in seq.forks if f.request_id in ids]:  # before seq may free its blocks
+                    self._fork(seq, sample, forks[sample.request_id], start[rid] + n, now, finished)
+                seq.forks = [f for f in seq.forks if f.request_id not in ids]
             if seq.finish_reason:
                 self._finish(seq, finished)
         return finished
@@ -96,6 +100,7 @@ class UpdateFromOutput:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.kv_manager.free(seq)
+        self.forget(seq)
         finished.append(seq)
 
     def _fail(self, seq: Sequence, message: str, finished: list, computed_before: int) -> None:
@@ -112,4 +117,5 @@ class UpdateFromOutput:
         self._finish(seq, finished)
         for sample in waiting_forks:
             sample.status = RequestStatus.FINISHED
+            self.forget(sample)  # the runner may hold its state: it drew its first token already
             finished.append(sample)

@@ -144,10 +144,14 @@ class ConcatKVCache:
         self.last_traffic = KVTraffic()
         self.manager = UnboundedKVManager(on_free=self._drop, on_trim=self._trim, on_fork=self._fork)
 
-    def build_metadata(self, token_ids, seqs, num_computed, num_scheduled, device):
+    def build_metadata(self, token_ids, num_computed, num_scheduled, device, block_tables=None, request_ids=()):
+        """The step's metadata; ``request_ids`` say whose caches to gather (no blocks here)."""
         meta = attn_metadata.build(token_ids, num_computed, num_scheduled, device)
-        meta.request_ids = [s.request_id for s in seqs]
+        meta.request_ids = list(request_ids)
         return meta
+
+    def copy_blocks(self, copies: list) -> None:
+        """No blocks, nothing to copy: a fork shares the parent's tensors (see :meth:`_fork`)."""
 
     def forward_kwargs(self, meta) -> dict:
         """Gather the in-flight caches and build the mask; returns extra kwargs for the forward pass."""

@@ -79,8 +79,12 @@ class KVCache(Protocol):
     manager: KVManager  # handed to the scheduler
     attn_implementation: str | None  # the attention function the engine's model view must call (None: the model's)
 
-    def build_metadata(self, token_ids, seqs, num_computed, num_scheduled, device):
-        """The step's :class:`~cbteach.attention.metadata.AttentionMetadata`, built once per step."""
+    def build_metadata(self, token_ids, num_computed, num_scheduled, device, block_tables, request_ids=()):
+        """The step's :class:`~cbteach.attention.metadata.AttentionMetadata`, built once per step from the
+        model runner's own copies of the rows' block tables (paged) or ids (concat)."""
+
+    def copy_blocks(self, copies: list) -> None:
+        """Copy-on-write ``(src, dst)`` block copies a step's message asks for, before its forward pass."""
 
     def forward_kwargs(self, meta) -> dict:
         """Extra arguments for the model's forward pass (past K/V and a mask, or the metadata)."""

@@ -22,8 +22,6 @@ everything the request never generates.
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
-
 import torch
 
 from ..attention import metadata as attn_metadata
@@ -99,18 +97,19 @@ class PagedKVCache:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     # -- one step ---------------------------------------------------------------------------
-    def build_metadata(self, token_ids, seqs, num_computed, num_scheduled, device):
-        # Copy-on-write copies the manager decided while scheduling happen before anyone writes.
-        take = getattr(self.manager, "take_pending_copies", None)  # a learner's manager that never forks has none
-        if take is not None:
-            self.pool.copy_blocks(take())
-        tables = [s.block_table for s in seqs]
+    def build_metadata(self, token_ids, num_computed, num_scheduled, device, block_tables, request_ids=None):
+        """The step's metadata for rows with these block tables (``request_ids``: only the concat cache needs them)."""
+        tables = [list(t) for t in block_tables]
         meta = attn_metadata.build(token_ids, num_computed, num_scheduled, device, block_tables=tables,
                                    block_size=self.block_size, bucket_shapes=self.bucket_shapes)
         meta.pool, meta.attention = self.pool, self.attention
         if self.slot_mapping is not None:
             meta.slot_mapping = self._plugged_slot_mapping(meta, tables, num_computed, num_scheduled)
         return meta
+
+    def copy_blocks(self, copies: list) -> None:
+        """Copy-on-write copies ``(src, dst)`` a step's message asks for, made before its forward pass."""
+        self.pool.copy_blocks(list(copies))
 
     def plug(self, attention=None, slot_mapping=None) -> None:
         """Run a learner's pieces (notebooks 05 and 12): ``attention(query, key, value, meta, layer,
@@ -217,8 +216,7 @@ def kv_loss(model, token_ids: list[int], kv_dtype=None, block_size: int = 16) ->
     n = len(token_ids)
     config = CacheConfig(kind="paged", block_size=block_size, num_blocks=-(-n // block_size), kv_dtype=kv_dtype)
     cache = PagedKVCache.for_model(info, config)
-    seq = SimpleNamespace(block_table=list(range(cache.num_blocks)))
-    meta = cache.build_metadata(list(token_ids), [seq], [0], [n], info.device)
+    meta = cache.build_metadata(list(token_ids), [0], [n], info.device, block_tables=[list(range(cache.num_blocks))])
     view = model_view(model, cache.attn_implementation)  # the model itself is left as it is
     logits = view(input_ids=meta.input_ids, position_ids=meta.positions, **cache.forward_kwargs(meta)).logits[0]
     return torch.nn.functional.cross_entropy(logits[:-1].float(), meta.input_ids[0, 1:]).item()

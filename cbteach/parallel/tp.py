@@ -136,6 +136,7 @@ class TensorParallelRunner(ModelRunner):
         self.parallel = pc
         self.comm_log: list[dict] = []  # per step: all-reduces, bytes each rank sent, tokens
         self.last_logits = None
+        self._copies: list = []  # copy-on-write copies of the step about to run, for every rank
         n = pc.tensor_parallel_size
         threads = pc.num_threads or max(1, (os.cpu_count() or 1) // n)
 
@@ -173,17 +174,25 @@ class TensorParallelRunner(ModelRunner):
     def __exit__(self, *exc):
         self.close()
 
-    def _execute(self, plan) -> RunnerOutput:
-        seqs, starts, counts, drafts = (plan.seqs, plan.num_computed_tokens, plan.num_scheduled_tokens,
-                                        plan.num_draft_tokens)
-        chunks = [s.token_ids(c, c + n - d) + s.draft_ids[:d] for s, c, n, d in zip(seqs, starts, counts, drafts)]
-        num_logits = [n if d else 1 for n, d in zip(counts, drafts)]  # every fed row of a speculating sequence
+    def update_states(self, msg):
+        """As one process; the copy-on-write copies go to every rank with the step (each holds its heads)."""
+        rows = self.input_batch.update(msg)
+        self._copies = list(msg.block_copies)
+        return rows
+
+    def _run(self, rows) -> RunnerOutput:
+        batch = self.input_batch
+        for row in rows:
+            batch.redo_from(row)
+        chunks = [batch.chunk(r) for r in rows]
+        counts = [r.num_tokens for r in rows]
+        num_logits = [len(r.draft_ids) + 1 for r in rows]  # the last 1 + guesses rows of a speculating row
         first_row = [0, *itertools.accumulate(num_logits)]
-        rows = [i for e, k in zip(itertools.accumulate(counts), num_logits) for i in range(e - k, e)]
-        take = getattr(self.kv_cache.manager, "take_pending_copies", None)  # copy on write, done on every rank
-        msg = StepMessage(token_ids=[t for ch in chunks for t in ch], num_computed_tokens=list(starts),
-                          num_scheduled_tokens=list(counts), block_tables=[list(s.block_table) for s in seqs],
-                          logit_rows=rows, copies=list(take()) if take is not None else [])
+        logit_rows = [i for e, k in zip(itertools.accumulate(counts), num_logits) for i in range(e - k, e)]
+        copies, self._copies = self._copies, []
+        msg = StepMessage(token_ids=[t for ch in chunks for t in ch], num_computed_tokens=[r.start for r in rows],
+                          num_scheduled_tokens=counts, block_tables=[list(r.state.block_ids) for r in rows],
+                          logit_rows=logit_rows, copies=copies)
         t0 = time.perf_counter()
         answers = self.group.call(msg)
         forward_time = time.perf_counter() - t0
@@ -194,8 +203,5 @@ class TensorParallelRunner(ModelRunner):
                             bytes_written=sum(a["kv_bytes_written"] for a in answers))
         logits = answers[0]["logits"].to(self.info.device)
         self.last_logits = logits  # the sampled rows' logits (equal on every rank after the all-reduces)
-        sampled, fork_tokens, errors = self._sample(logits, plan, first_row)
-        out = RunnerOutput(sampled=sampled, chunks=chunks, forward_time=forward_time, traffic=traffic,
-                           fork_tokens=fork_tokens, errors=errors if any(e is not None for e in errors) else None)
-        out.comm = comm
-        return out
+        return self.finish({"rows": rows, "chunks": chunks, "logits": logits, "first_row": first_row,
+                            "forward_time": forward_time, "traffic": traffic, "comm": comm})

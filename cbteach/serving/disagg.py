@@ -113,6 +113,6 @@ class DisaggregatedServer:
         moved = Sequence(request=original, prompt_ids=list(seq.prompt_ids), arrival_time=seq.arrival_time,
                          output_ids=list(seq.output_ids), num_computed_tokens=seq.num_computed_tokens,
                          first_token_time=seq.first_token_time, token_times=list(seq.token_times),
-                         ready_time=self.prefill.now() + seconds, generator=seq.generator,
+                         ready_time=self.prefill.now() + seconds, generator_state=self.prefill.runner.generator_state(seq.request_id),
                          num_cached_prompt_tokens=seq.num_cached_prompt_tokens)
         self.decode.receive(moved, data)

@@ -124,7 +124,9 @@ class CostModel:
         return self.step(num_computed_tokens, num_scheduled_tokens).total
 
     def __call__(self, plan) -> float:
-        return self.step_time(plan.num_computed_tokens, plan.num_scheduled_tokens)
+        """The cost of a step's :class:`~cbteach.core.scheduler_output.SchedulerOutput`."""
+        starts = plan.num_computed_tokens_of()
+        return self.step_time([starts[r] for r in plan.num_scheduled_tokens], list(plan.num_scheduled_tokens.values()))
 
     def __repr__(self) -> str:
         return f"CostModel({self.shape.name} on {self.tp} x {self.device.name})"

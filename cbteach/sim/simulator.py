@@ -114,9 +114,9 @@ def simulate(workload: list[SimRequest], step_time, *, max_batch_size: int, num_
         if not scheduler.has_unfinished():
             break
         plan = scheduler.schedule(now)
-        result.num_preemptions += len(plan.preempted)
-        if not plan.seqs:
-            if plan.preempted:
+        result.num_preemptions += len(plan.preempted_req_ids)
+        if not plan.num_scheduled_tokens:
+            if plan.preempted_req_ids:
                 continue  # a step that only preempted: plan again
             nxt = scheduler.next_event_time(now)
             if nxt is None:
@@ -127,9 +127,10 @@ def simulate(workload: list[SimRequest], step_time, *, max_batch_size: int, num_
         now += dt
         result.step_times.append(dt)
         result.step_tokens.append(plan.total_num_scheduled_tokens)
-        result.step_seqs.append(len(plan.seqs))
-        sampled = [[0] if c + n >= s.num_tokens else None
-                   for s, c, n in zip(plan.seqs, plan.num_computed_tokens, plan.num_scheduled_tokens)]
+        result.step_seqs.append(len(plan.num_scheduled_tokens))
+        starts = plan.num_computed_tokens_of()
+        sampled = [[0] if starts[rid] + n >= scheduler.requests[rid].num_tokens else None
+                   for rid, n in plan.num_scheduled_tokens.items()]
         scheduler.update_from_output(plan, RunnerOutput(sampled=sampled), now)
     else:
         raise RuntimeError(f"simulation still running after {max_steps} steps")
