@@ -15,7 +15,7 @@ import pytest
 from cbteach import Engine, Request
 from cbteach.core.request import RequestStatus
 from cbteach.core.sampling import stop_reason
-from cbteach.core.scheduler_output import SchedulerOutput
+from cbteach.core.scheduler_output import SchedulerOutput, StepPlan
 from cbteach.engine.scheduler import Scheduler
 from cbteach.exercises import ex06
 from cbteach.exercises.scheduler_check import run
@@ -36,7 +36,7 @@ def model():
 
 def defined(src, name="MyScheduler"):
     """The class ``name`` that ``src`` defines, with what the notebook imported before it."""
-    namespace = {"math": math, "Scheduler": Scheduler, "SchedulerOutput": SchedulerOutput,
+    namespace = {"math": math, "Scheduler": Scheduler, "SchedulerOutput": SchedulerOutput, "StepPlan": StepPlan,
                  "RequestStatus": RequestStatus, "stop_reason": stop_reason}
     exec(compile(src, name, "exec"), namespace)
     return namespace.get(name)
@@ -67,9 +67,9 @@ ADMIT_N = "n = min(seq.num_tokens - num_cached_tokens, budget)"
 WHOLE = "n = seq.num_tokens - num_cached_tokens"
 ADMIT_ROOM = "if self.kv_manager.allocate_slots(seq, n, new_computed_blocks=cached) is None:"
 START = "            seq.num_computed_tokens = num_cached_tokens\n"
-ADD_ADMITTED = "            self.admit(seq, out)\n            out.add(seq, n)\n"
-HAND_PREEMPT = ("self.running.remove(victim)\n                budget += out.remove(victim)\n"
-                "                out.preempted.append(victim)\n                victim.status = RequestStatus.PREEMPTED\n"
+ADD_ADMITTED = "            self.admit(seq, plan)\n            plan.add(seq, n)\n"
+HAND_PREEMPT = ("self.running.remove(victim)\n                budget += plan.remove(victim)\n"
+                "                plan.preempted.append(victim)\n                victim.status = RequestStatus.PREEMPTED\n"
                 "                victim.num_computed_tokens = 0\n                self.waiting.readd_preempted(victim)")
 
 # (the mistake, what it replaces in the solution, with what, the stage that must fail, words of its hint)
@@ -87,16 +87,17 @@ MISTAKES = [
      "for seq in self.waiting:\n            if seq.arrival_time > now:\n                continue", 1, "walk a copy"),
     ("a running request's room never asked for", RETRY, "while False:", 1, "without KV room"),
     ("an admission's room never asked for", ADMIT_ROOM, "if False:", 1, "without KV room"),
-    ("the plan not counted as computed", "        self.update_after_schedule(out)  # 3.", "        pass  # 3.", 1,
+    ("the plan not counted as computed", "        self.update_after_schedule(output)  # 4.", "        pass  # 4.", 1,
      "update_after_schedule"),
-    ("admitted but never planned", ADD_ADMITTED, "            self.admit(seq, out)\n", 1, "admitted but not planned"),
+    ("admitted but never planned", ADD_ADMITTED, "            self.admit(seq, plan)\n", 1, "admitted but not planned"),
     ("walking self.running while preempt() removes from it", "for seq in list(self.running):  # 1.",
      "for seq in self.running:  # 1.", 4, "walk a copy (list(self.running))"),
     # stage 2: the token budget
     ("budget off by one, under", "budget)  # a decode's", "budget - 1)  # a decode's", 2, "fewer tokens"),
-    ("budget off by one, over", "            budget -= n\n        self.update", "            budget -= n - 1\n"
-     "        self.update", 2, "exceeds the token budget"),
+    ("budget off by one, over", "            budget -= n\n        output =", "            budget -= n - 1\n"
+     "        output =", 2, "exceeds the token budget"),
     ("budget spent when below zero, not at zero", "or budget <= 0:", "or budget < 0:", 2, "no tokens"),
+    ("every chunk cut to one less than the budget left", "budget)", "budget - 1)", 2, "not to one less"),
     ("a long prompt admitted whole, not chunked", ADMIT_N, WHOLE, 2, "exceeds the token budget"),
     ("a long prompt kept waiting until it fits the budget whole", ADMIT_N,
      WHOLE + "\n            if n > budget:\n                break", 2, "fit whole"),
@@ -112,7 +113,7 @@ MISTAKES = [
     ("no tie-break: the victim is the most urgent max, the oldest among equals", VICTIM,
      "victim = max(self.running, key=lambda s: s.request.priority)", 3, "victim is not the policy's"),
     ("forgotten preemption: returns without room", RETRY, "if self.kv_manager.allocate_slots(seq, n) is None:\n"
-     "                return out\n            while False:", 3, "refused KV room and nobody was preempted"),
+     "                return self.make_output(plan)\n            while False:", 3, "refused KV room and nobody was preempted"),
     ("forgotten preemption: skips the request", RETRY, "if self.kv_manager.allocate_slots(seq, n) is None:\n"
      "                continue\n            while False:", 3, "refused KV room and nobody was preempted"),
     ("the refusal ignored", RETRY, "self.kv_manager.allocate_slots(seq, n)\n            while False:", 3,
@@ -122,9 +123,9 @@ MISTAKES = [
      "victim = self.waiting.pick_victim([s for s in self.running if s is not seq] or [seq])", 3,
      "victim is not the policy's"),
     ("the preempted asker still planned", STOP_RUNNING, "if False:  # it was the victim itself", 3, "not running"),
-    ("a preemption by hand that keeps the victim's blocks", "budget += self.preempt(victim, out)", HAND_PREEMPT, 3,
+    ("a preemption by hand that keeps the victim's blocks", "budget += self.preempt(victim, plan)", HAND_PREEMPT, 3,
      "still holds its KV blocks"),
-    ("admitting in a step that preempted", "if out.preempted or len(", "if len(", 3, "admitted in a step that preempted"),
+    ("admitting in a step that preempted", "if plan.preempted or len(", "if len(", 3, "admitted in a step that preempted"),
     ("a later request overtakes one that did not fit", "break  # nobody overtakes", "continue  # nobody overtakes", 3,
      "overtook an earlier one that did not fit"),
     ("V0's whole-prompt admission", ADMIT_ROOM,
@@ -142,10 +143,10 @@ MISTAKES = [
     ("equal priorities ordered by request id", ARRIVED,
      "for seq in sorted([s for s in self.waiting if s.arrival_time <= now], key=lambda s: (s.request.priority, "
      "s.request_id)):", 4, "out of the policy's order"),
-    ("a planned victim's tokens not given back", "budget += self.preempt(victim, out)", "self.preempt(victim, out)", 4,
+    ("a planned victim's tokens not given back", "budget += self.preempt(victim, plan)", "self.preempt(victim, plan)", 4,
      "gives its tokens back"),
-    ("the running loop goes on after the asker was its own victim", "                break\n            out.add",
-     "                continue\n            out.add", 4, "loop ends"),
+    ("the running loop goes on after the asker was its own victim", "                break\n            plan.add",
+     "                continue\n            plan.add", 4, "loop ends"),
     ("admissions stop at the first request not yet arrived", ARRIVED,
      "for seq in list(self.waiting):\n            if seq.arrival_time > now:\n                break", 4,
      "skipped, not waited for"),
@@ -179,15 +180,15 @@ HAND_STOP = ("\"stop\" if token in seq.request.sampling_params.stop_token_ids el
              "else None")
 
 UPDATE_MISTAKES = [
-    ("a chunk that stopped short not skipped", "            if tokens is None:  # a prefill chunk that stopped short: "
-     "no token this step\n                continue\n", "", "output.sampled[i] is None"),
+    ("a chunk that stopped short not skipped", "            if seq is None or tokens is None:",
+     "            if seq is None:", "output.sampled[i] is None"),
     ("only the first of the accepted guesses appended", "            for token in tokens:\n",
      "            for token in tokens[:1]:\n", "not appended"),
     ("blocks never freed", FINISH, FINISH.replace("                self.kv_manager.free(seq)\n", ""), "still holds its KV blocks"),
     ("blocks freed before the last token is recorded", TAIL, FREE_FIRST, "freed before its last token was recorded"),
     ("a chunk that stopped short counted as a token (its first token time set)",
-     "            if tokens is None:", "            if seq.first_token_time is None:\n                seq.first_token_time = now\n"
-     "            if tokens is None:", "first_token_time"),
+     "            if seq is None or tokens is None:", "            if seq.first_token_time is None:\n"
+     "                seq.first_token_time = now\n            if seq is None or tokens is None:", "first_token_time"),
     ("EOS stops the request but is not recorded", APPEND, EOS_DROPPED, "did not keep its EOS token"),
     ("a finished request left in running", FINISH, FINISH.replace("                self.running.remove(seq)\n", ""),
      "left in self.running"),
@@ -197,9 +198,9 @@ UPDATE_MISTAKES = [
     ("blocks of rejected guesses kept", "                self.kv_manager.trim(seq)  # blocks", "                pass  # blocks",
      "kv_manager.trim"),
     ("guesses kept after the step", "            seq.draft_ids = []\n", "", "draft_ids"),
-    ("num_computed_tokens moved a second time (V0's habit)", "            if tokens is None:",
-     "            seq.num_computed_tokens += plan.num_scheduled_tokens[plan.seqs.index(seq)]\n"
-     "            if tokens is None:", "update_after_schedule"),
+    ("num_computed_tokens moved a second time (V0's habit)", "            drafts = scheduler_output",
+     "            seq.num_computed_tokens += scheduler_output.num_scheduled_tokens[req_id]\n"
+     "            drafts = scheduler_output", "update_after_schedule"),
     ("ignore_eos ignored", "self.eos_ids,\n                                                seq.request.ignore_eos,",
      "self.eos_ids,\n                                                False,", "no stop rule held"),
     ("stop_token_ids ignored", STOP_ARGS, STOP_ARGS.replace(", seq.request.sampling_params.stop_token_ids)", ")"),
@@ -207,6 +208,8 @@ UPDATE_MISTAKES = [
     ("the length rule off by one", "stop_reason(seq.output_ids, seq.request.max_new_tokens, " + STOP_ARGS, HAND_STOP,
      "past max_new_tokens"),
     ("token times not recorded", "                seq.token_times.append(now)\n", "", "token_times"),
+    ("the engine's own update called", "        finished = []\n",
+     "        return super().update_from_output(scheduler_output, output, now)\n", "ran the engine's own"),
     ("a finished request not returned", "                finished.append(seq)\n", "", "missing from the list"),
     ("the finished status not set", "                seq.status = RequestStatus.FINISHED\n", "", "RequestStatus.FINISHED"),
     ("a stop inside accepted guesses does not drop the guesses after it",
@@ -218,61 +221,63 @@ UPDATE_MISTAKES = [
 def waiting_first():
     """The solution with its two loops swapped: admissions planned before the running requests."""
     a, b = SOLUTION.index("        for seq in list(self.running)"), SOLUTION.index("        for seq in [s for s in self")
-    c = SOLUTION.index("        self.update_after_schedule")
+    c = SOLUTION.index("        output = self.make_output")
     return scheduler_from(SOLUTION[:a] + SOLUTION[b:c] + SOLUTION[a:b] + SOLUTION[c:])
 
 
 def calling(reference):
     """The solution, but its running loop handed to the engine's own code."""
     if reference == "super().schedule":
-        return scheduler_from(SOLUTION[:SOLUTION.index("        out = ")] + "        return super().schedule(now)\n")
+        return scheduler_from(SOLUTION[:SOLUTION.index("        plan = ")] + "        return super().schedule(now)\n")
     if reference == "schedule_running":
         return with_mistake("        for seq in list(self.running):",
-                            "        budget = self.schedule_running(out, budget)\n        for seq in []:")
-    return with_mistake(RETRY, "while not self.allocate_or_preempt(seq, n, out)[0]:")
+                            "        budget = self.schedule_running(plan, budget)\n        for seq in []:")
+    return with_mistake(RETRY, "while not self.allocate_or_preempt(seq, n, plan)[0]:")
 
 
 # What a learner writes after reading one stage's text only: it must pass that stage (and the ones before).
 STAGE1 = '''
 class MyScheduler(Scheduler):
     def schedule(self, now):
-        out = SchedulerOutput()
+        plan = StepPlan()
         for seq in list(self.running):
             n = seq.num_tokens - seq.num_computed_tokens
             self.kv_manager.allocate_slots(seq, n)
-            out.add(seq, n)
+            plan.add(seq, n)
         for seq in [s for s in self.waiting if s.arrival_time <= now]:
             if len(self.running) >= self.max_batch_size:
                 break
             n = seq.num_tokens - seq.num_computed_tokens
             self.kv_manager.allocate_slots(seq, n)
-            self.admit(seq, out)
-            out.add(seq, n)
-        self.update_after_schedule(out)
-        return out
+            self.admit(seq, plan)
+            plan.add(seq, n)
+        output = self.make_output(plan)
+        self.update_after_schedule(output)
+        return output
 '''
 STAGE2 = '''
 class MyScheduler(Scheduler):
     def schedule(self, now):
-        out = SchedulerOutput()
+        plan = StepPlan()
         budget = math.inf if self.token_budget is None else self.token_budget
         for seq in list(self.running):
             if budget <= 0:
                 break
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             self.kv_manager.allocate_slots(seq, n)
-            out.add(seq, n)
+            plan.add(seq, n)
             budget -= n
         for seq in [s for s in self.waiting if s.arrival_time <= now]:
             if len(self.running) >= self.max_batch_size or budget <= 0:
                 break
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             self.kv_manager.allocate_slots(seq, n)
-            self.admit(seq, out)
-            out.add(seq, n)
+            self.admit(seq, plan)
+            plan.add(seq, n)
             budget -= n
-        self.update_after_schedule(out)
-        return out
+        output = self.make_output(plan)
+        self.update_after_schedule(output)
+        return output
 '''
 
 
@@ -356,6 +361,11 @@ class NeverReturns(Scheduler):
 
 class PlansNothing(Scheduler):
     def schedule(self, now):
+        return self.make_output(StepPlan())
+
+
+class BuildsItsOwnMessage(Scheduler):
+    def schedule(self, now):
         return SchedulerOutput()
 
 
@@ -379,7 +389,8 @@ class UpdateRaises(Scheduler):
 @pytest.mark.parametrize("stage, answer, words", [
     (1, None, "not done yet"), (1, ..., "not done yet"), (1, NoSchedule, "not done yet"), (1, Scheduler, "not done yet"),
     (1, lambda now: None, "pass your scheduler class"), (1, int, "pass your scheduler class"),
-    (1, Raises, "ZeroDivisionError"), (1, ReturnsAList, "must return a SchedulerOutput"),
+    (1, Raises, "ZeroDivisionError"), (1, ReturnsAList, "the SchedulerOutput that self.make_output(plan) builds"),
+    (1, BuildsItsOwnMessage, "did not return the message made from its plan"),
     (1, NeverReturns, "did not return"), (1, PlansNothing, "planned nothing"),
     (1, BadInit, "could not build your scheduler"), (5, NoSchedule, "not done yet"), (5, UpdateRaises, "KeyError"),
 ])

@@ -54,10 +54,12 @@ class SchedulerConfig:
     """How :class:`~cbteach.engine.scheduler.Scheduler` plans a step.
 
     ``admission="per_chunk"`` (the default, vLLM V1's rule): a waiting request is let in when the KV
-    manager gives room for the chunk it feeds this step. ``"whole_prompt"`` (vLLM V0's rule): only
-    when its whole prompt fits (plus any output a preempted request must recompute), even when the
-    token budget feeds it in chunks -- a request let in on a sliver of room cannot then be preempted
-    half-way through its prefill.
+    manager gives room for the chunk it feeds this step. ``"whole_prompt"`` (vLLM V0's rule, on by
+    default there; later V1 versions have it as ``full_sequence_must_fit``, off by default): only when
+    its whole prompt fits (plus any output a preempted request must recompute), even when the token
+    budget feeds it in chunks. It admits fewer requests on a sliver of room; it does not protect a
+    prefill -- a decoding neighbour's refused allocation can still preempt it half-way through.
+    V0's rules run in :class:`~cbteach.engine.scheduler_v0.V0Scheduler`.
     """
 
     max_batch_size: int
@@ -91,7 +93,7 @@ class CacheConfig:
     ``kv_memory_bytes`` to size it from a memory budget, or neither for enough room for
     ``max_batch_size`` sequences of the model's full length (capped at 4,096 positions each).
     ``watermark`` is a fraction of blocks an admission leaves free (vLLM V0's block manager keeps
-    1%; V1 keeps none, our default). ``kv_dtype`` stores K/V as int8 (:mod:`cbteach.kv.int8`).
+    1%; later V1 versions have a ``watermark`` too, 0 by default, as ours). ``kv_dtype`` stores K/V as int8 (:mod:`cbteach.kv.int8`).
     ``bucket_shapes`` pads attention shapes to powers of two (default: on CUDA only).
     """
 

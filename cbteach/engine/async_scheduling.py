@@ -18,7 +18,20 @@ N+1 work is wasted and its N+1 output dropped (one step of one sequence's comput
 preempted while its step is in flight keeps the token that step gives it -- as the synchronous
 engine, which appends it before it preempts. Tokens are the same as the synchronous engine's.
 
-Only vLLM V1's rules: ``kv="paged"``, no speculative decoding, no swap preemption, one process.
+What is the same as vLLM V1 (``vllm/v1/core/sched/async_scheduler.py``, ``vllm/v1/engine/core.py``):
+the scheduler plans step N+1 before N's tokens exist, counting a placeholder for each
+(``num_output_placeholders`` there), and the runner -- which keeps its own batch and appended step N's
+tokens itself (:mod:`cbteach.engine.input_batch`) -- feeds them to N+1. What is not: V1 keeps the
+sampled tokens on the device and prepares N+1's inputs without waiting for the host (its GPU runner's
+``prev_sampled_token_ids``); here sampling happens on the host between the two forward passes, so
+only planning and the update are hidden. The limits are cbteach's, not V1's: ``kv="paged"``, no
+speculative decoding (V1 runs it, with placeholder guesses the worker fills in), no swap preemption
+(V0's), one process (V1 runs async scheduling with its multiprocess executor and tensor parallelism).
+
+When step N fails, the runner runs N's requests again one at a time from its own batch -- which plan
+N+1 has not touched yet: it is applied only when N+1 launches -- so nobody is failed with the request
+the model failed on; a request planned in N+1 on blocks N never wrote computes them itself.
+
 Each step's record keeps when the host and the model worked (``StepRecord.timings``): notebook 09
 draws both timelines from them.
 """
@@ -34,12 +47,14 @@ def check_async_options(config, runner) -> None:
         raise ValueError("async_scheduling needs kv='paged' (the concatenating cache copies every sequence's K/V "
                          "around the forward pass, which can then not overlap the next step's planning)")
     if config.speculative is not None:
-        raise ValueError("async_scheduling and speculative decoding do not go together here: the next step's "
-                         "guesses would need this step's accepted tokens")
+        raise ValueError("async_scheduling and speculative decoding do not go together here (V1 runs them together, "
+                         "with placeholder guesses its worker fills in; cbteach drafts on the host from known tokens)")
     if config.scheduler.preemption == "swap":
-        raise ValueError("async_scheduling follows vLLM V1, which preempts by recompute; swap is V0's")
+        raise ValueError("async_scheduling preempts by recompute only (swap is V0's; its host copies would race the "
+                         "forward pass in flight)")
     if not all(callable(getattr(runner, m, None)) for m in ("prepare", "forward", "finish")):
-        raise ValueError("async_scheduling needs a model runner in this process (tensor_parallel_size=1)")
+        raise ValueError("async_scheduling needs a model runner in this process here (tensor_parallel_size=1; V1 also "
+                         "runs it with tensor parallelism)")
 
 
 class AsyncStepper:

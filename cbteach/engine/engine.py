@@ -80,6 +80,9 @@ class Engine(EngineCore):
         if self.kv.kind != "paged" or self._stepper is not None or self.config.tensor_parallel_size > 1:
             raise ValueError("receive() needs kv='paged' (handed-over K/V arrive as blocks), no async_scheduling and "
                              "one process")
+        if not callable(getattr(self.scheduler, "add_swapped", None)):
+            raise ValueError("receive() brings K/V back the way V0's swap does: build the engine with "
+                             "scheduler_cls=cbteach.engine.scheduler_v0.V0Scheduler")
         self.check_request(seq.request)
         self.sequences[seq.request_id] = seq
         self.kv.hold_swapped(seq, kv_blocks)

@@ -31,7 +31,23 @@ from .executor import make_runner
 from .fingerprint import check_unchanged, fingerprint
 from .plug import RuleGuard, plug_pieces
 from .scheduler import Scheduler
+from .scheduler_v0 import V0Scheduler, uses_v0_rules
 from .speculative import count_speculation, make_proposer, propose_for
+
+
+def pick_scheduler_cls(config, scheduler_cls):
+    """vLLM V1's :class:`Scheduler`, or :class:`V0Scheduler` when an option asks for a rule only V0 has;
+    a scheduler of your own must be a subclass of the one the options need."""
+    need = V0Scheduler if uses_v0_rules(config) else Scheduler
+    if scheduler_cls is None:
+        return need
+    if not (isinstance(scheduler_cls, type) and issubclass(scheduler_cls, Scheduler)):
+        raise ValueError(f"scheduler_cls must be a subclass of cbteach.engine.scheduler.Scheduler, got {scheduler_cls!r}")
+    if not issubclass(scheduler_cls, need):
+        raise ValueError(f"preemption='swap', admission='whole_prompt', watermark and preempt_to_admit are vLLM V0's "
+                         f"rules, which {scheduler_cls.__name__} does not have: subclass "
+                         "cbteach.engine.scheduler_v0.V0Scheduler to use them")
+    return scheduler_cls
 
 
 @dataclass
@@ -54,8 +70,6 @@ class EngineCore:
                  slot_mapping=None, **options):
         self.config = EngineConfig.from_options(max_batch_size=max_batch_size, kv=kv, keep_records=keep_records,
                                                 **options)
-        if scheduler_cls is not None and not (isinstance(scheduler_cls, type) and issubclass(scheduler_cls, Scheduler)):
-            raise ValueError(f"scheduler_cls must be a subclass of cbteach.engine.scheduler.Scheduler, got {scheduler_cls!r}")
         self.info = modelinfo.describe(model, tokenizer)  # refuses models the engine cannot run exactly
         self.proposer = make_proposer(self.config.speculative, self.config.num_speculative_tokens,
                                       vocab_size=self.info.vocab_size)
@@ -63,9 +77,14 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.kv = make_kv_cache(self.info, self.config)
         plug_pieces(self.kv, kv_manager=kv_manager, attention=attention, slot_mapping=slot_mapping)
-        self.scheduler = (scheduler_cls or Scheduler)(self.config.scheduler, self.kv.manager,
-                                                      eos_ids=self.info.eos_ids,
-                                                      swapper=self.kv if self.kv.kind == "paged" else None)
+        if kv_manager is not None and self.config.cache.prefix_caching and \
+                getattr(self.kv.manager, "prefix_cache", None) is None:
+            raise ValueError("prefix_caching=True needs a KV manager that caches prefixes; the plugged-in kv_manager "
+                             f"({getattr(kv_manager, '__name__', type(kv_manager).__name__)}) does not, and the run "
+                             "would silently go without: drop prefix_caching or the kv_manager")
+        self.scheduler = pick_scheduler_cls(self.config, scheduler_cls)(
+            self.config.scheduler, self.kv.manager, eos_ids=self.info.eos_ids,
+            swapper=self.kv if self.kv.kind == "paged" else None)
         self.runner = make_runner(model, model_view(model, self.kv.attn_implementation), self.info, self.kv,
                                   self.config)
         self.keep_records = self.config.keep_records
@@ -82,7 +101,7 @@ class EngineCore:
         self.clock = clock  # None: wall time; a VirtualClock: simulated time (cbteach.core.clock)
         self._fingerprint = fingerprint(model, tokenizer)
         self._closed = False
-        self.rules = RuleGuard(self.scheduler, self.kv) if scheduler_cls not in (None, Scheduler) else None
+        self.rules = RuleGuard(self.scheduler, self.kv) if scheduler_cls not in (None, Scheduler, V0Scheduler) else None
         try:
             self._stepper = async_scheduling.AsyncStepper(self) if self.config.async_scheduling else None
         except Exception:
@@ -158,6 +177,9 @@ class EngineCore:
         now = self.now()
         before = [len(s.output_ids) for s in step.seqs]
         finished = self.scheduler.update_from_output(step.plan, output, now)  # 3. state moves
+        for seq in [*step.seqs, *finished]:  # (a learner's update may free a request without forget())
+            if seq.status.is_finished and seq.request_id in self.scheduler.requests:
+                self.scheduler.forget(seq)
         if self.rules is not None:
             self.rules.after_update(step.seqs, finished)
         for seq in finished:
@@ -198,8 +220,8 @@ class EngineCore:
                 time.sleep(nxt - now)
         elif self.has_unfinished() and self._last_idle:  # (after a step that only preempted, step again)
             raise RuntimeError(f"the scheduler made no progress with {len(self.scheduler.running)} running, "
-                               f"{len(self.scheduler.waiting)} waiting and {len(self.scheduler.swapped)} swapped-out "
-                               "requests; please report this")
+                               f"{len(self.scheduler.waiting)} waiting and {len(getattr(self.scheduler, 'swapped', ()))} "
+                               "swapped-out requests; please report this")
 
     def sample_ids(self, request_id) -> list:
         """The sequence ids of a request: ``[request_id]``, or ``[(request_id, i) ...]`` for ``n > 1``."""

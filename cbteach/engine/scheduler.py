@@ -2,10 +2,11 @@
 
 This is Orca's idea (Yu et al., OSDI'22): a static batcher decides once per batch; an iteration-level
 scheduler decides once per step, so a sequence that finished on step ``t`` leaves and a queued
-request takes its slot on step ``t + 1``. The step is split the way vLLM V1 splits it:
-:meth:`Scheduler.schedule` plans it and returns a :class:`SchedulerOutput` (``num_scheduled_tokens``
-per sequence); a model runner executes the plan; :meth:`~cbteach.engine.update.UpdateFromOutput.update_from_output`
-(:mod:`cbteach.engine.update`) turns the step's output into request state.
+request takes its slot on step ``t + 1``. The step is split the way vLLM V1 splits it
+(``vllm/v1/core/sched/scheduler.py``): :meth:`Scheduler.schedule` plans it and sends the model runner
+a message, a :class:`~cbteach.core.scheduler_output.SchedulerOutput`; the runner executes it;
+:meth:`~cbteach.engine.update.UpdateFromOutput.update_from_output` (:mod:`cbteach.engine.update`)
+turns the step's output into request state.
 
 There is no "prefill phase" and "decode phase" (vLLM V1's design note): every sequence has
 ``num_computed_tokens`` catching up with its ``num_tokens``. Planning follows V1's ``schedule()``:
@@ -14,31 +15,28 @@ There is no "prefill phase" and "decode phase" (vLLM V1's design note): every se
    token for a decode (plus any speculative guesses), the rest of its prompt for a prefill -- cut to
    the **token budget** left: a long prompt is prefilled in chunks (Sarathi-Serve).
 2. **Ask the KV manager for room** for exactly that chunk (``allocate_slots``). When it refuses,
-   **preempt** the policy's victim (:mod:`cbteach.engine.policies`) and ask again, until the sequence
-   gets its room or is itself the victim (then the running loop stops, as V1's does). A victim is
-   recomputed later from its prompt plus what it generated (``preemption="recompute"``), or its
-   blocks are copied to host memory and back (``"swap"``: vLLM V0's, the vLLM paper's 4.5).
-3. **Never admit in a step that preempted** (V1): room is clearly short. Swapped-out sequences
-   come back first (V0's swap).
+   **preempt** the policy's victim (:mod:`cbteach.engine.policies`) -- its blocks are freed and it
+   is recomputed later from its prompt plus what it generated -- and ask again, until the sequence
+   gets its room or is itself the victim (then the running loop stops, as V1's does).
+3. **Never admit in a step that preempted**: room is clearly short.
 4. **Admissions**, in the waiting queue's order, while a slot (``max_batch_size``) and budget are
    left: the prefix cache is asked which of the prompt's blocks are already computed
    (``get_computed_blocks``), and the request is let in when ``allocate_slots`` gives room for the
-   chunk it feeds now (V1); the first refusal ends admissions (nobody overtakes it).
-5. **The plan counts as computed** (:meth:`Scheduler.update_after_schedule`, V1's
-   ``_update_after_schedule``): every planned sequence's ``num_computed_tokens`` moves on by its
+   chunk it feeds now; the first refusal ends admissions (nobody overtakes it).
+5. **The message** (:meth:`Scheduler.make_output`): the scheduler's working notes (a
+   :class:`~cbteach.core.scheduler_output.StepPlan` of live sequences) become plain data -- a request
+   the runner has not seen in full, one it holds as a diff.
+6. **The plan counts as computed** (:meth:`Scheduler.update_after_schedule`, V1's
+   ``_update_after_schedule``): every scheduled request's ``num_computed_tokens`` moves on by its
    scheduled tokens at the end of ``schedule()``, before the forward pass runs -- which is what lets
    the next step be planned while this one computes (async scheduling). Speculative guesses that
    the model rejects are taken back after the step.
 
-Rules that are vLLM V0's, not V1's, are options (:class:`~cbteach.core.config.SchedulerConfig`):
-``admission="whole_prompt"`` reserves room for the whole remaining prompt at admission (V0's block
-manager), with an optional ``watermark``; ``preempt_to_admit=True`` lets an urgent waiting request
-preempt less urgent running ones to get in (V0's and SGLang's priority scheduling; V1 preempts only
-to make room for running requests) -- then nobody else is admitted that step, and nobody admitted
-or swapped in this step is sent away in it.
+vLLM V0's rules -- swap preemption, whole-prompt admission with a watermark, preempting to admit an
+urgent request -- are not here: they live in :class:`~cbteach.engine.scheduler_v0.V0Scheduler`.
 
 Writing a scheduler is overriding :meth:`Scheduler.schedule` with the public pieces below
-(``allocate_or_preempt``, ``preempt``, ``admit``, :meth:`SchedulerOutput.add`,
+(``allocate_or_preempt``, ``preempt``, ``admit``, :meth:`StepPlan.add`, ``make_output``,
 ``update_after_schedule``); notebook 06 does.
 """
 from __future__ import annotations
@@ -55,9 +53,10 @@ __all__ = ["Scheduler", "SchedulerOutput", "StepPlan"]
 
 
 class Scheduler(UpdateFromOutput):
-    """A waiting queue (the policy's), the running batch, and swapped-out requests; see the module."""
+    """A waiting queue (the policy's) and the running batch; see the module."""
 
     def __init__(self, config: SchedulerConfig, kv_manager, eos_ids=frozenset(), swapper=None):
+        """``swapper``: the paged cache, for V0's swap preemption (:class:`~cbteach.engine.scheduler_v0.V0Scheduler`)."""
         if not isinstance(config, SchedulerConfig):
             raise ValueError(f"Scheduler takes a SchedulerConfig, got {type(config).__name__}")
         self.config = config
@@ -66,9 +65,8 @@ class Scheduler(UpdateFromOutput):
         self.kv_manager = kv_manager  # what it calls: cbteach.kv.interface.KVManager
         self.eos_ids = eos_ids
         self.waiting = make_queue(config.policy)
-        self.swapper = swapper  # the paged cache: copies a sequence's blocks to host memory and back
+        self.swapper = swapper  # V0's swap preemption: copies a sequence's blocks to host memory and back
         self.running: list[Sequence] = []  # in admission order
-        self.swapped: list[Sequence] = []  # swapped out (or handed over), waiting for room to come back
         self.requests: dict[object, Sequence] = {}  # every unfinished request, by id (V1's ``requests``)
         self.finished_req_ids: set = set()  # finished or aborted since the last message: the runner forgets them
         self.sent_block_ids: dict[object, list[int]] = {}  # the block table the runner holds, per request
@@ -78,36 +76,26 @@ class Scheduler(UpdateFromOutput):
         self.requests[seq.request_id] = seq
         self.waiting.add(seq)
 
-    def add_swapped(self, seq: Sequence) -> None:
-        """Queue a sequence whose K/V wait in host memory (swapped out, or handed over by another
-        engine); it comes back when its ``ready_time`` has passed and its blocks fit."""
-        seq.status = RequestStatus.SWAPPED
-        self.requests[seq.request_id] = seq
-        self.swapped.append(seq)
-
     def has_unfinished(self) -> bool:
-        return bool(len(self.waiting) or self.running or self.swapped)
+        return bool(len(self.waiting) or self.running)
 
     def num_slots_taken(self) -> int:
         """Batch slots in use: one per running sequence, plus one per sample waiting to fork from it."""
         return sum(s.num_slots for s in self.running)
 
     def next_event_time(self, now: float) -> float | None:
-        """The earliest time after ``now`` when a step could do something it cannot do now: a
-        waiting request arrives, or a swapped-out (handed-over) one's K/V become ready. ``None`` if
-        nothing is due later -- then idle work means the scheduler is stuck."""
-        times = [s.arrival_time for s in self.waiting] + [s.ready_time for s in self.swapped]
-        return min((t for t in times if t > now), default=None)
+        """The earliest time after ``now`` when a step could do something it cannot do now: a waiting
+        request arrives. ``None`` if nothing is due later -- then idle work means the scheduler is stuck."""
+        return min((s.arrival_time for s in self.waiting if s.arrival_time > now), default=None)
 
     # -- planning a step -----------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
         """Plan one step at engine time ``now``: running sequences, then (if nobody was preempted)
-        swapped-out ones, then admissions; then the message, and the plan counts as computed."""
+        admissions; then the message, and the plan counts as computed."""
         plan = StepPlan()
         budget = self.token_budget if self.token_budget is not None else math.inf
         budget = self.schedule_running(plan, budget)
-        if not plan.preempted:
-            budget = self.schedule_swapped(plan, budget, now)
+        if not plan.preempted:  # never admit in a step that preempted (V1)
             self.schedule_waiting(plan, budget, now)
         output = self.make_output(plan)
         self.update_after_schedule(output)
@@ -179,63 +167,25 @@ class Scheduler(UpdateFromOutput):
             budget -= n
         return budget
 
-    def schedule_swapped(self, out: StepPlan, budget: float, now: float) -> float:
-        """Bring swapped-out sequences back, in policy order, when their blocks fit again (V0's swap)."""
-        while self.swapped and self.num_slots_taken() < self.max_batch_size and budget > 0:
-            ready = [s for s in self.swapped if s.ready_time <= now]  # K/V handed over from elsewhere arrive late
-            if not ready:
-                break
-            seq = min(ready, key=self.waiting.key)
-            if self.num_slots_taken() + seq.num_slots > self.max_batch_size:
-                break
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if self.kv_manager.num_admittable_tokens(seq) < n:  # room beyond its computed tokens' blocks
-                break
-            self.swapped.remove(seq)
-            self.swapper.swap_in(seq)
-            out.swapped_in.append(seq)
-            self._start(seq)
-            if self.kv_manager.allocate_slots(seq, n) is None:
-                raise RuntimeError(f"the KV manager refused {n} tokens of {seq!r} after reporting room for them")
-            out.add(seq, n)
-            budget -= n
-        return budget
-
     def schedule_waiting(self, out: StepPlan, budget: float, now: float) -> None:
-        """Admit arrived requests in policy order while a slot, budget and KV room are left."""
-        whole = self.config.admission == "whole_prompt"
-        while not self.swapped and self.num_slots_taken() < self.max_batch_size and budget > 0:
+        """Admit arrived requests in policy order while a slot, budget and KV room are left; the first
+        that does not fit ends admissions (nobody overtakes it)."""
+        while self.num_slots_taken() < self.max_batch_size and budget > 0:
             seq = next((s for s in self.waiting if s.arrival_time <= now), None)
-            if seq is None or seq in out.preempted:  # never re-admitted in the step that preempted it
-                break
-            if self.num_slots_taken() + seq.num_slots > self.max_batch_size:  # fork: room for every sample
+            if seq is None or self.num_slots_taken() + seq.num_slots > self.max_batch_size:  # fork: every sample
                 break
             cached, num_cached = self.kv_manager.get_computed_blocks(seq)  # prefix caching; changes nothing
-            remaining = seq.num_tokens - num_cached
-            n = min(remaining, budget)
-            preempted = False
-            if self.config.preempt_to_admit and self._admittable(seq, cached) < num_cached + (
-                    remaining if whole else n):
-                preempted, refund = self._preempt_for(seq, cached, num_cached + (remaining if whole else n), out)
-                budget += refund
-                if preempted:  # victims gave their blocks back: look the prefix up again
-                    cached, num_cached = self.kv_manager.get_computed_blocks(seq)
-                    remaining = seq.num_tokens - num_cached
-                    n = min(remaining, budget)
-            # V0's whole-prompt rule: room for all of it, the watermark kept (conservative with cached blocks)
-            if (whole and self.kv_manager.num_admittable_tokens(seq) < seq.num_tokens) or \
-                    self._allocate_admission(seq, n, cached, remaining - n if whole else 0) is None:
-                break  # nobody overtakes it; nothing was taken, the cache's LRU order is untouched
+            n = min(seq.num_tokens - num_cached, budget)
+            if self._allocate_admission(seq, n, cached) is None:
+                break  # nothing was taken: the prefix cache's LRU order is untouched
             seq.num_computed_tokens = num_cached
             self.admit(seq, out)
             out.add(seq, n)
             budget -= n
-            if preempted:  # it preempted to get in: nobody else is admitted in this step
-                break
 
-    def _allocate_admission(self, seq: Sequence, n: int, cached: list, lookahead: int):
-        """``allocate_slots`` for an admission: with its cached blocks, and under V0's whole-prompt rule
-        room for the rest of its prompt too (``lookahead``). Arguments a manager does not need are not
+    def _allocate_admission(self, seq: Sequence, n: int, cached: list, lookahead: int = 0):
+        """``allocate_slots`` for an admission, with its cached blocks (and, for V0's whole-prompt rule,
+        room for the rest of its prompt: ``lookahead``). Arguments a manager does not need are not
         passed, so a learner's two-argument ``allocate_slots`` works wherever they are empty."""
         extra = {}
         if cached:
@@ -266,33 +216,30 @@ class Scheduler(UpdateFromOutput):
         out.admitted.append(seq)
 
     def preempt(self, seq: Sequence, out: StepPlan) -> int:
-        """Take ``seq`` out of the batch -- and out of this step's plan -- and free its KV blocks: it is
-        queued again (``recompute``) or its K/V copied to host memory first (``swap``). Returns the
-        tokens it had been scheduled for this step (now given back to the budget)."""
-        refund = out.remove(seq)
-        self.running.remove(seq)
-        seq.slot = None
-        seq.num_preemptions += 1
-        out.preempted.append(seq)
-        if self.config.preemption == "swap" and self.swapper is not None and seq.num_computed_tokens > 0:
-            self.swapper.swap_out(seq)  # copies its blocks to host memory, then frees them
-            self.add_swapped(seq)
-            return refund
+        """Take ``seq`` out of the batch -- and out of this step's plan -- free its KV blocks and queue it
+        again, to be recomputed (V1's only kind of preemption). Returns the tokens it had been scheduled
+        for this step (now given back to the budget)."""
+        refund = self.take_out(seq, out)
         self.kv_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = RequestStatus.PREEMPTED
         self.waiting.readd_preempted(seq)
         return refund
 
+    def take_out(self, seq: Sequence, out: StepPlan) -> int:
+        """A preemption's first half: ``seq`` leaves the batch and this step's plan (its tokens returned)."""
+        refund = out.remove(seq)
+        self.running.remove(seq)
+        seq.slot = None
+        seq.num_preemptions += 1
+        out.preempted.append(seq)
+        return refund
+
     def abort(self, seq: Sequence) -> None:
-        """Take ``seq`` out wherever it is, and free its KV blocks (or its swapped-out copy) at once."""
+        """Take ``seq`` out wherever it is, and free its KV blocks at once."""
         if seq in self.running:
             self.running.remove(seq)
             self.kv_manager.free(seq)
-        elif seq in self.swapped:
-            self.swapped.remove(seq)
-            if self.swapper is not None:
-                self.swapper.discard(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = RequestStatus.ABORTED
@@ -312,35 +259,6 @@ class Scheduler(UpdateFromOutput):
         self.requests[seq.request_id] = seq
         seq.slot = self._free_slot()
         self.running.append(seq)
-
-    def _admittable(self, seq: Sequence, cached: list) -> float:
-        """The room an admission of ``seq`` with prefix-cache hits ``cached`` may use (hits that others
-        hold cost nothing). ``cached`` is passed only when not empty, as :meth:`_allocate_admission` does."""
-        if cached:
-            return self.kv_manager.num_admittable_tokens(seq, new_computed_blocks=cached)
-        return self.kv_manager.num_admittable_tokens(seq)
-
-    def _preempt_for(self, seq: Sequence, cached: list, needed: int, out: StepPlan) -> tuple[bool, int]:
-        """V0's priority rule (``preempt_to_admit``): preempt running requests the policy lets ``seq``
-        displace (less urgent ones) until it has room for ``needed`` tokens (``cached``: its prefix-cache
-        hits). Nobody admitted or swapped in during this step is sent away in it -- nor anyone whose
-        blocks an admission of this step shares: its K/V for this step would then never be written.
-        Returns (whether it fits now, tokens given back)."""
-        shared = {b for a in out.admitted for b in a.block_table}
-
-        def displaceable():
-            return [r for r in self.running if self.waiting.may_preempt(seq, r)
-                    and r not in out.admitted and r not in out.swapped_in and not shared.intersection(r.block_table)]
-
-        refund, lower = 0, displaceable()
-        # Only blocks no one else holds come free (prefix caching shares blocks): if preempting all of
-        # them would still not make room, preempt nobody -- victims would lose their work for nothing.
-        if not lower or self._admittable(seq, cached) + self.kv_manager.num_freeable_tokens(lower) < needed:
-            return False, refund
-        while self._admittable(seq, cached) < needed and lower:
-            refund += self.preempt(self.waiting.pick_victim(lower), out)
-            lower = displaceable()
-        return self._admittable(seq, cached) >= needed, refund
 
     def _free_slot(self) -> int:
         used = {s.slot for s in self.running}

@@ -5,7 +5,8 @@ The scheduler already counted the planned tokens as computed when it planned the
 only here, for each planned sequence ``i``:
 
 1. **speculative guesses the model rejected are taken back** -- ``num_computed_tokens`` goes down
-   by them, and blocks that held only rejected guesses go back to the pool (``trim``);
+   by them (V1's ``update_from_output`` does only this: the blocks stay with the request); cbteach
+   also gives blocks that held only rejected guesses back to the pool (``trim``);
 2. **sampled tokens are appended** (``output.sampled[i]``: one token, several after speculative
    decoding, or ``None`` for a prefill chunk that stopped short of its prompt's end -- it gets
    nothing, and nothing is appended);

@@ -16,9 +16,20 @@ the stage: stage 1 has no memory limit and no budget, so its hints speak of neit
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from ..core.request import RequestStatus
-from ..core.scheduler_output import SchedulerOutput
+from ..core.scheduler_output import SchedulerOutput, StepPlan
+
+
+@dataclass
+class Made:
+    """A step's message and the plan it was built from (``make_output``), with where each planned
+    sequence started (its ``num_computed_tokens`` before ``update_after_schedule``)."""
+
+    plan: StepPlan
+    output: SchedulerOutput
+    starts: list
 
 
 class SchedulerMistake(Exception):
@@ -37,17 +48,23 @@ HINTS = {
     "unfinished": "requests were still unfinished after {} steps: is one never given its tokens?",
     "unfinished+": " Or are the same requests preempted over and over?",
     "called_reference": "your schedule() ran the engine's own scheduling ({}): the exercise is to write the step "
-                        "yourself, from allocate_slots, admit and SchedulerOutput.add",
+                        "yourself, from allocate_slots, admit and plan.add",
     "walked_waiting": "your loop walked self.waiting itself while admit() removed requests from it, so the request "
                       "after each admitted one was skipped: walk a copy (a list made before the loop)",
     "walked_running": "your loop walked self.running itself while preempt() removed a request from it, so the "
                       "request after it was skipped: walk a copy (list(self.running)), skipping those preempted",
-    "not_a_plan": "schedule() returned a {}; it must return a SchedulerOutput",
-    "plan_none": "not done yet: schedule() returned None -- it must build and return the step's SchedulerOutput",
-    "no_update_after_schedule": "the planned tokens were not counted as computed: schedule() ends with "
-                                "self.update_after_schedule(out), then returns out (vLLM V1's _update_after_schedule)",
+    "not_a_plan": "schedule() returned a {}; it must return the step's message, the SchedulerOutput that "
+                  "self.make_output(plan) builds from your plan",
+    "plan_none": "not done yet: schedule() returned None -- it must return the step's message, "
+                 "self.make_output(plan)",
+    "no_message": "schedule() did not return the message made from its plan: end with output = "
+                  "self.make_output(plan), then self.update_after_schedule(output), then return output -- the model "
+                  "runner reads only that message, never your plan",
+    "no_update_after_schedule": "the planned tokens were not counted as computed: after output = "
+                                "self.make_output(plan) comes self.update_after_schedule(output), then return output "
+                                "(vLLM V1's _update_after_schedule)",
     "no_room": "a chunk was planned without KV room: every planned chunk first gets room from "
-               "self.kv_manager.allocate_slots(seq, n), for exactly those n tokens, before out.add(seq, n)",
+               "self.kv_manager.allocate_slots(seq, n), for exactly those n tokens, before plan.add(seq, n)",
     "no_room1": " (here the pool has room for everyone, so allocate_slots never refuses)",
     "no_room3": " -- None means refused: preempt the victim and ask again",
     "room_for_more": "allocate_slots was asked for more tokens than the chunk planned: ask for exactly the n tokens "
@@ -58,15 +75,17 @@ HINTS = {
                       "an admission passes the cached blocks to allocate_slots (new_computed_blocks=cached) and then "
                       "starts past them (seq.num_computed_tokens = num_cached_tokens); without, it starts where it is",
     "admitted_unplanned": "a request was admitted but not planned: admit() moves it into the batch, "
-                          "out.add(seq, n) plans its chunk -- an admission needs both",
+                          "plan.add(seq, n) plans its chunk -- an admission needs both",
     "twice_admitted": "a request admitted in this step was planned a second time, as a running one: running "
                       "requests come first, admissions after them get what is left",
     "twice": "a request was added to the plan twice in one step",
     "no_tokens": "a request was planned for no tokens: plan only what feeds at least one token",
+    "no_tokens_budget": "a request was planned for no tokens while a token of budget was left: a chunk is cut to "
+                        "the budget that is left, min(what it lacks, budget) -- not to one less",
     "not_running": "the plan holds a request that is not running (preempted in this step, or never admitted): "
-                   "preempt() takes a request out of the plan, and admit() does not put one in -- out.add does",
+                   "preempt() takes a request out of the plan, and admit() does not put one in -- plan.add does",
     "not_running1": "the plan holds a request that is not running (never admitted): admit() moves a request into "
-                    "the batch but does not plan it -- out.add(seq, n) does, after admit",
+                    "the batch but does not plan it -- plan.add(seq, n) does, after admit",
     "over_lacks": "a request was given more tokens than it lacks (num_tokens - num_computed_tokens)",
     "budget": "the chunk exceeds the token budget: the step's plan feeds more tokens than token_budget; cut a "
               "prefill to the budget that is left (chunked prefill)",
@@ -79,11 +98,11 @@ HINTS = {
     "skipped": "a running request was skipped while budget was left: every running request gets what it lacks"
                "{}, before anyone is admitted",
     "held_victim": "a request taken out of the batch still holds its KV blocks: preempting frees them -- "
-                   "self.preempt(seq, out) frees the blocks, queues the request again and returns its planned tokens",
+                   "self.preempt(seq, plan) frees the blocks, queues the request again and returns its planned tokens",
     "held_waiting": "a waiting request holds KV blocks after the step: only running requests hold room",
-    "left_unpreempted": "a request left the batch without self.preempt(seq, out): preempt is what frees its blocks, "
-                        "queues it again and records it in out.preempted",
-    "not_started": "a request is in self.running without admit(): self.admit(seq, out) moves it from the queue into "
+    "left_unpreempted": "a request left the batch without self.preempt(seq, plan): preempt is what frees its blocks, "
+                        "queues it again and records it in plan.preempted",
+    "not_started": "a request is in self.running without admit(): self.admit(seq, plan) moves it from the queue into "
                    "the batch",
     "before_arrival": "a request was admitted before it arrived: only requests whose arrival_time is at or before "
                       "`now` may be admitted",
@@ -160,18 +179,24 @@ def check_preemption(sched, seq, stage, exercise: bool) -> None:
         raise _mistake("wrong_victim", stage)
 
 
-def check_plan(sched, out, before: list, stage, exercise: bool) -> None:
-    """What must hold of the plan ``schedule`` returned (``before``: who ran when it was called)."""
+def check_plan(sched, out, made: Made | None, before: list, stage, exercise: bool) -> None:
+    """What must hold of the message ``schedule`` returned and the plan it was made from (``made``:
+    what ``make_output`` saw, or None if it was not called; ``before``: who ran when it was called)."""
     if out is None:
         raise NotDone(hint("plan_none", stage))
     if not isinstance(out, SchedulerOutput):
         raise _mistake("not_a_plan", stage, type(out).__name__)
-    seqs, starts, counts = list(out.seqs), list(out.num_computed_tokens), list(out.num_scheduled_tokens)
+    if made is None or made.output is not out:
+        raise _mistake("no_message", stage)
+    plan = made.plan
+    seqs, starts, counts = list(plan.seqs), list(made.starts), list(plan.num_scheduled_tokens)
     if len(set(map(id, seqs))) != len(seqs):
-        raise _mistake("twice_admitted" if any(seqs.count(s) > 1 for s in out.admitted) else "twice", stage)
-    for seq, c, n in zip(seqs, starts, counts):
+        raise _mistake("twice_admitted" if any(seqs.count(s) > 1 for s in plan.admitted) else "twice", stage)
+    total = sched.config.token_budget
+    for i, (seq, c, n) in enumerate(zip(seqs, starts, counts)):
         if n < 1:
-            raise _mistake("no_tokens", stage)
+            left = math.inf if total is None else total - sum(counts[:i])
+            raise _mistake("no_tokens_budget" if n == 0 and 1 <= left < math.inf else "no_tokens", stage)
         if seq not in sched.running:
             raise _mistake("not_running", stage)
         if seq.status is not RequestStatus.RUNNING:
@@ -202,14 +227,14 @@ def check_plan(sched, out, before: list, stage, exercise: bool) -> None:
         if seq not in sched.running and not seq.status.is_finished:
             if seq.block_table:
                 raise _mistake("held_victim", stage)
-            if not includes(out.preempted, seq):
+            if not includes(plan.preempted, seq):
                 raise _mistake("left_unpreempted", stage)
     if any(s.block_table for s in sched.waiting):
         raise _mistake("held_waiting", stage)
     if exercise:
-        if any(not includes(seqs, s) for s in out.admitted if s in sched.running):
+        if any(not includes(seqs, s) for s in plan.admitted if s in sched.running):
             raise _mistake("admitted_unplanned", stage)
-        _check_v1_order(sched, out, seqs, counts, stage)
+        _check_v1_order(sched, plan, seqs, counts, stage)
 
 
 def _check_v1_order(sched, out, seqs, counts, stage) -> None:

@@ -45,9 +45,10 @@ __all__ = ["NotDone", "SchedulerMistake", "Workload", "Run", "run", "drive", "wa
 
 REFERENCE = {f.__code__: name for name, f in [
     ("super().schedule", Scheduler.schedule), ("schedule_running", Scheduler.schedule_running),
-    ("schedule_swapped", Scheduler.schedule_swapped), ("schedule_waiting", Scheduler.schedule_waiting),
+    ("schedule_waiting", Scheduler.schedule_waiting),
     ("allocate_or_preempt", Scheduler.allocate_or_preempt)]}
 UPDATE_REFERENCE = Scheduler.update_from_output.__code__
+UPDATE_REFERENCES = {UPDATE_REFERENCE: "super().update_from_output"}
 
 
 @dataclass(frozen=True)
@@ -191,13 +192,20 @@ def watched(cls: type, stage: int | None = None, rules_: str = "exercise", eos_i
         def schedule(self, now):
             self.check_now = now
             self.kv_manager.begin_step()
+            self.made = None
             before = list(self.running)
             with Tracer(REFERENCE) as tracer:
                 out = super().schedule(now)
             if exercise and own_schedule and tracer.called:
                 raise SchedulerMistake(hint("called_reference", stage).format(tracer.called))
-            rules.check_plan(self, out, before, stage, exercise)
-            self.outputs_before = [len(s.output_ids) for s in out.seqs]
+            rules.check_plan(self, out, self.made, before, stage, exercise)
+            self.outputs_before = [len(s.output_ids) for s in self.made.plan.seqs]
+            return out
+
+        def make_output(self, plan):
+            """The engine's, watched: the plan it was built from is what the checks read."""
+            out = super().make_output(plan)
+            self.made = rules.Made(plan, out, [s.num_computed_tokens for s in plan.seqs])
             return out
 
         def admit(self, seq, out):
@@ -211,13 +219,16 @@ def watched(cls: type, stage: int | None = None, rules_: str = "exercise", eos_i
         def update_from_output(self, plan, output, now):
             self.kv_manager.begin_step()
             try:
-                finished = super().update_from_output(plan, output, now)
+                with Tracer(UPDATE_REFERENCES if own_update else {}) as tracer:
+                    finished = super().update_from_output(plan, output, now)
             except TypeError as err:  # the commonest way to trip over a chunk that got no token
                 if own_update and any(t is None for t in output.sampled):
                     raise SchedulerMistake(f"{update_rules.UPDATE_HINTS['none_token']} ({err})") from None
                 raise
+            if own_update and exercise and tracer.called:
+                raise SchedulerMistake(update_rules.UPDATE_HINTS["called_reference"].format(tracer.called))
             if own_update:
-                update_rules.check_update(self, plan, output, finished, stage)
+                update_rules.check_update(self, self.made, output, finished, stage)
             return finished
 
     Watched.__name__ = Watched.__qualname__ = cls.__name__

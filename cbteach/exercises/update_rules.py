@@ -18,6 +18,8 @@ from ..core.sampling import stop_reason
 from .rules import NotDone, SchedulerMistake, includes
 
 UPDATE_HINTS = {
+    "called_reference": "your update_from_output ran the engine's own ({}): the exercise is to write the update "
+                        "yourself -- append the tokens, check the stop, free what finished",
     "update_none": "not done yet: update_from_output() returned None -- it must return the list of the sequences "
                    "that finished in this step",
     "not_a_list": "update_from_output() returned a {}; it must return a list of the sequences that finished",
@@ -54,7 +56,7 @@ UPDATE_HINTS = {
                     "engine completes only the sequences it is given back",
     "returned_unfinished": "the list update_from_output returned holds a request that has not finished",
     "drafts_not_taken_back": "after a step with speculative guesses, num_computed_tokens still counts the guesses "
-                             "the model rejected: take them back (plan.num_draft_tokens[i] of them were fed, "
+                             "the model rejected: take them back (scheduler_output.num_draft_tokens(req_id) of them were fed, "
                              "len(tokens) - 1 were accepted)",
     "drafts_over": "num_computed_tokens went down by more than the rejected guesses: only guesses the model "
                    "rejected are taken back",
@@ -78,15 +80,17 @@ def _stop_rule(sched, seq, outputs: list) -> str | None:
                        getattr(params, "stop_token_ids", ()))
 
 
-def check_update(sched, plan, output, finished, stage) -> None:
-    """What must hold after ``update_from_output(plan, output, now)`` returned ``finished``."""
+def check_update(sched, made, output, finished, stage) -> None:
+    """What must hold after ``update_from_output(scheduler_output, output, now)`` returned ``finished``
+    (``made``: the step's message and the plan it was made from, :class:`~cbteach.exercises.rules.Made`)."""
     if finished is None:
         raise NotDone(UPDATE_HINTS["update_none"])
     if not isinstance(finished, (list, tuple)):
         raise _update_mistake("not_a_list", type(finished).__name__)
+    plan = made.plan
     errors = getattr(output, "errors", None) or [None] * len(plan.seqs)
-    for i, (seq, c, n, d) in enumerate(zip(plan.seqs, plan.num_computed_tokens, plan.num_scheduled_tokens,
-                                           plan.num_draft_tokens)):
+    drafts = [made.output.num_draft_tokens(s.request_id) for s in plan.seqs]
+    for i, (seq, c, n, d) in enumerate(zip(plan.seqs, made.starts, plan.num_scheduled_tokens, drafts)):
         if errors[i] is not None or seq.status is RequestStatus.ABORTED:
             continue  # a failure of its own, the engine's business
         _check_tokens(sched, seq, output.sampled[i], sched.outputs_before[i])

@@ -33,7 +33,9 @@ class BlockAllocator:
 
     The free list is kept in release order, and blocks are handed out from its oldest end: with
     prefix caching, a freed block keeps its K/V until it is handed out again, so the least recently
-    used cached block is the first to be overwritten (LRU eviction).
+    used cached block is the first to be overwritten (LRU eviction). Every freed block goes to the
+    back; newer vLLM V1 versions put a freed block that holds no cached prefix at the front instead,
+    so it is reused before any block worth keeping -- a difference of eviction order, not of tokens.
     """
 
     def __init__(self, num_blocks: int):
@@ -74,8 +76,9 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.0, prefix_caching: bool = False):
         """``watermark``: the fraction of blocks an admission must leave free (vLLM V0's block manager
-        keeps 1%, so that a request let in now does not force a preemption on the very next step;
-        V1 keeps none). The scheduler reads it through :meth:`num_admittable_tokens`.
+        keeps 1%, so that a request let in now does not force a preemption on the very next step; later
+        V1 versions have the option too, 0 by default). V0's scheduler reads it through
+        :meth:`num_admittable_tokens`.
         ``prefix_caching``: reuse full blocks of earlier requests with the same prefix
         (:mod:`cbteach.kv.prefix_cache`)."""
         check_positive_int("block_size", block_size)

@@ -21,6 +21,7 @@ import math
 
 from ..core.clock import VirtualClock
 from ..engine.engine import Engine
+from ..engine.scheduler_v0 import V0Scheduler
 from ..core.request import Completion, Request, RequestStatus, Sequence, as_request_list
 
 
@@ -57,7 +58,9 @@ class DisaggregatedServer:
                 raise ValueError(f"the prefill and decode pools must have the same {key} (blocks are copied from one "
                                  f"to the other as they are); got {p!r} and {d!r}")
         self.prefill = Engine(model, tokenizer, clock=VirtualClock(step_time=step_time), **options["prefill"])
-        self.decode = Engine(model, tokenizer, clock=VirtualClock(step_time=step_time), **options["decode"])
+        # Handed-over K/V come back the way V0's swapped-out blocks do (V1 uses a KV connector instead).
+        self.decode = Engine(model, tokenizer, clock=VirtualClock(step_time=step_time),
+                             **{"scheduler_cls": V0Scheduler, **options["decode"]})
         self.prefill.on_release(self._hand_over)
         self.transfers = {"requests": 0, "bytes": 0, "seconds": 0.0}
         self._originals: dict[object, Request] = {}
