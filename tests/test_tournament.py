@@ -15,7 +15,7 @@ from conftest import tiny_model
 NOTEBOOK = Path(__file__).parent.parent / "notebooks" / "06_scheduling_and_latency.ipynb"
 SOLUTION = next("".join(c["source"]) for c in json.loads(NOTEBOOK.read_text())["cells"]
                 if "solution" in c.get("metadata", {}).get("tags", []))
-HEADER = "import math\nfrom cbteach.engine.scheduler import Scheduler, SchedulerOutput\n\n\n"
+HEADER = "import math\nfrom cbteach.engine.scheduler import Scheduler, StepPlan\n\n\n"
 CORRECT = HEADER + SOLUTION  # notebook 06's scheduler, as a learner's file
 ARRIVED = "[s for s in self.waiting if s.arrival_time <= now]"
 
@@ -36,20 +36,20 @@ ENTRANTS = {
     "before_arrival": (variant(ARRIVED, "list(self.waiting)"), "before it arrived"),
     "past_the_batch": (variant("len(self.running) >= self.max_batch_size", "len(self.running) > self.max_batch_size"),
                        "max_batch_size"),
-    "planned_twice": (variant("            out.add(seq, n)\n            budget -= n\n        for",
-                              "            out.add(seq, n)\n            out.add(seq, 1)\n            budget -= n\n        for"),
+    "planned_twice": (variant("            plan.add(seq, n)\n            budget -= n\n        for",
+                              "            plan.add(seq, n)\n            plan.add(seq, 1)\n            budget -= n\n        for"),
                       "twice"),
-    "keeps_victims_blocks": (variant("budget += self.preempt(victim, out)",
-                                     "self.running.remove(victim)\n                budget += out.remove(victim)\n"
-                                     "                out.preempted.append(victim)\n"
+    "keeps_victims_blocks": (variant("budget += self.preempt(victim, plan)",
+                                     "self.running.remove(victim)\n                budget += plan.remove(victim)\n"
+                                     "                plan.preempted.append(victim)\n"
                                      "                self.waiting.readd_preempted(victim)"), "still holds its KV blocks"),
     "truncates_long_prompts": (variant("            cached, num_cached_tokens =",
                                        "            del seq.prompt_ids[48:]  # long prompts cut to fit\n"
                                        "            cached, num_cached_tokens ="), "differ from model.generate"),
-    "forgets_update": (variant("        self.update_after_schedule(out)", "        pass"), "update_after_schedule"),
-    "starves": (variant("if out.preempted or len(", "if seq.prompt_ids[0] % 5 == 0:\n                continue\n"
-                                                    "            if out.preempted or len("), "planned nothing"),
-    "raises": (variant("        out = SchedulerOutput()", "        out = SchedulerOutput()\n        {}['x']"), "KeyError"),
+    "forgets_update": (variant("        self.update_after_schedule(output)", "        pass"), "update_after_schedule"),
+    "starves": (variant("if plan.preempted or len(", "if seq.prompt_ids[0] % 5 == 0:\n                continue\n"
+                                                    "            if plan.preempted or len("), "planned nothing"),
+    "raises": (variant("        plan = StepPlan()", "        plan = StepPlan()\n        {}['x']"), "KeyError"),
     "endless": (variant("            while self.kv_manager.allocate_slots(seq, n) is None:",
                         "            while len(self.running) > 0:\n                pass\n"
                         "            while self.kv_manager.allocate_slots(seq, n) is None:"), "did not return"),
@@ -245,7 +245,7 @@ def test_a_learner_submits_from_the_notebook_over_http(tmp_path, model):
 
 
 def test_a_scheduler_cannot_escape_the_rules_by_changing_its_limits(model):
-    src = variant("        out = SchedulerOutput()\n", "        self.token_budget = None  # no budget for me\n"
-                  "        out = SchedulerOutput()\n")
+    src = variant("        plan = StepPlan()", "        self.token_budget = None  # no budget for me\n"
+                  "        plan = StepPlan()")
     entry = T.run_tournament({"cheat": T.load_scheduler(_write(src))}, model, TRACE, baseline=False)[0]
     assert entry.disqualified and "token budget" in entry.disqualified

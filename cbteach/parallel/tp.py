@@ -10,8 +10,10 @@ request state. What happens in between is vLLM's multiprocessing executor in min
    ``ValueError``), cut the model into per-rank shards (:mod:`cbteach.parallel.shard`), start N
    worker processes (:mod:`cbteach.parallel.procs`) that join a ``torch.distributed`` group --
    gloo on the CPU, NCCL on CUDA -- each with a paged pool for its own KV heads;
-2. **each step** -- the plan goes to every rank as plain lists (tokens, positions, block tables,
-   copy-on-write copies: :class:`~cbteach.parallel.worker.StepMessage`); every rank runs its shard,
+2. **each step** -- the scheduler's message goes to every rank
+   (:class:`~cbteach.parallel.worker.StepMessage`: the ``SchedulerOutput``, the tokens sampled since the
+   last step, each request's start); every rank keeps the same persistent batch as the driver, changed
+   only by those, and runs its shard,
    with one all-reduce after attention and one after the MLP of every layer; rank 0 sends back the
    logits of the rows to sample; the driver samples exactly as the single-process runner does (the
    requests' generators never leave it);
@@ -136,7 +138,8 @@ class TensorParallelRunner(ModelRunner):
         self.parallel = pc
         self.comm_log: list[dict] = []  # per step: all-reduces, bytes each rank sent, tokens
         self.last_logits = None
-        self._copies: list = []  # copy-on-write copies of the step about to run, for every rank
+        self._update = None  # the step's message, sent to every rank with its first pass
+        self._appended: dict = {}  # tokens sampled since the last pass, which every rank's batch appends
         n = pc.tensor_parallel_size
         threads = pc.num_threads or max(1, (os.cpu_count() or 1) // n)
 
@@ -175,9 +178,10 @@ class TensorParallelRunner(ModelRunner):
         self.close()
 
     def update_states(self, msg):
-        """As one process; the copy-on-write copies go to every rank with the step (each holds its heads)."""
+        """As one process; the message itself goes to every rank with the step's first pass, and each
+        applies it to its own batch (copy-on-write copies included: each rank holds its heads' K/V)."""
         rows = self.input_batch.update(msg)
-        self._copies = list(msg.block_copies)
+        self._update = msg
         return rows
 
     def _run(self, rows) -> RunnerOutput:
@@ -189,19 +193,24 @@ class TensorParallelRunner(ModelRunner):
         num_logits = [len(r.draft_ids) + 1 for r in rows]  # the last 1 + guesses rows of a speculating row
         first_row = [0, *itertools.accumulate(num_logits)]
         logit_rows = [i for e, k in zip(itertools.accumulate(counts), num_logits) for i in range(e - k, e)]
-        copies, self._copies = self._copies, []
-        msg = StepMessage(token_ids=[t for ch in chunks for t in ch], num_computed_tokens=[r.start for r in rows],
-                          num_scheduled_tokens=counts, block_tables=[list(r.state.block_ids) for r in rows],
-                          logit_rows=logit_rows, copies=copies)
+        msg = StepMessage(rows=[(r.req_id, r.start, r.num_tokens, r.draft_ids) for r in rows], logit_rows=logit_rows,
+                          update=self._update, appended=self._appended)
+        self._update, self._appended = None, {}
         t0 = time.perf_counter()
         answers = self.group.call(msg)
         forward_time = time.perf_counter() - t0
         comm = {"all_reduces": answers[0]["all_reduces"], "all_reduce_bytes": answers[0]["all_reduce_bytes"],
-                "num_tokens": len(msg.token_ids), "world_size": len(answers)}
+                "num_tokens": sum(counts), "world_size": len(answers)}
         self.comm_log.append(comm)
         traffic = KVTraffic(bytes_read=sum(a["kv_bytes_read"] for a in answers),
                             bytes_written=sum(a["kv_bytes_written"] for a in answers))
         logits = answers[0]["logits"].to(self.info.device)
         self.last_logits = logits  # the sampled rows' logits (equal on every rank after the all-reduces)
-        return self.finish({"rows": rows, "chunks": chunks, "logits": logits, "first_row": first_row,
-                            "forward_time": forward_time, "traffic": traffic, "comm": comm})
+        out = self.finish({"rows": rows, "chunks": chunks, "logits": logits, "first_row": first_row,
+                           "forward_time": forward_time, "traffic": traffic, "comm": comm})
+        for i, (rid, tokens, forks) in enumerate(zip(out.req_ids, out.sampled, out.fork_tokens)):
+            if tokens and out.error(i) is None:  # what every rank's batch appends before the next pass
+                self._appended.setdefault(rid, []).extend(tokens)
+            for sample_id, token in (forks or {}).items():
+                self._appended.setdefault(sample_id, []).append(token)
+        return out

@@ -4,9 +4,12 @@ A worker is what vLLM calls a ``Worker`` with its ``ModelRunner``: it joins the
 ``torch.distributed`` process group (gloo on the CPU, NCCL on CUDA), builds the transformers model
 from its config on the meta device and gives it the rank's slices of the weights
 (:mod:`cbteach.parallel.shard`), and allocates a paged pool for **its KV heads only**. Then, per
-step, it receives the plan as a :class:`StepMessage` -- the packed tokens, where each sequence
-starts, its block table, which rows' logits are wanted, the copy-on-write copies -- builds the same
-attention metadata the single-process engine builds, and runs the forward pass. Every row-parallel
+step, it receives the plan as a :class:`StepMessage` -- the scheduler's message, where each sequence
+starts, which rows' logits are wanted -- builds the same attention metadata the single-process
+engine builds, and runs the forward pass. Like the driver's runner, every rank keeps a persistent
+batch (:class:`~cbteach.engine.input_batch.InputBatch`) changed only by the scheduler's message --
+the same :class:`~cbteach.core.scheduler_output.SchedulerOutput` the driver applies -- and by the
+tokens the driver sampled: token ids and block tables are read from there, not sent each step. Every row-parallel
 module's output is summed across ranks by an all-reduce (counted here: calls and bytes). The
 logits are then equal on every rank; rank 0's go back to the driver, which samples.
 """
@@ -23,6 +26,7 @@ import torch.distributed as dist
 
 from ..attention import metadata as attn_metadata
 from ..attention import paged as paged_attention
+from ..engine.input_batch import InputBatch, ScheduledRow
 from ..kv.int8 import Int8BlockKVPool, Int8KVPool
 from ..kv.pool import PagedKVPool
 from .shard import Layout, add_all_reduce_hooks, load_shard
@@ -53,14 +57,16 @@ class WorkerSetup:
 
 @dataclass
 class StepMessage:
-    """One step's plan as every rank needs it: plain lists, no request objects."""
+    """One forward pass as every rank needs it: plain data, no request objects. ``appended``: the tokens
+    the driver sampled since the last pass (each rank's batch appends them); ``update``: the step's
+    :class:`~cbteach.core.scheduler_output.SchedulerOutput`, sent with its first pass only (a step the
+    driver reruns one request at a time sends none); ``rows``: ``(request id, start, tokens fed, guesses)``
+    per packed request -- the starts as the driver runs them (it may recompute unwritten blocks)."""
 
-    token_ids: list[int]
-    num_computed_tokens: list[int]
-    num_scheduled_tokens: list[int]
-    block_tables: list[list[int]]
+    rows: list[tuple]
     logit_rows: list[int]  # packed rows whose logits the driver samples from
-    copies: list = field(default_factory=list)  # copy-on-write (src, dst) block pairs, made first
+    update: object = None
+    appended: dict = field(default_factory=dict)
 
 
 class CommCounter:
@@ -91,6 +97,7 @@ class Worker:
         load_shard(self.model, setup.tensors, setup.layout, self.device)
         self.model.eval()
         self.comm = CommCounter()
+        self.batch = InputBatch(setup.block_size)  # this rank's copy of the driver's persistent batch
         add_all_reduce_hooks(self.model, setup.layout, self.comm)
         dtype = next(self.model.parameters()).dtype
         self.pool = POOLS[setup.kv_dtype](num_layers=setup.layout.num_layers, num_blocks=setup.num_blocks,
@@ -112,10 +119,18 @@ class Worker:
 
     @torch.inference_mode()
     def step(self, msg: StepMessage) -> dict:
-        """Run one plan; returns the step's counts (and, on rank 0, the wanted rows' logits)."""
-        self.pool.copy_blocks([tuple(p) for p in msg.copies])
-        meta = attn_metadata.build(msg.token_ids, msg.num_computed_tokens, msg.num_scheduled_tokens, self.device,
-                                   block_tables=msg.block_tables, block_size=self.block_size,
+        """Run one pass; returns the step's counts (and, on rank 0, the wanted rows' logits)."""
+        for rid, tokens in msg.appended.items():
+            self.batch.append(rid, tokens)
+        if msg.update is not None:
+            self.batch.update(msg.update)
+            self.pool.copy_blocks([tuple(p) for p in msg.update.block_copies])
+        states = [self.batch.requests[rid] for rid, _, _, _ in msg.rows]
+        token_ids = [t for (_, start, n, drafts), state in zip(msg.rows, states)
+                     for t in self.batch.chunk(ScheduledRow(state=state, start=start, num_tokens=n,
+                                                            draft_ids=list(drafts)))]
+        meta = attn_metadata.build(token_ids, [r[1] for r in msg.rows], [r[2] for r in msg.rows], self.device,
+                                   block_tables=[s.block_ids for s in states], block_size=self.block_size,
                                    bucket_shapes=self.bucket_shapes)
         meta.pool = self.pool
         rows = torch.tensor(msg.logit_rows, dtype=torch.long, device=self.device)
