@@ -240,3 +240,63 @@ def test_randomised_engines_with_failures_against_generate(case):
                 assert s.output_ids == ref, f"{where}: wrong tokens"
     usage = eng.kv_usage()
     assert usage["num_used_blocks"] == 0 and not eng.has_unfinished()
+
+
+def test_the_v1_scheduler_has_no_v0_branch():
+    """V0's rules live in scheduler_v0.py: no code of V1's module (docstrings aside) mentions them."""
+    import ast
+    import inspect
+
+    from cbteach.engine import scheduler as v1
+
+    tree = ast.parse(inspect.getsource(v1))
+    names = {n.attr if isinstance(n, ast.Attribute) else n.id for n in ast.walk(tree)
+             if isinstance(n, (ast.Attribute, ast.Name))}
+    strings = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+               and not n.value.startswith(("Iteration-level", "\n"))}
+    for v0 in ("swapped", "swap_out", "swap_in", "add_swapped", "preempt_to_admit", "admission", "watermark"):
+        assert v0 not in names, f"scheduler.py uses {v0!r}: a V0 rule in V1's scheduler"
+    assert not any(s in ("whole_prompt", "swap") for s in strings)
+
+
+@pytest.mark.parametrize("options", [dict(preemption="swap"), dict(admission="whole_prompt"),
+                                     dict(admission="whole_prompt", watermark=0.1),
+                                     dict(policy="priority", preempt_to_admit=True)])
+def test_v0_options_run_the_v0_scheduler_and_a_v1_subclass_is_refused_them(options):
+    from cbteach.engine.scheduler_v0 import V0Scheduler
+
+    model = tiny_model("gpt2")
+    eng = Engine(model, max_batch_size=2, kv="paged", block_size=4, num_blocks=12, **options)
+    assert type(eng.scheduler) is V0Scheduler
+    reqs = [Request([10 + i, 11, 12], 10, request_id=i, ignore_eos=True) for i in range(4)]
+    assert [c.output_ids for c in eng.run(reqs)] == [reference(model, r.prompt, 10, eos_id=None) for r in reqs]
+
+    class Mine(Scheduler):
+        pass
+
+    with pytest.raises(ValueError, match="V0's rules.*V0Scheduler"):
+        Engine(model, max_batch_size=2, kv="paged", scheduler_cls=Mine, **options)
+    assert type(Engine(model, max_batch_size=2, kv="paged").scheduler) is Scheduler
+
+
+def test_prefix_caching_with_a_plugged_kv_manager_is_refused_not_dropped():
+    class Minimal:
+        def __init__(self, num_blocks, block_size):
+            self.free_blocks = list(range(num_blocks))
+            self.block_size = block_size
+
+        def allocate_slots(self, seq, n):
+            need = -(-(seq.num_computed_tokens + n) // self.block_size) - len(seq.block_table)
+            if need > len(self.free_blocks):
+                return None
+            new = [self.free_blocks.pop() for _ in range(max(0, need))]
+            seq.block_table.extend(new)
+            return new
+
+        def free(self, seq):
+            self.free_blocks.extend(seq.block_table)
+            seq.block_table = []
+
+    with pytest.raises(ValueError, match="prefix_caching=True needs a KV manager that caches prefixes"):
+        Engine(tiny_model("llama"), max_batch_size=2, kv="paged", block_size=4, kv_manager=Minimal,
+               prefix_caching=True)
