@@ -45,7 +45,7 @@ def run_once(name, model, tok, requests, batch):
     return {"seconds": seconds, "forward": box["t"], "steps": steps}
 
 
-def measure(label: str, repeat: int, engines: list[str]) -> dict:
+def measure(label: str, repeat: int, engines: list[str], batches=(8, 16)) -> dict:
     import cbteach
     from cbteach import Request, load_model
     from cbteach.bierce.corpus import headword_prompts  # noqa: F401  (exists in every version measured)
@@ -55,7 +55,7 @@ def measure(label: str, repeat: int, engines: list[str]) -> dict:
     timed_forwards.box = timed_forwards(model)
     prompts = headword_prompts(128)
     out = {"label": label, "version": getattr(cbteach, "__version__", "?"), "runs": {}}
-    for batch in (8, 16):
+    for batch in batches:
         make = lambda: [Request(p, 300) for p in prompts]  # noqa: E731
         for name in engines:
             run_once(name, model, tok, make(), batch)  # warm-up
@@ -74,6 +74,11 @@ def table(paths: list[str]) -> str:
     for path in paths:
         d = json.load(open(path))
         for batch, r in d["runs"].items():
+            if "static" not in r:  # paged only: tokens per second
+                pg = r["paged"]
+                lines.append(f"| {d['label']} | {batch} | paged only: {pg['steps']} steps in {pg['seconds']:.2f} s | - | - | "
+                             f"{1 - pg['forward'] / pg['seconds']:.1%} | - |")
+                continue
             st, pg = r["static"], r["paged"]
             speed, ideal = st["seconds"] / pg["seconds"], st["steps"] / pg["steps"]
             host = 1 - pg["forward"] / pg["seconds"]
@@ -91,12 +96,13 @@ def main():
     p.add_argument("--out")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--engines", default="static,paged,paged_async")
+    p.add_argument("--batches", default="8,16", help="batch sizes, comma-separated (default: 8,16)")
     p.add_argument("--table", nargs="*")
     a = p.parse_args()
     if a.table:
         print(table(a.table))
         return
-    data = measure(a.label, a.repeat, a.engines.split(","))
+    data = measure(a.label, a.repeat, a.engines.split(","), [int(b) for b in a.batches.split(",")])
     with open(a.out, "w") as f:
         json.dump(data, f, indent=1)
     print(table([a.out]))
