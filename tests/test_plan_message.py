@@ -21,7 +21,7 @@ from cbteach import Engine, Request, SamplingParams
 from cbteach.core.sampling import SamplingParams as SP
 from cbteach.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from cbteach.engine.scheduler import Scheduler
-from conftest import ARCHS, VOCAB, drain, reference, tiny_model
+from conftest import ARCHS, VOCAB, reference, tiny_model
 
 BAD = 95  # the model raises on any step that feeds this token
 
@@ -178,10 +178,12 @@ def test_async_a_request_preempted_in_the_plan_ahead_of_a_failed_step_is_not_fai
     assert eng.kv_usage()["num_used_blocks"] == 0
 
 
-def _expect(model, prompt, max_new, ignore_eos):
-    """What a request must give: generate's tokens, or -- if it would feed the refused token -- an error
-    with generate's tokens up to that point."""
+def _expect(model, prompt, max_new, ignore_eos, stop_ids=()):
+    """What a request must give: generate's tokens (cut after a stop token), or -- if it would feed the
+    refused token -- an error with generate's tokens up to that point."""
     ref = reference(model, prompt, max_new, eos_id=None if ignore_eos else 5)
+    cut = next((i + 1 for i, t in enumerate(ref) if t in stop_ids), len(ref))
+    ref = ref[:cut]
     fails = BAD in prompt or BAD in ref[:-1]
     return ref, fails
 
@@ -189,11 +191,9 @@ def _expect(model, prompt, max_new, ignore_eos):
 CASES = int(os.environ.get("CBTEACH_FUZZ_CASES", "24"))  # more for a long hunt: CBTEACH_FUZZ_CASES=400
 
 
-@pytest.mark.parametrize("case", range(CASES))
-def test_randomised_engines_with_failures_against_generate(case):
+def _case(case):
+    """A random engine and workload: every feature that can be combined, failures injected."""
     g = random.Random(1000 + case)
-    arch = ARCHS[case % 3]
-    model = tiny_model(arch)
     async_ = case % 2 == 0
     opts = dict(max_batch_size=g.randint(2, 5), kv="paged", block_size=g.choice([1, 2, 4, 8]),
                 async_scheduling=async_, prefix_caching=g.random() < 0.6,
@@ -213,33 +213,53 @@ def test_randomised_engines_with_failures_against_generate(case):
         n = g.choice([1, 1, 2, 3]) if opts.get("parallel_sampling") else 1
         if opts.get("parallel_sampling") == "fork":
             n = min(n, opts["max_batch_size"])
+        stops = tuple(g.sample(range(6, VOCAB), 2)) if g.random() < 0.3 else ()
         reqs.append(Request(shared + tail, g.randint(1, 12), request_id=i, ignore_eos=g.random() < 0.5,
                             arrival_time=g.choice([0.0, 0.0, 0.001 * g.randint(1, 5)]), priority=g.randint(0, 2),
-                            sampling_params=SamplingParams(n=n)))
+                            sampling_params=SamplingParams(n=n, stop_token_ids=stops)))
     longest = max(len(r.prompt) + r.max_new_tokens for r in reqs)
     per_seq = -(-longest // opts["block_size"])
     opts["num_blocks"] = per_seq + g.randint(0, 2 * per_seq)  # as small as one request allows: preemptions
+    abort = (g.randint(1, 8), g.randrange(len(reqs))) if g.random() < 0.3 else None
+    return g, opts, reqs, abort
+
+
+@pytest.mark.parametrize("case", range(CASES))
+def test_randomised_engines_with_failures_against_generate(case):
+    g, opts, reqs, abort = _case(case)
+    model = tiny_model(ARCHS[case % 3])
     eng = Engine(model, **opts)
     handle = _refuse(model)
+    aborted = None
     try:
         for r in reqs:
             eng.add_request(r)
-        drain(eng)
+        for step in range(5000):
+            if not eng.has_unfinished():
+                break
+            if abort is not None and step == abort[0] and reqs[abort[1]].request_id not in eng.completions:
+                aborted = reqs[abort[1]].request_id
+                eng.abort(aborted)
+            if eng.step().idle:
+                eng.wait_for_arrival()
+        assert not eng.has_unfinished(), f"case {case}: still running after 5000 steps"
     finally:
         handle.remove()
     for r in reqs:
         c = eng.completions[r.request_id]
-        ref, fails = _expect(model, r.prompt, r.max_new_tokens, r.ignore_eos)
+        ref, fails = _expect(model, r.prompt, r.max_new_tokens, r.ignore_eos, r.sampling_params.stop_token_ids)
         for s in (c.samples or [c]):
             where = f"case {case} {opts}: request {r.request_id}"
-            if fails:
+            if r.request_id == aborted and s.finish_reason == "aborted":
+                assert s.output_ids == ref[:len(s.output_ids)], f"{where}: wrong tokens before its abort"
+            elif fails:
                 assert s.finish_reason == "error", f"{where} should have failed on token {BAD}"
                 assert s.output_ids == ref[:len(s.output_ids)], f"{where}: wrong tokens before its failure"
             else:
                 assert s.error is None, f"{where} is innocent but ended with an error: {s.error}"
                 assert s.output_ids == ref, f"{where}: wrong tokens"
     usage = eng.kv_usage()
-    assert usage["num_used_blocks"] == 0 and not eng.has_unfinished()
+    assert usage["num_used_blocks"] == 0, f"case {case}: blocks leaked"
 
 
 def test_the_v1_scheduler_has_no_v0_branch():
