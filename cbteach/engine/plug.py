@@ -48,8 +48,27 @@ def plug_pieces(kv, kv_manager=None, attention=None, slot_mapping=None) -> None:
                              f"{getattr(manager, 'block_size', '?')} slots; the pool has {kv.num_blocks} of "
                              f"{kv.block_size}")
         kv.manager = manager
+    if isinstance(attention, str):
+        attention = named_attention(kv, attention)
     if attention is not None or slot_mapping is not None:
         kv.plug(attention=attention, slot_mapping=slot_mapping)
+
+
+def named_attention(kv, name: str):
+    """``attention="triton"``: the paged-attention kernel of :mod:`cbteach.attention.triton_unified`, which
+    reads K/V where they lie in the pool (after this step's are written at the slot mapping)."""
+    if name != "triton":
+        raise ValueError(f"attention must be a function or 'triton' (the Triton kernel), got {name!r}")
+    if kv.config.kv_dtype is not None:
+        raise ValueError(f"attention='triton' reads the pool in the model's dtype; kv_dtype={kv.config.kv_dtype!r} "
+                         "stores int8 values and scales it does not read: leave kv_dtype unset")
+    try:
+        from ..attention import triton_unified
+    except ImportError:
+        raise ValueError('attention="triton" needs Triton: pip install "cbteach[kernels]" (or pip install triton)') \
+            from None
+    triton_unified.check_device(kv.pool.k[0].device if kv.pool is not None else None)
+    return triton_unified.kernel_attention()
 
 
 class RuleGuard:
