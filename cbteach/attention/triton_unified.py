@@ -109,10 +109,12 @@ INTERPRETED = type(tl.zeros).__name__ == "InterpretedFunction"  # the way Triton
 def _as_kernel_function(fn):
     """``fn`` as a function a kernel can call in this process's Triton: a ``@triton.jit`` function as it
     is; a plain function (or one decorated before the process's mode was set) decorated now."""
-    raw = getattr(fn, "fn", fn)  # a JITFunction or an InterpretedFunction keeps the Python function as .fn
+    raw = fn
+    while callable(getattr(raw, "fn", None)):  # a JITFunction or an InterpretedFunction keeps the function as .fn
+        raw = raw.fn
     if not callable(raw):
         raise ValueError(f"the inner loop must be a function decorated with @triton.jit, got {type(fn).__name__}")
-    return fn if type(fn) is type(unified_attention_kernel) else triton.jit(raw)
+    return fn if type(fn) is type(unified_attention_kernel) and fn.fn is raw else triton.jit(raw)
 
 
 def check_device(device) -> None:
@@ -130,10 +132,11 @@ def _pow2(n: int) -> int:
 
 
 def unified_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta, scaling=None,
-                      inner=None) -> torch.Tensor:
+                      inner=None, tile_n: int | None = None) -> torch.Tensor:
     """Attend the packed step's ``query`` (``[1, heads, T, head_dim]``, as transformers passes it) over the
     pool's ``k_pool``/``v_pool`` (one layer, ``[num_blocks, block_size, kv_heads, head_dim]``) through
-    ``meta.block_tables``, in one launch. ``inner``: the inner loop (default :func:`attend_blocks`)."""
+    ``meta.block_tables``, in one launch. ``inner``: the inner loop (default :func:`attend_blocks`);
+    ``tile_n``: keys per turn of its loop (a power of two; default: chosen for the device)."""
     _, H, T, D = query.shape
     kv_heads = k_pool.shape[2]
     if H % kv_heads or k_pool.shape[3] != D or k_pool.stride(3) != 1 or k_pool.stride() != v_pool.stride():
@@ -142,10 +145,15 @@ def unified_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.T
     check_device(query.device)
     B, longest = len(meta.num_scheduled_tokens), max(meta.num_scheduled_tokens)
     longest_context = max(c + n for c, n in zip(meta.num_computed_tokens, meta.num_scheduled_tokens))
+    chosen = tile_n
     if INTERPRETED:  # NumPy pays per operation, not per element: big tiles, few loop turns
         block_q, tile_n, block_d = min(16, _pow2(longest)), min(256, _pow2(longest_context)), _pow2(D)
     else:  # tl.dot wants every side >= 16 on a GPU
         block_q, tile_n, block_d = 16, 32, max(16, _pow2(D))
+    if chosen is not None:
+        if chosen < (1 if INTERPRETED else 16) or chosen & (chosen - 1):
+            raise ValueError(f"tile_n must be a power of two{'' if INTERPRETED else ' >= 16 on a GPU'}, got {chosen}")
+        tile_n = chosen
     out = torch.empty_like(query)
     q, o = query[0].transpose(0, 1), out[0].transpose(0, 1)  # [T, H, D] views: no copy
     tables = meta.block_tables
