@@ -146,3 +146,21 @@ def test_without_triton_the_error_says_how_to_install_it(monkeypatch):
     monkeypatch.delattr(cbteach.attention, "triton_unified")
     with pytest.raises(ValueError, match=r'pip install "cbteach\[kernels\]"'):
         Engine(tiny_model("gpt2"), max_batch_size=2, kv="paged", attention="triton")
+
+
+def test_the_gpu_benchmark_times_three_ways_of_one_computation(capsys):
+    """tools/gpu_check.py's kernel section (cbteach.bench.kernel_bench) compares like with like: here, on
+    the CPU in fp32, the kernel, the gather and padded SDPA give the same outputs on its decode step."""
+    import torch.nn.functional as F
+
+    from cbteach.attention.paged import vectorised_attention
+    from cbteach.bench import kernel_bench
+
+    query, pool, meta, (k, v, mask) = kernel_bench.decode_step(3, 40, 4, 2, 16, dtype=torch.float32, device=DEVICE)
+    kernel = triton_unified.unified_attention(query, pool.k[0], pool.v[0], meta)
+    padded = F.scaled_dot_product_attention(query[0].transpose(0, 1)[:, :, None], k, v, attn_mask=mask,
+                                            enable_gqa=True)  # [B, H, 1, D]
+    torch.testing.assert_close(kernel, vectorised_attention(query, 0, meta), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kernel[0], padded[:, :, 0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+    if not torch.cuda.is_available():
+        assert kernel_bench.run() == {} and "nothing measured" in capsys.readouterr().out

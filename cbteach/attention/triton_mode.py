@@ -29,3 +29,42 @@ def interpret_without_gpu() -> bool:
         return False
     os.environ[VARIABLE] = "1"
     return True
+
+
+def available() -> bool:
+    """Whether Triton can be imported here (Linux wheels; Colab has it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def describe() -> str:
+    """One line: how this process runs Triton kernels, if at all."""
+    if not available():
+        return 'Triton is not installed: the kernel cells skip (pip install "cbteach[kernels]")'
+    from . import triton_unified
+
+    return ("Triton runs kernels in its interpreter, on CPU tensors (no GPU here)" if triton_unified.INTERPRETED
+            else "Triton compiles kernels for the GPU")
+
+
+class _StandIn:
+    """Where Triton is missing: ``@triton.jit`` leaves a function as it is and ``tl.constexpr`` is a
+    plain annotation, so a notebook cell that defines a kernel still runs (and its check says why not)."""
+
+    constexpr = object
+
+    @staticmethod
+    def jit(fn=None, **_):
+        return fn if fn is not None else (lambda f: f)
+
+
+def __getattr__(name):
+    """``from cbteach.attention.triton_mode import triton, tl``: the real modules, imported only now (after
+    :func:`interpret_without_gpu` ran), or stand-ins where Triton is not installed."""
+    if name not in ("triton", "tl"):
+        raise AttributeError(name)
+    if not available():
+        return _StandIn
+    import triton
+    import triton.language
+
+    return triton if name == "triton" else triton.language
