@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+
 @triton.jit
 def attend_blocks(q, q_pos, head, table_ptr, num_keys, seq_len, k_pool_ptr, v_pool_ptr,
                   stride_block, stride_slot, stride_head, scale,
