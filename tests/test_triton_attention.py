@@ -163,5 +163,7 @@ def test_the_gpu_benchmark_times_three_ways_of_one_computation(capsys):
                                             enable_gqa=True)  # [B, H, 1, D]
     torch.testing.assert_close(kernel, vectorised_attention(query, 0, meta), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(kernel[0], padded[:, :, 0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+    assert kernel_bench.datasheet_bandwidth("NVIDIA H200")[0] == "h200"
+    assert kernel_bench.datasheet_bandwidth("NVIDIA L40S") is None  # not an L4
     if not torch.cuda.is_available():
         assert kernel_bench.run() == {} and "nothing measured" in capsys.readouterr().out

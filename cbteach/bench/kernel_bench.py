@@ -10,12 +10,14 @@ One layer's decode step, measured side by side in one run, for ``batch`` sequenc
   longest context: what a non-paged engine with a padded batch runs (no gather, but padding).
 
 Each gives the step's median seconds (:func:`cbteach.perf.claims.timeit`, CUDA synchronised), decode
-tokens per second (``batch / seconds``) and, for the kernel, the K/V bytes it needs over its time.
+tokens per second (``batch / seconds``) and, for the kernel, the K/V bytes the step needs over its time
+against the GPU's datasheet bandwidth (the roofline's ceiling; :mod:`cbteach.sim.devices`).
 Nothing here runs without CUDA: in Triton's interpreter the timings would mean nothing.
 """
 from __future__ import annotations
 
 import random
+import re
 
 import torch
 import torch.nn.functional as F
@@ -75,19 +77,35 @@ def measure(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, 
     return out
 
 
+def datasheet_bandwidth(device_name: str) -> tuple[str, float] | None:
+    """The datasheet memory bandwidth (bytes/s) of a GPU named like ``torch.cuda.get_device_name()``, from
+    :data:`cbteach.sim.devices.DEVICES`; ``None`` for a GPU it does not list."""
+    from ..sim.devices import DEVICES
+
+    name = device_name.upper()
+    for key, marker in (("h200", "H200"), ("h100", "H100"), ("a100-80gb", "A100-SXM4-80GB"), ("a100-80gb", "A100 80GB"),
+                        ("a100-40gb", "A100"), ("l4", "L4"), ("t4", "T4")):
+        if re.search(rf"\b{re.escape(marker)}\b", name):  # an L40S is no L4
+            return key, DEVICES[key].mem_bandwidth
+    return None
+
+
 def run(batches=(16, 64), context: int = 1024) -> dict:
     """Every shape at every batch, printed as claims; the numbers, for the results JSON."""
     if not torch.cuda.is_available():
         print("kernel: no CUDA device here -- nothing measured (the interpreter's timings would mean nothing)")
         return {}
     results = {}
+    peak = datasheet_bandwidth(torch.cuda.get_device_name())
     for name, heads, kv_heads, head_dim in SHAPES:
         for batch in batches:
             r = measure(batch, context, heads, kv_heads, head_dim)
             results[f"{name}/batch{batch}"] = r
             print(f"  {name} batch {batch}: " + ", ".join(f"{k} {1e6 * x['seconds']:.1f} us ({x['tokens_per_s']:,.0f} "
                                                          "tok/s)" for k, x in r.items())
-                  + f"; kernel reads K/V at {r['kernel']['kv_gb_per_s']:.0f} GB/s")
+                  + f"; the context's K/V over the kernel's time: {r['kernel']['kv_gb_per_s']:.0f} GB/s"
+                  + (f" ({1e9 * r['kernel']['kv_gb_per_s'] / peak[1]:.0%} of the {peak[0]} datasheet's "
+                     f"{peak[1] / 1e12:.2f} TB/s)" if peak else ""))
             claim(f"the kernel's decode step is faster than the gather's ({name}, batch {batch}, one layer)",
                   r["kernel"]["seconds"] < r["gather"]["seconds"])
             claim(f"the kernel's decode step is faster than SDPA on a padded batch ({name}, batch {batch}, one layer)",
