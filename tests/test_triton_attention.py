@@ -138,6 +138,9 @@ def test_what_the_kernel_cannot_do_is_refused():
         Engine(model, max_batch_size=2, kv="paged", kv_dtype="int8", attention="triton")
     with pytest.raises(ValueError, match="a function or 'triton'"):
         Engine(model, max_batch_size=2, kv="paged", attention="cuda")
+    if triton_unified.INTERPRETED:  # NumPy has no bfloat16: refused, never wrong tokens
+        with pytest.raises(ValueError, match="no bfloat16"):
+            Engine(tiny_model("llama").to(torch.bfloat16), max_batch_size=2, kv="paged", attention="triton")
 
 
 def test_without_triton_the_error_says_how_to_install_it(monkeypatch):

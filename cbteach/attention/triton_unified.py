@@ -118,14 +118,17 @@ def _as_kernel_function(fn):
     return fn if type(fn) is type(unified_attention_kernel) and fn.fn is raw else triton.jit(raw)
 
 
-def check_device(device) -> None:
+def check_device(device, dtype=None) -> None:
     """Refuse tensors this process's Triton cannot run on: compiled, CUDA only; interpreted, the CPU
-    (CUDA tensors too, copied to the host for each launch)."""
+    (CUDA tensors too, copied to the host for each launch) and no bfloat16, which NumPy lacks."""
     kind = torch.device(device).type if device is not None else None
     if kind not in (("cpu", "cuda") if INTERPRETED else ("cuda",)):
         raise ValueError(f"the Triton kernel cannot run on {kind}: this process runs Triton " + (
             "in its interpreter, on CPU tensors" if INTERPRETED else
             "compiled, on CUDA tensors; for CPU tensors set TRITON_INTERPRET=1 before Triton is imported"))
+    if INTERPRETED and dtype == torch.bfloat16:
+        raise ValueError("Triton's interpreter computes with NumPy, which has no bfloat16: run the model in "
+                         "float32 or float16 for the kernel on a CPU (or on a CUDA GPU)")
 
 
 def _pow2(n: int) -> int:
@@ -143,7 +146,7 @@ def unified_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.T
     if H % kv_heads or k_pool.shape[3] != D or k_pool.stride(3) != 1 or k_pool.stride() != v_pool.stride():
         raise ValueError(f"queries [1, {H}, T, {D}] and a pool {tuple(k_pool.shape)} do not fit: the heads must be a "
                          "multiple of the KV heads, head_dim equal, K and V laid out alike")
-    check_device(query.device)
+    check_device(query.device, query.dtype)
     B, longest = len(meta.num_scheduled_tokens), max(meta.num_scheduled_tokens)
     longest_context = max(c + n for c, n in zip(meta.num_computed_tokens, meta.num_scheduled_tokens))
     chosen = tile_n

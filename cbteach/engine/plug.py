@@ -71,7 +71,7 @@ def named_attention(kv, name: str):
     except ImportError:
         raise ValueError('attention="triton" needs Triton: pip install "cbteach[kernels]" (or pip install triton)') \
             from None
-    triton_unified.check_device(kv.pool.k[0].device)
+    triton_unified.check_device(kv.pool.k[0].device, kv.pool.k[0].dtype)
     return triton_unified.kernel_attention()
 
 
