@@ -105,3 +105,14 @@ def test_without_triton_the_check_says_how_to_install_it(monkeypatch, capsys):
     monkeypatch.delattr(cbteach.attention, "triton_unified")
     assert ex05b.check_attend_blocks(lambda: None) is False
     assert 'pip install "cbteach[kernels]"' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("i", range(len(MISTAKES)), ids=[m[0] for m in MISTAKES])
+def test_the_steps_made_four_times_larger_for_a_gpu_still_name_each_mistake(tmp_path, i):
+    """Compiled for a GPU, tl.dot wants tiles of 16 or more, so there the steps are four times larger
+    (ex05b.scaled); here, in the interpreter, the larger steps must catch the same mistakes."""
+    _, edits, words = MISTAKES[i]
+    with pytest.raises(ex05b.Fail, match=words):
+        ex05b.run_steps(mistaken(tmp_path, 100 + i, edits), scale=4)
+    if i == 0:
+        assert ex05b.run_steps(loop_from_source(tmp_path, "right_loop_x4", SOURCE), scale=4) == len(ex05b.STEPS)
