@@ -3,7 +3,8 @@
 #   1. torch's CPU build (tools/install_torch.py): an installed torch >= 2.6 is kept; else on Linux
 #      PyTorch's CPU wheel index when it answers, else $(TORCH) from the ordinary index. A bare `torch`
 #      requirement would pull the multi-GB CUDA build on Linux; this step comes first so it never does.
-#   2. the package, editable, with the extras the targets use: dev (tests, linter, website), lab, serve.
+#   2. the package, editable, with the extras the targets use: dev (tests, linter, website), lab, serve;
+#      `make test` adds kernels (Triton, for the paged-attention kernel's tests), `make demo` does not.
 
 PYTHON      ?= python3
 VENV        := .venv
@@ -23,19 +24,24 @@ $(VENV)/.installed: pyproject.toml setup.py
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $@
 
+# Triton for the kernel's tests (notebook 05b, tests/test_triton_attention.py); the demo never needs it.
+$(VENV)/.kernels: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[kernels]"
+	touch $@
+
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(PY) -m cbteach demo
 
 # The linter first (seconds), then the website, then every test and every notebook under nbval.
-test: $(VENV)/.installed browser-deps
+test: $(VENV)/.installed $(VENV)/.kernels browser-deps
 	$(VENV)/bin/ruff check .
 	$(OFFLINE) $(PY) tools/build_site.py --out $(SITE)
 	$(OFFLINE) $(PY) -m pytest -q -p no:cacheprovider tests notebooks \
 		--nbval --nbval-sanitize-with notebooks/sanitize.cfg
 
-test-fast: $(VENV)/.installed
+test-fast: $(VENV)/.installed $(VENV)/.kernels
 	$(OFFLINE) $(PY) -m pytest -q tests -x
 
 lint: $(VENV)/.installed

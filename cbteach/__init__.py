@@ -12,13 +12,17 @@ The pieces, in the order the course meets them:
   and beyond the basics: prefix caching, speculative decoding, an int8 KV pool and a simulated
   prefill/decode disaggregation (:mod:`cbteach.serving.disagg`) -- all options of the same engine.
 """
-from .engine.engine import Engine
-from .models import load_model
-from .core.records import SeqStep, StepRecord
-from .core.request import Completion, Request, RequestStatus
-from .core.sampling import SamplingParams
-from .engine.static import StaticResult, static_batching
-from .engine.streaming import StreamEvent
+from .attention.triton_mode import interpret_without_gpu
+
+interpret_without_gpu()  # before anything imports Triton: its interpreter where no GPU is (see the module)
+
+from .engine.engine import Engine  # noqa: E402
+from .models import load_model  # noqa: E402
+from .core.records import SeqStep, StepRecord  # noqa: E402
+from .core.request import Completion, Request, RequestStatus  # noqa: E402
+from .core.sampling import SamplingParams  # noqa: E402
+from .engine.static import StaticResult, static_batching  # noqa: E402
+from .engine.streaming import StreamEvent  # noqa: E402
 
 __all__ = ["Engine", "Request", "Completion", "RequestStatus", "SamplingParams", "StepRecord", "SeqStep",
            "StreamEvent", "load_model", "static_batching", "StaticResult"]

@@ -8,6 +8,8 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import cbteach  # noqa: E402,F401  (first: where no GPU is, Triton's interpreter is chosen before transformers imports it)
+
 import pytest  # noqa: E402  (the offline switches above must be set before transformers is imported)
 import torch  # noqa: E402
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config,  # noqa: E402

@@ -13,6 +13,10 @@
    download -- in bf16: 128 requests, prompts of 16-512 random tokens, skewed output lengths,
    ``ignore_eos``, batch 32). For each cbteach engine the first (untimed) and the timed run's
    seconds go to ``first_run_seconds``: a large gap is a per-shape warm-up tax.
+4. **kernel** -- on CUDA with Triton only: the paged-attention kernel (``attention="triton"``) against
+   the gather attention and PyTorch's SDPA on a padded batch, one layer's decode step at batch 16 and 64
+   for bierce's and TinyLlama-1.1B's attention shapes (:mod:`cbteach.bench.kernel_bench`), printed as
+   claims; and ``exact_fp32`` gains a ``paged_triton`` mode (the engine on the kernel vs ``generate``).
 
 Every part is guarded: a failure is recorded under ``errors`` and the rest still runs. The JSON
 (``--out``, default ``benchmarks/results/gpu.json``) is rewritten after each part, so a run cut
@@ -165,12 +169,22 @@ def exact_fp32(device, n, max_new, batch) -> dict:
              "concat": lambda: Engine(model, tok, max_batch_size=batch, kv="concat").run(reqs()),
              "paged": lambda: Engine(model, tok, max_batch_size=batch, kv="paged").run(reqs()),
              "paged_budget32": lambda: Engine(model, tok, max_batch_size=batch, kv="paged", token_budget=32).run(reqs())}
+    if _has_kernel(device):
+        modes["paged_triton"] = lambda: Engine(model, tok, max_batch_size=batch, kv="paged", attention="triton",
+                                               token_budget=32).run(reqs())
     out = {}
     for mode, fn in modes.items():
         got = [c.output_ids for c in fn()]
         out[mode] = [sum(g == w for g, w in zip(got, want)), len(want)]
         log(f"  exact_fp32 {mode}: {out[mode][0]}/{out[mode][1]} equal to model.generate")
     return out
+
+
+def _has_kernel(device) -> bool:
+    """The Triton kernel can be measured: a CUDA device and Triton installed."""
+    from cbteach.attention.triton_mode import available
+
+    return torch.device(device).type == "cuda" and available()
 
 
 def llama_requests(n, prompt_range, out_median, out_cap, vocab=32000, seed=0):
@@ -269,6 +283,15 @@ def run_all(a, sizes, device) -> int:
         return throughput("llama_1b", model, None, reqs, sizes["batch"], result,
                           full_warmup=("cbteach_concat", "cbteach_paged"))
     result["throughput"]["llama_1b"] = guarded(result, "throughput/llama_1b", llama) or {}
+    save()
+
+    if _has_kernel(device):
+        from cbteach.bench import kernel_bench
+        log("kernel: Triton paged attention vs the gather vs SDPA on a padded batch (one layer, decode)")
+        result["kernel"] = guarded(result, "kernel", kernel_bench.run) or {}
+    else:
+        result["kernel_skipped"] = "needs a CUDA device and Triton (pip install \"cbteach[kernels]\")"
+        log(f"kernel skipped: {result['kernel_skipped']}")
     result["seconds"] = round(time.perf_counter() - T0, 1)
     save()
     log(f"done in {result['seconds']} s; wrote {a.out}")

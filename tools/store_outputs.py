@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Store the course's outputs: execute notebooks in place, one at a time, on a quiet machine.
 
-    .venv/bin/python tools/store_outputs.py                    # every notebooks/[0-9][0-9]_*.ipynb
+    .venv/bin/python tools/store_outputs.py                    # every notebooks/[0-9][0-9]*_*.ipynb (05b too)
     .venv/bin/python tools/store_outputs.py notebooks/07_*.ipynb --timeout 900
     .venv/bin/python tools/store_outputs.py --force            # even when the machine is busy
 
@@ -56,14 +56,14 @@ def store(path: Path, timeout: int) -> tuple[bool, float]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("notebooks", nargs="*", type=Path,
-                   help="notebooks to execute (default: every notebooks/[0-9][0-9]_*.ipynb)")
+                   help="notebooks to execute (default: every notebooks/[0-9][0-9]*_*.ipynb)")
     p.add_argument("--timeout", type=int, default=600, help="seconds allowed per cell (default: 600)")
     p.add_argument("--force", action="store_true", help="run even when the 1-minute load average is >= 1")
     a = p.parse_args(argv)
-    paths = a.notebooks or sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    paths = a.notebooks or sorted((ROOT / "notebooks").glob("[0-9][0-9]*_*.ipynb"))
     missing = [str(x) for x in paths if not x.is_file()]
     if missing or not paths:
-        print(f"no such notebook: {', '.join(missing) or 'notebooks/[0-9][0-9]_*.ipynb matched nothing'}")
+        print(f"no such notebook: {', '.join(missing) or 'notebooks/[0-9][0-9]*_*.ipynb matched nothing'}")
         return 1
     if a.timeout < 1:
         print("--timeout must be a positive number of seconds")

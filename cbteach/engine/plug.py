@@ -5,7 +5,8 @@ attention=my_attention, slot_mapping=my_slot_mapping)`` runs an engine built fro
 (notebooks 05, 06 and 12). Each piece was checked alone by its notebook; here, while the engine
 runs, :class:`RuleGuard` checks what only the whole engine can see -- every step's plan and every
 update -- and stops it with :class:`~cbteach.errors.EngineRuleError` naming the broken rule. An
-engine never hands out tokens it cannot vouch for.
+engine never hands out tokens it cannot vouch for. ``attention="triton"`` plugs in the course's
+Triton kernel (:mod:`cbteach.attention.triton_unified`, notebook 05b) at the same point.
 
 The rules (vLLM's scheduler keeps the same ones, by construction rather than by checking):
 
@@ -48,8 +49,30 @@ def plug_pieces(kv, kv_manager=None, attention=None, slot_mapping=None) -> None:
                              f"{getattr(manager, 'block_size', '?')} slots; the pool has {kv.num_blocks} of "
                              f"{kv.block_size}")
         kv.manager = manager
+    if isinstance(attention, str):
+        attention = named_attention(kv, attention)
     if attention is not None or slot_mapping is not None:
         kv.plug(attention=attention, slot_mapping=slot_mapping)
+
+
+def named_attention(kv, name: str):
+    """``attention="triton"``: the paged-attention kernel of :mod:`cbteach.attention.triton_unified`, which
+    reads K/V where they lie in the pool (after this step's are written at the slot mapping)."""
+    if name != "triton":
+        raise ValueError(f"attention must be a function or 'triton' (the Triton kernel), got {name!r}")
+    if kv.config.kv_dtype is not None:
+        raise ValueError(f"attention='triton' reads the pool in the model's dtype; kv_dtype={kv.config.kv_dtype!r} "
+                         "stores int8 values and scales it does not read: leave kv_dtype unset")
+    if kv.pool is None:
+        raise ValueError("attention='triton' reads the driver's pool; under tensor parallelism the ranks hold the K/V "
+                         "and run the engine's own attention: use tensor_parallel_size=1 with the kernel")
+    try:
+        from ..attention import triton_unified
+    except ImportError:
+        raise ValueError('attention="triton" needs Triton: pip install "cbteach[kernels]" (or pip install triton)') \
+            from None
+    triton_unified.check_device(kv.pool.k[0].device, kv.pool.k[0].dtype)
+    return triton_unified.kernel_attention()
 
 
 class RuleGuard:
