@@ -269,7 +269,7 @@ def read(**kwargs):
 def test_from_an_empty_folder_nothing_is_taken_from_the_course_without_saying_so(colab, llama):
     pieces, said = read()
     assert all(v is None for v in pieces.objects.values()) and not pieces.course, pieces.objects
-    assert "NOT FOUND: notebook 05 and 06" in said and str(colab) in said and "drive.mount" in said, said
+    assert "NOT FOUND: notebook 05 and 06" in said and str(colab.resolve()) in said and "drive.mount" in said, said
     ok, out = check(my_engine_of(pieces), pieces, llama)
     assert not ok and "was not found" in out, out
     course, said = read(use_course_solutions=True)  # the instructor's way: it runs, and says whose it is
@@ -277,6 +277,18 @@ def test_from_an_empty_folder_nothing_is_taken_from_the_course_without_saying_so
     assert "NOT YOUR CODE" in said and "COURSE'S OWN SOLUTIONS" in said, said
     ok, out = check(my_engine_of(course), course, llama)
     assert ok and "NOT YOURS" in out, out
+
+
+def test_from_an_empty_folder_on_a_laptop_it_says_where_it_looked(tmp_path, monkeypatch):
+    from cbteach.exercises import where
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(where, "COLAB_UPLOADS", tmp_path / "no-content")
+    monkeypatch.setattr(where, "COLAB_DRIVE", tmp_path / "no-drive")
+    monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
+    pieces, said = read()
+    assert all(v is None for v in pieces.objects.values()) and pieces.where == {"05": None, "06": None}
+    assert "NOT FOUND" in said and "!!   the current folder\n" in said and str(tmp_path) not in said, said
 
 
 def _learners_copy(path: Path, number: str) -> None:

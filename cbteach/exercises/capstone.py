@@ -66,7 +66,7 @@ class Pieces:
         for piece, (number, names, _, _) in PIECES.items():
             path = self.where.get(number)
             what = "not written yet" if self.objects.get(piece) is None else " + ".join(names)
-            origin = f"{path.name}  in {path.parent.resolve()}" if path is not None else f"no notebook {number} found"
+            origin = f"{path.name}  in {where.shown(path.parent)}" if path is not None else f"no notebook {number} found"
             mark = "   <-- THE COURSE'S SOLUTION" if piece in self.course else ""
             lines.append(f"{piece:13s} {what:22s} from {origin}{mark}")
         missing = [n for n, p in self.where.items() if p is None]
@@ -74,7 +74,7 @@ class Pieces:
             lines.append(where.not_found_text(missing, self.searched))
         if self.course:
             folders = {p.parent for p in self.where.values() if p is not None}
-            why = (f"read from the course's own notebooks, {next(iter(folders)).resolve()}"
+            why = ("read from the course's own notebooks, the folder cbteach's course is shipped in"
                    if len(folders) == 1 and where.is_course_folder(next(iter(folders)))
                    else "their cells are, letter for letter, the course's solution cells")
             lines.append(where.course_text([p for p in PIECES if p in self.course], why))

@@ -69,6 +69,16 @@ def search_folders() -> list[Path]:
     return out
 
 
+def shown(folder: Path) -> str:
+    """A folder as the learner reads it: ``the current folder``, or its full path (``/content`` and
+    ``/content/drive/MyDrive/...`` on Colab)."""
+    try:
+        here, there = Path.cwd().resolve(), Path(folder).resolve()
+    except OSError:
+        return str(folder)
+    return "the current folder" if there == here and there != Path(COLAB_UPLOADS) else str(there)
+
+
 def find_notebook(folder: Path, number: str) -> Path | None:
     """Notebook ``number`` (``"05"``) in ``folder``: ``05_*.ipynb`` or ``Copy of 05_*.ipynb``, the one
     saved last if there are several."""
@@ -116,7 +126,7 @@ def normal(source) -> str:
 def not_found_text(missing: list[str], searched: list[Path]) -> str:
     """The loud lines printed when notebooks 05/06 were found nowhere."""
     bar = "!" * 100
-    where = "\n".join(f"!!   {f}" for f in searched) or "!!   (no folder)"
+    where = "\n".join(f"!!   {shown(f)}" for f in searched) or "!!   (no folder)"
     return (f"{bar}\n!! NOT FOUND: notebook {' and '.join(missing)} -- the pieces written there count as NOT WRITTEN YET.\n"
             f"!! Looked in:\n{where}\n"
             "!! Keep this notebook beside your 05 and 06 and save them. On Colab: upload your saved 05 and 06 "
