@@ -390,6 +390,8 @@ WRONG_SLOTS = [
      "off by one at a block boundary"),
     (lambda t, c, s, bs: [x[(p - 1) // bs] * bs + p % bs for x, cc, n in zip(t, c, s) for p in range(cc, cc + n)],
      "off by one at a block boundary"),
+    (lambda t, c, s, bs: [x[p // bs + 1] * bs + p % bs for x, cc, n in zip(t, c, s) for p in range(cc, cc + n)],
+     "off by one at a block boundary"),
     (lambda t, c, s, bs: [t[0][p // bs] * bs + p % bs for cc, n in zip(c, s) for p in range(cc, cc + n)],
      "through sequence 0's block table"),
 ]

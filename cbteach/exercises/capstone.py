@@ -25,7 +25,6 @@ from __future__ import annotations
 import ast
 import contextlib
 import io
-import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,42 +80,6 @@ class Pieces:
         return "\n".join(lines)
 
 
-def _defined(src: str) -> set:
-    """The top-level names a cell defines (functions, classes, assignments)."""
-    try:
-        tree = ast.parse(src)
-    except SyntaxError:
-        return set()
-    names = set()
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, ast.Assign):
-            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
-    return names
-
-
-def _cells(path: Path, stubbed: bool = False) -> tuple[list[str], list[str]]:
-    """(the import statements of the code cells that are not solutions, the solution cells' sources);
-    ``stubbed``: the solution cells as the student copy hands them out."""
-    from ..student import SOLUTION_TAG, stub
-
-    imports, solutions = [], []
-    for cell in json.loads(path.read_text(encoding="utf-8"))["cells"]:
-        if cell.get("cell_type") != "code":
-            continue
-        src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
-        if SOLUTION_TAG in cell.get("metadata", {}).get("tags", []):
-            solutions.append(stub(src) if stubbed else src)
-            continue
-        try:
-            tree = ast.parse("\n".join(line for line in src.splitlines() if not line.lstrip().startswith(("%", "!"))))
-        except SyntaxError:
-            continue
-        imports += [ast.unparse(n) for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
-    return imports, solutions
-
-
 def _read(folder=None, use_course_solutions: bool = False) -> tuple[str, dict, set, list]:
     """(the pieces module's text, where each notebook was found, the pieces that are the course's
     solutions, the folders searched). A notebook found nowhere gives the student copy's stubs."""
@@ -147,16 +110,16 @@ def _read(folder=None, use_course_solutions: bool = False) -> tuple[str, dict, s
             bodies += [f"def {name}(*args):\n    ...\n" for piece, (n, names, _, _) in PIECES.items() if n == number
                        for name in names if not name.startswith("My")]
             continue
-        more, solutions = _cells(source_path, stubbed=path is None)
+        more, solutions = where.cells(source_path, stubbed=path is None)
         imports += [i for i in more if i not in imports]
         theirs = where.course_cells(number) if path is not None else set()
         for s in solutions:
             if where.normal(s) in theirs:
-                course_names |= _defined(s)
+                course_names |= where.defined(s)
         label = path.name if path is not None else f"{number} (not found: the student copy's stubs)"
         bodies += [f"# -- from {label} --\n{s.strip()}\n" for s in solutions]
     used = {n.id for b in bodies for n in ast.walk(ast.parse(b)) if isinstance(n, ast.Name)}
-    imports = [i for i in imports if _binds(i) & used]  # only what the pieces use
+    imports = [i for i in imports if where.binds(i) & used]  # only what the pieces use
     combined = (f"\n\nclass {ENGINE_CLASS}(MyScheduler, MyUpdate):\n    \"\"\"Your schedule (notebook 06, stages 1-4) "
                 "and your update (stage 5): one scheduler.\"\"\"\n")
     header = '"""Your engine\'s pieces, written from notebooks 05 and 06 (cbteach.exercises.capstone)."""\n'
@@ -170,12 +133,6 @@ def pieces_source(folder=None, use_course_solutions: bool = False) -> tuple[str,
     works (:mod:`cbteach.exercises.where`) -- and where each notebook was found (``None``: nowhere)."""
     source, found, _, _ = _read(folder, use_course_solutions)
     return source, found
-
-
-def _binds(statement: str) -> set:
-    """The names an import statement binds."""
-    node = ast.parse(statement).body[0]
-    return {(a.asname or a.name).split(".")[0] for a in node.names}
 
 
 def pieces_from_notebooks(folder=None, *, use_course_solutions: bool = False, say=print) -> Pieces:

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 _SWAPPED = ("block and offset are swapped: a position's block is its index in the block table, "
             "position // block_size; the offset inside that block is the remainder, position % block_size")
 
-_BOUNDARY = ("off by one at a block boundary: the tokens at the edge of a block went into the block next to it. "
+_BOUNDARY = ("the block index is off by one at a block boundary: tokens went into the block next to their own. "
              "Position p is in block p // block_size of the table, rounded down (positions 0 .. block_size - 1 are "
-             "block 0), at offset p % block_size")
+             "block 0, the table's first entry), at offset p % block_size")
 _TABLE_ZERO = ("every sequence was mapped through sequence 0's block table: sequence i's tokens live in the blocks "
                "of its own table, block_tables[i] -- walk the tables together with the sequences")
 
@@ -40,6 +40,7 @@ SLOT_MISTAKES = {
     "block_up": _BOUNDARY,
     "block_next": _BOUNDARY,
     "block_before": _BOUNDARY,
+    "block_plus": _BOUNDARY,
     "table_zero": _TABLE_ZERO,
     "last_block": ("not every new token goes into the sequence's last block: a chunk can begin in a partly "
                    "filled block and run on into the next ones -- find each token's block from its own position"),
@@ -56,7 +57,7 @@ def slots(block_tables, num_computed_tokens, num_scheduled_tokens, block_size, m
             p = {"from_zero": j, "plus_one": c + j + 1, "packed_index": row}.get(mistake, c + j)
             block, offset = p // block_size, p % block_size
             block = {"block_up": -(-p // block_size), "block_next": (p + 1) // block_size,
-                     "block_before": (p - 1) // block_size}.get(mistake, block)
+                     "block_before": (p - 1) // block_size, "block_plus": p // block_size + 1}.get(mistake, block)
             if mistake == "swapped":
                 out.append(table[offset] * block_size + block)
             elif mistake == "offset_times":

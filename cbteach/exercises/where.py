@@ -1,4 +1,5 @@
-"""Where notebook 12 finds the learner's notebooks 05 and 06 -- and how it tells them from the course's.
+"""Where notebook 12 finds the learner's notebooks 05 and 06, how it tells them from the course's, and
+how it reads the pieces out of them (:func:`cells`).
 
 Notebook 12 runs *your* pieces, so it reads them from the notebooks you wrote them in. It looks, in
 this order (:func:`search_folders`), and takes each notebook from the first folder that holds it:
@@ -20,6 +21,8 @@ course's, not yours (:func:`course_cells`).
 """
 from __future__ import annotations
 
+import ast
+import json
 import os
 import re
 from pathlib import Path
@@ -103,8 +106,6 @@ def is_course_folder(folder: Path) -> bool:
 def course_cells(number: str) -> set[str]:
     """The course's own solution cells of notebook ``number``, normalised (:func:`normal`); empty if the
     course's notebooks cannot be found."""
-    import json
-
     from ..student import SOLUTION_TAG, course_dir
 
     try:
@@ -144,3 +145,47 @@ def course_text(pieces: list[str], why: str) -> str:
             f"SOLUTION{'' if len(pieces) == 1 else 'S'} ({why}).\n!! Every check, the server and the tournament "
             "below run the course's answers for them, not yours.\n"
             f"{bar}")
+
+
+# -- reading the pieces out of a notebook ---------------------------------------------------------------
+
+def defined(src: str) -> set:
+    """The top-level names a cell defines (functions, classes, assignments)."""
+    try:
+        tree = ast.parse(src)
+    except SyntaxError:
+        return set()
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return names
+
+
+def cells(path: Path, stubbed: bool = False) -> tuple[list[str], list[str]]:
+    """(the import statements of the code cells that are not solutions, the solution cells' sources);
+    ``stubbed``: the solution cells as the student copy hands them out."""
+    from ..student import SOLUTION_TAG, stub
+
+    imports, solutions = [], []
+    for cell in json.loads(path.read_text(encoding="utf-8"))["cells"]:
+        if cell.get("cell_type") != "code":
+            continue
+        src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+        if SOLUTION_TAG in cell.get("metadata", {}).get("tags", []):
+            solutions.append(stub(src) if stubbed else src)
+            continue
+        try:
+            tree = ast.parse("\n".join(line for line in src.splitlines() if not line.lstrip().startswith(("%", "!"))))
+        except SyntaxError:
+            continue
+        imports += [ast.unparse(n) for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    return imports, solutions
+
+
+def binds(statement: str) -> set:
+    """The names an import statement binds."""
+    node = ast.parse(statement).body[0]
+    return {(a.asname or a.name).split(".")[0] for a in node.names}
