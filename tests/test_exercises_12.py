@@ -176,6 +176,13 @@ def test_serve_refuses_a_piece_that_fails_its_check_before_it_starts(pieces_dir)
         capstone.refuse_broken_pieces(["--kv-manager"])
 
 
+def test_serve_refuses_the_engines_own_pieces_under_a_learners_option(pieces_dir):
+    with pytest.raises(ValueError, match="--kv-manager cbteach.kv.manager:KVCacheManager failed its check.*the engine's"):
+        capstone.refuse_broken_pieces(["--kv-manager", "cbteach.kv.manager:KVCacheManager"])
+    with pytest.raises(ValueError, match="--attention cbteach.exercises.ex05_mistakes:attend failed.*course's own"):
+        capstone.refuse_broken_pieces(["--attention", "cbteach.exercises.ex05_mistakes:attend"])
+
+
 def test_serve_lets_pieces_that_pass_their_checks_start(pieces_dir):
     pieces = capstone.refuse_broken_pieces(capstone.serve_options("good_pieces"))
     assert set(pieces) == {"scheduler_cls", "kv_manager", "attention", "slot_mapping"}

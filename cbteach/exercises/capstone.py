@@ -192,7 +192,13 @@ def serve_options(module: str) -> list[str]:
 
 def check_piece(piece: str, obj, model, tok=None, slot_mapping=None, prefix_caching: bool = True) -> tuple[bool, str]:
     """Run ``piece``'s own notebook check on ``obj``: (passed, what the check said -- its failure if any).
-    ``prefix_caching=False``: the scheduler is not checked on workloads with prefix caching on."""
+    ``prefix_caching=False``: the scheduler is not checked on workloads with prefix caching on. A piece
+    that is (or copies) the engine's or the course's own is refused first (:mod:`.delegation`)."""
+    from .delegation import is_own
+
+    refused = is_own(piece, obj)
+    if refused:
+        return False, refused
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         ok = _run_check(piece, obj, model, tok, slot_mapping, prefix_caching)
