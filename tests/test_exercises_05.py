@@ -308,6 +308,18 @@ def sdpa_is_causal(query, key, value, meta, layer, scaling):
     return out
 
 
+def this_step_only(query, key, value, meta, layer, scaling):
+    """Forgets the cache: each sequence attends to the tokens it feeds this step, read back at the slot mapping."""
+    meta.pool.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    out, group = torch.empty_like(query), query.shape[1] // key.shape[1]
+    for i, (c, n) in enumerate(zip(meta.num_computed_tokens, meta.num_scheduled_tokens)):
+        s = int(meta.query_start_loc[i])
+        k, v = meta.pool.read_slots(layer, meta.slot_mapping[s:s + n])
+        k, v = k.transpose(0, 1).repeat_interleave(group, 0), v.transpose(0, 1).repeat_interleave(group, 0)
+        out[0, :, s:s + n] = F.scaled_dot_product_attention(query[0, :, s:s + n], k, v, is_causal=True, scale=scaling)
+    return out
+
+
 def gqa_not_repeated(query, key, value, meta, layer, scaling):
     return wrong_attention(heads="none")(query, key, value, meta, layer, scaling)
 
@@ -431,6 +443,7 @@ WRONG_ATTENTION = [
     (default_attention, "is the engine's default_attention"),
     (wrong_attention(softmax="queries"), "the softmax went over the wrong axis"),
     (wrong_attention(row="zero"), "through another sequence's block table"),
+    (this_step_only, "attended to this step's tokens only"),
     (wrong_attention(row="layer"), "through another sequence's block table"),
 ]
 

@@ -104,6 +104,9 @@ ATTENTION_MISTAKES = {
                      "the context: round the number of blocks up, or better, read positions 0 .. c + n - 1"),
     "softmax_axis": ("the softmax went over the wrong axis: each query's weights over the keys it sees must sum to 1 "
                      "-- normalise along the keys (the last axis of q @ k^T), not along the queries"),
+    "only_new": ("each query attended to this step's tokens only: its sequence's context also holds the c tokens "
+                 "computed in earlier steps, in the pool -- read positions 0 .. c + n - 1 through the block table, "
+                 "not only this step's slots"),
     "table_zero": ("a sequence read its context through another sequence's block table: sequence i's keys and values "
                    "are in the blocks of its own row, meta.block_tables[i] (not row 0, not the layer's number)"),
     "table_layer": ("a sequence read its context through another sequence's block table: sequence i's keys and "
@@ -129,6 +132,8 @@ def attend(query, key, value, meta, layer: int, scaling=None, mistake=None) -> t
         width = {"whole_blocks": -(-length // bs) * bs, "padded_row": table.numel() * bs,
                  "floor_blocks": length // bs * bs}.get(mistake, length)
         pos = torch.arange(width, device=query.device)
+        if mistake == "only_new":  # this step's own slots: positions c .. c + n - 1
+            pos, width = pos[:n] + c, n
         if mistake == "swapped":
             slot = table[pos % bs] * bs + pos // bs
         elif mistake == "no_times":
@@ -142,7 +147,7 @@ def attend(query, key, value, meta, layer: int, scaling=None, mistake=None) -> t
             k, v = k.repeat(group, 1, 1), v.repeat(group, 1, 1)
         else:
             k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
-        diagonal = {"causal_minus": c - 1, "causal_plus": c + 1, "causal_zero": 0}.get(mistake, c)
+        diagonal = {"causal_minus": c - 1, "causal_plus": c + 1, "causal_zero": 0, "only_new": 0}.get(mistake, c)
         if mistake == "causal_minus_prefill":
             diagonal = c - 1 if n > 1 else c
         mask = torch.ones(n, width, dtype=torch.bool, device=query.device).tril(diagonal=diagonal)
