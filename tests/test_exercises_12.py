@@ -183,6 +183,14 @@ def test_serve_refuses_the_engines_own_pieces_under_a_learners_option(pieces_dir
         capstone.refuse_broken_pieces(["--attention", "cbteach.exercises.ex05_mistakes:attend"])
 
 
+def test_serve_lets_a_scheduler_keep_the_engines_update(pieces_dir):
+    """A stage-4 scheduler of notebook 06 writes schedule only: serve and the tournament take it."""
+    source = SOLUTION[:SOLUTION.index("class MyUpdate")] + "\n\nclass MyUpdate(Scheduler):\n    pass\n" + \
+        SOLUTION[SOLUTION.index(f"\n\nclass {capstone.ENGINE_CLASS}"):]
+    (pieces_dir / "stage4.py").write_text(source)
+    assert set(capstone.refuse_broken_pieces(["--scheduler", f"stage4:{capstone.ENGINE_CLASS}"])) == {"scheduler_cls"}
+
+
 def test_serve_lets_pieces_that_pass_their_checks_start(pieces_dir):
     pieces = capstone.refuse_broken_pieces(capstone.serve_options("good_pieces"))
     assert set(pieces) == {"scheduler_cls", "kv_manager", "attention", "slot_mapping"}
@@ -355,14 +363,15 @@ CHEATS = {  # piece -> (the learner's cell, the words that must name it)
     "update": ("class MyUpdate(Scheduler):\n    def update_from_output(self, plan, output, now):\n"
                "        return super().update_from_output(plan, output, now)",
                "update_from_output -- a check"),
+    "update_missing": ("class MyUpdate(Scheduler):\n    pass", "in MyEngineScheduler.update_from_output, the engine's"),
 }
 
 
 @pytest.mark.parametrize("cheat", sorted(CHEATS))
 def test_a_piece_that_is_or_calls_the_engines_or_the_courses_own_is_refused(cheat, llama):
     cell, words = CHEATS[cheat]
-    name = {"attention_wrapper": "attention", "update": "scheduler"}.get(cheat, cheat)
-    defines = {"update": "class MyUpdate"}.get(cheat, {"attention": "def my_attention", "slot_mapping":
+    name = {"attention_wrapper": "attention", "update": "scheduler", "update_missing": "scheduler"}.get(cheat, cheat)
+    defines = {"update": "class MyUpdate", "update_missing": "class MyUpdate"}.get(cheat, {"attention": "def my_attention", "slot_mapping":
                                                         "def my_slot_mapping", "kv_manager": "class MyKVManager",
                                                         "scheduler": "class MyScheduler"}[name])
     start = SOLUTION.index(defines)
@@ -373,3 +382,15 @@ def test_a_piece_that_is_or_calls_the_engines_or_the_courses_own_is_refused(chea
     pieces = pieces_of(source)
     ok, out = check(my_engine_of(pieces), pieces, llama)
     assert not ok and out.startswith("✗") and words in out and "yourself" in out, out
+
+
+def test_the_benchmark_interleaves_rounds_and_reports_medians_with_their_range(llama):
+    pieces = pieces_of(SOLUTION)
+    got = ex12.benchmark(my_engine_of(pieces), llama, None, rounds=2)
+    assert list(got) == ["your engine", "the engine's own pieces"]
+    for s in got.values():
+        assert len(s["runs"]) == 2
+        for key in ex12.METRICS:
+            assert s[key]["min"] <= s[key]["median"] <= s[key]["max"], (key, s[key])
+    with pytest.raises(ValueError, match="rounds"):
+        ex12.benchmark(my_engine_of(pieces), llama, None, rounds=0)

@@ -20,8 +20,9 @@ import functools
 import sys
 import types
 
-# piece -> the methods of a class piece that must be the learner's own
-METHODS = {"kv_manager": ("allocate_slots", "free"), "scheduler": ("schedule", "update_from_output")}
+# piece -> the methods of a class piece that must be the learner's own (a scheduler from notebook 06's
+# stage 4 may keep the engine's update; notebook 12 asks for both: is_own(..., methods=...))
+METHODS = {"kv_manager": ("allocate_slots", "free"), "scheduler": ("schedule",)}
 WHAT = {"slot_mapping": "slot mapping", "attention": "attention", "kv_manager": "KV manager", "scheduler": "scheduler"}
 
 
@@ -87,10 +88,12 @@ def _function(obj):
     return obj if isinstance(getattr(obj, "__code__", None), types.CodeType) else None
 
 
-def is_own(piece: str, obj) -> str | None:
-    """The refusal if ``obj`` is, or copies, the engine's or the course's own ``piece`` (else None)."""
+def is_own(piece: str, obj, methods=None) -> str | None:
+    """The refusal if ``obj`` is, or copies, the engine's or the course's own ``piece`` (else None);
+    ``methods``: those of a class that must be the learner's (default :data:`METHODS`)."""
     if isinstance(obj, type):
-        targets = [(getattr(obj, m, None), f"{obj.__name__}.{m}") for m in METHODS.get(piece, ())]
+        wanted = methods if methods is not None else METHODS.get(piece, ())
+        targets = [(getattr(obj, m, None), f"{obj.__name__}.{m}") for m in wanted]
     else:
         targets = [(obj, "")]
     for target, label in targets:
