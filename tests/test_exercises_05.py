@@ -239,7 +239,7 @@ def slot_mapping(block_tables, num_computed_tokens, num_scheduled_tokens, block_
 
 
 def attention(query, key, value, meta, layer, scaling, *, order="write_first", diagonal=0, heads="interleave",
-              context="exact", slot="right", mask_decodes=True, scale=True, write_layer=None):
+              context="exact", slot="right", mask_decodes=True, scale=True, write_layer=None, softmax=None, row=None):
     """The notebook's solution, with one mistake switched on by a keyword."""
     def write():
         meta.pool.write(layer if write_layer is None else write_layer, meta.slot_mapping,
@@ -253,7 +253,7 @@ def attention(query, key, value, meta, layer, scaling, *, order="write_first", d
         length = {"exact": c + n, "floor": (c + n) // bs * bs, "whole_blocks": math.ceil((c + n) / bs) * bs,
                   "padded_row": meta.block_tables.shape[1] * bs}[context]
         pos = torch.arange(length)
-        table = meta.block_tables[i]
+        table = meta.block_tables[{None: i, "zero": 0, "layer": layer}[row]]
         slots = {"right": lambda: table[pos // bs] * bs + pos % bs, "swapped": lambda: table[pos % bs] * bs + pos // bs,
                  "no_times": lambda: table[pos // bs] + pos % bs}[slot]()
         k, v = meta.pool.read_slots(layer, slots)
@@ -265,6 +265,11 @@ def attention(query, key, value, meta, layer, scaling, *, order="write_first", d
         mask = torch.ones(n, length, dtype=torch.bool).tril(diagonal=c + diagonal if diagonal != "zero" else 0)
         if n == 1 and not mask_decodes:
             mask = None
+        if softmax is not None:  # written by hand: scores, the mask as -inf, a softmax along one axis
+            scores = (query[0, :, start:start + n] @ k.transpose(-1, -2)) * scaling
+            scores = scores.masked_fill(~mask, float("-inf"))
+            out[0, :, start:start + n] = scores.softmax(dim={"keys": -1, "queries": -2}[softmax]) @ v
+            continue
         out[0, :, start:start + n] = F.scaled_dot_product_attention(query[0, :, start:start + n], k, v, attn_mask=mask,
                                                                     scale=scaling if scale else None)
     if order == "write_after":
@@ -300,6 +305,18 @@ def sdpa_is_causal(query, key, value, meta, layer, scaling):
         k, v = meta.pool.read_slots(layer, meta.block_tables[i, pos // bs] * bs + pos % bs)
         k, v = k.transpose(0, 1).repeat_interleave(group, 0), v.transpose(0, 1).repeat_interleave(group, 0)
         out[0, :, s:s + n] = F.scaled_dot_product_attention(query[0, :, s:s + n], k, v, is_causal=n > 1, scale=scaling)
+    return out
+
+
+def this_step_only(query, key, value, meta, layer, scaling):
+    """Forgets the cache: each sequence attends to the tokens it feeds this step, read back at the slot mapping."""
+    meta.pool.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    out, group = torch.empty_like(query), query.shape[1] // key.shape[1]
+    for i, (c, n) in enumerate(zip(meta.num_computed_tokens, meta.num_scheduled_tokens)):
+        s = int(meta.query_start_loc[i])
+        k, v = meta.pool.read_slots(layer, meta.slot_mapping[s:s + n])
+        k, v = k.transpose(0, 1).repeat_interleave(group, 0), v.transpose(0, 1).repeat_interleave(group, 0)
+        out[0, :, s:s + n] = F.scaled_dot_product_attention(query[0, :, s:s + n], k, v, is_causal=True, scale=scaling)
     return out
 
 
@@ -340,8 +357,9 @@ def gathers_whole_blocks(query, key, value, meta, layer, scaling):
     return out
 
 
-@pytest.mark.parametrize("right", [attention, gathers_whole_blocks, wrong_attention(mask_decodes=False)],
-                         ids=["loop", "whole_blocks_masked", "decodes_unmasked"])
+@pytest.mark.parametrize("right", [attention, gathers_whole_blocks, wrong_attention(mask_decodes=False),
+                                   wrong_attention(softmax="keys")],
+                         ids=["loop", "whole_blocks_masked", "decodes_unmasked", "softmax_by_hand"])
 def test_ex05_attention_accepts_right_answers_in_the_real_engine(model, capsys, right):
     assert ex05_attention.check_paged_attention(right, model, slot_mapping=slot_mapping)
     out = capsys.readouterr().out
@@ -377,6 +395,17 @@ WRONG_SLOTS = [
     (lambda t, c, s, bs: [float(x) for x in slot_mapping(t, c, s, bs)], "whole number"),
     (lambda t, c, s, bs: build([1] * sum(s), c, s, "cpu", block_tables=t, block_size=bs).slot_mapping.tolist(),
      "called the engine's build"),
+    # off by one at a block boundary, three ways a learner writes it: each indexes past a table's end
+    (lambda t, c, s, bs: [x[math.ceil(p / bs)] * bs + p % bs for x, cc, n in zip(t, c, s) for p in range(cc, cc + n)],
+     "off by one at a block boundary"),
+    (lambda t, c, s, bs: [x[(p + 1) // bs] * bs + p % bs for x, cc, n in zip(t, c, s) for p in range(cc, cc + n)],
+     "off by one at a block boundary"),
+    (lambda t, c, s, bs: [x[(p - 1) // bs] * bs + p % bs for x, cc, n in zip(t, c, s) for p in range(cc, cc + n)],
+     "off by one at a block boundary"),
+    (lambda t, c, s, bs: [x[p // bs + 1] * bs + p % bs for x, cc, n in zip(t, c, s) for p in range(cc, cc + n)],
+     "off by one at a block boundary"),
+    (lambda t, c, s, bs: [t[0][p // bs] * bs + p % bs for cc, n in zip(c, s) for p in range(cc, cc + n)],
+     "through sequence 0's block table"),
 ]
 
 
@@ -411,7 +440,11 @@ WRONG_ATTENTION = [
     (lambda q, *a: q.transpose(1, 2), "shaped like the queries"),
     (RightOnlyOnTheHandBuiltSteps(), "in the real engine"),
     (engine_style, "called the engine's reference_attention"),
-    (default_attention, "called the engine's default_attention"),
+    (default_attention, "is the engine's default_attention"),
+    (wrong_attention(softmax="queries"), "the softmax went over the wrong axis"),
+    (wrong_attention(row="zero"), "through another sequence's block table"),
+    (this_step_only, "attended to this step's tokens only"),
+    (wrong_attention(row="layer"), "through another sequence's block table"),
 ]
 
 
@@ -484,3 +517,86 @@ def test_ex05_engine_runs_mix_chunks_with_decodes_and_preempt(model):
             if any(n > 1 and c > 0 for c, n in step) and any(n == 1 for c, n in step):
                 kinds.add("chunk beside decodes")
     assert kinds == {"chunk beside decodes"} and preempted > 0
+
+
+# -- no route around the check: the engine's own pieces and the course's reference answers are refused ----------
+
+def _copy_of(function):
+    """``exec(inspect.getsource(function))``: the same code under the learner's name."""
+    import inspect
+    import textwrap
+
+    namespace = dict(vars(__import__(function.__module__, fromlist=["_"])))
+    exec(textwrap.dedent(inspect.getsource(function)), namespace)
+    return namespace[function.__name__]
+
+
+def _course_slots(*a):
+    return ex05_mistakes.slots(*a)
+
+
+def _course_attend(*a):
+    return ex05_mistakes.attend(*a)
+
+
+SLOT_CHEATS = [(ex05_mistakes.slots, "is the course's own answer"), (_course_slots, "called the course's own answer"),
+               (__import__("functools").partial(ex05_mistakes.slots), "is the course's own answer"),
+               (_copy_of(ex05_mistakes.slots), "is a copy of the course's own answer")]
+ATTENTION_CHEATS = [(ex05_mistakes.attend, "is the course's own answer"),
+                    (_course_attend, "called the course's own answer"),
+                    (_copy_of(ex05_mistakes.attend), "is a copy of the course's own answer"),
+                    (lambda *a: default_attention(*a), "called the engine's default_attention")]
+
+
+@pytest.mark.parametrize("cheat, words", SLOT_CHEATS, ids=[w for _, w in SLOT_CHEATS])
+def test_ex05_slot_mapping_refuses_the_course_and_engine_answers(model, capsys, cheat, words):
+    assert not ex05_attention.check_slot_mapping(cheat, model)
+    out = capsys.readouterr().out
+    assert out.startswith("✗") and words in out and "write the slot mapping yourself" in out, out
+
+
+@pytest.mark.parametrize("cheat, words", ATTENTION_CHEATS, ids=[w for _, w in ATTENTION_CHEATS])
+def test_ex05_attention_refuses_the_course_and_engine_answers(model, capsys, cheat, words):
+    assert not ex05_attention.check_paged_attention(cheat, model, slot_mapping=slot_mapping)
+    out = capsys.readouterr().out
+    assert out.startswith("✗") and words in out and "write the attention yourself" in out, out
+
+
+def test_ex05_the_slot_mapping_delegating_only_in_the_engine_is_refused_there(model, capsys):
+    calls = []
+
+    def late(*a):
+        calls.append(1)
+        return slot_mapping(*a) if len(calls) <= len(ex05_steps.STEPS) else ex05_mistakes.slots(*a)
+    assert not ex05_attention.check_slot_mapping(late, model)
+    out = capsys.readouterr().out
+    assert "in the real engine" in out and "called the course's own answer" in out, out
+
+
+class EnginesManager(__import__("cbteach.kv.manager", fromlist=["KVCacheManager"]).KVCacheManager):
+    """The engine's own manager under the learner's name, with a free list to show."""
+
+    def __init__(self, num_blocks, block_size):
+        super().__init__(num_blocks, block_size)
+        self.free_blocks = list(range(num_blocks))
+
+
+class WrapsEnginesManager(Right):
+    """Keeps the engine's manager inside and hands it every call."""
+
+    def __init__(self, num_blocks, block_size):
+        from cbteach.kv.manager import KVCacheManager
+
+        super().__init__(num_blocks, block_size)
+        self.inner = KVCacheManager(num_blocks, block_size)
+
+    def allocate_slots(self, seq, n):
+        return self.inner.allocate_slots(seq, n)
+
+
+@pytest.mark.parametrize("cheat, words", [(EnginesManager, "is, in EnginesManager.allocate_slots, the engine's"),
+                                          (WrapsEnginesManager, "called the engine's KVCacheManager.allocate_slots")])
+def test_ex05_kv_manager_refuses_the_engines_own(model, capsys, cheat, words):
+    assert not ex05.check_kv_manager(cheat, model)
+    out = capsys.readouterr().out
+    assert out.startswith("✗") and words in out and "write the KV manager yourself" in out, out

@@ -133,8 +133,11 @@ def test_pieces_are_read_from_the_notebooks_and_the_student_copys_stubs_are_not_
     assert all(v is None for v in student.objects.values()), student.objects
     ok, out = check(my_engine_of(student), student, llama)
     assert not ok and "not done yet" in out, out
-    with pytest.raises(ValueError, match="no notebook 05"):
+    with pytest.raises(ValueError, match="is not a folder"):
         capstone.pieces_from_notebooks(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no notebook 05"):
+        capstone.pieces_from_notebooks(tmp_path / "empty")
 
 
 def test_the_pieces_module_is_what_serve_imports(tmp_path, monkeypatch):
@@ -171,6 +174,21 @@ def test_serve_refuses_a_piece_that_fails_its_check_before_it_starts(pieces_dir)
         capstone.refuse_broken_pieces(["--attention", "no_such_module:fn"])
     with pytest.raises(ValueError, match="takes a value"):
         capstone.refuse_broken_pieces(["--kv-manager"])
+
+
+def test_serve_refuses_the_engines_own_pieces_under_a_learners_option(pieces_dir):
+    with pytest.raises(ValueError, match="--kv-manager cbteach.kv.manager:KVCacheManager failed its check.*the engine's"):
+        capstone.refuse_broken_pieces(["--kv-manager", "cbteach.kv.manager:KVCacheManager"])
+    with pytest.raises(ValueError, match="--attention cbteach.exercises.ex05_mistakes:attend failed.*course's own"):
+        capstone.refuse_broken_pieces(["--attention", "cbteach.exercises.ex05_mistakes:attend"])
+
+
+def test_serve_lets_a_scheduler_keep_the_engines_update(pieces_dir):
+    """A stage-4 scheduler of notebook 06 writes schedule only: serve and the tournament take it."""
+    source = SOLUTION[:SOLUTION.index("class MyUpdate")] + "\n\nclass MyUpdate(Scheduler):\n    pass\n" + \
+        SOLUTION[SOLUTION.index(f"\n\nclass {capstone.ENGINE_CLASS}"):]
+    (pieces_dir / "stage4.py").write_text(source)
+    assert set(capstone.refuse_broken_pieces(["--scheduler", f"stage4:{capstone.ENGINE_CLASS}"])) == {"scheduler_cls"}
 
 
 def test_serve_lets_pieces_that_pass_their_checks_start(pieces_dir):
@@ -238,3 +256,141 @@ def test_a_scheduler_without_prefix_caching_serves_an_engine_without_it(pieces_d
     assert set(capstone.refuse_broken_pieces(option)) == {"scheduler_cls"}
     with pytest.raises(ValueError, match="past the blocks"):
         capstone.refuse_broken_pieces(option + ["--prefix-caching"])
+
+
+# -- where notebook 12 looks for the learner's 05 and 06, and what it says when it runs the course's -------------
+
+@pytest.fixture()
+def colab(tmp_path, monkeypatch):
+    """A Colab-like machine: the kernel starts in /content (no 05/06 there), Drive mounted or not."""
+    from cbteach.exercises import where
+
+    content = tmp_path / "content"
+    content.mkdir()
+    monkeypatch.chdir(content)
+    monkeypatch.setattr(where, "COLAB_UPLOADS", content)
+    monkeypatch.setattr(where, "COLAB_DRIVE", content / "drive" / "MyDrive")
+    monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
+    return content
+
+
+def read(**kwargs):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        pieces = capstone.pieces_from_notebooks(**kwargs)
+    return pieces, out.getvalue()
+
+
+def test_from_an_empty_folder_nothing_is_taken_from_the_course_without_saying_so(colab, llama):
+    pieces, said = read()
+    assert all(v is None for v in pieces.objects.values()) and not pieces.course, pieces.objects
+    assert "NOT FOUND: notebook 05 and 06" in said and str(colab.resolve()) in said and "drive.mount" in said, said
+    ok, out = check(my_engine_of(pieces), pieces, llama)
+    assert not ok and "was not found" in out, out
+    course, said = read(use_course_solutions=True)  # the instructor's way: it runs, and says whose it is
+    assert all(v is not None for v in course.objects.values()) and course.course == set(capstone.PIECES)
+    assert "NOT YOUR CODE" in said and "COURSE'S OWN SOLUTIONS" in said, said
+    ok, out = check(my_engine_of(course), course, llama)
+    assert ok and "NOT YOURS" in out, out
+
+
+def test_from_an_empty_folder_on_a_laptop_it_says_where_it_looked(tmp_path, monkeypatch):
+    from cbteach.exercises import where
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(where, "COLAB_UPLOADS", tmp_path / "no-content")
+    monkeypatch.setattr(where, "COLAB_DRIVE", tmp_path / "no-drive")
+    monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
+    pieces, said = read()
+    assert all(v is None for v in pieces.objects.values()) and pieces.where == {"05": None, "06": None}
+    assert "NOT FOUND" in said and "!!   the current folder\n" in said and str(tmp_path) not in said, said
+
+
+def _learners_copy(path: Path, number: str) -> None:
+    """The course's notebook with every solution cell rewritten a little, as a learner's own would be."""
+    nb = json.loads(next(NOTEBOOKS.glob(f"{number}_*.ipynb")).read_text())
+    for cell in nb["cells"]:
+        if "solution" in cell["metadata"].get("tags", []):
+            cell["source"] = "# mine\n" + "".join(cell["source"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(nb))
+
+
+def test_on_colab_the_learners_notebooks_are_found_on_drive_and_named(colab, llama):
+    drive = colab / "drive" / "MyDrive"
+    _learners_copy(drive / "Colab Notebooks" / "Copy of 05_paged_kv_cache.ipynb", "05")
+    _learners_copy(drive / "cbteach" / "06_scheduling_and_latency.ipynb", "06")
+    pieces, said = read()
+    assert pieces.where["05"].name == "Copy of 05_paged_kv_cache.ipynb"
+    assert pieces.where["06"].parent.name == "cbteach" and not pieces.course, pieces.course
+    assert str((drive / "Colab Notebooks").resolve()) in said and str((drive / "cbteach").resolve()) in said, said
+    assert "NOT" not in said, said
+    ok, out = check(my_engine_of(pieces), pieces, llama)
+    assert ok and out.startswith("✓ your engine"), out
+
+
+def test_an_upload_beside_the_notebook_wins_and_a_pasted_solution_is_called_the_courses(colab):
+    _learners_copy(colab / "05_paged_kv_cache.ipynb", "05")
+    (colab / "06_scheduling_and_latency.ipynb").write_text((NOTEBOOKS / "06_scheduling_and_latency.ipynb").read_text())
+    _learners_copy(colab / "drive" / "MyDrive" / "05_paged_kv_cache.ipynb", "05")
+    pieces, said = read()
+    assert pieces.where["05"].parent == colab and pieces.course == {"scheduler"}, (pieces.where, pieces.course)
+    assert "NOT YOUR CODE: scheduler is the COURSE'S OWN SOLUTION" in said, said
+
+
+def test_in_the_course_copy_every_piece_is_called_the_courses(monkeypatch):
+    monkeypatch.chdir(NOTEBOOKS)
+    pieces, said = read()
+    assert pieces.course == set(capstone.PIECES) and "NOT YOUR CODE" in said, said
+
+
+# -- no route around the check: a piece that is, or hands its work to, the engine's or the course's own -----------
+
+CHEATS = {  # piece -> (the learner's cell, the words that must name it)
+    "attention": ("from cbteach.exercises.ex05_mistakes import attend as my_attention",
+                  "is the course's own answer attend"),
+    "attention_wrapper": ("from cbteach.attention.paged import default_attention\n\n\n"
+                          "def my_attention(*args):\n    return default_attention(*args)",
+                          "called the engine's default_attention"),
+    "slot_mapping": ("from cbteach.exercises.ex05_mistakes import slots as my_slot_mapping",
+                     "is the course's own answer slots"),
+    "kv_manager": ("from cbteach.kv.manager import KVCacheManager\n\n\nclass MyKVManager(KVCacheManager):\n"
+                   "    def __init__(self, num_blocks, block_size):\n        super().__init__(num_blocks, block_size)\n"
+                   "        self.free_blocks = list(range(num_blocks))",
+                   "your KV manager is, in MyKVManager.allocate_slots, the engine's"),
+    "scheduler": ("class MyScheduler(Scheduler):\n    def schedule(self, now):\n        return super().schedule(now)",
+                  "called the engine's Scheduler.schedule"),
+    "update": ("class MyUpdate(Scheduler):\n    def update_from_output(self, plan, output, now):\n"
+               "        return super().update_from_output(plan, output, now)",
+               "update_from_output -- a check"),
+    "update_missing": ("class MyUpdate(Scheduler):\n    pass", "in MyEngineScheduler.update_from_output, the engine's"),
+}
+
+
+@pytest.mark.parametrize("cheat", sorted(CHEATS))
+def test_a_piece_that_is_or_calls_the_engines_or_the_courses_own_is_refused(cheat, llama):
+    cell, words = CHEATS[cheat]
+    name = {"attention_wrapper": "attention", "update": "scheduler", "update_missing": "scheduler"}.get(cheat, cheat)
+    defines = {"update": "class MyUpdate", "update_missing": "class MyUpdate"}.get(cheat, {"attention": "def my_attention", "slot_mapping":
+                                                        "def my_slot_mapping", "kv_manager": "class MyKVManager",
+                                                        "scheduler": "class MyScheduler"}[name])
+    start = SOLUTION.index(defines)
+    end = SOLUTION.find("\n# -- from", start)
+    source = SOLUTION[:start] + cell + "\n" + (SOLUTION[end:] if end != -1 else "")
+    if end == -1:  # the last cell: keep the combined class after it
+        source += SOLUTION[SOLUTION.index(f"\n\nclass {capstone.ENGINE_CLASS}"):]
+    pieces = pieces_of(source)
+    ok, out = check(my_engine_of(pieces), pieces, llama)
+    assert not ok and out.startswith("✗") and words in out and "yourself" in out, out
+
+
+def test_the_benchmark_interleaves_rounds_and_reports_medians_with_their_range(llama):
+    pieces = pieces_of(SOLUTION)
+    got = ex12.benchmark(my_engine_of(pieces), llama, None, rounds=2)
+    assert list(got) == ["your engine", "the engine's own pieces"]
+    for s in got.values():
+        assert len(s["runs"]) == 2
+        for key in ex12.METRICS:
+            assert s[key]["min"] <= s[key]["median"] <= s[key]["max"], (key, s[key])
+    with pytest.raises(ValueError, match="rounds"):
+        ex12.benchmark(my_engine_of(pieces), llama, None, rounds=0)

@@ -25,12 +25,12 @@ from __future__ import annotations
 import ast
 import contextlib
 import io
-import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..engine.scheduler import Scheduler
+from . import where
 
 # piece -> (notebook number, the names it is made of, serve's option, Engine's keyword)
 PIECES = {
@@ -44,87 +44,118 @@ ENGINE_CLASS = "MyEngineScheduler"  # MyScheduler's schedule with MyUpdate's upd
 
 @dataclass
 class Pieces:
-    """The learner's pieces as objects (``None``: not written yet), and the source they came from."""
+    """The learner's pieces as objects (``None``: not written yet), the source they came from, where each
+    notebook was found (``None``: nowhere -- its pieces count as not written), and which pieces are the
+    course's own solutions (the course copy, ``use_course_solutions=True``, or a solution cell pasted in)."""
 
     objects: dict = field(default_factory=dict)  # piece -> object (the scheduler: the combined class)
     source: str = ""  # a module defining every piece (write_module writes it)
-    where: dict = field(default_factory=dict)  # notebook number -> the notebook's path
+    where: dict = field(default_factory=dict)  # notebook number -> the notebook's path, or None
+    course: set = field(default_factory=set)  # pieces that are the course's solutions, not the learner's
+    searched: list = field(default_factory=list)  # the folders looked in
 
     def engine_kwargs(self) -> dict:
         """The pieces as ``Engine(...)`` keywords (those written so far)."""
         return {PIECES[k][3]: v for k, v in self.objects.items() if v is not None}
 
-
-def _notebook(folder: Path, number: str) -> Path | None:
-    found = sorted(folder.glob(f"{number}_*.ipynb"))
-    return found[0] if found else None
-
-
-def _cells(path: Path) -> tuple[list[str], list[str]]:
-    """(the import statements of the code cells that are not solutions, the solution cells' sources)."""
-    imports, solutions = [], []
-    for cell in json.loads(path.read_text(encoding="utf-8"))["cells"]:
-        if cell.get("cell_type") != "code":
-            continue
-        src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
-        if "solution" in cell.get("metadata", {}).get("tags", []):
-            solutions.append(src)
-            continue
-        try:
-            tree = ast.parse("\n".join(line for line in src.splitlines() if not line.lstrip().startswith(("%", "!"))))
-        except SyntaxError:
-            continue
-        imports += [ast.unparse(n) for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
-    return imports, solutions
+    def report(self) -> str:
+        """Every piece: its name, and the folder and file it came from -- and, in lines that cannot be
+        missed, which notebooks were not found and which pieces are the course's own solutions."""
+        lines = []
+        for piece, (number, names, _, _) in PIECES.items():
+            path = self.where.get(number)
+            what = "not written yet" if self.objects.get(piece) is None else " + ".join(names)
+            origin = f"{path.name}  in {where.shown(path.parent)}" if path is not None else f"no notebook {number} found"
+            mark = "   <-- THE COURSE'S SOLUTION" if piece in self.course else ""
+            lines.append(f"{piece:13s} {what:22s} from {origin}{mark}")
+        missing = [n for n, p in self.where.items() if p is None]
+        if missing:
+            lines.append(where.not_found_text(missing, self.searched))
+        if self.course:
+            folders = {p.parent for p in self.where.values() if p is not None}
+            why = ("read from the course's own notebooks, the folder cbteach's course is shipped in"
+                   if len(folders) == 1 and where.is_course_folder(next(iter(folders)))
+                   else "their cells are, letter for letter, the course's solution cells")
+            lines.append(where.course_text([p for p in PIECES if p in self.course], why))
+        return "\n".join(lines)
 
 
-def pieces_source(folder=None) -> tuple[str, dict]:
-    """A module's text with every piece from notebooks 05 and 06 in ``folder`` (default: the current
-    folder if it holds them, else the course's own notebooks), and where each notebook was found."""
+def _read(folder=None, use_course_solutions: bool = False) -> tuple[str, dict, set, list]:
+    """(the pieces module's text, where each notebook was found, the pieces that are the course's
+    solutions, the folders searched). A notebook found nowhere gives the student copy's stubs."""
     from ..student import course_dir
 
-    folder = Path(folder) if folder is not None else Path.cwd()
-    if folder.is_dir() and _notebook(folder, "05") is None and _notebook(folder, "06") is None:
+    if use_course_solutions:
+        folders = [course_dir()]
+    elif folder is not None:
+        folders = [Path(folder)]
+        if not folders[0].is_dir():
+            raise ValueError(f"{folder} is not a folder: name the folder that holds your notebooks 05 and 06")
+    else:
+        folders = where.search_folders()
+    found = {n: next((p for p in (where.find_notebook(f, n) for f in folders) if p is not None), None)
+             for n in ("05", "06")}
+    if folder is not None and not use_course_solutions and not any(found.values()):
+        raise ValueError(f"no notebook 05_*.ipynb or 06_*.ipynb in {folder}: your pieces are read from notebooks 05 "
+                         "and 06 -- name the folder you saved them in")
+    imports, bodies, course_names = ["import math"], [], set()  # math: notebook 06 imports it before its exercise
+    for number, path in found.items():
         try:
-            folder = course_dir()
-        except FileNotFoundError:
-            pass
-    where, imports, bodies = {}, ["import math"], []  # math: notebook 06 imports it before its exercise
-    for number in ("05", "06"):
-        path = _notebook(folder, number)
-        if path is None:
-            raise ValueError(f"no notebook {number}_*.ipynb in {folder}: your pieces are read from notebooks 05 and "
-                             "06 -- keep notebook 12 in the same folder, and save those notebooks")
-        where[number] = path
-        more, solutions = _cells(path)
+            source_path = path if path is not None else where.find_notebook(course_dir(), number)
+        except FileNotFoundError:  # no course notebooks either: bare stubs of the pieces' names
+            source_path = None
+        if source_path is None:
+            bodies += [f"class {name}:\n    pass\n" for piece, (n, names, _, _) in PIECES.items() if n == number
+                       for name in names if name.startswith("My")]
+            bodies += [f"def {name}(*args):\n    ...\n" for piece, (n, names, _, _) in PIECES.items() if n == number
+                       for name in names if not name.startswith("My")]
+            continue
+        more, solutions = where.cells(source_path, stubbed=path is None)
         imports += [i for i in more if i not in imports]
-        bodies += [f"# -- from {path.name} --\n{s.strip()}\n" for s in solutions]
+        theirs = where.course_cells(number) if path is not None else set()
+        for s in solutions:
+            if where.normal(s) in theirs:
+                course_names |= where.defined(s)
+        label = path.name if path is not None else f"{number} (not found: the student copy's stubs)"
+        bodies += [f"# -- from {label} --\n{s.strip()}\n" for s in solutions]
     used = {n.id for b in bodies for n in ast.walk(ast.parse(b)) if isinstance(n, ast.Name)}
-    imports = [i for i in imports if _binds(i) & used]  # only what the pieces use
+    imports = [i for i in imports if where.binds(i) & used]  # only what the pieces use
     combined = (f"\n\nclass {ENGINE_CLASS}(MyScheduler, MyUpdate):\n    \"\"\"Your schedule (notebook 06, stages 1-4) "
                 "and your update (stage 5): one scheduler.\"\"\"\n")
     header = '"""Your engine\'s pieces, written from notebooks 05 and 06 (cbteach.exercises.capstone)."""\n'
-    return header + "\n".join(imports) + "\n\n\n" + "\n\n".join(bodies) + combined, where
+    source = header + "\n".join(imports) + "\n\n\n" + "\n\n".join(bodies) + combined
+    course = {p for p, (_, names, _, _) in PIECES.items() if course_names & set(names)}
+    return source, found, course, folders
 
 
-def _binds(statement: str) -> set:
-    """The names an import statement binds."""
-    node = ast.parse(statement).body[0]
-    return {(a.asname or a.name).split(".")[0] for a in node.names}
+def pieces_source(folder=None, use_course_solutions: bool = False) -> tuple[str, dict]:
+    """A module's text with every piece from notebooks 05 and 06 -- in ``folder``, or where the learner
+    works (:mod:`cbteach.exercises.where`) -- and where each notebook was found (``None``: nowhere)."""
+    source, found, _, _ = _read(folder, use_course_solutions)
+    return source, found
 
 
-def pieces_from_notebooks(folder=None) -> Pieces:
-    """The learner's pieces, read from notebooks 05 and 06 (see :func:`pieces_source`) and run."""
-    source, where = pieces_source(folder)
+def pieces_from_notebooks(folder=None, *, use_course_solutions: bool = False, say=print) -> Pieces:
+    """The learner's pieces, read from notebooks 05 and 06 and run; ``say`` gets :meth:`Pieces.report`.
+
+    ``folder``: the folder that holds them (default: where the learner works, :func:`where.search_folders`
+    -- never the course's own notebooks unless you work in them). A notebook found nowhere counts as not
+    written yet. ``use_course_solutions=True`` (for instructors) runs the course's own solutions, and
+    says so."""
+    source, found, course, searched = _read(folder, use_course_solutions)
     namespace: dict = {"__name__": "my_engine"}
     exec(compile(source, "my_engine.py", "exec"), namespace)  # noqa: S102 -- the learner's own code
     objects = {}
     for piece, (_, names, _, _) in PIECES.items():
-        found = [namespace.get(n) for n in names]
-        objects[piece] = None if any(_is_stub(o) for o in found) else found[0]
+        got = [namespace.get(n) for n in names]
+        missing = found[PIECES[piece][0]] is None  # its notebook was found nowhere: not written
+        objects[piece] = None if missing or any(_is_stub(o) for o in got) else got[0]
     if objects["scheduler"] is not None:
         objects["scheduler"] = namespace[ENGINE_CLASS]
-    return Pieces(objects, source, where)
+    pieces = Pieces(objects, source, found, {p for p in course if objects[p] is not None}, searched)
+    if say is not None:
+        say(pieces.report())
+    return pieces
 
 
 def _stub():
@@ -142,10 +173,12 @@ def _is_stub(obj) -> bool:
     return code is not None and code.co_code == _stub.__code__.co_code and code.co_consts == _stub.__code__.co_consts
 
 
-def write_module(path, folder=None) -> Path:
-    """Write the pieces of notebooks 05 and 06 into ``path`` (a ``.py`` file ``serve`` imports)."""
+def write_module(path, pieces=None) -> Path:
+    """Write the pieces into ``path`` (a ``.py`` file ``serve`` imports): ``pieces`` is what
+    :func:`pieces_from_notebooks` returned, or a folder to read notebooks 05 and 06 from (default: where
+    the learner works, as :func:`pieces_from_notebooks` looks)."""
     path = Path(path)
-    path.write_text(pieces_source(folder)[0], encoding="utf-8")
+    path.write_text(pieces.source if isinstance(pieces, Pieces) else pieces_source(pieces)[0], encoding="utf-8")
     return path
 
 
@@ -159,7 +192,13 @@ def serve_options(module: str) -> list[str]:
 
 def check_piece(piece: str, obj, model, tok=None, slot_mapping=None, prefix_caching: bool = True) -> tuple[bool, str]:
     """Run ``piece``'s own notebook check on ``obj``: (passed, what the check said -- its failure if any).
-    ``prefix_caching=False``: the scheduler is not checked on workloads with prefix caching on."""
+    ``prefix_caching=False``: the scheduler is not checked on workloads with prefix caching on. A piece
+    that is (or copies) the engine's or the course's own is refused first (:mod:`.delegation`)."""
+    from .delegation import is_own
+
+    refused = is_own(piece, obj)
+    if refused:
+        return False, refused
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         ok = _run_check(piece, obj, model, tok, slot_mapping, prefix_caching)

@@ -15,6 +15,7 @@ from ..kv.plugged import PluggedKVManager
 from ..bench.memory_experiments import plug
 from ..core.request import Request
 from . import is_int, raised, report, self_check
+from .delegation import Watch, is_own
 
 # (block_size, num_blocks, max_batch_size, [(prompt tokens, new tokens), ...]): several blocks each and
 # blocks reused after a finish; prompts shorter than a block; one-token blocks; a pool so small it preempts.
@@ -37,9 +38,13 @@ class Watched(PluggedKVManager):
 
     def call_mine(self, call: str, method: str, *args):
         try:
-            return super().call_mine(call, method, *args)
+            with Watch(["kv_manager"]) as seen:
+                out = super().call_mine(call, method, *args)
         except Exception as err:  # the learner's code: say what failed, and on which call
-            raise Wrong(f"{call} raised {raised(err)}") from None
+            raise Wrong(seen.found or f"{call} raised {raised(err)}") from None
+        if seen.found:  # it handed the call to the engine's own manager
+            raise Wrong(seen.found)
+        return out
 
 
 def serve(model, case, manager_class=None) -> dict:
@@ -97,7 +102,7 @@ def check_kv_manager(manager_class, model) -> bool:
     if not isinstance(manager_class, type):
         return report(False, "", f"pass your class itself (MyKVManager, not MyKVManager(...)); got "
                                  f"{type(manager_class).__name__}")
-    problem = _check_init(manager_class)
+    problem = is_own("kv_manager", manager_class) or _check_init(manager_class)
     if problem:
         return report(False, "", problem)
     steps = preemptions = 0

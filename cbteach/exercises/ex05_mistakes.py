@@ -6,6 +6,9 @@ wrong answer by finding the mistake whose output it equals; each mistake's hint 
 that was missed, never a slot or a value. (These are the check's own references, written for
 clarity; the engine computes the same in :mod:`cbteach.attention.metadata` and
 :mod:`cbteach.attention.paged`, and the tests hold the two equal.)
+
+They are the check's, not an answer: a piece that calls them, is them or is a copy of them is refused
+with a hint saying so (:mod:`cbteach.exercises.delegation`), as a piece that calls the engine's is.
 """
 from __future__ import annotations
 
@@ -14,6 +17,12 @@ import torch.nn.functional as F
 
 _SWAPPED = ("block and offset are swapped: a position's block is its index in the block table, "
             "position // block_size; the offset inside that block is the remainder, position % block_size")
+
+_BOUNDARY = ("the block index is off by one at a block boundary: tokens went into the block next to their own. "
+             "Position p is in block p // block_size of the table, rounded down (positions 0 .. block_size - 1 are "
+             "block 0, the table's first entry), at offset p % block_size")
+_TABLE_ZERO = ("every sequence was mapped through sequence 0's block table: sequence i's tokens live in the blocks "
+               "of its own table, block_tables[i] -- walk the tables together with the sequences")
 
 # name -> hint, in the order the check tries them
 SLOT_MISTAKES = {
@@ -28,6 +37,11 @@ SLOT_MISTAKES = {
                  "exactly (the token before it, at num_computed_tokens - 1, is already in the cache)"),
     "packed_index": ("positions are counted inside each sequence (from its num_computed_tokens on), not along "
                      "the packed row of the whole step"),
+    "block_up": _BOUNDARY,
+    "block_next": _BOUNDARY,
+    "block_before": _BOUNDARY,
+    "block_plus": _BOUNDARY,
+    "table_zero": _TABLE_ZERO,
     "last_block": ("not every new token goes into the sequence's last block: a chunk can begin in a partly "
                    "filled block and run on into the next ones -- find each token's block from its own position"),
 }
@@ -37,9 +51,13 @@ def slots(block_tables, num_computed_tokens, num_scheduled_tokens, block_size, m
     """The pool slot of every scheduled token, in packed order (with ``mistake``: that mistake's)."""
     out, row = [], 0
     for table, c, n in zip(block_tables, num_computed_tokens, num_scheduled_tokens):
+        if mistake == "table_zero":
+            table = block_tables[0]
         for j in range(n):
             p = {"from_zero": j, "plus_one": c + j + 1, "packed_index": row}.get(mistake, c + j)
             block, offset = p // block_size, p % block_size
+            block = {"block_up": -(-p // block_size), "block_next": (p + 1) // block_size,
+                     "block_before": (p - 1) // block_size, "block_plus": p // block_size + 1}.get(mistake, block)
             if mistake == "swapped":
                 out.append(table[offset] * block_size + block)
             elif mistake == "offset_times":
@@ -84,6 +102,16 @@ ATTENTION_MISTAKES = {
     "padded_row": _STALE,
     "floor_blocks": ("a sequence's last block is usually only partly filled, and the tokens in it are part of "
                      "the context: round the number of blocks up, or better, read positions 0 .. c + n - 1"),
+    "softmax_axis": ("the softmax went over the wrong axis: each query's weights over the keys it sees must sum to 1 "
+                     "-- normalise along the keys (the last axis of q @ k^T), not along the queries"),
+    "only_new": ("each query attended to this step's tokens only: its sequence's context also holds the c tokens "
+                 "computed in earlier steps, in the pool -- read positions 0 .. c + n - 1 through the block table, "
+                 "not only this step's slots"),
+    "table_zero": ("a sequence read its context through another sequence's block table: sequence i's keys and values "
+                   "are in the blocks of its own row, meta.block_tables[i] (not row 0, not the layer's number)"),
+    "table_layer": ("a sequence read its context through another sequence's block table: sequence i's keys and "
+                    "values are in the blocks of its own row, meta.block_tables[i] (not row 0, not the layer's "
+                    "number)"),
     "no_scale": ("use the scaling the layer passes you (scaling=): not every model scales scores by "
                  "1 / sqrt(head_dim)"),
 }
@@ -99,10 +127,13 @@ def attend(query, key, value, meta, layer: int, scaling=None, mistake=None) -> t
     heads, kv_heads, head_dim = query.shape[1], key.shape[1], query.shape[3]
     out = torch.empty_like(query)
     for i, (c, n) in enumerate(zip(meta.num_computed_tokens, meta.num_scheduled_tokens)):
-        start, length, table = int(meta.query_start_loc[i]), c + n, meta.block_tables[i]
+        row = {"table_zero": 0, "table_layer": layer}.get(mistake, i)
+        start, length, table = int(meta.query_start_loc[i]), c + n, meta.block_tables[row]
         width = {"whole_blocks": -(-length // bs) * bs, "padded_row": table.numel() * bs,
                  "floor_blocks": length // bs * bs}.get(mistake, length)
         pos = torch.arange(width, device=query.device)
+        if mistake == "only_new":  # this step's own slots: positions c .. c + n - 1
+            pos, width = pos[:n] + c, n
         if mistake == "swapped":
             slot = table[pos % bs] * bs + pos // bs
         elif mistake == "no_times":
@@ -116,7 +147,7 @@ def attend(query, key, value, meta, layer: int, scaling=None, mistake=None) -> t
             k, v = k.repeat(group, 1, 1), v.repeat(group, 1, 1)
         else:
             k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
-        diagonal = {"causal_minus": c - 1, "causal_plus": c + 1, "causal_zero": 0}.get(mistake, c)
+        diagonal = {"causal_minus": c - 1, "causal_plus": c + 1, "causal_zero": 0, "only_new": 0}.get(mistake, c)
         if mistake == "causal_minus_prefill":
             diagonal = c - 1 if n > 1 else c
         mask = torch.ones(n, width, dtype=torch.bool, device=query.device).tril(diagonal=diagonal)
@@ -125,8 +156,13 @@ def attend(query, key, value, meta, layer: int, scaling=None, mistake=None) -> t
         if (mistake == "no_mask" and n > 1) or (mistake in ("whole_blocks", "padded_row") and n == 1):
             mask = None
         scale = head_dim ** -0.5 if mistake == "no_scale" else scaling
-        out[0, :, start:start + n] = F.scaled_dot_product_attention(query[0, :, start:start + n], k, v,
-                                                                    attn_mask=mask, scale=scale)
+        q = query[0, :, start:start + n]
+        if mistake == "softmax_axis":  # written by hand, normalised along the queries
+            scores = (q @ k.transpose(-1, -2)) * (scale if scale is not None else head_dim ** -0.5)
+            scores = scores.masked_fill(~mask, float("-inf")) if mask is not None else scores
+            out[0, :, start:start + n] = scores.softmax(dim=-2) @ v
+            continue
+        out[0, :, start:start + n] = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     if mistake == "read_first":
         write()
     return out

@@ -11,14 +11,12 @@ most telling failure is reported.
 """
 from __future__ import annotations
 
-import sys
-
 import torch
 
-from ..attention import paged as engine_attention
 from ..attention.metadata import build
 from ..kv.pool import PagedKVPool
 from . import is_int, raised
+from .delegation import Watch, is_own
 from .ex05_mistakes import ATTENTION_MISTAKES, SLOT_MISTAKES, attend, slots
 
 # (what, block_size, [(num_computed_tokens, num_scheduled_tokens, block_table), ...]) of each step.
@@ -40,29 +38,6 @@ class Fail(Exception):
     def __init__(self, message: str, named: bool = False):
         super().__init__(message)
         self.named = named
-
-
-class _EngineCalls:
-    """``sys.setprofile`` around one call of the learner's function: did it call the engine's own version?"""
-
-    def __init__(self, functions):
-        self.codes, self.called, self.saved = {f.__code__: f.__name__ for f in functions}, None, None
-
-    def __call__(self, frame, event, arg):
-        if event == "call" and self.called is None:
-            self.called = self.codes.get(frame.f_code)
-
-    def __enter__(self):
-        self.saved = sys.getprofile()
-        sys.setprofile(self)
-        return self
-
-    def __exit__(self, *exc):
-        sys.setprofile(self.saved)
-
-
-ENGINE_ATTENTION = (engine_attention.default_attention, engine_attention.vectorised_attention,
-                    engine_attention.reference_attention, engine_attention.paged_attention_forward)
 
 
 def _first_named(failures: list) -> None:
@@ -128,21 +103,56 @@ def _diagnose_slots(got, case) -> tuple[str, bool]:
             ". A token at position p lies in block p // block_size of its table, at offset p % block_size"), False
 
 
+def _padded(case):
+    """The step with every block table lengthened by blocks nobody owns: a slot mapping that reads past
+    the end of a table runs on it, and what it returns can be compared with the known mistakes."""
+    what, bs, seqs = case
+    used = {b for _, _, t in seqs for b in t}
+    spare = iter(b for b in range(100, 1000) if b not in used)
+    width = max(len(t) for _, _, t in seqs) + 2
+    return what, bs, [(c, n, list(t) + [next(spare) for _ in range(width - len(t))]) for c, n, t in seqs]
+
+
+def _crashed_slots(slot_mapping, case, err) -> Fail:
+    """The failure for a slot mapping that raised on ``case``: an index past a block table is named by
+    running it again on the padded step (:func:`_padded`) and recognising the mistake there."""
+    said = f"your slot mapping raised {raised(err)}\n  on the step {_case_text(case)}"
+    if not isinstance(err, IndexError):
+        return Fail(said)
+    padded = _padded(case)
+    _, bs, seqs = padded
+    args = ([list(t) for _, _, t in seqs], [c for c, _, _ in seqs], [n for _, n, _ in seqs], bs)
+    try:
+        got = _as_slots(slot_mapping(*args), sum(args[2]))
+        hint, named = _diagnose_slots(got, padded) if got != slots(*args) else ("", False)
+    except Exception:  # noqa: BLE001 -- the learner's code again: the first error is the one to show
+        hint, named = "", False
+    if named:
+        return Fail(f"{hint}\n  on the step {_case_text(case)}, where your code raised {type(err).__name__}: {err}",
+                    named=True)
+    return Fail(f"{said}\n  An index past the end of a block table: a table holds exactly the blocks its own "
+                "sequence's tokens need -- position p is in block p // block_size of that sequence's table")
+
+
 def check_slot_mapping_cases(slot_mapping) -> None:
     """Run ``slot_mapping`` on every hand-built step; raise :class:`Fail` naming the mistake."""
+    refused = is_own("slot_mapping", slot_mapping)
+    if refused:
+        raise Fail(refused, named=True)
     failures = []
     for case in STEPS:
         _, bs, seqs = case
         args = ([list(t) for _, _, t in seqs], [c for c, _, _ in seqs], [n for _, n, _ in seqs], bs)
         try:
-            with _EngineCalls([build]) as seen:
+            with Watch(["slot_mapping"]) as seen:
                 got = slot_mapping(*args)
         except Exception as err:  # the learner's code
-            failures.append(Fail(f"your slot mapping raised {raised(err)}\n  on the step "
-                                 f"{_case_text(case)}"))
+            if seen.found:
+                raise Fail(seen.found, named=True) from None
+            failures.append(_crashed_slots(slot_mapping, case, err))
             continue
-        if seen.called:
-            raise Fail(f"write the slot mapping yourself: your function called the engine's {seen.called}")
+        if seen.found:
+            raise Fail(seen.found, named=True)
         got = _as_slots(got, sum(args[2]))
         if got != slots(*args):
             hint, named = _diagnose_slots(got, case)
@@ -228,6 +238,9 @@ def _diagnose(out, meta, q, k, v, layer, scaling) -> tuple[str, bool]:
 
 def check_attention_cases(attention) -> None:
     """Run ``attention`` on every hand-built step; raise :class:`Fail` naming the mistake."""
+    refused = is_own("attention", attention)
+    if refused:
+        raise Fail(refused, named=True)
     passed_plain, failures = False, []
     for n, (index, heads, kv_heads, head_dim, scaling) in enumerate(HEADS):
         case = STEPS[index]
@@ -237,9 +250,11 @@ def check_attention_cases(attention) -> None:
                  f"scaling {scale:g}, layer 1)")
         mine, before = _fresh(meta), _fresh(meta).pool
         try:
-            with _EngineCalls(ENGINE_ATTENTION) as seen:
+            with Watch(["attention"]) as seen:
                 out = attention(q.clone(), k.clone(), v.clone(), mine, 1, scale)
         except Exception as err:  # the learner's code
+            if seen.found:
+                raise Fail(seen.found, named=True) from None
             more = ""
             if heads != kv_heads and passed_plain:
                 more = (f"\n  It ran when every query head had its own KV head; here {heads} query heads share "
@@ -248,8 +263,8 @@ def check_attention_cases(attention) -> None:
             failures.append(Fail(f"your attention raised {raised(err)}\n  on the step {where}{more}",
                                   named=bool(more)))
             continue
-        if seen.called:
-            raise Fail(f"write the attention yourself: your function called the engine's {seen.called}")
+        if seen.found:
+            raise Fail(seen.found, named=True)
         if out is None:
             raise Fail("not done yet: your attention returned None -- write it in the cell above")
         if not isinstance(out, torch.Tensor) or out.shape != q.shape:

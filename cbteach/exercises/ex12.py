@@ -32,6 +32,7 @@ from ..serving.metrics import summarize
 from ..viz.schedule import first_difference
 from . import report, self_check
 from .capstone import PIECES, Pieces, check_piece, serve_options
+from .delegation import Watch, is_own, learner_codes
 
 OPTIONS = dict(max_batch_size=4, block_size=4, num_blocks=32, token_budget=8)  # it preempts and chunks
 NUM_REQUESTS, MAX_NEW_TOKENS = 10, 40
@@ -103,13 +104,22 @@ def compare(my_engine, pieces: Pieces, model, tok=None) -> dict:
     out = {"plugged": _plugged(mine, pieces)}
     if out["plugged"] is not None:
         return out
+    written = {piece: obj for piece, obj in pieces.objects.items() if obj is not None}
+    both = {"scheduler": ("schedule", "update_from_output")}  # the assembled engine runs your update too
+    refused = next((said for said in (is_own(p, o, both.get(p)) for p, o in written.items()) if said), None)
+    if refused:
+        return {**out, "refused": refused}
     ref = Engine(model, tok, kv="paged", clock=VirtualClock(step_time=0.01), **OPTIONS)
     ref_records = run(ref, course_requests(model, tok))
+    yours = {code: piece for piece, obj in written.items() for code in learner_codes(piece, obj)}
     try:
-        my_records = run(mine, requests)
+        with Watch(PIECES, yours) as seen:  # does a piece hand its work to the engine's own, while it runs?
+            my_records = run(mine, requests)
     except Exception as err:  # noqa: BLE001 -- a piece of the learner's, inside the engine
         out["error"] = f"{type(err).__name__}: {err}"
         return out
+    if seen.found:
+        return {**out, "refused": seen.found}
     expected = generate_outputs(model, requests)
     outputs = {rid: c.output_ids for rid, c in mine.completions.items()}
     out.update(steps=len(my_records), diverges_at=first_difference(ref_records, my_records),
@@ -167,6 +177,11 @@ def _check_my_engine(my_engine, pieces, model, tok=None) -> bool:
     if not isinstance(pieces, Pieces):
         return report(False, "", "pass the pieces capstone.pieces_from_notebooks() found")
     missing = [p for p, o in pieces.objects.items() if o is None]
+    lost = sorted({PIECES[p][0] for p in missing if pieces.where.get(PIECES[p][0], "") is None})
+    if lost:
+        return report(False, "", f"not done yet: notebook {' and '.join(lost)} was not found, so its pieces count as "
+                                 "not written -- bring it beside this notebook (on Colab: upload it, or mount Drive) "
+                                 "and run the cell that reads your pieces again; its lines say where it looked")
     if missing:
         return report(False, "", f"not done yet: no {', '.join(missing)} in notebooks "
                                  f"{' and '.join(sorted({PIECES[p][0] for p in missing}))} -- write them there, save, "
@@ -174,6 +189,8 @@ def _check_my_engine(my_engine, pieces, model, tok=None) -> bool:
     got = compare(my_engine, pieces, model, tok)
     if got["plugged"] is not None:
         return report(False, "", got["plugged"])
+    if "refused" in got:
+        return report(False, "", got["refused"])
     if "error" in got:
         return report(False, "", f"your engine stopped: {got['error']}. {_blame(pieces, model, tok)}")
     if not (got["generate"] and got["tokens"] and got["blocks"] and got["diverges_at"] is None):
@@ -181,7 +198,9 @@ def _check_my_engine(my_engine, pieces, model, tok=None) -> bool:
                 "KV blocks were left in use" if not got["blocks"] else
                 f"its schedule parts from the engine's at step {got['diverges_at']}")
         return report(False, "", f"your engine ran the course workload, but {what}. {_blame(pieces, model, tok)}")
-    return report(True, f"your engine -- your KV manager, slot mapping, attention, scheduler and update -- served "
+    whose = ("your engine -- your KV manager, slot mapping, attention, scheduler and update --" if not pieces.course
+             else f"the engine of these pieces -- NOT YOURS: the course's own solution for {', '.join(sorted(pieces.course))} --")
+    return report(True, f"{whose} served "
                         f"{got['num_requests']} requests ({got['num_tokens']} tokens, {got['preemptions']} preemptions, "
                         f"{got['chunks']} prefill chunks) step for step as the engine's own pieces do, every token equal "
                         f"to model.generate's, every KV block back", "")
@@ -217,17 +236,36 @@ def importable(folder) -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join([folder, *paths])
 
 
-def benchmark(my_engine, model, tok=None, repeat: int = 1) -> dict:
-    """The course's metrics for your engine and the engine's own on the course workload, on wall time:
-    ``{name: summarize(...)}`` (throughput, TTFT, TPOT, ...); the best of ``repeat`` runs by throughput."""
+METRICS = ("tokens_per_s", "ttft_p50", "tpot_p50")  # what benchmark() summarises
+
+
+def benchmark(my_engine, model, tok=None, rounds: int = 3) -> dict:
+    """The course's metrics for your engine and the engine's own on the course workload, on wall time.
+
+    One warm-up run each (one-off costs), then ``rounds`` interleaved rounds -- yours then the engine's,
+    then the other way round -- so that a slow spell of the machine falls on both. For each engine and
+    each of :data:`METRICS`: ``{"median": ..., "min": ..., "max": ...}`` over the rounds, and ``"runs"``,
+    every round's :func:`~cbteach.serving.metrics.summarize`."""
+    import statistics
+
+    if not (isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 1):
+        raise ValueError(f"rounds must be a whole number >= 1, got {rounds!r}")
+    builds = {"your engine": lambda: my_engine(model, tok, **OPTIONS),
+              "the engine's own pieces": lambda: Engine(model, tok, kv="paged", **OPTIONS)}
+    names = list(builds)
+    for name in names:  # warm-up
+        builds[name]().run(course_requests(model, tok))
+    runs = {name: [] for name in names}
+    for i in range(rounds):
+        for name in (names if i % 2 == 0 else names[::-1]):
+            runs[name].append(summarize(builds[name]().run(course_requests(model, tok))))
     results = {}
-    for name, build in (("your engine", lambda: my_engine(model, tok, **OPTIONS)),
-                        ("the engine's own pieces", lambda: Engine(model, tok, kv="paged", **OPTIONS))):
-        runs = []
-        for _ in range(repeat):
-            eng = build()
-            runs.append(summarize(eng.run(course_requests(model, tok))))
-        results[name] = max(runs, key=lambda s: s["tokens_per_s"] or 0.0)
+    for name, summaries in runs.items():
+        results[name] = {"runs": summaries}
+        for key in METRICS:
+            values = [s[key] for s in summaries if s[key] is not None]
+            results[name][key] = ({"median": statistics.median(values), "min": min(values), "max": max(values)}
+                                  if values else None)
     return results
 
 

@@ -1,0 +1,191 @@
+"""Where notebook 12 finds the learner's notebooks 05 and 06, how it tells them from the course's, and
+how it reads the pieces out of them (:func:`cells`).
+
+Notebook 12 runs *your* pieces, so it reads them from the notebooks you wrote them in. It looks, in
+this order (:func:`search_folders`), and takes each notebook from the first folder that holds it:
+
+1. the current folder -- where Jupyter, JupyterLab and VS Code start a notebook's kernel (the
+   notebook's own folder), and ``/content`` on Colab, where the Files pane's uploads land;
+2. the running notebook's own folder, where the front end says it is (Jupyter's ``JPY_SESSION_NAME``,
+   VS Code's ``__vsc_ipynb_file__``), if that is another folder;
+3. on Colab, Google Drive once it is mounted at ``/content/drive``: ``MyDrive/Colab Notebooks`` (where
+   *File > Save a copy in Drive* puts ``Copy of 05_paged_kv_cache.ipynb``), ``MyDrive`` itself, and
+   every folder one level under ``MyDrive`` (say ``MyDrive/cbteach``).
+
+A notebook counts if its name is ``05_*.ipynb`` (or ``06_*``), ``Copy of 05_*.ipynb`` included; of
+several in one folder, the one saved last. The course's own notebooks (``notebooks/`` in a checkout,
+the copy inside the installed package) are never searched: they hold the solutions. Only
+``use_course_solutions=True`` reads them, and then every line says so. A piece whose cell is, letter
+for letter, the course's solution cell (the course copy, or a solution pasted in) is reported as the
+course's, not yours (:func:`course_cells`).
+"""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+from pathlib import Path
+
+COLAB_DRIVE = Path("/content/drive/MyDrive")
+COLAB_UPLOADS = Path("/content")
+
+
+def _front_end_notebook() -> Path | None:
+    """The running notebook's path, if the front end tells the kernel (JupyterLab >= 4 / Notebook 7:
+    ``JPY_SESSION_NAME``; VS Code: ``__vsc_ipynb_file__`` in the user's namespace)."""
+    name = os.environ.get("JPY_SESSION_NAME", "")
+    if name.endswith(".ipynb"):
+        return Path(name)
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    shell = get_ipython()
+    path = shell.user_ns.get("__vsc_ipynb_file__") if shell is not None else None
+    return Path(path) if isinstance(path, str) and path.endswith(".ipynb") else None
+
+
+def search_folders() -> list[Path]:
+    """The folders :func:`find_notebook` looks in, in order (see the module); only those that exist."""
+    drive, uploads = Path(COLAB_DRIVE), Path(COLAB_UPLOADS)
+    folders = [Path.cwd()]
+    notebook = _front_end_notebook()
+    if notebook is not None:
+        folders.append(notebook.parent if notebook.is_absolute() else folders[0] / notebook.parent)
+    folders.append(uploads)
+    if drive.is_dir():
+        folders += [drive / "Colab Notebooks", drive]
+        try:
+            folders += sorted(p for p in drive.iterdir() if p.is_dir() and p.name != "Colab Notebooks")
+        except OSError:  # Drive can refuse a listing; the folders above are still searched
+            pass
+    seen, out = set(), []
+    for folder in folders:
+        try:
+            key = folder.resolve()
+        except OSError:
+            continue
+        if key not in seen and folder.is_dir():
+            seen.add(key)
+            out.append(folder)
+    return out
+
+
+def shown(folder: Path) -> str:
+    """A folder as the learner reads it: ``the current folder``, or its full path (``/content`` and
+    ``/content/drive/MyDrive/...`` on Colab)."""
+    try:
+        here, there = Path.cwd().resolve(), Path(folder).resolve()
+    except OSError:
+        return str(folder)
+    return "the current folder" if there == here and there != Path(COLAB_UPLOADS) else str(there)
+
+
+def find_notebook(folder: Path, number: str) -> Path | None:
+    """Notebook ``number`` (``"05"``) in ``folder``: ``05_*.ipynb`` or ``Copy of 05_*.ipynb``, the one
+    saved last if there are several."""
+    pattern = re.compile(rf"^(Copy of )?{number}_.*\.ipynb$")
+    try:
+        found = [p for p in Path(folder).iterdir() if pattern.match(p.name) and p.is_file()]
+    except OSError:
+        return None
+    return max(found, key=lambda p: (p.stat().st_mtime, p.name)) if found else None
+
+
+def is_course_folder(folder: Path) -> bool:
+    """Whether ``folder`` is the course's own notebooks (which hold the solutions)."""
+    from ..student import course_dir
+
+    try:
+        return Path(folder).resolve() == course_dir().resolve()
+    except (FileNotFoundError, OSError):
+        return False
+
+
+def course_cells(number: str) -> set[str]:
+    """The course's own solution cells of notebook ``number``, normalised (:func:`normal`); empty if the
+    course's notebooks cannot be found."""
+    from ..student import SOLUTION_TAG, course_dir
+
+    try:
+        path = find_notebook(course_dir(), number)
+    except FileNotFoundError:
+        return set()
+    if path is None:
+        return set()
+    cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+    return {normal(c["source"]) for c in cells if SOLUTION_TAG in c.get("metadata", {}).get("tags", [])}
+
+
+def normal(source) -> str:
+    """A cell's source, compared without trailing spaces and blank lines at either end."""
+    text = "".join(source) if isinstance(source, list) else source
+    return "\n".join(line.rstrip() for line in text.strip().splitlines())
+
+
+def not_found_text(missing: list[str], searched: list[Path]) -> str:
+    """The loud lines printed when notebooks 05/06 were found nowhere."""
+    bar = "!" * 100
+    where = "\n".join(f"!!   {shown(f)}" for f in searched) or "!!   (no folder)"
+    return (f"{bar}\n!! NOT FOUND: notebook {' and '.join(missing)} -- the pieces written there count as NOT WRITTEN YET.\n"
+            f"!! Looked in:\n{where}\n"
+            "!! Keep this notebook beside your 05 and 06 and save them. On Colab: upload your saved 05 and 06 "
+            "(Files pane, Upload: they land\n!! in /content), or mount Google Drive (from google.colab import "
+            "drive; drive.mount('/content/drive')) if you saved\n!! them there (File > Save a copy in Drive puts "
+            "them in MyDrive/Colab Notebooks), then run this cell again. Or name the\n!! folder: "
+            "capstone.pieces_from_notebooks('path/to/folder'). (Instructors: use_course_solutions=True runs the "
+            f"course's own.)\n{bar}")
+
+
+def course_text(pieces: list[str], why: str) -> str:
+    """The loud lines printed when pieces are the course's own solutions."""
+    bar = "!" * 100
+    return (f"{bar}\n!! NOT YOUR CODE: {', '.join(pieces)} {'is' if len(pieces) == 1 else 'are'} the COURSE'S OWN "
+            f"SOLUTION{'' if len(pieces) == 1 else 'S'} ({why}).\n!! Every check, the server and the tournament "
+            "below run the course's answers for them, not yours.\n"
+            f"{bar}")
+
+
+# -- reading the pieces out of a notebook ---------------------------------------------------------------
+
+def defined(src: str) -> set:
+    """The top-level names a cell defines (functions, classes, assignments)."""
+    try:
+        tree = ast.parse(src)
+    except SyntaxError:
+        return set()
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return names
+
+
+def cells(path: Path, stubbed: bool = False) -> tuple[list[str], list[str]]:
+    """(the import statements of the code cells that are not solutions, the solution cells' sources);
+    ``stubbed``: the solution cells as the student copy hands them out."""
+    from ..student import SOLUTION_TAG, stub
+
+    imports, solutions = [], []
+    for cell in json.loads(path.read_text(encoding="utf-8"))["cells"]:
+        if cell.get("cell_type") != "code":
+            continue
+        src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+        if SOLUTION_TAG in cell.get("metadata", {}).get("tags", []):
+            solutions.append(stub(src) if stubbed else src)
+            continue
+        try:
+            tree = ast.parse("\n".join(line for line in src.splitlines() if not line.lstrip().startswith(("%", "!"))))
+        except SyntaxError:
+            continue
+        imports += [ast.unparse(n) for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    return imports, solutions
+
+
+def binds(statement: str) -> set:
+    """The names an import statement binds."""
+    node = ast.parse(statement).body[0]
+    return {(a.asname or a.name).split(".")[0] for a in node.names}
