@@ -34,7 +34,8 @@ def _deployment_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=POSITIVE_INT, default=1, help="tensor-parallel devices per replica")
     p.add_argument("--prompt", type=_pair, default=(128, 1024), help="prompt lengths LO,HI")
     p.add_argument("--output", type=_pair, default=(32, 512), help="output lengths LO,HI")
-    p.add_argument("--requests", type=POSITIVE_INT, default=200, help="requests per simulated run")
+    p.add_argument("--requests", type=POSITIVE_INT, default=200,
+                   help="requests per simulated run (capacity: the shortest; runs grow to 10x their concurrency)")
     p.add_argument("--batch", type=POSITIVE_INT, default=256, help="max_batch_size")
     p.add_argument("--budget", type=POSITIVE_INT, default=2048, help="token budget per step")
 
@@ -54,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     _deployment_args(c)
     c.add_argument("--ttft", type=float, default=1.0, help="TTFT target, seconds (at --quantile)")
     c.add_argument("--tpot", type=float, default=0.05, help="TPOT target, seconds (at --quantile)")
-    c.add_argument("--quantile", type=float, default=0.9)
+    c.add_argument("--quantile", type=float, default=0.9, choices=(0.5, 0.9))
     c.add_argument("--users", type=POSITIVE_INT, default=None, help="also: devices for this many users")
     c.add_argument("--rate-per-user", type=POSITIVE, default=1 / 30, help="requests per second per user")
     c.add_argument("--price", type=POSITIVE, default=None, help="price per device-hour (default: the device's)")
@@ -88,32 +89,44 @@ def _validate(a) -> dict:
             "train": rep["train"], "held_out": rep["held_out"], "worst": rep["worst"]}
 
 
-def _capacity(a) -> dict:
-    from .capacity import Deployment, cost_per_million_tokens, gpus_for_users, max_rate
+def _deployment(a):
+    from .capacity import Deployment
+    from .cost import CostModel
 
-    dep = Deployment(model=a.model, device=a.device, tensor_parallel_size=a.tp, prompt_lens=a.prompt,
-                     output_lens=a.output, num_requests=a.requests, max_batch_size=a.batch, token_budget=a.budget)
-    limit = 4096.0
-    cap = max_rate(dep, a.ttft, a.tpot, a.quantile, max_rate_limit=limit)
-    out = {"simulated": True, "max_rate_req_s": cap.rate, "probes": len(cap.probes)}
-    if cap.rate >= limit:  # never missed a target: the capacity is at least the search's limit, not known
-        out["max_rate_req_s"] = f">= {limit:g} (the search's upper limit: no rate it tried missed a target; " \
-                                f"{a.requests} requests may be too few to load the system)"
-        return out
+    CostModel(a.model, a.device, a.tp)  # a model, device or --tp it cannot use: named before anything runs
+    return Deployment(model=a.model, device=a.device, tensor_parallel_size=a.tp, prompt_lens=a.prompt,
+                      output_lens=a.output, num_requests=a.requests, max_batch_size=a.batch, token_budget=a.budget)
+
+
+def _capacity(a) -> dict:
+    from tqdm.auto import tqdm
+
+    from .capacity import cost_per_million_tokens, gpus_for_users, max_rate
+
+    dep = _deployment(a)
+    with tqdm(desc="simulated runs", unit="run", disable=a.json) as bar:
+        def progress(rate):
+            bar.set_postfix_str(f"{rate:.3g} req/s")
+            bar.update(1)
+
+        cap = max_rate(dep, a.ttft, a.tpot, a.quantile, progress=progress)
+    roof = cap.roofline
+    out = {"simulated": True, "roofline_req_s": roof["rate"], "roofline_bound": roof["bound"],
+           "max_rate_req_s": cap.rate, "probes": len(cap.probes)}
     if cap.rate > 0:
-        out["cost_per_million_output_tokens"] = cost_per_million_tokens(dep, cap.rate, a.price)
-        out.update({k: v for k, v in cap.result.summary().items() if k.startswith(("ttft", "tpot"))})
+        st = cap.steady
+        out.update({"run_requests": st["requests"], "measured_requests": st["measured"],
+                    "steady_window_s": st["window_s"], "concurrency": st["concurrency"],
+                    "reached_steady_state": st["steady"], "served_output_tokens_s": st["served_tokens_per_s"],
+                    "cost_per_million_output_tokens": cost_per_million_tokens(dep, cap, a.price)})
+        out.update({k: v for k, v in st.items() if k.startswith(("ttft", "tpot"))})
         if a.users is not None:
             out["devices_for_users"] = gpus_for_users(a.users, a.rate_per_user, cap.rate, a.tp)
     return out
 
 
 def _run(a) -> dict:
-    from .capacity import Deployment
-
-    dep = Deployment(model=a.model, device=a.device, tensor_parallel_size=a.tp, prompt_lens=a.prompt,
-                     output_lens=a.output, num_requests=a.requests, max_batch_size=a.batch, token_budget=a.budget)
-    return {"simulated": True, **dep.run(a.rate).summary()}
+    return {"simulated": True, **_deployment(a).run(a.rate).summary()}
 
 
 def _static(a) -> dict:
