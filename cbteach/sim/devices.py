@@ -45,7 +45,7 @@ class Device:
     link_efficiency: float = 0.75  # fraction of link_bandwidth NCCL's ring reaches (assumed)
     mfu: float = 0.6  # achieved fraction of peak FLOPs (assumed)
     mbu: float = 0.8  # achieved fraction of peak bandwidth (assumed)
-    tp_gemm_exponent: float = 0.0  # kernels at 1/N width reach mfu, mbu x N ** -exponent (0: no loss)
+    tp_gemm_exponent: float = 0.1  # kernels at 1/N width reach mfu, mbu x N ** -exponent (assumed; 0: no loss)
     step_overhead: float = 3e-3  # seconds per step outside the kernels (assumed; fitted for the CPU)
     seq_overhead: float = 2e-5  # seconds per sequence in the step (assumed; fitted for the CPU)
     token_overhead: float = 0.0  # seconds per token fed (fitted for the CPU: packing, embedding, norms)
