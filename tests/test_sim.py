@@ -136,7 +136,7 @@ def test_validation_on_held_out_runs():
     from pathlib import Path
 
     stored = json.loads((Path(__file__).parent.parent / "benchmarks/sim/results/validation.json").read_text())
-    assert stored["worst"] == pytest.approx(report["worst"], rel=1e-6)
+    assert stored["worst"] == pytest.approx(report["worst"], rel=1e-6) and stored["mae"] == pytest.approx(report["mae"])
 
 
 def test_fit_recovers_a_known_device():
@@ -238,3 +238,67 @@ def test_predict_run_replays_the_held_out_workload():
     run = next(r for r in data["runs"] if not r["spec"]["train"])
     p = predict_run(run, device)
     assert p["simulated_steps"] == pytest.approx(p["steps"], rel=0.1)  # the same scheduler, nearly the same steps
+
+
+def test_calibrate_writes_a_device_that_validate_reads(tmp_path, capsys):
+    """`simulate calibrate` on a tiny grid: the real engine's steps, fitted, written as a device file that
+    CostModel and `simulate validate --device` read; validate reports every metric's error, per run."""
+    from cbteach.__main__ import main
+    from cbteach.sim.calibrate import calibrate, load_device, save_device
+    from cbteach.sim.validate import record_run
+
+    model = tiny_model("llama")
+    cal = calibrate(model, grid=[(1, 8, 4, None), (3, 12, 3, None), (2, 20, 2, 8)], repeats=1)
+    info = cal["calibration"]
+    assert info["steps"] >= 4 + 3 + 5 and info["clock"] == "wall"  # outputs 4, 3; the chunked prompt 5 chunks
+    path = save_device(cal, tmp_path / "dev.json")
+    assert load_device(path) == cal["device"] and get_device(str(path)) == cal["device"]
+    # A run recorded by any Engine, in the format validate reads.
+    eng = Engine(model, None, max_batch_size=2, kv="paged", block_size=4, num_blocks=32)
+    comps = eng.run([Request([5] * 6, 3, request_id=0, ignore_eos=True), Request([6] * 9, 4, request_id=1,
+                                                                                ignore_eos=True)])
+    run = record_run(eng, comps, name="two", max_batch_size=2, num_blocks=32, block_size=4, token_budget=None)
+    assert [r["n"] for r in run["requests"]] == [3, 4] and len(run["steps"]) == len([r for r in eng.records if r.seqs])
+    data = tmp_path / "runs.json"
+    data.write_text(json.dumps({"runs": [run]}))
+    report = validation_report(json.loads(data.read_text()), cal["device"])
+    assert set(report["mae"]) >= {"ttft_error", "tpot_error", "e2e_error", "throughput_error"}
+    assert main(["simulate", "--json", "validate", "--device", str(path), "--data", str(data)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["held_out"][0]["run"] == "two" and out["mean_abs_error"]["ttft_error"] == pytest.approx(
+        report["mae"]["ttft_error"])
+    assert main(["simulate", "validate", "--device", str(tmp_path / "missing.json")]) == 2
+    assert "not a device file" in capsys.readouterr().err
+
+
+def test_validate_predicts_every_run_with_a_given_device():
+    """With a device (fitted elsewhere), every run is held out; a device fitted on the same runs predicts
+    them better than one from another occasion scaled 1.6x slower."""
+    data = load()
+    device = fit_cpu([r for r in data["runs"] if r["spec"]["train"]])
+    rep = validation_report(data, device)
+    assert [p["run"] for p in rep["held_out"]] == [r["spec"]["name"] for r in data["runs"]] and rep["train"] == []
+    slower = device.with_(step_overhead=1.6 * device.step_overhead, seq_overhead=1.6 * device.seq_overhead,
+                          peak_flops=device.peak_flops / 1.6, attn_flops=device.attn_flops / 1.6,
+                          kv_bandwidth=device.kv_bandwidth / 1.6)
+    assert validation_report(data, slower)["mae"]["tpot_error"] > rep["mae"]["tpot_error"]
+
+
+def test_published_table_is_what_the_code_computes():
+    """benchmarks/sim/results/published_runs.md is the table benchmarks/sim/published.py writes now, and
+    every row names a source the data file lists."""
+    import importlib.util
+    from pathlib import Path
+
+    from cbteach.sim.published import compare
+    from cbteach.sim.published import load as load_published
+
+    root = Path(__file__).parent.parent
+    spec = importlib.util.spec_from_file_location("published_bench", root / "benchmarks/sim/published.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert (root / "benchmarks/sim/results/published_runs.md").read_text() == bench.table()
+    data = load_published()
+    assert all(r["source"] in data["sources"] for r in data["rows"])
+    rows = compare(data)
+    assert all(r["predicted"] > 0 and r["ratio"] == pytest.approx(r["predicted"] / r["published"]) for r in rows)
