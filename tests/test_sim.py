@@ -228,6 +228,14 @@ def test_cli(capsys):
     assert out["simulated"] is True and out["requests"] == 20
     assert main(["simulate", "models"]) == 0 and "llama-3-70b" in capsys.readouterr().out
     assert main(["simulate", "run", "--device", "tpu"]) == 2
+    capsys.readouterr()
+    assert main(["simulate", "run", "--tp", "3"]) == 2  # an error names the flag the user typed
+    err = capsys.readouterr().err
+    assert "--tp 3" in err and "tensor_parallel_size" not in err
+    assert main(["simulate", "capacity", "--model", "bierce", "--device", "t4", "--prompt", "8,16", "--output", "4,8",
+                 "--requests", "40", "--batch", "4"]) == 0
+    out = capsys.readouterr()
+    assert "simulated runs" in out.err and "served_output_tokens_s" in out.out  # a progress bar; served tokens
     with pytest.raises(SystemExit):
         main(["simulate", "run", "--prompt", "9,3"])
 
