@@ -227,7 +227,7 @@ def test_cli(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["simulated"] is True and out["requests"] == 20
     assert main(["simulate", "models"]) == 0 and "llama-3-70b" in capsys.readouterr().out
-    assert main(["simulate", "run", "--device", "tpu"]) == 2
+    assert main(["simulate", "run", "--device", "tpu"]) == 2 and "--device tpu" in capsys.readouterr().err
     capsys.readouterr()
     assert main(["simulate", "run", "--tp", "3"]) == 2  # an error names the flag the user typed
     err = capsys.readouterr().err

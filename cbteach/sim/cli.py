@@ -128,10 +128,20 @@ def _calibrate(a) -> dict:
             "next": f"python -m cbteach simulate validate --device {path} --data RUNS.json"}
 
 
+def _names(a) -> None:
+    """A --model or --device it does not know, named as the user typed it."""
+    if a.model.lower() not in MODELS:
+        raise ValueError(f"--model {a.model}: not a shipped shape; one of {', '.join(MODELS)}")
+    if a.device.lower() not in DEVICES and not a.device.lower().endswith(".json"):
+        raise ValueError(f"--device {a.device}: unknown; one of {', '.join(DEVICES)}, or a device file (*.json) "
+                         "from `python -m cbteach simulate calibrate`")
+
+
 def _deployment(a):
     from .capacity import Deployment
     from .cost import CostModel
 
+    _names(a)
     CostModel(a.model, a.device, a.tp)  # a model, device or --tp it cannot use: named before anything runs
     return Deployment(model=a.model, device=a.device, tensor_parallel_size=a.tp, prompt_lens=a.prompt,
                       output_lens=a.output, num_requests=a.requests, max_batch_size=a.batch, token_budget=a.budget)
@@ -171,6 +181,7 @@ def _run(a) -> dict:
 def _static(a) -> dict:
     from .static import compare_batching
 
+    _names(a)
     rep = compare_batching(a.model, a.device)
     return {"simulated": True, **{k: v for k, v in rep.items() if k != "runs"}}
 
