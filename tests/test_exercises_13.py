@@ -1,6 +1,8 @@
 """Notebook 13's self-check: the KV heads a rank holds and the bytes a step all-reduces, against a real
 two-process run. The solution passes; each typical mistake fails with the hint for its idea, never
 with the right value."""
+import re
+
 import pytest
 from conftest import tiny_model
 
@@ -29,8 +31,9 @@ def kv_right(rank, world_size, num_heads, num_kv_heads):
     return list(range(first, first + per_rank))
 
 
-def bytes_right(num_layers, num_tokens, hidden_size, dtype_bytes):
-    return 2 * num_layers * num_tokens * hidden_size * dtype_bytes
+def bytes_right(num_layers, num_tokens, hidden_size, dtype_bytes, world_size):
+    tensor = num_tokens * hidden_size * dtype_bytes  # one all-reduced tensor
+    return 2 * num_layers * 2 * (world_size - 1) * tensor // world_size  # two per layer; the ring's share
 
 
 def check(run, capsys, kv=kv_right, nbytes=bytes_right):
@@ -54,17 +57,50 @@ def test_kv_mistakes(run, capsys, wrong, idea):
     assert not ok and idea in out
 
 
+def ring(N):
+    return 2 * (N - 1) / N
+
+
 @pytest.mark.parametrize("wrong, idea", [
-    (lambda L, T, h, b: L * T * h * b, "two row-parallel products"),  # one all-reduce per layer
-    (lambda L, T, h, b: 2 * L * T * h, "bytes, not elements"),
-    (lambda L, T, h, b: 2 * 2 * L * T * h * b, "one rank sends in"),  # times the world size
-    (lambda L, T, h, b: 2 * L * T * (h // 2) * b, "already full width"),  # a rank's slice
-    (lambda L, T, h, b: 2 * L * h * b, "one row per token"),  # forgets the tokens
+    (lambda L, T, h, b, N: 2 * L * T * h * b, "the size of the all-reduced tensors, not what one rank sends"),
+    (lambda L, T, h, b, N: 2 * bytes_right(L, T, h, b, N), "not what it sends and receives"),  # send + receive
+    (lambda L, T, h, b, N: 2 * L * 2 * (N - 1) * T * h * b, "not 2 (N - 1) whole tensors"),  # no / N
+    (lambda L, T, h, b, N: L * ring(N) * T * h * b, "two row-parallel products"),  # one all-reduce per layer
+    (lambda L, T, h, b, N: 2 * L * (N - 1) / N * T * h * b, "reduce-scatter *and* an all-gather"),  # half the ring
+    (lambda L, T, h, b, N: 3 * L * ring(N) * T * h * b, "twice, not three times"),
+    (lambda L, T, h, b, N: 2 * ring(N) * T * h * b, "multiply by the number of layers"),  # forgets the layers
+    (lambda L, T, h, b, N: 2 * L * ring(N) * T * h, "bytes, not elements"),
+    (lambda L, T, h, b, N: 2 * L * ring(N) * T * (h / N) * b, "already full width"),  # a rank's slice
+    (lambda L, T, h, b, N: 2 * L * ring(N) * h * b, "one row per token"),  # forgets the tokens
 ])
 def test_bytes_mistakes(run, capsys, wrong, idea):
     ok, out = check(run, capsys, nbytes=wrong)
     assert not ok and idea in out
-    assert str(bytes_right(run["num_layers"], run["comm_log"][0]["num_tokens"], run["hidden_size"], 4)) not in out
+    case = re.search(r"num_layers=(\d+), num_tokens=(\d+), hidden_size=(\d+), dtype_bytes=(\d+), world_size=(\d+)", out)
+    assert f"{bytes_right(*map(int, case.groups())):g}" not in out  # the hint never gives the right value
+
+
+def test_distinct_mistakes_give_distinct_hints(run, capsys):
+    """bierce-like shapes at 2 ranks make several mistakes coincide (4 layers, 4-byte floats, N = 2): the
+    check's second shape and 4 and 8 ranks tell them apart."""
+    hints = set()
+    for wrong in (lambda L, T, h, b, N: 2 * ring(N) * T * h * b,  # forgets layers
+                  lambda L, T, h, b, N: 2 * L * ring(N) * T * h,  # elements
+                  lambda L, T, h, b, N: 2 * bytes_right(L, T, h, b, N),  # send + receive
+                  lambda L, T, h, b, N: 3 * L * ring(N) * T * h * b):  # three all-reduces per layer
+        ok, out = check(run, capsys, nbytes=wrong)
+        assert not ok
+        hints.add(out.split(": ")[-1])
+    assert len(hints) == 4
+
+
+def test_the_check_and_the_simulator_agree(run):
+    """The exercise's truth is the simulator's formula: a CostModel step's wire bytes at N ranks."""
+    from cbteach.sim import CostModel
+
+    for n in (2, 4, 8):
+        step = CostModel("llama-3-8b", "h100", n).step([0] * 3, [5] * 3)
+        assert step.comm_bytes == pytest.approx(bytes_right(32, 15, 4096, 2, n))
 
 
 def test_bad_input_is_a_hint_not_a_traceback(run, capsys):
@@ -76,5 +112,7 @@ def test_bad_input_is_a_hint_not_a_traceback(run, capsys):
     capsys.readouterr()
     assert not ex13.check_tp(lambda *a: None, lambda *a: None, **run)  # the student copy's stubs
     assert "return the list of KV head indices" in capsys.readouterr().out
-    assert not ex13.check_tp(kv_right, lambda *a: 3.5, **run)
-    assert "a whole number of bytes" in capsys.readouterr().out
+    assert not ex13.check_tp(kv_right, lambda *a: "many", **run)
+    assert "return a number of bytes" in capsys.readouterr().out
+    assert not ex13.check_tp(kv_right, lambda L, T, h, b: 2 * L * T * h * b, **run)  # the old four-argument form
+    assert "needs five" in capsys.readouterr().out

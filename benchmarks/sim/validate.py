@@ -21,13 +21,14 @@ def main():
     a = p.parse_args()
     rep = validation_report(load(a.data) if a.data else None)
     out = {"fitted_cpu": asdict(rep["device"]), "train": rep["train"], "held_out": rep["held_out"],
-           "worst": rep["worst"], "machine": rep["machine"]}
+           "worst": rep["worst"], "mae": rep["mae"], "machine": rep["machine"]}
     path = os.path.join(HERE, "results", "validation.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
     for run in rep["held_out"]:
         print(f"{run['run']:28s} step {run['step_mape']:.1%}  duration {run['duration_error']:.1%}  "
-              f"TTFT {run['ttft_error']:.1%}  TPOT {run['tpot_error']:.1%}")
+              f"TTFT {run['ttft_error']:.1%}  TPOT {run['tpot_error']:.1%}  E2E {run['e2e_error']:.1%}  "
+              f"throughput {run['throughput_error']:.1%}")
     print("worst:", {k: f"{v:.1%}" for k, v in rep["worst"].items()}, "->", path)
 
 

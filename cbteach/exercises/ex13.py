@@ -6,16 +6,24 @@ The learner writes two functions and :func:`check_tp` runs them against the real
   holds in its pool, checked against :mod:`cbteach.parallel.shard`'s layout (the one the worker
   processes really build) on common shapes, grouped-query attention with fewer KV heads than
   ranks included;
-* ``all_reduce_bytes(num_layers, num_tokens, hidden_size, dtype_bytes)`` -- the bytes one rank sends
-  into one step's all-reduces, checked against the counts a real two-process run recorded (the
-  runner's ``comm_log``: its forward hooks count every all-reduce and its bytes).
+* ``all_reduce_bytes(num_layers, num_tokens, hidden_size, dtype_bytes, world_size)`` -- the bytes one
+  rank **sends** over the links in one step's all-reduces when NCCL's ring runs them over
+  ``world_size`` ranks. Checked at 2, 4 and 8 ranks, on the tensors a real two-process run
+  all-reduced (the runner's ``comm_log``: its forward hooks count every all-reduce and the size of
+  the tensor it sums) and on a second model shape (5 layers, hidden size 96, 2-byte floats), so that
+  different mistakes give different numbers; the truth is the simulator's own formula
+  (:func:`cbteach.sim.cost.ring_all_reduce_bytes`: ``2 (N - 1) / N`` of the tensor per rank).
 
 A wrong answer gets a hint naming the idea it missed, never the right value.
 """
 from __future__ import annotations
 
+import inspect
+import numbers
+
 from ..parallel.shard import Layout
-from . import is_int, report, self_check
+from ..sim.cost import ring_all_reduce_bytes
+from . import report, self_check
 
 # (num_heads, num_kv_heads, world_size): bierce and the course's tiny models, and real shapes.
 SHAPES = [(6, 2, 2), (4, 2, 2), (4, 1, 2), (8, 2, 4), (8, 8, 4), (32, 8, 8), (64, 8, 16), (32, 8, 2)]
@@ -40,32 +48,78 @@ def _kv_hint(got, truth, rank, heads, kv, world) -> str:
             "compute, and which KV head does each of them read under grouped-query attention?")
 
 
-def _bytes_hint(got, truth, layers, tokens, hidden, dtype_bytes, world) -> str:
-    if got * 2 == truth:  # one all-reduce per layer -- or, on two ranks, a rank's half of the width
-        return ("a Megatron layer has two row-parallel products -- attention's output projection and the MLP's down "
-                "projection -- and each is followed by its own all-reduce of a full-width [tokens, hidden_size] "
-                "tensor (a rank's partial output is already full width)")
-    if got * dtype_bytes == truth:
-        return "count bytes, not elements: every element of the hidden states is dtype_bytes bytes"
-    if got == truth * world:
-        return ("count what one rank sends in: every rank all-reduces the same full-size tensor, however many ranks "
-                "there are")
-    if got * world == truth:
-        return ("each rank's partial output is already full width ([tokens, hidden_size]): the all-reduce sums full "
-                "hidden states, not a rank's slice of them")
-    if tokens > 1 and got * tokens == truth:
-        return "the all-reduced tensor is the step's hidden states: one row per token in the packed batch"
-    return ("one step all-reduces the output of every row-parallel module: a [tokens, hidden_size] tensor each time, "
-            "in every layer")
+# A second shape, so that a mistake by the number of layers and one by the bytes per element differ.
+SECOND_SHAPE = {"num_layers": 5, "hidden_size": 96, "dtype_bytes": 2, "tokens": (1, 7)}
+WORLD_SIZES = (2, 4, 8)
+
+# Typical mistakes: (the wrong answer as a function of the right one and the case, the hint). The hint
+# is the first whose formula gives the learner's numbers on every case checked.
+_MISTAKES = [
+    (lambda t, L, T, h, b, N: t * N / (2 * (N - 1)),
+     "that is the size of the all-reduced tensors, not what one rank sends: a ring all-reduce over N ranks sends "
+     "each rank's share twice around the ring -- a reduce-scatter then an all-gather, N - 1 chunks of 1/N of the "
+     "tensor each"),
+    (lambda t, L, T, h, b, N: 2 * t,
+     "count what one rank sends, not what it sends and receives: in a ring every chunk a rank sends is one its "
+     "neighbour receives"),
+    (lambda t, L, T, h, b, N: t * N,
+     "a ring all-reduce splits the tensor into N chunks: a rank sends 2 (N - 1) chunks of 1/N of the tensor, not "
+     "2 (N - 1) whole tensors"),
+    (lambda t, L, T, h, b, N: t / 2,
+     "half of it: a Megatron layer has two row-parallel products (attention's output projection, the MLP's down "
+     "projection) each followed by its own all-reduce -- and each all-reduce is a reduce-scatter *and* an "
+     "all-gather"),
+    (lambda t, L, T, h, b, N: 1.5 * t,
+     "a Megatron layer all-reduces twice, not three times: after attention's output projection and after the MLP's "
+     "down projection (the QKV and gate/up projections are column-parallel: no all-reduce after them)"),
+    (lambda t, L, T, h, b, N: t / L,
+     "every layer all-reduces: multiply by the number of layers"),
+    (lambda t, L, T, h, b, N: t / b,
+     "count bytes, not elements: every element of the hidden states is dtype_bytes bytes"),
+    (lambda t, L, T, h, b, N: t / N,
+     "each rank's partial output is already full width ([tokens, hidden_size]): the all-reduce sums full hidden "
+     "states, not a rank's slice of them"),
+    (lambda t, L, T, h, b, N: t / T,
+     "the all-reduced tensor is the step's hidden states: one row per token in the packed batch"),
+]
+_GENERIC = ("one step all-reduces a [tokens, hidden_size] tensor twice in every layer, and a ring all-reduce over "
+            "world_size ranks sends 2 (world_size - 1) / world_size of a tensor from each rank")
+
+
+def _cases(comm_log, num_layers, hidden_size, dtype_bytes, world_size):
+    """(arguments, truth) for every case: the real run's steps at 2, 4 and 8 ranks, then the second shape."""
+    cases = []
+    for step in comm_log[:4]:
+        payload, tokens = step["all_reduce_bytes"], step["num_tokens"]  # what the hooks counted: the tensors' bytes
+        for n in WORLD_SIZES:
+            cases.append(((num_layers, tokens, hidden_size, dtype_bytes, n), ring_all_reduce_bytes(payload, n)))
+    s = SECOND_SHAPE
+    for tokens in s["tokens"]:
+        payload = 2 * s["num_layers"] * tokens * s["hidden_size"] * s["dtype_bytes"]
+        for n in WORLD_SIZES:
+            cases.append(((s["num_layers"], tokens, s["hidden_size"], s["dtype_bytes"], n),
+                          ring_all_reduce_bytes(payload, n)))
+    return cases
+
+
+def _same(a, b) -> bool:
+    return abs(a - b) <= 1e-9 * max(abs(a), abs(b), 1.0)
+
+
+def _bytes_hint(answers, cases) -> str:
+    for wrong, hint in _MISTAKES:
+        if all(_same(got, wrong(t, *args)) for got, (args, t) in zip(answers, cases)):
+            return hint
+    return _GENERIC
 
 
 @self_check
 def check_tp(kv_heads_of_rank, all_reduce_bytes, comm_log, *, num_layers: int, hidden_size: int,
              dtype_bytes: int = 4, world_size: int = 2) -> bool:
     """Check ``kv_heads_of_rank`` on :data:`SHAPES` against the real layout, and ``all_reduce_bytes``
-    against ``comm_log`` -- a real tensor-parallel run's per-step counts (``runner.comm_log``; the
-    run's ``num_layers``, ``hidden_size``, ``dtype_bytes`` and ``world_size``). Prints a line each;
-    ``True`` when both are right."""
+    at 2, 4 and 8 ranks on the tensors of ``comm_log`` -- a real tensor-parallel run's per-step counts
+    (``runner.comm_log``; the run's ``num_layers``, ``hidden_size``, ``dtype_bytes``) -- and on
+    :data:`SECOND_SHAPE`. Prints a line each; ``True`` when both are right."""
     if not callable(kv_heads_of_rank) or not callable(all_reduce_bytes):
         return report(False, "", "pass your two functions (not their results): check_tp(kv_heads_of_rank, "
                                  "all_reduce_bytes, runner.comm_log, ...)")
@@ -91,19 +145,27 @@ def check_tp(kv_heads_of_rank, all_reduce_bytes, comm_log, *, num_layers: int, h
     if ok:
         report(True, f"kv_heads_of_rank: every rank of {len(SHAPES)} shapes holds the KV heads the real layout gives "
                      "it (replicated when there are fewer KV heads than ranks)", "")
-    bytes_ok = True
-    for step in comm_log:
-        truth, tokens = step["all_reduce_bytes"], step["num_tokens"]
-        got = all_reduce_bytes(num_layers, tokens, hidden_size, dtype_bytes)
-        if not is_int(got):
-            return report(False, "", f"all_reduce_bytes returned {got!r}: return a whole number of bytes (an int)")
-        if got != truth:
-            bytes_ok = report(False, "", f"all_reduce_bytes(num_layers={num_layers}, num_tokens={tokens}, hidden_size="
-                                         f"{hidden_size}, dtype_bytes={dtype_bytes}) returned {got!r}, not what the "
-                                         "run's ranks sent: "
-                                         + _bytes_hint(got, truth, num_layers, tokens, hidden_size, dtype_bytes,
-                                                       world_size))
-            break
-    if bytes_ok:
-        report(True, f"all_reduce_bytes matches all {len(comm_log)} steps the two ranks really ran", "")
-    return ok and bytes_ok
+    try:
+        params = inspect.signature(all_reduce_bytes).parameters.values()
+        arity = 5 if any(p.kind is p.VAR_POSITIONAL for p in params) else len(params)
+    except (TypeError, ValueError):
+        arity = 5
+    if arity != 5:
+        return report(False, "", f"all_reduce_bytes takes {arity} arguments: it needs five -- num_layers, num_tokens, "
+                                 "hidden_size, dtype_bytes and world_size (what one rank sends depends on the ranks)")
+    cases = _cases(comm_log, num_layers, hidden_size, dtype_bytes, world_size)
+    answers = []
+    for args, _ in cases:
+        got = all_reduce_bytes(*args)
+        if not isinstance(got, numbers.Real) or isinstance(got, bool):
+            return report(False, "", f"all_reduce_bytes returned {got!r}: return a number of bytes")
+        answers.append(float(got))
+    wrong = [(args, got) for got, (args, t) in zip(answers, cases) if not _same(got, t)]
+    if wrong:
+        (L, T, h, b, n), got = wrong[0]
+        return report(False, "", f"all_reduce_bytes(num_layers={L}, num_tokens={T}, hidden_size={h}, dtype_bytes={b}, "
+                                 f"world_size={n}) returned {got:g}, not what one rank sends ({len(wrong)} of "
+                                 f"{len(cases)} cases wrong): " + _bytes_hint(answers, cases)) and ok
+    report(True, f"all_reduce_bytes matches the ring's bytes per rank at {', '.join(map(str, WORLD_SIZES))} ranks, on "
+                 f"the tensors the two ranks really all-reduced and on a second model shape", "")
+    return ok

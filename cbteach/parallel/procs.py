@@ -42,6 +42,15 @@ class WorkerDied(EngineDeadError):
     """A tensor-parallel rank died or failed: the group cannot go on, so the engine stops."""
 
 
+_BOOTSTRAP_HINT = (
+    " while starting. The most common cause: with the {method!r} start method each worker is a fresh interpreter "
+    "that re-imports the script that started it, and a script that makes a tensor-parallel Engine at top level, "
+    "outside `if __name__ == \"__main__\":`, makes every worker try to start workers of its own -- Python then stops "
+    "it during its bootstrap (\"An attempt has been made to start a new process before the current process has "
+    "finished its bootstrapping phase\", in the worker's traceback above). Put the code that makes the Engine under "
+    "`if __name__ == \"__main__\":`.")
+
+
 class WorkerGroup:
     """``len(setups)`` worker processes, one per rank; :meth:`call` sends a message to all and gathers
     their answers."""
@@ -50,20 +59,26 @@ class WorkerGroup:
                  start_method: str = "spawn"):
         self.step_timeout = step_timeout
         self._dir = tempfile.mkdtemp(prefix="cbteach-tp-")
+        self._start_method = start_method
+        self._starting = True  # until every rank said "ready": a death now is most often a bootstrap error
         ctx = _context(start_method)
         self.conns, self.procs = [], []
+        self._grace = {"seconds": 5.0}  # how long close() waits for workers to stop by themselves
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self._dir, self._grace)
         for setup in setups:
             setup.init_method = f"file://{self._dir}/rendezvous"
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=worker_main, args=(child,), name=f"cbteach-tp-rank{setup.rank}", daemon=True)
             proc.start()
             child.close()  # the driver keeps its end only: a dead worker's end then reads as closed
-            send(parent, setup)  # its shard, copied through the pipe
             self.conns.append(parent)
             self.procs.append(proc)
-        self._grace = {"seconds": 5.0}  # how long close() waits for workers to stop by themselves
-        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self._dir, self._grace)
+            try:
+                send(parent, setup)  # its shard, copied through the pipe
+            except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+                self._fail(f"rank {setup.rank} is gone before it received its shard{self._exit_note(setup.rank)}")
         self.memory = self._gather(start_timeout, "start", expect="ready")
+        self._starting = False
 
     @property
     def alive(self) -> bool:
@@ -107,7 +122,10 @@ class WorkerGroup:
     def _exit_note(self, rank: int) -> str:
         self.procs[rank].join(timeout=0.5)
         code = self.procs[rank].exitcode
-        return "" if code is None else f" with exit code {code}"
+        note = "" if code is None else f" with exit code {code}"
+        if self._starting and code is not None and self._start_method != "fork":
+            note += _BOOTSTRAP_HINT.format(method=self._start_method)
+        return note
 
     def _fail(self, why: str):
         self._grace["seconds"] = 0.0  # the others may be blocked in an all-reduce: no point waiting

@@ -4,8 +4,11 @@
 * :mod:`~cbteach.sim.cost` -- a step's time: roofline, overheads, tensor parallelism's all-reduces;
 * :mod:`~cbteach.sim.simulator` -- the engine's real scheduler and KV manager on simulated time;
 * :mod:`~cbteach.sim.validate` -- fitted on measured runs, its error on held-out ones;
+* :mod:`~cbteach.sim.calibrate` -- a short sweep of the real engine here, fitted, written as a device file;
+* :mod:`~cbteach.sim.published` -- the GPU devices against published runs;
+* :mod:`~cbteach.sim.roofline` -- the most a replica can serve of a workload, whatever the schedule;
 * :mod:`~cbteach.sim.static` -- continuous vs static batching and the factors of the gap;
-* :mod:`~cbteach.sim.capacity` -- the highest rate within latency targets, GPUs, cost per token.
+* :mod:`~cbteach.sim.capacity` -- the highest steady-state rate within latency targets, GPUs, cost per token.
 """
 from .cost import CostModel, StepCost  # noqa: F401
 from .devices import DEVICES, Device, get_device  # noqa: F401

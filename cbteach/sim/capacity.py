@@ -6,27 +6,36 @@ built its simulator for: each answer needs many runs at many rates, cheap on a c
 dear on GPUs. A :class:`Deployment` is a model on ``tensor_parallel_size`` devices with the
 engine's settings and a traffic shape; :func:`max_rate` searches the rate.
 
-**The search** doubles the rate from ``min_rate`` until a run misses a target, then bisects between
-the last rate that met both and the first that missed, a fixed number of times. Every run draws the
-same requests at every rate (the same seed; only the arrival gaps are scaled), and the search
-visits the same rates whatever the targets, so a looser target never gives a lower capacity.
-Targets are quantiles over requests (p90 by default, as serving SLOs are usually stated).
+**Steady state only.** A run of 100 requests at a rate the replica cannot sustain still looks fine:
+the queue has no time to grow before the arrivals stop. So every run here is long enough to reach
+the steady state -- at least ``steady_factor`` (10) times its own concurrency (the mean number of
+sequences in a step), lengthened and rerun until it is -- and its metrics come from the steady window
+only (:meth:`cbteach.sim.simulator.SimResult.steady`: the first 20% of arrivals, the warm-up, and the
+last 10%, the drain, are discarded). The served output tokens per second over that window, not the
+offered rate, give the cost per token.
+
+**The search** counts a rate as met when the steady window served what arrived in it (:func:`stable`)
+and its quantiles are within the targets. It starts at the workload's roofline (:mod:`cbteach.sim.roofline`: no schedule can serve
+more), halves the rate until a run meets both targets, then bisects between that rate and the one
+above it, a fixed number of times. Every run at a rate is the same run whatever the targets (the
+same requests: only the arrival gaps are scaled), so a looser target never gives a lower capacity.
+Targets are quantiles over requests (p90 by default, as serving SLOs are usually stated). Every
+answer is checked against the roofline (:func:`check_within_roofline`).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
 
-import numpy as np
-
 from .cost import CostModel
+from .roofline import roofline_rate
 from .simulator import SimResult, simulate, synthetic_workload
 
 
 @dataclass(frozen=True)
 class Deployment:
     """One replica: ``model`` on ``tensor_parallel_size`` x ``device``, the engine's settings, and the
-    traffic (lengths and how many requests a run simulates)."""
+    traffic (lengths; the shortest run, ``num_requests``, and the longest, ``max_requests``)."""
 
     model: object = "llama-3-8b"
     device: object = "a100-80gb"
@@ -39,89 +48,172 @@ class Deployment:
     output_lens: tuple = (32, 512)
     spread: str = "uniform"
     num_requests: int = 200
+    max_requests: int = 20_000
+    steady_factor: float = 10.0
     seed: int = 0
 
     def cost_model(self) -> CostModel:
         return CostModel(self.model, self.device, self.tensor_parallel_size)
 
-    def run(self, rate: float) -> SimResult:
-        """The simulated run at ``rate`` requests per second."""
+    def workload(self, rate: float | None, num_requests: int):
+        """The first ``num_requests`` of one long stream of requests: a longer run extends a shorter one."""
+        if num_requests > self.max_requests:
+            raise ValueError(f"num_requests {num_requests} > max_requests {self.max_requests}")
+        pool = synthetic_workload(self.max_requests, rate, self.prompt_lens, self.output_lens, self.seed, self.spread)
+        return pool[:num_requests]
+
+    def run(self, rate: float, num_requests: int | None = None, give_up: tuple | None = None) -> SimResult:
+        """The simulated run of ``num_requests`` (default: the deployment's) at ``rate`` requests per second."""
         cost = self.cost_model()
-        blocks = cost.kv_capacity_tokens(self.gpu_memory_utilization) // self.block_size
-        workload = synthetic_workload(self.num_requests, rate, self.prompt_lens, self.output_lens, self.seed,
-                                      self.spread)
-        return simulate(workload, cost, max_batch_size=self.max_batch_size, num_blocks=blocks,
-                        block_size=self.block_size, token_budget=self.token_budget)
+        blocks = cost.kv_capacity_tokens(self.gpu_memory_utilization, self.token_budget,
+                                         self.max_batch_size) // self.block_size
+        return simulate(self.workload(rate, num_requests or self.num_requests), cost, max_batch_size=self.max_batch_size,
+                        num_blocks=blocks, block_size=self.block_size, token_budget=self.token_budget,
+                        give_up=give_up)
+
+    def steady_run(self, rate: float, ttft_target: float | None = None, quantile: float = 0.9) -> tuple[SimResult, dict]:
+        """A run at ``rate`` long enough for its steady state (``steady_factor`` x its concurrency, at
+        most ``max_requests``), and that steady state (``steady["steady"]``: whether it was reached).
+        With ``ttft_target``, a run stops as soon as its TTFT ``quantile`` in the steady window is
+        sure to miss it (``steady["abandoned"]``, its TTFT quantiles ``inf``)."""
+        n = self.num_requests
+        while True:
+            key = (self, rate, n)
+            if key in _RUNS:
+                result, st = _RUNS[key]
+            else:
+                give_up = None
+                if ttft_target is not None:
+                    lo, hi = _window(n)
+                    give_up = (ttft_target, lo, hi, math.floor((1 - quantile) * (hi - lo)) + 1)
+                result = self.run(rate, n, give_up)
+                if result.abandoned:
+                    st = {"requests": n, "abandoned": True, "steady": False, "ttft_p50": math.inf,
+                          "ttft_p90": math.inf, "tpot_p50": math.nan, "tpot_p90": math.nan}
+                    return result, st
+                st = result.steady()
+                st["abandoned"] = False
+                _RUNS[key] = result, st
+                if len(_RUNS) > 64:
+                    _RUNS.pop(next(iter(_RUNS)))
+            need = math.ceil(self.steady_factor * max(st["concurrency"], 1.0))
+            if n >= need or n >= self.max_requests:
+                st["steady"] = n >= need
+                return result, st
+            n = min(self.max_requests, math.ceil(1.2 * need))
+
+    def roofline(self) -> dict:
+        """The workload's roofline rate on this replica (:func:`cbteach.sim.roofline.roofline_rate`)."""
+        w = self.workload(None, self.max_requests)
+        return roofline_rate(self.cost_model(), [r.prompt_len for r in w], [r.output_len for r in w],
+                             self.max_batch_size)
 
     def with_(self, **changes) -> Deployment:
         return replace(self, **changes)
 
 
+_RUNS: dict = {}  # (deployment, rate, requests) -> finished runs: the same run is never simulated twice
+
+
+def _window(n: int, warmup: float = 0.2, cooldown: float = 0.1) -> tuple[int, int]:
+    """The steady window's first and last request (as :meth:`SimResult.steady` takes them)."""
+    lo = int(n * warmup)
+    return lo, max(lo + 1, int(math.ceil(n * (1 - cooldown))) - 1)
+
+
 @dataclass
 class Capacity:
-    """The answer of :func:`max_rate`: the rate, the run at that rate, and every rate tried."""
+    """The answer of :func:`max_rate`: the rate, its steady-state run, the roofline, every rate tried."""
 
     rate: float  # requests per second that meet both targets (0.0: not even the lowest rate does)
     result: SimResult | None
-    probes: list = field(default_factory=list)  # (rate, ttft quantile, tpot quantile, met)
+    steady: dict | None = None  # the steady state at ``rate`` (SimResult.steady, plus "steady")
+    roofline: dict | None = None
+    probes: list = field(default_factory=list)  # (rate, ttft quantile, tpot quantile, met, requests)
+
+    @property
+    def served_tokens_per_s(self) -> float:
+        return self.steady["served_tokens_per_s"] if self.steady else 0.0
 
     def __repr__(self) -> str:
         return f"Capacity(rate={self.rate:.3g} req/s, {len(self.probes)} simulated runs)"
 
 
-def meets(result: SimResult, ttft_target: float, tpot_target: float, quantile: float = 0.9) -> bool:
-    """Whether a run's TTFT and TPOT quantiles are within the targets (seconds)."""
-    tpot = result.quantile("tpot", quantile)
-    return result.quantile("ttft", quantile) <= ttft_target and (math.isnan(tpot) or tpot <= tpot_target)
+def meets(run, ttft_target: float, tpot_target: float, quantile: float = 0.9) -> bool:
+    """Whether a run's (a :class:`SimResult`, or its steady state) TTFT and TPOT quantiles are within
+    the targets (seconds)."""
+    if isinstance(run, dict):
+        key = f"p{round(quantile * 100)}"
+        ttft, tpot = run[f"ttft_{key}"], run[f"tpot_{key}"]
+    else:
+        ttft, tpot = run.quantile("ttft", quantile), run.quantile("tpot", quantile)
+    return ttft <= ttft_target and (math.isnan(tpot) or tpot <= tpot_target)
+
+
+def stable(steady: dict, tolerance: float = 0.1) -> bool:
+    """Whether a run's steady window served what arrived in it (within ``tolerance``): if not, its
+    queue grows, and a longer run would miss any latency target."""
+    return steady["served_tokens_per_s"] >= (1 - tolerance) * steady["offered_tokens_per_s"]
 
 
 def _check_targets(ttft_target, tpot_target, quantile):
-    for name, v in (("ttft_target", ttft_target), ("tpot_target", tpot_target)):
+    for name, v in (("the TTFT target (--ttft)", ttft_target), ("the TPOT target (--tpot)", tpot_target)):
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 or not math.isfinite(v):
             raise ValueError(f"{name} must be a number of seconds > 0, got {v!r}")
-    if not 0 < quantile <= 1:
-        raise ValueError(f"quantile must be in (0, 1], got {quantile!r}")
+    if quantile not in (0.5, 0.9):
+        raise ValueError(f"the quantile (--quantile) must be 0.5 or 0.9 (the steady state reports p50 and p90), "
+                         f"got {quantile!r}")
+
+
+def check_within_roofline(deployment: Deployment, rate: float, served_tokens_per_s: float | None = None) -> dict:
+    """Refuse (``ValueError``) a rate, or a served token rate, above the deployment's roofline."""
+    roof = deployment.roofline()
+    if rate > roof["rate"] * (1 + 1e-9):
+        raise ValueError(f"{rate:.3g} requests/s offers more than the device can do: its {roof['bound']} roofline "
+                         f"allows {roof['rate']:.3g} requests/s of this workload (compute {roof['compute']:.3g}, "
+                         f"bandwidth {roof['bandwidth']:.3g}) -- a transient, not a capacity")
+    if served_tokens_per_s is not None and served_tokens_per_s > roof["output_tokens_per_s"] * (1 + 1e-9):
+        raise ValueError(f"{served_tokens_per_s:.4g} output tokens/s is above the roofline's "
+                         f"{roof['output_tokens_per_s']:.4g}")
+    return roof
 
 
 def max_rate(deployment: Deployment, ttft_target: float, tpot_target: float, quantile: float = 0.9,
-             min_rate: float = 0.0625, max_rate_limit: float = 4096.0, bisections: int = 8) -> Capacity:
-    """The highest request rate (per second) at which ``deployment`` meets both targets."""
+             min_rate: float = 1 / 64, bisections: int = 4, progress=None) -> Capacity:
+    """The highest request rate (per second) at which ``deployment`` meets both targets in steady
+    state; ``progress(rate)`` (optional) is called before every simulated run."""
     _check_targets(ttft_target, tpot_target, quantile)
-    probes = []
+    roof = deployment.roofline()
+    probes, runs = [], {}
 
     def ok(rate):
-        result = deployment.run(rate)
-        met = meets(result, ttft_target, tpot_target, quantile)
-        probes.append((rate, result.quantile("ttft", quantile), result.quantile("tpot", quantile), met))
-        return met, result
+        if progress is not None:
+            progress(rate)
+        result, st = deployment.steady_run(rate, ttft_target, quantile)
+        met = not st["abandoned"] and stable(st) and meets(st, ttft_target, tpot_target, quantile)
+        key = f"p{round(quantile * 100)}"
+        probes.append((rate, st[f"ttft_{key}"], st[f"tpot_{key}"], met, st["requests"]))
+        runs[rate] = (result, st)
+        return met
 
-    met, result = ok(min_rate)
-    if not met:
-        return Capacity(0.0, None, probes)
-    lo, best, hi = min_rate, result, None
-    while lo * 2 <= max_rate_limit:
-        met, result = ok(lo * 2)
-        if not met:
-            hi = lo * 2
+    hi, lo = roof["rate"], None
+    rate = hi / 2
+    while rate >= min_rate:
+        if ok(rate):
+            lo = rate
             break
-        lo, best = lo * 2, result
-    if hi is None:  # never missed: the limit is the answer
-        return Capacity(lo, best, probes)
+        hi, rate = rate, rate / 2
+    if lo is None:
+        return Capacity(0.0, None, None, roof, probes)
     for _ in range(bisections):  # geometric midpoints: the same rates for every target
         mid = math.sqrt(lo * hi)
-        met, result = ok(mid)
-        if met:
-            lo, best = mid, result
+        if ok(mid):
+            lo = mid
         else:
             hi = mid
-    return Capacity(lo, best, probes)
-
-
-def output_tokens_per_second(deployment: Deployment, rate: float) -> float:
-    """Output tokens a replica serves per second at ``rate`` (the workload's mean output length x rate)."""
-    w = synthetic_workload(deployment.num_requests, None, deployment.prompt_lens, deployment.output_lens,
-                           deployment.seed, deployment.spread)
-    return rate * float(np.mean([r.output_len for r in w]))
+    result, st = runs[lo]
+    check_within_roofline(deployment, lo, st["served_tokens_per_s"])
+    return Capacity(lo, result, st, roof, probes)
 
 
 def gpus_for_users(users: int, requests_per_user: float, capacity_rate: float, tensor_parallel_size: int = 1) -> int:
@@ -129,19 +221,26 @@ def gpus_for_users(users: int, requests_per_user: float, capacity_rate: float, t
     (``tensor_parallel_size`` devices) meets the targets up to ``capacity_rate``: whole replicas,
     data-parallel (each serves its share of the users), at least one."""
     if not isinstance(users, int) or isinstance(users, bool) or users < 0:
-        raise ValueError(f"users must be an int >= 0, got {users!r}")
+        raise ValueError(f"the number of users (--users) must be a whole number >= 0, got {users!r}")
     if not requests_per_user > 0:
-        raise ValueError(f"requests_per_user must be > 0, got {requests_per_user!r}")
+        raise ValueError(f"the rate per user (--rate-per-user) must be > 0, got {requests_per_user!r}")
     if not capacity_rate > 0:
         raise ValueError("this replica meets the targets at no rate: loosen them, or use a bigger replica")
     return max(1, math.ceil(users * requests_per_user / capacity_rate - 1e-9)) * tensor_parallel_size
 
 
-def cost_per_million_tokens(deployment: Deployment, rate: float, price_per_device_hour: float | None = None) -> float:
-    """Dollars per million output tokens for a replica run at ``rate`` (its capacity, say): the
-    replica's price per hour over the output tokens it serves in an hour."""
+def cost_per_million_tokens(deployment: Deployment, capacity, price_per_device_hour: float | None = None) -> float:
+    """Dollars per million output tokens for a replica at ``capacity`` (a :class:`Capacity`, or a rate
+    in requests/s, simulated to its steady state): the replica's price per hour over the output tokens
+    it *serves* in an hour -- measured in the steady state, never the offered rate x the mean length."""
     price = deployment.cost_model().device.price_per_hour if price_per_device_hour is None else price_per_device_hour
-    if not rate > 0:
-        raise ValueError("rate must be > 0 requests per second")
-    per_hour = output_tokens_per_second(deployment, rate) * 3600
-    return price * deployment.tensor_parallel_size / per_hour * 1e6
+    if isinstance(capacity, Capacity):
+        served = capacity.served_tokens_per_s
+    else:
+        if not capacity > 0:
+            raise ValueError("rate must be > 0 requests per second")
+        served = deployment.steady_run(capacity)[1]["served_tokens_per_s"]
+    if not served > 0:
+        raise ValueError("the replica served no tokens at this rate")
+    check_within_roofline(deployment, 0.0, served)
+    return price * deployment.tensor_parallel_size / (served * 3600) * 1e6

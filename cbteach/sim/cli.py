@@ -1,6 +1,8 @@
 """``python -m cbteach simulate``: the engine's scheduler on a cost model, from the command line.
 
     python -m cbteach simulate validate                 # the cost model's error on held-out bierce runs
+    python -m cbteach simulate calibrate --out cpu.json  # sweep the real engine here, fit, write a device file
+    python -m cbteach simulate validate --device cpu.json --data runs.json   # its error on other runs
     python -m cbteach simulate run --model llama-3-8b --device a100-80gb --rate 8
     python -m cbteach simulate capacity --model llama-3-70b --device h100 --tp 4 --ttft 1 --tpot 0.05
     python -m cbteach simulate static                   # continuous vs static, OPT-13B on an A100
@@ -34,7 +36,8 @@ def _deployment_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=POSITIVE_INT, default=1, help="tensor-parallel devices per replica")
     p.add_argument("--prompt", type=_pair, default=(128, 1024), help="prompt lengths LO,HI")
     p.add_argument("--output", type=_pair, default=(32, 512), help="output lengths LO,HI")
-    p.add_argument("--requests", type=POSITIVE_INT, default=200, help="requests per simulated run")
+    p.add_argument("--requests", type=POSITIVE_INT, default=200,
+                   help="requests per simulated run (capacity: the shortest; runs grow to 10x their concurrency)")
     p.add_argument("--batch", type=POSITIVE_INT, default=256, help="max_batch_size")
     p.add_argument("--budget", type=POSITIVE_INT, default=2048, help="token budget per step")
 
@@ -45,8 +48,23 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     sub = p.add_subparsers(dest="what", required=True)
-    v = sub.add_parser("validate", help="fit on measured bierce runs, report the error on held-out ones")
+    v = sub.add_parser("validate", help="the cost model's error on measured bierce runs (TTFT, TPOT, E2E, throughput)",
+                       description="Predict measured runs and report each metric's error. --data: a JSON object "
+                       "{\"runs\": [...]}, each run either as benchmarks/sim/measure_cpu.py writes it ({\"spec\", "
+                       "\"steps\", \"requests\", \"duration\"}) or as cbteach.sim.validate.record_run writes an "
+                       "Engine's (records on): {\"engine\": {max_batch_size, token_budget, block_size, num_blocks}, "
+                       "\"steps\": [{\"c\", \"n\", \"t\"}], \"requests\": [{arrival_time, prompt_len, n, "
+                       "ttft, tpot, e2e}], \"duration\"}. Without --device the CPU is fitted on the runs marked "
+                       "train and the others are predicted; with --device every run is predicted.")
     v.add_argument("--data", default=None, help="measured runs (default: the shipped ones)")
+    v.add_argument("--device", default=None, help="a device file from `simulate calibrate` (default: fit on --data's "
+                                                  "training runs)")
+    k = sub.add_parser("calibrate", help="sweep the real engine (bierce) over a grid of steps here; write a device file")
+    k.add_argument("--out", default="cpu_device.json", help="the device file to write")
+    k.add_argument("--repeats", type=POSITIVE_INT, default=3, help="measurements of each grid point (median kept)")
+    k.add_argument("--threads", type=POSITIVE_INT, default=1, help="torch threads (use the runs' own)")
+    k.add_argument("--clock", choices=("wall", "process"), default="wall",
+                   help="what a step's duration is: wall seconds (as an Engine records them) or process CPU seconds")
     r = sub.add_parser("run", help="one simulated run")
     _deployment_args(r)
     r.add_argument("--rate", type=POSITIVE, default=4.0, help="requests per second (Poisson)")
@@ -54,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     _deployment_args(c)
     c.add_argument("--ttft", type=float, default=1.0, help="TTFT target, seconds (at --quantile)")
     c.add_argument("--tpot", type=float, default=0.05, help="TPOT target, seconds (at --quantile)")
-    c.add_argument("--quantile", type=float, default=0.9)
+    c.add_argument("--quantile", type=float, default=0.9, choices=(0.5, 0.9))
     c.add_argument("--users", type=POSITIVE_INT, default=None, help="also: devices for this many users")
     c.add_argument("--rate-per-user", type=POSITIVE, default=1 / 30, help="requests per second per user")
     c.add_argument("--price", type=POSITIVE, default=None, help="price per device-hour (default: the device's)")
@@ -67,6 +85,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _validate(a) -> dict:
+    from .calibrate import load_calibration, load_device
     from .validate import load, validation_report
 
     data = None
@@ -76,49 +95,93 @@ def _validate(a) -> dict:
         except (OSError, ValueError) as err:
             raise ValueError(f"--data {a.data}: cannot read it as measured runs ({err})") from None
         if not isinstance(data, dict) or not isinstance(data.get("runs"), list) or not data["runs"]:
-            raise ValueError(f"--data {a.data}: expected a JSON object with a non-empty list 'runs' (the format "
-                             "of benchmarks/sim/results/, written by benchmarks/sim/measure_cpu.py)")
+            raise ValueError(f"--data {a.data}: expected a JSON object with a non-empty list 'runs' (see "
+                             "`python -m cbteach simulate validate --help` for the format)")
+    device = load_device(a.device) if a.device else None
     try:
-        rep = validation_report(data)
+        rep = validation_report(data, device)
     except (KeyError, TypeError, IndexError) as err:
-        raise ValueError(f"--data {a.data}: a run lacks what the fit needs ({type(err).__name__}: {err})") from None
+        raise ValueError(f"--data {a.data}: a run lacks what the prediction needs ({type(err).__name__}: {err})") from None
     d = rep["device"]
-    return {"fitted_cpu": {"step_overhead_s": d.step_overhead, "seq_overhead_s": d.seq_overhead,
-                           "flops": d.peak_flops, "attn_flops": d.attn_flops, "kv_bytes_per_s": d.kv_bandwidth},
-            "train": rep["train"], "held_out": rep["held_out"], "worst": rep["worst"]}
+    out = {"fitted_cpu": {"step_overhead_s": d.step_overhead, "seq_overhead_s": d.seq_overhead,
+                          "flops": d.peak_flops, "attn_flops": d.attn_flops, "kv_bytes_per_s": d.kv_bandwidth},
+           "train": rep["train"] or f"none: the device of {a.device}", "held_out": rep["held_out"],
+           "mean_abs_error": rep["mae"], "worst": rep["worst"]}
+    if a.device:
+        cal, clock = load_calibration(a.device), str(rep["machine"].get("clock", ""))
+        if cal.get("clock") and clock and (cal["clock"] == "wall") != (clock == "wall"):
+            out["warning"] = (f"the device was calibrated on the {cal['clock']} clock, the runs were timed on the "
+                              f"{clock} clock")
+    return out
+
+
+def _calibrate(a) -> dict:
+    from .calibrate import calibrate, save_device
+
+    cal = calibrate(repeats=a.repeats, clock=a.clock, threads=a.threads)
+    path = save_device(cal, a.out)
+    d, info = cal["device"], cal["calibration"]
+    return {"device_file": str(path), "steps_measured": info["steps"], "seconds": info["seconds"],
+            "fit_step_error": info["fit_step_error"], "step_overhead_s": d.step_overhead,
+            "seq_overhead_s": d.seq_overhead, "flops": d.peak_flops, "attn_flops": d.attn_flops,
+            "kv_bytes_per_s": d.kv_bandwidth, "clock": info["clock"], "torch_threads": info["torch_threads"],
+            "next": f"python -m cbteach simulate validate --device {path} --data RUNS.json"}
+
+
+def _names(a) -> None:
+    """A --model or --device it does not know, named as the user typed it."""
+    if a.model.lower() not in MODELS:
+        raise ValueError(f"--model {a.model}: not a shipped shape; one of {', '.join(MODELS)}")
+    if a.device.lower() not in DEVICES and not a.device.lower().endswith(".json"):
+        raise ValueError(f"--device {a.device}: unknown; one of {', '.join(DEVICES)}, or a device file (*.json) "
+                         "from `python -m cbteach simulate calibrate`")
+
+
+def _deployment(a):
+    from .capacity import Deployment
+    from .cost import CostModel
+
+    _names(a)
+    CostModel(a.model, a.device, a.tp)  # a model, device or --tp it cannot use: named before anything runs
+    return Deployment(model=a.model, device=a.device, tensor_parallel_size=a.tp, prompt_lens=a.prompt,
+                      output_lens=a.output, num_requests=a.requests, max_batch_size=a.batch, token_budget=a.budget)
 
 
 def _capacity(a) -> dict:
-    from .capacity import Deployment, cost_per_million_tokens, gpus_for_users, max_rate
+    from tqdm.auto import tqdm
 
-    dep = Deployment(model=a.model, device=a.device, tensor_parallel_size=a.tp, prompt_lens=a.prompt,
-                     output_lens=a.output, num_requests=a.requests, max_batch_size=a.batch, token_budget=a.budget)
-    limit = 4096.0
-    cap = max_rate(dep, a.ttft, a.tpot, a.quantile, max_rate_limit=limit)
-    out = {"simulated": True, "max_rate_req_s": cap.rate, "probes": len(cap.probes)}
-    if cap.rate >= limit:  # never missed a target: the capacity is at least the search's limit, not known
-        out["max_rate_req_s"] = f">= {limit:g} (the search's upper limit: no rate it tried missed a target; " \
-                                f"{a.requests} requests may be too few to load the system)"
-        return out
+    from .capacity import cost_per_million_tokens, gpus_for_users, max_rate
+
+    dep = _deployment(a)
+    with tqdm(desc="simulated runs", unit="run", disable=a.json) as bar:
+        def progress(rate):
+            bar.set_postfix_str(f"{rate:.3g} req/s")
+            bar.update(1)
+
+        cap = max_rate(dep, a.ttft, a.tpot, a.quantile, progress=progress)
+    roof = cap.roofline
+    out = {"simulated": True, "roofline_req_s": roof["rate"], "roofline_bound": roof["bound"],
+           "max_rate_req_s": cap.rate, "probes": len(cap.probes)}
     if cap.rate > 0:
-        out["cost_per_million_output_tokens"] = cost_per_million_tokens(dep, cap.rate, a.price)
-        out.update({k: v for k, v in cap.result.summary().items() if k.startswith(("ttft", "tpot"))})
+        st = cap.steady
+        out.update({"run_requests": st["requests"], "measured_requests": st["measured"],
+                    "steady_window_s": st["window_s"], "concurrency": st["concurrency"],
+                    "reached_steady_state": st["steady"], "served_output_tokens_s": st["served_tokens_per_s"],
+                    "cost_per_million_output_tokens": cost_per_million_tokens(dep, cap, a.price)})
+        out.update({k: v for k, v in st.items() if k.startswith(("ttft", "tpot"))})
         if a.users is not None:
             out["devices_for_users"] = gpus_for_users(a.users, a.rate_per_user, cap.rate, a.tp)
     return out
 
 
 def _run(a) -> dict:
-    from .capacity import Deployment
-
-    dep = Deployment(model=a.model, device=a.device, tensor_parallel_size=a.tp, prompt_lens=a.prompt,
-                     output_lens=a.output, num_requests=a.requests, max_batch_size=a.batch, token_budget=a.budget)
-    return {"simulated": True, **dep.run(a.rate).summary()}
+    return {"simulated": True, **_deployment(a).run(a.rate).summary()}
 
 
 def _static(a) -> dict:
     from .static import compare_batching
 
+    _names(a)
     rep = compare_batching(a.model, a.device)
     return {"simulated": True, **{k: v for k, v in rep.items() if k != "runs"}}
 
@@ -126,14 +189,15 @@ def _static(a) -> dict:
 def cli(argv=None) -> int:
     a = _parser().parse_args(argv)
     if a.what == "devices":
-        out = {k: {"memory_GB": d.memory_bytes / 1e9, "bandwidth_GB_s": d.mem_bandwidth / 1e9,
-                   "peak_TFLOPS": d.peak_flops / 1e12, "link_GB_s": d.link_bandwidth / 1e9,
+        out = {k: {"memory_GiB": d.memory_bytes / 2**30, "bandwidth_GB_s": d.mem_bandwidth / 1e9,
+                   "peak_TFLOPS": d.peak_flops / 1e12, "link_GB_s": d.link_bandwidth / 1e9, "link": d.link,
                    "price_per_hour": d.price_per_hour, "source": d.source} for k, d in DEVICES.items()}
     elif a.what == "models":
         out = {k: {"params_B": m.num_params / 1e9, "layers": m.num_layers, "heads": m.num_heads,
                    "kv_heads": m.num_kv_heads, "source": m.source} for k, m in MODELS.items()}
     else:
-        out = {"validate": _validate, "run": _run, "capacity": _capacity, "static": _static}[a.what](a)
+        out = {"validate": _validate, "calibrate": _calibrate, "run": _run, "capacity": _capacity,
+               "static": _static}[a.what](a)
     if a.json:
         print(json.dumps(out, indent=1, default=str))
     else:

@@ -19,8 +19,19 @@ T x token_overhead``.
 **Tensor parallelism** over ``tp`` devices (Megatron-LM) divides the weights, the FLOPs and the K/V
 heads by ``tp`` (a KV head is replicated when there are fewer KV heads than devices; embeddings
 vocabulary-parallel, as vLLM shards them) and adds, per layer, two all-reduces of the step's hidden
-states: a ring all-reduce of ``m`` bytes costs ``2 (tp - 1) / tp x m / link_bandwidth`` plus a
-latency floor. Pipeline stages, quantisation and CUDA graphs are not modelled.
+states. Each all-reduces a **payload** of ``m = tokens x hidden_size x dtype_bytes`` bytes (the tensor
+every rank holds); NCCL's ring sends ``2 (tp - 1) / tp x m`` **wire bytes** per rank (a reduce-scatter
+then an all-gather, each ``(tp - 1) / tp x m``) in ``2 (tp - 1)`` hops, so it costs
+``2 (tp - 1) x link_latency + 2 (tp - 1) / tp x m / (link_bandwidth x link_efficiency)`` (the device's
+topology, :mod:`~cbteach.sim.devices`). Each rank's GEMMs are 1/tp as wide, and narrow GEMMs reach a
+smaller fraction of the peaks (``Device.tp_efficiency``). Pipeline stages, quantisation and CUDA
+graphs are not modelled.
+
+**Memory** is budgeted as vLLM V1 does (``Worker.determine_available_memory`` in
+``vllm/v1/worker/gpu_worker.py``): the KV cache gets ``total x gpu_memory_utilization`` minus the peak
+memory of a profiling forward pass -- the weights, the activations of a step of
+``max_num_batched_tokens`` tokens -- and minus what was allocated outside torch (CUDA context, NCCL
+buffers). :meth:`CostModel.memory_budget` states each term.
 """
 from __future__ import annotations
 
@@ -28,6 +39,12 @@ from dataclasses import dataclass
 
 from .devices import Device, get_device
 from .shapes import ModelShape, get_model
+
+
+def ring_all_reduce_bytes(payload_bytes: float, world_size: int) -> float:
+    """Bytes one rank sends in a ring all-reduce of ``payload_bytes`` over ``world_size`` ranks:
+    ``N - 1`` chunks of ``payload / N`` in the reduce-scatter, as many in the all-gather."""
+    return 2 * (world_size - 1) * payload_bytes / world_size
 
 
 @dataclass(frozen=True)
@@ -41,7 +58,8 @@ class StepCost:
     flops: float  # all of them, attention's included
     attn_flops: float
     bytes: float
-    comm_bytes: float
+    comm_bytes: float  # wire bytes one rank sends into the step's all-reduces (ring: 2 (tp-1)/tp x payload)
+    comm_payload: float = 0.0  # bytes of the all-reduced tensors (2 per layer, tokens x hidden x dtype each)
 
     overlap: bool = True
 
@@ -66,11 +84,11 @@ class CostModel:
         self.device: Device = get_device(device)
         tp = tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
+            raise ValueError(f"the tensor-parallel size (--tp) must be a whole number >= 1, got {tp!r}")
         s = self.shape
         if s.num_heads % tp or (s.num_kv_heads >= tp and s.num_kv_heads % tp) or (s.num_kv_heads < tp and tp % s.num_kv_heads):
-            raise ValueError(f"{s.name}'s {s.num_heads} heads / {s.num_kv_heads} KV heads do not split over {tp} "
-                             "devices (heads must divide; KV heads divide or are replicated tp / kv_heads times)")
+            raise ValueError(f"--tp {tp}: {s.name}'s {s.num_heads} heads / {s.num_kv_heads} KV heads do not split "
+                             f"over {tp} devices (heads must divide; KV heads divide or are replicated tp / kv_heads times)")
         self.tp = tp
 
     # -- per-rank sizes ----------------------------------------------------------------------------
@@ -85,15 +103,41 @@ class CostModel:
         heads = max(s.num_kv_heads // self.tp, 1)
         return 2 * s.num_layers * heads * s.head_dim * self.device.dtype_bytes
 
-    def kv_capacity_tokens(self, gpu_memory_utilization: float = 0.9, activation_reserve: float = 0.05) -> int:
-        """Tokens of K/V one replica holds: each device's memory (the fraction vLLM's
-        ``gpu_memory_utilization`` allows, less a reserve for activations) after its weights."""
-        free = self.device.memory_bytes * (gpu_memory_utilization - activation_reserve) - self.weight_bytes_per_device
-        if free <= 0:
-            raise ValueError(f"{self.shape.name} does not fit on {self.tp} x {self.device.name}: "
-                             f"{self.weight_bytes_per_device / 1e9:.1f} GB of weights per device, "
-                             f"{self.device.memory_bytes / 1e9:.0f} GB of memory; use more devices (tensor parallelism)")
-        return int(free // self.kv_bytes_per_token_per_device)
+    NON_TORCH_BYTES = 0.5 * 2**30  # CUDA context and NCCL buffers per device (assumed: vLLM measures them)
+
+    def memory_budget(self, gpu_memory_utilization: float = 0.9, max_num_batched_tokens: int | None = 2048,
+                      max_num_seqs: int = 256) -> dict:
+        """Each device's memory as vLLM V1 splits it (``vllm/v1/worker/gpu_worker.py``,
+        ``determine_available_memory``: ``total x gpu_memory_utilization - peak``, the peak being
+        the profiling run's torch peak plus non-torch allocations): bytes of ``total``, ``budget``,
+        ``weights``, ``activations`` (a forward of ``max_num_batched_tokens`` tokens: the MLP's
+        three intermediate-width tensors and a few hidden-width ones, per token; the sampler's fp32
+        logits for ``max_num_seqs`` rows), ``non_torch`` (assumed) and what is left, ``kv_cache``."""
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+        s, d, tp = self.shape, self.device, self.tp
+        tokens = max_num_batched_tokens or s.max_positions
+        per_token = 3 * s.intermediate_size / tp + 4 * s.hidden_size + (s.num_heads + 2 * s.num_kv_heads) * s.head_dim / tp
+        activations = tokens * per_token * d.dtype_bytes + min(max_num_seqs, tokens) * s.vocab_size * 4
+        non_torch = self.NON_TORCH_BYTES if d.name != "cpu" else 0.0
+        budget = d.memory_bytes * gpu_memory_utilization
+        kv = budget - self.weight_bytes_per_device - activations - non_torch
+        return {"total": d.memory_bytes, "budget": budget, "weights": self.weight_bytes_per_device,
+                "activations": activations, "non_torch": non_torch, "kv_cache": kv}
+
+    def kv_capacity_tokens(self, gpu_memory_utilization: float = 0.9, max_num_batched_tokens: int | None = 2048,
+                           max_num_seqs: int = 256) -> int:
+        """Tokens of K/V one replica holds: what :meth:`memory_budget` leaves each device for the KV
+        cache, over one token's K/V on a device."""
+        m = self.memory_budget(gpu_memory_utilization, max_num_batched_tokens, max_num_seqs)
+        if m["kv_cache"] <= 0:
+            gib = 2**30
+            raise ValueError(f"{self.shape.name} does not fit on {self.tp} x {self.device.name}: of "
+                             f"{m['budget'] / gib:.1f} GiB per device ({gpu_memory_utilization:g} of "
+                             f"{m['total'] / gib:.1f} GiB), weights take {m['weights'] / gib:.1f}, activations "
+                             f"{m['activations'] / gib:.1f} and CUDA/NCCL {m['non_torch'] / gib:.1f}, leaving no "
+                             "room for K/V; use more devices (--tp)")
+        return int(m["kv_cache"] // self.kv_bytes_per_token_per_device)
 
     # -- one step --------------------------------------------------------------------------------
     def step(self, num_computed_tokens, num_scheduled_tokens, num_logit_rows: int | None = None) -> StepCost:
@@ -106,19 +150,22 @@ class CostModel:
         pairs = sum(n * c + n * (n + 1) / 2 for c, n in zip(num_computed_tokens, num_scheduled_tokens))  # causal
         dense = (2 * T * s.num_layers * s.layer_params + 2 * rows * s.hidden_size * s.vocab_size) / tp
         attn = 4 * s.num_layers * s.num_heads * s.head_dim * pairs / tp
-        compute = dense / (d.peak_flops * d.mfu) + attn / (d.attn_flops or d.peak_flops * d.mfu)
+        eff = d.tp_efficiency(tp)
+        compute = dense / (d.peak_flops * d.mfu * eff) + attn / (d.attn_flops or d.peak_flops * d.mfu * eff)
         kv = self.kv_bytes_per_token_per_device
         nbytes = self.weight_bytes_per_device + kv * (context + T)  # weights, K/V read, K/V written
-        comm_bytes = comm = 0.0
+        comm_bytes = comm = payload = 0.0
         if tp > 1:
-            message = T * s.hidden_size * d.dtype_bytes
-            comm_bytes = 2 * s.num_layers * message
-            comm = 2 * s.num_layers * (d.link_latency + 2 * (tp - 1) / tp * message / d.link_bandwidth)
+            message = T * s.hidden_size * d.dtype_bytes  # one all-reduced tensor
+            payload = 2 * s.num_layers * message
+            comm_bytes = ring_all_reduce_bytes(payload, tp)  # a ring's wire bytes per rank
+            comm = 2 * s.num_layers * 2 * (tp - 1) * d.link_latency + comm_bytes / (d.link_bandwidth * d.link_efficiency)
         overhead = d.step_overhead + S * d.seq_overhead + T * d.token_overhead
         kv_bytes = kv * (context + T)
-        memory = self.weight_bytes_per_device / (d.mem_bandwidth * d.mbu) + kv_bytes / (d.kv_bandwidth or d.mem_bandwidth * d.mbu)
-        return StepCost(compute=compute, memory=memory, comm=comm, overhead=overhead,
-                        flops=dense + attn, attn_flops=attn, bytes=nbytes, comm_bytes=comm_bytes, overlap=d.overlap)
+        memory = (self.weight_bytes_per_device / (d.mem_bandwidth * d.mbu * eff)
+                  + kv_bytes / (d.kv_bandwidth or d.mem_bandwidth * d.mbu * eff))
+        return StepCost(compute=compute, memory=memory, comm=comm, overhead=overhead, flops=dense + attn,
+                        attn_flops=attn, bytes=nbytes, comm_bytes=comm_bytes, comm_payload=payload, overlap=d.overlap)
 
     def step_time(self, num_computed_tokens, num_scheduled_tokens) -> float:
         return self.step(num_computed_tokens, num_scheduled_tokens).total

@@ -100,6 +100,12 @@ _CONFIGS = {
     "llama-3-70b": ("meta-llama/Meta-Llama-3-70B", dict(
         model_type="llama", num_hidden_layers=80, hidden_size=8192, num_attention_heads=64, num_key_value_heads=8,
         intermediate_size=28672, vocab_size=128256, max_position_embeddings=8192, tie_word_embeddings=False)),
+    "llama-2-7b": ("meta-llama/Llama-2-7b-hf", dict(
+        model_type="llama", num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=32,
+        intermediate_size=11008, vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=False)),
+    "llama-2-70b": ("meta-llama/Llama-2-70b-hf", dict(
+        model_type="llama", num_hidden_layers=80, hidden_size=8192, num_attention_heads=64, num_key_value_heads=8,
+        intermediate_size=28672, vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=False)),
     "qwen2.5-7b": ("Qwen/Qwen2.5-7B", dict(
         model_type="qwen2", num_hidden_layers=28, hidden_size=3584, num_attention_heads=28, num_key_value_heads=4,
         intermediate_size=18944, vocab_size=152064, max_position_embeddings=131072, tie_word_embeddings=False)),

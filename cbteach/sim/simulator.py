@@ -70,8 +70,12 @@ class SimResult:
     step_times: list[float] = field(default_factory=list)
     step_tokens: list[int] = field(default_factory=list)
     step_seqs: list[int] = field(default_factory=list)
+    step_ends: list[float] = field(default_factory=list)  # per step, the simulated time it ended
+    step_sampled: list[int] = field(default_factory=list)  # per step, output tokens it sampled
+    arrivals: list[float] = field(default_factory=list)  # per request (in arrival order)
     num_preemptions: int = 0
     makespan: float = 0.0
+    abandoned: bool = False  # stopped early by ``give_up`` (its latencies of unfinished requests are nan)
 
     @property
     def throughput(self) -> float:
@@ -88,12 +92,50 @@ class SimResult:
                 "ttft_p90": self.quantile("ttft", 0.9), "tpot_p50": self.quantile("tpot", 0.5),
                 "tpot_p90": self.quantile("tpot", 0.9), "preemptions": self.num_preemptions}
 
+    def steady(self, warmup: float = 0.2, cooldown: float = 0.1) -> dict:
+        """The run's steady state: the requests that arrived after the first ``warmup`` and before the
+        last ``cooldown`` fraction of arrivals (the system filling up, and draining once arrivals
+        stop, are not what a deployment sees all day), and over the same window of time the output
+        tokens served per second and the mean number of sequences in a step (the concurrency). Served
+        below offered (``offered_tokens_per_s``: the window's arrivals' output tokens per second) means
+        the queue grows: no steady state at this rate, however long the run."""
+        n = len(self.arrivals)
+        if n < 3:
+            raise ValueError("a steady state needs a run of at least 3 requests")
+        lo = int(n * warmup)
+        hi = max(lo + 1, int(math.ceil(n * (1 - cooldown))) - 1)
+        t0, t1 = self.arrivals[lo], self.arrivals[hi]
+        idx = list(range(lo, hi + 1))
+        out = {"requests": n, "measured": len(idx), "window_s": t1 - t0, "warmup": warmup, "cooldown": cooldown}
+        for metric in ("ttft", "tpot", "e2e"):
+            values = [getattr(self, metric)[i] for i in idx if not math.isnan(getattr(self, metric)[i])]
+            for q in (0.5, 0.9):
+                out[f"{metric}_p{round(q * 100)}"] = float(np.quantile(values, q)) if values else math.nan
+        ends = np.asarray(self.step_ends)
+        inside = (ends > t0) & (ends <= t1)
+        out["offered_tokens_per_s"] = (sum(self.output_lens[i] for i in idx[:-1]) / (t1 - t0) if t1 > t0
+                                       else math.inf)
+        if inside.sum() >= 20:
+            starts = ends - np.asarray(self.step_times)
+            overlap = np.clip(np.minimum(ends, t1) - np.maximum(starts, t0), 0, None)
+            out["served_tokens_per_s"] = float(np.asarray(self.step_sampled)[inside].sum() / (t1 - t0))
+            out["concurrency"] = float((overlap * np.asarray(self.step_seqs)).sum() / (t1 - t0))
+        else:  # the arrivals came within a few steps (or all at once): the whole run is the window
+            out["served_tokens_per_s"] = self.throughput
+            out["concurrency"] = float(np.mean(self.step_seqs)) if self.step_seqs else 0.0
+        return out
+
 
 def simulate(workload: list[SimRequest], step_time, *, max_batch_size: int, num_blocks: int, block_size: int = 16,
              token_budget: int | None = None, policy="fcfs", admission: str = "per_chunk",
-             max_steps: int = 2_000_000) -> SimResult:
+             max_steps: int = 2_000_000, give_up: tuple | None = None) -> SimResult:
     """Run ``workload`` through the engine's scheduler and KV manager; each step costs
-    ``step_time(plan)`` seconds (a :class:`~cbteach.sim.cost.CostModel`, or any function of the plan)."""
+    ``step_time(plan)`` seconds (a :class:`~cbteach.sim.cost.CostModel`, or any function of the plan).
+
+    ``give_up=(ttft_target, first, last, max_late)``: stop early (``abandoned``) once more than
+    ``max_late`` of the requests ``first..last`` (in arrival order) have waited longer than
+    ``ttft_target`` for their first token -- the run has then missed a TTFT quantile whatever follows,
+    and simulating an overloaded system to its end is the costliest part of a capacity search."""
     config = SchedulerConfig(max_batch_size=max_batch_size, token_budget=token_budget, policy=policy,
                              admission=admission)
     manager = KVCacheManager(num_blocks, block_size)
@@ -110,8 +152,11 @@ def simulate(workload: list[SimRequest], step_time, *, max_batch_size: int, num_
         scheduler.add(seq)
     result = SimResult(ttft=[], tpot=[], e2e=[], output_lens=[])
     now = 0.0
-    for _ in range(max_steps):
+    for step in range(max_steps):
         if not scheduler.has_unfinished():
+            break
+        if give_up is not None and step % 32 == 0 and _late(seqs, now, give_up):
+            result.abandoned = True
             break
         plan = scheduler.schedule(now)
         result.num_preemptions += len(plan.preempted_req_ids)
@@ -131,14 +176,29 @@ def simulate(workload: list[SimRequest], step_time, *, max_batch_size: int, num_
         starts = plan.num_computed_tokens_of()
         sampled = [[0] if starts[rid] + n >= scheduler.requests[rid].num_tokens else None
                    for rid, n in plan.num_scheduled_tokens.items()]
+        result.step_ends.append(now)
+        result.step_sampled.append(sum(x is not None for x in sampled))
         scheduler.update_from_output(plan, RunnerOutput(sampled=sampled), now)
     else:
         raise RuntimeError(f"simulation still running after {max_steps} steps")
     for seq in seqs:
         times = seq.token_times
-        result.ttft.append(seq.first_token_time - seq.arrival_time)
-        result.tpot.append((times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else math.nan)
-        result.e2e.append(times[-1] - seq.arrival_time)
+        done = bool(times) and len(seq.output_ids) >= seq.request.max_new_tokens
+        result.ttft.append(seq.first_token_time - seq.arrival_time if times else math.nan)
+        result.tpot.append((times[-1] - times[0]) / (len(times) - 1) if done and len(times) > 1 else math.nan)
+        result.e2e.append(times[-1] - seq.arrival_time if done else math.nan)
         result.output_lens.append(len(seq.output_ids))
+        result.arrivals.append(seq.arrival_time)
     result.makespan = now - min(s.arrival_time for s in seqs) if seqs else 0.0
     return result
+
+
+def _late(seqs, now: float, give_up: tuple) -> bool:
+    target, first, last, max_late = give_up
+    late = 0
+    for seq in seqs[first:last + 1]:
+        if seq.arrival_time > now - target:
+            break  # arrival order: the rest have not waited that long yet
+        t = seq.first_token_time if seq.token_times else now
+        late += t - seq.arrival_time > target
+    return late > max_late

@@ -30,7 +30,7 @@ import numpy as np
 
 from .cost import CostModel
 from .devices import Device
-from .simulator import simulate, synthetic_workload
+from .simulator import SimRequest, simulate, synthetic_workload
 
 DATA = Path(__file__).resolve().parent / "data" / "bierce_cpu_runs.json"
 
@@ -87,16 +87,16 @@ class ProcessClock:
         pass
 
 
-def measure(spec: RunSpec, model, vocab_size: int | None = None, repeats: int = 3) -> dict:
+def measure(spec: RunSpec, model, vocab_size: int | None = None, repeats: int = 3, clock: str = "wall") -> dict:
     """Run ``spec`` on the real engine ``repeats`` times, timed in CPU seconds (:class:`ProcessClock`),
     and keep the fastest run's every step (plan and duration) and every request's TTFT and TPOT.
     Other work on a shared machine still slows a run down a little (caches, memory bandwidth), so the
     fastest is the closest to the machine's own speed."""
-    runs = [_measure_once(spec, model, vocab_size) for _ in range(repeats)]
+    runs = [_measure_once(spec, model, vocab_size, clock) for _ in range(repeats)]
     return min(runs, key=lambda r: r["duration"])
 
 
-def _measure_once(spec: RunSpec, model, vocab_size: int | None) -> dict:
+def _measure_once(spec: RunSpec, model, vocab_size: int | None, clock: str = "wall") -> dict:
     from ..core.request import Request
     from ..engine.engine import Engine
 
@@ -105,7 +105,7 @@ def _measure_once(spec: RunSpec, model, vocab_size: int | None) -> dict:
     opts = dict(max_batch_size=spec.max_batch_size, kv="paged", block_size=spec.block_size,
                 num_blocks=spec.num_blocks, token_budget=spec.token_budget)
     Engine(model, None, **opts).run([Request([1, 2, 3], 4, ignore_eos=True)])  # warm up this process
-    eng = Engine(model, None, clock=ProcessClock(), **opts)
+    eng = Engine(model, None, clock=ProcessClock() if clock == "process" else None, **opts)
     reqs = [Request(rng.integers(1, vocab, r.prompt_len).tolist(), r.output_len, request_id=r.request_id,
                     arrival_time=r.arrival_time if spec.rate else None, ignore_eos=True) for r in workload_of(spec)]
     comps = eng.run(reqs)
@@ -118,7 +118,7 @@ def _measure_once(spec: RunSpec, model, vocab_size: int | None) -> dict:
             "duration": eng.records[-1].start_time + eng.records[-1].duration - eng.records[0].start_time}
 
 
-def measure_all(model, runs=RUNS, repeats: int = 10) -> dict:
+def measure_all(model, runs=RUNS, repeats: int = 10, clock: str = "wall") -> dict:
     """Every run of ``runs``, measured ``repeats`` times round-robin (so a slow spell of the machine hits
     all runs alike), keeping each run's fastest repeat."""
     import os
@@ -126,10 +126,11 @@ def measure_all(model, runs=RUNS, repeats: int = 10) -> dict:
 
     import torch
 
-    rounds = [[_measure_once(spec, model, None) for spec in runs] for _ in range(repeats)]
+    rounds = [[_measure_once(spec, model, None, clock) for spec in runs] for _ in range(repeats)]
     best = [min((r[i] for r in rounds), key=lambda m: m["duration"]) for i in range(len(runs))]
     return {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                        "torch": torch.__version__, "clock": "process CPU seconds"},
+                        "torch": torch.__version__,
+                        "clock": "process CPU seconds" if clock == "process" else "wall"},
             "model": "bierce", "runs": best}
 
 
@@ -167,8 +168,11 @@ def fit_cpu(runs: list[dict], model="bierce") -> Device:
                   link_bandwidth=5e9, link_latency=50e-6, mfu=1.0, mbu=1.0, step_overhead=float(overhead),
                   seq_overhead=float(per_seq), attn_flops=1.0 / per_attn_flop, overlap=False, dtype_bytes=4,
                   source=f"fitted on {sum(len(r['steps']) for r in runs)} measured steps of bierce "
-                         f"({', '.join(r['spec']['name'] for r in runs)}); its step overhead includes reading "
-                         "the weights")
+                         f"({', '.join(_name(r) for r in runs)}); its step overhead includes reading the weights")
+
+
+def _name(run: dict) -> str:
+    return run.get("spec", {}).get("name") or run.get("name") or "run"
 
 
 def _robust_fit(x: np.ndarray, rounds: int = 30) -> np.ndarray:
@@ -189,35 +193,94 @@ def _rel(pred: float, true: float) -> float:
     return abs(pred - true) / true if true else math.nan
 
 
+def record_run(engine, completions, name: str = "run", **settings) -> dict:
+    """A run measured by any :class:`~cbteach.Engine` (records on, ``keep_records=True``) as
+    ``simulate validate`` reads it: its steps (plan and duration), every request's arrival, lengths
+    and latencies, and the engine settings the simulator replays it with (``max_batch_size``,
+    ``token_budget``, ``block_size``, ``num_blocks``: read from ``engine.config`` unless given)."""
+    sched = getattr(getattr(engine, "config", None), "scheduler", None)
+    kv = getattr(engine, "kv_cache", None) or getattr(getattr(engine, "runner", None), "kv_cache", None)
+    defaults = {"max_batch_size": getattr(sched, "max_batch_size", None), "token_budget": getattr(sched, "token_budget", None),
+                "block_size": getattr(kv, "block_size", 16), "num_blocks": getattr(kv, "num_blocks", None)}
+    eng = {**defaults, **settings}
+    if eng["max_batch_size"] is None or eng["num_blocks"] is None:
+        raise ValueError("record_run needs the engine's max_batch_size and num_blocks: pass them")
+    steps = [{"c": [s.num_computed_tokens for s in r.seqs], "n": [s.num_scheduled_tokens for s in r.seqs],
+              "t": r.duration} for r in engine.records if r.seqs]
+    requests = []
+    for c in completions:
+        tt = c.token_times
+        requests.append({"arrival_time": c.arrival_time, "prompt_len": len(c.prompt_ids), "n": len(c.output_ids),
+                         "ttft": c.first_token_time - c.arrival_time,
+                         "tpot": (tt[-1] - tt[0]) / (len(tt) - 1) if len(tt) > 1 else None,
+                         "e2e": tt[-1] - c.arrival_time})
+    spans = [r for r in engine.records if r.seqs]
+    return {"name": name, "engine": eng, "steps": steps, "requests": requests,
+            "duration": spans[-1].start_time + spans[-1].duration - spans[0].start_time}
+
+
+def _workload_and_settings(run: dict):
+    """A run's workload and engine settings: from its ``spec`` (benchmarks/sim/measure_cpu.py) or its
+    ``engine`` and ``requests`` (:func:`record_run`)."""
+    if "spec" in run:
+        spec = _spec(run)
+        return workload_of(spec), {"max_batch_size": spec.max_batch_size, "num_blocks": spec.num_blocks,
+                                   "block_size": spec.block_size, "token_budget": spec.token_budget}, spec.name
+    eng, reqs = run["engine"], run["requests"]
+    t0 = min(r["arrival_time"] for r in reqs)
+    work = [SimRequest(i, r["arrival_time"] - t0, r["prompt_len"], r["n"]) for i, r in enumerate(reqs)]
+    return work, {k: eng[k] for k in ("max_batch_size", "num_blocks", "block_size", "token_budget")}, _name(run)
+
+
 def predict_run(run: dict, device: Device, model="bierce") -> dict:
-    """A held-out run predicted: each step from its plan, and the whole workload replayed."""
+    """A measured run predicted: each step from its plan, and the whole workload replayed through the
+    simulator (the engine's scheduler); the relative error of the mean TTFT, TPOT and E2E latency
+    and of the throughput (output tokens over the run's length)."""
     cost = CostModel(model, device)
     measured = np.array([s["t"] for s in run["steps"]])
     predicted = np.array([cost.step_time(s["c"], s["n"]) for s in run["steps"]])
-    spec = _spec(run)
-    sim = simulate(workload_of(spec), cost, max_batch_size=spec.max_batch_size, num_blocks=spec.num_blocks,
-                   block_size=spec.block_size, token_budget=spec.token_budget)
-    ttft = float(np.mean([r["ttft"] for r in run["requests"]]))
-    tpot = float(np.mean([r["tpot"] for r in run["requests"] if r["tpot"] is not None]))
-    sim_tpot = float(np.nanmean(sim.tpot))
-    return {"run": spec.name, "steps": len(measured), "simulated_steps": len(sim.step_times),
-            "step_mape": float(np.mean(np.abs(predicted - measured) / measured)),
-            "duration_measured": float(run["duration"]), "duration_simulated": sim.makespan,
-            "duration_error": _rel(sim.makespan, run["duration"]),
-            "ttft_measured": ttft, "ttft_simulated": float(np.mean(sim.ttft)), "ttft_error": _rel(float(np.mean(sim.ttft)), ttft),
-            "tpot_measured": tpot, "tpot_simulated": sim_tpot, "tpot_error": _rel(sim_tpot, tpot)}
+    work, settings, name = _workload_and_settings(run)
+    sim = simulate(work, cost, **settings)
+    reqs = run["requests"]
+    ttft = float(np.mean([r["ttft"] for r in reqs]))
+    tpot = float(np.mean([r["tpot"] for r in reqs if r["tpot"] is not None]))
+    e2e = float(np.mean([r["e2e"] if r.get("e2e") is not None else r["ttft"] + (r["tpot"] or 0.0) * (r["n"] - 1)
+                         for r in reqs]))
+    thr = sum(r["n"] for r in reqs) / run["duration"]
+    out = {"run": name, "steps": len(measured), "simulated_steps": len(sim.step_times),
+           "step_mape": float(np.mean(np.abs(predicted - measured) / measured)),
+           "duration_measured": float(run["duration"]), "duration_simulated": sim.makespan,
+           "duration_error": _rel(sim.makespan, run["duration"])}
+    for metric, true, pred in (("ttft", ttft, float(np.mean(sim.ttft))), ("tpot", tpot, float(np.nanmean(sim.tpot))),
+                               ("e2e", e2e, float(np.mean(sim.e2e))), ("throughput", thr, sim.throughput)):
+        out.update({f"{metric}_measured": true, f"{metric}_simulated": pred, f"{metric}_error": _rel(pred, true)})
+    return out
 
 
-def validation_report(data: dict | None = None) -> dict:
-    """Fit on the training runs of ``data`` (default: the shipped measurements), predict the held-out
-    ones; the errors, per run and worst over the held-out runs."""
+METRICS = ("step_mape", "duration_error", "ttft_error", "tpot_error", "e2e_error", "throughput_error")
+
+
+def validation_report(data: dict | None = None, device: Device | None = None) -> dict:
+    """Predict measured runs and report the errors, per run, their mean (``mae``) and worst.
+
+    Without ``device``: fit on the training runs of ``data`` (default: the shipped measurements) and
+    predict the held-out ones (a same-occasion check). With ``device`` (a calibrated device, e.g.
+    from ``simulate calibrate``): predict every run of ``data`` -- runs the fit never saw, typically
+    measured on another occasion."""
     data = load() if data is None else data
-    train = [r for r in data["runs"] if r["spec"]["train"]]
-    test = [r for r in data["runs"] if not r["spec"]["train"]]
-    if not train or not test:
-        raise ValueError("validation needs at least one training run and one held-out run")
-    device = fit_cpu(train)
+    runs = data["runs"]
+    if device is None:
+        train = [r for r in runs if r.get("spec", {}).get("train", False)]
+        test = [r for r in runs if not r.get("spec", {}).get("train", False)]
+        if not train or not test:
+            raise ValueError("validation needs at least one training run and one held-out run (or a calibrated "
+                             "device: --device FILE from `simulate calibrate`)")
+        device = fit_cpu(train)
+        train_names = [_name(r) for r in train]
+    else:
+        test, train_names = runs, []
     per_run = [predict_run(r, device) for r in test]
-    worst = {k: max(p[k] for p in per_run) for k in ("step_mape", "duration_error", "ttft_error", "tpot_error")}
-    return {"device": device, "train": [r["spec"]["name"] for r in train], "held_out": per_run, "worst": worst,
+    worst = {k: max(p[k] for p in per_run) for k in METRICS}
+    mae = {k: float(np.mean([p[k] for p in per_run])) for k in METRICS}
+    return {"device": device, "train": train_names, "held_out": per_run, "worst": worst, "mae": mae,
             "machine": data.get("machine", {})}
