@@ -21,12 +21,12 @@ import json
 import os
 import platform
 import time
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
-from .devices import Device
+from .devices import Device, load_device  # noqa: F401  (load_device: re-exported)
 
 # (batch, prompt tokens, output tokens, token budget): every request arrives at once, with exactly these
 # lengths, so the steps fall on a grid -- prefills of 1..12 x 16..512 tokens, chunks of a long prompt,
@@ -81,7 +81,7 @@ def calibrate(model=None, grid=GRID, repeats: int = 3, clock: str = "wall", thre
     if threads is not None:
         torch.set_num_threads(threads)
     if model is None:
-        from .. import load_model
+        from ..models import load_model
 
         model, _ = load_model("bierce", device="cpu")
     start = time.perf_counter()
@@ -103,18 +103,6 @@ def save_device(calibrated: dict, path) -> Path:
     path.write_text(json.dumps({"device": asdict(calibrated["device"]), "calibration": calibrated.get("calibration", {})},
                                indent=1, default=str))
     return path
-
-
-def load_device(path) -> Device:
-    """The :class:`Device` of a device file written by :func:`save_device` (``simulate calibrate``)."""
-    try:
-        data = json.loads(Path(path).read_text())
-        d = data["device"]
-        names = {f.name for f in fields(Device)}
-        return Device(**{k: v for k, v in d.items() if k in names})
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"{path}: not a device file written by `python -m cbteach simulate calibrate` "
-                         f"({type(err).__name__}: {err})") from None
 
 
 def load_calibration(path) -> dict:

@@ -23,7 +23,9 @@ Prices are illustrative on-demand cloud prices per GPU-hour (they change often: 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import json
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
 
 GB = 1e9
 GIB = 2**30
@@ -95,10 +97,20 @@ def get_device(name) -> Device:
         return name
     key = str(name).lower()
     if key.endswith(".json"):
-        from .calibrate import load_device
-
         return load_device(name)
     if key not in DEVICES:
         raise ValueError(f"unknown device {name!r}; known: {', '.join(DEVICES)}, or a device file (*.json) written "
                          "by `python -m cbteach simulate calibrate`, or a Device")
     return DEVICES[key]
+
+
+def load_device(path) -> Device:
+    """The :class:`Device` of a device file written by :func:`save_device` (``simulate calibrate``)."""
+    try:
+        data = json.loads(Path(path).read_text())
+        d = data["device"]
+        names = {f.name for f in fields(Device)}
+        return Device(**{k: v for k, v in d.items() if k in names})
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{path}: not a device file written by `python -m cbteach simulate calibrate` "
+                         f"({type(err).__name__}: {err})") from None
