@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import signal
 import socket
 import sys
 import threading
@@ -46,6 +47,7 @@ import time
 
 from .server_cli import parser  # noqa: F401  (part of this module's API)
 
+PROCESS_ENTRY = False  # set where ``serve`` is the process itself (python -m ...): it may end it at once
 SERVE_EXTRA = "cbteach serve needs FastAPI and uvicorn: pip install 'cbteach[serve]'"
 LOOPBACK_NAMES = ("localhost",)
 
@@ -90,6 +92,7 @@ def make_server(args, frontend, sock):
 
     from .server_app import create_app
     from .server_http import guarded_protocol, server_class
+    from .server_logs import setup
 
     server = None
     app = create_app(frontend, on_startup=lambda: frontend.client.__setattr__(
@@ -97,6 +100,7 @@ def make_server(args, frontend, sock):
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.drain_timeout + 5,
                             access_log=args.log_level in ("info", "debug"), timeout_keep_alive=5,
                             http=guarded_protocol(args.header_timeout, args.max_connections))
+    setup(args.log_level)  # (after uvicorn's Config, which sets up uvicorn's own loggers)
     server = server_class()(config)
     server.frontend, server.drain_timeout, server.sock = frontend, args.drain_timeout, sock
     return server
@@ -117,9 +121,17 @@ def start(args):
     except (CoreStartError, ValueError) as err:
         sock.close()
         raise ValueError(str(err)) from None
-    host, port = sock.getsockname()[:2]
-    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-    return make_server(args, frontend, sock), url
+    except BaseException:  # a signal (Stopped), Ctrl-C: start_frontend has stopped the cores
+        sock.close()
+        raise
+    try:
+        host, port = sock.getsockname()[:2]
+        url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        return make_server(args, frontend, sock), url
+    except BaseException:
+        frontend.client.close(grace=0)
+        sock.close()
+        raise
 
 
 class ServerThread:
@@ -159,8 +171,51 @@ class ServerThread:
         self.stop()
 
 
+class Stopped(BaseException):
+    """A signal to stop arrived before the server was serving (while the engine cores load)."""
+
+
+class StartupSignals:
+    """SIGINT and SIGTERM from the first moment: until the server serves, the first one stops the start-up
+    where it is (:class:`Stopped`, raised in the main thread) and the cores are killed; once uvicorn runs, its
+    handlers take over (drain, then stop); after it, a signal no longer interrupts the bounded cleanup.
+
+    Installed explicitly because a process may inherit SIGINT ignored (a shell's background job does), and
+    then Python sets no handler of its own: Ctrl-C would be ignored until uvicorn installs its own."""
+
+    def __init__(self):
+        self.armed = threading.current_thread() is threading.main_thread()
+        self.old = {}
+        if self.armed:
+            self.old = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def _handle(self, sig, frame) -> None:
+        if self.armed:
+            self.armed = False  # one Stopped: a second signal must not interrupt the cleanup it starts
+            raise Stopped(signal.Signals(sig).name)
+
+    def restore(self) -> None:
+        self.armed = False
+        for s, handler in self.old.items():
+            signal.signal(s, handler)
+
+
 def main(argv=None) -> int:
     """``python -m cbteach serve ARGS``; returns the exit status."""
+    signals = StartupSignals()
+    try:
+        return _main(argv, signals)
+    except Stopped as stop:
+        print(f"stopped by {stop} before serving; no engine core is left running", file=sys.stderr)
+        if PROCESS_ENTRY:
+            sys.stderr.flush()
+            os._exit(0)
+        return 0
+    finally:
+        signals.restore()
+
+
+def _main(argv, signals: StartupSignals) -> int:
     args = parser().parse_args(sys.argv[1:] if argv is None else list(argv))
     try:
         import fastapi  # noqa: F401
@@ -184,16 +239,26 @@ def main(argv=None) -> int:
     print(f"cbteach serving {args.served_model_name or args.model} on {url} ({cores} engine core"
           f"{'s' if cores > 1 else ''}; live view at /, API at /v1{', key required' if args.api_key else ''}); "
           "Ctrl-C or SIGTERM stops it", file=sys.stderr, flush=True)
+    from .server_logs import banner_lines
+
+    for line in banner_lines(args, server.frontend.client.ready):
+        print(line, file=sys.stderr, flush=True)
     try:
         server.run(sockets=[server.sock])
     finally:
+        signals.armed = False  # the cleanup below is bounded: a signal now must not cut it short
         server.frontend.client.close()
     dead = server.frontend.client.dead
     if dead is not None:
         print(f"stopped: {dead}", file=sys.stderr)
-        return 1
-    return 0 if server.started else 1
+    code = 1 if dead is not None or not server.started else 0
+    if PROCESS_ENTRY:  # everything is stopped and said: skip the interpreter's teardown (torch's takes seconds)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":
+    PROCESS_ENTRY = True
     raise SystemExit(main(sys.argv[1:]))

@@ -110,6 +110,7 @@ def server_class():
         def _drain(self) -> None:
             fe = self.frontend
             fe.draining = True
+            fe.log.drain_started(self.drain_timeout)
             fe.hub.close()
             self.loop.call_later(self.drain_timeout, fe.abort_all)
 
