@@ -102,3 +102,33 @@ def test_serve_help_says_each_default_once_and_explains_every_option(capsys):
     flat = " ".join(text.split())
     assert "(default: --model) (default:" not in flat and "default: $CBTEACH_API_KEY, else none)" in flat
     assert "--log-level {critical,error,warning,info,debug} what the server logs" in flat
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--kv", "concat", "--block-size", "16"], "--block-size"),  # refused even at the default's value
+    (["--kv", "concat", "--num-blocks", "64", "--prefix-caching"], "--num-blocks, --prefix-caching"),
+    (["--kv", "concat", "--kv-memory-bytes", "1000000"], "--kv-memory-bytes"),
+])
+def test_serve_refuses_paged_only_options_with_kv_concat(argv, named, capsys):
+    from cbteach.serving.server import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert named in err and "paged KV cache only" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--requests", "4"], "--requests"),
+    (["--batch-size", "2"], "--max-batch-size/--batch-size"),
+    (["--workload", "poisson", "--rate", "5"], "--workload, --rate"),
+])
+def test_bench_reference_refuses_workload_options(argv, named, tmp_path, capsys):
+    from cbteach.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--reference", "--json", str(tmp_path / "x.json"), *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--reference" in err and named in err

@@ -48,7 +48,7 @@ import time
 from .server_cli import parser  # noqa: F401  (part of this module's API)
 
 PROCESS_ENTRY = False  # set where ``serve`` is the process itself (python -m ...): it may end it at once
-SERVE_EXTRA = "cbteach serve needs FastAPI and uvicorn: pip install 'cbteach[serve]'"
+SERVE_EXTRA = "cbteach serve needs FastAPI, uvicorn and prometheus_client: pip install 'cbteach[serve]'"
 LOOPBACK_NAMES = ("localhost",)
 
 
@@ -216,9 +216,15 @@ def main(argv=None) -> int:
 
 
 def _main(argv, signals: StartupSignals) -> int:
-    args = parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+    from .server_cli import check_mode
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    check_mode(p, args, argv)
     try:
         import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
         print(SERVE_EXTRA, file=sys.stderr)

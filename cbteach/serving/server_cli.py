@@ -12,6 +12,28 @@ import argparse
 import os
 
 DEFAULT_TOKEN_BUDGET = 256  # chosen by benchmarks/serve/token_budget.py: see its README
+PAGED_ONLY = {"num_blocks": "--num-blocks", "kv_memory_bytes": "--kv-memory-bytes", "block_size": "--block-size",
+              "prefix_caching": "--prefix-caching", "kv_manager": "--kv-manager", "attention": "--attention",
+              "slot_mapping": "--slot-mapping"}
+_UNSET = object()
+
+
+def given(make_parser, argv, dests) -> list:
+    """Which of ``dests`` the command line ``argv`` set -- to any value, even the default's (``make_parser()``
+    parses it again with every one of them defaulting to a marker)."""
+    p = make_parser()
+    p.set_defaults(**dict.fromkeys(dests, _UNSET))
+    ns = p.parse_args(list(argv))
+    return [d for d in dests if getattr(ns, d) is not _UNSET]
+
+
+def check_mode(p: argparse.ArgumentParser, args, argv) -> None:
+    """Options that do not apply to the chosen mode are refused (``p.error``), never silently ignored."""
+    if args.kv == "concat":
+        wrong = given(parser, argv, PAGED_ONLY)
+        if wrong:
+            p.error(f"{', '.join(PAGED_ONLY[d] for d in wrong)} appl{'y' if len(wrong) > 1 else 'ies'} to the paged "
+                    "KV cache only; --kv concat has no blocks (drop the option, or use --kv paged)")
 
 
 def _positive_int(text: str) -> int:
