@@ -32,7 +32,15 @@ def test_bench_serve_measures_every_request(url, tmp_path, capsys, api):
         assert row["output_tokens"] == round(lengths["mean"] * 6)
         assert 0 < row["ttft_p50"] <= row["e2e_p50"] and row["tokens_per_s"] > 0
     assert [r["concurrency"] for r in result["rows"]] == [1, 3]
-    assert "TTFT p50/p99" in capsys.readouterr().out
+    said = capsys.readouterr()
+    assert "TTFT p50/p99" in said.out
+    assert "bench-serve, 3 clients" in said.err and "/6" in said.err  # the progress bar, on stderr
+
+
+def test_bench_serve_no_progress_draws_no_bar(url, capsys):
+    assert endpoint.main(["--endpoint", url, "--requests", "2", "--max-new-tokens", "2", "--warmup", "0",
+                          "--no-progress"]) == 0
+    assert "bench-serve," not in capsys.readouterr().err
 
 
 def test_bench_serve_reports_a_missing_server_and_bad_options(capsys):

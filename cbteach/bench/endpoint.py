@@ -119,6 +119,10 @@ async def run(base_url: str, workload, args, tok) -> tuple[list[Answer], float]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     gate = asyncio.Semaphore(args.concurrency)
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(workload.prompts), desc=f"bench-serve, {args.concurrency} clients", unit="req",
+               disable=not getattr(args, "progress", False), leave=False)  # (the client's own work: tiny)
     async with httpx.AsyncClient(timeout=args.timeout, headers=headers, limits=limits) as client:
         t0 = time.perf_counter()
 
@@ -126,10 +130,15 @@ async def run(base_url: str, workload, args, tok) -> tuple[list[Answer], float]:
             if workload.arrival_times is not None:
                 await asyncio.sleep(max(0.0, workload.arrival_times[i] - (time.perf_counter() - t0)))
             async with gate:
-                return await _one(client, url, i, prompt, m, args, workload, tok, t0)
+                answer = await _one(client, url, i, prompt, m, args, workload, tok, t0)
+            bar.update()
+            return answer
 
-        answers = await asyncio.gather(*(send(i, p, m) for i, (p, m) in
-                                         enumerate(zip(workload.prompts, workload.max_new_tokens))))
+        try:
+            answers = await asyncio.gather(*(send(i, p, m) for i, (p, m) in
+                                             enumerate(zip(workload.prompts, workload.max_new_tokens))))
+        finally:
+            bar.close()
         return list(answers), time.perf_counter() - t0
 
 
@@ -167,6 +176,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ttft-target", type=float, default=1.0, help="goodput: TTFT target in seconds")
     p.add_argument("--tpot-target", type=float, default=0.05, help="goodput: TPOT target in seconds")
     p.add_argument("--json", type=Path, default=None, help="write the results (and the workload) here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
@@ -221,6 +231,7 @@ def main(argv=None) -> int:
         print(f"cannot build the workload: {err}", file=sys.stderr)
         return 2
     print(f"{workload.description}; endpoint {a.endpoint} ({a.api})")
+    a.progress = not a.no_progress
     rows = []
     for level in levels:
         a.concurrency = level
