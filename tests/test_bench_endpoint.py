@@ -49,3 +49,21 @@ def test_bench_serve_reports_a_missing_server_and_bad_options(capsys):
     assert "ConnectError" in capsys.readouterr().out
     assert endpoint.main(["--endpoint", "http://127.0.0.1:9", "--concurrency", "0"]) == 2
     assert "--concurrency" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, said", [(["--rate", "0"], "argument --rate: '0' is not a number > 0"),
+                                        (["--requests", "0"], "argument --requests: '0' is not an integer > 0"),
+                                        (["--cap", "x"], "argument --cap: 'x' is not an integer > 0"),
+                                        (["--timeout", "inf"], "argument --timeout: 'inf' is not a number > 0")])
+def test_bench_serve_errors_name_the_flag_typed(argv, said, capsys):
+    with pytest.raises(SystemExit) as e:
+        endpoint.main(["--endpoint", "http://127.0.0.1:9", *argv])
+    assert e.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_bench_serve_help_never_prints_the_key(monkeypatch, capsys):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-not-for-help-text")
+    with pytest.raises(SystemExit):
+        endpoint.main(["--help"])
+    text = capsys.readouterr().out
+    assert "sk-not-for-help-text" not in text and "$OPENAI_API_KEY" in text and "(default: None)" not in text

@@ -69,7 +69,7 @@ def _token_budget(text: str):
     return value
 
 
-class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
+class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
     """Adds "(default: X)" to an option's help unless the help already says its default (or it has none)."""
 
     def _get_help_string(self, action):
@@ -80,7 +80,7 @@ class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m cbteach serve", formatter_class=_Defaults,
+    p = argparse.ArgumentParser(prog="python -m cbteach serve", formatter_class=DefaultsOnce,
                                 description="Serve a model with cbteach's continuous-batching engine behind an "
                                             "OpenAI-compatible API, with a live view of the batch at /. The engine "
                                             "runs in engine-core processes of its own (vLLM V1's split).")
