@@ -30,10 +30,17 @@ but ``/health``, and a non-loopback ``--host`` refuses to start without a key. R
 (``--max-tokens-cap``, ``--max-n``, ``--max-body-bytes``, ``--max-in-flight``), and so are slow
 clients (``--header-timeout``, ``--body-timeout``, ``--max-connections``; :mod:`.server_http`).
 The port is bound before anything starts (a port in use fails at once; ``--port 0`` announces the
-port it got). SIGTERM stops taking requests, lets in-flight ones finish for up to
-``--drain-timeout`` seconds, aborts the rest, stops the cores and exits 0. If an engine core dies,
+port it got). SIGTERM (or Ctrl-C) stops taking requests, lets in-flight ones finish for up to
+``--drain-timeout`` seconds, aborts the rest, stops the cores and exits 0 at once (a second signal aborts
+the rest now). A signal before the server serves -- while the cores load -- stops the start-up where it
+is and kills the cores (:class:`StartupSignals`); and the cores end whenever this process does,
+whatever they are doing (:mod:`.parent_death`). If an engine core dies,
 the requests it held get an error at once, ``/health`` turns 503, new requests are refused, the
 other cores' requests finish (the same drain), and the server exits 1.
+
+Long prompts are prefilled in chunks by default (``--token-budget``, Sarathi-Serve's chunked prefill).
+What the operator reads -- the banner's KV cache and concurrency, failed requests, drains, periodic
+stats (``--stats-interval``), never a key -- is :mod:`.server_logs`.
 """
 from __future__ import annotations
 

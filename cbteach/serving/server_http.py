@@ -13,7 +13,8 @@ Two things a bare uvicorn does not do, and a server on a network must:
   seconds, then aborts the rest -- a stream ends with an error event, a whole answer is a ``503`` --
   and uvicorn's shutdown then stops the engine cores; a second signal aborts the rest at once. The
   process exits 0; it exits 1 if an engine core died (its requests failed at once; the other cores'
-  finished in the same drain).
+  finished in the same drain). The drain's start, what it aborted and its end are logged
+  (:class:`~.server_logs.ServeLog`).
 """
 from __future__ import annotations
 
