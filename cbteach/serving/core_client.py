@@ -84,8 +84,10 @@ class CoreClient:
         return f"tcp://127.0.0.1:{port}"
 
     # -- start (before the event loop runs) ---------------------------------------------------------
-    def start(self, timeout: float = 300.0) -> list[msg.Ready]:
-        """Start every core and wait (bounded) until each has loaded its model; :class:`CoreStartError` if not."""
+    def start(self, timeout: float = 300.0, check=None) -> list[msg.Ready]:
+        """Start every core and wait (bounded) until each has loaded its model; :class:`CoreStartError` if not.
+        ``check()`` is called between cores and at least ten times a second while they load: whatever it raises
+        stops the start (the caller stops the cores)."""
 
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p or os.getcwd() for p in sys.path))
         # Through parent_death.py: the core dies with this process even while it loads (see that module).
@@ -93,6 +95,8 @@ class CoreClient:
         pdeathsig = "1" if threading.current_thread() is threading.main_thread() else "0"
         boot = [sys.executable, parent_death.__file__, str(os.getpid()), pdeathsig, "cbteach.serving.engine_core"]
         for spec in self.specs:
+            if check is not None:
+                check()
             proc = subprocess.Popen(boot, stdin=subprocess.PIPE, env=env, start_new_session=os.name == "posix")
             self.procs.append(proc)
             proc.stdin.write(json.dumps(vars(spec)).encode())
@@ -100,6 +104,8 @@ class CoreClient:
         ready: dict[int, msg.Ready] = {}
         deadline = time.monotonic() + timeout
         while len(ready) < self.num_cores:
+            if check is not None:
+                check()
             if self.pull.poll(100):
                 m = msg.output_decoder.decode(self.pull.recv())
                 if isinstance(m, msg.Dead):

@@ -104,17 +104,19 @@ class Frontend:
         self.checker.close()
 
 
-def start_frontend(args, startup_timeout: float = 300.0) -> Frontend:
+def start_frontend(args, startup_timeout: float = 300.0, check=None) -> Frontend:
     """Start the engine cores for parsed ``serve`` arguments, wait until they are ready, and build the front end.
     Raises :class:`~.core_client.CoreStartError` (or ``ValueError``) saying why it cannot start."""
     client = CoreClient(core_spec(args), OutputProcessor(), args.data_parallel_size)
     t = time.perf_counter()
     try:
-        client.start(startup_timeout)
+        client.start(startup_timeout, check)
         try:
             tokenizer = load_tokenizer(args.model)
         except (OSError, ValueError) as err:
             raise ValueError(f"cannot load the tokenizer of {args.model!r}: {err}") from None
+        if check is not None:
+            check()
         frontend = Frontend(args, client, tokenizer)
     except BaseException:  # a bad tokenizer, a signal while the cores load: none of them is left running
         client.close(grace=0)

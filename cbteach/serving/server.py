@@ -113,8 +113,9 @@ def make_server(args, frontend, sock):
     return server
 
 
-def start(args):
-    """Bind, start the engine cores and build the server: ``(server, url)``; ValueError/OSError saying why not."""
+def start(args, check=None):
+    """Bind, start the engine cores and build the server: ``(server, url)``; ValueError/OSError saying why not.
+    ``check()`` is called while the cores load (it may raise to stop the start-up: the cores are then killed)."""
     from .core_client import CoreStartError
     from .frontend import start_frontend
 
@@ -124,7 +125,7 @@ def start(args):
     except OSError as err:
         raise OSError(f"cannot listen on {args.host}:{args.port}: {err.strerror or err}") from None
     try:
-        frontend = start_frontend(args, args.startup_timeout)
+        frontend = start_frontend(args, args.startup_timeout, check)
     except (CoreStartError, ValueError) as err:
         sock.close()
         raise ValueError(str(err)) from None
@@ -183,23 +184,31 @@ class Stopped(BaseException):
 
 
 class StartupSignals:
-    """SIGINT and SIGTERM from the first moment: until the server serves, the first one stops the start-up
-    where it is (:class:`Stopped`, raised in the main thread) and the cores are killed; once uvicorn runs, its
-    handlers take over (drain, then stop); after it, a signal no longer interrupts the bounded cleanup.
+    """SIGINT and SIGTERM from the first moment: until the server serves, a signal is noted, and the start-up
+    stops at its next check (:meth:`check` raises :class:`Stopped`) -- at least ten times a second while the
+    cores load -- and the cores are killed; once uvicorn runs, its handlers take over (drain, then stop).
 
-    Installed explicitly because a process may inherit SIGINT ignored (a shell's background job does), and
-    then Python sets no handler of its own: Ctrl-C would be ignored until uvicorn installs its own."""
+    Noted, not raised from the handler: an exception raised in the middle of an import can leave the
+    import system's locks held and the process hung. Installed explicitly because a process may inherit
+    SIGINT ignored (a shell's background job does), and then Python sets no handler of its own: Ctrl-C
+    would be ignored until uvicorn installs its own."""
 
     def __init__(self):
         self.armed = threading.current_thread() is threading.main_thread()
         self.old = {}
+        self.received = None  # the first signal's name
         if self.armed:
             self.old = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def _handle(self, sig, frame) -> None:
-        if self.armed:
-            self.armed = False  # one Stopped: a second signal must not interrupt the cleanup it starts
-            raise Stopped(signal.Signals(sig).name)
+        if self.armed and self.received is None:
+            self.received = signal.Signals(sig).name
+
+    def check(self) -> None:
+        """Raise :class:`Stopped` if a signal came (once: the cleanup it starts is not interrupted)."""
+        if self.armed and self.received is not None:
+            self.armed = False
+            raise Stopped(self.received)
 
     def restore(self) -> None:
         self.armed = False
@@ -243,8 +252,9 @@ def _main(argv, signals: StartupSignals) -> int:
     if not 0 <= args.port < 65536:
         print(f"--port must be in 0..65535, got {args.port}", file=sys.stderr)
         return 2
+    signals.check()
     try:
-        server, url = start(args)
+        server, url = start(args, signals.check)
     except (ValueError, OSError) as err:  # a port in use, an unknown model, a bad option or piece
         print(f"cannot start: {err}", file=sys.stderr)
         return 2
@@ -257,6 +267,8 @@ def _main(argv, signals: StartupSignals) -> int:
     for line in banner_lines(args, server.frontend.client.ready):
         print(line, file=sys.stderr, flush=True)
     try:
+        signals.check()  # (from here on, uvicorn's handlers: the drain)
+        server.startup_signals = signals
         server.run(sockets=[server.sock])
     finally:
         signals.armed = False  # the cleanup below is bounded: a signal now must not cut it short

@@ -89,6 +89,7 @@ def server_class():
         """uvicorn's server with the drain described in the module docstring."""
 
         frontend = None
+        startup_signals = None  # serve's StartupSignals: a signal it noted is honoured when these handlers start
         drain_timeout = 5.0
         draining = False
         loop = None
@@ -130,6 +131,9 @@ def server_class():
                 yield
                 return
             old = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+            noted = getattr(self.startup_signals, "received", None)
+            if noted is not None:  # a signal came between the start-up's last check and these handlers
+                self.handle_exit(getattr(signal, noted), None)
             try:
                 yield
             finally:
