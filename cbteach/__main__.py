@@ -141,4 +141,7 @@ def run_command(command: str, rest: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    from .serving import server as _server
+
+    _server.PROCESS_ENTRY = True  # serve, once stopped, ends this process without torch's slow teardown
     sys.exit(main())

@@ -32,7 +32,15 @@ def test_bench_serve_measures_every_request(url, tmp_path, capsys, api):
         assert row["output_tokens"] == round(lengths["mean"] * 6)
         assert 0 < row["ttft_p50"] <= row["e2e_p50"] and row["tokens_per_s"] > 0
     assert [r["concurrency"] for r in result["rows"]] == [1, 3]
-    assert "TTFT p50/p99" in capsys.readouterr().out
+    said = capsys.readouterr()
+    assert "TTFT p50/p99" in said.out
+    assert "bench-serve, 3 clients" in said.err and "/6" in said.err  # the progress bar, on stderr
+
+
+def test_bench_serve_no_progress_draws_no_bar(url, capsys):
+    assert endpoint.main(["--endpoint", url, "--requests", "2", "--max-new-tokens", "2", "--warmup", "0",
+                          "--no-progress"]) == 0
+    assert "bench-serve," not in capsys.readouterr().err
 
 
 def test_bench_serve_reports_a_missing_server_and_bad_options(capsys):
@@ -41,3 +49,21 @@ def test_bench_serve_reports_a_missing_server_and_bad_options(capsys):
     assert "ConnectError" in capsys.readouterr().out
     assert endpoint.main(["--endpoint", "http://127.0.0.1:9", "--concurrency", "0"]) == 2
     assert "--concurrency" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, said", [(["--rate", "0"], "argument --rate: '0' is not a number > 0"),
+                                        (["--requests", "0"], "argument --requests: '0' is not an integer > 0"),
+                                        (["--cap", "x"], "argument --cap: 'x' is not an integer > 0"),
+                                        (["--timeout", "inf"], "argument --timeout: 'inf' is not a number > 0")])
+def test_bench_serve_errors_name_the_flag_typed(argv, said, capsys):
+    with pytest.raises(SystemExit) as e:
+        endpoint.main(["--endpoint", "http://127.0.0.1:9", *argv])
+    assert e.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_bench_serve_help_never_prints_the_key(monkeypatch, capsys):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-not-for-help-text")
+    with pytest.raises(SystemExit):
+        endpoint.main(["--help"])
+    text = capsys.readouterr().out
+    assert "sk-not-for-help-text" not in text and "$OPENAI_API_KEY" in text and "(default: None)" not in text

@@ -135,8 +135,7 @@ def test_a_killed_engine_core_fails_its_requests_turns_health_red_and_the_server
         events, cut, started = [], [], threading.Event()
         threads = [background(stream_events, s.url, LONG, started, events), background(whole, s.url, LONG, cut)]
         assert started.wait(WAIT_S)
-        wait_for(lambda: httpx.get(s.url + "/metrics", timeout=WAIT_S).text.count(
-            'num_requests_running{model_name="bierce",engine="0"} 2'), "both requests to be running")
+        wait_for(lambda: core_sum(metrics(s.url), "num_requests_running") == 2, "both requests to be running")
         os.kill(core, signal.SIGKILL)
         for t in threads:
             t.join(WAIT_S)

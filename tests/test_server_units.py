@@ -285,3 +285,27 @@ def test_the_engine_core_sends_one_message_per_step_and_forgets_what_it_served(b
             assert eng.kv_usage()["num_used_blocks"] == 0
     finally:
         ctx.destroy(linger=0)
+
+
+def test_metrics_are_prometheus_client_s_in_one_registry_an_operator_can_extend():
+    from prometheus_client import Counter
+    from prometheus_client.parser import text_string_to_metric_families
+
+    m = ServerMetrics("m", 2)
+    st = type("S", (), {"created": 0.0, "prompt_ids": [1, 2, 3], "first_token_at": None, "last_token_at": None})()
+    m.accepted(st)
+    m.tokens(st, 1, 0.02)
+    m.finished(st, "length", 0.5)
+    mine = Counter("my_own_events", "An operator's own metric.", registry=m.registry)
+    mine.inc(3)
+    families = {f.name: f for f in text_string_to_metric_families(m.render())}  # Prometheus' own parser reads it
+    assert families["cbteach:time_to_first_token_seconds"].type == "histogram"
+    assert families["cbteach:num_requests_running"].type == "gauge"
+    assert families["cbteach:engine_core_steps"].type == "counter"
+    got = parse(m.render())
+    assert got["my_own_events_total"] == 3  # the operator's metric, scraped with the server's
+    assert got['cbteach:prompt_tokens_total{model_name="m"}'] == 3
+    assert got['cbteach:time_to_first_token_seconds_bucket{model_name="m",le="0.02"}'] == 1
+    assert got['cbteach:time_to_first_token_seconds_bucket{model_name="m",le="0.01"}'] == 0
+    assert got['cbteach:e2e_request_latency_seconds_count{model_name="m"}'] == 1
+    assert got['cbteach:num_requests_running{model_name="m",engine="1"}'] == 0

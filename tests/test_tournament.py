@@ -135,7 +135,7 @@ def test_tokens_are_checked_against_generate_without_eos(model):
         assert len(expected[r.request_id]) == r.max_new_tokens  # the trace's lengths are fixed
 
 
-def test_the_command_line_writes_a_table_json_and_a_figure(room, tmp_path):
+def test_the_command_line_writes_a_table_json_and_a_figure(room, tmp_path, capsys):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -151,6 +151,8 @@ def test_the_command_line_writes_a_table_json_and_a_figure(room, tmp_path):
     rows = json.loads((tmp_path / "t.json").read_text())
     assert {r["name"] for r in rows} == {"correct", "over_budget", T.BASELINE}
     assert (tmp_path / "t.png").stat().st_size > 10_000
+    err = capsys.readouterr().err
+    assert "tournament" in err and "/4" in err  # the progress bar: the reference outputs, then three entrants
 
 
 def test_the_command_line_refuses_what_it_cannot_run(tmp_path):

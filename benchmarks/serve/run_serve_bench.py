@@ -136,17 +136,27 @@ def main(argv=None) -> int:
     p.add_argument("--guidellm", default=None, help="a folder with guidellm installed (pip install --target)")
     p.add_argument("--accelerate", default=None, help="a folder with accelerate (for transformers serve)")
     p.add_argument("--rounds-only", action="store_true", help="only the alternating rounds (no Poisson, no extras)")
+    p.add_argument("--c16-only", action="store_true",
+                   help="rounds of only the in-process engine and the one-core server at 16 clients, their order "
+                        "alternated round by round (issue 37's target; implies --rounds-only)")
     a = p.parse_args(argv)
     out = {"machine": {"cpus": os.cpu_count(), "load_at_start": os.getloadavg(), "platform": platform.platform(),
                        "python": platform.python_version()}, "workload": WORK, "rounds": []}
     print(f"{os.cpu_count()} processors, load {os.getloadavg()}", flush=True)
+    a.rounds_only = a.rounds_only or a.c16_only
     for r in range(a.rounds):
-        row = {"in_process_b16": in_process()["tokens_per_s"]}
+        row = {}
+        if r % 2 == 0:  # in-process first in even rounds, last in odd ones: drift hits both alike
+            row["in_process_b16"] = in_process()["tokens_per_s"]
         with Server(["--max-batch-size", "16"]) as s:
             row["serve_c16"] = bench_serve(s.url, 16)["tokens_per_s"]
-            row["serve_c32"] = bench_serve(s.url, 32)["tokens_per_s"]
-        with Server(["--max-batch-size", "16", "--data-parallel-size", "2"]) as s:
-            row["serve_dp2_c32"] = bench_serve(s.url, 32)["tokens_per_s"]
+            if not a.c16_only:
+                row["serve_c32"] = bench_serve(s.url, 32)["tokens_per_s"]
+        if not a.c16_only:
+            with Server(["--max-batch-size", "16", "--data-parallel-size", "2"]) as s:
+                row["serve_dp2_c32"] = bench_serve(s.url, 32)["tokens_per_s"]
+        if r % 2 == 1:
+            row["in_process_b16"] = in_process()["tokens_per_s"]
         row["load"] = os.getloadavg()
         out["rounds"].append(row)
         print(f"round {r}: {json.dumps(row)}", flush=True)
@@ -180,8 +190,18 @@ def main(argv=None) -> int:
 
 def summarize(out) -> None:
     rounds = out["rounds"]
-    ip, c16, c32, dp = (median(rounds, k) for k in ("in_process_b16", "serve_c16", "serve_c32", "serve_dp2_c32"))
-    t = {"server_vs_in_process_c16": c16 / ip, "dp2_vs_one_core_c32": dp / c32}
+    ip, c16 = median(rounds, "in_process_b16"), median(rounds, "serve_c16")
+    t = {"server_vs_in_process_c16": c16 / ip,
+         "server_vs_in_process_c16_rounds": [x["serve_c16"] / x["in_process_b16"] for x in rounds]}
+    out["targets"] = t
+    if "serve_c32" not in rounds[0]:
+        print(f"\n{out['machine']['cpus']} processors; medians over {len(rounds)} rounds (output tokens/s)")
+        print(f"  in-process engine, batch 16: {ip:.0f}; server at 16 clients: {c16:.0f} -> "
+              f"{t['server_vs_in_process_c16']:.2f}x (rounds: "
+              f"{', '.join(f'{x:.2f}' for x in t['server_vs_in_process_c16_rounds'])})")
+        return
+    c32, dp = median(rounds, "serve_c32"), median(rounds, "serve_dp2_c32")
+    t["dp2_vs_one_core_c32"] = dp / c32
     po = out.get("poisson_200_from_50")
     if po is not None:
         t["poisson_failed"] = po["num_failed"]

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import statistics
+import sys
 from pathlib import Path
 
 from ..models import load_model
@@ -150,9 +151,21 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _check(p: argparse.ArgumentParser, a) -> tuple[list[str], Path]:
+WORKLOAD_OPTIONS = {"workload": "--workload", "requests": "--requests", "batch_size": "--max-batch-size/--batch-size",
+                    "max_new_tokens": "--max-new-tokens", "cap": "--cap", "rate": "--rate", "sweep": "--sweep",
+                    "seed": "--seed"}
+
+
+def _check(p: argparse.ArgumentParser, a, argv=()) -> tuple[list[str], Path]:
     """Every argument problem found before any measuring (``p.error`` exits); the engines and the output path."""
     if a.reference:
+        from ..serving.server_cli import given
+
+        wrong = given(_parser, argv, WORKLOAD_OPTIONS)
+        if wrong:
+            p.error(f"--reference is the fixed reference workload (headwords, {REFERENCE['requests']} requests, "
+                    f"{REFERENCE['max_new_tokens']} new tokens, batch {REFERENCE['batch_size']}): it takes no "
+                    f"{', '.join(WORKLOAD_OPTIONS[d] for d in wrong)}")
         a.workload = "headwords"
         a.requests, a.max_new_tokens, a.batch_size = (REFERENCE[k] for k in ("requests", "max_new_tokens", "batch_size"))
     engines = [e for e in a.engines.split(",") if e]
@@ -224,8 +237,9 @@ def _is_reference(a) -> bool:
 
 def cli(argv=None) -> int:
     p = _parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     a = p.parse_args(argv)
-    engines, path = _check(p, a)
+    engines, path = _check(p, a, argv)
     import torch
 
     from ..models import device_option

@@ -119,6 +119,10 @@ async def run(base_url: str, workload, args, tok) -> tuple[list[Answer], float]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     gate = asyncio.Semaphore(args.concurrency)
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(workload.prompts), desc=f"bench-serve, {args.concurrency} clients", unit="req",
+               disable=not getattr(args, "progress", False), leave=False)  # (the client's own work: tiny)
     async with httpx.AsyncClient(timeout=args.timeout, headers=headers, limits=limits) as client:
         t0 = time.perf_counter()
 
@@ -126,10 +130,15 @@ async def run(base_url: str, workload, args, tok) -> tuple[list[Answer], float]:
             if workload.arrival_times is not None:
                 await asyncio.sleep(max(0.0, workload.arrival_times[i] - (time.perf_counter() - t0)))
             async with gate:
-                return await _one(client, url, i, prompt, m, args, workload, tok, t0)
+                answer = await _one(client, url, i, prompt, m, args, workload, tok, t0)
+            bar.update()
+            return answer
 
-        answers = await asyncio.gather(*(send(i, p, m) for i, (p, m) in
-                                         enumerate(zip(workload.prompts, workload.max_new_tokens))))
+        try:
+            answers = await asyncio.gather(*(send(i, p, m) for i, (p, m) in
+                                             enumerate(zip(workload.prompts, workload.max_new_tokens))))
+        finally:
+            bar.close()
         return list(answers), time.perf_counter() - t0
 
 
@@ -145,7 +154,10 @@ def measure(base_url: str, workload, args, tok) -> dict:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m cbteach bench-serve", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    from ..argtypes import POSITIVE, POSITIVE_INT, number
+    from ..serving.server_cli import DefaultsOnce
+
+    p = argparse.ArgumentParser(prog="python -m cbteach bench-serve", formatter_class=DefaultsOnce,
                                 description="Benchmark any OpenAI-compatible server (cbteach serve, transformers "
                                             "serve, vllm serve) with the workloads and metrics of 'cbteach bench'.")
     p.add_argument("--endpoint", required=True, help="the server's base URL, e.g. http://127.0.0.1:8000 (or .../v1)")
@@ -154,19 +166,22 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--api", choices=("completions", "completions-text", "chat"), default="completions",
                    help="completions: prompts as token ids; completions-text: the same prompts decoded to text (for "
                         "servers that take only text, e.g. transformers serve); chat: as one user message")
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="sent as 'Authorization: Bearer'")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="sent as 'Authorization: Bearer' (default: $OPENAI_API_KEY, else none)")
     p.add_argument("--workload", default="headwords", choices=wl.WORKLOADS)
-    p.add_argument("--requests", type=int, default=32, help="number of requests")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="output cap of headwords and poisson")
-    p.add_argument("--cap", type=int, default=64, help="length_variance: the cap on exponential output lengths")
-    p.add_argument("--rate", type=float, default=8.0, help="poisson: requests per second")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--requests", type=POSITIVE_INT, default=32, help="number of requests")
+    p.add_argument("--max-new-tokens", type=POSITIVE_INT, default=128, help="output cap of headwords and poisson")
+    p.add_argument("--cap", type=POSITIVE_INT, default=64, help="length_variance: the cap on exponential output lengths")
+    p.add_argument("--rate", type=POSITIVE, default=8.0, help="poisson: requests per second")
+    p.add_argument("--seed", type=number(int, 0, strict=False), default=0, help="the workload's random seed")
     p.add_argument("--concurrency", default="16", help="most requests in flight; a list (1,16) runs once per value")
-    p.add_argument("--warmup", type=int, default=4, help="requests sent (untimed) before the timed runs")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take")
-    p.add_argument("--ttft-target", type=float, default=1.0, help="goodput: TTFT target in seconds")
-    p.add_argument("--tpot-target", type=float, default=0.05, help="goodput: TPOT target in seconds")
+    p.add_argument("--warmup", type=number(int, 0, strict=False), default=4,
+                   help="requests sent (untimed) before the timed runs")
+    p.add_argument("--timeout", type=POSITIVE, default=300.0, help="seconds one request may take")
+    p.add_argument("--ttft-target", type=POSITIVE, default=1.0, help="goodput: TTFT target in seconds")
+    p.add_argument("--tpot-target", type=POSITIVE, default=0.05, help="goodput: TPOT target in seconds")
     p.add_argument("--json", type=Path, default=None, help="write the results (and the workload) here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
@@ -192,10 +207,7 @@ def main(argv=None) -> int:
         levels = [int(x) for x in a.concurrency.split(",")]
     except ValueError:
         levels = []
-    wrong = [(not levels or min(levels) < 1, f"--concurrency takes integers >= 1 (e.g. 1,16), got {a.concurrency!r}"),
-             (a.requests < 1, f"--requests must be >= 1, got {a.requests}"),
-             (a.warmup < 0, f"--warmup must be >= 0, got {a.warmup}"),
-             (not 0 < a.timeout < float("inf"), f"--timeout must be a number of seconds > 0, got {a.timeout}")]
+    wrong = [(not levels or min(levels) < 1, f"--concurrency takes integers >= 1 (e.g. 1,16), got {a.concurrency!r}")]
     said = next((why for bad, why in wrong if bad), None)
     if said is not None:
         print(f"python -m cbteach bench-serve: error: {said}", file=sys.stderr)
@@ -221,6 +233,7 @@ def main(argv=None) -> int:
         print(f"cannot build the workload: {err}", file=sys.stderr)
         return 2
     print(f"{workload.description}; endpoint {a.endpoint} ({a.api})")
+    a.progress = not a.no_progress
     rows = []
     for level in levels:
         a.concurrency = level

@@ -50,6 +50,7 @@ def cli(argv=None) -> int:
                                                         "variant; needs cbteach[serve] and CBTEACH_API_KEY)")
     p.add_argument("--host", default="127.0.0.1", help="with --serve: the address to listen on")
     p.add_argument("--port", type=_port, default=8100, help="with --serve: the port (0..65535)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
     if a.requests < 1 or not (a.rate > 0 and a.ttft_slo > 0 and a.tpot_slo > 0) or math.inf in (a.rate, a.ttft_slo,
                                                                                                    a.tpot_slo):
@@ -68,7 +69,7 @@ def cli(argv=None) -> int:
         from .tournament_server import serve
 
         return serve(a.dir, model, trace, host=a.host, port=a.port)
-    entries = run_tournament(load_schedulers(a.dir), model, trace)
+    entries = run_tournament(load_schedulers(a.dir), model, trace, progress=not a.no_progress)
     print(table(entries, trace))
     if a.json is not None:
         a.json.write_text(json.dumps([{k: v for k, v in asdict(e).items() if k != "summary"} for e in entries],

@@ -191,14 +191,25 @@ def _final_rules(eng, expected: dict) -> SchedulerMistake | None:
     return None
 
 
-def run_tournament(entrants: dict, model, trace: Trace = Trace(), baseline: bool = True) -> list[Entry]:
+def run_tournament(entrants: dict, model, trace: Trace = Trace(), baseline: bool = True,
+                   progress: bool = False) -> list[Entry]:
     """Run every entrant (``{name: class or reason}``) and the engine's own scheduler; returns the
-    entries ranked by goodput (best first; ties by mean TTFT, then name), disqualified ones last."""
-    expected = generate_outputs(model, trace.requests(model.config.vocab_size))
+    entries ranked by goodput (best first; ties by mean TTFT, then name), disqualified ones last.
+    ``progress``: a progress bar on stderr (the reference outputs, then one tick per entrant)."""
+    from tqdm.auto import tqdm
+
     field_ = dict(entrants)
     if baseline:
         field_[BASELINE] = Scheduler
-    entries = [run_entry(name, cls, model, trace, expected) for name, cls in field_.items()]
+    with tqdm(total=len(field_) + 1, desc="tournament", unit="entry", disable=not progress, leave=False) as bar:
+        bar.set_postfix_str("reference outputs (generate)")
+        expected = generate_outputs(model, trace.requests(model.config.vocab_size))
+        bar.update()
+        entries = []
+        for name, cls in field_.items():
+            bar.set_postfix_str(name)
+            entries.append(run_entry(name, cls, model, trace, expected))
+            bar.update()
     ranked = sorted((e for e in entries if e.disqualified is None),
                     key=lambda e: (-(e.goodput or 0.0), e.ttft_mean if e.ttft_mean is not None else float("inf"),
                                    e.name))

@@ -28,9 +28,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from . import core_messages as msg
+from . import parent_death
 from .engine_core import CoreSpec
 
 
@@ -82,19 +84,28 @@ class CoreClient:
         return f"tcp://127.0.0.1:{port}"
 
     # -- start (before the event loop runs) ---------------------------------------------------------
-    def start(self, timeout: float = 300.0) -> list[msg.Ready]:
-        """Start every core and wait (bounded) until each has loaded its model; :class:`CoreStartError` if not."""
+    def start(self, timeout: float = 300.0, check=None) -> list[msg.Ready]:
+        """Start every core and wait (bounded) until each has loaded its model; :class:`CoreStartError` if not.
+        ``check()`` is called between cores and at least ten times a second while they load: whatever it raises
+        stops the start (the caller stops the cores)."""
 
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p or os.getcwd() for p in sys.path))
+        # Through parent_death.py: the core dies with this process even while it loads (see that module).
+        # The kernel's parent-death signal fires when the *thread* that started it ends: main thread only.
+        pdeathsig = "1" if threading.current_thread() is threading.main_thread() else "0"
+        boot = [sys.executable, parent_death.__file__, str(os.getpid()), pdeathsig, "cbteach.serving.engine_core"]
         for spec in self.specs:
-            proc = subprocess.Popen([sys.executable, "-m", "cbteach.serving.engine_core"], stdin=subprocess.PIPE,
-                                    env=env, start_new_session=os.name == "posix")
+            if check is not None:
+                check()
+            proc = subprocess.Popen(boot, stdin=subprocess.PIPE, env=env, start_new_session=os.name == "posix")
+            self.procs.append(proc)
             proc.stdin.write(json.dumps(vars(spec)).encode())
             proc.stdin.close()
-            self.procs.append(proc)
         ready: dict[int, msg.Ready] = {}
         deadline = time.monotonic() + timeout
         while len(ready) < self.num_cores:
+            if check is not None:
+                check()
             if self.pull.poll(100):
                 m = msg.output_decoder.decode(self.pull.recv())
                 if isinstance(m, msg.Dead):
@@ -188,15 +199,21 @@ class CoreClient:
                 task.cancel()
         self.close()
 
-    def close(self) -> None:
-        """Stop everything now (bounded): the processes, the sockets, the folder."""
+    def close(self, grace: float = 0.5) -> None:
+        """Stop everything now (bounded): the processes (``grace`` seconds to exit by themselves, together,
+        then killed), the sockets, the folder."""
         self.stopping = True
+        deadline = time.monotonic() + grace
+        while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
         for p in self.procs:
             try:
-                p.wait(0.5)
-            except subprocess.TimeoutExpired:
-                p.kill()
                 p.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
         if not self.ctx.closed:
             self.ctx.destroy(linger=0)
         shutil.rmtree(self.folder, ignore_errors=True)

@@ -24,11 +24,15 @@ What the loop also does, as a server's core must:
   :mod:`.faults`);
 * **an engine that fails as a whole** (a broken rule, a bug) sends :class:`~.core_messages.Dead`
   and exits non-zero: nothing is left running in a state nobody can trust;
-* **it never outlives its API server**: it checks its parent every loop, and exits when it is gone;
+* **it never outlives its API server**, whatever it is doing: it is started through
+  :mod:`.parent_death` (the kernel's parent-death signal on Linux, a thread that watches the parent
+  everywhere), which covers the seconds it spends importing torch and loading the model, and the
+  loop checks its parent every turn too;
 * it counts where its time went (stepping, waiting for requests, encoding and sending) and how many
   messages and bytes crossed the socket, and says so in every message: notebook 11 draws them.
 
-Started by :class:`~.core_client.CoreClient` as ``python -m cbteach.serving.engine_core`` with its
+Started by :class:`~.core_client.CoreClient` as ``python -m cbteach.serving.engine_core`` (through
+:mod:`.parent_death`) with its
 :class:`CoreSpec` on stdin (a fresh interpreter: no threads or CUDA state copied from the API
 server, and no re-import of the user's script), in a session of its own, so that a Ctrl-C in the
 terminal reaches the API server, which drains and then stops the cores.

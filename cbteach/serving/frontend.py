@@ -17,6 +17,7 @@ from .detokenizer import IncrementalDetokenizer
 from .engine_core import CoreSpec
 from .output_processor import OutputProcessor, RequestState
 from .server_live import LiveHub
+from .server_logs import ServeLog, StatsLogger
 from .server_metrics import ServerMetrics
 from .tokenization import PromptChecker, load_tokenizer
 
@@ -58,6 +59,9 @@ class Frontend:
         self.metrics = ServerMetrics(self.name, client.num_cores)
         self.hub = LiveHub(ready.max_batch_size, client.num_cores, max_listeners=args.max_live_listeners)
         self.processor.metrics, self.processor.hub = self.metrics, self.hub
+        self.log = ServeLog(self)
+        self.processor.on_failed = self.log.failed
+        self.stats = StatsLogger(self.metrics, args.stats_interval)
         self.api_key = args.api_key
         self.max_body_bytes = args.max_body_bytes
         self.max_in_flight = args.max_in_flight
@@ -81,34 +85,41 @@ class Frontend:
                                  type="server_error", code="server_overloaded", retry_after=1)
 
     def submit(self, req: proto.GenerationRequest, index: int, ids: list, sampling, queue, created: float,
-               fail_after: int | None = None) -> RequestState:
+               fail_after: int | None = None, http_id: str = "") -> RequestState:
         """Route one choice to a core; its events arrive on ``queue``."""
         st = RequestState(f"r{next(self._ids)}", ids, req.max_tokens, IncrementalDetokenizer(self.tokenizer, req.stop),
-                          queue, index, created=created)
+                          queue, index, created=created, http_id=http_id)
         self.client.submit(st, msg.AddRequest(st.request_id, ids, req.max_tokens, sampling.temperature, sampling.top_p,
                                               sampling.seed, req.ignore_eos, fail_after))
         return st
 
     def abort_all(self) -> None:
         """Shutdown after the drain timeout: every request still in flight is dropped in its core and ends here."""
-        for st in list(self.processor.states.values()):
+        states = list(self.processor.states.values())
+        self.log.drain_aborting(states)
+        for st in states:
             self.client.abort(st)
 
     def close(self) -> None:
         self.checker.close()
 
 
-def start_frontend(args, startup_timeout: float = 300.0) -> Frontend:
+def start_frontend(args, startup_timeout: float = 300.0, check=None) -> Frontend:
     """Start the engine cores for parsed ``serve`` arguments, wait until they are ready, and build the front end.
     Raises :class:`~.core_client.CoreStartError` (or ``ValueError``) saying why it cannot start."""
     client = CoreClient(core_spec(args), OutputProcessor(), args.data_parallel_size)
     t = time.perf_counter()
-    client.start(startup_timeout)
     try:
-        tokenizer = load_tokenizer(args.model)
-    except (OSError, ValueError) as err:
-        client.close()
-        raise ValueError(f"cannot load the tokenizer of {args.model!r}: {err}") from None
-    frontend = Frontend(args, client, tokenizer)
+        client.start(startup_timeout, check)
+        try:
+            tokenizer = load_tokenizer(args.model)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"cannot load the tokenizer of {args.model!r}: {err}") from None
+        if check is not None:
+            check()
+        frontend = Frontend(args, client, tokenizer)
+    except BaseException:  # a bad tokenizer, a signal while the cores load: none of them is left running
+        client.close(grace=0)
+        raise
     frontend.startup_s = time.perf_counter() - t
     return frontend

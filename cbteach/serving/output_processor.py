@@ -43,6 +43,7 @@ class RequestState:
     last_token_at: float | None = None
     charged: int = 0  # tokens counted in its core's load (routing)
     done: bool = False
+    http_id: str = ""  # the id its client sees (cmpl-..., chatcmpl-...): what the operator's log names
 
     def push(self, event) -> None:
         self.queue.put_nowait((self.index, event))
@@ -61,6 +62,7 @@ class OutputProcessor:
         self.metrics, self.hub = metrics, hub
         self.load: list[int] = []  # tokens each core still has to compute, as far as the API server knows
         self.abort_in_core = None  # set by the client: sends an Abort to a request's core
+        self.on_failed = None  # called as on_failed(state, reason, error) when a request fails (the log's line)
         self.process_s = 0.0  # seconds spent handling step messages (the API server's share of a step)
         self.num_messages = 0
 
@@ -132,6 +134,8 @@ class OutputProcessor:
             if tail:
                 st.push(("delta", tail, []))
         st.push(("finish", reason, st.num_output_tokens, error))
+        if reason in ("error", "dead") and self.on_failed is not None:
+            self.on_failed(st, reason, error)
         if self.metrics is not None:
             self.metrics.finished(st, reason, time.perf_counter())
 

@@ -55,7 +55,7 @@ class Run:
         per_prompt = len(choices) // len(self.req.prompts)
         for i, _, sp in choices:
             self.states.append(self.fe.submit(self.req, i, ids[i // per_prompt], sp, self.queue, self.created,
-                                              self.fail_after))
+                                              self.fail_after, http_id=self.id))
         self.prompt_tokens = [len(x) for x in ids]  # each prompt once, whatever n (OpenAI's and vLLM's usage)
         self.finished = [None] * len(self.states)
         try:
@@ -218,10 +218,13 @@ def create_app(fe, on_startup=None, on_shutdown=None):
     @asynccontextmanager
     async def lifespan(app):
         await fe.client.attach()
+        fe.stats.start()
         if on_startup is not None:
             on_startup()
         yield
+        fe.stats.stop()
         fe.hub.close()
+        fe.log.drain_ended()
         await fe.client.shutdown()
         fe.close()
         if on_shutdown is not None:

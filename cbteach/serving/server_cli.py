@@ -11,6 +11,30 @@ from __future__ import annotations
 import argparse
 import os
 
+DEFAULT_TOKEN_BUDGET = 256  # chosen by benchmarks/serve/token_budget.py: see its README
+PAGED_ONLY = {"num_blocks": "--num-blocks", "kv_memory_bytes": "--kv-memory-bytes", "block_size": "--block-size",
+              "prefix_caching": "--prefix-caching", "kv_manager": "--kv-manager", "attention": "--attention",
+              "slot_mapping": "--slot-mapping"}
+_UNSET = object()
+
+
+def given(make_parser, argv, dests) -> list:
+    """Which of ``dests`` the command line ``argv`` set -- to any value, even the default's (``make_parser()``
+    parses it again with every one of them defaulting to a marker)."""
+    p = make_parser()
+    p.set_defaults(**dict.fromkeys(dests, _UNSET))
+    ns = p.parse_args(list(argv))
+    return [d for d in dests if getattr(ns, d) is not _UNSET]
+
+
+def check_mode(p: argparse.ArgumentParser, args, argv) -> None:
+    """Options that do not apply to the chosen mode are refused (``p.error``), never silently ignored."""
+    if args.kv == "concat":
+        wrong = given(parser, argv, PAGED_ONLY)
+        if wrong:
+            p.error(f"{', '.join(PAGED_ONLY[d] for d in wrong)} appl{'y' if len(wrong) > 1 else 'ies'} to the paged "
+                    "KV cache only; --kv concat has no blocks (drop the option, or use --kv paged)")
+
 
 def _positive_int(text: str) -> int:
     try:
@@ -32,8 +56,31 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _token_budget(text: str):
+    """``--token-budget``: a whole number of tokens >= 1, or ``none`` (no limit: every prompt in one step)."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens >= 1 or 'none', got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens >= 1 or 'none', got {value}")
+    return value
+
+
+class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" to an option's help unless the help already says its default (or it has none)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m cbteach serve", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = argparse.ArgumentParser(prog="python -m cbteach serve", formatter_class=DefaultsOnce,
                                 description="Serve a model with cbteach's continuous-batching engine behind an "
                                             "OpenAI-compatible API, with a live view of the batch at /. The engine "
                                             "runs in engine-core processes of its own (vLLM V1's split).")
@@ -53,8 +100,10 @@ def parser() -> argparse.ArgumentParser:
     e = p.add_argument_group("engine (the same options as cbteach.Engine)")
     e.add_argument("--kv", choices=("paged", "concat"), default="paged", help="KV cache")
     e.add_argument("--max-batch-size", type=_positive_int, default=8, help="most requests in one step (batch slots)")
-    e.add_argument("--token-budget", type=_positive_int, default=None,
-                   help="most tokens in one step; longer prompts are prefilled in chunks (default: no limit)")
+    e.add_argument("--token-budget", type=_token_budget, default=DEFAULT_TOKEN_BUDGET, metavar="N|none",
+                   help="most tokens in one step (vLLM's max_num_batched_tokens): a longer prompt is prefilled in "
+                        "chunks, so streams already running still get a token every step (Sarathi-Serve's chunked "
+                        f"prefill); 'none' prefills every prompt in one step (default: {DEFAULT_TOKEN_BUDGET})")
     e.add_argument("--num-blocks", type=_positive_int, default=None,
                    help="paged: KV blocks in the pool (default: enough for every slot at the model's full length)")
     e.add_argument("--kv-memory-bytes", type=_positive_int, default=None, help="paged: size the pool by bytes instead")
@@ -96,6 +145,10 @@ def parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, seconds in-flight requests may take to finish before they are aborted")
     p.add_argument("--startup-timeout", type=_positive_float, default=300.0,
                    help="seconds the engine cores may take to load the model")
-    p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
+                   help="what the server logs: 'warning' (the default) says what failed and what a drain aborted; "
+                        "'info' adds the periodic stats and one access line per request (keys never logged)")
+    p.add_argument("--stats-interval", type=_positive_float, default=10.0,
+                   help="seconds between two stats lines at --log-level info (running, waiting, KV use, tokens/s)")
     p.add_argument("--fault-injection", action="store_true", help=argparse.SUPPRESS)  # tests: cbteach_fail_after
     return p

@@ -13,7 +13,8 @@ Two things a bare uvicorn does not do, and a server on a network must:
   seconds, then aborts the rest -- a stream ends with an error event, a whole answer is a ``503`` --
   and uvicorn's shutdown then stops the engine cores; a second signal aborts the rest at once. The
   process exits 0; it exits 1 if an engine core died (its requests failed at once; the other cores'
-  finished in the same drain).
+  finished in the same drain). The drain's start, what it aborted and its end are logged
+  (:class:`~.server_logs.ServeLog`).
 """
 from __future__ import annotations
 
@@ -88,6 +89,7 @@ def server_class():
         """uvicorn's server with the drain described in the module docstring."""
 
         frontend = None
+        startup_signals = None  # serve's StartupSignals: a signal it noted is honoured when these handlers start
         drain_timeout = 5.0
         draining = False
         loop = None
@@ -110,6 +112,7 @@ def server_class():
         def _drain(self) -> None:
             fe = self.frontend
             fe.draining = True
+            fe.log.drain_started(self.drain_timeout)
             fe.hub.close()
             self.loop.call_later(self.drain_timeout, fe.abort_all)
 
@@ -128,6 +131,9 @@ def server_class():
                 yield
                 return
             old = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+            noted = getattr(self.startup_signals, "received", None)
+            if noted is not None:  # a signal came between the start-up's last check and these handlers
+                self.handle_exit(getattr(signal, noted), None)
             try:
                 yield
             finally:

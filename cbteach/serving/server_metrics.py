@@ -22,7 +22,10 @@ what belongs to one engine core carries its index in an ``engine`` label:
   ``e2e_request_latency_seconds`` (answers that finished).
 
 Everything is updated on the API server's event loop, as each step's message arrives
-(:mod:`.output_processor`), and rendered there: no locks.
+(:mod:`.output_processor`). The exposition is ``prometheus_client``'s (what vLLM uses): its gauges,
+counters and histograms in one registry per server, ``ServerMetrics.registry`` -- an operator who
+wants more registers it there and ``/metrics`` shows it. (A counter also shows a ``_created``
+series, the library's; the cores' own totals come through a custom collector, :class:`CoreTotals`.)
 """
 from __future__ import annotations
 
@@ -49,48 +52,66 @@ CORE_COUNTERS = (("num_preemptions_total", "num_preemptions", "Preemptions."),
                  ("engine_core_io_seconds_total", "io_s", "Seconds the core spent encoding, sending, receiving."))
 
 
-class Histogram:
-    """Cumulative buckets, a sum and a count: what Prometheus needs to estimate percentiles."""
+class CoreTotals:
+    """A collector of the cores' own running totals: each core counts, the API server only relays its last
+    report (a ``prometheus_client`` custom collector: the library's way to expose counts kept elsewhere)."""
 
-    def __init__(self, buckets):
-        self.buckets = tuple(buckets)
-        self.counts = [0] * len(self.buckets)
-        self.sum = 0.0
-        self.count = 0
+    def __init__(self, model_name: str, totals: list):
+        self.model_name, self.totals = model_name, totals
 
-    def observe(self, value: float) -> None:
-        self.sum += value
-        self.count += 1
-        for i, edge in enumerate(self.buckets):
-            if value <= edge:
-                self.counts[i] += 1
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
 
-    def lines(self, name: str, labels: str) -> list[str]:
-        out = [f'{name}_bucket{{{labels},le="{edge}"}} {n}' for edge, n in zip(self.buckets, self.counts)]
-        out.append(f'{name}_bucket{{{labels},le="+Inf"}} {self.count}')
-        return out + [f"{name}_sum{{{labels}}} {self.sum}", f"{name}_count{{{labels}}} {self.count}"]
+        for name, key, doc in CORE_COUNTERS:
+            family = CounterMetricFamily(PREFIX + name.removesuffix("_total"), doc, labels=("model_name", "engine"))
+            for i, t in enumerate(self.totals):
+                family.add_metric((self.model_name, str(i)), t.get(key, 0))
+            yield family
 
 
 class ServerMetrics:
-    """Everything ``/metrics`` shows, for one served model and its engine cores."""
+    """Everything ``/metrics`` shows, for one served model and its engine cores, in one ``prometheus_client``
+    registry (``.registry``): an operator's own metrics registered there are scraped with these."""
 
-    def __init__(self, model_name: str, num_cores: int = 1):
-        self.labels = f'model_name="{model_name}"'
+    def __init__(self, model_name: str, num_cores: int = 1, registry=None):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.model_name = model_name
+        # Python-side mirrors: what the stats log line reads (and tests), without a scrape
         self.cores = [{"num_running": 0, "num_waiting": 0, "kv_usage": 0.0, "load": 0} for _ in range(num_cores)]
         self.core_totals = [{} for _ in range(num_cores)]  # the cores' own running totals (CoreStats)
         self.counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0}
-        self.success = dict.fromkeys(SUCCESS, 0)
-        self.failure = dict.fromkeys(FAILURE, 0)
-        self.ttft = Histogram(TTFT_BUCKETS)
-        self.itl = Histogram(ITL_BUCKETS)
-        self.e2e = Histogram(E2E_BUCKETS)
+        per_core, reg = ("model_name", "engine"), self.registry
+        self._gauges = {key: Gauge(PREFIX + name, doc, per_core, registry=reg) for name, key, doc in CORE_GAUGES}
+        for g in self._gauges.values():
+            for i in range(num_cores):
+                g.labels(model_name, str(i)).set(0)
+        self.registry.register(CoreTotals(model_name, self.core_totals))
+        self._tokens = {name: Counter(PREFIX + name, doc, ("model_name",), registry=reg).labels(model_name)
+                        for name, doc in (("prompt_tokens_total", "Prompt tokens of the requests accepted."),
+                                          ("generation_tokens_total", "Tokens generated."))}
+        success = Counter(PREFIX + "request_success_total", "Answers finished whole.", ("model_name", "finished_reason"),
+                          registry=reg)
+        failure = Counter(PREFIX + "request_failure_total", "Requests that ended without a whole answer (abort: "
+                          "the client left or the server stopped; error).", ("model_name", "reason"), registry=reg)
+        self.success = {r: success.labels(model_name, r) for r in SUCCESS}
+        self.failure = {r: failure.labels(model_name, r) for r in FAILURE}
+        self.ttft, self.itl, self.e2e = (
+            Histogram(PREFIX + name, doc, ("model_name",), buckets=buckets, registry=reg).labels(model_name)
+            for name, doc, buckets in (("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS),
+                                       ("inter_token_latency_seconds", "Inter-token latency.", ITL_BUCKETS),
+                                       ("e2e_request_latency_seconds", "End-to-end latency of finished answers.",
+                                        E2E_BUCKETS)))
 
     # -- from the output processor, on the event loop --------------------------------------------
     def accepted(self, state) -> None:
         self.counters["prompt_tokens_total"] += len(state.prompt_ids)
+        self._tokens["prompt_tokens_total"].inc(len(state.prompt_ids))
 
     def tokens(self, state, n: int, now: float) -> None:
         self.counters["generation_tokens_total"] += n
+        self._tokens["generation_tokens_total"].inc(n)
         if state.first_token_at is None:
             self.ttft.observe(now - state.created)
         else:
@@ -99,50 +120,41 @@ class ServerMetrics:
     def finished(self, state, reason: str, now: float) -> None:
         reason = REASON.get(reason, "error")
         if reason in self.success:
-            self.success[reason] += 1
+            self.success[reason].inc()
             self.e2e.observe(now - state.created)
         else:
-            self.failure[reason] += 1
+            self.failure[reason].inc()
 
     def core_stats(self, core: int, stats, load: int) -> None:
         g = self.cores[core]
         g["num_running"], g["num_waiting"], g["load"] = stats.num_running, stats.num_waiting, load
         g["kv_usage"] = stats.kv_used / stats.kv_total if stats.kv_total else 0.0
-        self.core_totals[core] = {key: getattr(stats, key) for _, key, _ in CORE_COUNTERS}
+        for key, gauge in self._gauges.items():
+            gauge.labels(self.model_name, str(core)).set(g[key])
+        self.core_totals[core].update({key: getattr(stats, key) for _, key, _ in CORE_COUNTERS})
 
     # -- the scrape -------------------------------------------------------------------------------
     def render(self) -> str:
-        """The Prometheus text exposition format (version 0.0.4)."""
-        p, lab = PREFIX, self.labels
-        out = []
-        for name, key, doc in CORE_GAUGES:
-            out += [f"# HELP {p}{name} {doc}", f"# TYPE {p}{name} gauge"]
-            out += [f'{p}{name}{{{lab},engine="{i}"}} {g[key]}' for i, g in enumerate(self.cores)]
-        for name, key, doc in CORE_COUNTERS:
-            out += [f"# HELP {p}{name} {doc}", f"# TYPE {p}{name} counter"]
-            out += [f'{p}{name}{{{lab},engine="{i}"}} {t.get(key, 0)}' for i, t in enumerate(self.core_totals)]
-        for name, value in self.counters.items():
-            out += [f"# HELP {p}{name} {name.replace('_', ' ')}.", f"# TYPE {p}{name} counter",
-                    f"{p}{name}{{{lab}}} {value}"]
-        for name, label, doc, table in (("request_success_total", "finished_reason", "Answers finished whole.",
-                                         self.success),
-                                        ("request_failure_total", "reason", "Requests that ended without a whole "
-                                         "answer (abort: the client left or the server stopped; error).",
-                                         self.failure)):
-            out += [f"# HELP {p}{name} {doc}", f"# TYPE {p}{name} counter"]
-            out += [f'{p}{name}{{{lab},{label}="{r}"}} {n}' for r, n in table.items()]
-        for name, doc, hist in (("time_to_first_token_seconds", "Time to first token.", self.ttft),
-                                ("inter_token_latency_seconds", "Inter-token latency.", self.itl),
-                                ("e2e_request_latency_seconds", "End-to-end latency of finished answers.", self.e2e)):
-            out += [f"# HELP {p}{name} {doc}", f"# TYPE {p}{name} histogram"] + hist.lines(p + name, lab)
-        return "\n".join(out) + "\n"
+        """The Prometheus text exposition format (version 0.0.4), written by ``prometheus_client``."""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry).decode()
 
 
 def parse(text: str) -> dict:
-    """A scrape as ``{"name{labels}": value}`` (comments dropped): enough for tests and notebooks."""
+    """A scrape as ``{"name{labels}": value}`` (comments dropped): enough for tests and notebooks. The labels
+    are written ``model_name`` first, then the others in the order the scrape gives them (``prometheus_client``
+    sorts them by name), so a key reads ``cbteach:num_requests_running{model_name="m",engine="0"}``."""
+    import re
+
     out = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
             key, _, value = line.rpartition(" ")
+            name, brace, labels = key.partition("{")
+            if brace:
+                pairs = re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', labels)
+                pairs.sort(key=lambda kv: kv[0] != "model_name")  # (a stable sort: the rest keep their order)
+                key = name + "{" + ",".join(f'{k}="{v}"' for k, v in pairs) + "}"
             out[key] = float(value)
     return out

@@ -65,8 +65,8 @@ class PromptChecker:
         room = self.max_positions - max_tokens
         if len(text) > room * self.max_chars_per_token:
             least = -(-len(text) // self.max_chars_per_token)
-            raise bad(f"the prompt has {len(text):,} characters: at least {least:,} "
-                      f"tokens (no token covers more than {self.max_chars_per_token} characters), but the model's "
+            raise bad(f"the prompt has {len(text):,} character{'s' if len(text) != 1 else ''}: at least {least:,} "
+                      f"token{'s' if least != 1 else ''} (no token covers more than {self.max_chars_per_token} characters), but the model's "
                       f"{self.max_positions} positions leave room for {max(room, 0)} beside max_tokens={max_tokens}",
                       "prompt", "context_length_exceeded")
 
