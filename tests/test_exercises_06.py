@@ -58,7 +58,7 @@ def check(stage, cls, model):
     return ok, out.getvalue()
 
 
-RETRY = "while self.kv_manager.allocate_slots(seq, n) is None:"
+RETRY = "while seq in self.running and self.kv_manager.allocate_slots(seq, n) is None:"
 VICTIM = "victim = self.waiting.pick_victim(self.running)"
 ARRIVED = "for seq in [s for s in self.waiting if s.arrival_time <= now]:"
 STOP_RUNNING = "if seq not in self.running:  # it was the victim itself"
@@ -103,9 +103,10 @@ MISTAKES = [
      WHOLE + "\n            if n > budget:\n                break", 2, "fit whole"),
     ("a running prefill not chunked", "budget)  # a decode's", "math.inf)  # a decode's", 2, "exceeds the token budget"),
     ("room asked for before the chunk is cut to the budget", "n = min(seq.num_tokens - seq.num_computed_tokens, budget)"
-     "  # a decode's 1, or a chunk of prompt\n            while self.kv_manager.allocate_slots(seq, n) is None:",
+     "  # a decode's 1, or a chunk of prompt\n            while seq in self.running and self.kv_manager.allocate_slots(seq, n) is None:",
      "n = min(seq.num_tokens - seq.num_computed_tokens, budget)  # a decode's 1, or a chunk of prompt\n"
-     "            while self.kv_manager.allocate_slots(seq, seq.num_tokens - seq.num_computed_tokens) is None:", 2,
+     "            while seq in self.running and self.kv_manager.allocate_slots(seq, seq.num_tokens - seq.num_computed_tokens)"
+     " is None:", 2,
      "more tokens than the chunk planned"),
     ("only decodes run", "or seq not in self.running:  # budget spent",
      "or seq not in self.running or not seq.output_ids:  # budget spent", 2, "fewer tokens"),

@@ -32,7 +32,7 @@ ENTRANTS = {
                                                          "s.request.max_new_tokens)"), None),
     "over_budget": (variant("n = min(seq.num_tokens - num_cached_tokens, budget)", "n = seq.num_tokens - num_cached_tokens"),
                     "token budget"),
-    "no_room": (variant("while self.kv_manager.allocate_slots(seq, n) is None:", "while False:"), "without KV room"),
+    "no_room": (variant("while seq in self.running and self.kv_manager.allocate_slots(seq, n) is None:", "while False:"), "without KV room"),
     "before_arrival": (variant(ARRIVED, "list(self.waiting)"), "before it arrived"),
     "past_the_batch": (variant("len(self.running) >= self.max_batch_size", "len(self.running) > self.max_batch_size"),
                        "max_batch_size"),
@@ -50,9 +50,9 @@ ENTRANTS = {
     "starves": (variant("if plan.preempted or len(", "if seq.prompt_ids[0] % 5 == 0:\n                continue\n"
                                                     "            if plan.preempted or len("), "planned nothing"),
     "raises": (variant("        plan = StepPlan()", "        plan = StepPlan()\n        {}['x']"), "KeyError"),
-    "endless": (variant("            while self.kv_manager.allocate_slots(seq, n) is None:",
+    "endless": (variant("            while seq in self.running and self.kv_manager.allocate_slots(seq, n) is None:",
                         "            while len(self.running) > 0:\n                pass\n"
-                        "            while self.kv_manager.allocate_slots(seq, n) is None:"), "did not return"),
+                        "            while seq in self.running and self.kv_manager.allocate_slots(seq, n) is None:"), "did not return"),
     "no_class": ("class Other:\n    pass\n", "defines no class MyScheduler"),
     "syntax_error": ("def (:\n", "did not run"),
 }
