@@ -188,8 +188,8 @@ def test_fanout_children_share_full_prompt_blocks_through_the_prefix_cache():
 
 @pytest.mark.parametrize("seed", [0, 7])
 def test_a_plugged_in_manager_that_cannot_share_blocks(seed):
-    """The course's ReservingKVManager replaces allocate_slots (where copy on write happens) and inherits
-    fork: fork is refused up front; fanout's children need no sharing and come out exact."""
+    """The course's ReservingKVManager is a V1 manager (no fork, no copy on write): fork is refused up
+    front; fanout's children need no sharing and come out exact."""
     model = tiny_model("llama")
     params = SamplingParams(temperature=1.0, seed=seed, n=3)
     fork = Engine(model, max_batch_size=4, kv="paged", block_size=1, num_blocks=200, parallel_sampling="fork",
@@ -223,3 +223,56 @@ def test_the_progress_bar_counts_requests_with_samples(capsys):
     eng = Engine(model, max_batch_size=4, kv="paged", block_size=4)
     eng.run([Request(PROMPT, 4, sampling_params=SamplingParams(n=3)), Request([20, 21], 3)], progress=True)
     assert "2/2" in capsys.readouterr().err
+
+
+def test_fork_and_copy_on_write_live_in_a_subclass_built_only_for_fork():
+    """V1's manager has no fork (V1 runs n > 1 as child requests); the engine builds V0's forking
+    manager only when parallel_sampling="fork" asks for it."""
+    from cbteach.kv.fork import ForkingKVCacheManager, can_fork
+    from cbteach.kv.manager import KVCacheManager
+    model = tiny_model("gpt2")
+    fanout = Engine(model, max_batch_size=2, kv="paged", block_size=4)
+    fork = Engine(model, max_batch_size=2, kv="paged", block_size=4, parallel_sampling="fork")
+    assert type(fanout.kv.manager) is KVCacheManager and type(fork.kv.manager) is ForkingKVCacheManager
+    for name in ("fork", "take_pending_copies", "pending_copies", "num_cow_copies"):
+        assert not hasattr(fanout.kv.manager, name), name
+    assert not can_fork(fanout.kv.manager) and can_fork(fork.kv.manager)
+    assert "num_cow_copies" not in fanout.kv_usage() and fork.kv_usage()["num_cow_copies"] == 0
+
+
+def test_a_copy_that_does_not_fit_changes_nothing():
+    """The copy's block counts like any other: with one free block short, allocate_slots refuses and
+    leaves the tables, the reference counts, the free list and the pending copies as they were."""
+    from types import SimpleNamespace
+    from cbteach.kv.fork import ForkingKVCacheManager
+    m = ForkingKVCacheManager(num_blocks=3, block_size=4, prefix_caching=True)
+    parent = SimpleNamespace(request_id="p", block_table=[], num_computed_tokens=0, num_tokens=9,
+                             token_ids=lambda a, b: list(range(a, b)))
+    assert m.allocate_slots(parent, 6) == [0, 1]
+    parent.num_computed_tokens = 6
+    child = SimpleNamespace(request_id="c", block_table=[], num_computed_tokens=6, num_tokens=9,
+                            token_ids=lambda a, b: list(range(a, b)))
+    m.fork(parent, child)
+    assert m.num_free_blocks == 1 and m.allocator.ref_counts[:2] == [2, 2]
+    # 6 -> 9 tokens: the shared block 1 needs a copy (1 block) and token 9 a new one (1 block): 2 > 1 free
+    before = (list(child.block_table), list(m.allocator.ref_counts), list(m.allocator.free_blocks))
+    assert m.allocate_slots(child, 3) is None
+    assert (list(child.block_table), list(m.allocator.ref_counts), list(m.allocator.free_blocks)) == before
+    assert m.take_pending_copies() == [] and m.num_cow_copies == 0
+    # 6 -> 8 tokens fits: the copy takes the last free block, and the parent keeps block 1 alone
+    assert m.allocate_slots(child, 2) == []
+    assert child.block_table == [0, 2] and m.allocator.ref_counts == [2, 1, 1]
+    assert m.take_pending_copies() == [(1, 2)] and m.take_pending_copies() == []
+
+
+def test_a_forking_subclass_that_replaces_allocate_slots_must_say_it_copies_on_write():
+    from cbteach.kv.fork import ForkingKVCacheManager, can_fork
+
+    class Mine(ForkingKVCacheManager):
+        def allocate_slots(self, seq, num_new_tokens, new_computed_blocks=(), num_lookahead_tokens=0):
+            return super().allocate_slots(seq, num_new_tokens, new_computed_blocks, num_lookahead_tokens)
+
+    class MineSays(Mine):
+        copy_on_write = True
+
+    assert not can_fork(Mine(4, 4)) and can_fork(MineSays(4, 4))

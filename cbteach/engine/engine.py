@@ -21,7 +21,7 @@ since the engine was made, or simulated: :mod:`cbteach.core.clock`). An ``arriva
 from __future__ import annotations
 
 from ..core.request import Completion, Request, Sequence, as_request_list, validate_request
-from ..kv.manager import can_fork
+from ..kv.fork import can_fork
 from . import parallel_sampling
 from .engine_core import EngineCore
 from .plug import plug_pieces

@@ -35,6 +35,7 @@ def own_codes() -> dict:
     """Every implementation a piece may not hand its work to: ``{code object: (piece, who, name)}``."""
     from ..attention import metadata, paged
     from ..engine.scheduler import Scheduler
+    from ..kv.fork import ForkingKVCacheManager
     from ..kv.manager import BlockAllocator, KVCacheManager
     from ..kv.paged import PagedKVCache
     from . import ex05_mistakes
@@ -42,8 +43,8 @@ def own_codes() -> dict:
     engine = {"slot_mapping": [metadata.build, PagedKVCache.slots],
               "attention": [paged.default_attention, paged.vectorised_attention, paged.reference_attention,
                             paged.paged_attention_forward],
-              "kv_manager": [KVCacheManager.allocate_slots, KVCacheManager.free, BlockAllocator.allocate,
-                             BlockAllocator.release],
+              "kv_manager": [KVCacheManager.allocate_slots, ForkingKVCacheManager.allocate_slots, KVCacheManager.free,
+                             BlockAllocator.allocate, BlockAllocator.release],
               "scheduler": [Scheduler.schedule, Scheduler.update_from_output]}
     course = {"slot_mapping": [ex05_mistakes.slots], "attention": [ex05_mistakes.attend]}
     out = {}

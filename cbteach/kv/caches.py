@@ -10,7 +10,8 @@ def make_kv_cache(info, config):
     cache = config.cache
     if cache.kind == "paged":  # with tensor parallelism the ranks hold the K/V: here only the block bookkeeping
         return PagedKVCache.for_model(info, cache, max_batch_size=config.scheduler.max_batch_size,
-                                      allocate_pool=config.tensor_parallel_size == 1)
+                                      allocate_pool=config.tensor_parallel_size == 1,
+                                      fork=config.parallel_sampling == "fork")
     # valid paged-pool options are accepted and ignored, so one call can switch kv= back and forth
     return ConcatKVCache(info.num_layers, cache_kwarg=info.cache_kwarg, attn_implementation=info.attn_implementation,
                          dtype=info.dtype)

@@ -13,7 +13,8 @@ quickest way to see who may do what:
 * the **engine** builds both, checks a request fits before it is queued, and reports usage.
 
 Implementations: :class:`~cbteach.kv.paged.PagedKVCache` with
-:class:`~cbteach.kv.manager.KVCacheManager` (PagedAttention), and
+:class:`~cbteach.kv.manager.KVCacheManager` (PagedAttention; :class:`~cbteach.kv.fork.ForkingKVCacheManager`
+adds fork and copy on write), and
 :class:`~cbteach.kv.concat.ConcatKVCache` with :class:`~cbteach.kv.concat.UnboundedKVManager`.
 vLLM V1 has the same split (``KVCacheManager`` for the scheduler, the model runner's KV tensors
 and attention backends for the forward pass).
@@ -41,12 +42,6 @@ class KVManager(Protocol):
     def trim(self, seq) -> None:
         """Give back room past ``seq``'s computed tokens (rejected speculative guesses)."""
 
-    def fork(self, parent, child) -> None:
-        """Parallel sampling: ``child`` starts on ``parent``'s room, shared (copy on write)."""
-
-    def take_pending_copies(self) -> list:
-        """Copy-on-write ``(src, dst)`` block copies the pool must make before the next forward pass."""
-
     def num_admittable_tokens(self, seq, new_computed_blocks=()) -> float:
         """Tokens ``seq`` could be given now, keeping any admission watermark (V0 admission, swap-in).
         ``new_computed_blocks`` (passed only when not empty): an admission's prefix-cache hits, which
@@ -69,6 +64,21 @@ class KVManager(Protocol):
 
     def usage(self) -> dict:
         """The bookkeeping now: blocks, tokens stored, utilisation, block tables."""
+
+
+@runtime_checkable
+class ForkingKVManager(KVManager, Protocol):
+    """A manager that can run ``parallel_sampling="fork"`` (PagedAttention's, vLLM V0's; V1 has no fork)
+    also has these two, and says ``copy_on_write = True``
+    (:class:`~cbteach.kv.fork.ForkingKVCacheManager`)."""
+
+    copy_on_write: bool
+
+    def fork(self, parent, child) -> None:
+        """Parallel sampling: ``child`` starts on ``parent``'s room, shared (copy on write)."""
+
+    def take_pending_copies(self) -> list:
+        """Copy-on-write ``(src, dst)`` block copies the pool must make before the next forward pass."""
 
 
 @runtime_checkable

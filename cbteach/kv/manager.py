@@ -72,7 +72,7 @@ class BlockAllocator:
 class KVCacheManager:
     """Block tables and allocation for a pool of ``num_blocks`` blocks of ``block_size`` tokens."""
 
-    copy_on_write = True  # fork() shares blocks and allocate_slots() copies a shared one before writing
+    copy_on_write = False  # no fork here: :class:`cbteach.kv.fork.ForkingKVCacheManager` adds it
 
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.0, prefix_caching: bool = False):
         """``watermark``: the fraction of blocks an admission must leave free (vLLM V0's block manager
@@ -91,8 +91,6 @@ class KVCacheManager:
         self.prefix_cache = PrefixCache(block_size) if prefix_caching else None
         self.seqs: dict[object, object] = {}  # sequences holding blocks, by request id
         self.before_free = None  # optional callback(seq), called before a sequence's blocks are released
-        self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the pool, before the forward
-        self.num_cow_copies = 0  # blocks copied on write so far
 
     @property
     def num_free_blocks(self) -> int:
@@ -124,6 +122,15 @@ class KVCacheManager:
                 held[block] = held.get(block, 0) + 1
         return sum(1 for b, n in held.items() if n == self.allocator.ref_counts[b]) * self.block_size
 
+    def num_blocks_to_take(self, seq, num_new_tokens: int, new_computed_blocks=(), num_lookahead_tokens: int = 0) -> int:
+        """How many free blocks :meth:`allocate_slots` would take for these arguments: new blocks for
+        the tokens, plus prefix-cache hits that sit on the free list (taking one revives it)."""
+        cached = list(new_computed_blocks)
+        have = len(seq.block_table) + len(cached)
+        computed = seq.num_computed_tokens + len(cached) * self.block_size
+        need = max(0, self.blocks_needed(computed + num_new_tokens + num_lookahead_tokens) - have)
+        return need + sum(1 for b in cached if self.allocator.ref_counts[b] == 0)
+
     def allocate_slots(self, seq, num_new_tokens: int, new_computed_blocks=(), num_lookahead_tokens: int = 0):
         """Make room for ``num_new_tokens`` more tokens of ``seq``; return the blocks added (often none:
         a new block is taken only when the last one is full), or ``None`` -- with nothing changed --
@@ -135,48 +142,28 @@ class KVCacheManager:
         With prefix caching, the blocks this step fills become findable at once (V1's ``cache_blocks``):
         an identical prompt admitted later in the *same* step shares them -- its attention reads them
         in the same forward pass, layer by layer, after this step's K/V are written.
-
-        Copy on write (PagedAttention, section 4.4): if the block the new tokens start in is shared
-        with a sibling sample, this sequence gets its own copy of it first -- a fresh block, and a
-        ``(src, dst)`` pair in :attr:`pending_copies` that the pool copies before the forward pass.
         """
+        if self.num_blocks_to_take(seq, num_new_tokens, new_computed_blocks, num_lookahead_tokens) > \
+                self.allocator.num_free:
+            return None
         cached = list(new_computed_blocks)
         computed = seq.num_computed_tokens + len(cached) * self.block_size
-        have = len(seq.block_table) + len(cached)
-        need = max(0, self.blocks_needed(computed + num_new_tokens + num_lookahead_tokens) - have)
-        first = computed // self.block_size  # the block the first new token is written into
-        cow = num_new_tokens > 0 and first < len(seq.block_table) and \
-            self.allocator.ref_counts[seq.block_table[first]] > 1
-        revived = sum(1 for b in cached if self.allocator.ref_counts[b] == 0)  # cached blocks on the free list
-        if need + cow + revived > self.allocator.num_free:
-            return None
         seq.block_table.extend(self.allocator.take(b) for b in cached)
-        new = [self.allocator.allocate() for _ in range(need + cow)]
-        if self.prefix_cache is not None:
-            for block in new:
-                self.prefix_cache.evict(block)  # it is about to hold other tokens
-        if cow:
-            shared, own = seq.block_table[first], new.pop()
-            self.pending_copies.append((shared, own))
-            self.num_cow_copies += 1
-            self.allocator.release(shared)
-            seq.block_table[first] = own
+        need = max(0, self.blocks_needed(computed + num_new_tokens + num_lookahead_tokens) - len(seq.block_table))
+        new = [self.allocate_block() for _ in range(need)]
         seq.block_table.extend(new)
         self.seqs[seq.request_id] = seq
         if self.prefix_cache is not None:
             self.prefix_cache.register(seq, upto=computed + num_new_tokens)
         return new
 
-    def fork(self, parent, child) -> None:
-        """``child`` (a sibling sample) shares every block of ``parent`` -- one more reference each, no
-        copy: a shared block is copied only when one of them writes into it (:meth:`allocate_slots`)."""
-        child.block_table = [self.allocator.take(b) for b in parent.block_table]
-        self.seqs[child.request_id] = child
-
-    def take_pending_copies(self) -> list[tuple[int, int]]:
-        """The copy-on-write copies the pool must make before the next forward pass (and forget them)."""
-        copies, self.pending_copies = self.pending_copies, []
-        return copies
+    def allocate_block(self) -> int:
+        """One block off the free list; with prefix caching it stops being findable: it is about to
+        hold other tokens."""
+        block = self.allocator.allocate()
+        if self.prefix_cache is not None:
+            self.prefix_cache.evict(block)
+        return block
 
     def free(self, seq) -> None:
         """Give back every block of ``seq`` (finished, aborted or preempted). A block made findable at
@@ -248,7 +235,6 @@ class KVCacheManager:
             "num_free_blocks": self.allocator.num_free,
             "num_used_blocks": used,
             "num_shared_blocks": sum(1 for c in self.allocator.ref_counts if c > 1),  # parallel samples, prefixes
-            "num_cow_copies": self.num_cow_copies,
             "block_size": self.block_size,
             "num_tokens": tokens,  # tokens whose K/V are in the pool, each stored once
             "num_logical_tokens": sum(s.num_computed_tokens for s in self.seqs.values()),  # per sequence
@@ -259,15 +245,3 @@ class KVCacheManager:
             **(self.prefix_cache.stats() if self.prefix_cache is not None else {}),
         }
 
-
-def can_fork(manager) -> bool:
-    """Whether ``manager`` can run ``parallel_sampling="fork"``: it has ``fork`` and says it copies on
-    write. A subclass that replaces :meth:`KVCacheManager.allocate_slots` -- where the copy happens --
-    must say so again itself (``copy_on_write = True`` in its own class body): inheriting the promise
-    from a method it replaced would let sibling samples write into each other's shared blocks."""
-    cls = type(manager)
-    if not callable(getattr(manager, "fork", None)) or not getattr(manager, "copy_on_write", False):
-        return False
-    if isinstance(manager, KVCacheManager) and cls.allocate_slots is not KVCacheManager.allocate_slots:
-        return any("copy_on_write" in vars(c) for c in cls.__mro__[:cls.__mro__.index(KVCacheManager)])
-    return True

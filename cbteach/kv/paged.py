@@ -28,6 +28,7 @@ from ..attention import metadata as attn_metadata
 from ..attention import paged as paged_attention
 from .concat import KVTraffic
 from .int8 import Int8BlockKVPool, Int8KVPool
+from .fork import ForkingKVCacheManager
 from .manager import KVCacheManager, PoolExhausted  # noqa: F401  (PoolExhausted: re-exported)
 from .pool import PagedKVPool
 from ..core.config import CacheConfig
@@ -53,12 +54,14 @@ class PagedKVCache:
     attn_implementation = paged_attention.NAME  # the engine's model view calls paged attention
 
     def __init__(self, config: CacheConfig, *, num_layers, num_kv_heads, head_dim, num_blocks,
-                 dtype=torch.float32, device="cpu", allocate_pool: bool = True):
+                 dtype=torch.float32, device="cpu", allocate_pool: bool = True, fork: bool = False):
         if not isinstance(config, CacheConfig):
             raise ValueError(f"PagedKVCache takes a CacheConfig, got {type(config).__name__}")
         self.config = config
-        self.manager = KVCacheManager(num_blocks, config.block_size, watermark=config.watermark,
-                                      prefix_caching=config.prefix_caching)
+        # fork=True: parallel_sampling="fork" (V0's), whose samples share blocks with copy on write
+        manager_cls = ForkingKVCacheManager if fork else KVCacheManager
+        self.manager = manager_cls(num_blocks, config.block_size, watermark=config.watermark,
+                                   prefix_caching=config.prefix_caching)
         # allocate_pool=False: the K/V live elsewhere (tensor-parallel ranks); this keeps the bookkeeping
         self.pool = _pool_class(config.kv_dtype)(num_layers=num_layers, num_blocks=num_blocks,
                                                  block_size=config.block_size, num_kv_heads=num_kv_heads,
@@ -78,7 +81,8 @@ class PagedKVCache:
     num_blocks = property(lambda self: self.manager.num_blocks)
 
     @classmethod
-    def for_model(cls, info, config: CacheConfig, max_batch_size: int = 8, allocate_pool: bool = True) -> PagedKVCache:
+    def for_model(cls, info, config: CacheConfig, max_batch_size: int = 8, allocate_pool: bool = True,
+                  fork: bool = False) -> PagedKVCache:
         """A pool for the model ``info`` describes, sized as ``config`` says (see
         :meth:`CacheConfig.pool_num_blocks`)."""
         pool_cls = _pool_class(config.kv_dtype)
@@ -86,7 +90,8 @@ class PagedKVCache:
             info.num_layers, info.num_kv_heads, info.head_dim, block_size=config.block_size)
         num_blocks = config.pool_num_blocks(info.max_positions, max_batch_size, config.block_size * per_token)
         return cls(config, num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
-                   num_blocks=num_blocks, dtype=info.dtype, device=info.device, allocate_pool=allocate_pool)
+                   num_blocks=num_blocks, dtype=info.dtype, device=info.device, allocate_pool=allocate_pool,
+                   fork=fork)
 
     def slots(self, seq, start: int, end: int) -> torch.Tensor:
         """Pool slots of the sequence's tokens ``start..end-1``: ``block_table[p // B] * B + p % B``.
