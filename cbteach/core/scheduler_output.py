@@ -28,8 +28,8 @@ forward pass, for PagedAttention's parallel sampling -- V1 has no copy on write)
 ``preempted_req_ids`` and ``swapped_in_req_ids`` are for the engine's step record; the runner ignores them.
 
 While it plans, the scheduler keeps working notes with live sequences -- :class:`StepPlan`, V1's local
-lists in ``schedule()`` -- and turns them into the message at the end
-(:meth:`~cbteach.engine.scheduler.Scheduler.make_output`).
+lists in ``schedule()`` -- and turns them into the message at the end (:func:`make_scheduler_output`,
+through :meth:`~cbteach.engine.scheduler.Scheduler.make_output`).
 """
 from __future__ import annotations
 
@@ -130,3 +130,43 @@ class StepPlan:
         i = self.seqs.index(seq)
         self.seqs.pop(i)
         return self.num_scheduled_tokens.pop(i)
+
+
+def make_scheduler_output(plan: StepPlan, sent_block_ids: dict, finished_req_ids=frozenset(),
+                          block_copies=()) -> SchedulerOutput:
+    """The message for a planned step. ``sent_block_ids`` is the scheduler's record of the block table
+    the runner holds for each request; it is brought up to date with what this message sends. A
+    request with no record goes in whole (:class:`NewRequestData`); one with a record goes in as a diff
+    (:class:`CachedRequestData`): the blocks appended since, or its whole table if it changed otherwise.
+    Each request's ``num_computed_tokens`` is read now -- before the plan counts as computed."""
+    new, cached = [], CachedRequestData()  # (its lists are filled here, before the message is sent)
+    spec, forks = {}, {}
+    for seq, n in zip(plan.seqs, plan.num_scheduled_tokens):
+        rid, table = seq.request_id, seq.block_table
+        sent = sent_block_ids.get(rid)
+        if sent is None:
+            new.append(NewRequestData(req_id=rid, prompt_token_ids=list(seq.prompt_ids),
+                                      sampling_params=seq.request.sampling_params,
+                                      sample_index=seq.sample_index or 0, block_ids=list(table),
+                                      num_computed_tokens=seq.num_computed_tokens,
+                                      output_token_ids=list(seq.output_ids), generator_state=seq.generator_state))
+        else:
+            appended = len(table) >= len(sent) and table[:len(sent)] == sent
+            cached.req_ids.append(rid)
+            cached.replace_block_ids.append(not appended)
+            cached.new_block_ids.append(table[len(sent):] if appended else list(table))
+            cached.num_computed_tokens.append(seq.num_computed_tokens)
+        sent_block_ids[rid] = list(table)
+        # Tokens past the known ones (and past any the step in flight will give it) are guesses.
+        d = max(0, seq.num_computed_tokens + n - seq.num_tokens_with_placeholders)
+        if d:
+            spec[rid] = list(seq.draft_ids[:d])
+        if seq.forks:
+            forks[rid] = [(f.request_id, f.sample_index) for f in seq.forks]
+    return SchedulerOutput(
+        scheduled_new_reqs=new, scheduled_cached_reqs=cached,
+        num_scheduled_tokens={s.request_id: n for s, n in zip(plan.seqs, plan.num_scheduled_tokens)},
+        total_num_scheduled_tokens=plan.total_num_scheduled_tokens, scheduled_spec_decode_tokens=spec,
+        finished_req_ids=frozenset(finished_req_ids), block_copies=list(block_copies), scheduled_forks=forks,
+        admitted_req_ids=[s.request_id for s in plan.admitted], preempted_req_ids=[s.request_id for s in plan.preempted],
+        swapped_in_req_ids=[s.request_id for s in plan.swapped_in])

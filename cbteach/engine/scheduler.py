@@ -45,7 +45,7 @@ import math
 
 from ..core.config import SchedulerConfig
 from ..core.request import RequestStatus, Sequence
-from ..core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput, StepPlan
+from ..core.scheduler_output import SchedulerOutput, StepPlan, make_scheduler_output
 from .policies import make_queue
 from .update import UpdateFromOutput
 
@@ -102,43 +102,13 @@ class Scheduler(UpdateFromOutput):
         return output
 
     def make_output(self, plan: StepPlan) -> SchedulerOutput:
-        """The message for the model runner (see :mod:`cbteach.core.scheduler_output`): a request the
-        runner has not seen goes in whole, one it holds as a diff of its block table. Read before
-        :meth:`update_after_schedule`: ``num_computed_tokens`` is where each request starts."""
-        new, cached = [], CachedRequestData()  # (its lists are filled here, before the message is sent)
-        spec, forks = {}, {}
-        for seq, n in zip(plan.seqs, plan.num_scheduled_tokens):
-            rid, table = seq.request_id, seq.block_table
-            sent = self.sent_block_ids.get(rid)
-            if sent is None:
-                new.append(NewRequestData(req_id=rid, prompt_token_ids=list(seq.prompt_ids),
-                                          sampling_params=seq.request.sampling_params,
-                                          sample_index=seq.sample_index or 0, block_ids=list(table),
-                                          num_computed_tokens=seq.num_computed_tokens,
-                                          output_token_ids=list(seq.output_ids), generator_state=seq.generator_state))
-            else:
-                appended = len(table) >= len(sent) and table[:len(sent)] == sent
-                cached.req_ids.append(rid)
-                cached.replace_block_ids.append(not appended)
-                cached.new_block_ids.append(table[len(sent):] if appended else list(table))
-                cached.num_computed_tokens.append(seq.num_computed_tokens)
-            self.sent_block_ids[rid] = list(table)
-            # Tokens past the known ones (and past any the step in flight will give it) are guesses.
-            d = max(0, seq.num_computed_tokens + n - seq.num_tokens_with_placeholders)
-            if d:
-                spec[rid] = list(seq.draft_ids[:d])
-            if seq.forks:
-                forks[rid] = [(f.request_id, f.sample_index) for f in seq.forks]
-        take = getattr(self.kv_manager, "take_pending_copies", None)  # a learner's manager may not copy on write
+        """The message for the model runner (:func:`~cbteach.core.scheduler_output.make_scheduler_output`):
+        a request the runner has not seen goes in whole, one it holds as a diff of its block table,
+        with the requests finished since the last message and the pool's pending block copies. Read
+        before :meth:`update_after_schedule`: ``num_computed_tokens`` is where each request starts."""
+        take = getattr(self.kv_manager, "take_pending_copies", None)  # only a forking manager copies on write
         finished, self.finished_req_ids = frozenset(self.finished_req_ids), set()
-        return SchedulerOutput(
-            scheduled_new_reqs=new, scheduled_cached_reqs=cached,
-            num_scheduled_tokens={s.request_id: n for s, n in zip(plan.seqs, plan.num_scheduled_tokens)},
-            total_num_scheduled_tokens=plan.total_num_scheduled_tokens, scheduled_spec_decode_tokens=spec,
-            finished_req_ids=finished, block_copies=list(take()) if take is not None else [],
-            scheduled_forks=forks, admitted_req_ids=[s.request_id for s in plan.admitted],
-            preempted_req_ids=[s.request_id for s in plan.preempted],
-            swapped_in_req_ids=[s.request_id for s in plan.swapped_in])
+        return make_scheduler_output(plan, self.sent_block_ids, finished, list(take()) if take is not None else [])
 
     def update_after_schedule(self, output: SchedulerOutput) -> None:
         """The planned tokens count as computed from now on (vLLM V1's ``_update_after_schedule``):
@@ -176,22 +146,18 @@ class Scheduler(UpdateFromOutput):
                 break
             cached, num_cached = self.kv_manager.get_computed_blocks(seq)  # prefix caching; changes nothing
             n = min(seq.num_tokens - num_cached, budget)
-            if self._allocate_admission(seq, n, cached) is None:
+            if self.allocate_admission(seq, n, cached) is None:
                 break  # nothing was taken: the prefix cache's LRU order is untouched
             seq.num_computed_tokens = num_cached
             self.admit(seq, out)
             out.add(seq, n)
             budget -= n
 
-    def _allocate_admission(self, seq: Sequence, n: int, cached: list, lookahead: int = 0):
-        """``allocate_slots`` for an admission, with its cached blocks (and, for V0's whole-prompt rule,
-        room for the rest of its prompt: ``lookahead``). Arguments a manager does not need are not
-        passed, so a learner's two-argument ``allocate_slots`` works wherever they are empty."""
-        extra = {}
-        if cached:
-            extra["new_computed_blocks"] = cached
-        if lookahead:
-            extra["num_lookahead_tokens"] = lookahead
+    def allocate_admission(self, seq: Sequence, n: int, cached: list, lookahead: int = 0):
+        """``allocate_slots`` for an admission, with its prefix-cache hits ``cached`` (and ``lookahead``:
+        V0's whole-prompt reservation). Empty extras are not passed: a learner's two-argument
+        ``allocate_slots`` works wherever they are empty."""
+        extra = {k: v for k, v in (("new_computed_blocks", cached), ("num_lookahead_tokens", lookahead)) if v}
         return self.kv_manager.allocate_slots(seq, n, **extra)
 
     # -- the pieces a scheduler is built from ------------------------------------------------------

@@ -113,7 +113,7 @@ class V0Scheduler(Scheduler):
                     n = min(remaining, budget)
             # The whole-prompt rule: room for all of it, the watermark kept (conservative with cached blocks)
             if (whole and self.kv_manager.num_admittable_tokens(seq) < seq.num_tokens) or \
-                    self._allocate_admission(seq, n, cached, remaining - n if whole else 0) is None:
+                    self.allocate_admission(seq, n, cached, remaining - n if whole else 0) is None:
                 break  # nobody overtakes it; nothing was taken, the cache's LRU order is untouched
             seq.num_computed_tokens = num_cached
             self.admit(seq, out)
@@ -143,7 +143,7 @@ class V0Scheduler(Scheduler):
     # -- internals ---------------------------------------------------------------------------
     def _admittable(self, seq: Sequence, cached: list) -> float:
         """The room an admission of ``seq`` with prefix-cache hits ``cached`` may use (hits that others
-        hold cost nothing). ``cached`` is passed only when not empty, as :meth:`_allocate_admission` does."""
+        hold cost nothing). ``cached`` is passed only when not empty, as :meth:`allocate_admission` does."""
         if cached:
             return self.kv_manager.num_admittable_tokens(seq, new_computed_blocks=cached)
         return self.kv_manager.num_admittable_tokens(seq)
