@@ -12,20 +12,34 @@ The pieces, in the order the course meets them:
   and beyond the basics: prefix caching, speculative decoding, an int8 KV pool and a simulated
   prefill/decode disaggregation (:mod:`cbteach.serving.disagg`) -- all options of the same engine.
 """
+from importlib import import_module
+
 from .attention.triton_mode import interpret_without_gpu
 
 interpret_without_gpu()  # before anything imports Triton: its interpreter where no GPU is (see the module)
 
-from .engine.engine import Engine  # noqa: E402
-from .models import load_model  # noqa: E402
-from .core.records import SeqStep, StepRecord  # noqa: E402
-from .core.request import Completion, Request, RequestStatus  # noqa: E402
-from .core.sampling import SamplingParams  # noqa: E402
-from .engine.static import StaticResult, static_batching  # noqa: E402
-from .engine.streaming import StreamEvent  # noqa: E402
-
+# The names below are imported when first used (PEP 562), not here: ``import cbteach`` stays quick, and
+# ``cbteach serve`` installs its signal handlers before torch and transformers load (seconds).
+_WHERE = {"Engine": ".engine.engine", "load_model": ".models", "SeqStep": ".core.records",
+          "StepRecord": ".core.records", "Completion": ".core.request", "Request": ".core.request",
+          "RequestStatus": ".core.request", "SamplingParams": ".core.sampling", "StaticResult": ".engine.static",
+          "static_batching": ".engine.static", "StreamEvent": ".engine.streaming"}
 __all__ = ["Engine", "Request", "Completion", "RequestStatus", "SamplingParams", "StepRecord", "SeqStep",
            "StreamEvent", "load_model", "static_batching", "StaticResult"]
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'cbteach' has no attribute {name!r}")
+    value = getattr(import_module(_WHERE[name], __name__), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
 __version__ = "0.1.0"
 # The one place the repository URL lives; every notebook's Colab install cell must match it
 # (tests/test_notebooks.py checks).

@@ -7,6 +7,7 @@ folder against that copy -- what a user of a plain ``pip install`` gets.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -31,6 +32,25 @@ def _requirement(reqs, name):
     found = [r for r in reqs if re.match(rf"{re.escape(name)}\b(?![-_.\w])", r)]
     assert found, f"{name} is not among {reqs}"
     return found[0]
+
+
+def test_import_cbteach_is_quick_and_the_names_come_when_used():
+    """``import cbteach`` loads no torch or transformers where no GPU can exist (the names are imported
+    when first used), so ``cbteach serve`` sets its signal handlers before seconds of imports; every
+    public name still resolves, and an unknown one is an AttributeError."""
+    from cbteach.attention.triton_mode import no_gpu_possible
+
+    code = ("import sys, cbteach; heavy = sorted(m for m in ('torch', 'transformers') if m in sys.modules); "
+            "print(heavy); import cbteach.serving.server; print(sorted(m for m in ('torch', 'transformers') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    if no_gpu_possible() or importlib.util.find_spec("triton") is None:
+        assert out.stdout.split("\n")[:2] == ["[]", "[]"], out.stdout
+    for name in cbteach.__all__:
+        assert getattr(cbteach, name).__name__ == name
+    assert set(cbteach.__all__) <= set(dir(cbteach))
+    with pytest.raises(AttributeError, match="no attribute 'Engin'"):
+        cbteach.Engin  # noqa: B018
 
 
 def test_version_and_licence_are_written_once():

@@ -110,14 +110,12 @@ def test_engine_cores_die_with_a_killed_server_even_while_they_load(tmp_path):
         wait_for(lambda: not tagged(s.tag), "the orphaned engine cores to exit by themselves")
 
 
-@pytest.mark.parametrize("delay, sig", [(0.5, signal.SIGTERM), (1.5, signal.SIGTERM)])
+@pytest.mark.parametrize("delay, sig", [(0.5, signal.SIGTERM), (1.5, signal.SIGTERM), (0.5, signal.SIGINT),
+                                        (1.5, signal.SIGINT)])
 def test_a_signal_in_the_first_seconds_stops_the_server_whatever_it_was_doing(tmp_path, delay, sig):
     """Importing, binding, starting cores, loading: wherever it is, it exits and leaves nothing running.
-    (SIGINT is checked while the cores load, above, where serve's own handler has it. Before serve's code
-    runs -- while ``import cbteach`` imports torch and transformers -- SIGINT is Python's KeyboardInterrupt,
-    raised wherever the import is, and a library that swallows it there can leave the process running:
-    seen once in a dozen tries of those imports on a loaded machine. That moment is the package's import,
-    before serve's code.)"""
+    ``import cbteach`` loads neither torch nor transformers (tests/test_packaging.py), so serve's own
+    handler is in place within a fraction of a second; before it, SIGINT is Python's KeyboardInterrupt."""
     with Server(tmp_path, ["--data-parallel-size", "2"]) as s:
         time.sleep(delay)
         s.proc.send_signal(sig)

@@ -23,12 +23,25 @@ def interpret_without_gpu() -> bool:
     no CUDA device is visible. Returns whether it did."""
     if VARIABLE in os.environ or "triton" in sys.modules or importlib.util.find_spec("triton") is None:
         return False
-    import torch
+    if not no_gpu_possible():  # there may be one: ask torch (an import of a few seconds)
+        import torch
 
-    if torch.cuda.is_available():
-        return False
+        if torch.cuda.is_available():
+            return False
     os.environ[VARIABLE] = "1"
     return True
+
+
+def no_gpu_possible() -> bool:
+    """True where no GPU Triton could compile for can exist, known without importing torch: macOS, or a
+    Linux with none of the device files a CUDA (``/dev/nvidiactl``), ROCm (``/dev/kfd``) or WSL
+    (``/dev/dxg``) GPU needs. Anywhere else: False -- then torch is asked. (``import cbteach`` stays
+    quick on a laptop, so ``cbteach serve`` has its signal handlers before the heavy imports start.)"""
+    if sys.platform == "darwin":
+        return True
+    if sys.platform.startswith("linux"):
+        return not any(os.path.exists(f) for f in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg"))
+    return False
 
 
 def available() -> bool:
