@@ -90,7 +90,7 @@ def server_class():
 
         frontend = None
         startup_signals = None  # serve's StartupSignals: a signal it noted is honoured when these handlers start
-        drain_timeout = 5.0
+        drain_timeout = 4.0  # serve's --drain-timeout default
         draining = False
         loop = None
 
