@@ -39,6 +39,14 @@ class SlowScheduler(Scheduler):
 '''
 
 
+def gone(pid: int) -> bool:
+    """The process has exited (a zombie waiting for its parent counts as exited)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def tagged(tag: str) -> list:
     """Live processes (not zombies) whose environment carries ``tag``."""
     out = []
@@ -144,7 +152,9 @@ def test_parent_death_ends_the_child_by_the_kernel_signal_or_by_its_watch(tmp_pa
     child = int(out.stdout.split()[0])
     try:
         wait_for(lambda: not tagged(tag), "the child to end with its parent")
+        # A process on its way out has released its memory (so its environment reads empty and
+        # tagged() no longer sees it) a moment before it becomes a zombie: wait for that moment too.
+        wait_for(lambda: gone(child), "the child's process to be gone or a zombie")
     finally:
         for p in tagged(tag):
             p.kill()
-    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
