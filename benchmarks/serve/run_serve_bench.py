@@ -139,9 +139,22 @@ def main(argv=None) -> int:
     p.add_argument("--c16-only", action="store_true",
                    help="rounds of only the in-process engine and the one-core server at 16 clients, their order "
                         "alternated round by round (issue 37's target; implies --rounds-only)")
+    p.add_argument("--busy", type=int, default=0,
+                   help="load the machine with N busy-looping processes for the whole run (a loaded machine "
+                        "made on purpose, the same every time; recorded in the JSON)")
     a = p.parse_args(argv)
+    busy = [subprocess.Popen([PY, "-c", "while True: pass"]) for _ in range(a.busy)]
+    try:
+        return _main(a)
+    finally:
+        for b in busy:
+            b.kill()
+            b.wait()
+
+
+def _main(a) -> int:
     out = {"machine": {"cpus": os.cpu_count(), "load_at_start": os.getloadavg(), "platform": platform.platform(),
-                       "python": platform.python_version()}, "workload": WORK, "rounds": []}
+                       "python": platform.python_version(), "busy_processes": a.busy}, "workload": WORK, "rounds": []}
     print(f"{os.cpu_count()} processors, load {os.getloadavg()}", flush=True)
     a.rounds_only = a.rounds_only or a.c16_only
     for r in range(a.rounds):
