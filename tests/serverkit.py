@@ -73,6 +73,16 @@ def wait_idle(url, key=None) -> dict:
     pytest.fail(f"the server did not become idle with every block free within {WAIT_S} s: {m}")
 
 
+def gone(pid: int) -> bool:
+    """The process has exited (a zombie waiting for its parent counts as exited)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def wait_for(cond, what: str, timeout: float = WAIT_S, every: float = 0.05):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

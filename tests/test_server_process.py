@@ -19,16 +19,9 @@ pytest.importorskip("fastapi", reason="the serve extra is not installed (pip ins
 pytest.importorskip("zmq", reason="the serve extra is not installed (pip install 'cbteach[serve]')")
 pytest.importorskip("msgspec", reason="the serve extra is not installed (pip install 'cbteach[serve]')")
 
-from serverkit import WAIT_S, Served, core_sum, metrics, wait_for  # noqa: E402
+from serverkit import WAIT_S, Served, core_sum, gone, metrics, wait_for  # noqa: E402
 
 LONG = {"prompt": "CYNIC, n.", "max_tokens": 3000, "ignore_eos": True}
-
-
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def stream_events(url, body, started: threading.Event, out: list):

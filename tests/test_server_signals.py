@@ -21,7 +21,7 @@ psutil = pytest.importorskip("psutil")
 pytest.importorskip("fastapi", reason="the serve extra is not installed (pip install 'cbteach[serve]')")
 pytest.importorskip("zmq", reason="the serve extra is not installed (pip install 'cbteach[serve]')")
 
-from serverkit import WAIT_S, wait_for  # noqa: E402
+from serverkit import WAIT_S, gone, wait_for  # noqa: E402
 
 SLOW_PIECE = '''
 import os, sys, time
@@ -37,14 +37,6 @@ if "engine_core" in " ".join(sys.argv):  # inside an engine core only: "load" fo
 class SlowScheduler(Scheduler):
     pass
 '''
-
-
-def gone(pid: int) -> bool:
-    """The process has exited (a zombie waiting for its parent counts as exited)."""
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def tagged(tag: str) -> list:

@@ -327,7 +327,11 @@ def test_a_calibration_predicts_the_runs_of_its_own_occasion_within_25_percent()
     assert report["train"] == [] and len(report["held_out"]) == 7
     for metric in ("ttft_error", "tpot_error", "e2e_error", "throughput_error"):
         assert report["mae"][metric] < 0.25, (metric, report["mae"])
-    # The README's figures are this report's.
+    # The stored report and the README's figures are this report's.
     text = (folder / "validation.txt").read_text()
     for metric in ("ttft_error", "tpot_error", "e2e_error", "throughput_error"):
         assert f"{metric}: {report['mae'][metric]:.4g}" in text
+    mae = report["mae"]
+    readme = (folder.parent.parent / "README.md").read_text()
+    assert (f"TTFT {mae['ttft_error']:.1%}, TPOT {mae['tpot_error']:.1%}, E2E {mae['e2e_error']:.1%}, "
+            f"throughput {mae['throughput_error']:.1%}") in " ".join(readme.split())
