@@ -125,7 +125,7 @@ def test_scheduler_output_and_statuses():
     assert plan.num_scheduled_tokens == {ids[0]: 5} and plan.total_num_scheduled_tokens == 5  # chunk of the budget
     assert eng.sequences[ids[0]].status is RequestStatus.RUNNING
     assert eng.sequences[ids[1]].status is RequestStatus.WAITING
-    out = eng.runner.execute(plan)
+    out = eng.executor.execute_model(plan)
     assert out.sampled == [None]  # a partial prefill samples nothing
     eng.scheduler.update_from_output(plan, out, eng.now())
     assert eng.sequences[ids[0]].num_computed_tokens == 5

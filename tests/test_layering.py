@@ -13,10 +13,13 @@ FLOORS = {
     "attention": 1, "perf": 1, "models": 1, "bierce": 1, "errors": 1, "argtypes": 1,
     "core": 2,
     "kv": 3,
-    "engine": 4, "parallel": 4,
-    "serving": 5, "sim": 5,
-    "bench": 6, "viz": 6,
-    "exercises": 7, "demo": 7, "student": 7, "tournament": 7, "__main__": 8, "": 8,
+    "parallel": 4,  # process groups, shards, pipes: what tensor parallelism needs besides the worker
+    "worker": 5,  # vLLM V1's v1/worker: the model runner, its persistent batch, a rank
+    "executor": 6,  # vLLM V1's v1/executor: one worker in this process, or N worker processes
+    "engine": 7,  # the scheduler and the engine core
+    "serving": 8, "sim": 8,
+    "bench": 9, "viz": 9,
+    "exercises": 10, "demo": 10, "student": 10, "tournament": 10, "__main__": 11, "": 11,
 }
 
 

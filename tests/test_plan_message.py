@@ -109,7 +109,7 @@ def test_the_runners_batch_agrees_with_the_schedulers_requests_after_every_step(
     checked = 0
     while eng.has_unfinished():
         eng.step()
-        held = eng.runner.input_batch.requests
+        held = eng.executor.runner.requests
         for rid, seq in eng.scheduler.requests.items():
             if rid in held and seq in eng.scheduler.running:
                 assert held[rid].token_ids == seq.prompt_ids + seq.output_ids

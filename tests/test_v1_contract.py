@@ -35,7 +35,7 @@ def test_schedule_moves_num_computed_tokens_and_the_plan_keeps_the_counts_before
     plan = eng.scheduler.schedule(eng.now())
     assert plan.num_computed_tokens_of() == {rid: 0} and plan.num_scheduled_tokens == {rid: 4}
     assert seq.num_computed_tokens == 4  # already counted: the next step could be planned now
-    out = eng.runner.execute(plan)
+    out = eng.executor.execute_model(plan)
     assert out.sampled == [None]  # a chunk that stops short samples nothing
     eng.scheduler.update_from_output(plan, out, eng.now())
     assert seq.num_computed_tokens == 4 and seq.output_ids == []
@@ -53,7 +53,7 @@ def test_rejected_guesses_are_taken_back_after_the_step():
     plan = eng.scheduler.schedule(eng.now())
     assert plan.num_scheduled_tokens == {rid: 4} and plan.scheduled_spec_decode_tokens == {rid: seq.draft_ids}
     assert seq.num_computed_tokens == 5 + 3  # V1 counts the guesses at planning...
-    eng.scheduler.update_from_output(plan, eng.runner.execute(plan), eng.now())
+    eng.scheduler.update_from_output(plan, eng.executor.execute_model(plan), eng.now())
     assert seq.output_ids == truth[:3]  # the right guess and the model's own token
     assert seq.num_computed_tokens == 5 + 1  # ... and takes the rejected two back after the step
     assert len(seq.block_table) == 3  # the block that held only rejected guesses went back

@@ -31,7 +31,7 @@ def main():
     args = p.parse_args()
     torch.set_num_threads(1)
     model = build(args.model)
-    from cbteach.parallel.torchrun import serve_rank
+    from cbteach.executor.torchrun import serve_rank
 
     if serve_rank(model):  # ranks 1..N-1 serve until rank 0 closes its engine
         return 0

@@ -55,7 +55,7 @@ class AttentionMetadata:
     logits_indices: torch.Tensor  # [B]: row of each sequence's last token, whose logits we sample
     block_size: int | None = None  # paged only, from here down
     slot_mapping: torch.Tensor | None = None  # [T]: pool slot where each new token's K/V are written
-    block_tables: torch.Tensor | None = None  # [B, max_blocks], padded with block 0
+    block_tables: torch.Tensor | None = None  # [B, max_blocks]; entries past a sequence's own blocks are never read
     groups: list[AttentionGroup] = field(default_factory=list)
     scratch_row: bool = False  # some group gathers padded queries: attention adds a zero row T for them
     whole_row: bool = False  # one dense group holds every packed row: its output is the step's output
@@ -92,30 +92,38 @@ def split_by_length(members: list[int], num_blocks: list[int]) -> list[list[int]
     return [[members[j] for j in order[:cut]], [members[j] for j in order[cut:]]]
 
 
-def build(token_ids: list[int], num_computed_tokens: list[int], num_scheduled_tokens: list[int], device,
-          block_tables: list[list[int]] | None = None, block_size: int | None = None,
-          bucket_shapes: bool = False) -> AttentionMetadata:
+def build(token_ids, num_computed_tokens: list[int], num_scheduled_tokens: list[int], device,
+          block_tables=None, block_size: int | None = None, bucket_shapes: bool = False,
+          num_blocks: list[int] | None = None) -> AttentionMetadata:
     """Metadata for a packed row of ``token_ids`` (each sequence's scheduled tokens, in order).
+
+    ``token_ids`` is a list or a 1-D CPU tensor; ``block_tables`` a list of block-id lists, or a 2-D
+    CPU tensor with one row per sequence and ``num_blocks`` saying how many entries of each row are
+    its blocks (the worker's persistent block table: :mod:`cbteach.worker.block_table`).
 
     ``bucket_shapes`` pads each attention group's sequences, queries and blocks up to powers of two
     with masked dummies. On a GPU every new tensor shape can cost a one-off setup (kernel plans,
     autotuning); with buckets a run meets a handful of shapes instead of a new one every step.
     """
-    B, T = len(num_scheduled_tokens), len(token_ids)
+    B = len(num_scheduled_tokens)
+    T = len(token_ids)
     if B == 0 or len(num_computed_tokens) != B or sum(num_scheduled_tokens) != T or min(num_scheduled_tokens) < 1:
         raise ValueError("build() needs >= 1 sequence, each feeding >= 1 token, and one count per sequence")
     # Per-sequence facts are a few integers each: the host computes them (vLLM does too).
     qsl = [0, *itertools.accumulate(num_scheduled_tokens)]
     seq_lens = [c + n for c, n in zip(num_computed_tokens, num_scheduled_tokens)]
-    host = [token_ids, num_computed_tokens, num_scheduled_tokens, qsl, seq_lens]
+    host = [torch.as_tensor(token_ids, dtype=torch.long),
+            torch.tensor([*num_computed_tokens, *num_scheduled_tokens, *qsl, *seq_lens], dtype=torch.long)]
     paged = block_tables is not None
     groups: list = []
     if paged:
-        width, table_rows, groups, members = _plan_groups(block_tables, num_scheduled_tokens, bucket_shapes)
-        host += [table_rows, *members]
+        tables, lengths = _as_table(block_tables, num_blocks)
+        width, groups, members = _plan_groups(lengths, num_scheduled_tokens, bucket_shapes)
+        host += [_padded(tables, width).flatten(), torch.tensor([m for ms in members for m in ms], dtype=torch.long)]
     # The step's one host -> device transfer of metadata (from pageable memory, so a plain copy).
-    flat = torch.tensor([x for part in host for x in part], dtype=torch.long).to(device)
-    ids, computed, scheduled, query_start_loc, seq_lens_t, *rest = flat.split([len(p) for p in host])
+    flat = torch.cat(host).to(device)
+    split = [T, B, B, B + 1, B] + ([B * width] + [len(m) for m in members] if paged else [])
+    ids, computed, scheduled, query_start_loc, seq_lens_t, *rest = flat.split(split)
 
     # Per-token facts grow with the batch: computed on the device from the per-sequence ones.
     if T == B:  # a pure decode step, the common case: row i is sequence i's token at position computed[i]
@@ -141,22 +149,40 @@ def build(token_ids: list[int], num_computed_tokens: list[int], num_scheduled_to
     return meta
 
 
-def _plan_groups(block_tables, num_scheduled_tokens, bucket_shapes):
+def _as_table(block_tables, num_blocks):
+    """``(table, lengths)``: the block tables as a 2-D tensor and each row's number of blocks."""
+    if isinstance(block_tables, torch.Tensor):
+        if num_blocks is None:
+            raise ValueError("a block-table tensor needs num_blocks: how many entries of each row are blocks")
+        return block_tables, [int(n) for n in num_blocks]
+    lengths = [len(t) for t in block_tables]
+    width = max(lengths)
+    return torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.long), lengths
+
+
+def _padded(tables: torch.Tensor, width: int) -> torch.Tensor:
+    """``tables`` cut (or padded with block 0) to ``width`` columns; entries past a row's own blocks are
+    never read (the mask hides their keys), whatever ids they hold."""
+    if tables.shape[1] >= width:
+        return tables[:, :width]
+    return torch.cat([tables, tables.new_zeros(tables.shape[0], width - tables.shape[1])], dim=1)
+
+
+def _plan_groups(lengths, num_scheduled_tokens, bucket_shapes):
     """Decide the attention groups on the host: decodes (split by length unless shapes are
-    bucketed) and prefills. Returns the block-table width, the padded tables as one flat list,
-    each group's ``(q_len, num_blocks, dense span or None)`` and its member list (``-1``: a dummy)."""
-    width = max(len(t) for t in block_tables)
+    bucketed) and prefills. ``lengths``: each sequence's number of blocks. Returns the block-table
+    width, each group's ``(q_len, num_blocks, dense span or None)`` and its member list (``-1``: a dummy)."""
+    width = max(lengths)
     width = bucket(width) if bucket_shapes else width
-    table_rows = [b for t in block_tables for b in list(t) + [0] * (width - len(t))]
     decodes = [i for i, n in enumerate(num_scheduled_tokens) if n == 1]
     prefills = [i for i, n in enumerate(num_scheduled_tokens) if n > 1]
-    split = [decodes] if bucket_shapes else split_by_length(decodes, [len(block_tables[i]) for i in decodes])
+    split = [decodes] if bucket_shapes else split_by_length(decodes, [lengths[i] for i in decodes])
     groups, members_lists = [], []
     for members in split + [prefills]:
         if not members:
             continue
         q_len, nb, size = (max(num_scheduled_tokens[i] for i in members),
-                           max(len(block_tables[i]) for i in members), len(members))
+                           max(lengths[i] for i in members), len(members))
         if bucket_shapes:
             size, q_len, nb = bucket(size), bucket(q_len), min(bucket(nb), width)
         # Consecutive sequences feeding the same number of tokens, no dummies: their queries are
@@ -165,7 +191,7 @@ def _plan_groups(block_tables, num_scheduled_tokens, bucket_shapes):
             all(num_scheduled_tokens[i] == q_len for i in members)
         groups.append((q_len, nb, (members[0], members[-1] + 1) if dense else None))
         members_lists.append(members + [-1] * (size - len(members)))  # -1: a dummy row, fully masked
-    return width, table_rows, groups, members_lists
+    return width, groups, members_lists
 
 
 def _group(meta: AttentionMetadata, idx: torch.Tensor, q_len: int, nb: int, T: int, span, rows) -> AttentionGroup:

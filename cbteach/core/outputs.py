@@ -1,8 +1,11 @@
 """What a step's forward pass gives back to the scheduler (vLLM V1's ``ModelRunnerOutput``).
 
-The model runner fills one :class:`RunnerOutput` per step; the scheduler's
+The worker's model runner fills one :class:`RunnerOutput` per step; the scheduler's
 ``update_from_output(scheduler_output, output, now)`` turns it into request state. Every list is in
-the order of ``req_ids`` -- the step's ``num_scheduled_tokens``, in packed order.
+the order of ``req_ids`` -- the worker's batch rows, the order it packed them in, which need not be
+the order the scheduler planned them: find a request's results through ``req_id_to_index``, as V1's
+``update_from_output`` does. It holds token ids, counts and error texts -- nothing that needs the
+model's device (under tensor parallelism only the output rank sends it).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ class RunnerOutput:
 
     sampled: list
     req_ids: list = field(default_factory=list)  # whose results, in order (V1's ModelRunnerOutput.req_ids)
+    req_id_to_index: dict = field(default=None)  # request id -> its index in these lists (from req_ids if None)
     chunks: list = field(default_factory=list)  # the token ids each fed (guesses included), for records
     forward_time: float = 0.0
     traffic: object = None  # the KV cache's KVTraffic for this step
@@ -30,5 +34,14 @@ class RunnerOutput:
     errors: list | None = None
     comm: dict | None = None  # tensor parallelism: {"all_reduces", "all_reduce_bytes", "num_tokens", "world_size"}
 
+    def __post_init__(self):
+        if self.req_id_to_index is None:
+            self.req_id_to_index = {rid: i for i, rid in enumerate(self.req_ids)}
+
     def error(self, i: int) -> str | None:
         return self.errors[i] if self.errors is not None else None
+
+    @classmethod
+    def empty(cls) -> RunnerOutput:
+        """A step that ran nothing (the message only told the worker who finished, or moved blocks)."""
+        return cls(sampled=[], req_ids=[])

@@ -150,10 +150,16 @@ def fill_record(record: StepRecord, step, out, num_outputs_before: list[int], fi
                 sampled=s.output_ids[-1] if len(s.output_ids) > b else None, new_token_ids=s.output_ids[b:],
                 num_draft_tokens=plan.num_draft_tokens(s.request_id),
                 finish_reason=s.finish_reason if len(s.output_ids) > b or id(s) in ended else None)
-        for s, k, chunk, b in zip(step.seqs, step.kinds, out.chunks, num_outputs_before)]
+        for s, k, chunk, b in zip(step.seqs, step.kinds, _in_plan_order(out, step.seqs), num_outputs_before)]
     record.forward_time = out.forward_time
     if out.comm is not None:
         record.num_all_reduces, record.all_reduce_bytes = out.comm["all_reduces"], out.comm["all_reduce_bytes"]
     if out.traffic is not None:  # None: every sequence of the step failed before the cache did anything
         record.kv_bytes_copied, record.kv_bytes_read = out.traffic.bytes_copied, out.traffic.bytes_read
         record.kv_copy_time = out.traffic.seconds
+
+
+def _in_plan_order(out, seqs) -> list:
+    """The token ids each planned sequence fed, from the worker's output (in the worker's row order)."""
+    index = out.req_id_to_index
+    return [out.chunks[index[s.request_id]] if s.request_id in index and out.chunks else [] for s in seqs]

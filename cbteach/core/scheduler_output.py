@@ -1,31 +1,41 @@
-"""What the scheduler hands the model runner: one step's plan, as a **message** (vLLM V1's ``SchedulerOutput``).
+"""What the scheduler hands the worker: one step's plan, as a **message** (vLLM V1's ``SchedulerOutput``).
 
-The scheduler and the model runner share no objects. The scheduler keeps the requests' live state
-(:class:`~cbteach.core.request.Sequence`); the runner keeps its own copy of what it needs to run them
--- token ids, block tables, sampling state -- its **persistent batch**
-(:mod:`cbteach.engine.input_batch`), and changes it only from this message. That is vLLM V1's
-boundary (``vllm/v1/core/sched/output.py``; the runner's side is ``vllm/v1/worker/gpu_input_batch.py``),
-and it is what lets the next step be planned while this one runs (async scheduling), and the same
-message go to every tensor-parallel rank.
+The scheduler and the worker share no objects. The scheduler keeps the requests' live state
+(:class:`~cbteach.core.request.Sequence`); the worker keeps its own copy of what it needs to run them
+-- token ids, block tables, sampling state -- in its **persistent batch**
+(:mod:`cbteach.worker.input_batch`), and changes it only from this message and from the tokens it
+samples itself. That is vLLM V1's boundary (``vllm/v1/core/sched/output.py``; the worker's side is
+``_update_states`` in ``vllm/v1/worker/gpu_model_runner.py``), and it is what lets the next step be
+planned while this one runs (async scheduling), and the same message go to every tensor-parallel
+worker (each runs it and samples for itself).
 
 The message is plain data -- ids, ints, lists, frozen dataclasses; no ``Sequence``, no generator, no
 tensor -- and it pickles. To keep it small it sends each request's data once:
 
-* :class:`NewRequestData` -- a request the runner has never seen: its prompt, sampling parameters,
+* :class:`NewRequestData` -- a request the worker has never seen: its prompt, sampling parameters,
   block ids and ``num_computed_tokens`` (a prefix-cache hit starts past zero);
-* :class:`CachedRequestData` -- requests the runner already holds: only what changed -- blocks added
-  since the last step (or, when the table changed otherwise -- resumed after a preemption, a block
-  copied on write, blocks trimmed -- the whole table), and ``num_computed_tokens``. No token ids: the
-  runner appended the tokens it sampled itself. A running request's entry does not grow with its length;
-* ``num_scheduled_tokens`` -- ``{request id: tokens fed this step}``, in the order they are packed;
-  ``scheduled_spec_decode_tokens`` -- speculative guesses fed after the known tokens;
-* ``finished_req_ids`` -- requests that finished or were aborted since the last message: the runner
-  forgets them.
+* :class:`CachedRequestData` -- requests the worker already holds: only what changed -- blocks added
+  since the last step, and ``num_computed_tokens``. A request **resumed** after a preemption is
+  flagged (``resumed_req_ids``) and sent its whole new block table; if it was not scheduled in the
+  step before, also its token ids (``all_token_ids``), as V1 does. Otherwise no token ids: the worker
+  appended the tokens it sampled itself, and a running request's entry does not grow with its length;
+* ``num_scheduled_tokens`` -- ``{request id: tokens fed this step}`` (never 0: a request planned for no
+  tokens is not in the message, as V1's running loop skips it); ``scheduled_spec_decode_tokens`` --
+  speculative guesses fed after the known tokens;
+* ``finished_req_ids`` -- requests that finished or were aborted since the last message: the worker
+  forgets them. After the last step the engine sends one more message, with nothing scheduled, so
+  that the worker holds no request when the engine is idle (V1's ``has_finished_requests``).
 
-Two fields are cbteach's, not V1's: ``block_copies`` (copy-on-write copies the pool makes before the
-forward pass, for PagedAttention's parallel sampling -- V1 has no copy on write) and ``scheduled_forks``
-(samples that fork from a prompt this step, with their sample index). ``admitted_req_ids``,
-``preempted_req_ids`` and ``swapped_in_req_ids`` are for the engine's step record; the runner ignores them.
+What is cbteach's, not V1's (V1 as read at ``00e8f1f``): in :class:`NewRequestData`, ``sample_index``
+(sample ``i`` of a request with ``n > 1`` draws from ``seed + i``; V1 gives each child request its own
+seeded params), ``output_token_ids`` and ``generator_state`` (a request handed over from another
+engine, with what it generated and its random stream); in :class:`CachedRequestData`,
+``replaced_req_ids`` (a table changed other than by appending: a copy on write or a trim of rejected
+guesses' blocks; V1 only appends); and two fields of V0's PagedAttention-style parallel sampling,
+``block_copies`` (copies on write the worker makes before the forward pass) and ``scheduled_forks``
+(samples forking from a prompt that ends this step). ``admitted_req_ids``, ``preempted_req_ids`` and
+``swapped_in_req_ids`` are for the engine's step record; the worker ignores them.
+:class:`V0SchedulerOutput` is V0's message: swaps the worker carries out before the forward pass.
 
 While it plans, the scheduler keeps working notes with live sequences -- :class:`StepPlan`, V1's local
 lists in ``schedule()`` -- and turns them into the message at the end (:func:`make_scheduler_output`,
@@ -55,23 +65,30 @@ class NewRequestData:
 
 @dataclass(frozen=True)
 class CachedRequestData:
-    """Requests the runner already holds, as a diff. Entry ``i`` is request ``req_ids[i]``: its block
-    table gets ``new_block_ids[i]`` appended -- or, where ``replace_block_ids[i]``, becomes it (V1's
-    ``resumed_from_preemption``; cbteach also replaces after a copy on write or a trim)."""
+    """Requests the worker already holds, as a diff. Entry ``i`` is request ``req_ids[i]``: its block
+    table gets ``new_block_ids[i]`` appended -- or, for a request in ``resumed_req_ids`` (or
+    ``replaced_req_ids``), becomes it."""
 
     req_ids: list = field(default_factory=list)
-    replace_block_ids: list[bool] = field(default_factory=list)
+    resumed_req_ids: set = field(default_factory=set)  # back after a preemption (V1's name)
+    replaced_req_ids: set = field(default_factory=set)  # cbteach's: the table changed other than by appending
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+    num_output_tokens: list[int] = field(default_factory=list)
+    all_token_ids: dict = field(default_factory=dict)  # resumed and not scheduled in the step before: its tokens
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
 
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    """One step's plan, as sent to the model runner (see the module)."""
+    """One step's plan, as sent to the worker (see the module)."""
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
     scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
-    num_scheduled_tokens: dict = field(default_factory=dict)  # request id -> tokens fed now, in packed order
+    num_scheduled_tokens: dict = field(default_factory=dict)  # request id -> tokens fed now (>= 1)
     total_num_scheduled_tokens: int = 0
     scheduled_spec_decode_tokens: dict = field(default_factory=dict)  # request id -> guesses fed after its tokens
     finished_req_ids: frozenset = frozenset()
@@ -83,8 +100,14 @@ class SchedulerOutput:
 
     @property
     def req_ids(self) -> list:
-        """The scheduled requests, in packed order."""
+        """The scheduled requests, in the order they were planned (the worker packs them in the order of
+        its batch's rows, and says which is which: ``RunnerOutput.req_id_to_index``)."""
         return list(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing for the worker to do: no tokens, nobody to forget, no blocks to move."""
+        return not (self.num_scheduled_tokens or self.finished_req_ids or self.block_copies)
 
     def num_computed_tokens_of(self) -> dict:
         """``{request id: num_computed_tokens}`` where each scheduled request starts this step."""
@@ -103,6 +126,20 @@ class SchedulerOutput:
                 f"{f', finished={sorted(map(str, self.finished_req_ids))}' if self.finished_req_ids else ''})")
 
 
+@dataclass(frozen=True)
+class V0SchedulerOutput(SchedulerOutput):
+    """vLLM V0's message: V1's fields, plus the swaps the worker makes before the forward pass (V0's
+    ``blocks_to_swap_out`` and ``blocks_to_swap_in``, keyed here by request). Swap-outs first: a block a
+    victim gave up may be handed to someone else in the same step."""
+
+    blocks_to_swap_out: dict = field(default_factory=dict)  # request id -> blocks copied to host memory
+    blocks_to_swap_in: dict = field(default_factory=dict)  # request id -> blocks its host copy is written into
+
+    @property
+    def is_empty(self) -> bool:
+        return super().is_empty and not (self.blocks_to_swap_out or self.blocks_to_swap_in)
+
+
 @dataclass
 class StepPlan:
     """The scheduler's working notes while it plans one step (live sequences; never leaves the
@@ -113,15 +150,19 @@ class StepPlan:
     admitted: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)  # recomputed later or swapped out
     swapped_in: list[Sequence] = field(default_factory=list)
+    swap_out: dict = field(default_factory=dict)  # V0: request id -> blocks to copy to host memory
+    swap_in: dict = field(default_factory=dict)  # V0: request id -> blocks to copy its host copy into
 
     @property
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens)
 
     def add(self, seq: Sequence, n: int) -> None:
-        """Schedule ``n`` tokens of ``seq`` from its ``num_computed_tokens`` on (its KV room is taken)."""
-        self.seqs.append(seq)
-        self.num_scheduled_tokens.append(int(n))
+        """Schedule ``n`` tokens of ``seq`` from its ``num_computed_tokens`` on (its KV room is taken).
+        ``n = 0`` plans nothing: the request is not in the message (V1's running loop skips it)."""
+        if n > 0:
+            self.seqs.append(seq)
+            self.num_scheduled_tokens.append(int(n))
 
     def remove(self, seq: Sequence) -> int:
         """Take ``seq`` out of the plan (it was preempted after being scheduled); returns its tokens."""
@@ -132,41 +173,55 @@ class StepPlan:
         return self.num_scheduled_tokens.pop(i)
 
 
-def make_scheduler_output(plan: StepPlan, sent_block_ids: dict, finished_req_ids=frozenset(),
-                          block_copies=()) -> SchedulerOutput:
+def make_scheduler_output(plan: StepPlan, sent_block_ids: dict, finished_req_ids=frozenset(), block_copies=(),
+                          prev_scheduled=frozenset(), cls=SchedulerOutput, **extra) -> SchedulerOutput:
     """The message for a planned step. ``sent_block_ids`` is the scheduler's record of the block table
-    the runner holds for each request; it is brought up to date with what this message sends. A
-    request with no record goes in whole (:class:`NewRequestData`); one with a record goes in as a diff
-    (:class:`CachedRequestData`): the blocks appended since, or its whole table if it changed otherwise.
-    Each request's ``num_computed_tokens`` is read now -- before the plan counts as computed."""
+    the worker holds for each request (``None``: the worker holds the request, but its blocks were
+    taken back -- a preemption); it is brought up to date with what this message sends. A request with
+    no record goes in whole (:class:`NewRequestData`); one with a record goes in as a diff
+    (:class:`CachedRequestData`): the blocks appended since, or its whole table if it was resumed or the
+    table changed otherwise -- with its token ids when it was resumed and not in ``prev_scheduled`` (the
+    step before's requests). Each request's ``num_computed_tokens`` is read now -- before the plan
+    counts as computed. ``cls`` and ``extra``: V0's message and its swap fields."""
     new, cached = [], CachedRequestData()  # (its lists are filled here, before the message is sent)
     spec, forks = {}, {}
     for seq, n in zip(plan.seqs, plan.num_scheduled_tokens):
         rid, table = seq.request_id, seq.block_table
-        sent = sent_block_ids.get(rid)
-        if sent is None:
+        if rid not in sent_block_ids:
             new.append(NewRequestData(req_id=rid, prompt_token_ids=list(seq.prompt_ids),
                                       sampling_params=seq.request.sampling_params,
                                       sample_index=seq.sample_index or 0, block_ids=list(table),
                                       num_computed_tokens=seq.num_computed_tokens,
                                       output_token_ids=list(seq.output_ids), generator_state=seq.generator_state))
+            sent_block_ids[rid] = list(table)
         else:
-            appended = len(table) >= len(sent) and table[:len(sent)] == sent
+            sent = sent_block_ids[rid]
             cached.req_ids.append(rid)
-            cached.replace_block_ids.append(not appended)
-            cached.new_block_ids.append(table[len(sent):] if appended else list(table))
             cached.num_computed_tokens.append(seq.num_computed_tokens)
-        sent_block_ids[rid] = list(table)
+            cached.num_output_tokens.append(len(seq.output_ids))
+            if sent is None:  # back after a preemption: a new table, and its tokens if it missed the last step
+                cached.resumed_req_ids.add(rid)
+                if rid not in prev_scheduled:
+                    cached.all_token_ids[rid] = seq.prompt_ids + seq.output_ids
+            elif len(table) < len(sent) or table[:len(sent)] != sent:
+                cached.replaced_req_ids.add(rid)
+            if rid in cached.resumed_req_ids or rid in cached.replaced_req_ids:
+                cached.new_block_ids.append(list(table))
+                sent_block_ids[rid] = list(table)
+            else:
+                cached.new_block_ids.append(table[len(sent):])
+                sent.extend(table[len(sent):])
         # Tokens past the known ones (and past any the step in flight will give it) are guesses.
         d = max(0, seq.num_computed_tokens + n - seq.num_tokens_with_placeholders)
         if d:
             spec[rid] = list(seq.draft_ids[:d])
-        if seq.forks:
+        # Samples fork from the step that ends the prompt, before the parent has sampled anything.
+        if seq.forks and not seq.output_ids and not seq.num_placeholders and seq.num_computed_tokens + n >= seq.num_tokens:
             forks[rid] = [(f.request_id, f.sample_index) for f in seq.forks]
-    return SchedulerOutput(
+    return cls(
         scheduled_new_reqs=new, scheduled_cached_reqs=cached,
         num_scheduled_tokens={s.request_id: n for s, n in zip(plan.seqs, plan.num_scheduled_tokens)},
         total_num_scheduled_tokens=plan.total_num_scheduled_tokens, scheduled_spec_decode_tokens=spec,
         finished_req_ids=frozenset(finished_req_ids), block_copies=list(block_copies), scheduled_forks=forks,
         admitted_req_ids=[s.request_id for s in plan.admitted], preempted_req_ids=[s.request_id for s in plan.preempted],
-        swapped_in_req_ids=[s.request_id for s in plan.swapped_in])
+        swapped_in_req_ids=[s.request_id for s in plan.swapped_in], **extra)

@@ -3,32 +3,35 @@
 In the synchronous engine the CPU and the model take turns: schedule, *then* forward, *then*
 update, *then* schedule again -- the model idles while the host plans and books. On a GPU the host
 work is a fixed cost per step (a few milliseconds in Python) that a fast forward pass makes large;
-vLLM V1 hides it by overlapping it with the forward pass. Here the forward runs in a worker thread
-(PyTorch releases the interpreter lock inside its kernels), and one :meth:`AsyncStepper.step` does::
+vLLM V1 hides it by overlapping it with the forward pass. Here the forward pass and the sampling run
+in a worker thread (PyTorch releases the interpreter lock inside its kernels), and one
+:meth:`AsyncStepper.step` does::
 
-    plan N+1      (host; step N's forward is running)
-    wait for N    then sample N's tokens (host)
-    launch N+1    its inputs need N's sampled tokens: the decodes of N+1 feed them
-    update N      (host; step N+1's forward is running)
+    plan N+1      (host; step N's forward and sampling are running)
+    wait for N    its sampled tokens are ready -- on the device
+    launch N+1    the worker applies plan N+1 to its batch; N+1's decodes read N's tokens straight
+                  from the device tensor (the worker's ``prev``: V1's ``prev_sampled_token_ids``)
+    finish N      copy N's tokens to the host, into the worker's batch and out to the scheduler
+    update N      (host; step N+1's forward is running all the while)
 
 Two consequences, both as in vLLM V1. The scheduler plans N+1 before N's tokens exist: a sequence
 that will get a token from N has a **placeholder** for it (``Sequence.num_placeholders``), so N+1
 schedules its decode of that token. And a sequence that stops at N (EOS) may already be in N+1: its
 N+1 work is wasted and its N+1 output dropped (one step of one sequence's compute). A request
 preempted while its step is in flight keeps the token that step gives it -- as the synchronous
-engine, which appends it before it preempts. Tokens are the same as the synchronous engine's.
+engine, which appends it before it preempts; a prompt whose samples were to fork from it (V0's
+fork) hands them their first tokens, and with its blocks gone they compute the prompt again.
+Tokens are the same as the synchronous engine's.
 
-What is the same as vLLM V1 (``vllm/v1/core/sched/async_scheduler.py``, ``vllm/v1/engine/core.py``):
-the scheduler plans step N+1 before N's tokens exist, counting a placeholder for each
-(``num_output_placeholders`` there), and the runner -- which keeps its own batch and appended step N's
-tokens itself (:mod:`cbteach.engine.input_batch`) -- feeds them to N+1. What is not: V1 keeps the
-sampled tokens on the device and prepares N+1's inputs without waiting for the host (its GPU runner's
-``prev_sampled_token_ids``); here sampling happens on the host between the two forward passes, so
-only planning and the update are hidden. The limits are cbteach's, not V1's: ``kv="paged"``, no
-speculative decoding (V1 runs it, with placeholder guesses the worker fills in), no swap preemption
+What is the same as vLLM V1 (``vllm/v1/core/sched/async_scheduler.py``, ``vllm/v1/engine/core.py``,
+``vllm/v1/worker/gpu_model_runner.py``): placeholders on the scheduler's side, the worker feeding the
+last step's tokens from the device, the host copy made beside the next forward pass. What is not:
+V1's worker runs in its own process (or thread) with CUDA streams and events; here one thread runs
+the forward pass and the sampling. The limits are cbteach's, not V1's: ``kv="paged"``, no
+speculative decoding (V1 runs it, with placeholder guesses its worker fills in), no swap preemption
 (V0's), one process (V1 runs async scheduling with its multiprocess executor and tensor parallelism).
 
-When step N fails, the runner runs N's requests again one at a time from its own batch -- which plan
+When step N fails, the worker runs N's requests again one at a time from its own batch -- which plan
 N+1 has not touched yet: it is applied only when N+1 launches -- so nobody is failed with the request
 the model failed on; a request planned in N+1 on blocks N never wrote computes them itself.
 
@@ -41,7 +44,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 
-def check_async_options(config, runner) -> None:
+def check_async_options(config, executor) -> None:
     """Refuse what async scheduling cannot run exactly (before anything starts)."""
     if config.cache.kind != "paged":
         raise ValueError("async_scheduling needs kv='paged' (the concatenating cache copies every sequence's K/V "
@@ -52,7 +55,8 @@ def check_async_options(config, runner) -> None:
     if config.scheduler.preemption == "swap":
         raise ValueError("async_scheduling preempts by recompute only (swap is V0's; its host copies would race the "
                          "forward pass in flight)")
-    if not all(callable(getattr(runner, m, None)) for m in ("prepare", "forward", "finish")):
+    runner = getattr(executor, "runner", None)
+    if not all(callable(getattr(runner, m, None)) for m in ("prepare_inputs", "forward", "sample", "finish")):
         raise ValueError("async_scheduling needs a model runner in this process here (tensor_parallel_size=1; V1 also "
                          "runs it with tensor parallelism)")
 
@@ -61,34 +65,37 @@ class AsyncStepper:
     """The engine's step loop with one forward pass always in flight (see the module)."""
 
     def __init__(self, engine):
-        check_async_options(engine.config, engine.runner)
+        check_async_options(engine.config, engine.executor)
         self.engine = engine
+        self.runner = engine.executor.runner
+        self.runner.feed_from_device = True  # the next step reads this step's tokens on the device
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cbteach-forward")  # the "device"
-        self.flight = None  # the step in flight: plan, record, prepared inputs, future, who gets a token
+        self.flight = None  # the step in flight: plan, record, the worker's step, future, who gets a token
 
     @property
     def in_flight(self) -> bool:
         return self.flight is not None
 
     def step(self):
-        """Plan the next step while the one in flight runs, finish that one, launch the next, update from
-        the finished one; returns the finished step's record (or, with nothing to run, an idle record)."""
+        """Plan the next step while the one in flight runs, wait for that one, launch the next, finish and
+        update from the one that ran; returns its record (or, with nothing to run, an idle record)."""
         e = self.engine
         if self.flight is None:  # the first step, or after idling: launch one, then go on as usual
             planned = self._schedule()
             if not planned.plan.num_scheduled_tokens:
-                self._forget_finished(planned.plan)
+                self._tell_worker(planned.plan)
                 return e.end_record(planned.record)
             self._launch(planned, self._mark_placeholders(planned))
         done = self.flight
         planned = self._schedule()  # while done's forward runs
         expecting = self._mark_placeholders(planned)
-        output = self._wait(done)  # its sampled tokens join the runner's batch: the next step feeds them
+        recovered = self._wait(done)  # its tokens are on the device: the next step reads them there
         self.flight = None
         if planned.plan.num_scheduled_tokens:
             self._launch(planned, expecting)
         else:
-            self._forget_finished(planned.plan)
+            self._tell_worker(planned.plan)
+        output = recovered if recovered is not None else self.runner.finish(done["step"])  # beside the next forward
         self.apply_output(done, output)
         finished = e.end_record(done["planned"].record)
         if not planned.plan.num_scheduled_tokens and planned.plan.preempted_req_ids:
@@ -106,7 +113,8 @@ class AsyncStepper:
         """Finish the step in flight and update from it, launching nothing (before an abort or close)."""
         if self.flight is not None:
             done, self.flight = self.flight, None
-            self.apply_output(done, self._wait(done))
+            recovered = self._wait(done)
+            self.apply_output(done, recovered if recovered is not None else self.runner.finish(done["step"]))
             self.engine.end_record(done["planned"].record)
 
     def close(self) -> None:
@@ -124,38 +132,41 @@ class AsyncStepper:
             s.num_placeholders += 1
         return expecting
 
-    def _forget_finished(self, plan) -> None:
-        if plan.finished_req_ids:  # nothing to run, but the runner forgets who finished
-            self.engine.runner.update_states(plan)
+    def _tell_worker(self, plan) -> None:
+        if not plan.is_empty:  # nothing to run, but the worker forgets who finished
+            self.runner.update_states(plan)
 
     def _launch(self, planned, expecting) -> None:
-        """Apply the plan to the runner's batch -- only now, after the step before finished: a failure
+        """Apply the plan to the worker's batch -- only now, after the step before finished: a failure
         there is recovered from the batch as that step saw it -- and start its forward pass."""
-        runner = self.engine.runner
-        prepared = runner.prepare(runner.update_states(planned.plan))
+        runner = self.runner
+        runner.update_states(planned.plan)
+        step = runner.prepare_inputs(planned.plan)
         t_launch = time.perf_counter()
-        future = self.worker.submit(self._forward, prepared)
+        future = self.worker.submit(self._forward, step)
         time.sleep(0)  # give up the interpreter lock: the worker starts the forward now, not when we next wait
-        self.flight = {"planned": planned, "prepared": prepared, "future": future, "expecting": expecting,
+        self.flight = {"planned": planned, "step": step, "future": future, "expecting": expecting,
                        "launch": t_launch}
 
-    def _forward(self, prepared):
+    def _forward(self, step):
         t0 = time.perf_counter()
-        self.engine.runner.forward(prepared)
-        return t0, time.perf_counter()
+        self.runner.forward(step)
+        t1 = time.perf_counter()
+        self.runner.sample(step)
+        return t0, t1
 
     def _wait(self, flight):
-        """Step ``flight``'s output: its forward's result, sampled (or, if the forward raised, each
-        row run alone, as the synchronous runner does)."""
+        """Wait for ``flight``'s forward pass and sampling; ``None`` -- or, if the forward raised, the
+        output of each row run alone (as the synchronous runner does)."""
         e, record = self.engine, flight["planned"].record
         try:
             t0, t1 = flight["future"].result()
         except Exception as err:  # noqa: BLE001  (isolate: find whose tokens failed)
             record.timings["forward"] = (flight["launch"], time.perf_counter())
-            return e.runner.recover(flight["prepared"]["rows"], err)
+            return self.runner.recover(flight["step"], err)
         record.timings["forward"] = (t0, t1)
         e.advance_clock(flight["planned"].plan, t1 - t0)
-        return e.runner.finish(flight["prepared"])
+        return None
 
     def apply_output(self, flight, output) -> None:
         t0 = time.perf_counter()

@@ -85,7 +85,7 @@ class Engine(EngineCore):
                              "scheduler_cls=cbteach.engine.scheduler_v0.V0Scheduler")
         self.check_request(seq.request)
         self.sequences[seq.request_id] = seq
-        self.kv.hold_swapped(seq, kv_blocks)
+        self.kv.hold_swapped(seq.request_id, kv_blocks)
         self.scheduler.add_swapped(seq)
 
     def use_kv_manager(self, manager) -> None:
@@ -189,7 +189,7 @@ class Engine(EngineCore):
         self._closed = True
         if self._stepper is not None:
             self._stepper.close()
-        self.runner.close()
+        self.executor.close()
         self.kv.close()
 
     def __enter__(self) -> Engine:

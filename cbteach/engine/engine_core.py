@@ -6,9 +6,14 @@ scheduler, the KV cache and the model executor and runs ``step()`` in a busy loo
 process of its own). Here :class:`EngineCore` is that loop and :class:`~cbteach.engine.engine.Engine`
 adds the request API on top. One :meth:`EngineCore.step` is one forward pass, in three calls:
 
-1. ``plan = scheduler.schedule(now)`` (:mod:`cbteach.engine.scheduler`);
-2. ``output = runner.execute(plan)`` (:mod:`cbteach.engine.model_runner`, :mod:`cbteach.engine.executor`);
+1. ``plan = scheduler.schedule(now)`` (:mod:`cbteach.engine.scheduler`) -- a message;
+2. ``output = executor.execute_model(plan)`` (:mod:`cbteach.executor`: the worker's model runner,
+   :mod:`cbteach.worker.model_runner`, in this process or on every tensor-parallel rank);
 3. ``scheduler.update_from_output(plan, output, now)`` (:mod:`cbteach.engine.update`).
+
+The engine steps while the scheduler :meth:`~cbteach.engine.scheduler.Scheduler.has_requests`: after
+the last request finishes, one more message (nothing scheduled) tells the worker who finished, so it
+holds nothing when the engine is idle -- V1's engine core does the same.
 
 With ``async_scheduling=True`` step N+1 is planned while step N's forward runs
 (:mod:`cbteach.engine.async_scheduling`); the tokens are the same.
@@ -24,10 +29,10 @@ from ..core.config import EngineConfig
 from ..core.model_view import model_view
 from ..core.records import StepRecord, fill_record, new_record
 from ..core.request import Completion, Sequence
-from ..errors import EngineClosedError
+from ..errors import EngineClosedError, EngineDeadError
 from ..kv.caches import make_kv_cache
+from ..executor import make_executor
 from . import async_scheduling
-from .executor import make_runner
 from .fingerprint import check_unchanged, fingerprint
 from .plug import RuleGuard, plug_pieces
 from .scheduler import Scheduler
@@ -67,7 +72,7 @@ class EngineCore:
 
     def __init__(self, model, tokenizer=None, *, max_batch_size: int, kv: str = "concat",
                  keep_records: bool = True, clock=None, scheduler_cls=None, kv_manager=None, attention=None,
-                 slot_mapping=None, **options):
+                 slot_mapping=None, update_states=None, **options):
         self.config = EngineConfig.from_options(max_batch_size=max_batch_size, kv=kv, keep_records=keep_records,
                                                 **options)
         self.info = modelinfo.describe(model, tokenizer)  # refuses models the engine cannot run exactly
@@ -83,10 +88,9 @@ class EngineCore:
                              f"({getattr(kv_manager, '__name__', type(kv_manager).__name__)}) does not, and the run "
                              "would silently go without: drop prefix_caching or the kv_manager")
         self.scheduler = pick_scheduler_cls(self.config, scheduler_cls)(
-            self.config.scheduler, self.kv.manager, eos_ids=self.info.eos_ids,
-            swapper=self.kv if self.kv.kind == "paged" else None)
-        self.runner = make_runner(model, model_view(model, self.kv.attn_implementation), self.info, self.kv,
-                                  self.config)
+            self.config.scheduler, self.kv.manager, eos_ids=self.info.eos_ids)
+        self.executor = make_executor(model, model_view(model, self.kv.attn_implementation), self.info, self.kv,
+                                      self.config, update_states=update_states)
         self.keep_records = self.config.keep_records
         self.records: list[StepRecord] = []
         self.completions: dict[object, Completion] = {}
@@ -101,11 +105,12 @@ class EngineCore:
         self.clock = clock  # None: wall time; a VirtualClock: simulated time (cbteach.core.clock)
         self._fingerprint = fingerprint(model, tokenizer)
         self._closed = False
+        self._dead: EngineDeadError | None = None  # what stopped the engine (a worker process died)
         self.rules = RuleGuard(self.scheduler, self.kv) if scheduler_cls not in (None, Scheduler, V0Scheduler) else None
         try:
             self._stepper = async_scheduling.AsyncStepper(self) if self.config.async_scheduling else None
         except Exception:
-            self.runner.close()  # worker processes started for nothing
+            self.executor.close()  # worker processes started for nothing
             raise
 
     def now(self) -> float:
@@ -122,6 +127,10 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or (self._stepper is not None and self._stepper.in_flight)
 
+    def has_requests(self) -> bool:
+        """Something to step for: unfinished requests, or finished ones the worker has not been told of."""
+        return self.has_unfinished() or self.scheduler.has_finished_requests()
+
     def kv_usage(self) -> dict:
         """The KV cache's state now (paged: blocks, tokens, utilisation, block tables, pool bytes)."""
         return self.kv.usage()
@@ -133,6 +142,13 @@ class EngineCore:
         return self._step()
 
     def _step(self) -> StepRecord:
+        try:
+            return self._step_once()
+        except EngineDeadError as err:
+            self._dead = err  # every later call raises it again: the workers are gone
+            raise
+
+    def _step_once(self) -> StepRecord:
         if self._stepper is not None:
             return self._stepper.step()
         start, t0 = self.now(), time.perf_counter()
@@ -143,14 +159,14 @@ class EngineCore:
         t1 = time.perf_counter()
         step.record.timings["schedule"] = (t0, t1)
         if plan.num_scheduled_tokens:
-            output = self.runner.execute(plan)  # 2. one forward pass, one token per finished prefill/decode
+            output = self.executor.execute_model(plan)  # 2. one forward pass, one token per finished prefill/decode
             t2 = time.perf_counter()
             step.record.timings["forward"] = (t1, t2)  # (with packing and sampling: the host waits for it all)
             self.advance_clock(plan, t2 - t1)
             self.apply_output(step, output)  # (3. inside: update_from_output)
             step.record.timings["update"] = (t2, time.perf_counter())
-        elif plan.finished_req_ids:
-            self.runner.update_states(plan)  # nothing to run, but the runner forgets who finished
+        elif not plan.is_empty:
+            self.executor.execute_model(plan)  # nothing to run, but the worker forgets who finished, moves blocks
         return self.end_record(step.record)
 
     # -- the parts of a step (the async stepper calls them in its own order) ---------------------------
@@ -230,6 +246,8 @@ class EngineCore:
 
     # -- internals ---------------------------------------------------------------------------
     def _check_open(self) -> None:
+        if self._dead is not None:
+            raise self._dead
         if self._closed:
             raise EngineClosedError("this engine was closed (Engine.close()); build a new one")
         check_unchanged(self._fingerprint, self.model, self.tokenizer)

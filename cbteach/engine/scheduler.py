@@ -55,8 +55,7 @@ __all__ = ["Scheduler", "SchedulerOutput", "StepPlan"]
 class Scheduler(UpdateFromOutput):
     """A waiting queue (the policy's) and the running batch; see the module."""
 
-    def __init__(self, config: SchedulerConfig, kv_manager, eos_ids=frozenset(), swapper=None):
-        """``swapper``: the paged cache, for V0's swap preemption (:class:`~cbteach.engine.scheduler_v0.V0Scheduler`)."""
+    def __init__(self, config: SchedulerConfig, kv_manager, eos_ids=frozenset()):
         if not isinstance(config, SchedulerConfig):
             raise ValueError(f"Scheduler takes a SchedulerConfig, got {type(config).__name__}")
         self.config = config
@@ -65,11 +64,11 @@ class Scheduler(UpdateFromOutput):
         self.kv_manager = kv_manager  # what it calls: cbteach.kv.interface.KVManager
         self.eos_ids = eos_ids
         self.waiting = make_queue(config.policy)
-        self.swapper = swapper  # V0's swap preemption: copies a sequence's blocks to host memory and back
         self.running: list[Sequence] = []  # in admission order
         self.requests: dict[object, Sequence] = {}  # every unfinished request, by id (V1's ``requests``)
         self.finished_req_ids: set = set()  # finished or aborted since the last message: the runner forgets them
-        self.sent_block_ids: dict[object, list[int]] = {}  # the block table the runner holds, per request
+        self.sent_block_ids: dict[object, list[int] | None] = {}  # the table the worker holds (None: preempted)
+        self.prev_scheduled: frozenset = frozenset()  # the requests of the last message (V1: prev_step_scheduled_req_ids)
 
     def add(self, seq: Sequence) -> None:
         seq.status = RequestStatus.WAITING
@@ -78,6 +77,15 @@ class Scheduler(UpdateFromOutput):
 
     def has_unfinished(self) -> bool:
         return bool(len(self.waiting) or self.running)
+
+    def has_finished_requests(self) -> bool:
+        """Requests finished or aborted that the worker has not been told of yet (V1's name)."""
+        return bool(self.finished_req_ids)
+
+    def has_requests(self) -> bool:
+        """Something to step for: unfinished requests, or finished ones the worker still holds -- after
+        the last step the engine sends one more message, so the worker ends holding nothing (V1's rule)."""
+        return self.has_unfinished() or self.has_finished_requests()
 
     def num_slots_taken(self) -> int:
         """Batch slots in use: one per running sequence, plus one per sample waiting to fork from it."""
@@ -108,7 +116,14 @@ class Scheduler(UpdateFromOutput):
         before :meth:`update_after_schedule`: ``num_computed_tokens`` is where each request starts."""
         take = getattr(self.kv_manager, "take_pending_copies", None)  # only a forking manager copies on write
         finished, self.finished_req_ids = frozenset(self.finished_req_ids), set()
-        return make_scheduler_output(plan, self.sent_block_ids, finished, list(take()) if take is not None else [])
+        output = make_scheduler_output(plan, self.sent_block_ids, finished, list(take()) if take is not None else [],
+                                       self.prev_scheduled, **self.extra_output_fields(plan))
+        self.prev_scheduled = frozenset(output.num_scheduled_tokens)
+        return output
+
+    def extra_output_fields(self, plan: StepPlan) -> dict:
+        """More for the message than V1 sends (:class:`~cbteach.engine.scheduler_v0.V0Scheduler`: its swaps)."""
+        return {}
 
     def update_after_schedule(self, output: SchedulerOutput) -> None:
         """The planned tokens count as computed from now on (vLLM V1's ``_update_after_schedule``):
@@ -129,6 +144,8 @@ class Scheduler(UpdateFromOutput):
                 continue  # async scheduling: the step in flight gives it its last token
             # What it lacks: the rest of its prompt, or one token -- plus speculative guesses.
             n = min(seq.num_tokens_with_placeholders + len(seq.draft_ids) - seq.num_computed_tokens, budget)
+            if n <= 0:  # nothing to feed now (V1's running loop skips such a request)
+                continue
             ok, refund = self.allocate_or_preempt(seq, n, out)
             budget += refund
             if not ok:  # it was the victim itself: the running loop ends here (vLLM V1)
@@ -187,6 +204,7 @@ class Scheduler(UpdateFromOutput):
         for this step (now given back to the budget)."""
         refund = self.take_out(seq, out)
         self.kv_manager.free(seq)
+        self.taken_back(seq)
         seq.num_computed_tokens = 0
         seq.status = RequestStatus.PREEMPTED
         self.waiting.readd_preempted(seq)
@@ -200,6 +218,11 @@ class Scheduler(UpdateFromOutput):
         seq.num_preemptions += 1
         out.preempted.append(seq)
         return refund
+
+    def taken_back(self, seq: Sequence) -> None:
+        """``seq``'s blocks were taken back (preempted): if the worker holds it, its next message resumes it."""
+        if seq.request_id in self.sent_block_ids:
+            self.sent_block_ids[seq.request_id] = None
 
     def abort(self, seq: Sequence) -> None:
         """Take ``seq`` out wherever it is, and free its KV blocks at once."""

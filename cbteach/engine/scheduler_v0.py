@@ -5,9 +5,12 @@ rules V1 dropped; the course compares them (notebook 06), so they live here, in 
 picks when one of them is asked for (``Engine(..., preemption="swap")`` and the others below):
 
 * **swap preemption** (``preemption="swap"``; the vLLM paper, section 4.5): a victim's blocks are
-  copied to host memory and back, instead of recomputed. Swapped-out requests wait in
-  :attr:`V0Scheduler.swapped` and come back first, before any admission. A disaggregated decode
-  engine takes handed-over K/V the same way (:meth:`V0Scheduler.add_swapped`).
+  copied to host memory and back, instead of recomputed. The scheduler only decides: its message
+  (:class:`~cbteach.core.scheduler_output.V0SchedulerOutput`) says which blocks go out and which come
+  back in (V0's ``blocks_to_swap_out`` / ``blocks_to_swap_in``), and the worker copies them before the
+  forward pass. Swapped-out requests wait in :attr:`V0Scheduler.swapped` and come back first, before
+  any admission. A disaggregated decode engine takes handed-over K/V the same way
+  (:meth:`V0Scheduler.add_swapped`).
 * **whole-prompt admission** (``admission="whole_prompt"``; V0's block manager): a request is let in
   only when its whole remaining prompt fits, even when the token budget feeds it in chunks, keeping
   a ``watermark`` of blocks free. (Later V1 versions grew similar options, off by default --
@@ -22,7 +25,7 @@ picks when one of them is asked for (``Engine(..., preemption="swap")`` and the 
 from __future__ import annotations
 
 from ..core.request import RequestStatus, Sequence
-from ..core.scheduler_output import StepPlan
+from ..core.scheduler_output import StepPlan, V0SchedulerOutput
 from .scheduler import Scheduler
 
 
@@ -80,7 +83,9 @@ class V0Scheduler(Scheduler):
             if self.kv_manager.num_admittable_tokens(seq) < n:  # room beyond its computed tokens' blocks
                 break
             self.swapped.remove(seq)
-            self.swapper.swap_in(seq)
+            if self.kv_manager.allocate_slots(seq, 0) is None:  # fresh blocks for its computed tokens
+                raise RuntimeError(f"the KV manager refused to swap {seq!r} back in after reporting room for it")
+            out.swap_in[seq.request_id] = list(seq.block_table)  # the worker copies its K/V back into them
             out.swapped_in.append(seq)
             self._start(seq)
             if self.kv_manager.allocate_slots(seq, n) is None:
@@ -125,19 +130,28 @@ class V0Scheduler(Scheduler):
     def preempt(self, seq: Sequence, out: StepPlan) -> int:
         """With ``preemption="swap"`` the victim's K/V are copied to host memory first, and it waits in
         :attr:`swapped` (a request with nothing computed yet is simply queued again, as in V1)."""
-        if self.config.preemption == "swap" and self.swapper is not None and seq.num_computed_tokens > 0:
+        if self.config.preemption == "swap" and seq.num_computed_tokens > 0:
             refund = self.take_out(seq, out)
-            self.swapper.swap_out(seq)  # copies its blocks to host memory, then frees them
+            # The worker copies the blocks holding its computed tokens to host memory before the step's
+            # forward pass -- before anyone this step was given them writes into them.
+            computed_blocks = -(-seq.num_computed_tokens // self.kv_manager.block_size)
+            out.swap_out[seq.request_id] = list(seq.block_table[:computed_blocks])
+            self.kv_manager.free(seq)
+            self.taken_back(seq)
             self.add_swapped(seq)
             return refund
         return super().preempt(seq, out)
 
+    def extra_output_fields(self, plan: StepPlan) -> dict:
+        """V0's message: the swaps, for the worker to carry out."""
+        return {"cls": V0SchedulerOutput, "blocks_to_swap_out": dict(plan.swap_out),
+                "blocks_to_swap_in": dict(plan.swap_in)}
+
     def abort(self, seq: Sequence) -> None:
-        """A swapped-out request's host copy is dropped; anywhere else, as V1's."""
+        """A swapped-out request leaves :attr:`swapped` (the worker drops its host copy when the next
+        message says it finished); anywhere else, as V1's."""
         if seq in self.swapped:
             self.swapped.remove(seq)
-            if self.swapper is not None:
-                self.swapper.discard(seq)
         super().abort(seq)
 
     # -- internals ---------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import torch
 from ..core.model_view import model_view
 from ..core.modelinfo import max_positions
 from ..core.request import check_positive_int
+from ..worker.sampler import accept  # noqa: F401  (the verification runs in the worker; re-exported here)
 
 
 class NgramProposer:
@@ -91,19 +92,6 @@ def make_proposer(speculative, num_speculative_tokens: int, vocab_size: int | No
                              "model must share the model's vocabulary (the same tokenizer)")
         return proposer
     raise ValueError(f"speculative must be None, 'ngram' or a draft model, got {speculative!r}")
-
-
-def accept(drafts: list[int], targets: list[int]) -> list[int]:
-    """Greedy verification: ``targets[j]`` is the model's token after draft ``j`` (``targets[0]``
-    after the last real token). Returns the tokens the step yields: the accepted drafts, then the
-    model's own token at the first mismatch (or after the last draft)."""
-    out = []
-    for d, t in zip(drafts, targets):
-        out.append(t)
-        if d != t:
-            return out
-    out.append(targets[len(drafts)])
-    return out
 
 
 def propose_for(running, proposer) -> None:

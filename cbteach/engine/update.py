@@ -35,15 +35,18 @@ class UpdateFromOutput:
     ``kv_manager``, ``eos_ids`` and ``_start`` from there)."""
 
     def update_from_output(self, out: SchedulerOutput, output: RunnerOutput, now: float) -> list[Sequence]:
-        """Turn one step's ``output`` into request state (see the module): ``output``'s lists are in the
-        order of ``out.num_scheduled_tokens``. Returns the sequences that finished on this step, samples
+        """Turn one step's ``output`` into request state (see the module). ``output``'s lists are in the
+        order the worker packed the requests; each is found by its id (``output.req_id_to_index``, as
+        V1's ``update_from_output`` does). Returns the sequences that finished on this step, samples
         that forked and stopped at once included."""
         finished = []
         start = out.num_computed_tokens_of()
-        for i, (rid, n) in enumerate(out.num_scheduled_tokens.items()):
+        index = output.req_id_to_index
+        for rid, n in out.num_scheduled_tokens.items():
             seq = self.requests.get(rid)
             if seq is None or seq.status.is_finished:  # stopped or aborted while this step was in flight: dropped (V1)
                 continue
+            i = index[rid]
             tokens = output.sampled[i]
             if output.error(i) is not None:
                 self._fail(seq, output.error(i), finished, computed_before=start[rid])
@@ -62,10 +65,9 @@ class UpdateFromOutput:
             self.kv_manager.on_computed(seq)
             forks = output.fork_tokens[i] if output.fork_tokens is not None else None
             if forks:
-                ids = dict(out.scheduled_forks.get(rid, ()))
-                for sample in [f for f in seq.forks if f.request_id in ids]:  # before seq may free its blocks
+                for sample in [f for f in seq.forks if f.request_id in forks]:  # before seq may free its blocks
                     self._fork(seq, sample, forks[sample.request_id], start[rid] + n, now, finished)
-                seq.forks = [f for f in seq.forks if f.request_id not in ids]
+                seq.forks = [f for f in seq.forks if f.request_id not in forks]
             if seq.finish_reason:
                 self._finish(seq, finished)
         return finished
@@ -85,12 +87,23 @@ class UpdateFromOutput:
               finished: list) -> None:
         """Start ``sample`` on ``parent``'s blocks (just computed: its prompt, ``computed`` tokens) with its
         own first token. (Not ``parent.num_computed_tokens``: with async scheduling the parent's next step
-        is already planned, and counted.)"""
+        is already planned, and counted.) If the parent lost its blocks meanwhile -- async scheduling
+        preempted it while this, its prompt's last step, was in flight -- the sample keeps its first
+        token and queues to compute the prompt again, like a request preempted by recompute."""
+        if self._append(sample, token, now):
+            sample.status = RequestStatus.FINISHED
+            self.forget(sample)  # the worker drew its first token: it holds its state
+            finished.append(sample)
+            return
+        if parent.status is not RequestStatus.RUNNING:
+            sample.num_computed_tokens = 0
+            sample.status = RequestStatus.PREEMPTED
+            self.requests[sample.request_id] = sample
+            self.waiting.readd_preempted(sample)
+            return
         self.kv_manager.fork(parent, sample)
         sample.num_computed_tokens = computed
         self._start(sample)
-        if self._append(sample, token, now):
-            self._finish(sample, finished)
 
     def _finish(self, seq: Sequence, finished: list) -> None:
         """``seq`` stopped: it leaves the batch, and its blocks go back -- after its last token is recorded.

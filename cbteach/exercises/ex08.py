@@ -19,7 +19,7 @@ from unittest import mock
 
 import torch
 
-from ..engine import model_runner
+from ..worker import model_runner
 from ..engine.engine import Engine
 from ..core.request import Request
 from ..engine.speculative import accept as engine_accept

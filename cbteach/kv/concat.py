@@ -144,7 +144,8 @@ class ConcatKVCache:
         self.last_traffic = KVTraffic()
         self.manager = UnboundedKVManager(on_free=self._drop, on_trim=self._trim, on_fork=self._fork)
 
-    def build_metadata(self, token_ids, num_computed, num_scheduled, device, block_tables=None, request_ids=()):
+    def build_metadata(self, token_ids, num_computed, num_scheduled, device, block_tables=None, num_blocks=None,
+                       request_ids=()):
         """The step's metadata; ``request_ids`` say whose caches to gather (no blocks here)."""
         meta = attn_metadata.build(token_ids, num_computed, num_scheduled, device)
         meta.request_ids = list(request_ids)

@@ -83,15 +83,17 @@ class ForkingKVManager(KVManager, Protocol):
 
 @runtime_checkable
 class KVCache(Protocol):
-    """What :class:`~cbteach.engine.engine.Engine` and :class:`~cbteach.engine.model_runner.ModelRunner` call."""
+    """What :class:`~cbteach.engine.engine.Engine` and the worker's :class:`~cbteach.worker.model_runner.ModelRunner` call."""
 
     kind: str  # "concat" or "paged"
     manager: KVManager  # handed to the scheduler
     attn_implementation: str | None  # the attention function the engine's model view must call (None: the model's)
 
-    def build_metadata(self, token_ids, num_computed, num_scheduled, device, block_tables, request_ids=()):
+    def build_metadata(self, token_ids, num_computed, num_scheduled, device, block_tables=None, num_blocks=None,
+                       request_ids=()):
         """The step's :class:`~cbteach.attention.metadata.AttentionMetadata`, built once per step from the
-        model runner's own copies of the rows' block tables (paged) or ids (concat)."""
+        worker's own rows: their block tables (paged: lists, or the batch's block-table tensor with
+        ``num_blocks`` per row) or their ids (concat)."""
 
     def copy_blocks(self, copies: list) -> None:
         """Copy-on-write ``(src, dst)`` block copies a step's message asks for, before its forward pass."""
@@ -108,10 +110,11 @@ class KVCache(Protocol):
 
 @runtime_checkable
 class Swapper(Protocol):
-    """A cache that can move a sequence's K/V to host memory and back (swap preemption; a handover)."""
+    """A pool that can move a request's blocks to host memory and back (V0's swap preemption; a
+    handover): the worker's side -- the scheduler only says which blocks (``V0SchedulerOutput``)."""
 
-    def swap_out(self, seq) -> None: ...
+    def swap_out_blocks(self, req_id, blocks: list[int]) -> None: ...
 
-    def swap_in(self, seq) -> None: ...
+    def swap_in_blocks(self, req_id, blocks: list[int]) -> None: ...
 
-    def discard(self, seq) -> None: ...
+    def discard(self, req_id) -> None: ...

@@ -102,13 +102,16 @@ class PagedKVCache:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     # -- one step ---------------------------------------------------------------------------
-    def build_metadata(self, token_ids, num_computed, num_scheduled, device, block_tables, request_ids=None):
-        """The step's metadata for rows with these block tables (``request_ids``: only the concat cache needs them)."""
-        tables = [list(t) for t in block_tables]
-        meta = attn_metadata.build(token_ids, num_computed, num_scheduled, device, block_tables=tables,
-                                   block_size=self.block_size, bucket_shapes=self.bucket_shapes)
+    def build_metadata(self, token_ids, num_computed, num_scheduled, device, block_tables=None, num_blocks=None,
+                       request_ids=None):
+        """The step's metadata for rows with these block tables: lists, or the worker's block-table tensor
+        with ``num_blocks`` per row (``request_ids``: only the concat cache needs them)."""
+        meta = attn_metadata.build(token_ids, num_computed, num_scheduled, device, block_tables=block_tables,
+                                   block_size=self.block_size, bucket_shapes=self.bucket_shapes, num_blocks=num_blocks)
         meta.pool, meta.attention = self.pool, self.attention
         if self.slot_mapping is not None:
+            tables = ([row[:n].tolist() for row, n in zip(block_tables, num_blocks)] if num_blocks is not None
+                      else [list(t) for t in block_tables])
             meta.slot_mapping = self._plugged_slot_mapping(meta, tables, num_computed, num_scheduled)
         return meta
 
@@ -160,38 +163,41 @@ class PagedKVCache:
                                       bytes_written=round(meta.num_tokens * per_token))
         return self.last_traffic
 
-    # -- swap preemption (vLLM paper, section 4.5) ------------------------------------------------
+    # -- swap preemption (vLLM paper, section 4.5): the worker's half -------------------------------
+    # The scheduler decides which blocks go out and come back (V0SchedulerOutput); the worker, which
+    # owns the pool, copies them before the step's forward pass and keeps the host copies.
     def copy_out(self, seq) -> tuple[list, int]:
-        """Host copies of the blocks holding ``seq``'s computed tokens (per layer), and their bytes."""
-        blocks = seq.block_table[:self.manager.blocks_needed(seq.num_computed_tokens)]
+        """Host copies of the blocks holding ``seq``'s computed tokens (per layer), and their bytes
+        (a disaggregated prefill engine ships them, between steps)."""
+        return self.copy_out_blocks(seq.block_table[:self.manager.blocks_needed(seq.num_computed_tokens)])
+
+    def copy_out_blocks(self, blocks: list[int]) -> tuple[list, int]:
+        """Host copies of ``blocks`` (per layer), and their bytes."""
         return self.pool.copy_out(blocks), round(len(blocks) * self.block_size * self.pool.bytes_per_token)
 
-    def hold_swapped(self, seq, data: list) -> None:
-        """Keep ``data`` (per-layer host copies of ``seq``'s blocks) until :meth:`swap_in` takes it back."""
-        self.swap_space[seq.request_id] = data
+    def hold_swapped(self, req_id, data: list) -> None:
+        """Keep ``data`` (per-layer host copies of a request's blocks) until :meth:`swap_in_blocks` takes it."""
+        self.swap_space[req_id] = data
 
-    def swap_out(self, seq) -> None:
-        """Copy the blocks holding ``seq``'s computed tokens to host memory, then free all its blocks."""
+    def swap_out_blocks(self, req_id, blocks: list[int]) -> None:
+        """Copy ``blocks`` (a swapped-out request's) to host memory and keep them for its return."""
         t0 = time.perf_counter()
-        data, nbytes = self.copy_out(seq)
-        self.hold_swapped(seq, data)
-        self.manager.free(seq)
+        data, nbytes = self.copy_out_blocks(blocks)
+        self.hold_swapped(req_id, data)
         self.swap_stats["bytes_out"] += nbytes
         self.swap_stats["seconds"] += time.perf_counter() - t0
 
-    def swap_in(self, seq) -> None:
-        """Give ``seq`` fresh blocks for its computed tokens and copy its K/V back into them."""
+    def swap_in_blocks(self, req_id, blocks: list[int]) -> None:
+        """Write a request's host copy back into ``blocks`` (the ones the scheduler gave it now)."""
         t0 = time.perf_counter()
-        data = self.swap_space.pop(seq.request_id)
-        if self.manager.allocate_slots(seq, 0) is None:
-            raise RuntimeError(f"no room to swap {seq!r} back in")
-        self.pool.copy_in(seq.block_table, data)
-        self.swap_stats["bytes_in"] += round(len(seq.block_table) * self.block_size * self.pool.bytes_per_token)
+        data = self.swap_space.pop(req_id)
+        self.pool.copy_in(blocks, data)
+        self.swap_stats["bytes_in"] += round(len(blocks) * self.block_size * self.pool.bytes_per_token)
         self.swap_stats["seconds"] += time.perf_counter() - t0
 
-    def discard(self, seq) -> None:
-        """Drop a swapped-out sequence's host copy (it was aborted)."""
-        self.swap_space.pop(seq.request_id, None)
+    def discard(self, req_id) -> None:
+        """Drop a request's host copy, if any (it finished or was aborted while swapped out)."""
+        self.swap_space.pop(req_id, None)
 
     def close(self) -> None:
         """Let go of the pool's memory (:meth:`cbteach.Engine.close`)."""

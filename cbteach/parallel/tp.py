@@ -1,52 +1,23 @@
-"""The tensor-parallel model runner: the scheduler stays here, the model runs on N ranks.
+"""Tensor parallelism's settings, and everything that would stop a run, found before any process starts.
 
-``Engine(model, tok, kv="paged", tensor_parallel_size=N)`` builds this runner in place of
-:class:`~cbteach.engine.model_runner.ModelRunner`. Nothing else in the engine changes: the
-scheduler plans a step, this runner executes it, ``update_from_output`` turns the result into
-request state. What happens in between is vLLM's multiprocessing executor in miniature:
-
-1. **start** (once) -- check the configuration *before* any process starts (heads that do not
-   divide, more ranks than heads, a backend this machine lacks, a KV cache that is not paged:
-   ``ValueError``), cut the model into per-rank shards (:mod:`cbteach.parallel.shard`), start N
-   worker processes (:mod:`cbteach.parallel.procs`) that join a ``torch.distributed`` group --
-   gloo on the CPU, NCCL on CUDA -- each with a paged pool for its own KV heads;
-2. **each step** -- the scheduler's message goes to every rank
-   (:class:`~cbteach.parallel.worker.StepMessage`: the ``SchedulerOutput``, the tokens sampled since the
-   last step, each request's start); every rank keeps the same persistent batch as the driver, changed
-   only by those, and runs its shard,
-   with one all-reduce after attention and one after the MLP of every layer; rank 0 sends back the
-   logits of the rows to sample; the driver samples exactly as the single-process runner does (the
-   requests' generators never leave it);
-3. **stop** -- :meth:`close` asks the workers to exit and makes sure they did. A rank that dies ends
-   the engine with :class:`~cbteach.parallel.procs.WorkerDied`, never a hang.
-
-The KV manager (who owns which block) stays with the scheduler: block ids mean the same blocks on
-every rank, each rank's blocks holding its heads' K/V. Under ``torchrun`` the process of rank 0 is
-the driver and worker 0 at once (:mod:`cbteach.parallel.torchrun`).
-
-Per step the runner keeps the all-reduces' count and bytes (:attr:`comm_log`, and ``out.comm`` on
-each :class:`~cbteach.core.outputs.RunnerOutput`); :attr:`memory` is every rank's weights and pool.
+``Engine(model, tok, kv="paged", tensor_parallel_size=N)`` runs the model on N ranks
+(:class:`~cbteach.executor.multiproc.MultiprocExecutor`, each rank a
+:class:`~cbteach.worker.worker.Worker`). Before any process starts, :func:`check_config` refuses what
+cannot run -- heads that do not divide, more ranks than heads, a backend this machine lacks, a KV
+cache that is not paged, V0's swap, a plugged-in attention -- with a ``ValueError`` that says why.
 """
 from __future__ import annotations
 
-import copy
-import itertools
 import os
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from ..core.outputs import RunnerOutput
-from ..engine.model_runner import ModelRunner
-from ..kv.concat import KVTraffic
-from . import torchrun
-from .procs import WorkerDied, WorkerGroup
-from .shard import Layout, layout_for, shard_tensors
-from .worker import StepMessage, WorkerSetup
+from .procs import WorkerDied
+from .shard import Layout, layout_for
 
-__all__ = ["ParallelConfig", "TensorParallelRunner", "WorkerDied", "check_config"]
+__all__ = ["ParallelConfig", "WorkerDied", "check_config", "parallel_config", "pick_backend"]
 
 
 @dataclass(frozen=True)
@@ -126,91 +97,3 @@ def check_config(model, info, kv_cache, config, pc: ParallelConfig) -> tuple[Lay
         raise ValueError("a plugged-in attention or slot_mapping runs in the driver's process; tensor parallelism "
                          "runs attention on the ranks with the engine's own")
     return layout, backend
-
-
-class TensorParallelRunner(ModelRunner):
-    """Runs each plan on ``tensor_parallel_size`` ranks; samples here. See the module docstring."""
-
-    def __init__(self, model, info, kv_cache, config, *, tensor_parallel_size=None):
-        pc = parallel_config(config, tensor_parallel_size)
-        self.layout, backend = check_config(model, info, kv_cache, config, pc)
-        super().__init__(model, info, kv_cache)
-        self.parallel = pc
-        self.comm_log: list[dict] = []  # per step: all-reduces, bytes each rank sent, tokens
-        self.last_logits = None
-        self._update = None  # the step's message, sent to every rank with its first pass
-        self._appended: dict = {}  # tokens sampled since the last pass, which every rank's batch appends
-        n = pc.tensor_parallel_size
-        threads = pc.num_threads or max(1, (os.cpu_count() or 1) // n)
-
-        def setup(rank: int) -> WorkerSetup:
-            return WorkerSetup(rank=rank, layout=self.layout, model_cls=type(model), config=copy.deepcopy(model.config),
-                               tensors=shard_tensors(model, self.layout, rank), num_blocks=kv_cache.num_blocks,
-                               block_size=kv_cache.block_size, bucket_shapes=bool(kv_cache.bucket_shapes),
-                               kv_dtype=getattr(kv_cache.config, "kv_dtype", None),
-                               device="cpu" if info.device.type == "cpu" else f"cuda:{rank}", backend=backend,
-                               init_method=None, num_threads=threads,
-                               accepts_logits_to_keep=info.accepts_logits_to_keep, timeout_s=pc.step_timeout)
-
-        if torchrun.launched_by_torchrun(n):  # this process is rank 0; torchrun started the others
-            self.group = torchrun.TorchrunGroup(setup(0), step_timeout=pc.step_timeout)
-        else:  # vLLM's multiprocessing executor: one process per rank
-            self.group = WorkerGroup([setup(r) for r in range(n)], start_timeout=pc.start_timeout,
-                                     step_timeout=pc.step_timeout, start_method=pc.start_method)
-        self.memory: list[dict] = self.group.memory  # per rank: weight and KV pool bytes, its heads
-
-    def describe(self) -> list[str]:
-        """Who holds which heads, one line per rank."""
-        return self.layout.describe()
-
-    @property
-    def last_comm(self) -> dict | None:
-        return self.comm_log[-1] if self.comm_log else None
-
-    def close(self) -> None:
-        """Stop the workers (idempotent)."""
-        self.group.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def update_states(self, msg):
-        """As one process; the message itself goes to every rank with the step's first pass, and each
-        applies it to its own batch (copy-on-write copies included: each rank holds its heads' K/V)."""
-        rows = self.input_batch.update(msg)
-        self._update = msg
-        return rows
-
-    def _run(self, rows) -> RunnerOutput:
-        batch = self.input_batch
-        for row in rows:
-            batch.redo_from(row)
-        chunks = [batch.chunk(r) for r in rows]
-        counts = [r.num_tokens for r in rows]
-        num_logits = [len(r.draft_ids) + 1 for r in rows]  # the last 1 + guesses rows of a speculating row
-        first_row = [0, *itertools.accumulate(num_logits)]
-        logit_rows = [i for e, k in zip(itertools.accumulate(counts), num_logits) for i in range(e - k, e)]
-        msg = StepMessage(rows=[(r.req_id, r.start, r.num_tokens, r.draft_ids) for r in rows], logit_rows=logit_rows,
-                          update=self._update, appended=self._appended)
-        self._update, self._appended = None, {}
-        t0 = time.perf_counter()
-        answers = self.group.call(msg)
-        forward_time = time.perf_counter() - t0
-        comm = {"all_reduces": answers[0]["all_reduces"], "all_reduce_bytes": answers[0]["all_reduce_bytes"],
-                "num_tokens": sum(counts), "world_size": len(answers)}
-        self.comm_log.append(comm)
-        traffic = KVTraffic(bytes_read=sum(a["kv_bytes_read"] for a in answers),
-                            bytes_written=sum(a["kv_bytes_written"] for a in answers))
-        logits = answers[0]["logits"].to(self.info.device)
-        self.last_logits = logits  # the sampled rows' logits (equal on every rank after the all-reduces)
-        out = self.finish({"rows": rows, "chunks": chunks, "logits": logits, "first_row": first_row,
-                           "forward_time": forward_time, "traffic": traffic, "comm": comm})
-        for i, (rid, tokens, forks) in enumerate(zip(out.req_ids, out.sampled, out.fork_tokens)):
-            if tokens and out.error(i) is None:  # what every rank's batch appends before the next pass
-                self._appended.setdefault(rid, []).extend(tokens)
-            for sample_id, token in (forks or {}).items():
-                self._appended.setdefault(sample_id, []).append(token)
-        return out

@@ -11,7 +11,7 @@ one machine in *simulated* time: each has a :class:`VirtualClock` that moves by 
 really took, and the two clocks run side by side as two GPUs would (whichever is behind steps
 next). A handover copies the prompt's blocks out of the prefill pool (bytes counted) and arrives
 in the decode engine ``bytes / link_bytes_per_s`` later, where it is taken in exactly like a
-swapped-out request coming back (:meth:`~cbteach.kv.paged.PagedKVCache.swap_in`): the decode
+swapped-out request coming back (:meth:`~cbteach.kv.paged.PagedKVCache.swap_in_blocks`): the decode
 engine's pool and manager do the work, attention is unchanged. Outputs are exact: the K/V moved are
 the K/V computed.
 """
@@ -116,6 +116,6 @@ class DisaggregatedServer:
         moved = Sequence(request=original, prompt_ids=list(seq.prompt_ids), arrival_time=seq.arrival_time,
                          output_ids=list(seq.output_ids), num_computed_tokens=seq.num_computed_tokens,
                          first_token_time=seq.first_token_time, token_times=list(seq.token_times),
-                         ready_time=self.prefill.now() + seconds, generator_state=self.prefill.runner.generator_state(seq.request_id),
+                         ready_time=self.prefill.now() + seconds, generator_state=self.prefill.executor.generator_state(seq.request_id),
                          num_cached_prompt_tokens=seq.num_cached_prompt_tokens)
         self.decode.receive(moved, data)

@@ -3,7 +3,7 @@
 The scheduler sends the model runner plain data (:mod:`cbteach.core.scheduler_output`): a request the
 runner has not seen goes in whole (its prompt), one it holds goes as a small diff. So a message's
 size follows the *new* requests of its step, not the length of anyone's context -- which grows every
-step in the runner's own persistent batch (:mod:`cbteach.engine.input_batch`). Notebook 06 draws it.
+step in the worker's own persistent batch (:mod:`cbteach.worker.input_batch`). Notebook 06 draws it.
 """
 from __future__ import annotations
 

@@ -10,11 +10,12 @@ rank 0, which is the driver *and* worker 0 -- and the other ranks only serve::
     with Engine(model, tok, kv="paged", tensor_parallel_size=int(os.environ["WORLD_SIZE"])) as eng:
         ...                # rank 0 only
 
-Each step rank 0 broadcasts the plan over a gloo group (``broadcast_object_list``; a CPU group
-even when the model's all-reduces use NCCL, as vLLM keeps one), every rank runs it, and the
-ranks' counts come back with ``gather_object``. A rank that dies makes the launcher stop the
-others, and rank 0's next collective fails: :class:`~cbteach.parallel.procs.WorkerDied`.
-``benchmarks/tp/torchrun_check.py`` runs this end to end.
+Each step rank 0 broadcasts the scheduler's message over a gloo group (``broadcast_object_list``; a
+CPU group even when the model's all-reduces use NCCL, as vLLM keeps one) and every rank runs it and
+samples for itself; nothing comes back (rank 0's own worker gives the output). A rank that dies
+makes the launcher stop the others, and rank 0's next collective fails:
+:class:`~cbteach.parallel.procs.WorkerDied`. ``benchmarks/tp/torchrun_check.py`` runs this end to end.
+(V1 calls an executor whose workers another launcher started ``ExecutorWithExternalLauncher``.)
 """
 from __future__ import annotations
 
@@ -24,9 +25,9 @@ import os
 import torch
 import torch.distributed as dist
 
-from .procs import WorkerDied
-from .shard import layout_for, shard_tensors
-from .worker import Worker, WorkerSetup, init_group
+from ..parallel.procs import WorkerDied
+from ..parallel.shard import layout_for, shard_tensors
+from ..worker.worker import Worker, WorkerSetup, init_group
 
 
 def launched_by_torchrun(world_size: int) -> bool:
@@ -53,17 +54,16 @@ class TorchrunGroup:
         dist.gather_object(mine, out, dst=0, group=self.control)
         return out
 
-    def call(self, msg) -> list:
+    def call(self, msg):
+        """Broadcast the message; run it here too, as worker 0; this worker's output."""
         if not self._open:
             raise WorkerDied("the tensor-parallel group was closed")
         try:
             dist.broadcast_object_list([msg], src=0, group=self.control)
-            reply = self.worker.step(msg)
-            others = self._gather({k: v for k, v in reply.items() if k != "logits"})
+            return self.worker.execute_model(msg)
         except (RuntimeError, OSError) as err:
             self._open = False
             raise WorkerDied(f"tensor parallelism stopped: a collective failed ({err})") from err
-        return [reply, *others[1:]]
 
     def close(self) -> None:
         if self._open:
@@ -77,11 +77,12 @@ class TorchrunGroup:
 def _public(setup: WorkerSetup) -> dict:
     """What the other ranks need from rank 0 (they shard their own copy of the model)."""
     return {k: getattr(setup, k) for k in ("num_blocks", "block_size", "bucket_shapes", "kv_dtype", "backend",
-                                           "num_threads", "accepts_logits_to_keep", "timeout_s")}
+                                           "num_threads", "accepts_logits_to_keep", "max_num_reqs", "max_model_len",
+                                           "seed", "timeout_s")}
 
 
 def serve_rank(model) -> bool:
-    """On ranks 1..N-1 of a torchrun group: join, build this rank's shard of ``model``, run every plan
+    """On ranks 1..N-1 of a torchrun group: join, build this rank's shard of ``model``, run every message
     rank 0 broadcasts until it closes its engine; returns True. On rank 0 (or outside torchrun):
     returns False at once -- build the engine there."""
     rank = int(os.environ.get("RANK", "0"))
@@ -109,7 +110,6 @@ def serve_rank(model) -> bool:
         dist.broadcast_object_list(box, src=0, group=control)
         if box[0] is None:
             break
-        reply = worker.step(box[0])
-        dist.gather_object(reply, None, dst=0, group=control)
+        worker.execute_model(box[0])
     dist.destroy_process_group()
     return True

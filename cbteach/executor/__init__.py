@@ -1,0 +1,37 @@
+"""Who runs the worker's side of a step: one worker in this process, or N worker processes.
+
+The engine core only ever calls ``executor.execute_model(scheduler_output) -> RunnerOutput`` and, when
+it closes, ``executor.close()`` -- vLLM V1's seam between its engine core and its workers
+(``vllm/v1/executor/``: ``UniProcExecutor``, ``MultiprocExecutor``). So V1's three places are three
+folders here: the scheduler in :mod:`cbteach.engine` (the engine core), the executor here, and the
+worker -- model runner, persistent batch, sampler -- in :mod:`cbteach.worker`, lowest of the three.
+
+* :class:`~cbteach.executor.uniproc.UniProcExecutor` -- ``tensor_parallel_size=1``: one
+  :class:`~cbteach.worker.model_runner.ModelRunner`, in this process;
+* :class:`~cbteach.executor.multiproc.MultiprocExecutor` -- ``tensor_parallel_size=N``: N worker
+  processes (:mod:`cbteach.worker.worker`), each holding a shard of the model and running every
+  message; the scheduler and the KV manager stay here, in one place;
+* :mod:`~cbteach.executor.torchrun` -- the same ranks, started by ``torchrun``.
+"""
+from __future__ import annotations
+
+from ..worker.model_runner import ModelRunner
+from .uniproc import UniProcExecutor
+
+__all__ = ["make_executor", "UniProcExecutor"]
+
+
+def make_executor(model, view, info, kv_cache, config, update_states=None):
+    """The executor for ``config``: ``view`` is the engine's own view of ``model`` (one process);
+    ``update_states`` a learner's own message-to-batch function (notebook 06), one process only."""
+    if config.tensor_parallel_size == 1:
+        runner = ModelRunner(view, kv_cache, device=info.device, accepts_logits_to_keep=info.accepts_logits_to_keep,
+                             max_num_reqs=config.scheduler.max_batch_size, max_model_len=info.max_positions,
+                             update_states=update_states)
+        return UniProcExecutor(runner)
+    if update_states is not None:
+        raise ValueError("a plugged-in update_states runs in this process; with tensor_parallel_size > 1 every rank "
+                         "runs the engine's own: use tensor_parallel_size=1 to run yours")
+    from .multiproc import MultiprocExecutor  # its workers start here: errors before any process starts
+
+    return MultiprocExecutor(model, info, kv_cache, config)

@@ -1,0 +1,12 @@
+"""The worker: everything on the model's side of the scheduler's message (vLLM V1's ``vllm/v1/worker/``).
+
+* :mod:`~cbteach.worker.input_batch` -- the persistent batch: a row per scheduled request, in
+  preallocated arrays; :mod:`~cbteach.worker.block_table` -- the rows' block tables, one tensor;
+* :mod:`~cbteach.worker.states` -- the message changes the batch (V1's ``_update_states``);
+* :mod:`~cbteach.worker.model_runner` -- a step: inputs from the rows, the model once, sampling;
+* :mod:`~cbteach.worker.sampler` -- tokens on the device, then on the host; greedy verification of guesses;
+* :mod:`~cbteach.worker.worker` -- a tensor-parallel rank: its shard, its pool, its own runner.
+
+The worker sits below the engine: it imports the core's data, the KV cache and attention, never the
+scheduler. The engine reaches it only through an executor (:mod:`cbteach.executor`).
+"""

@@ -1,0 +1,315 @@
+"""The model runner: apply the message to the persistent batch, then pack, run the model once, sample.
+
+The scheduler decides *who* runs and *how many* tokens each feeds, and sends it as a message (a
+:class:`~cbteach.core.scheduler_output.SchedulerOutput`: plain data, no live request objects). The
+runner owns everything the step needs on the worker's side -- the requests' states, the
+:class:`~cbteach.worker.input_batch.InputBatch` (a row per scheduled request), the KV pool -- and a
+step is four calls, the way vLLM V1's GPU model runner splits it (``vllm/v1/worker/gpu_model_runner.py``
+at ``000fc94``: ``_update_states``, ``_prepare_inputs``, the model, ``sample_tokens``):
+
+1. :meth:`ModelRunner.update_states` -- the message changes the batch: finished requests are forgotten,
+   rows of requests not scheduled now leave (their states stay), new requests get a state and a row,
+   running ones get their new blocks and start, resumed ones their whole table; then ``condense``;
+2. :meth:`ModelRunner.prepare_inputs` -- the step's inputs are read from the rows: token ids in one
+   gather, the block tables a slice; the KV cache builds the step's metadata (positions, slot
+   mapping, attention groups) and ``logits_to_keep`` asks the model for each row's last logits only;
+3. :meth:`ModelRunner.forward` -- the model, once, on the packed row; then :meth:`ModelRunner.sample`
+   -- each row that reached the end of its known tokens gets a token, on the device
+   (:mod:`cbteach.worker.sampler`); a row that fed speculative guesses keeps the ones the model agrees with;
+4. :meth:`ModelRunner.finish` -- the tokens come to the host, join the rows and the states, and go back
+   to the scheduler as a :class:`~cbteach.core.outputs.RunnerOutput`, in the batch's row order.
+
+Under async scheduling (:mod:`cbteach.engine.async_scheduling`) the next step is launched between 3
+and 4: its decodes read the tokens this step sampled straight from the device tensor
+(:attr:`ModelRunner.prev`, V1's ``prev_sampled_token_ids``), and 4 runs beside the next forward pass.
+
+**One request's failure is its own** -- this is cbteach's, not V1's (V1's worker re-raises and the
+engine stops): a row whose sampling fails, or whose logits are not finite, gets an error instead of a
+token; if the forward pass raises, each row is run alone to find whose tokens the model fails on (paged
+K/V are written in place, so running a row again rewrites the same values), and the blocks a failed
+row was to fill are remembered as **unwritten**: a later row that reads them (one admitted on them as a
+cached prefix, perhaps planned before the failure was known) computes them again itself, from the
+first unwritten block on -- the same tokens at the same positions give the same K/V. Breaking a rule
+of the engine (:class:`~cbteach.errors.EngineRuleError`) is never one request's fault: it stops the step.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..core.outputs import RunnerOutput
+from ..core.sampling import make_generator
+from ..errors import EngineDeadError, EngineRuleError
+from .input_batch import CachedRequestState, InputBatch
+from .sampler import NOT_FINITE, accept, sample_on_device
+from .states import apply_message
+
+
+@dataclass
+class Step:
+    """One step as the runner runs it: rows ``rows`` of the batch, in packed order."""
+
+    msg: object  # the SchedulerOutput
+    rows: list[int]
+    req_ids: list
+    starts: list[int]  # position of each row's first fed token
+    counts: list[int]  # tokens fed (known ones, then guesses)
+    drafts: list[list[int]]  # speculative guesses fed after the known tokens
+    samples: list[bool]  # whether the row gets a token (it reaches the end of its known tokens)
+    meta: object = None
+    kwargs: dict | None = None
+    keep: torch.Tensor | None = None  # packed rows whose logits the model returns
+    last: torch.Tensor | None = None  # speculative steps: each row's last logit row among the kept ones
+    logits: torch.Tensor | None = None
+    sampled: object = None  # the DeviceSample
+    forward_time: float = 0.0
+    traffic: object = None
+
+
+class ModelRunner:
+    """Runs each step's message on ``model`` (one process: the engine's own view of the user's model,
+    :func:`~cbteach.core.model_view.model_view`; a tensor-parallel rank: its shard) over ``kv_cache``'s pool."""
+
+    def __init__(self, model, kv_cache, *, device, accepts_logits_to_keep: bool, max_num_reqs: int,
+                 max_model_len: int | None = None, update_states=None):
+        self.model, self.kv_cache, self.device = model, kv_cache, torch.device(device)
+        self.accepts_logits_to_keep = accepts_logits_to_keep
+        self.block_size = kv_cache.block_size if kv_cache.kind == "paged" else None
+        self.requests: dict[object, CachedRequestState] = {}  # every request it was told of and not yet finished
+        self.input_batch = InputBatch(max_num_reqs, max_model_len)
+        self.unwritten_blocks: set[int] = set()
+        self.feed_from_device = False  # async scheduling: a step reads the last step's tokens on the device
+        self.prev = None  # (tokens on the device, {request id: index}) of the last step, for that feed
+        self.apply_message = update_states or apply_message  # a learner's own (notebook 06), or V1's
+
+    def close(self) -> None:
+        """Nothing to release in one process (a tensor-parallel rank's process ends instead)."""
+
+    def generator_state(self, req_id) -> bytes | None:
+        """A seeded request's random stream, as bytes (a disaggregated handover carries it along)."""
+        state = self.requests.get(req_id)
+        if state is None or state.generator is None:
+            return None
+        return bytes(state.generator.get_state().tolist())
+
+    @torch.inference_mode()
+    def execute_model(self, msg) -> RunnerOutput:
+        """Apply ``msg`` to the batch and run it: the whole step, with each request's failure its own."""
+        self.update_states(msg)
+        if not msg.total_num_scheduled_tokens:
+            return RunnerOutput.empty()
+        step = self.prepare_inputs(msg)
+        try:
+            self.forward(step)
+        except (EngineRuleError, EngineDeadError):
+            raise
+        except Exception as err:  # noqa: BLE001  (the model failed on someone's tokens: find whose)
+            return self.recover(step, err)
+        self.sample(step)
+        return self.finish(step)
+
+    def update_states(self, msg) -> None:
+        """The message changes the batch (V1's ``_update_states``; see :mod:`cbteach.worker.states`)."""
+        self.apply_message(self, msg)
+
+    def copy_blocks(self, copies: list) -> None:
+        """Copies on write ``(src, dst)``, made before anyone writes; a copy takes over what its source
+        holds, written or not."""
+        self.kv_cache.copy_blocks(list(copies))
+        for src, dst in copies:
+            if src in self.unwritten_blocks:
+                self.unwritten_blocks.add(dst)
+
+    # -- a step ---------------------------------------------------------------------------------------
+    def prepare_inputs(self, msg, rows: list[int] | None = None) -> Step:
+        """The step's inputs, read from the batch's rows (all of them, or ``rows`` when a row is run alone)."""
+        b = self.input_batch
+        whole = rows is None
+        rows = list(range(b.num_reqs)) if whole else rows
+        req_ids = [b.req_ids[r] for r in rows]
+        counts = [msg.num_scheduled_tokens[rid] for rid in req_ids]
+        drafts = [msg.scheduled_spec_decode_tokens.get(rid, []) for rid in req_ids]
+        starts = b.num_computed_tokens[rows].tolist()
+        if self.unwritten_blocks:  # a cached prefix whose K/V were never written is computed again
+            for i, rid in enumerate(req_ids):
+                starts[i], counts[i] = self._redo_from(self.requests[rid].block_ids, starts[i], counts[i])
+        known = b.num_tokens[rows]
+        ends = np.add(starts, counts)
+        samples = (ends >= known).tolist()
+        # Token ids: one gather from the rows (guesses were written after the known tokens).
+        width = b.token_ids.shape[1]
+        first = np.asarray(rows) * width + starts
+        idx = first if ends.size == sum(counts) else np.repeat(first - np.cumsum([0, *counts[:-1]]), counts) + \
+            np.arange(sum(counts))
+        input_ids = b.token_ids.view(-1)[torch.from_numpy(idx)]
+        pending = self._pending(req_ids, starts, counts, known + [len(d) for d in drafts], input_ids)
+        tables = b.block_table.table[:len(rows)] if whole else b.block_table.table[rows]
+        num_blocks = b.block_table.num_blocks[rows] if not whole else b.block_table.num_blocks[:len(rows)]
+        meta = self.kv_cache.build_metadata(input_ids, starts, counts, self.device,
+                                            block_tables=tables if self.block_size else None,
+                                            num_blocks=num_blocks, request_ids=req_ids)
+        if pending is not None:  # tokens the last step sampled, still on the device (async scheduling)
+            at, src = (t.to(self.device) for t in pending)
+            meta.input_ids[0, at] = self.prev[0][src]
+        step = Step(msg, rows, req_ids, starts, counts, drafts, samples, meta,
+                    kwargs=self.kv_cache.forward_kwargs(meta))
+        keep = meta.logits_indices
+        if any(drafts):  # a speculating row needs the logits of its last 1 + guesses tokens
+            packed_ends = np.cumsum(counts).tolist()
+            keep = torch.tensor([e - k for e, d in zip(packed_ends, drafts) for k in range(len(d) + 1, 0, -1)],
+                                device=self.device)
+            step.last = torch.tensor(np.cumsum([len(d) + 1 for d in drafts]) - 1, device=self.device)
+        if self.accepts_logits_to_keep:
+            step.kwargs["logits_to_keep"] = keep
+        step.keep = keep
+        return step
+
+    @torch.inference_mode()
+    def forward(self, step: Step) -> None:
+        """The model, once (what async scheduling runs in its worker thread)."""
+        meta = step.meta
+        t0 = time.perf_counter()
+        out = self.model(input_ids=meta.input_ids, position_ids=meta.positions, **step.kwargs)
+        step.forward_time = time.perf_counter() - t0
+        step.traffic = self.kv_cache.after_forward(meta)
+        step.logits = out.logits[0] if self.accepts_logits_to_keep else out.logits[0, step.keep]
+
+    @torch.inference_mode()
+    def sample(self, step: Step) -> None:
+        """Tokens for the rows that sample, on the device; a prompt's forked samples get a state and
+        their first token here (each once: a sample already known is not forked again)."""
+        b = self.input_batch
+        params = [b.sampling_params[r] if s and not d else None for r, s, d in zip(step.rows, step.samples, step.drafts)]
+        generators = [b.generators.get(r) for r in step.rows]
+        forks = {}
+        for i, rid in enumerate(step.req_ids):
+            for sample_id, index in step.msg.scheduled_forks.get(rid, ()) if step.samples[i] else ():
+                if sample_id not in self.requests:
+                    parent = self.requests[rid]
+                    self.requests[sample_id] = CachedRequestState(
+                        req_id=sample_id, prompt_token_ids=list(parent.prompt_token_ids),
+                        sampling_params=parent.sampling_params,
+                        generator=make_generator(parent.sampling_params, index))
+                    forks.setdefault(i, []).append((sample_id, self.requests[sample_id].generator))
+        step.sampled = sample_on_device(step.logits, step.last, params, generators, forks)
+        if self.feed_from_device:
+            self.prev = (step.sampled.tokens, {rid: i for i, rid in enumerate(step.req_ids) if step.samples[i]})
+
+    def finish(self, step: Step) -> RunnerOutput:
+        """The sampled tokens come to the host, join the batch's rows and the requests' states, and go to
+        the scheduler as a :class:`RunnerOutput`."""
+        tokens, finite, targets, targets_finite = step.sampled.to_host()
+        n = len(step.rows)
+        sampled, errors, fork_tokens = [None] * n, [None] * n, [None] * n
+        first = 0
+        for i, (rid, drafts) in enumerate(zip(step.req_ids, step.drafts)):
+            if drafts:  # greedy verification of the guesses (only greedy requests guess)
+                block = slice(first, first + len(drafts) + 1)
+                if all(targets_finite[block]):
+                    sampled[i] = accept(drafts, targets[block])
+                else:
+                    errors[i] = NOT_FINITE
+            elif step.samples[i]:
+                errors[i] = step.sampled.errors.get(i) or (None if finite[i] else NOT_FINITE)
+                if errors[i] is None:
+                    sampled[i] = [tokens[i]]
+                    fork_tokens[i] = step.sampled.fork_tokens.get(i)
+            first += len(drafts) + 1
+            self._written(rid, step.starts[i], step.counts[i], ok=errors[i] is None)
+            if sampled[i]:
+                self._append(rid, sampled[i])
+            for sample_id, token in (fork_tokens[i] or {}).items():
+                self.requests[sample_id].output_token_ids.append(token)
+        return RunnerOutput(sampled=sampled, req_ids=list(step.req_ids), chunks=self._chunks(step),
+                            forward_time=step.forward_time, traffic=step.traffic,
+                            fork_tokens=fork_tokens if any(fork_tokens) else None,
+                            errors=errors if any(e is not None for e in errors) else None)
+
+    def recover(self, step: Step, err: Exception) -> RunnerOutput:
+        """The forward pass raised: run each row alone; the ones the model fails on get an error, and the
+        blocks they were to fill are unwritten."""
+        parts = []
+        for row, rid, start, count in zip(step.rows, step.req_ids, step.starts, step.counts):
+            try:
+                if len(step.rows) == 1:
+                    raise err
+                alone = self.prepare_inputs(step.msg, [row])
+                self.forward(alone)
+                self.sample(alone)
+                parts.append((self.finish(alone), alone))
+            except (EngineRuleError, EngineDeadError):
+                raise
+            except Exception as e:  # noqa: BLE001
+                self._written(rid, start, count, ok=False)
+                message = f"the model failed on this request's tokens: {type(e).__name__}: {e}"
+                parts.append((RunnerOutput(sampled=[None], req_ids=[rid], chunks=[[]], errors=[message]), None))
+        if self.feed_from_device:  # the next step reads these tokens as if one pass had sampled them
+            toks = [(p.sampled[0] or [0])[-1] for p, _ in parts]
+            self.prev = (torch.tensor(toks, device=self.device), {rid: i for i, rid in enumerate(step.req_ids)})
+        return RunnerOutput(
+            sampled=[p.sampled[0] for p, _ in parts], req_ids=list(step.req_ids),
+            chunks=[p.chunks[0] if p.chunks else [] for p, _ in parts],
+            forward_time=sum(p.forward_time for p, _ in parts), traffic=next((p.traffic for p, _ in parts if p.traffic),
+                                                                                 None),
+            fork_tokens=[p.fork_tokens[0] if p.fork_tokens else None for p, _ in parts],
+            errors=[p.error(0) for p, _ in parts])
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _append(self, rid, tokens: list[int]) -> None:
+        state = self.requests.get(rid)
+        if state is None:  # it finished (aborted) while its step was in flight
+            return
+        state.output_token_ids.extend(tokens)
+        row = self.input_batch.req_id_to_index.get(rid)
+        if row is not None:
+            self.input_batch.append_token_ids(row, tokens)
+
+    def _pending(self, req_ids, starts, counts, known_ends, input_ids):
+        """Fed positions past what the host knows: the token the last step sampled for the request (under
+        async scheduling still on the device: ``(positions, indices into prev)`` is returned), or -- the
+        last step failed for it -- nothing: fed as 0, its output is dropped."""
+        if not np.any(np.add(starts, counts) > known_ends):
+            return None
+        at, src, pos = [], [], 0
+        for rid, start, count, known in zip(req_ids, starts, counts, known_ends):
+            for p in range(max(start, int(known)), start + count):
+                input_ids[pos + p - start] = 0
+                if self.prev is not None and rid in self.prev[1]:
+                    at.append(pos + p - start)
+                    src.append(self.prev[1][rid])
+            pos += count
+        return (torch.tensor(at), torch.tensor(src)) if at else None
+
+    def _chunks(self, step: Step) -> list[list[int]]:
+        """The token ids each row fed, for the step's record (a pending token the last step failed to give: 0)."""
+        out = []
+        for rid, start, count, drafts in zip(step.req_ids, step.starts, step.counts, step.drafts):
+            s = self.requests.get(rid)
+            known = [] if s is None else s.prompt_token_ids[start:start + count] + \
+                s.output_token_ids[max(0, start - len(s.prompt_token_ids)):start + count - len(drafts) -
+                                   len(s.prompt_token_ids)]
+            known = known[:count - len(drafts)]
+            out.append(known + [0] * (count - len(drafts) - len(known)) + list(drafts))
+        return out
+
+    def _redo_from(self, block_ids: list[int], start: int, count: int) -> tuple[int, int]:
+        """If the blocks before ``start`` hold one whose K/V were never written, start at that block."""
+        bs = self.block_size
+        first = next((k for k, blk in enumerate(block_ids[:-(-start // bs)]) if blk in self.unwritten_blocks), None)
+        if first is None:
+            return start, count
+        return first * bs, count + start - first * bs
+
+    def _written(self, rid, start: int, count: int, ok: bool) -> None:
+        """After a row ran: its blocks hold its K/V (``ok``), or never will (the model failed on it)."""
+        if self.block_size is None or (ok and not self.unwritten_blocks):
+            return
+        state = self.requests.get(rid)
+        blocks = [] if state is None else state.block_ids[start // self.block_size:(start + count - 1) // self.block_size + 1]
+        if ok:
+            self.unwritten_blocks.difference_update(blocks)
+        else:
+            self.unwritten_blocks.update(blocks)

@@ -1,0 +1,101 @@
+"""The message changes the worker's batch: vLLM V1's ``_update_states``, in the order V1 does it.
+
+The worker never reads the scheduler's objects. Each step's
+:class:`~cbteach.core.scheduler_output.SchedulerOutput` is the only news it gets, and
+:func:`apply_message` turns it into the worker's state -- ``runner.requests`` (a
+:class:`~cbteach.worker.input_batch.CachedRequestState` per request it holds) and
+``runner.input_batch`` (a row per request scheduled now). Read beside V1's
+``GPUModelRunner._update_states`` (``vllm/v1/worker/gpu_model_runner.py`` at ``000fc94``):
+
+1. **forget who finished** -- their states and their rows (and, V0's swap, any host copy they left);
+2. **blocks that move first** -- V0's swap-outs and copies on write, before anyone this step writes
+   into a block a victim gave up (cbteach's and V0's; V1 has neither);
+3. **rows of requests not scheduled now leave the batch** -- preempted ones, or running ones the
+   token budget left out this step; their states stay, they will be back;
+4. **new requests** get a state: prompt, sampling parameters, a generator (seeded ones), block ids,
+   where they start (past a prefix-cache hit);
+5. **cached requests** get where they start now and their new blocks, appended -- or, resumed after a
+   preemption (or, cbteach's, a table changed by a copy on write or a trim), their whole table;
+   a request resumed that missed the step before also gets its token ids. Those with a row are
+   changed in place; the others are added;
+6. **add, then condense**: new and returning requests take the lowest free rows, the last rows move
+   into the holes left, and rows ``0 .. num_reqs - 1`` are this step's batch, in packed order;
+7. V0's swap-ins, and speculative guesses written after each row's known tokens.
+
+Notebook 06 asks you to write this function yourself and runs the engine on yours.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..core.sampling import make_generator
+from .input_batch import CachedRequestState
+
+__all__ = ["apply_message", "new_generator"]
+
+
+def apply_message(runner, msg) -> None:
+    """Change ``runner``'s requests and batch as ``msg`` says (see the module)."""
+    batch, kv = runner.input_batch, runner.kv_cache
+    for rid in msg.finished_req_ids:  # 1.
+        runner.requests.pop(rid, None)
+        batch.remove_request(rid)
+        if kv.kind == "paged":
+            kv.discard(rid)
+    for rid, blocks in getattr(msg, "blocks_to_swap_out", {}).items():  # 2. (V0's message only)
+        kv.swap_out_blocks(rid, blocks)
+    if msg.block_copies:
+        runner.copy_blocks(msg.block_copies)
+    scheduled = msg.num_scheduled_tokens  # 3.
+    for rid in [r for r in batch.req_id_to_index if r not in scheduled]:
+        batch.remove_request(rid)
+    to_add = []
+    for new in msg.scheduled_new_reqs:  # 4.
+        old = runner.requests.get(new.req_id)  # a forked sample: its generator drew its first token already
+        state = CachedRequestState(
+            req_id=new.req_id, prompt_token_ids=list(new.prompt_token_ids), sampling_params=new.sampling_params,
+            generator=old.generator if old is not None else new_generator(new), block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens, output_token_ids=list(new.output_token_ids))
+        runner.requests[new.req_id] = state
+        to_add.append(state)
+    cached = msg.scheduled_cached_reqs  # 5.
+    for i, rid in enumerate(cached.req_ids):
+        state = runner.requests[rid]
+        state.num_computed_tokens = cached.num_computed_tokens[i]
+        resumed = rid in cached.resumed_req_ids
+        whole = resumed or rid in cached.replaced_req_ids
+        if rid in cached.all_token_ids:
+            state.output_token_ids = list(cached.all_token_ids[rid][len(state.prompt_token_ids):])
+        new_blocks = cached.new_block_ids[i]
+        if whole:
+            state.block_ids = list(new_blocks)
+        else:
+            state.block_ids.extend(new_blocks)
+        row = batch.req_id_to_index.get(rid)
+        if row is not None and resumed:  # (V1 never finds a resumed request in its batch; start it afresh)
+            batch.remove_request(rid)
+            row = None
+        if row is None:
+            to_add.append(state)
+            continue
+        batch.num_computed_tokens[row] = state.num_computed_tokens
+        if whole:
+            batch.block_table.add_row(state.block_ids, row)
+        else:
+            batch.block_table.append_row(new_blocks, row)
+    for state in to_add:  # 6.
+        batch.add_request(state)
+    batch.condense()
+    for rid, blocks in getattr(msg, "blocks_to_swap_in", {}).items():  # 7.
+        kv.swap_in_blocks(rid, blocks)
+    for rid, drafts in msg.scheduled_spec_decode_tokens.items():
+        batch.write_guesses(batch.req_id_to_index[rid], drafts)
+
+
+def new_generator(new):
+    """The random stream of a request seen for the first time: ``seed + sample_index`` (``None``: an
+    unseeded request draws from the global stream), or a handed-over request's stream, going on."""
+    generator = make_generator(new.sampling_params, new.sample_index)
+    if generator is not None and new.generator_state is not None:
+        generator.set_state(torch.tensor(list(new.generator_state), dtype=torch.uint8))
+    return generator
