@@ -143,6 +143,13 @@ class KVCacheManager:
         an identical prompt admitted later in the *same* step shares them -- its attention reads them
         in the same forward pass, layer by layer, after this step's K/V are written.
         """
+        if seq.block_table and not new_computed_blocks and not num_lookahead_tokens and \
+                seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * self.block_size:
+            # The common case -- a decode inside its last block: nothing to take (checked first, as it is
+            # most of the calls).
+            if self.prefix_cache is not None:
+                self.prefix_cache.register(seq, upto=seq.num_computed_tokens + num_new_tokens)
+            return []
         if self.num_blocks_to_take(seq, num_new_tokens, new_computed_blocks, num_lookahead_tokens) > \
                 self.allocator.num_free:
             return None

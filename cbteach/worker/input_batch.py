@@ -148,6 +148,13 @@ class InputBatch:
         self.token_ids_np[row, n:n + len(tokens)] = tokens
         self.num_tokens[row] = n + len(tokens)
 
+    def append_one_each(self, rows: list[int], tokens: list[int]) -> None:
+        """One token each for ``rows`` (a step's decodes), in one write."""
+        ends = self.num_tokens[rows]
+        self._fit_width(int(ends.max()) + 1)
+        self.token_ids_np[rows, ends] = tokens
+        self.num_tokens[rows] = ends + 1
+
     def write_guesses(self, row: int, draft_ids: list[int]) -> None:
         """Speculative guesses go after the known tokens, where a step reads them, without counting
         as known (V1 writes them into ``token_ids_cpu`` the same way)."""

@@ -35,7 +35,7 @@ of the engine (:class:`~cbteach.errors.EngineRuleError`) is never one request's 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -61,6 +61,8 @@ class Step:
     samples: list[bool]  # whether the row gets a token (it reaches the end of its known tokens)
     meta: object = None
     kwargs: dict | None = None
+    input_ids: torch.Tensor | None = None  # the host's copy of the fed ids (a pending token: 0)
+    pending: list = field(default_factory=list)  # (packed position, request id, token position) not known then
     keep: torch.Tensor | None = None  # packed rows whose logits the model returns
     last: torch.Tensor | None = None  # speculative steps: each row's last logit row among the kept ones
     logits: torch.Tensor | None = None
@@ -151,11 +153,12 @@ class ModelRunner:
         meta = self.kv_cache.build_metadata(input_ids, starts, counts, self.device,
                                             block_tables=tables if self.block_size else None,
                                             num_blocks=num_blocks, request_ids=req_ids)
-        if pending is not None:  # tokens the last step sampled, still on the device (async scheduling)
-            at, src = (t.to(self.device) for t in pending)
+        fed = [(at, self.prev[1][rid]) for at, rid, _ in pending if self.prev is not None and rid in self.prev[1]]
+        if fed:  # tokens the last step sampled, read where they are: on the device (async scheduling)
+            at, src = torch.tensor(fed, device=self.device).T
             meta.input_ids[0, at] = self.prev[0][src]
         step = Step(msg, rows, req_ids, starts, counts, drafts, samples, meta,
-                    kwargs=self.kv_cache.forward_kwargs(meta))
+                    kwargs=self.kv_cache.forward_kwargs(meta), input_ids=input_ids, pending=pending)
         keep = meta.logits_indices
         if any(drafts):  # a speculating row needs the logits of its last 1 + guesses tokens
             packed_ends = np.cumsum(counts).tolist()
@@ -218,15 +221,18 @@ class ModelRunner:
                     sampled[i] = [tokens[i]]
                     fork_tokens[i] = step.sampled.fork_tokens.get(i)
             first += len(drafts) + 1
-            self._written(rid, step.starts[i], step.counts[i], ok=errors[i] is None)
-            if sampled[i]:
-                self._append(rid, sampled[i])
-            for sample_id, token in (fork_tokens[i] or {}).items():
+        failed = [i for i, e in enumerate(errors) if e is not None]
+        for i in failed if not self.unwritten_blocks else range(n):
+            self._written(step.req_ids[i], step.starts[i], step.counts[i], ok=errors[i] is None)
+        chunks = self._chunks(step)  # (before the tokens join: a pending token is read from the states)
+        self._append_all(step.req_ids, sampled)
+        for forks in filter(None, fork_tokens):
+            for sample_id, token in forks.items():
                 self.requests[sample_id].output_token_ids.append(token)
-        return RunnerOutput(sampled=sampled, req_ids=list(step.req_ids), chunks=self._chunks(step),
+        return RunnerOutput(sampled=sampled, req_ids=list(step.req_ids), chunks=chunks,
                             forward_time=step.forward_time, traffic=step.traffic,
                             fork_tokens=fork_tokens if any(fork_tokens) else None,
-                            errors=errors if any(e is not None for e in errors) else None)
+                            errors=errors if failed else None)
 
     def recover(self, step: Step, err: Exception) -> RunnerOutput:
         """The forward pass raised: run each row alone; the ones the model fails on get an error, and the
@@ -258,41 +264,52 @@ class ModelRunner:
             errors=[p.error(0) for p, _ in parts])
 
     # -- internals ---------------------------------------------------------------------------------
-    def _append(self, rid, tokens: list[int]) -> None:
-        state = self.requests.get(rid)
-        if state is None:  # it finished (aborted) while its step was in flight
-            return
-        state.output_token_ids.extend(tokens)
-        row = self.input_batch.req_id_to_index.get(rid)
-        if row is not None:
-            self.input_batch.append_token_ids(row, tokens)
+    def _append_all(self, req_ids: list, sampled: list) -> None:
+        """Each request's new tokens join its state and, if it still has one, its row -- a step's single
+        tokens in one write to the token array."""
+        b, rows, toks = self.input_batch, [], []
+        for rid, tokens in zip(req_ids, sampled):
+            state = self.requests.get(rid) if tokens else None
+            if state is None:  # no token; or it finished (was aborted) while its step was in flight
+                continue
+            state.output_token_ids.extend(tokens)
+            row = b.req_id_to_index.get(rid)
+            if row is None:
+                continue
+            if len(tokens) == 1:
+                rows.append(row)
+                toks.append(tokens[0])
+            else:
+                b.append_token_ids(row, tokens)
+        if rows:
+            b.append_one_each(rows, toks)
 
-    def _pending(self, req_ids, starts, counts, known_ends, input_ids):
-        """Fed positions past what the host knows: the token the last step sampled for the request (under
-        async scheduling still on the device: ``(positions, indices into prev)`` is returned), or -- the
-        last step failed for it -- nothing: fed as 0, its output is dropped."""
+    def _pending(self, req_ids, starts, counts, known_ends, input_ids) -> list:
+        """Fed positions past what the host knows -- the token the last step sampled for the request (under
+        async scheduling still on the device), or, if that step failed for it, none: fed as 0, its output
+        dropped. Returns ``(packed position, request id, token position)`` for each."""
         if not np.any(np.add(starts, counts) > known_ends):
-            return None
-        at, src, pos = [], [], 0
+            return []
+        out, pos = [], 0
         for rid, start, count, known in zip(req_ids, starts, counts, known_ends):
             for p in range(max(start, int(known)), start + count):
                 input_ids[pos + p - start] = 0
-                if self.prev is not None and rid in self.prev[1]:
-                    at.append(pos + p - start)
-                    src.append(self.prev[1][rid])
+                out.append((pos + p - start, rid, p))
             pos += count
-        return (torch.tensor(at), torch.tensor(src)) if at else None
+        return out
 
     def _chunks(self, step: Step) -> list[list[int]]:
-        """The token ids each row fed, for the step's record (a pending token the last step failed to give: 0)."""
-        out = []
-        for rid, start, count, drafts in zip(step.req_ids, step.starts, step.counts, step.drafts):
+        """The token ids each row fed, for the step's record: the step's input ids, with a token that was
+        pending when the step was prepared read from its request's state (0 if it never came)."""
+        ids = step.input_ids.tolist()
+        for at, rid, position in step.pending:
             s = self.requests.get(rid)
-            known = [] if s is None else s.prompt_token_ids[start:start + count] + \
-                s.output_token_ids[max(0, start - len(s.prompt_token_ids)):start + count - len(drafts) -
-                                   len(s.prompt_token_ids)]
-            known = known[:count - len(drafts)]
-            out.append(known + [0] * (count - len(drafts) - len(known)) + list(drafts))
+            known = s is not None and position < s.num_tokens
+            ids[at] = (s.prompt_token_ids + s.output_token_ids)[position] if known else 0
+        out, pos = [], 0
+        for count in step.counts:
+            out.append(ids[pos:pos + count])
+            pos += count
         return out
 
     def _redo_from(self, block_ids: list[int], start: int, count: int) -> tuple[int, int]:
