@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import cbteach
-from cbteach.student import PLACEHOLDER, is_check, strip_solutions
+from cbteach.student import PLACEHOLDER, is_check, reads_learners_work, strip_solutions
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
@@ -85,7 +85,7 @@ def test_student_copy_empties_solutions_but_keeps_checks(path):
                     ast.literal_eval(node.value)
                 if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
                     assert all(isinstance(n, (ast.Expr, ast.Assign, ast.FunctionDef)) for n in node.body)
-        elif is_check(orig):  # a check's stored output would show the answer
+        elif is_check(orig) or i in reads_learners_work(nb["cells"]):  # would show the answer, or the course's as yours
             assert new["source"] == orig["source"] and new["outputs"] == []
         else:
             assert new == orig
@@ -290,3 +290,48 @@ def test_student_copy_prints_no_solution_source(path):
         text = stored_text(c)
         shown = [line for line in lines if line in text] + [f"def {n}(" for n in asked if f"def {n}(" in text]
         assert not shown, f"cell {i} of the student copy shows solution source: {shown[:3]}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_student_copy_ships_no_output_that_calls_the_courses_solutions_yours_or_not(path):
+    """The course copy's notebook 12 reads the course's own notebooks, so its stored outputs say "NOT YOUR
+    CODE" and show the course's solutions running as "yours": a learner's copy must show neither."""
+    student, _ = strip_solutions(json.loads(path.read_text()))
+    for i, c in enumerate(student["cells"]):
+        text = stored_text(c) if c["cell_type"] == "code" else ""
+        assert not re.search(r"NOT YOUR|COURSE'S (OWN )?SOLUTION|the course's own solution", text, re.I), \
+            f"cell {i} of the student copy ships the course copy's verdict on the course's solutions"
+
+
+# A line where a rule caught something names the rule, never a Python error the rule did not mean.
+RULE_LINE = re.compile(r"disqualified|refused|claim:|fails? (its|the) check", re.I)
+PYTHON_ERROR = re.compile(r"\b(?!Value)[A-Z]\w*(Error|Exception)\b")  # ValueError is the course's word for bad input
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_no_stored_output_shows_a_python_error_where_the_prose_claims_a_rule(path):
+    for i, c in enumerate(cells(path)):
+        for line in stored_text(c).splitlines() if c["cell_type"] == "code" else []:
+            assert not (RULE_LINE.search(line) and PYTHON_ERROR.search(line)), \
+                f"cell {i} shows a Python error where a rule should speak: {line[:200]}"
+
+
+def claims_in(src: str):
+    """``claim(text, condition)`` calls of a code cell: (text, condition) pairs."""
+    for node in ast.walk(code_tree(src)):
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == "claim" and len(node.args) == 2 \
+                and isinstance(node.args[0], ast.Constant):
+            yield node.args[0].value, node.args[1]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_a_disqualification_claim_checks_the_reason_not_only_the_verdict(path):
+    """"The wrong entrant is disqualified" holds for any crash; the claim must test *why* (the rule's
+    words in ``.disqualified``), or a TypeError would prove it."""
+    for c in cells(path):
+        for text, condition in claims_in(source(c)) if c["cell_type"] == "code" else ():
+            if "disqualified" in text:
+                reasons = [n for n in ast.walk(condition) if isinstance(n, ast.Compare)
+                           and any(isinstance(op, ast.In) for op in n.ops) and ".disqualified" in ast.unparse(n)]
+                assert reasons, f"the claim {text!r} checks only that an entrant was disqualified, not for what"
+
