@@ -83,19 +83,19 @@ def glossary(c) -> list:
             c["runner_output"], c["meta"], c["self"], c["model"].config, *modules]
 
 
-def contexts(captured, stem: str, index: int) -> dict:
+def contexts(captured, stem: str, solution: str) -> dict:
     """The text's names for real objects, per exercise (``output`` is the message while a step is
     planned, the runner's output in the update); ``model`` and ``tok`` everywhere (cell 2 loads them)."""
     c = captured
-    return {"model": c["model"], "tok": c["tok"], **_contexts(c, stem, index)}
+    return {"model": c["model"], "tok": c["tok"], **_contexts(c, stem, solution)}
 
 
-def _contexts(c, stem: str, index: int) -> dict:
+def _contexts(c, stem: str, solution: str) -> dict:
     if stem.startswith("09_"):  # handover(prompt_len, config, ...): a model's config
         return {"config": c["model"].config}
     if stem.startswith("05_"):
         return {"seq": c["seq"], "meta": c["meta"]}
-    if stem.startswith("06_") and index < 30:  # the scheduling step
+    if stem.startswith("06_") and "def update_from_output" not in solution:  # the scheduling step
         return {"self": c["self"], "seq": c["seq"], "plan": c["plan"], "output": c["scheduler_output"]}
     if stem.startswith("06_"):  # update_from_output
         return {"self": c["self"], "seq": c["seq"], "scheduler_output": c["scheduler_output"],
@@ -139,7 +139,7 @@ def scope_for(nb: dict, stem: str, indices: list, learner_source: str, captured,
                     if isinstance(item, ast.FunctionDef) and callable(getattr(cls, item.name, None)):
                         overrides[item.name] = getattr(cls, item.name)
     written |= learner_defs(solutions)[1] | bound_before(cells, last) | course_defs()
-    return Scope(namespace, contexts(captured, stem, indices[0]), defs, overrides, written,
+    return Scope(namespace, contexts(captured, stem, solutions), defs, overrides, written,
                  glossary=glossary(captured), course=cbteach)
 
 
