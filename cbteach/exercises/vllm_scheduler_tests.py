@@ -21,7 +21,8 @@ Left out, and why:
   learner's scheduler inherits (``add``, ``abort``), never writes;
 * ``test_schedule_order`` with chunked prefill off, ``test_schedule_concurrent_partial_requests``
   (``long_prefill_token_threshold``), ``test_schedule_prefills_gating`` and the ``test_throttle_*``
-  tests (data-parallel prefill throttling) -- options cbteach does not have: it always chunks;
+  tests (data-parallel prefill throttling), ``test_schedule_skip_tokenizer_init`` (test_schedule's
+  scenario under a V1 option) -- options cbteach does not have: it always chunks;
 * ``test_schedule_concurrent_batches``, ``test_preempt_during_execution``,
   ``test_async_scheduling_pp_allows_rescheduling_with_output_placeholders`` -- two steps planned before
   the first's output (pipeline parallelism): cbteach plans ahead only under async scheduling, whose
