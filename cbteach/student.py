@@ -6,8 +6,11 @@ Exercise solutions live in code cells tagged ``solution``. The student copy keep
 solution cell's source with a *stub* that names what to write (the functions it defines, with
 their signatures, and the names it assigns), visible and runnable, with its outputs cleared. The
 self-check cells keep their code but lose their stored output, which would otherwise show the
-answer. ``--clear-outputs`` clears every cell's output, for workshops that want learners to
-predict before they run. Instructors hand out the copy and keep the originals.
+answer; so do the cells that read the learner's own work (notebook 12's ``pieces_from_notebooks``)
+and those that use what such a cell made (:func:`reads_learners_work`): stored in the course copy,
+their output shows the course's solutions as "yours". ``--clear-outputs`` clears every cell's
+output, for workshops that want learners to predict before they run. Instructors hand out the copy
+and keep the originals.
 
 Where the course comes from: in a checkout, ``notebooks/``; in an installed wheel, the copy that
 ``setup.py`` put into the package as ``cbteach/course/`` (:func:`course_dir`). Neither command
@@ -26,6 +29,7 @@ PLACEHOLDER = "# Your solution here: write it, then run the self-check cell belo
 
 
 CHECK_CALL = re.compile(r"cbteach\.exercises|\bcheck_\w*\(")
+LEARNERS_WORK = re.compile(r"\bpieces_from_notebooks\(")  # reads the learner's notebooks (12)
 
 
 def stub(source: str) -> str:
@@ -81,18 +85,44 @@ def is_check(cell: dict) -> bool:
     return cell.get("cell_type") == "code" and bool(CHECK_CALL.search(src))
 
 
+def reads_learners_work(cells: list) -> set[int]:
+    """The indices of the code cells whose output comes from the learner's own work: a cell that reads
+    the learner's notebooks, and every later one with a statement that uses what such a statement
+    bound -- or, binding nothing (``(room / "yours.py").write_text(yours)``), may have put it into the
+    names it uses. A cell that is not Python (an IPython magic) is skipped."""
+    tainted, found = set(), set()
+    for i, cell in enumerate(cells):
+        if cell.get("cell_type") != "code":
+            continue
+        src = "".join(cell.get("source", ""))
+        try:
+            tree = ast.parse(src)
+        except SyntaxError:
+            continue
+        for stmt in tree.body:
+            used = {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+            bound = {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+            bound |= {n.name for n in ast.walk(stmt) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+            if used & tainted or LEARNERS_WORK.search(ast.get_source_segment(src, stmt) or ""):
+                tainted |= bound or used
+                found.add(i)
+    return found
+
+
 def strip_solutions(nb: dict, clear_outputs: bool = False) -> tuple[dict, int]:
-    """Return a copy of a notebook (as JSON) with solution cells replaced by stubs and self-check
-    outputs cleared (every output with ``clear_outputs``), and how many solution cells there were."""
+    """Return a copy of a notebook (as JSON) with solution cells replaced by stubs and the outputs of
+    self-checks and of cells that read the learner's work cleared (every output with
+    ``clear_outputs``), and how many solution cells there were."""
     out = json.loads(json.dumps(nb))
+    learners = reads_learners_work(out.get("cells", []))
     n = 0
-    for cell in out.get("cells", []):
+    for i, cell in enumerate(out.get("cells", [])):
         if SOLUTION_TAG in cell.get("metadata", {}).get("tags", []):
             cell["source"] = stub("".join(cell.get("source", "")))
             cell.get("metadata", {}).pop("jupyter", None)  # not collapsed: the learner writes here
             _clear(cell)
             n += 1
-        elif clear_outputs or is_check(cell):
+        elif clear_outputs or is_check(cell) or i in learners:
             _clear(cell)
     return out, n
 

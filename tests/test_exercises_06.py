@@ -93,7 +93,7 @@ MISTAKES = [
     ("walking self.running while preempt() removes from it", "for seq in list(self.running):  # 1.",
      "for seq in self.running:  # 1.", 4, "walk a copy (list(self.running))"),
     # stage 2: the token budget
-    ("budget off by one, under", "budget)  # a decode's", "budget - 1)  # a decode's", 2, "fewer tokens"),
+    ("budget off by one, under", "budget)  # 1 (+ guesses)", "budget - 1)  # 1 (+ guesses)", 2, "fewer tokens"),
     ("budget off by one, over", "            budget -= n\n        output =", "            budget -= n - 1\n"
      "        output =", 2, "exceeds the token budget"),
     ("budget spent when below zero, not at zero", "or budget <= 0:", "or budget < 0:", 2, "no tokens"),
@@ -101,10 +101,11 @@ MISTAKES = [
     ("a long prompt admitted whole, not chunked", ADMIT_N, WHOLE, 2, "exceeds the token budget"),
     ("a long prompt kept waiting until it fits the budget whole", ADMIT_N,
      WHOLE + "\n            if n > budget:\n                break", 2, "fit whole"),
-    ("a running prefill not chunked", "budget)  # a decode's", "math.inf)  # a decode's", 2, "exceeds the token budget"),
-    ("room asked for before the chunk is cut to the budget", "n = min(seq.num_tokens - seq.num_computed_tokens, budget)"
-     "  # a decode's 1, or a chunk of prompt\n            while seq in self.running and self.kv_manager.allocate_slots(seq, n) is None:",
-     "n = min(seq.num_tokens - seq.num_computed_tokens, budget)  # a decode's 1, or a chunk of prompt\n"
+    ("a running prefill not chunked", "budget)  # 1 (+ guesses)", "math.inf)  # 1 (+ guesses)", 2, "exceeds the token budget"),
+    ("room asked for before the chunk is cut to the budget", "n = min(seq.num_tokens + len(seq.draft_ids) - "
+     "seq.num_computed_tokens, budget)  # 1 (+ guesses), or a chunk\n"
+     "            while seq in self.running and self.kv_manager.allocate_slots(seq, n) is None:",
+     "n = min(seq.num_tokens + len(seq.draft_ids) - seq.num_computed_tokens, budget)  # 1 (+ guesses), or a chunk\n"
      "            while seq in self.running and self.kv_manager.allocate_slots(seq, seq.num_tokens - seq.num_computed_tokens)"
      " is None:", 2,
      "more tokens than the chunk planned"),

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import cbteach
-from cbteach.student import PLACEHOLDER, is_check, strip_solutions
+from cbteach.student import PLACEHOLDER, is_check, reads_learners_work, strip_solutions
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
@@ -85,7 +85,7 @@ def test_student_copy_empties_solutions_but_keeps_checks(path):
                     ast.literal_eval(node.value)
                 if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
                     assert all(isinstance(n, (ast.Expr, ast.Assign, ast.FunctionDef)) for n in node.body)
-        elif is_check(orig):  # a check's stored output would show the answer
+        elif is_check(orig) or i in reads_learners_work(nb["cells"]):  # would show the answer, or the course's as yours
             assert new["source"] == orig["source"] and new["outputs"] == []
         else:
             assert new == orig
@@ -290,3 +290,99 @@ def test_student_copy_prints_no_solution_source(path):
         text = stored_text(c)
         shown = [line for line in lines if line in text] + [f"def {n}(" for n in asked if f"def {n}(" in text]
         assert not shown, f"cell {i} of the student copy shows solution source: {shown[:3]}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_student_copy_ships_no_output_that_calls_the_courses_solutions_yours_or_not(path):
+    """The course copy's notebook 12 reads the course's own notebooks, so its stored outputs say "NOT YOUR
+    CODE" and show the course's solutions running as "yours": a learner's copy must show neither."""
+    student, _ = strip_solutions(json.loads(path.read_text()))
+    for i, c in enumerate(student["cells"]):
+        text = stored_text(c) if c["cell_type"] == "code" else ""
+        assert not re.search(r"NOT YOUR|COURSE'S (OWN )?SOLUTION|the course's own solution", text, re.I), \
+            f"cell {i} of the student copy ships the course copy's verdict on the course's solutions"
+
+
+# A line where a rule caught something names the rule, never a Python error the rule did not mean.
+RULE_LINE = re.compile(r"disqualified|refused|claim:|fails? (its|the) check", re.I)
+PYTHON_ERROR = re.compile(r"\b(?!Value)[A-Z]\w*(Error|Exception)\b")  # ValueError is the course's word for bad input
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_no_stored_output_shows_a_python_error_where_the_prose_claims_a_rule(path):
+    for i, c in enumerate(cells(path)):
+        for line in stored_text(c).splitlines() if c["cell_type"] == "code" else []:
+            assert not (RULE_LINE.search(line) and PYTHON_ERROR.search(line)), \
+                f"cell {i} shows a Python error where a rule should speak: {line[:200]}"
+
+
+def claims_in(src: str):
+    """``claim(text, condition)`` calls of a code cell: (text, condition) pairs."""
+    for node in ast.walk(code_tree(src)):
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == "claim" and len(node.args) == 2 \
+                and isinstance(node.args[0], ast.Constant):
+            yield node.args[0].value, node.args[1]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_a_disqualification_claim_checks_the_reason_not_only_the_verdict(path):
+    """"The wrong entrant is disqualified" holds for any crash; the claim must test *why* (the rule's
+    words in ``.disqualified``), or a TypeError would prove it."""
+    for c in cells(path):
+        for text, condition in claims_in(source(c)) if c["cell_type"] == "code" else ():
+            if "disqualified" in text:
+                reasons = [n for n in ast.walk(condition) if isinstance(n, ast.Compare)
+                           and any(isinstance(op, ast.In) for op in n.ops) and ".disqualified" in ast.unparse(n)]
+                assert reasons, f"the claim {text!r} checks only that an entrant was disqualified, not for what"
+
+
+# ---- The instructor's kit: its totals are its tables' ---------------------------------------------------------
+
+KIT = Path(__file__).parent.parent / "notebooks" / "INSTRUCTOR.md"
+
+
+def stated_minutes(path) -> int:
+    """A notebook's own "Expected time" (its first cell), in minutes: a learner's pace."""
+    return int(re.search(r"Expected time:\*\* about (\d+) minutes", source(cells(path)[0])).group(1))
+
+
+def test_the_kits_run_time_total_is_its_tables_sum():
+    kit = KIT.read_text()
+    rows = dict(re.findall(r"^\| `([^`]+)` \| [^|]* \| (\d+) s\b[^|]*\| [^|]*\|$", kit, re.M))
+    assert set(rows) == {p.stem for p in NOTEBOOKS}, "the timing table has one run time per notebook"
+    minutes, seconds, count = re.search(r"add up to ([\d.]+) minutes \((\d+) s\) for the (\d+) notebooks", kit).groups()
+    total = sum(map(int, rows.values()))
+    assert (int(seconds), float(minutes), int(count)) == (total, round(total / 60, 2), len(NOTEBOOKS))
+
+
+def test_the_one_day_workshop_adds_up_to_a_day_at_the_notebooks_stated_times():
+    kit = KIT.read_text()
+    day = kit[kit.index("## A one-day workshop"):]
+    rows = re.findall(r"^\| (\d\d):(\d\d)-(\d\d):(\d\d) \| (\d+) \| ([^|]*) \|", day, re.M)
+    stated = {p.stem: stated_minutes(p) for p in NOTEBOOKS}
+    clock, room, kinds = None, [], {"notebooks": 0, "breaks": 0, "other": 0}
+    for h0, m0, h1, m1, minutes, what in rows:
+        start, end = int(h0) * 60 + int(m0), int(h1) * 60 + int(m1)
+        assert clock in (None, start) and end - start == int(minutes), f"the slot {h0}:{m0}-{h1}:{m1} does not add up"
+        clock = end
+        names = [n for n in re.findall(r"`([^`]+)`", what) if n in stated]
+        if names:
+            assert int(minutes) == sum(stated[n] for n in names), f"{names}: the slot is not the notebook's stated time"
+            room += names
+        kinds["notebooks" if names else "breaks" if re.search(r"break|lunch", what) else "other"] += int(minutes)
+    day_minutes = clock - (int(rows[0][0]) * 60 + int(rows[0][1]))
+    home = [n for n in re.findall(r"`([^`]+)`", day[day.index("At home"):]) if n in stated]
+    assert sorted(room + home) == sorted(stated), "every notebook is in the room or at home, once"
+    assert room == [p.stem for p in NOTEBOOKS if p.stem.split("_")[0] in ("00", "01", "02", "03", "05", "06", "12")]
+    said = re.search(r"The day is (\d+) hours: (\d+) minutes of notebooks, (\d+) of breaks and lunch, (\d+) of opening", day)
+    assert [int(x) for x in said.groups()] == [day_minutes / 60, kinds["notebooks"], kinds["breaks"], kinds["other"]]
+    assert 6 * 60 <= day_minutes <= 8 * 60, "a day in a room, breaks included"
+    at_home = int(re.search(r"(\d+) minutes at their stated times", day).group(1))
+    assert at_home == sum(stated[n] for n in home)
+
+
+def test_notebook_07s_table_names_every_engine_it_benchmarks():
+    from cbteach.bench import ALL_ENGINES
+
+    nb07 = "".join(source(c) for c in cells(next(p for p in NOTEBOOKS if p.stem.startswith("07_"))))
+    assert all(f"`{name}`" in nb07 for name in ALL_ENGINES), "07's engine table misses an engine it runs"

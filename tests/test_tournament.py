@@ -2,6 +2,7 @@
 break a rule, it ranks the rule-keepers by goodput and disqualifies each breaker with the hint for
 its rule; the same trace gives the same table on every run; the command line writes a table, a
 JSON file and a figure. Every entrant's tokens are checked against per-prompt ``model.generate``."""
+import ast
 import contextlib
 import io
 import json
@@ -18,6 +19,20 @@ SOLUTION = next("".join(c["source"]) for c in json.loads(NOTEBOOK.read_text())["
 HEADER = "import math\nfrom cbteach.engine.scheduler import Scheduler, StepPlan\n\n\n"
 CORRECT = HEADER + SOLUTION  # notebook 06's scheduler, as a learner's file
 ARRIVED = "[s for s in self.waiting if s.arrival_time <= now]"
+
+
+def notebook_12_entrant(name: str) -> str:
+    """What notebook 12's tournament cell appends to the learner's scheduler for the entrant ``name``."""
+    nb12 = Path(__file__).parent.parent / "notebooks" / "12_your_engine.ipynb"
+    for cell in json.loads(nb12.read_text())["cells"]:
+        src = "".join(cell["source"])
+        if cell["cell_type"] != "code" or "%pip" in src:
+            continue
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.Call) and f"{name}.py" in ast.unparse(node.func) and node.args \
+                    and isinstance(node.args[0], ast.BinOp) and isinstance(node.args[0].right, ast.Constant):
+                return node.args[0].right.value
+    raise AssertionError(f"notebook 12 writes no entrant {name}.py")
 
 
 def variant(old, new):
@@ -54,6 +69,8 @@ ENTRANTS = {
                         "            while len(self.running) > 0:\n                pass\n"
                         "            while seq in self.running and self.kv_manager.allocate_slots(seq, n) is None:"), "did not return"),
     "no_class": ("class Other:\n    pass\n", "defines no class MyScheduler"),
+    # notebook 12's own wrong entrant: disqualified by the rule it is there to show, not by a crash
+    "notebook_12_plus_one": (CORRECT + "\n" + notebook_12_entrant("yours_plus_one"), "planned without KV room"),
     "syntax_error": ("def (:\n", "did not run"),
 }
 TRACE = T.Trace(num_requests=16)

@@ -233,7 +233,7 @@ def _refuse(stage, cls) -> str | None:
     if stage < 5 and cls.schedule is Scheduler.schedule:
         return "not done yet: your class does not define schedule(self, now)"
     if stage == 5 and cls.update_from_output is Scheduler.update_from_output:
-        return "not done yet: your class does not define update_from_output(self, plan, output, now)"
+        return "not done yet: your class does not define update_from_output(self, scheduler_output, output, now)"
     return None
 
 

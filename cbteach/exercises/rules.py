@@ -151,8 +151,8 @@ def includes(seqs, seq) -> bool:
     return any(s is seq for s in seqs)
 
 
-def check_admission(sched, seq, out, stage, exercise: bool) -> None:
-    """The admission rules, checked at the moment ``sched.admit(seq, out)`` is called."""
+def check_admission(sched, seq, plan, stage, exercise: bool) -> None:
+    """The admission rules, checked at the moment ``sched.admit(seq, plan)`` is called."""
     if seq not in sched.waiting:
         raise _mistake("not_waiting", stage)
     if seq.arrival_time > sched.check_now:
@@ -161,12 +161,12 @@ def check_admission(sched, seq, out, stage, exercise: bool) -> None:
         raise _mistake("past_batch", stage)
     if not exercise:
         return
-    if out.preempted:
+    if plan.preempted:
         raise _mistake("after_preempt", stage)
     first = next(s for s in sched.waiting if s.arrival_time <= sched.check_now)
     if first is not seq:
         budget = sched.config.token_budget
-        left = math.inf if budget is None else budget - out.total_num_scheduled_tokens
+        left = math.inf if budget is None else budget - plan.total_num_scheduled_tokens
         if sched.kv_manager.num_admittable_tokens(first) < min(first.num_tokens - first.num_computed_tokens, left):
             raise _mistake("overtook", stage)
         raise _mistake("out_of_order", stage)

@@ -208,19 +208,19 @@ def watched(cls: type, stage: int | None = None, rules_: str = "exercise", eos_i
             self.made = rules.Made(plan, out, [s.num_computed_tokens for s in plan.seqs])
             return out
 
-        def admit(self, seq, out):
-            rules.check_admission(self, seq, out, stage, exercise)
-            return super().admit(seq, out)
+        def admit(self, seq, plan):
+            rules.check_admission(self, seq, plan, stage, exercise)
+            return super().admit(seq, plan)
 
-        def preempt(self, seq, out):
+        def preempt(self, seq, plan):
             rules.check_preemption(self, seq, stage, exercise)
-            return super().preempt(seq, out)
+            return super().preempt(seq, plan)
 
-        def update_from_output(self, plan, output, now):
+        def update_from_output(self, scheduler_output, output, now):
             self.kv_manager.begin_step()
             try:
                 with Tracer(UPDATE_REFERENCES if own_update else {}) as tracer:
-                    finished = super().update_from_output(plan, output, now)
+                    finished = super().update_from_output(scheduler_output, output, now)
             except TypeError as err:  # the commonest way to trip over a chunk that got no token
                 if own_update and any(t is None for t in output.sampled):
                     raise SchedulerMistake(f"{update_rules.UPDATE_HINTS['none_token']} ({err})") from None

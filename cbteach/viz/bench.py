@@ -77,7 +77,7 @@ def plot_engines(rows: dict, *, title: str | None = None):
     a2.legend(fontsize=8)
     for a in (a1, a2):
         a.set_xticks(x, names, rotation=30, ha="right", fontsize=8)
-    fig.suptitle(title or "Seven engines, one workload", fontsize=12)
+    fig.suptitle(title or f"{len(names)} engines, one workload", fontsize=12)
     fig.tight_layout()
     return fig
 

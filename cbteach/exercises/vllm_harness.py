@@ -1,0 +1,180 @@
+"""The stage vLLM's own scheduler tests play on, rebuilt around cbteach's scheduler interface.
+
+vLLM V1 tests its scheduler alone: no model, no runner -- a test adds requests, calls ``schedule()``,
+makes up the model's output (``ModelRunnerOutput``) and calls ``update_from_output``, then asserts on
+the message and the requests (``tests/v1/core/test_scheduler.py`` and its helpers in
+``tests/v1/core/utils.py``: ``create_scheduler``, ``create_requests``, ``EOS_TOKEN_ID``). This module is
+the same stage for a cbteach scheduler class -- the learner's, or the engine's own:
+
+* :class:`Harness` builds the scheduler as ``create_scheduler`` does (16 sequences, a budget of 8,192
+  tokens, 10,000 blocks of 16 -- one of them vLLM's null block, so 9,999 usable here) on the course's
+  :class:`~cbteach.kv.manager.KVCacheManager`, and requests as ``create_requests`` does (ids ``"0"``,
+  ``"1"``...; request ``i``'s prompt is ``num_tokens`` copies of ``i``);
+* :meth:`Harness.update` plays the model runner and the engine core: it hands the scheduler a
+  :class:`~cbteach.core.outputs.RunnerOutput` with the tokens a test makes up (vLLM's ``[]``, "no token
+  for a prefill chunk", is ``None`` here), then forgets the requests that finished, as the engine does;
+* :meth:`Harness.update_draft_token_ids` gives guesses as the engine's proposer does
+  (:func:`cbteach.engine.speculative.propose_for`): to a decoding request only -- since vLLM's fix, V1's
+  ``update_draft_token_ids`` also ignores a prefill chunk's;
+* :func:`expect` is an assertion that quotes vLLM's: a failure says what vLLM asserts, in V1's words,
+  and what the scheduler under test gave.
+
+A ``schedule`` that never returns is stopped (:class:`~cbteach.exercises.watchers.Tracer`), and one that
+runs the engine's own scheduling is noted: its results are the engine's.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+from ..core.config import SchedulerConfig
+from ..core.outputs import RunnerOutput
+from ..core.request import Request, RequestStatus, Sequence
+from ..core.sampling import SamplingParams
+from ..core.scheduler_output import CachedRequestData, SchedulerOutput
+from ..engine.scheduler import Scheduler
+from ..kv.manager import KVCacheManager
+from .scheduler_check import REFERENCE, UPDATE_REFERENCES
+from .watchers import Tracer
+
+VLLM_COMMIT = "003df2961dd8830c317a61f9745ccd557da9fa06"  # the newest vllm-project/vllm stored when ported
+VLLM_FILE = "tests/v1/core/test_scheduler.py"
+EOS_TOKEN_ID = 50256  # tests/v1/core/utils.py
+NOW = 1000.0  # the harness's clock: after every arrival (V1's scheduler sees a request once it has arrived)
+
+
+_recorded: list | None = None  # the harnesses made inside recording()
+
+
+@contextlib.contextmanager
+def recording():
+    """Collect every :class:`Harness` made inside the block (to read what their schedulers delegated)."""
+    global _recorded
+    _recorded, saved = [], _recorded
+    try:
+        yield _recorded
+    finally:
+        _recorded = saved
+
+
+class VLLMAssertion(AssertionError):
+    """One of vLLM's assertions did not hold for the scheduler under test; the message quotes it."""
+
+
+def expect(vllm_says: str, got, want=True, here: str = "") -> None:
+    """vLLM asserts ``vllm_says``; here it is ``got == want``. ``here``: what V1's names mean in cbteach."""
+    if got != want:
+        seen = "" if want is True else f" -- here {got!r}, not {want!r}"
+        raise VLLMAssertion(f"vLLM asserts `{vllm_says}`{seen}{f' ({here})' if here else ''}")
+
+
+@dataclass
+class Harness:
+    """One scheduler of class ``cls``, as ``create_scheduler`` (or ``create_scheduler_with_priority``)
+    builds vLLM's, and the engine's part of a step around it."""
+
+    cls: type
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 8192
+    num_blocks: int = 10000
+    block_size: int = 16
+    enable_prefix_caching: bool = False
+    policy: str = "fcfs"
+    steps: int = 0
+    delegated: set = field(default_factory=set)  # the engine's own code the scheduler ran
+
+    def __post_init__(self):
+        config = SchedulerConfig(max_batch_size=self.max_num_seqs, token_budget=self.max_num_batched_tokens,
+                                 policy=self.policy)
+        self.kv = KVCacheManager(self.num_blocks - 1, self.block_size, prefix_caching=self.enable_prefix_caching)
+        self.scheduler = self.cls(config, self.kv, eos_ids=frozenset({EOS_TOKEN_ID}))
+        if _recorded is not None:
+            _recorded.append(self)
+
+    # -- requests, as tests/v1/core/utils.py makes them ----------------------------------------------
+    def create_requests(self, num_requests: int, num_tokens: int = 10, max_tokens: int = 16, stop_token_ids=(),
+                        same_prompt: bool = False, req_ids=None, ignore_eos: bool = False, priorities=None,
+                        arrival_times=None, starting_idx: int = 0) -> list[Sequence]:
+        out = []
+        for i in range(num_requests):
+            rid = req_ids[i] if req_ids else f"{i + starting_idx}"
+            at = arrival_times[i] if arrival_times else 0.0
+            prompt = [starting_idx if same_prompt else i + starting_idx] * num_tokens
+            request = Request(prompt, max_tokens, request_id=rid, arrival_time=at,
+                              priority=priorities[i] if priorities else 0, ignore_eos=ignore_eos,
+                              sampling_params=SamplingParams(stop_token_ids=tuple(stop_token_ids)))
+            out.append(Sequence(request=request, prompt_ids=list(prompt), arrival_time=at))
+        return out
+
+    def add_request(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+
+    def finish_requests(self, seq: Sequence) -> None:
+        """V1's ``finish_requests(id, FINISHED_...)``: the request ends where it is, its blocks freed."""
+        self.scheduler.abort(seq)
+        self.scheduler.forget(seq)
+
+    # -- one step: schedule, the runner's made-up output, update ----------------------------------
+    def schedule(self) -> SchedulerOutput:
+        self.steps += 1
+        own = self.cls.schedule is not Scheduler.schedule
+        with Tracer(REFERENCE if own else {}) as tracer:
+            out = self.scheduler.schedule(NOW + self.steps)
+        if tracer.called:
+            self.delegated.add(tracer.called)
+        if not isinstance(out, SchedulerOutput):
+            raise VLLMAssertion(f"schedule() returned {type(out).__name__}, not the step's message (a SchedulerOutput)"
+                                + (": not done yet?" if out is None else ""))
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: dict) -> list:
+        """The runner's output for ``out``: ``sampled[request id]``, vLLM-style (``[]``: no token), for each
+        request the message scheduled (V1 reads them by id, ``req_id_to_index``)."""
+        ids = list(out.num_scheduled_tokens)
+        tokens = [list(sampled[r]) if sampled.get(r) else None for r in ids]
+        own = self.cls.update_from_output is not Scheduler.update_from_output
+        with Tracer(UPDATE_REFERENCES if own else {}) as tracer:
+            finished = self.scheduler.update_from_output(out, RunnerOutput(sampled=tokens, req_ids=ids), NOW + self.steps)
+        if tracer.called:
+            self.delegated.add(tracer.called)
+        if not isinstance(finished, list):
+            raise VLLMAssertion(f"update_from_output() returned {type(finished).__name__}, not the list of the "
+                                "requests that finished" + (": not done yet?" if finished is None else ""))
+        for seq in [*finished, *(self.scheduler.requests.get(r) for r in ids)]:  # as the engine core does
+            if seq is not None and seq.status.is_finished and seq.request_id in self.scheduler.requests:
+                self.scheduler.forget(seq)
+        return finished
+
+    def update_draft_token_ids(self, req_ids, draft_token_ids) -> None:
+        """Guesses for the next step, to decoding requests only (a prefill chunk's are ignored)."""
+        for rid, drafts in zip(req_ids, draft_token_ids):
+            seq = self.scheduler.requests.get(rid)
+            if seq is not None and seq.is_decoding:
+                seq.draft_ids = list(drafts)
+
+    def running_after_schedule(self, seqs, spec: dict) -> SchedulerOutput:
+        """``test_stop_via_update_from_output``'s set-up: every request running, all its known tokens
+        computed, and a message scheduling its last token plus its guesses ``spec[id]``. V1 writes the
+        message by hand and sets ``num_computed_tokens = num_tokens``; cbteach counts a step's tokens as
+        computed when it is planned (``update_after_schedule``), with their KV room -- so here they are."""
+        ids, starts, counts = [], [], {}
+        for seq in seqs:
+            seq.status = RequestStatus.RUNNING
+            self.scheduler.requests[seq.request_id] = seq
+            self.scheduler.running.append(seq)
+            guesses = list(spec.get(seq.request_id, []))
+            seq.draft_ids = guesses
+            seq.num_computed_tokens = seq.num_tokens - 1
+            self.kv.allocate_slots(seq, 1 + len(guesses))
+            ids.append(seq.request_id)
+            starts.append(seq.num_computed_tokens)
+            counts[seq.request_id] = 1 + len(guesses)
+            seq.num_computed_tokens += 1 + len(guesses)
+        cached = CachedRequestData(req_ids=ids, replace_block_ids=[False] * len(ids), new_block_ids=[[] for _ in ids],
+                                   num_computed_tokens=starts)
+        return SchedulerOutput(scheduled_cached_reqs=cached, num_scheduled_tokens=counts,
+                               total_num_scheduled_tokens=sum(counts.values()),
+                               scheduled_spec_decode_tokens={r: list(g) for r, g in spec.items() if g})
+
+    def ids(self, seqs) -> list:
+        return [s.request_id for s in seqs]

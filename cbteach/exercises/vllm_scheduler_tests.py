@@ -1,0 +1,299 @@
+"""vLLM's own scheduler tests, as a check of any cbteach scheduler: "your scheduler passes N of vLLM's M".
+
+Ported from vLLM V1's ``tests/v1/core/test_scheduler.py`` at vllm-project/vllm@003df29
+(:data:`~cbteach.exercises.vllm_harness.VLLM_COMMIT`): each test keeps vLLM's scenario -- its requests,
+sizes, made-up model outputs -- and its assertions, quoted in V1's words when one fails; the code is
+cbteach's (:mod:`cbteach.exercises.vllm_harness` is the stage). Where V1 and cbteach name a thing
+differently the quote says what it is here (``FINISHED_LENGTH_CAPPED`` is ``finish_reason == "length"``).
+The priority tests are in :mod:`cbteach.exercises.vllm_priority_tests`.
+
+Ported (25, counting each parametrization as vLLM's pytest does): ``test_schedule`` (without and with
+prefix caching), ``test_schedule_order`` (chunked prefill on), ``test_stop_via_update_from_output``,
+``test_schedule_spec_decoding_stats`` (6 cases: its counts come from the message and from how far
+``num_computed_tokens`` moves, not from V1's stats object), ``test_no_spec_tokens_scheduled_for_prefill_chunks``,
+``test_spec_decode_padding_skipped_for_diffusion`` (its scheduler pads nothing, as cbteach's never
+does: a prompt whose blocks are all cached but its last token feeds that one token), ``test_memory_leak``,
+and the twelve priority tests.
+
+Left out, and why:
+
+* ``test_add_requests``, ``test_finish_request``, ``test_get_num_unfinished_requests`` -- bookkeeping a
+  learner's scheduler inherits (``add``, ``abort``), never writes;
+* ``test_schedule_order`` with chunked prefill off, ``test_schedule_concurrent_partial_requests``
+  (``long_prefill_token_threshold``), ``test_schedule_prefills_gating`` and the ``test_throttle_*``
+  tests (data-parallel prefill throttling), ``test_schedule_skip_tokenizer_init`` (test_schedule's
+  scenario under a V1 option) -- options cbteach does not have: it always chunks;
+* ``test_schedule_concurrent_batches``, ``test_preempt_during_execution``,
+  ``test_async_scheduling_pp_allows_rescheduling_with_output_placeholders`` -- two steps planned before
+  the first's output (pipeline parallelism): cbteach plans ahead only under async scheduling, whose
+  placeholders its engine keeps, not its scheduler;
+* ``test_spec_decoding_stats_empty_output`` -- an empty token list for a decode: cbteach's runner
+  reports a failure as ``output.errors[i]`` instead; ``test_spec_decode_padding_first_decode_step``
+  and ``..._skipped_with_prefill_in_batch`` -- V1 pads guesses for uniform batch shapes, cbteach never;
+* ``test_check_stop_min_tokens`` -- no ``min_tokens`` here; ``test_scheduler_reset_prefix_cache``,
+  the ``test_prefix_cache_*`` stats tests and ``test_scheduler_stats_*`` -- counters and a reset that
+  belong to V1's KV manager and front end;
+* everything multimodal, encoder-cache, encoder-decoder, structured-output (grammar), EAGLE,
+  Mamba/hybrid, KV-connector and EC-connector (remote KV, ``skipped_waiting``) -- machinery the course's
+  engine does not have; ``test_cached_request_data_resumed_all_token_ids_mrv1_only`` -- V1's runners'
+  message format (cbteach's runner appended a resumed request's tokens itself).
+
+The file holds no test of two identical prompts admitted in one step (their prefix hit): cbteach's
+own checks cover it (notebook 06, stage 3; ``tests/test_prefix_caching.py``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..core.request import RequestStatus
+from ..engine.scheduler import Scheduler
+from . import raised, report, self_check, vllm_priority_tests
+from .vllm_harness import EOS_TOKEN_ID, VLLM_COMMIT, VLLM_FILE, Harness, VLLMAssertion, expect, recording
+
+
+def test_schedule(cls, enable_prefix_caching):
+    h = Harness(cls, enable_prefix_caching=enable_prefix_caching)
+    requests = h.create_requests(num_requests=10)
+    for request in requests:
+        h.add_request(request)
+    output = h.schedule()
+    expect("len(output.scheduled_new_reqs) == len(requests)", len(output.scheduled_new_reqs), len(requests))
+    expect("output.scheduled_cached_reqs.num_reqs == 0", len(output.scheduled_cached_reqs.req_ids), 0)
+    expect("len(output.finished_req_ids) == 0", len(output.finished_req_ids), 0)
+    for req_id, num_tokens in output.num_scheduled_tokens.items():
+        expect("num_tokens == len(requests[int(req_id)].prompt_token_ids)", num_tokens,
+               len(requests[int(req_id)].prompt_ids))
+    expect("len(scheduler.waiting) == 0", len(h.scheduler.waiting), 0)
+    expect("len(scheduler.running) == len(requests)", len(h.scheduler.running), len(requests))
+    expect("scheduler.running[i] == request (for each i)", h.ids(h.scheduler.running), h.ids(requests))
+
+
+def test_schedule_order(cls):
+    h = Harness(cls, max_num_batched_tokens=1024, max_num_seqs=3)
+    requests = h.create_requests(2, num_tokens=800, req_ids=["1", "2"])  # long requests
+    requests += h.create_requests(2, num_tokens=10, req_ids=["3", "4"])  # short requests
+    for request in requests:
+        h.add_request(request)
+    output = h.schedule()
+    expect("len(scheduler_output1.scheduled_new_reqs) == 2", len(output.scheduled_new_reqs), 2,
+           "with chunked prefill, long requests will be chunked")
+
+
+def _stop_case(cls, spec, sampled, **request_kwargs):
+    """One case of ``test_stop_via_update_from_output``: two requests running, one step's update."""
+    h = Harness(cls)
+    requests = h.create_requests(num_requests=len(sampled), **request_kwargs)
+    output = h.running_after_schedule(requests, {r.request_id: g for r, g in zip(requests, spec)})
+    h.update(output, {r.request_id: s for r, s in zip(requests, sampled)})
+    return h, requests
+
+
+def test_stop_via_update_from_output(cls):
+    stopped = ("requests[0].status == RequestStatus.FINISHED_STOPPED", RequestStatus.FINISHED)
+    # Test case 1: Stop on EOS token
+    h, requests = _stop_case(cls, [[], [10]], [[EOS_TOKEN_ID], [10, 11]], max_tokens=10)
+    expect("len(scheduler.running) == 1", len(h.scheduler.running), 1)
+    expect("scheduler.running[0].request_id == requests[1].request_id", h.ids(h.scheduler.running), ["1"])
+    expect(stopped[0], (requests[0].status, requests[0].finish_reason), (stopped[1], "eos"), "finish_reason 'eos'")
+    expect("requests[0].request_id in scheduler.finished_req_ids", "0" in h.scheduler.finished_req_ids)
+    expect("list(requests[0].output_token_ids) == [EOS_TOKEN_ID]", requests[0].output_ids, [EOS_TOKEN_ID])
+    expect("list(requests[1].output_token_ids) == [10, 11]", requests[1].output_ids, [10, 11])
+    # Test case 2: Stop on custom stop token
+    h, requests = _stop_case(cls, [[10, 42], [13]], [[10, 42, 12], [13, 14]], max_tokens=10, stop_token_ids=[42, 43])
+    expect("len(scheduler.running) == 1", len(h.scheduler.running), 1)
+    expect("scheduler.running[0].request_id == requests[1].request_id", h.ids(h.scheduler.running), ["1"])
+    expect("requests[0].stop_reason == 42", (requests[0].finish_reason, requests[0].output_ids[-1:]), ("stop", [42]),
+           "finish_reason 'stop', at token 42")
+    expect("list(requests[0].output_token_ids) == [10, 42]", requests[0].output_ids, [10, 42])
+    expect("list(requests[1].output_token_ids) == [13, 14]", requests[1].output_ids, [13, 14])
+    # Test case 3: Stop on max tokens
+    h, requests = _stop_case(cls, [[10, 11], []], [[10, 11, 12], [13]], max_tokens=2)
+    expect("len(scheduler.running) == 1", len(h.scheduler.running), 1)
+    expect("scheduler.running[0].request_id == requests[1].request_id", h.ids(h.scheduler.running), ["1"])
+    expect("requests[0].status == RequestStatus.FINISHED_LENGTH_CAPPED", requests[0].finish_reason, "length",
+           "finish_reason")
+    expect("list(requests[0].output_token_ids) == [10, 11]  # Truncated to max_tokens", requests[0].output_ids, [10, 11])
+    expect("list(requests[1].output_token_ids) == [13]", requests[1].output_ids, [13])
+    # Test case 4: Ignore EOS flag
+    h, requests = _stop_case(cls, [[EOS_TOKEN_ID, 10]], [[EOS_TOKEN_ID, 10, 11]], max_tokens=10, ignore_eos=True)
+    expect("len(scheduler.running) == 1", len(h.scheduler.running), 1)
+    expect("not requests[0].is_finished()", not requests[0].status.is_finished)
+    expect("list(requests[0].output_token_ids) == [EOS_TOKEN_ID, 10, 11]", requests[0].output_ids,
+           [EOS_TOKEN_ID, 10, 11])
+
+
+SPEC_CASES = {  # "mirror some of those in test_rejection_sampler.py": spec tokens, output tokens, expected stats
+    "perfect match": ([[1, 2, 3]], [[1, 2, 3, 4]], (1, 3, 3, [1, 1, 1])),
+    "early mismatch": ([[1, 2, 3]], [[1, 5]], (1, 3, 1, [1, 0, 0])),
+    "multiple sequences": ([[1, 2], [3]], [[1, 2, 5], [3, 4]], (2, 3, 3, [2, 1])),
+    "single token sequence": ([[1]], [[1, 2]], (1, 1, 1, [1])),
+    "empty sequence": ([[]], [[5]], (0, 0, 0, [0])),
+    "multiple mismatches": ([[1, 2, 3], [4, 5, 6]], [[1, 2, 7], [4, 8]], (2, 6, 3, [2, 1, 0])),
+}
+
+
+def test_schedule_spec_decoding_stats(cls, spec_tokens, output_tokens, expected):
+    num_spec_tokens = max(1, max(len(t) for t in spec_tokens))
+    h = Harness(cls)
+    requests = h.create_requests(num_requests=len(spec_tokens), num_tokens=1)
+    req_ids = h.ids(requests)
+    for request in requests:
+        h.add_request(request)
+    output = h.schedule()  # a decode, which will also draft speculative tokens
+    expect("len(output.scheduled_new_reqs) == len(requests)", len(output.scheduled_new_reqs), len(requests))
+    expect("output.total_num_scheduled_tokens == len(requests)", output.total_num_scheduled_tokens, len(requests))
+    for req_id in req_ids:
+        expect("output.num_scheduled_tokens[req_id] == 1", output.num_scheduled_tokens.get(req_id), 1)
+        expect("req_id not in output.scheduled_spec_decode_tokens", req_id not in output.scheduled_spec_decode_tokens)
+    h.update(output, {r: [0] for r in req_ids})
+    h.update_draft_token_ids(req_ids, spec_tokens)
+    for i, running_req in enumerate(h.scheduler.running):
+        expect("running_req.num_computed_tokens == 1", running_req.num_computed_tokens, 1, "the prompt token")
+        expect("running_req.num_tokens == 2", running_req.num_tokens, 2, "the prompt token and the sampled token")
+        expect("running_req.num_tokens_with_spec == 2 + len(spec_tokens[i])",
+               running_req.num_tokens + len(running_req.draft_ids), 2 + len(spec_tokens[i]), "num_tokens + len(draft_ids)")
+    output = h.schedule()  # the speculated tokens, for validation
+    expect("len(output.scheduled_new_reqs) == 0", len(output.scheduled_new_reqs), 0)
+    expect("output.total_num_scheduled_tokens == len(requests) + sum(len(ids) for ids in spec_tokens)",
+           output.total_num_scheduled_tokens, len(requests) + sum(len(ids) for ids in spec_tokens))
+    for req_id, spec in zip(req_ids, spec_tokens):
+        expect("output.num_scheduled_tokens[req_id] == 1 + len(spec_tokens[i])", output.num_scheduled_tokens.get(req_id),
+               1 + len(spec))
+        if spec:
+            expect("len(output.scheduled_spec_decode_tokens[req_id]) == len(spec_tokens[i])",
+                   len(output.scheduled_spec_decode_tokens.get(req_id, ())), len(spec))
+        else:
+            expect("req_id not in output.scheduled_spec_decode_tokens", req_id not in output.scheduled_spec_decode_tokens)
+    h.update(output, dict(zip(req_ids, output_tokens)))
+    accepted = [s.num_computed_tokens - 2 for s in requests]  # past the prompt and the token before the guesses
+    stats = (len(output.scheduled_spec_decode_tokens), sum(map(len, output.scheduled_spec_decode_tokens.values())),
+             sum(accepted), [sum(a > j for a in accepted) for j in range(num_spec_tokens)])
+    for k, name in enumerate(("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos")):
+        expect(f"stats.{name} == expected[{k}]", stats[k], expected[k],
+               "accepted guesses: how far num_computed_tokens moved past the token before them")
+
+
+def test_no_spec_tokens_scheduled_for_prefill_chunks(cls):
+    h = Harness(cls, max_num_batched_tokens=50)  # num_speculative_tokens=3; an 80-token prompt
+    (req,) = h.create_requests(num_requests=1, num_tokens=80)
+    h.add_request(req)
+    output = h.schedule()  # a prefill chunk, 50 of 80 tokens
+    expect("len(output.scheduled_new_reqs) == 1", len(output.scheduled_new_reqs), 1)
+    expect("output.num_scheduled_tokens[req.request_id] == 50", output.num_scheduled_tokens.get("0"), 50)
+    h.update(output, {"0": []})  # no sampled token: still prefilling
+    h.update_draft_token_ids(["0"], [[1, 2, 3]])  # ignored for a prefill chunk
+    output = h.schedule()
+    expect("output.num_scheduled_tokens[req.request_id] == 30", output.num_scheduled_tokens.get("0"), 30,
+           "the remaining prefill only, no guesses")
+    expect("req.request_id not in output.scheduled_spec_decode_tokens", "0" not in output.scheduled_spec_decode_tokens)
+    h.update(output, {"0": [42]})  # prefill complete
+    h.update_draft_token_ids(["0"], [[1, 2, 3]])
+    expect("req.spec_token_ids == [1, 2, 3]", req.draft_ids, [1, 2, 3], "seq.draft_ids")
+    output = h.schedule()
+    expect("output.num_scheduled_tokens[req.request_id] == 4", output.num_scheduled_tokens.get("0"), 4,
+           "1 new token + 3 spec tokens")
+    expect("len(output.scheduled_spec_decode_tokens[req.request_id]) == num_spec_tokens",
+           len(output.scheduled_spec_decode_tokens.get("0", ())), 3)
+
+
+def test_spec_decode_padding_skipped_for_diffusion(cls):
+    h = Harness(cls, enable_prefix_caching=True, block_size=16)  # num_speculative_tokens=3, nothing padded
+    r1, r2 = h.create_requests(num_requests=2, num_tokens=33, same_prompt=True, max_tokens=16)
+    h.add_request(r1)
+    out = h.schedule()
+    expect("out.num_scheduled_tokens[r1.request_id] == 33", out.num_scheduled_tokens.get("0"), 33)
+    h.update(out, {"0": [100]})
+    h.update_draft_token_ids(["0"], [[1, 2, 3]])
+    h.add_request(r2)  # its whole prompt but the last token is a prefix-cache hit
+    out = h.schedule()
+    expect("out.scheduled_spec_decode_tokens[r1.request_id] == [1, 2, 3]", out.scheduled_spec_decode_tokens.get("0"),
+           [1, 2, 3])
+    expect("out.num_scheduled_tokens[r2.request_id] == 1", out.num_scheduled_tokens.get("1"), 1,
+           "r2 keeps its true 1-token span: two full blocks of its 33-token prompt are cached")
+    expect("r2.request_id not in out.scheduled_spec_decode_tokens", "1" not in out.scheduled_spec_decode_tokens)
+
+
+def test_memory_leak(cls):
+    h = Harness(cls, enable_prefix_caching=True)
+    for request in h.create_requests(num_requests=5, num_tokens=10, max_tokens=10):
+        h.add_request(request)
+        out = h.schedule()
+        h.update(out, {r: [1000] for r in out.num_scheduled_tokens})
+    for _ in range(100):  # iterate until done (V1's loop has no bound; a stuck scheduler would hang it)
+        out = h.schedule()
+        if not h.scheduler.running:
+            break
+        h.update(out, {r: [1000] for r in out.num_scheduled_tokens})
+    for what, got in (("len(scheduler.requests) == 0", len(h.scheduler.requests)),
+                      ("len(scheduler.waiting) == 0", len(h.scheduler.waiting)),
+                      ("len(scheduler.running) == 0", len(h.scheduler.running)),
+                      ("len(scheduler.finished_req_ids) == 0", len(h.scheduler.finished_req_ids))):
+        expect(what, got, 0, "no leaks")
+    expect("num_free_blocks == (scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1)", h.kv.num_free_blocks,
+           h.num_blocks - 1, "every block back")
+
+
+TESTS = {"test_schedule[prefix caching off]": (test_schedule, {"enable_prefix_caching": False}),
+         "test_schedule[prefix caching on]": (test_schedule, {"enable_prefix_caching": True}),
+         "test_schedule_order[chunked prefill]": (test_schedule_order, {}),
+         "test_stop_via_update_from_output": (test_stop_via_update_from_output, {})}
+TESTS.update({f"test_schedule_spec_decoding_stats[{k}]": (test_schedule_spec_decoding_stats, dict(
+    zip(("spec_tokens", "output_tokens", "expected"), case))) for k, case in SPEC_CASES.items()})
+TESTS.update({f.__name__: (f, {}) for f in (test_no_spec_tokens_scheduled_for_prefill_chunks,
+                                             test_spec_decode_padding_skipped_for_diffusion, test_memory_leak)})
+TESTS.update({f.__name__: (f, {}) for f in vllm_priority_tests.TESTS})
+
+
+@dataclass
+class Report:
+    """Which of vLLM's ported tests a scheduler class passes; for each failure, vLLM's words."""
+
+    passed: list = field(default_factory=list)
+    failed: dict = field(default_factory=dict)  # test -> what vLLM asserts (or what stopped the test)
+    delegated: set = field(default_factory=set)  # the engine's own code the scheduler ran
+
+    def __str__(self) -> str:
+        n, m = len(self.passed), len(self.passed) + len(self.failed)
+        lines = [f"your scheduler passes {n} of vLLM's {m} ported scheduler tests "
+                 f"(vllm-project/vllm@{VLLM_COMMIT[:7]}, {VLLM_FILE})"]
+        if self.delegated:
+            lines.append(f"  !! it ran the engine's own {', '.join(sorted(self.delegated))}: these results are the engine's")
+        lines += [f"  ✗ {name}: {why}" for name, why in self.failed.items()]
+        return "\n".join(lines)
+
+
+def run(scheduler_cls, update_cls=None) -> Report:
+    """Every ported test on ``scheduler_cls`` (with ``update_cls``'s ``update_from_output``, if given:
+    notebook 06's ``MyScheduler`` and ``MyUpdate``)."""
+    cls = scheduler_cls
+    if update_cls is not None and not issubclass(scheduler_cls, update_cls):
+        cls = update_cls if issubclass(update_cls, scheduler_cls) else \
+            type(scheduler_cls.__name__, (scheduler_cls, update_cls), {})
+    result = Report()
+    with recording() as made:
+        for name, (test, kwargs) in TESTS.items():
+            try:
+                test(cls, **kwargs)
+            except VLLMAssertion as err:
+                result.failed[name] = str(err)
+            except Exception as err:  # noqa: BLE001 -- the scheduler under test raised
+                result.failed[name] = f"the test stopped before vLLM's assertions held: {raised(err)}"
+            else:
+                result.passed.append(name)
+    result.delegated = set().union(*(h.delegated for h in made))
+    return result
+
+
+@self_check
+def check_vllm_tests(scheduler_cls, update_cls=None) -> bool:
+    """Print how many of vLLM's ported tests ``scheduler_cls`` (and ``update_cls``) pass, each failure
+    with vLLM's assertion; True when every one passes."""
+    if scheduler_cls is None:
+        return report(False, "", "not done yet: write your scheduler class, then run this check")
+    for cls in (scheduler_cls, update_cls):
+        if cls is not None and not (isinstance(cls, type) and issubclass(cls, Scheduler)):
+            return report(False, "", f"pass your classes themselves, subclasses of Scheduler (got {type(cls).__name__}): "
+                                     "not done yet?")
+    result = run(scheduler_cls, update_cls)
+    print(result)
+    return not result.failed and not result.delegated
