@@ -123,7 +123,7 @@ class Engine(EngineCore):
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(requests), desc="requests", unit="req")
-        while self.has_unfinished():
+        while self.has_requests():  # (after the last request: one more message tells the worker who finished)
             record = self._step()
             if bar is not None:
                 bar.update(sum(r.request_id in self.completions for r in requests) - bar.n)

@@ -72,7 +72,7 @@ class EngineCore:
 
     def __init__(self, model, tokenizer=None, *, max_batch_size: int, kv: str = "concat",
                  keep_records: bool = True, clock=None, scheduler_cls=None, kv_manager=None, attention=None,
-                 slot_mapping=None, update_states=None, **options):
+                 slot_mapping=None, update_batch=None, **options):
         self.config = EngineConfig.from_options(max_batch_size=max_batch_size, kv=kv, keep_records=keep_records,
                                                 **options)
         self.info = modelinfo.describe(model, tokenizer)  # refuses models the engine cannot run exactly
@@ -90,7 +90,7 @@ class EngineCore:
         self.scheduler = pick_scheduler_cls(self.config, scheduler_cls)(
             self.config.scheduler, self.kv.manager, eos_ids=self.info.eos_ids)
         self.executor = make_executor(model, model_view(model, self.kv.attn_implementation), self.info, self.kv,
-                                      self.config, update_states=update_states)
+                                      self.config, update_batch=update_batch)
         self.keep_records = self.config.keep_records
         self.records: list[StepRecord] = []
         self.completions: dict[object, Completion] = {}

@@ -21,16 +21,16 @@ from .uniproc import UniProcExecutor
 __all__ = ["make_executor", "UniProcExecutor"]
 
 
-def make_executor(model, view, info, kv_cache, config, update_states=None):
+def make_executor(model, view, info, kv_cache, config, update_batch=None):
     """The executor for ``config``: ``view`` is the engine's own view of ``model`` (one process);
-    ``update_states`` a learner's own message-to-batch function (notebook 06), one process only."""
+    ``update_batch`` a learner's own message-to-batch function (notebook 06), one process only."""
     if config.tensor_parallel_size == 1:
         runner = ModelRunner(view, kv_cache, device=info.device, accepts_logits_to_keep=info.accepts_logits_to_keep,
                              max_num_reqs=config.scheduler.max_batch_size, max_model_len=info.max_positions,
-                             update_states=update_states)
+                             update_batch=update_batch)
         return UniProcExecutor(runner)
-    if update_states is not None:
-        raise ValueError("a plugged-in update_states runs in this process; with tensor_parallel_size > 1 every rank "
+    if update_batch is not None:
+        raise ValueError("a plugged-in update_batch runs in this process; with tensor_parallel_size > 1 every rank "
                          "runs the engine's own: use tensor_parallel_size=1 to run yours")
     from .multiproc import MultiprocExecutor  # its workers start here: errors before any process starts
 

@@ -88,16 +88,17 @@ def check_update(sched, made, output, finished, stage) -> None:
     if not isinstance(finished, (list, tuple)):
         raise _update_mistake("not_a_list", type(finished).__name__)
     plan = made.plan
-    errors = getattr(output, "errors", None) or [None] * len(plan.seqs)
+    errors = getattr(output, "errors", None) or [None] * len(output.sampled)
     drafts = [made.output.num_draft_tokens(s.request_id) for s in plan.seqs]
     for i, (seq, c, n, d) in enumerate(zip(plan.seqs, made.starts, plan.num_scheduled_tokens, drafts)):
-        if errors[i] is not None or seq.status is RequestStatus.ABORTED:
+        j = output.req_id_to_index[seq.request_id]  # the worker's order, not the plan's
+        if errors[j] is not None or seq.status is RequestStatus.ABORTED:
             continue  # a failure of its own, the engine's business
-        _check_tokens(sched, seq, output.sampled[i], sched.outputs_before[i])
+        _check_tokens(sched, seq, output.sampled[j], sched.outputs_before[i])
         if seq.finish_reason:
             _check_finished(sched, seq, finished)
             continue
-        want = c + n - d + (len(output.sampled[i]) - 1 if d else 0)
+        want = c + n - d + (len(output.sampled[j]) - 1 if d else 0)
         if seq.num_computed_tokens != want:
             raise _update_mistake(("drafts_not_taken_back" if seq.num_computed_tokens > want else "drafts_over")
                                   if d else "moved")

@@ -170,8 +170,8 @@ class Harness:
             starts.append(seq.num_computed_tokens)
             counts[seq.request_id] = 1 + len(guesses)
             seq.num_computed_tokens += 1 + len(guesses)
-        cached = CachedRequestData(req_ids=ids, replace_block_ids=[False] * len(ids), new_block_ids=[[] for _ in ids],
-                                   num_computed_tokens=starts)
+        cached = CachedRequestData(req_ids=ids, new_block_ids=[[] for _ in ids], num_computed_tokens=starts,
+                                   num_output_tokens=[len(s.output_ids) for s in seqs])
         return SchedulerOutput(scheduled_cached_reqs=cached, num_scheduled_tokens=counts,
                                total_num_scheduled_tokens=sum(counts.values()),
                                scheduled_spec_decode_tokens={r: list(g) for r, g in spec.items() if g})

@@ -139,7 +139,7 @@ class EngineCore:
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
         while not self.stopping:
-            busy = self.engine.has_unfinished()
+            busy = self.engine.has_requests()  # (finished ones the worker still holds count: V1's rule)
             t = time.perf_counter()
             if busy or poller.poll(IDLE_POLL_MS):
                 self._take_inputs()
@@ -147,7 +147,7 @@ class EngineCore:
                 self.stats.idle_s += time.perf_counter() - t
             if os.getppid() != self.spec.parent_pid:
                 return  # the API server is gone: nobody will read what we make
-            if self.engine.has_unfinished():
+            if self.engine.has_requests():
                 self._step()
             elif self.accepted or self.rejected or self.changed:
                 self._send(-1, [], [], [], [])  # nothing to step, but the API server must hear of it

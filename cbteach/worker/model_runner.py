@@ -45,7 +45,7 @@ from ..core.sampling import make_generator
 from ..errors import EngineDeadError, EngineRuleError
 from .input_batch import CachedRequestState, InputBatch
 from .sampler import NOT_FINITE, accept, sample_on_device
-from .states import apply_message
+from . import states
 
 
 @dataclass
@@ -76,7 +76,7 @@ class ModelRunner:
     :func:`~cbteach.core.model_view.model_view`; a tensor-parallel rank: its shard) over ``kv_cache``'s pool."""
 
     def __init__(self, model, kv_cache, *, device, accepts_logits_to_keep: bool, max_num_reqs: int,
-                 max_model_len: int | None = None, update_states=None):
+                 max_model_len: int | None = None, update_batch=None):
         self.model, self.kv_cache, self.device = model, kv_cache, torch.device(device)
         self.accepts_logits_to_keep = accepts_logits_to_keep
         self.block_size = kv_cache.block_size if kv_cache.kind == "paged" else None
@@ -85,7 +85,7 @@ class ModelRunner:
         self.unwritten_blocks: set[int] = set()
         self.feed_from_device = False  # async scheduling: a step reads the last step's tokens on the device
         self.prev = None  # (tokens on the device, {request id: index}) of the last step, for that feed
-        self.apply_message = update_states or apply_message  # a learner's own (notebook 06), or V1's
+        self.update_batch = update_batch or states.update_batch  # a learner's own (notebook 06), or V1's
 
     def close(self) -> None:
         """Nothing to release in one process (a tensor-parallel rank's process ends instead)."""
@@ -114,8 +114,23 @@ class ModelRunner:
         return self.finish(step)
 
     def update_states(self, msg) -> None:
-        """The message changes the batch (V1's ``_update_states``; see :mod:`cbteach.worker.states`)."""
-        self.apply_message(self, msg)
+        """The message changes the worker: blocks move first (V0's swap-outs, copies on write), then the
+        batch (V1's ``_update_states``: :func:`~cbteach.worker.states.update_batch`), then the rest moves in
+        (host copies of finished requests dropped, V0's swap-ins, speculative guesses after the known tokens)."""
+        kv = self.kv_cache
+        for rid, blocks in getattr(msg, "blocks_to_swap_out", {}).items():  # (V0's message only)
+            kv.swap_out_blocks(rid, blocks)
+        if msg.block_copies:
+            self.copy_blocks(msg.block_copies)
+        self.update_batch(self, msg)
+        if kv.kind == "paged":
+            for rid in msg.finished_req_ids:
+                kv.discard(rid)
+        for rid, blocks in getattr(msg, "blocks_to_swap_in", {}).items():
+            kv.swap_in_blocks(rid, blocks)
+        batch = self.input_batch
+        for rid, drafts in msg.scheduled_spec_decode_tokens.items():
+            batch.write_guesses(batch.req_id_to_index[rid], drafts)
 
     def copy_blocks(self, copies: list) -> None:
         """Copies on write ``(src, dst)``, made before anyone writes; a copy takes over what its source

@@ -2,27 +2,28 @@
 
 The worker never reads the scheduler's objects. Each step's
 :class:`~cbteach.core.scheduler_output.SchedulerOutput` is the only news it gets, and
-:func:`apply_message` turns it into the worker's state -- ``runner.requests`` (a
+:func:`update_batch` turns it into the worker's state -- ``runner.requests`` (a
 :class:`~cbteach.worker.input_batch.CachedRequestState` per request it holds) and
 ``runner.input_batch`` (a row per request scheduled now). Read beside V1's
 ``GPUModelRunner._update_states`` (``vllm/v1/worker/gpu_model_runner.py`` at ``000fc94``):
 
-1. **forget who finished** -- their states and their rows (and, V0's swap, any host copy they left);
-2. **blocks that move first** -- V0's swap-outs and copies on write, before anyone this step writes
-   into a block a victim gave up (cbteach's and V0's; V1 has neither);
-3. **rows of requests not scheduled now leave the batch** -- preempted ones, or running ones the
+1. **forget who finished** -- their states and their rows;
+2. **rows of requests not scheduled now leave the batch** -- preempted ones, or running ones the
    token budget left out this step; their states stay, they will be back;
-4. **new requests** get a state: prompt, sampling parameters, a generator (seeded ones), block ids,
+3. **new requests** get a state: prompt, sampling parameters, a generator (seeded ones), block ids,
    where they start (past a prefix-cache hit);
-5. **cached requests** get where they start now and their new blocks, appended -- or, resumed after a
+4. **cached requests** get where they start now and their new blocks, appended -- or, resumed after a
    preemption (or, cbteach's, a table changed by a copy on write or a trim), their whole table;
    a request resumed that missed the step before also gets its token ids. Those with a row are
    changed in place; the others are added;
-6. **add, then condense**: new and returning requests take the lowest free rows, the last rows move
-   into the holes left, and rows ``0 .. num_reqs - 1`` are this step's batch, in packed order;
-7. V0's swap-ins, and speculative guesses written after each row's known tokens.
+5. **add, then condense**: new and returning requests take the lowest free rows, the last rows move
+   into the holes left, and rows ``0 .. num_reqs - 1`` are this step's batch, in packed order.
 
-Notebook 06 asks you to write this function yourself and runs the engine on yours.
+Around it the runner does what moves *blocks* rather than batch state (:meth:`ModelRunner.update_states`):
+before, V0's swap-outs and copies on write -- before anyone this step writes into a block a victim gave
+up; after, dropping the host copies of finished requests, V0's swap-ins, and writing speculative
+guesses after each row's known tokens. Notebook 06 asks you to write :func:`update_batch` yourself and
+runs the engine on yours (``Engine(..., update_batch=...)``).
 """
 from __future__ import annotations
 
@@ -31,26 +32,19 @@ import torch
 from ..core.sampling import make_generator
 from .input_batch import CachedRequestState
 
-__all__ = ["apply_message", "new_generator"]
+__all__ = ["update_batch", "new_generator"]
 
 
-def apply_message(runner, msg) -> None:
-    """Change ``runner``'s requests and batch as ``msg`` says (see the module)."""
-    batch, kv = runner.input_batch, runner.kv_cache
+def update_batch(runner, msg) -> None:
+    """Change ``runner.requests`` and ``runner.input_batch`` as ``msg`` says (see the module)."""
+    batch = runner.input_batch
     for rid in msg.finished_req_ids:  # 1.
         runner.requests.pop(rid, None)
         batch.remove_request(rid)
-        if kv.kind == "paged":
-            kv.discard(rid)
-    for rid, blocks in getattr(msg, "blocks_to_swap_out", {}).items():  # 2. (V0's message only)
-        kv.swap_out_blocks(rid, blocks)
-    if msg.block_copies:
-        runner.copy_blocks(msg.block_copies)
-    scheduled = msg.num_scheduled_tokens  # 3.
-    for rid in [r for r in batch.req_id_to_index if r not in scheduled]:
+    for rid in [r for r in batch.req_id_to_index if r not in msg.num_scheduled_tokens]:  # 2.
         batch.remove_request(rid)
     to_add = []
-    for new in msg.scheduled_new_reqs:  # 4.
+    for new in msg.scheduled_new_reqs:  # 3.
         old = runner.requests.get(new.req_id)  # a forked sample: its generator drew its first token already
         state = CachedRequestState(
             req_id=new.req_id, prompt_token_ids=list(new.prompt_token_ids), sampling_params=new.sampling_params,
@@ -58,7 +52,7 @@ def apply_message(runner, msg) -> None:
             num_computed_tokens=new.num_computed_tokens, output_token_ids=list(new.output_token_ids))
         runner.requests[new.req_id] = state
         to_add.append(state)
-    cached = msg.scheduled_cached_reqs  # 5.
+    cached = msg.scheduled_cached_reqs  # 4.
     for i, rid in enumerate(cached.req_ids):
         state = runner.requests[rid]
         state.num_computed_tokens = cached.num_computed_tokens[i]
@@ -83,13 +77,9 @@ def apply_message(runner, msg) -> None:
             batch.block_table.add_row(state.block_ids, row)
         else:
             batch.block_table.append_row(new_blocks, row)
-    for state in to_add:  # 6.
+    for state in to_add:  # 5.
         batch.add_request(state)
     batch.condense()
-    for rid, blocks in getattr(msg, "blocks_to_swap_in", {}).items():  # 7.
-        kv.swap_in_blocks(rid, blocks)
-    for rid, drafts in msg.scheduled_spec_decode_tokens.items():
-        batch.write_guesses(batch.req_id_to_index[rid], drafts)
 
 
 def new_generator(new):
