@@ -159,10 +159,9 @@ class StepPlan:
 
     def add(self, seq: Sequence, n: int) -> None:
         """Schedule ``n`` tokens of ``seq`` from its ``num_computed_tokens`` on (its KV room is taken).
-        ``n = 0`` plans nothing: the request is not in the message (V1's running loop skips it)."""
-        if n > 0:
-            self.seqs.append(seq)
-            self.num_scheduled_tokens.append(int(n))
+        (An entry for no tokens does not reach the message: V1's running loop skips such a request.)"""
+        self.seqs.append(seq)
+        self.num_scheduled_tokens.append(int(n))
 
     def remove(self, seq: Sequence) -> int:
         """Take ``seq`` out of the plan (it was preempted after being scheduled); returns its tokens."""
@@ -185,7 +184,8 @@ def make_scheduler_output(plan: StepPlan, sent_block_ids: dict, finished_req_ids
     counts as computed. ``cls`` and ``extra``: V0's message and its swap fields."""
     new, cached = [], CachedRequestData()  # (its lists are filled here, before the message is sent)
     spec, forks = {}, {}
-    for seq, n in zip(plan.seqs, plan.num_scheduled_tokens):
+    planned = [(seq, n) for seq, n in zip(plan.seqs, plan.num_scheduled_tokens) if n > 0]
+    for seq, n in planned:
         rid, table = seq.request_id, seq.block_table
         if rid not in sent_block_ids:
             new.append(NewRequestData(req_id=rid, prompt_token_ids=list(seq.prompt_ids),
@@ -220,8 +220,8 @@ def make_scheduler_output(plan: StepPlan, sent_block_ids: dict, finished_req_ids
             forks[rid] = [(f.request_id, f.sample_index) for f in seq.forks]
     return cls(
         scheduled_new_reqs=new, scheduled_cached_reqs=cached,
-        num_scheduled_tokens={s.request_id: n for s, n in zip(plan.seqs, plan.num_scheduled_tokens)},
-        total_num_scheduled_tokens=plan.total_num_scheduled_tokens, scheduled_spec_decode_tokens=spec,
+        num_scheduled_tokens={s.request_id: n for s, n in planned},
+        total_num_scheduled_tokens=sum(n for _, n in planned), scheduled_spec_decode_tokens=spec,
         finished_req_ids=frozenset(finished_req_ids), block_copies=list(block_copies), scheduled_forks=forks,
         admitted_req_ids=[s.request_id for s in plan.admitted], preempted_req_ids=[s.request_id for s in plan.preempted],
         swapped_in_req_ids=[s.request_id for s in plan.swapped_in], **extra)
