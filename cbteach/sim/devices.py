@@ -54,6 +54,9 @@ class Device:
     attn_flops: float | None = None  # achieved FLOP/s of prefill attention, if not peak x mfu (fitted for the CPU)
     kv_bandwidth: float | None = None  # achieved bytes/s of reading K/V, if not mem_bandwidth x mbu (fitted)
     overlap: bool = True  # reads overlap compute (a GPU's kernels: the roofline's max); False: they add up
+    attention_layout: str = "exact"  # what attention reads: "exact" (paged kernels), "groups"/"buckets" (cbteach's)
+    group_overhead: float = 0.0  # seconds per attention group of a step (fitted for the CPU: calls per layer)
+    calibrated_range: tuple = ()  # ((what, largest calibrated), ...): steps beyond it are extrapolated
     dtype_bytes: int = 2  # bytes per weight and per K/V element
     price_per_hour: float = 0.0  # illustrative, per device
     source: str = ""
@@ -110,7 +113,9 @@ def load_device(path) -> Device:
         data = json.loads(Path(path).read_text())
         d = data["device"]
         names = {f.name for f in fields(Device)}
-        return Device(**{k: v for k, v in d.items() if k in names})
+        kept = {k: v for k, v in d.items() if k in names}
+        kept["calibrated_range"] = tuple((str(k), float(v)) for k, v in kept.get("calibrated_range", ()))
+        return Device(**kept)
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ValueError(f"{path}: not a device file written by `python -m cbteach simulate calibrate` "
                          f"({type(err).__name__}: {err})") from None
