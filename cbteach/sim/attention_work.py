@@ -24,8 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..attention.metadata import bucket, split_by_length
-
-LAYOUTS = ("exact", "groups", "buckets")
+from .devices import LAYOUTS
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,9 @@ def parser() -> argparse.ArgumentParser:
                        "\"steps\", \"requests\", \"duration\"}) or as cbteach.sim.validate.record_run writes an "
                        "Engine's (records on): {\"engine\": {max_batch_size, token_budget, block_size, num_blocks}, "
                        "\"steps\": [{\"c\", \"n\", \"t\"}], \"requests\": [{arrival_time, prompt_len, n, "
-                       "ttft, tpot, e2e}], \"duration\"}. Without --device the CPU is fitted on the runs marked "
+                       "ttft, tpot, e2e}], \"duration\"}, and optionally the machine it ran on (\"machine\": platform, torch, "
+                       "torch_threads, clock, load_before/load_after, when), which a device file's occasion is compared "
+                       "with. Without --device the CPU is fitted on the runs marked "
                        "train and the others are predicted; with --device every run is predicted.")
     v.add_argument("--data", default=None, help="measured runs (default: the shipped ones)")
     v.add_argument("--device", default=None, help="a device file from `simulate calibrate` (default: fit on --data's "
@@ -114,7 +116,8 @@ def _device_warnings(a, result) -> list:
     from .measure import machine_info
     from .occasion import occasion_warnings
 
-    out = occasion_warnings(load_calibration(a.device), machine_info(), what="this machine now")
+    here = {k: v for k, v in machine_info().items() if k not in ("torch_threads", "clock")}  # not measuring now
+    out = occasion_warnings(load_calibration(a.device), here, what="this machine now")
     warning = None
     if result is not None and result.coverage:
         from .coverage import WARN_FRACTION
@@ -152,6 +155,8 @@ def _capacity(a) -> dict:
         out.update({k: v for k, v in st.items() if k.startswith(("ttft", "tpot"))})
         if a.users is not None:
             out["devices_for_users"] = gpus_for_users(a.users, a.rate_per_user, cap.rate, a.tp)
+    if cap.result is not None and cap.result.coverage:
+        out["steps_outside_calibration"] = f"{cap.result.coverage['outside']} of {cap.result.coverage['steps']}"
     warnings = _device_warnings(a, cap.result)
     if warnings:
         out["warnings"] = warnings
@@ -161,6 +166,8 @@ def _capacity(a) -> dict:
 def _run(a) -> dict:
     result = deployment(a).run(a.rate)
     out = {"simulated": True, **result.summary()}
+    if result.coverage:
+        out["steps_outside_calibration"] = f"{result.coverage['outside']} of {result.coverage['steps']}"
     warnings = _device_warnings(a, result)
     if warnings:
         out["warnings"] = warnings
@@ -203,6 +210,10 @@ def _print(out: dict, indent: str = "") -> None:
             print(f"{indent}{key}:")
             for item in value:
                 print(f"{indent}  - " + ", ".join(f"{k}={_fmt(v)}" for k, v in item.items()))
+        elif isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+            print(f"{indent}{key}:")
+            for item in value:
+                print(f"{indent}  - {item}")
         else:
             print(f"{indent}{key}: {_fmt(value)}")
 

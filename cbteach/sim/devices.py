@@ -27,6 +27,7 @@ import json
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+LAYOUTS = ("exact", "groups", "buckets")  # what attention reads and computes (cbteach.sim.attention_work)
 GB = 1e9
 GIB = 2**30
 MIB = 2**20
@@ -60,6 +61,10 @@ class Device:
     dtype_bytes: int = 2  # bytes per weight and per K/V element
     price_per_hour: float = 0.0  # illustrative, per device
     source: str = ""
+
+    def __post_init__(self):
+        if self.attention_layout not in LAYOUTS:
+            raise ValueError(f"attention layout must be one of {', '.join(LAYOUTS)}, got {self.attention_layout!r}")
 
     def with_(self, **changes) -> Device:
         """A copy with some numbers changed (an assumption tested, a price of your own)."""

@@ -5,9 +5,10 @@ the real engine runs bierce on this machine over several workloads (:data:`RUNS`
 prompt and output lengths, arrival rates, token budgets, one pool small enough to preempt), and
 every step's plan and duration is kept (:func:`measure_all`), timed in the process's CPU seconds so
 that other programs on a shared machine do not count, each run repeated and its fastest repeat kept.
-The device ``"cpu"`` is then *fitted* -- per-step and per-sequence overhead, effective FLOP/s of the
-layers and of attention, effective bytes/s of reading K/V (:mod:`cbteach.sim.cost`; on this CPU the
-reads and the arithmetic add up instead of overlapping) -- on the **training** runs only
+The device ``"cpu"`` is then *fitted* -- per-step, per-sequence and per-attention-group overhead,
+effective FLOP/s of the layers and of attention, effective bytes/s of reading K/V, attention charged for
+the padded groups the engine computes (:mod:`cbteach.sim.cost`, :mod:`cbteach.sim.attention_work`; on
+this CPU the reads and the arithmetic add up instead of overlapping) -- on the **training** runs only
 (:func:`fit_cpu`), and asked to predict the **held-out** runs (:func:`validation_report`):
 
 * each held-out step's duration from its plan (mean absolute percentage error),
@@ -16,7 +17,9 @@ reads and the arithmetic add up instead of overlapping) -- on the **training** r
 
 The goal is Vidur's: within 10%. The measured runs ship with the package
 (``cbteach/sim/data/bierce_cpu_runs.json``, from ``benchmarks/sim/measure_cpu.py``); re-measure on
-your own machine with :func:`measure_all`.
+your own machine with :func:`cbteach.sim.measure.measure_all`. With a calibrated device
+(:mod:`cbteach.sim.calibrate`) every run is predicted, and each run's steps beyond the device's
+calibrated range are counted (:mod:`cbteach.sim.coverage`).
 """
 from __future__ import annotations
 
