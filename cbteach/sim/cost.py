@@ -7,6 +7,11 @@ One forward pass over a packed row of ``T`` tokens from ``S`` sequences must
 * **compute** about ``2 x parameters`` FLOPs per token, plus attention's ``4 x heads x head_dim``
   FLOPs per (query, key) pair, plus the LM head for the sampled rows.
 
+Which K/V and which pairs: a GPU's paged kernels read each context once and compute only the causal
+pairs (the device's ``attention_layout="exact"``); the cbteach engine on a CPU attends padded groups
+of sequences, and pays for the padding (``"groups"``, fitted with a cost per group:
+:mod:`cbteach.sim.attention_work`).
+
 On a device that reads ``B`` bytes/s and computes ``F`` FLOP/s, the step takes at least
 ``max(bytes / B, flops / F)`` -- the roofline (Williams et al., 2009; notebook 01), when reading and
 computing overlap, as a GPU's kernels do (on this CPU the engine copies K/V blocks, then computes on
