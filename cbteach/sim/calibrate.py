@@ -42,7 +42,7 @@ class WorkloadShape:
     the longest context, the prompt and output lengths (lowest, highest) and the token budget."""
 
     max_batch: int = 16
-    max_tokens: int = 640
+    max_tokens: int = 960
     max_context: int = 640
     prompt_lens: tuple = (4, 600)
     output_lens: tuple = (8, 96)
