@@ -53,7 +53,7 @@ class Deployment:
     seed: int = 0
 
     def cost_model(self) -> CostModel:
-        return CostModel(self.model, self.device, self.tensor_parallel_size)
+        return CostModel(self.model, self.device, self.tensor_parallel_size, block_size=self.block_size)
 
     def workload(self, rate: float | None, num_requests: int):
         """The first ``num_requests`` of one long stream of requests: a longer run extends a shorter one."""
@@ -71,12 +71,13 @@ class Deployment:
                         num_blocks=blocks, block_size=self.block_size, token_budget=self.token_budget,
                         give_up=give_up)
 
-    def steady_run(self, rate: float, ttft_target: float | None = None, quantile: float = 0.9) -> tuple[SimResult, dict]:
-        """A run at ``rate`` long enough for its steady state (``steady_factor`` x its concurrency, at
-        most ``max_requests``), and that steady state (``steady["steady"]``: whether it was reached).
-        With ``ttft_target``, a run stops as soon as its TTFT ``quantile`` in the steady window is
-        sure to miss it (``steady["abandoned"]``, its TTFT quantiles ``inf``)."""
-        n = self.num_requests
+    def steady_run(self, rate: float, ttft_target: float | None = None, quantile: float = 0.9,
+                   min_requests: int | None = None) -> tuple[SimResult, dict]:
+        """A run at ``rate`` long enough for its steady state (``steady_factor`` x its concurrency, and at
+        least ``min_requests``; at most ``max_requests``), and that steady state (``steady["steady"]``:
+        whether it was reached). With ``ttft_target``, a run stops as soon as its TTFT ``quantile`` in
+        the steady window is sure to miss it (``steady["abandoned"]``, its TTFT quantiles ``inf``)."""
+        n = min(self.max_requests, max(self.num_requests, min_requests or 0))
         while True:
             key = (self, rate, n)
             if key in _RUNS:
@@ -121,19 +122,35 @@ def _window(n: int, warmup: float = 0.2, cooldown: float = 0.1) -> tuple[int, in
     return lo, max(lo + 1, int(math.ceil(n * (1 - cooldown))) - 1)
 
 
+CONFIRM = 4  # a capacity must hold over a run this many times longer than the one that found it
+
+
 @dataclass
 class Capacity:
-    """The answer of :func:`max_rate`: the rate, its steady-state run, the roofline, every rate tried."""
+    """The answer of :func:`max_rate`: the rate, its confirming run's steady state, the roofline, every
+    rate tried, and the stability test the answer passed (:attr:`test`)."""
 
-    rate: float  # requests per second that meet both targets (0.0: not even the lowest rate does)
-    result: SimResult | None
-    steady: dict | None = None  # the steady state at ``rate`` (SimResult.steady, plus "steady")
+    rate: float  # requests per second that meet both targets, sustained (0.0: not even the lowest rate does)
+    result: SimResult | None  # the confirming run (``confirm`` x the first run's requests)
+    steady: dict | None = None  # its steady state (SimResult.steady, plus "steady")
     roofline: dict | None = None
     probes: list = field(default_factory=list)  # (rate, ttft quantile, tpot quantile, met, requests)
+    first: dict | None = None  # the steady state of the first (shorter) run at ``rate``
+    confirm: float = CONFIRM
 
     @property
     def served_tokens_per_s(self) -> float:
         return self.steady["served_tokens_per_s"] if self.steady else 0.0
+
+    @property
+    def test(self) -> str:
+        """The stability test, in words, with the run lengths it used."""
+        if not self.steady:
+            return "no rate met the targets"
+        return (f"a run of {self.first['requests']:,} requests, then one of {self.steady['requests']:,} "
+                f"({self.confirm:g}x as many): each meets both targets in its steady window, serves what arrives "
+                f"(within {STABLE_SERVED:.0%}) and its queue does not grow across the window (waiting requests, "
+                f"last third vs first third: {self.steady['queue_last']:.1f} vs {self.steady['queue_first']:.1f})")
 
     def __repr__(self) -> str:
         return f"Capacity(rate={self.rate:.3g} req/s, {len(self.probes)} simulated runs)"
@@ -150,10 +167,17 @@ def meets(run, ttft_target: float, tpot_target: float, quantile: float = 0.9) ->
     return ttft <= ttft_target and (math.isnan(tpot) or tpot <= tpot_target)
 
 
-def stable(steady: dict, tolerance: float = 0.1) -> bool:
-    """Whether a run's steady window served what arrived in it (within ``tolerance``): if not, its
-    queue grows, and a longer run would miss any latency target."""
-    return steady["served_tokens_per_s"] >= (1 - tolerance) * steady["offered_tokens_per_s"]
+STABLE_SERVED = 0.1  # served at least 90% of the output tokens offered in the window
+STABLE_QUEUE = (1.5, 1.0)  # last third's mean queue <= 1.5 x the first third's + 1 request
+
+
+def stable(steady: dict, tolerance: float = STABLE_SERVED) -> bool:
+    """Whether a run's steady window served what arrived in it (within ``tolerance``) and its queue did
+    not grow across the window (the mean number of requests waiting for a first token in its last third
+    at most :data:`STABLE_QUEUE` of the first third's): if either fails, a longer run waits longer."""
+    factor, extra = STABLE_QUEUE
+    served = steady["served_tokens_per_s"] >= (1 - tolerance) * steady["offered_tokens_per_s"]
+    return served and steady.get("queue_last", 0.0) <= factor * steady.get("queue_first", 0.0) + extra
 
 
 def _check_targets(ttft_target, tpot_target, quantile):
@@ -179,21 +203,31 @@ def check_within_roofline(deployment: Deployment, rate: float, served_tokens_per
 
 
 def max_rate(deployment: Deployment, ttft_target: float, tpot_target: float, quantile: float = 0.9,
-             min_rate: float = 1 / 64, bisections: int = 4, progress=None) -> Capacity:
-    """The highest request rate (per second) at which ``deployment`` meets both targets in steady
-    state; ``progress(rate)`` (optional) is called before every simulated run."""
+             min_rate: float = 1 / 64, bisections: int = 4, progress=None, confirm: float = CONFIRM) -> Capacity:
+    """The highest request rate (per second) that ``deployment`` sustains within both targets: a rate
+    counts when its steady-state run meets them and is :func:`stable`, and then a run ``confirm`` times
+    as long does too (a rate at the edge of instability passes a short run and fails a long one).
+    ``progress(rate)`` (optional) is called before every simulated run."""
     _check_targets(ttft_target, tpot_target, quantile)
+    if not confirm >= 1:
+        raise ValueError(f"confirm must be >= 1 (the confirming run's length, in first runs), got {confirm!r}")
     roof = deployment.roofline()
     probes, runs = [], {}
+    key = f"p{round(quantile * 100)}"
 
-    def ok(rate):
+    def passes(rate, min_requests=None):
         if progress is not None:
             progress(rate)
-        result, st = deployment.steady_run(rate, ttft_target, quantile)
+        result, st = deployment.steady_run(rate, ttft_target, quantile, min_requests)
         met = not st["abandoned"] and stable(st) and meets(st, ttft_target, tpot_target, quantile)
-        key = f"p{round(quantile * 100)}"
         probes.append((rate, st[f"ttft_{key}"], st[f"tpot_{key}"], met, st["requests"]))
-        runs[rate] = (result, st)
+        return met, result, st
+
+    def ok(rate):
+        met, _, first = passes(rate)
+        if met:
+            met, result, st = passes(rate, math.ceil(confirm * first["requests"]))
+            runs[rate] = (result, st, first)
         return met
 
     hi, lo = roof["rate"], None
@@ -204,16 +238,16 @@ def max_rate(deployment: Deployment, ttft_target: float, tpot_target: float, qua
             break
         hi, rate = rate, rate / 2
     if lo is None:
-        return Capacity(0.0, None, None, roof, probes)
+        return Capacity(0.0, None, None, roof, probes, confirm=confirm)
     for _ in range(bisections):  # geometric midpoints: the same rates for every target
         mid = math.sqrt(lo * hi)
         if ok(mid):
             lo = mid
         else:
             hi = mid
-    result, st = runs[lo]
+    result, st, first = runs[lo]
     check_within_roofline(deployment, lo, st["served_tokens_per_s"])
-    return Capacity(lo, result, st, roof, probes)
+    return Capacity(lo, result, st, roof, probes, first=first, confirm=confirm)
 
 
 def gpus_for_users(users: int, requests_per_user: float, capacity_rate: float, tensor_parallel_size: int = 1) -> int:

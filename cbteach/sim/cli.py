@@ -16,6 +16,7 @@ import argparse
 import json
 
 from ..argtypes import POSITIVE, POSITIVE_INT
+from .cli_measured import calibrate_args, calibrate_command, validate_command
 from .devices import DEVICES
 from .shapes import MODELS
 
@@ -42,7 +43,7 @@ def _deployment_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=POSITIVE_INT, default=2048, help="token budget per step")
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m cbteach simulate",
                                 description="the engine's scheduler on a cost model: every number it prints is simulated",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -54,17 +55,20 @@ def _parser() -> argparse.ArgumentParser:
                        "\"steps\", \"requests\", \"duration\"}) or as cbteach.sim.validate.record_run writes an "
                        "Engine's (records on): {\"engine\": {max_batch_size, token_budget, block_size, num_blocks}, "
                        "\"steps\": [{\"c\", \"n\", \"t\"}], \"requests\": [{arrival_time, prompt_len, n, "
-                       "ttft, tpot, e2e}], \"duration\"}. Without --device the CPU is fitted on the runs marked "
+                       "ttft, tpot, e2e}], \"duration\"}, and optionally the machine it ran on (\"machine\": platform, torch, "
+                       "torch_threads, clock, load_before/load_after, when), which a device file's occasion is compared "
+                       "with. Without --device the CPU is fitted on the runs marked "
                        "train and the others are predicted; with --device every run is predicted.")
     v.add_argument("--data", default=None, help="measured runs (default: the shipped ones)")
     v.add_argument("--device", default=None, help="a device file from `simulate calibrate` (default: fit on --data's "
                                                   "training runs)")
-    k = sub.add_parser("calibrate", help="sweep the real engine (bierce) over a grid of steps here; write a device file")
-    k.add_argument("--out", default="cpu_device.json", help="the device file to write")
-    k.add_argument("--repeats", type=POSITIVE_INT, default=3, help="measurements of each grid point (median kept)")
-    k.add_argument("--threads", type=POSITIVE_INT, default=1, help="torch threads (use the runs' own)")
-    k.add_argument("--clock", choices=("wall", "process"), default="wall",
-                   help="what a step's duration is: wall seconds (as an Engine records them) or process CPU seconds")
+    k = sub.add_parser("calibrate", help="sweep the real engine (bierce) over a grid that covers a workload; write a "
+                                         "device file", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description="Sweep the real engine here over a grid that covers the workload's shape and fit the "
+                       "cost model: a device file for this machine, this torch, these threads and this load -- this "
+                       "occasion. A prediction of runs from another occasion carries the machine's drift on top of the "
+                       "model's error; `simulate validate` warns when the occasions differ.")
+    calibrate_args(k, _pair)
     r = sub.add_parser("run", help="one simulated run")
     _deployment_args(r)
     r.add_argument("--rate", type=POSITIVE, default=4.0, help="requests per second (Poisson)")
@@ -84,50 +88,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _validate(a) -> dict:
-    from .calibrate import load_calibration, load_device
-    from .validate import load, validation_report
-
-    data = None
-    if a.data:
-        try:
-            data = load(a.data)
-        except (OSError, ValueError) as err:
-            raise ValueError(f"--data {a.data}: cannot read it as measured runs ({err})") from None
-        if not isinstance(data, dict) or not isinstance(data.get("runs"), list) or not data["runs"]:
-            raise ValueError(f"--data {a.data}: expected a JSON object with a non-empty list 'runs' (see "
-                             "`python -m cbteach simulate validate --help` for the format)")
-    device = load_device(a.device) if a.device else None
-    try:
-        rep = validation_report(data, device)
-    except (KeyError, TypeError, IndexError) as err:
-        raise ValueError(f"--data {a.data}: a run lacks what the prediction needs ({type(err).__name__}: {err})") from None
-    d = rep["device"]
-    out = {"fitted_cpu": {"step_overhead_s": d.step_overhead, "seq_overhead_s": d.seq_overhead,
-                          "flops": d.peak_flops, "attn_flops": d.attn_flops, "kv_bytes_per_s": d.kv_bandwidth},
-           "train": rep["train"] or f"none: the device of {a.device}", "held_out": rep["held_out"],
-           "mean_abs_error": rep["mae"], "worst": rep["worst"]}
-    if a.device:
-        cal, clock = load_calibration(a.device), str(rep["machine"].get("clock", ""))
-        if cal.get("clock") and clock and (cal["clock"] == "wall") != (clock == "wall"):
-            out["warning"] = (f"the device was calibrated on the {cal['clock']} clock, the runs were timed on the "
-                              f"{clock} clock")
-    return out
-
-
-def _calibrate(a) -> dict:
-    from .calibrate import calibrate, save_device
-
-    cal = calibrate(repeats=a.repeats, clock=a.clock, threads=a.threads)
-    path = save_device(cal, a.out)
-    d, info = cal["device"], cal["calibration"]
-    return {"device_file": str(path), "steps_measured": info["steps"], "seconds": info["seconds"],
-            "fit_step_error": info["fit_step_error"], "step_overhead_s": d.step_overhead,
-            "seq_overhead_s": d.seq_overhead, "flops": d.peak_flops, "attn_flops": d.attn_flops,
-            "kv_bytes_per_s": d.kv_bandwidth, "clock": info["clock"], "torch_threads": info["torch_threads"],
-            "next": f"python -m cbteach simulate validate --device {path} --data RUNS.json"}
-
-
 def _names(a) -> None:
     """A --model or --device it does not know, named as the user typed it."""
     if a.model.lower() not in MODELS:
@@ -137,7 +97,8 @@ def _names(a) -> None:
                          "from `python -m cbteach simulate calibrate`")
 
 
-def _deployment(a):
+def deployment(a):
+    """The :class:`~cbteach.sim.capacity.Deployment` parsed arguments describe (names checked first)."""
     from .capacity import Deployment
     from .cost import CostModel
 
@@ -147,12 +108,33 @@ def _deployment(a):
                       output_lens=a.output, num_requests=a.requests, max_batch_size=a.batch, token_budget=a.budget)
 
 
+def _device_warnings(a, result) -> list:
+    """For a device file: how this machine differs from its calibration's, and steps beyond its range."""
+    if not str(a.device).lower().endswith(".json"):
+        return []
+    from .calibrate import load_calibration
+    from .measure import machine_info
+    from .occasion import occasion_warnings
+
+    here = {k: v for k, v in machine_info().items() if k not in ("torch_threads", "clock")}  # not measuring now
+    out = occasion_warnings(load_calibration(a.device), here, what="this machine now")
+    warning = None
+    if result is not None and result.coverage:
+        from .coverage import WARN_FRACTION
+
+        c = result.coverage
+        if c["fraction"] > WARN_FRACTION:
+            warning = (f"{c['outside']} of {c['steps']} simulated steps ({c['fraction']:.0%}) lie outside the device's "
+                       f"calibrated range {c['range']}: extrapolated (calibrate with this workload's shape)")
+    return out + ([warning] if warning else [])
+
+
 def _capacity(a) -> dict:
     from tqdm.auto import tqdm
 
     from .capacity import cost_per_million_tokens, gpus_for_users, max_rate
 
-    dep = _deployment(a)
+    dep = deployment(a)
     with tqdm(desc="simulated runs", unit="run", disable=a.json) as bar:
         def progress(rate):
             bar.set_postfix_str(f"{rate:.3g} req/s")
@@ -164,18 +146,32 @@ def _capacity(a) -> dict:
            "max_rate_req_s": cap.rate, "probes": len(cap.probes)}
     if cap.rate > 0:
         st = cap.steady
-        out.update({"run_requests": st["requests"], "measured_requests": st["measured"],
-                    "steady_window_s": st["window_s"], "concurrency": st["concurrency"],
-                    "reached_steady_state": st["steady"], "served_output_tokens_s": st["served_tokens_per_s"],
+        out.update({"run_requests": st["requests"], "first_run_requests": cap.first["requests"],
+                    "measured_requests": st["measured"], "steady_window_s": st["window_s"],
+                    "concurrency": st["concurrency"], "reached_steady_state": st["steady"],
+                    "queue_first_third": st["queue_first"], "queue_last_third": st["queue_last"],
+                    "stability_test": cap.test, "served_output_tokens_s": st["served_tokens_per_s"],
                     "cost_per_million_output_tokens": cost_per_million_tokens(dep, cap, a.price)})
         out.update({k: v for k, v in st.items() if k.startswith(("ttft", "tpot"))})
         if a.users is not None:
             out["devices_for_users"] = gpus_for_users(a.users, a.rate_per_user, cap.rate, a.tp)
+    if cap.result is not None and cap.result.coverage:
+        out["steps_outside_calibration"] = f"{cap.result.coverage['outside']} of {cap.result.coverage['steps']}"
+    warnings = _device_warnings(a, cap.result)
+    if warnings:
+        out["warnings"] = warnings
     return out
 
 
 def _run(a) -> dict:
-    return {"simulated": True, **_deployment(a).run(a.rate).summary()}
+    result = deployment(a).run(a.rate)
+    out = {"simulated": True, **result.summary()}
+    if result.coverage:
+        out["steps_outside_calibration"] = f"{result.coverage['outside']} of {result.coverage['steps']}"
+    warnings = _device_warnings(a, result)
+    if warnings:
+        out["warnings"] = warnings
+    return out
 
 
 def _static(a) -> dict:
@@ -187,7 +183,7 @@ def _static(a) -> dict:
 
 
 def cli(argv=None) -> int:
-    a = _parser().parse_args(argv)
+    a = parser().parse_args(argv)
     if a.what == "devices":
         out = {k: {"memory_GiB": d.memory_bytes / 2**30, "bandwidth_GB_s": d.mem_bandwidth / 1e9,
                    "peak_TFLOPS": d.peak_flops / 1e12, "link_GB_s": d.link_bandwidth / 1e9, "link": d.link,
@@ -196,7 +192,7 @@ def cli(argv=None) -> int:
         out = {k: {"params_B": m.num_params / 1e9, "layers": m.num_layers, "heads": m.num_heads,
                    "kv_heads": m.num_kv_heads, "source": m.source} for k, m in MODELS.items()}
     else:
-        out = {"validate": _validate, "calibrate": _calibrate, "run": _run, "capacity": _capacity,
+        out = {"validate": validate_command, "calibrate": calibrate_command, "run": _run, "capacity": _capacity,
                "static": _static}[a.what](a)
     if a.json:
         print(json.dumps(out, indent=1, default=str))
@@ -214,6 +210,10 @@ def _print(out: dict, indent: str = "") -> None:
             print(f"{indent}{key}:")
             for item in value:
                 print(f"{indent}  - " + ", ".join(f"{k}={_fmt(v)}" for k, v in item.items()))
+        elif isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+            print(f"{indent}{key}:")
+            for item in value:
+                print(f"{indent}  - {item}")
         else:
             print(f"{indent}{key}: {_fmt(value)}")
 

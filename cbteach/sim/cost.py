@@ -7,6 +7,11 @@ One forward pass over a packed row of ``T`` tokens from ``S`` sequences must
 * **compute** about ``2 x parameters`` FLOPs per token, plus attention's ``4 x heads x head_dim``
   FLOPs per (query, key) pair, plus the LM head for the sampled rows.
 
+Which K/V and which pairs: a GPU's paged kernels read each context once and compute only the causal
+pairs (the device's ``attention_layout="exact"``); the cbteach engine on a CPU attends padded groups
+of sequences, and pays for the padding (``"groups"``, fitted with a cost per group:
+:mod:`cbteach.sim.attention_work`).
+
 On a device that reads ``B`` bytes/s and computes ``F`` FLOP/s, the step takes at least
 ``max(bytes / B, flops / F)`` -- the roofline (Williams et al., 2009; notebook 01), when reading and
 computing overlap, as a GPU's kernels do (on this CPU the engine copies K/V blocks, then computes on
@@ -37,6 +42,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .attention_work import attention_work
+from .coverage import Coverage
 from .devices import Device, get_device
 from .shapes import ModelShape, get_model
 
@@ -60,6 +67,7 @@ class StepCost:
     bytes: float
     comm_bytes: float  # wire bytes one rank sends into the step's all-reduces (ring: 2 (tp-1)/tp x payload)
     comm_payload: float = 0.0  # bytes of the all-reduced tensors (2 per layer, tokens x hidden x dtype each)
+    attn_groups: int = 0  # attention calls per layer (groups of sequences attended together)
 
     overlap: bool = True
 
@@ -79,9 +87,13 @@ class CostModel:
     Call it with a plan (``cost(plan)``): it is a ``step_time`` for
     :class:`cbteach.core.clock.VirtualClock`."""
 
-    def __init__(self, model, device, tensor_parallel_size: int = 1):
+    def __init__(self, model, device, tensor_parallel_size: int = 1, block_size: int = 16):
         self.shape: ModelShape = get_model(model)
         self.device: Device = get_device(device)
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+            raise ValueError(f"block_size must be a whole number >= 1, got {block_size!r}")
+        self.block_size = block_size
+        self.coverage = Coverage(self.device.calibrated_range)
         tp = tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"the tensor-parallel size (--tp) must be a whole number >= 1, got {tp!r}")
@@ -142,30 +154,32 @@ class CostModel:
     # -- one step --------------------------------------------------------------------------------
     def step(self, num_computed_tokens, num_scheduled_tokens, num_logit_rows: int | None = None) -> StepCost:
         """The cost of one step feeding ``num_scheduled_tokens[i]`` tokens to sequence ``i``, which has
-        ``num_computed_tokens[i]`` tokens cached (a plan's two lists)."""
+        ``num_computed_tokens[i]`` tokens cached (a plan's two lists). Attention is charged for what
+        the device's ``attention_layout`` reads and computes (:mod:`cbteach.sim.attention_work`)."""
         s, d, tp = self.shape, self.device, self.tp
         T, S = sum(num_scheduled_tokens), len(num_scheduled_tokens)
+        self.coverage.check(num_computed_tokens, num_scheduled_tokens)
         rows = S if num_logit_rows is None else num_logit_rows
-        context = sum(c + n for c, n in zip(num_computed_tokens, num_scheduled_tokens))
-        pairs = sum(n * c + n * (n + 1) / 2 for c, n in zip(num_computed_tokens, num_scheduled_tokens))  # causal
+        work = attention_work(num_computed_tokens, num_scheduled_tokens, d.attention_layout, self.block_size)
         dense = (2 * T * s.num_layers * s.layer_params + 2 * rows * s.hidden_size * s.vocab_size) / tp
-        attn = 4 * s.num_layers * s.num_heads * s.head_dim * pairs / tp
+        attn = 4 * s.num_layers * s.num_heads * s.head_dim * work.pairs / tp
         eff = d.tp_efficiency(tp)
         compute = dense / (d.peak_flops * d.mfu * eff) + attn / (d.attn_flops or d.peak_flops * d.mfu * eff)
         kv = self.kv_bytes_per_token_per_device
-        nbytes = self.weight_bytes_per_device + kv * (context + T)  # weights, K/V read, K/V written
+        kv_bytes = kv * (work.read + T)  # K/V read, K/V written
+        nbytes = self.weight_bytes_per_device + kv_bytes
         comm_bytes = comm = payload = 0.0
         if tp > 1:
             message = T * s.hidden_size * d.dtype_bytes  # one all-reduced tensor
             payload = 2 * s.num_layers * message
             comm_bytes = ring_all_reduce_bytes(payload, tp)  # a ring's wire bytes per rank
             comm = 2 * s.num_layers * 2 * (tp - 1) * d.link_latency + comm_bytes / (d.link_bandwidth * d.link_efficiency)
-        overhead = d.step_overhead + S * d.seq_overhead + T * d.token_overhead
-        kv_bytes = kv * (context + T)
+        overhead = d.step_overhead + S * d.seq_overhead + T * d.token_overhead + work.groups * d.group_overhead
         memory = (self.weight_bytes_per_device / (d.mem_bandwidth * d.mbu * eff)
                   + kv_bytes / (d.kv_bandwidth or d.mem_bandwidth * d.mbu * eff))
         return StepCost(compute=compute, memory=memory, comm=comm, overhead=overhead, flops=dense + attn,
-                        attn_flops=attn, bytes=nbytes, comm_bytes=comm_bytes, comm_payload=payload, overlap=d.overlap)
+                        attn_flops=attn, bytes=nbytes, comm_bytes=comm_bytes, comm_payload=payload, overlap=d.overlap,
+                        attn_groups=work.groups)
 
     def step_time(self, num_computed_tokens, num_scheduled_tokens) -> float:
         return self.step(num_computed_tokens, num_scheduled_tokens).total

@@ -27,6 +27,7 @@ import json
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+LAYOUTS = ("exact", "groups", "buckets")  # what attention reads and computes (cbteach.sim.attention_work)
 GB = 1e9
 GIB = 2**30
 MIB = 2**20
@@ -54,9 +55,16 @@ class Device:
     attn_flops: float | None = None  # achieved FLOP/s of prefill attention, if not peak x mfu (fitted for the CPU)
     kv_bandwidth: float | None = None  # achieved bytes/s of reading K/V, if not mem_bandwidth x mbu (fitted)
     overlap: bool = True  # reads overlap compute (a GPU's kernels: the roofline's max); False: they add up
+    attention_layout: str = "exact"  # what attention reads: "exact" (paged kernels), "groups"/"buckets" (cbteach's)
+    group_overhead: float = 0.0  # seconds per attention group of a step (fitted for the CPU: calls per layer)
+    calibrated_range: tuple = ()  # ((what, largest calibrated), ...): steps beyond it are extrapolated
     dtype_bytes: int = 2  # bytes per weight and per K/V element
     price_per_hour: float = 0.0  # illustrative, per device
     source: str = ""
+
+    def __post_init__(self):
+        if self.attention_layout not in LAYOUTS:
+            raise ValueError(f"attention layout must be one of {', '.join(LAYOUTS)}, got {self.attention_layout!r}")
 
     def with_(self, **changes) -> Device:
         """A copy with some numbers changed (an assumption tested, a price of your own)."""
@@ -110,7 +118,9 @@ def load_device(path) -> Device:
         data = json.loads(Path(path).read_text())
         d = data["device"]
         names = {f.name for f in fields(Device)}
-        return Device(**{k: v for k, v in d.items() if k in names})
+        kept = {k: v for k, v in d.items() if k in names}
+        kept["calibrated_range"] = tuple((str(k), float(v)) for k, v in kept.get("calibrated_range", ()))
+        return Device(**kept)
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ValueError(f"{path}: not a device file written by `python -m cbteach simulate calibrate` "
                          f"({type(err).__name__}: {err})") from None

@@ -76,6 +76,7 @@ class SimResult:
     num_preemptions: int = 0
     makespan: float = 0.0
     abandoned: bool = False  # stopped early by ``give_up`` (its latencies of unfinished requests are nan)
+    coverage: dict = field(default_factory=dict)  # steps beyond a calibrated device's range (cost.coverage.report())
 
     @property
     def throughput(self) -> float:
@@ -123,7 +124,18 @@ class SimResult:
         else:  # the arrivals came within a few steps (or all at once): the whole run is the window
             out["served_tokens_per_s"] = self.throughput
             out["concurrency"] = float(np.mean(self.step_seqs)) if self.step_seqs else 0.0
+        out["queue_first"], out["queue_last"] = self.queue(t0, t0 + (t1 - t0) / 3), self.queue(t1 - (t1 - t0) / 3, t1)
         return out
+
+    def queue(self, t0: float, t1: float, points: int = 256) -> float:
+        """The time-averaged number of requests waiting for their first token (arrived, not yet started)
+        between ``t0`` and ``t1``: a queue that is longer at the end of a window than at its start grows."""
+        if not t1 > t0:
+            return 0.0
+        arrivals = np.asarray(self.arrivals)
+        first = arrivals + np.nan_to_num(np.asarray(self.ttft, dtype=float), nan=np.inf)  # never started: waiting
+        times = np.linspace(t0, t1, points)[:, None]
+        return float(((arrivals <= times) & (first > times)).sum(axis=1).mean())
 
 
 def simulate(workload: list[SimRequest], step_time, *, max_batch_size: int, num_blocks: int, block_size: int = 16,
@@ -151,6 +163,8 @@ def simulate(workload: list[SimRequest], step_time, *, max_batch_size: int, num_
         seqs.append(seq)
         scheduler.add(seq)
     result = SimResult(ttft=[], tpot=[], e2e=[], output_lens=[])
+    if hasattr(step_time, "coverage"):
+        step_time.coverage.reset()  # count this run's steps beyond the device's calibrated range
     now = 0.0
     for step in range(max_steps):
         if not scheduler.has_unfinished():
@@ -190,6 +204,8 @@ def simulate(workload: list[SimRequest], step_time, *, max_batch_size: int, num_
         result.output_lens.append(len(seq.output_ids))
         result.arrivals.append(seq.arrival_time)
     result.makespan = now - min(s.arrival_time for s in seqs) if seqs else 0.0
+    if hasattr(step_time, "coverage"):
+        result.coverage = step_time.coverage.report()
     return result
 
 

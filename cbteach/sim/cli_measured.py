@@ -1,0 +1,110 @@
+"""``simulate calibrate`` and ``simulate validate``: the commands that touch measurements of this machine.
+
+``calibrate`` sweeps the real engine over a grid that covers a workload (its shape from measured runs,
+``--shape-of RUNS.json``, or from ``--max-batch``, ``--max-tokens``, ``--max-context``, ``--prompt``,
+``--output``, ``--budget``) and writes a device file with its occasion and its calibrated range.
+``validate`` predicts measured runs and says, beside each metric's error, whether the calibration
+belongs to them (:func:`cbteach.sim.occasion.occasion_warnings`) and how many of their steps lie
+outside its range (:mod:`cbteach.sim.coverage`).
+"""
+from __future__ import annotations
+
+import argparse
+
+from ..argtypes import POSITIVE_INT
+
+
+def calibrate_args(k: argparse.ArgumentParser, pair) -> None:
+    k.add_argument("--out", default="cpu_device.json", help="the device file to write")
+    k.add_argument("--repeats", type=POSITIVE_INT, default=3, help="measurements of each grid point (median kept)")
+    k.add_argument("--threads", type=POSITIVE_INT, default=1, help="torch threads (use the runs' own)")
+    k.add_argument("--clock", choices=("wall", "process"), default="wall",
+                   help="what a step's duration is: wall seconds (as an Engine records them) or process CPU seconds")
+    k.add_argument("--shape-of", default=None, metavar="RUNS.json",
+                   help="measured runs (validate's format) whose shape the grid covers: their largest batch, "
+                        "largest step, longest context, prompt and output lengths, token budget (never their timings)")
+    k.add_argument("--max-batch", type=POSITIVE_INT, default=None, help="the workload's most sequences in a step")
+    k.add_argument("--max-tokens", type=POSITIVE_INT, default=None, help="the workload's largest step (tokens fed)")
+    k.add_argument("--max-context", type=POSITIVE_INT, default=None, help="the workload's longest context (tokens)")
+    k.add_argument("--prompt", type=pair, default=None, help="the workload's prompt lengths LO,HI")
+    k.add_argument("--output", type=pair, default=None, help="the workload's output lengths LO,HI")
+    k.add_argument("--budget", type=POSITIVE_INT, default=None, help="the workload's token budget per step")
+
+
+def _shape(a):
+    from dataclasses import replace
+
+    from .calibrate import WorkloadShape, shape_of
+    from .validate import load
+
+    shape = WorkloadShape()
+    if a.shape_of:
+        try:
+            shape = shape_of(load(a.shape_of))
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"--shape-of {a.shape_of}: cannot read a workload's shape from it "
+                             f"({type(err).__name__}: {err})") from None
+    given = {"max_batch": a.max_batch, "max_tokens": a.max_tokens, "max_context": a.max_context,
+             "prompt_lens": a.prompt, "output_lens": a.output, "token_budget": a.budget}
+    return replace(shape, **{k: v for k, v in given.items() if v is not None})
+
+
+def calibrate_command(a) -> dict:
+    from .calibrate import calibrate, save_device
+
+    shape = _shape(a)
+    cal = calibrate(repeats=a.repeats, clock=a.clock, threads=a.threads, shape=shape)
+    path = save_device(cal, a.out)
+    d, info = cal["device"], cal["calibration"]
+    return {"device_file": str(path), "shape": info["shape"], "grid_points": len(info["grid"]),
+            "steps_measured": info["steps"], "seconds": info["seconds"], "fit_step_error": info["fit_step_error"],
+            "calibrated_range": dict(d.calibrated_range), "step_overhead_s": d.step_overhead,
+            "seq_overhead_s": d.seq_overhead, "group_overhead_s": d.group_overhead, "flops": d.peak_flops,
+            "attn_flops": d.attn_flops, "kv_bytes_per_s": d.kv_bandwidth, "attention_layout": d.attention_layout,
+            "occasion": {k: info.get(k) for k in ("platform", "processor", "cpus", "torch", "torch_threads", "clock",
+                                                  "load_before", "load_after", "when")},
+            "next": f"python -m cbteach simulate validate --device {path} --data RUNS.json (runs of this occasion: an "
+                    "error measured against another occasion's runs includes the machine's drift)"}
+
+
+def validate_command(a) -> dict:
+    from .calibrate import load_calibration, load_device
+    from .coverage import WARN_FRACTION
+    from .occasion import occasion_warnings
+    from .validate import load, validation_report
+
+    data = None
+    if a.data:
+        try:
+            data = load(a.data)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"--data {a.data}: cannot read it as measured runs ({err})") from None
+        if not isinstance(data, dict) or not isinstance(data.get("runs"), list) or not data["runs"]:
+            raise ValueError(f"--data {a.data}: expected a JSON object with a non-empty list 'runs' (see "
+                             "`python -m cbteach simulate validate --help` for the format)")
+    device = load_device(a.device) if a.device else None
+    try:
+        rep = validation_report(data, device)
+    except (KeyError, TypeError, IndexError) as err:
+        raise ValueError(f"--data {a.data}: a run lacks what the prediction needs ({type(err).__name__}: {err})") from None
+    d = rep["device"]
+    out = {"fitted_cpu": {"step_overhead_s": d.step_overhead, "seq_overhead_s": d.seq_overhead,
+                          "group_overhead_s": d.group_overhead, "flops": d.peak_flops, "attn_flops": d.attn_flops,
+                          "kv_bytes_per_s": d.kv_bandwidth, "attention_layout": d.attention_layout},
+           "train": rep["train"] or f"none: the device of {a.device}", "held_out": rep["held_out"],
+           "mean_abs_error": rep["mae"], "worst": rep["worst"]}
+    warnings = []
+    if a.device:
+        warnings += occasion_warnings(load_calibration(a.device), rep["machine"])
+    steps = sum(p["steps"] for p in rep["held_out"])
+    outside = sum(p["steps_outside_calibration"] for p in rep["held_out"])
+    out["steps_outside_calibration"] = f"{outside} of {steps}"
+    if steps and outside / steps > WARN_FRACTION:
+        runs = ", ".join(p["run"] for p in rep["held_out"] if p["steps_outside_calibration"])
+        warnings.append(f"{outside} of the runs' {steps} steps ({outside / steps:.0%}) lie outside the calibrated range "
+                        f"({runs}): calibrate with their shape (simulate calibrate --shape-of {a.data or 'RUNS.json'})")
+    if warnings:
+        out["warnings"] = warnings
+        out["what_the_errors_mean"] = ("errors of a calibration from another occasion, or beyond its range: they include "
+                                       "the machine's drift or the extrapolation, not only the model's error")
+    return out
