@@ -5,9 +5,11 @@ start, how long each sequence's context is, where this step's keys and values go
 (the **slot mapping**) and which blocks to read (the **block tables**). Computing them once per
 step -- not once per layer, not with Python loops over tokens -- is what production engines do
 (vLLM's ``CommonAttentionMetadata``: ``query_start_loc``, ``seq_lens``, ``block_table_tensor``,
-``slot_mapping``). The host sends a handful of short integer lists in **one** copy; everything
-that grows with the number of tokens (positions, slot mapping, masks) is computed from them on
-the device.
+``slot_mapping``). The host works out the small integer arrays with numpy -- query starts, sequence
+lengths, each token's position, which rows each attention group reads (vLLM V1's GPU model runner
+computes positions the same way, in numpy on the CPU) -- and sends them in **one** copy; what
+grows with the blocks read (the slot mapping, V1 computes it on the GPU too, and the masks) is
+computed from them on the device.
 
 For the vectorised paged attention the sequences are split into :class:`AttentionGroup`\\ s --
 *decodes* (one query each; short and long histories apart when that saves much padding, see
@@ -18,9 +20,9 @@ Separate groups keep a long prompt from padding every decode in the step to its 
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -105,67 +107,95 @@ def build(token_ids, num_computed_tokens: list[int], num_scheduled_tokens: list[
     with masked dummies. On a GPU every new tensor shape can cost a one-off setup (kernel plans,
     autotuning); with buckets a run meets a handful of shapes instead of a new one every step.
     """
-    B = len(num_scheduled_tokens)
-    T = len(token_ids)
-    if B == 0 or len(num_computed_tokens) != B or sum(num_scheduled_tokens) != T or min(num_scheduled_tokens) < 1:
+    computed = np.asarray(num_computed_tokens, dtype=np.int64)
+    scheduled = np.asarray(num_scheduled_tokens, dtype=np.int64)
+    B, T = len(scheduled), len(token_ids)
+    if B == 0 or len(computed) != B or int(scheduled.sum()) != T or scheduled.min() < 1:
         raise ValueError("build() needs >= 1 sequence, each feeding >= 1 token, and one count per sequence")
-    # Per-sequence facts are a few integers each: the host computes them (vLLM does too).
-    qsl = [0, *itertools.accumulate(num_scheduled_tokens)]
-    seq_lens = [c + n for c, n in zip(num_computed_tokens, num_scheduled_tokens)]
-    host = [torch.as_tensor(token_ids, dtype=torch.long),
-            torch.tensor([*num_computed_tokens, *num_scheduled_tokens, *qsl, *seq_lens], dtype=torch.long)]
+    # Per-sequence and per-token integers, on the host: a few numpy operations.
+    qsl = np.zeros(B + 1, dtype=np.int64)
+    np.cumsum(scheduled, out=qsl[1:])
+    seq_lens = computed + scheduled
+    seq_of_token = np.arange(B) if T == B else np.repeat(np.arange(B), scheduled)
+    positions = computed if T == B else np.arange(T) - qsl[seq_of_token] + computed[seq_of_token]
+    ids = token_ids.numpy() if isinstance(token_ids, torch.Tensor) else np.asarray(token_ids, dtype=np.int64)
+    host = [ids, positions, qsl, seq_lens, qsl[1:] - 1]
     paged = block_tables is not None
-    groups: list = []
     if paged:
         tables, lengths = _as_table(block_tables, num_blocks)
         width, groups, members = _plan_groups(lengths, num_scheduled_tokens, bucket_shapes)
-        host += [_padded(tables, width).flatten(), torch.tensor([m for ms in members for m in ms], dtype=torch.long)]
+        tables = _padded(tables, width)
+        host += [tables.ravel(), seq_of_token]
+        shapes = []
+        for (q_len, nb, span), idx in zip(groups, members):
+            q_index, q_pos, rows = _group_rows(idx, q_len, span, qsl, scheduled, seq_lens, T)
+            host += [q_index.ravel(), q_pos.ravel(), rows.ravel()]
+            shapes.append((len(idx), q_len, rows.shape[0]))
     # The step's one host -> device transfer of metadata (from pageable memory, so a plain copy).
-    flat = torch.cat(host).to(device)
-    split = [T, B, B, B + 1, B] + ([B * width] + [len(m) for m in members] if paged else [])
-    ids, computed, scheduled, query_start_loc, seq_lens_t, *rest = flat.split(split)
-
-    # Per-token facts grow with the batch: computed on the device from the per-sequence ones.
-    if T == B:  # a pure decode step, the common case: row i is sequence i's token at position computed[i]
-        seq_of_token, positions = torch.arange(B, device=device), computed
-    else:
-        seq_of_token = torch.repeat_interleave(torch.arange(B, device=device), scheduled, output_size=T)
-        positions = torch.arange(T, device=device) + (computed - query_start_loc[:-1])[seq_of_token]
+    flat = torch.from_numpy(np.concatenate(host)).to(device)
+    parts = flat.split([len(h) for h in host])
+    ids_t, positions_t, query_start_loc, seq_lens_t, logits_indices = parts[:5]
     meta = AttentionMetadata(
         num_computed_tokens=list(num_computed_tokens), num_scheduled_tokens=list(num_scheduled_tokens),
-        input_ids=ids[None], positions=positions[None], query_start_loc=query_start_loc, seq_lens=seq_lens_t,
-        logits_indices=query_start_loc[1:] - 1)
+        input_ids=ids_t[None], positions=positions_t[None], query_start_loc=query_start_loc, seq_lens=seq_lens_t,
+        logits_indices=logits_indices)
     if not paged:
         return meta
-    tables = rest[0].view(B, width)
-    meta.block_size, meta.block_tables = block_size, tables
-    meta.slot_mapping = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
-    for (q_len, nb, span), idx in zip(groups, rest[1:]):
-        rows = (qsl[span[0]], qsl[span[1]]) if span else None
-        meta.groups.append(_group(meta, idx, q_len, nb, T, span, rows))
+    table_t, seq_of_token_t = parts[5].view(B, width), parts[6]
+    meta.block_size, meta.block_tables = block_size, table_t
+    meta.slot_mapping = table_t[seq_of_token_t, positions_t // block_size] * block_size + positions_t % block_size
+    keys = torch.arange(max(nb for _, nb, _ in groups) * block_size, device=flat.device)
+    for k, ((q_len, nb, span), (size, _, _)) in enumerate(zip(groups, shapes)):
+        q_index, q_pos, rows = parts[7 + 3 * k:10 + 3 * k]
+        q_pos = q_pos.view(size, q_len)
+        mask = (keys[:nb * block_size] <= q_pos[:, :, None])[:, None]  # [G, 1, Q, K]: causal, own sequence only
+        packed = (int(qsl[span[0]]), int(qsl[span[1]])) if span else None
+        tables_g = table_t[span[0]:span[1], :nb] if span else table_t[rows][:, :nb]
+        meta.groups.append(AttentionGroup(q_index=q_index.view(size, q_len), block_tables=tables_g, mask=mask,
+                                          rows=packed))
     # Decided once per step, not once per layer: how attention lays out its queries and output.
     meta.scratch_row = any(g.rows is None for g in meta.groups)
     meta.whole_row = len(meta.groups) == 1 and meta.groups[0].rows == (0, T)
     return meta
 
 
+def _group_rows(idx: list[int], q_len: int, span, qsl, scheduled, seq_lens, T: int):
+    """On the host, for one group of sequences ``idx`` (``-1``: a dummy row): each query's packed row
+    (padding: the scratch row ``T``), each query's position (padding: 0, so it sees key 0 only), and
+    the sequences whose block tables it reads."""
+    j = np.arange(q_len)
+    if span is not None:  # consecutive sequences, q_len queries each, no padding
+        first, last = span
+        return np.arange(qsl[first], qsl[last]), ((seq_lens[first:last] - q_len)[:, None] + j).ravel(), \
+            np.arange(first, last)
+    i = np.asarray(idx, dtype=np.int64)
+    real = i >= 0
+    i = np.maximum(i, 0)
+    n_sched = np.where(real, scheduled[i], 0)[:, None]
+    valid = j < n_sched  # [G, Q]
+    q_index = np.where(valid, qsl[i][:, None] + j, T)
+    q_pos = np.where(valid, seq_lens[i][:, None] - n_sched + j, 0)
+    return q_index, q_pos, i
+
+
 def _as_table(block_tables, num_blocks):
-    """``(table, lengths)``: the block tables as a 2-D tensor and each row's number of blocks."""
+    """``(table, lengths)``: the block tables as a 2-D numpy array and each row's number of blocks."""
     if isinstance(block_tables, torch.Tensor):
         if num_blocks is None:
             raise ValueError("a block-table tensor needs num_blocks: how many entries of each row are blocks")
-        return block_tables, [int(n) for n in num_blocks]
+        lengths = num_blocks.tolist() if hasattr(num_blocks, "tolist") else [int(n) for n in num_blocks]
+        return block_tables.numpy(), lengths
     lengths = [len(t) for t in block_tables]
     width = max(lengths)
-    return torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.long), lengths
+    return np.array([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=np.int64), lengths
 
 
-def _padded(tables: torch.Tensor, width: int) -> torch.Tensor:
+def _padded(tables: np.ndarray, width: int) -> np.ndarray:
     """``tables`` cut (or padded with block 0) to ``width`` columns; entries past a row's own blocks are
     never read (the mask hides their keys), whatever ids they hold."""
     if tables.shape[1] >= width:
         return tables[:, :width]
-    return torch.cat([tables, tables.new_zeros(tables.shape[0], width - tables.shape[1])], dim=1)
+    return np.concatenate([tables, np.zeros((tables.shape[0], width - tables.shape[1]), dtype=tables.dtype)], axis=1)
 
 
 def _plan_groups(lengths, num_scheduled_tokens, bucket_shapes):
@@ -192,26 +222,3 @@ def _plan_groups(lengths, num_scheduled_tokens, bucket_shapes):
         groups.append((q_len, nb, (members[0], members[-1] + 1) if dense else None))
         members_lists.append(members + [-1] * (size - len(members)))  # -1: a dummy row, fully masked
     return width, groups, members_lists
-
-
-def _group(meta: AttentionMetadata, idx: torch.Tensor, q_len: int, nb: int, T: int, span, rows) -> AttentionGroup:
-    """``idx``: the group's sequences (``-1`` for dummy rows); ``q_len`` queries, ``nb`` blocks each.
-    ``span``/``rows``: for a dense group, its sequences ``span[0]:span[1]`` and their packed rows."""
-    device = idx.device
-    j = torch.arange(q_len, device=device)  # [Q]
-    keys = torch.arange(nb * meta.block_size, device=device)  # [K]
-    if rows is not None:  # consecutive sequences, q_len queries each, no padding: slices, no gathers
-        first, last = span
-        q_index = torch.arange(*rows, device=device).view(-1, q_len)
-        q_pos = (meta.seq_lens[first:last] - q_len)[:, None] + j  # [G, Q]: each query's position
-        tables = meta.block_tables[first:last, :nb]
-    else:
-        real = (idx >= 0)[:, None]
-        i = idx.clamp(min=0)
-        n_sched = torch.where(real, (meta.query_start_loc[i + 1] - meta.query_start_loc[i])[:, None], 0)
-        valid = j < n_sched  # [G, Q]
-        q_index = torch.where(valid, meta.query_start_loc[i][:, None] + j, T)  # padding -> scratch row T
-        q_pos = torch.where(valid, (meta.seq_lens[i][:, None] - n_sched) + j, 0)  # padding sees key 0 only
-        tables = meta.block_tables[i, :nb]
-    mask = (keys <= q_pos[:, :, None])[:, None]  # [G, 1, Q, K]: causal, own sequence only
-    return AttentionGroup(q_index=q_index, block_tables=tables, mask=mask, rows=rows)

@@ -34,15 +34,15 @@ class UpdateFromOutput:
     """The second half of :class:`~cbteach.engine.scheduler.Scheduler` (it needs ``running``,
     ``kv_manager``, ``eos_ids`` and ``_start`` from there)."""
 
-    def update_from_output(self, out: SchedulerOutput, output: RunnerOutput, now: float) -> list[Sequence]:
+    def update_from_output(self, scheduler_output: SchedulerOutput, output: RunnerOutput, now: float) -> list[Sequence]:
         """Turn one step's ``output`` into request state (see the module). ``output``'s lists are in the
         order the worker packed the requests; each is found by its id (``output.req_id_to_index``, as
         V1's ``update_from_output`` does). Returns the sequences that finished on this step, samples
         that forked and stopped at once included."""
         finished = []
-        start = out.num_computed_tokens_of()
+        start = scheduler_output.num_computed_tokens_of()
         index = output.req_id_to_index
-        for rid, n in out.num_scheduled_tokens.items():
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
             seq = self.requests.get(rid)
             if seq is None or seq.status.is_finished:  # stopped or aborted while this step was in flight: dropped (V1)
                 continue
@@ -51,7 +51,7 @@ class UpdateFromOutput:
             if output.error(i) is not None:
                 self._fail(seq, output.error(i), finished, computed_before=start[rid])
                 continue
-            drafts = out.num_draft_tokens(rid)
+            drafts = scheduler_output.num_draft_tokens(rid)
             if drafts:  # V1: the rejected guesses' K/V are forgotten; what they wrote will be overwritten
                 seq.num_computed_tokens -= drafts - (len(tokens) - 1)
                 self.kv_manager.trim(seq)  # cbteach's: blocks that held only rejected guesses go back (V1 keeps them)
