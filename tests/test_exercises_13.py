@@ -18,7 +18,7 @@ def run():
     try:
         eng.run([Request([1, 2, 3, 4, 5], 4, request_id=0), Request([7, 8], 6, request_id=1),
                  Request([9] * 11, 3, request_id=2)])
-        log = list(eng.runner.comm_log)
+        log = list(eng.executor.comm_log)
     finally:
         eng.close()
     return {"comm_log": log, "num_layers": model.config.num_hidden_layers, "hidden_size": model.config.hidden_size}

@@ -11,7 +11,8 @@
   and the engine's own view of the model.
 
 The layers read bottom-up, as the data flows (vLLM V1 keeps its worker below its engine core the
-same way: ``v1/worker/`` knows nothing of ``v1/core/sched/``, and ``v1/executor/`` connects them):
+same way: ``v1/worker/`` imports only the message types of ``v1/core/sched/output.py``, never the
+scheduler, and ``v1/executor/`` connects them):
 
 1. :mod:`cbteach.attention`, :mod:`cbteach.perf`, :mod:`cbteach.models` -- masks, packing, paged
    attention; roofline arithmetic; loading a model;

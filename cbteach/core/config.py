@@ -53,11 +53,14 @@ def check_policy(policy) -> None:
 class SchedulerConfig:
     """How :class:`~cbteach.engine.scheduler.Scheduler` plans a step.
 
-    ``admission="per_chunk"`` (the default, vLLM V1's rule): a waiting request is let in when the KV
-    manager gives room for the chunk it feeds this step. ``"whole_prompt"`` (vLLM V0's rule, on by
-    default there; later V1 versions have it as ``full_sequence_must_fit``, off by default): only when
-    its whole prompt fits (plus any output a preempted request must recompute), even when the token
-    budget feeds it in chunks. It admits fewer requests on a sliver of room; it does not protect a
+    ``admission="per_chunk"`` (the default): a waiting request is let in when the KV manager gives room
+    for the chunk it feeds this step -- vLLM V1's rule as read at ``00024d3``. ``"whole_prompt"``: only
+    when its whole prompt fits (plus any output a preempted request must recompute), even when the
+    token budget feeds it in chunks -- vLLM V0's rule, and current V1's default in its own form:
+    ``vllm/v1/core/sched/scheduler.py`` at ``003df29`` passes ``full_sequence_must_fit=
+    self.scheduler_reserve_full_isl`` to ``allocate_slots``, and ``SchedulerConfig.scheduler_reserve_full_isl``
+    is True by default (V1 checks the whole sequence fits but takes blocks for the chunk only; V0, and
+    this option, reserve them). It admits fewer requests on a sliver of room; it does not protect a
     prefill -- a decoding neighbour's refused allocation can still preempt it half-way through.
     V0's rules run in :class:`~cbteach.engine.scheduler_v0.V0Scheduler`.
     """
@@ -76,8 +79,8 @@ class SchedulerConfig:
         if self.preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {self.preemption!r}")
         if self.admission not in ADMISSION_RULES:
-            raise ValueError(f"admission must be 'per_chunk' (vLLM V1's rule) or 'whole_prompt' (vLLM V0's), "
-                             f"got {self.admission!r}")
+            raise ValueError(f"admission must be 'per_chunk' (vLLM V1's rule as read at 00024d3) or 'whole_prompt' "
+                             f"(vLLM V0's, close to current V1's default), got {self.admission!r}")
         check_policy(self.policy)
         if not isinstance(self.preempt_to_admit, bool):
             raise ValueError(f"preempt_to_admit must be True (vLLM V0's and SGLang's rule: an urgent waiting request "
@@ -169,8 +172,8 @@ class EngineConfig:
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
         if self.cache.watermark and self.scheduler.admission != "whole_prompt":
-            raise ValueError("watermark is part of vLLM V0's admission rule: use it with admission='whole_prompt' "
-                             "(the default, V1's per-chunk admission, keeps no watermark)")
+            raise ValueError("watermark is kept only with admission='whole_prompt' here (vLLM V0's rule; vLLM V1 has "
+                             "one too, 0 by default): the default per-chunk admission keeps no watermark")
 
     @classmethod
     def from_options(cls, *, max_batch_size, kv: str = "concat", keep_records: bool = True,

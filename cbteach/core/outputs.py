@@ -35,6 +35,9 @@ class RunnerOutput:
     comm: dict | None = None  # tensor parallelism: {"all_reduces", "all_reduce_bytes", "num_tokens", "world_size"}
 
     def __post_init__(self):
+        if len(self.req_ids) != len(self.sampled):
+            raise ValueError(f"a RunnerOutput has one entry per request: {len(self.sampled)} sampled for "
+                             f"{len(self.req_ids)} req_ids (say whose results they are: req_ids=[...])")
         if self.req_id_to_index is None:
             self.req_id_to_index = {rid: i for i, rid in enumerate(self.req_ids)}
 

@@ -37,7 +37,7 @@ class Engine(EngineCore):
     ``"priority"``; ``parallel_sampling`` is ``"fanout"`` (V1) or ``"fork"`` (copy on write);
     ``async_scheduling`` overlaps planning with the forward pass; ``tensor_parallel_size`` shards the
     model over processes. vLLM V0's rules are options named as V0's: ``admission="whole_prompt"``,
-    ``watermark``, ``preemption="swap"``, ``preempt_to_admit``. ``keep_records=False`` keeps no step
+    ``watermark`` (both also current V1's, in its own form), ``preemption="swap"``, ``preempt_to_admit``. ``keep_records=False`` keeps no step
     history. See :class:`~cbteach.core.config.EngineConfig` for every option; use it as a context
     manager, or call :meth:`close`, to let go of its KV memory (and worker processes).
     """

@@ -50,7 +50,8 @@ def pick_scheduler_cls(config, scheduler_cls):
         raise ValueError(f"scheduler_cls must be a subclass of cbteach.engine.scheduler.Scheduler, got {scheduler_cls!r}")
     if not issubclass(scheduler_cls, need):
         raise ValueError(f"preemption='swap', admission='whole_prompt', watermark and preempt_to_admit are vLLM V0's "
-                         f"rules, which {scheduler_cls.__name__} does not have: subclass "
+                         f"rules (current V1 has the middle two in its own form), which {scheduler_cls.__name__} "
+                         "does not have: subclass "
                          "cbteach.engine.scheduler_v0.V0Scheduler to use them")
     return scheduler_cls
 

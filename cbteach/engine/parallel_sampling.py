@@ -1,7 +1,8 @@
 """Parallel sampling: ``SamplingParams(n=k)`` asks for ``k`` samples of one prompt. Two designs:
 
 * ``parallel_sampling="fanout"`` -- **vLLM V1's** (its ``ParentRequest``): the request becomes ``k``
-  child requests, ids ``(request_id, i)``, sample ``i`` drawing from ``seed + i``, each queued and
+  child requests -- ids ``(request_id, i)`` here, ``f"{i}_{request_id}"`` in V1 -- sample ``i``
+  drawing from ``seed + i`` (V1's rule), each queued and
   scheduled like any request. What they share, they share through the **prefix cache**: with
   ``prefix_caching=True`` the first child's full prompt blocks become findable when they are
   allocated, so the other children -- even those admitted in the same step -- start past them. The

@@ -22,10 +22,12 @@ There is no "prefill phase" and "decode phase" (vLLM V1's design note): every se
 4. **Admissions**, in the waiting queue's order, while a slot (``max_batch_size``) and budget are
    left: the prefix cache is asked which of the prompt's blocks are already computed
    (``get_computed_blocks``), and the request is let in when ``allocate_slots`` gives room for the
-   chunk it feeds now; the first refusal ends admissions (nobody overtakes it).
+   chunk it feeds now (V1's rule as read at ``00024d3``; V1 at ``003df29`` by default also requires its
+   whole sequence to fit -- ``scheduler_reserve_full_isl`` -- close to this engine's
+   ``admission="whole_prompt"``); the first refusal ends admissions (nobody overtakes it).
 5. **The message** (:meth:`Scheduler.make_output`): the scheduler's working notes (a
    :class:`~cbteach.core.scheduler_output.StepPlan` of live sequences) become plain data -- a request
-   the runner has not seen in full, one it holds as a diff.
+   the worker has not seen in full, one it holds as a diff.
 6. **The plan counts as computed** (:meth:`Scheduler.update_after_schedule`, V1's
    ``_update_after_schedule``): every scheduled request's ``num_computed_tokens`` moves on by its
    scheduled tokens at the end of ``schedule()``, before the forward pass runs -- which is what lets
@@ -33,7 +35,8 @@ There is no "prefill phase" and "decode phase" (vLLM V1's design note): every se
    the model rejects are taken back after the step.
 
 vLLM V0's rules -- swap preemption, whole-prompt admission with a watermark, preempting to admit an
-urgent request -- are not here: they live in :class:`~cbteach.engine.scheduler_v0.V0Scheduler`.
+urgent request -- are not here: they live in :class:`~cbteach.engine.scheduler_v0.V0Scheduler` (the
+middle two are also current V1's, in its own form: see there).
 
 Writing a scheduler is overriding :meth:`Scheduler.schedule` with the public pieces below
 (``allocate_or_preempt``, ``preempt``, ``admit``, :meth:`StepPlan.add`, ``make_output``,

@@ -1,7 +1,8 @@
 """vLLM V0's scheduling rules, kept apart from V1's so each reads on its own.
 
 :class:`~cbteach.engine.scheduler.Scheduler` is vLLM V1's. Before V1, vLLM's scheduler (V0) had
-rules V1 dropped; the course compares them (notebook 06), so they live here, in a subclass the engine
+rules V1 dropped (swap, preempting to admit) or brought back later in its own form (whole-sequence
+admission and a watermark); the course compares them (notebook 06), so they live here, in a subclass the engine
 picks when one of them is asked for (``Engine(..., preemption="swap")`` and the others below):
 
 * **swap preemption** (``preemption="swap"``; the vLLM paper, section 4.5): a victim's blocks are
@@ -13,9 +14,12 @@ picks when one of them is asked for (``Engine(..., preemption="swap")`` and the 
   (:meth:`V0Scheduler.add_swapped`).
 * **whole-prompt admission** (``admission="whole_prompt"``; V0's block manager): a request is let in
   only when its whole remaining prompt fits, even when the token budget feeds it in chunks, keeping
-  a ``watermark`` of blocks free. (Later V1 versions grew similar options, off by default --
-  ``full_sequence_must_fit`` and ``watermark`` in ``vllm/v1/core/kv_cache_manager.py`` -- the V1 this
-  course follows has neither.) A request admitted whole can still be preempted half-way through its
+  a ``watermark`` of blocks free. (V1 grew the same two rules back: ``SchedulerConfig.scheduler_reserve_full_isl``,
+  True by default, which ``vllm/v1/core/sched/scheduler.py`` at ``003df29`` passes to ``allocate_slots``
+  as ``full_sequence_must_fit`` -- it checks the whole sequence fits, and takes blocks for the chunk
+  only -- and ``SchedulerConfig.watermark``, 0 by default, applied to waiting and preempted requests
+  while others run. This engine's default scheduler follows V1 as read at ``00024d3``, before them.)
+  A request admitted whole can still be preempted half-way through its
   prefill, by a decoding neighbour's refused allocation.
 * **preempting to admit** (``preempt_to_admit=True``; V0's and SGLang's priority scheduling): an
   urgent waiting request may preempt less urgent running ones to get in -- then nobody else is

@@ -9,7 +9,7 @@ the completion's text.
 
 Every request the stream covers ends with exactly one event whose ``finish_reason`` is set: its last
 token's, or -- for a request aborted while streaming -- an event with no token and
-``finish_reason="aborted"`` (vLLM's streams end an aborted request the same way), or ``"error"`` for
+``finish_reason="aborted"`` (vLLM's streams end an aborted request too, with ``"abort"``), or ``"error"`` for
 one that failed alone (its ``Completion.error`` says why). A consumer that
 stops listening (closes the generator, or drops it) aborts the requests it passed to the stream that
 are not finished: like a client that hangs up, it frees their KV blocks.

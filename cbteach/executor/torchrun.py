@@ -15,7 +15,9 @@ CPU group even when the model's all-reduces use NCCL, as vLLM keeps one) and eve
 samples for itself; nothing comes back (rank 0's own worker gives the output). A rank that dies
 makes the launcher stop the others, and rank 0's next collective fails:
 :class:`~cbteach.parallel.procs.WorkerDied`. ``benchmarks/tp/torchrun_check.py`` runs this end to end.
-(V1 calls an executor whose workers another launcher started ``ExecutorWithExternalLauncher``.)
+(V1's executor for torchrun, ``ExecutorWithExternalLauncher`` in ``vllm/v1/executor/uniproc_executor.py``,
+works differently: every rank runs its own engine and scheduler, and deterministic scheduling keeps
+them in step; here one scheduler, on rank 0, broadcasts its message.)
 """
 from __future__ import annotations
 

@@ -66,7 +66,7 @@ class Workload:
     num_blocks: int | None = None  # None: room for every slot's full length (no memory limit)
     block_size: int = 4
     policy: str = "fcfs"
-    admission: str = "per_chunk"  # vLLM V1's rule; "whole_prompt" is V0's
+    admission: str = "per_chunk"  # vLLM V1's rule as read at 00024d3; "whole_prompt" is V0's (and close to current V1's)
     ignore_eos: bool | tuple = True  # True: forced lengths, the memory pressure does not depend on the model
     shared_prefix: int = 0  # the first tokens every prompt has in common (prefix caching)
     prefix_caching: bool = False

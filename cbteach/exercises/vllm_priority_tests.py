@@ -6,9 +6,9 @@ From ``tests/v1/core/test_scheduler.py`` at vllm-project/vllm@003df29: the sched
 (priorities and arrival times given; a smaller number is more urgent, ties go to the earlier arrival).
 ``test_priority_scheduling_preemption_and_resumption_when_out_of_kv`` runs without its KV and EC
 connectors (they find nothing to load there) and keeps the assertions of V1's default model runner;
-where V1 marks the resumed request in the message (``resumed_req_ids``) and sends its token ids,
-cbteach's message has it start again at token 0 -- its runner kept the tokens -- and the request
-feeds all of them to recompute its K/V.
+V1 marks the resumed request in the message (``resumed_req_ids``) and sends its token ids
+(``all_token_ids``); so does cbteach's message, and the request starts again at token 0 and feeds all
+32 tokens to recompute its K/V.
 """
 from __future__ import annotations
 
@@ -168,10 +168,10 @@ def test_priority_scheduling_preemption_and_resumption_when_out_of_kv(cls):
     expect("scheduled_cached_reqs.req_ids[0] == request_low.request_id", output.scheduled_cached_reqs.req_ids[:1],
            [low.request_id])
     expect("request_low.request_id in scheduled_cached_reqs.resumed_req_ids",
-           output.num_computed_tokens_of().get(low.request_id), 0, "resumed: the message has it start again at token 0")
+           low.request_id in output.scheduled_cached_reqs.resumed_req_ids)
     expect("len(scheduled_cached_reqs.all_token_ids[request_low.request_id]) == 32",
-           output.num_scheduled_tokens.get(low.request_id), 32,
-           "resumed tokens include 30 prompt tokens and 2 decoded tokens: it feeds all 32 to recompute them")
+           len(output.scheduled_cached_reqs.all_token_ids.get(low.request_id, ())), 32,
+           "resumed tokens include 30 prompt tokens and 2 decoded tokens")
 
 
 TESTS = [test_priority_scheduling_basic_ordering, test_priority_scheduling_arrival_time_tiebreaker,

@@ -35,8 +35,9 @@ Left out, and why:
   belong to V1's KV manager and front end;
 * everything multimodal, encoder-cache, encoder-decoder, structured-output (grammar), EAGLE,
   Mamba/hybrid, KV-connector and EC-connector (remote KV, ``skipped_waiting``) -- machinery the course's
-  engine does not have; ``test_cached_request_data_resumed_all_token_ids_mrv1_only`` -- V1's runners'
-  message format (cbteach's runner appended a resumed request's tokens itself).
+  engine does not have; ``test_cached_request_data_resumed_all_token_ids_mrv1_only`` -- it calls V1's
+  private ``_make_cached_request_data`` and toggles V1's two model runners (cbteach's message does
+  send a resumed request's ``all_token_ids``).
 
 The file holds no test of two identical prompts admitted in one step (their prefix hit): cbteach's
 own checks cover it (notebook 06, stage 3; ``tests/test_prefix_caching.py``).

@@ -1,6 +1,7 @@
 """Prompts to token ids, in the API server: checked, tokenized off the event loop, refused early.
 
-In vLLM V1 the engine core never sees text: the API server's ``Processor`` tokenizes and validates
+In vLLM V1 the engine core never sees text: the API server's ``InputProcessor``
+(``vllm/v1/engine/input_processor.py``; tokenizing is moving to its renderer) tokenizes and validates
 every request, and hands the core token ids. This module is that step for cbteach's server:
 
 * **refuse before tokenizing what cannot fit.** No token of a vocabulary covers more than

@@ -192,7 +192,7 @@ def simulate(workload: list[SimRequest], step_time, *, max_batch_size: int, num_
                    for rid, n in plan.num_scheduled_tokens.items()]
         result.step_ends.append(now)
         result.step_sampled.append(sum(x is not None for x in sampled))
-        scheduler.update_from_output(plan, RunnerOutput(sampled=sampled), now)
+        scheduler.update_from_output(plan, RunnerOutput(sampled=sampled, req_ids=list(plan.num_scheduled_tokens)), now)
     else:
         raise RuntimeError(f"simulation still running after {max_steps} steps")
     for seq in seqs:

@@ -23,14 +23,10 @@ Under async scheduling (:mod:`cbteach.engine.async_scheduling`) the next step is
 and 4: its decodes read the tokens this step sampled straight from the device tensor
 (:attr:`ModelRunner.prev`, V1's ``prev_sampled_token_ids``), and 4 runs beside the next forward pass.
 
-**One request's failure is its own** -- this is cbteach's, not V1's (V1's worker re-raises and the
+**One request's failure is its own** -- cbteach's rule, not V1's (V1's worker re-raises and the
 engine stops): a row whose sampling fails, or whose logits are not finite, gets an error instead of a
-token; if the forward pass raises, each row is run alone to find whose tokens the model fails on (paged
-K/V are written in place, so running a row again rewrites the same values), and the blocks a failed
-row was to fill are remembered as **unwritten**: a later row that reads them (one admitted on them as a
-cached prefix, perhaps planned before the failure was known) computes them again itself, from the
-first unwritten block on -- the same tokens at the same positions give the same K/V. Breaking a rule
-of the engine (:class:`~cbteach.errors.EngineRuleError`) is never one request's fault: it stops the step.
+token; if the forward pass raises, each row is run alone to find whose tokens the model fails on, and
+blocks a failed row was to fill are computed again by whoever reads them (:mod:`cbteach.worker.recovery`).
 """
 from __future__ import annotations
 
@@ -45,7 +41,7 @@ from ..core.sampling import make_generator
 from ..errors import EngineDeadError, EngineRuleError
 from .input_batch import CachedRequestState, InputBatch
 from .sampler import NOT_FINITE, accept, sample_on_device
-from . import states
+from . import recovery, states
 
 
 @dataclass
@@ -145,26 +141,27 @@ class ModelRunner:
         """The step's inputs, read from the batch's rows (all of them, or ``rows`` when a row is run alone)."""
         b = self.input_batch
         whole = rows is None
-        rows = list(range(b.num_reqs)) if whole else rows
-        req_ids = [b.req_ids[r] for r in rows]
+        B = b.num_reqs if whole else len(rows)
+        sl = slice(0, B) if whole else rows  # a slice of the arrays (the whole batch), or a gather
+        rows = list(range(B)) if whole else rows
+        req_ids = b.req_ids[:B] if whole else [b.req_ids[r] for r in rows]
         counts = [msg.num_scheduled_tokens[rid] for rid in req_ids]
-        drafts = [msg.scheduled_spec_decode_tokens.get(rid, []) for rid in req_ids]
-        starts = b.num_computed_tokens[rows].tolist()
+        spec = msg.scheduled_spec_decode_tokens
+        drafts = [spec.get(rid, []) for rid in req_ids] if spec else [[]] * B
+        starts = b.num_computed_tokens[sl].tolist()
         if self.unwritten_blocks:  # a cached prefix whose K/V were never written is computed again
             for i, rid in enumerate(req_ids):
                 starts[i], counts[i] = self._redo_from(self.requests[rid].block_ids, starts[i], counts[i])
-        known = b.num_tokens[rows]
+        known = b.num_tokens[sl]
         ends = np.add(starts, counts)
         samples = (ends >= known).tolist()
         # Token ids: one gather from the rows (guesses were written after the known tokens).
-        width = b.token_ids.shape[1]
-        first = np.asarray(rows) * width + starts
-        idx = first if ends.size == sum(counts) else np.repeat(first - np.cumsum([0, *counts[:-1]]), counts) + \
-            np.arange(sum(counts))
-        input_ids = b.token_ids.view(-1)[torch.from_numpy(idx)]
-        pending = self._pending(req_ids, starts, counts, known + [len(d) for d in drafts], input_ids)
-        tables = b.block_table.table[:len(rows)] if whole else b.block_table.table[rows]
-        num_blocks = b.block_table.num_blocks[rows] if not whole else b.block_table.num_blocks[:len(rows)]
+        T = sum(counts)
+        first = np.asarray(rows) * b.token_ids.shape[1] + starts
+        idx = first if T == B else np.repeat(first - np.cumsum([0, *counts[:-1]]), counts) + np.arange(T)
+        input_ids = b.token_ids_np.reshape(-1)[idx]
+        pending = self._pending(req_ids, starts, counts, known + [len(d) for d in drafts] if spec else known, input_ids)
+        tables, num_blocks = b.block_table.table[sl], b.block_table.num_blocks[sl]
         meta = self.kv_cache.build_metadata(input_ids, starts, counts, self.device,
                                             block_tables=tables if self.block_size else None,
                                             num_blocks=num_blocks, request_ids=req_ids)
@@ -200,18 +197,22 @@ class ModelRunner:
         """Tokens for the rows that sample, on the device; a prompt's forked samples get a state and
         their first token here (each once: a sample already known is not forked again)."""
         b = self.input_batch
-        params = [b.sampling_params[r] if s and not d else None for r, s, d in zip(step.rows, step.samples, step.drafts)]
-        generators = [b.generators.get(r) for r in step.rows]
         forks = {}
-        for i, rid in enumerate(step.req_ids):
-            for sample_id, index in step.msg.scheduled_forks.get(rid, ()) if step.samples[i] else ():
-                if sample_id not in self.requests:
-                    parent = self.requests[rid]
-                    self.requests[sample_id] = CachedRequestState(
-                        req_id=sample_id, prompt_token_ids=list(parent.prompt_token_ids),
-                        sampling_params=parent.sampling_params,
-                        generator=make_generator(parent.sampling_params, index))
-                    forks.setdefault(i, []).append((sample_id, self.requests[sample_id].generator))
+        if b.all_greedy and not step.msg.scheduled_forks:  # the course's case: one max over the vocabulary
+            params = generators = [None] * len(step.rows)
+        else:
+            params = [b.sampling_params[r] if s and not d else None
+                      for r, s, d in zip(step.rows, step.samples, step.drafts)]
+            generators = [b.generators.get(r) for r in step.rows]
+            for i, rid in enumerate(step.req_ids):
+                for sample_id, index in step.msg.scheduled_forks.get(rid, ()) if step.samples[i] else ():
+                    if sample_id not in self.requests:
+                        parent = self.requests[rid]
+                        self.requests[sample_id] = CachedRequestState(
+                            req_id=sample_id, prompt_token_ids=list(parent.prompt_token_ids),
+                            sampling_params=parent.sampling_params,
+                            generator=make_generator(parent.sampling_params, index))
+                        forks.setdefault(i, []).append((sample_id, self.requests[sample_id].generator))
         step.sampled = sample_on_device(step.logits, step.last, params, generators, forks)
         if self.feed_from_device:
             self.prev = (step.sampled.tokens, {rid: i for i, rid in enumerate(step.req_ids) if step.samples[i]})
@@ -221,6 +222,16 @@ class ModelRunner:
         the scheduler as a :class:`RunnerOutput`."""
         tokens, finite, targets, targets_finite = step.sampled.to_host()
         n = len(step.rows)
+        if targets is None and not step.sampled.errors and not step.sampled.fork_tokens and all(finite):
+            # the common step: no guesses, nothing failed, no forks
+            sampled = [[t] if s else None for t, s in zip(tokens, step.samples)]
+            if self.unwritten_blocks:
+                for i, rid in enumerate(step.req_ids):
+                    self.written(rid, step.starts[i], step.counts[i], ok=True)
+            chunks = self._chunks(step)
+            self._append_all(step.req_ids, sampled)
+            return RunnerOutput(sampled=sampled, req_ids=list(step.req_ids), chunks=chunks,
+                                forward_time=step.forward_time, traffic=step.traffic)
         sampled, errors, fork_tokens = [None] * n, [None] * n, [None] * n
         first = 0
         for i, (rid, drafts) in enumerate(zip(step.req_ids, step.drafts)):
@@ -238,7 +249,7 @@ class ModelRunner:
             first += len(drafts) + 1
         failed = [i for i, e in enumerate(errors) if e is not None]
         for i in failed if not self.unwritten_blocks else range(n):
-            self._written(step.req_ids[i], step.starts[i], step.counts[i], ok=errors[i] is None)
+            self.written(step.req_ids[i], step.starts[i], step.counts[i], ok=errors[i] is None)
         chunks = self._chunks(step)  # (before the tokens join: a pending token is read from the states)
         self._append_all(step.req_ids, sampled)
         for forks in filter(None, fork_tokens):
@@ -250,33 +261,8 @@ class ModelRunner:
                             errors=errors if failed else None)
 
     def recover(self, step: Step, err: Exception) -> RunnerOutput:
-        """The forward pass raised: run each row alone; the ones the model fails on get an error, and the
-        blocks they were to fill are unwritten."""
-        parts = []
-        for row, rid, start, count in zip(step.rows, step.req_ids, step.starts, step.counts):
-            try:
-                if len(step.rows) == 1:
-                    raise err
-                alone = self.prepare_inputs(step.msg, [row])
-                self.forward(alone)
-                self.sample(alone)
-                parts.append((self.finish(alone), alone))
-            except (EngineRuleError, EngineDeadError):
-                raise
-            except Exception as e:  # noqa: BLE001
-                self._written(rid, start, count, ok=False)
-                message = f"the model failed on this request's tokens: {type(e).__name__}: {e}"
-                parts.append((RunnerOutput(sampled=[None], req_ids=[rid], chunks=[[]], errors=[message]), None))
-        if self.feed_from_device:  # the next step reads these tokens as if one pass had sampled them
-            toks = [(p.sampled[0] or [0])[-1] for p, _ in parts]
-            self.prev = (torch.tensor(toks, device=self.device), {rid: i for i, rid in enumerate(step.req_ids)})
-        return RunnerOutput(
-            sampled=[p.sampled[0] for p, _ in parts], req_ids=list(step.req_ids),
-            chunks=[p.chunks[0] if p.chunks else [] for p, _ in parts],
-            forward_time=sum(p.forward_time for p, _ in parts), traffic=next((p.traffic for p, _ in parts if p.traffic),
-                                                                                 None),
-            fork_tokens=[p.fork_tokens[0] if p.fork_tokens else None for p, _ in parts],
-            errors=[p.error(0) for p, _ in parts])
+        """The forward pass raised: each row is run alone (:func:`cbteach.worker.recovery.recover`)."""
+        return recovery.recover(self, step, err)
 
     # -- internals ---------------------------------------------------------------------------------
     def _append_all(self, req_ids: list, sampled: list) -> None:
@@ -317,6 +303,8 @@ class ModelRunner:
         """The token ids each row fed, for the step's record: the step's input ids, with a token that was
         pending when the step was prepared read from its request's state (0 if it never came)."""
         ids = step.input_ids.tolist()
+        if len(ids) == len(step.counts) and not step.pending:  # one token each
+            return [[t] for t in ids]
         for at, rid, position in step.pending:
             s = self.requests.get(rid)
             known = s is not None and position < s.num_tokens
@@ -328,20 +316,11 @@ class ModelRunner:
         return out
 
     def _redo_from(self, block_ids: list[int], start: int, count: int) -> tuple[int, int]:
-        """If the blocks before ``start`` hold one whose K/V were never written, start at that block."""
-        bs = self.block_size
-        first = next((k for k, blk in enumerate(block_ids[:-(-start // bs)]) if blk in self.unwritten_blocks), None)
-        if first is None:
-            return start, count
-        return first * bs, count + start - first * bs
+        return recovery.redo_from(self.unwritten_blocks, block_ids, start, count, self.block_size)
 
-    def _written(self, rid, start: int, count: int, ok: bool) -> None:
-        """After a row ran: its blocks hold its K/V (``ok``), or never will (the model failed on it)."""
-        if self.block_size is None or (ok and not self.unwritten_blocks):
-            return
-        state = self.requests.get(rid)
-        blocks = [] if state is None else state.block_ids[start // self.block_size:(start + count - 1) // self.block_size + 1]
-        if ok:
-            self.unwritten_blocks.difference_update(blocks)
-        else:
-            self.unwritten_blocks.update(blocks)
+    def written(self, rid, start: int, count: int, ok: bool) -> None:
+        """After a row ran: its blocks hold its K/V (``ok``), or never will (:mod:`cbteach.worker.recovery`)."""
+        if self.block_size is not None and (not ok or self.unwritten_blocks):
+            state = self.requests.get(rid)
+            recovery.mark_written(self.unwritten_blocks, [] if state is None else state.block_ids, start, count, ok,
+                                  self.block_size)

@@ -20,8 +20,8 @@ The worker never reads the scheduler's objects. Each step's
    into the holes left, and rows ``0 .. num_reqs - 1`` are this step's batch, in packed order.
 
 Around it the runner does what moves *blocks* rather than batch state (:meth:`ModelRunner.update_states`):
-before, V0's swap-outs and copies on write -- before anyone this step writes into a block a victim gave
-up; after, dropping the host copies of finished requests, V0's swap-ins, and writing speculative
+before, V0's swap-outs and the copies on write (fork's here; V1's ``_update_states`` also runs its
+``kv_cache_block_copies`` first) -- before anyone this step writes into a block a victim gave up; after, dropping the host copies of finished requests, V0's swap-ins, and writing speculative
 guesses after each row's known tokens. Notebook 06 asks you to write :func:`update_batch` yourself and
 runs the engine on yours (``Engine(..., update_batch=...)``).
 """

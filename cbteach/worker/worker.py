@@ -116,6 +116,8 @@ class Worker:
         out = self.runner.execute_model(msg)
         if self.rank != 0:
             return None
+        if not msg.total_num_scheduled_tokens:  # nothing ran: the worker only forgot who finished
+            return out
         world = self.layout.world_size
         out.comm = {"all_reduces": self.comm.count, "all_reduce_bytes": self.comm.nbytes,
                     "num_tokens": msg.total_num_scheduled_tokens, "world_size": world}

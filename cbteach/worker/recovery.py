@@ -1,0 +1,73 @@
+"""One request's failure is its own: cbteach's rule, not vLLM V1's.
+
+In V1 an exception in the worker's forward pass ends the engine (its worker re-raises; the engine core
+shuts down). A teaching engine that runs learners' pieces and a server's requests side by side does
+better to fail only the request the model fails on, so the worker here:
+
+* gives a row whose sampling fails, or whose logits are not finite, an error instead of a token
+  (:mod:`cbteach.worker.sampler`);
+* when the forward pass itself raises, runs each row of the step alone (:func:`recover`) -- paged K/V
+  are written in place, so running a row again rewrites the same values -- and fails the rows the
+  model still fails on;
+* remembers the blocks a failed row was to fill as **unwritten** (:func:`mark_written`). Another
+  request may read them as its cached prefix -- admitted on them, perhaps planned a step ahead (async
+  scheduling) before the failure was known. Such a row computes them again itself, from the first
+  unwritten block on (:func:`redo_from`): the same tokens at the same positions give the same K/V.
+
+Breaking a rule of the engine (:class:`~cbteach.errors.EngineRuleError`) is never one request's fault,
+and a dead worker process (:class:`~cbteach.errors.EngineDeadError`) is nobody's: both stop the step.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..core.outputs import RunnerOutput
+from ..errors import EngineDeadError, EngineRuleError
+
+
+def recover(runner, step, err: Exception) -> RunnerOutput:
+    """``step``'s forward pass raised ``err``: run each row alone; the ones the model fails on get an
+    error, and the blocks they were to fill are unwritten."""
+    parts = []
+    for row, rid, start, count in zip(step.rows, step.req_ids, step.starts, step.counts):
+        try:
+            if len(step.rows) == 1:
+                raise err
+            alone = runner.prepare_inputs(step.msg, [row])
+            runner.forward(alone)
+            runner.sample(alone)
+            parts.append(runner.finish(alone))
+        except (EngineRuleError, EngineDeadError):
+            raise
+        except Exception as e:  # noqa: BLE001  (the model failed on this row's tokens)
+            runner.written(rid, start, count, ok=False)
+            message = f"the model failed on this request's tokens: {type(e).__name__}: {e}"
+            parts.append(RunnerOutput(sampled=[None], req_ids=[rid], chunks=[[]], errors=[message]))
+    if runner.feed_from_device:  # the next step reads these tokens as if one pass had sampled them
+        tokens = [(p.sampled[0] or [0])[-1] for p in parts]
+        runner.prev = (torch.tensor(tokens, device=runner.device), {rid: i for i, rid in enumerate(step.req_ids)})
+    return RunnerOutput(
+        sampled=[p.sampled[0] for p in parts], req_ids=list(step.req_ids),
+        chunks=[p.chunks[0] if p.chunks else [] for p in parts],
+        forward_time=sum(p.forward_time for p in parts), traffic=next((p.traffic for p in parts if p.traffic), None),
+        fork_tokens=[p.fork_tokens[0] if p.fork_tokens else None for p in parts],
+        errors=[p.error(0) for p in parts])
+
+
+def redo_from(unwritten: set, block_ids: list[int], start: int, count: int, block_size: int) -> tuple[int, int]:
+    """A row feeding ``count`` tokens from ``start``: if the blocks before ``start`` hold one whose K/V
+    were never written, it starts at that block instead (and feeds the tokens in between too)."""
+    first = next((k for k, b in enumerate(block_ids[:-(-start // block_size)]) if b in unwritten), None)
+    if first is None:
+        return start, count
+    return first * block_size, count + start - first * block_size
+
+
+def mark_written(unwritten: set, block_ids: list[int], start: int, count: int, ok: bool, block_size: int) -> None:
+    """After a row fed positions ``start .. start + count - 1``: the blocks holding them have their K/V
+    (``ok``), or never will (the model failed on the row)."""
+    blocks = block_ids[start // block_size:(start + count - 1) // block_size + 1]
+    if ok:
+        unwritten.difference_update(blocks)
+    else:
+        unwritten.update(blocks)
