@@ -219,3 +219,27 @@ def test_each_sample_is_forked_once_under_async_scheduling():
     alone = [Engine(model, max_batch_size=6, kv="paged", block_size=4, parallel_sampling="fork").run([r])[0]
              for r in reqs]
     assert [[s.output_ids for s in c.samples] for c in outs] == [[s.output_ids for s in c.samples] for c in alone]
+
+
+def test_async_steps_read_the_last_steps_tokens_on_the_device():
+    """V1's ``prev_sampled_token_ids``: when step N+1 is prepared, the host has not got N's tokens yet (its
+    decodes' inputs are pending) -- they are read from the device tensor N sampled into, and copied to the
+    host only afterwards, beside N+1's forward. Still exact."""
+    model = tiny_model("llama")
+    eng = Engine(model, max_batch_size=4, kv="paged", block_size=4, async_scheduling=True)
+    runner = eng.executor.runner
+    prepare, pending = runner.prepare_inputs, []
+
+    def watched(msg, rows=None):
+        step = prepare(msg, rows)
+        if rows is None:
+            fed = [(at, rid) for at, rid, _ in step.pending if runner.prev is not None and rid in runner.prev[1]]
+            pending.append((len(step.counts), len(fed)))
+        return step
+
+    runner.prepare_inputs = watched
+    reqs = _requests(17, n=5, max_new=12)
+    _exact(model, reqs, eng.run(reqs))
+    fed_steps = [n for n, fed in pending if fed]
+    assert len(fed_steps) >= len(pending) // 2, pending
+    assert sum(fed for _, fed in pending) > 20

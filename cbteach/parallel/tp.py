@@ -4,7 +4,7 @@
 (:class:`~cbteach.executor.multiproc.MultiprocExecutor`, each rank a
 :class:`~cbteach.worker.worker.Worker`). Before any process starts, :func:`check_config` refuses what
 cannot run -- heads that do not divide, more ranks than heads, a backend this machine lacks, a KV
-cache that is not paged, V0's swap, a plugged-in attention -- with a ``ValueError`` that says why.
+cache that is not paged, a plugged-in attention -- with a ``ValueError`` that says why.
 """
 from __future__ import annotations
 
@@ -89,10 +89,6 @@ def check_config(model, info, kv_cache, config, pc: ParallelConfig) -> tuple[Lay
     if getattr(kv_cache, "kind", None) != "paged":
         raise ValueError("tensor parallelism needs kv='paged': each rank keeps its KV heads in its own paged pool, "
                          "addressed by the scheduler's block tables")
-    scheduler = getattr(config, "scheduler", None)
-    if getattr(scheduler, "preemption", "recompute") == "swap":
-        raise ValueError("preemption='swap' copies blocks from the driver's pool, which tensor parallelism leaves "
-                         "empty (the ranks hold the K/V); use preemption='recompute'")
     if getattr(kv_cache, "attention", None) is not None or getattr(kv_cache, "slot_mapping", None) is not None:
         raise ValueError("a plugged-in attention or slot_mapping runs in the driver's process; tensor parallelism "
                          "runs attention on the ranks with the engine's own")
