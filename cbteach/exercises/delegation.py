@@ -56,7 +56,7 @@ def _base() -> dict:
     from ..kv.paged import PagedKVCache
     from ..parallel.shard import Layout
     from ..sim.cost import ring_all_reduce_bytes
-    from . import ex05_mistakes
+    from . import ex05_mistakes, ex05b_mistakes
 
     attention = [paged.default_attention, paged.vectorised_attention, paged.reference_attention, paged._attend]
     scheduling = [getattr(Scheduler, n) for n in ("schedule", "schedule_running", "schedule_waiting",
@@ -71,7 +71,8 @@ def _base() -> dict:
     out = {piece: [("engine", _name(f), f) for f in fs] for piece, fs in engine.items()}
     out["slot_mapping"].append(("course", "slots", ex05_mistakes.slots))
     out["attention"].append(("course", "attend", ex05_mistakes.attend))
-    out["loop"] += [("course", "attend", ex05_mistakes.attend), ("torch", SDPA, SDPA)]
+    out["loop"] += [("course", "attend", ex05_mistakes.attend), ("course:ex05b_mistakes", "loop", ex05b_mistakes.loop),
+                    ("torch", SDPA, SDPA)]
     out["tp"].append(("simulator", "ring_all_reduce_bytes", ring_all_reduce_bytes))
     return out
 
@@ -163,8 +164,9 @@ def copy_of(code, pieces, solutions: bool = True):
 
 
 def whose(who: str, name: str) -> str:
-    if who == "course":
-        return f"the course's own answer {name} (cbteach.exercises.ex05_mistakes), the very one the check compares with"
+    if who.startswith("course"):
+        module = who.split(":")[1] if ":" in who else "ex05_mistakes"
+        return f"the course's own answer {name} (cbteach.exercises.{module}), the very one the check compares with"
     if who.startswith("solution:"):
         return f"the course's solution {name} (notebook {who.split(':')[1]}'s solution cell)"
     return {"torch": f"torch's {name}", "simulator": f"the simulator's {name} (cbteach.sim.cost)"}.get(
@@ -306,7 +308,7 @@ class Watch:
     learner's whose shape is never taken for a copy (the piece itself may be a course solution)."""
 
     def __init__(self, pieces, mine: dict | None = None, exempt=()):
-        self.pieces, self.mine, self.found = set(pieces), mine, None
+        self.pieces, self.mine, self.found, self.escaped = set(pieces), mine, None, False
         self.entries = [(obj, (piece, who, name)) for piece in self.pieces for who, name, obj in registry().get(piece, ())]
         self.codes = {c: [r for r in rs if r[0] in self.pieces] for c, rs in own_codes().items()}
         self.codes = {c: rs for c, rs in self.codes.items() if rs}
@@ -340,7 +342,8 @@ class Watch:
         return (self._nearest(frame) if self.mine else None) or sorted(self.pieces)[0]
 
     def _refuse(self, said: str) -> str:
-        self.found = self.found or said
+        if self.found is None or self.escaped:  # naming the course's code says more than "switched off"
+            self.found, self.escaped = said, False
         return said
 
     def claim(self, records, frame) -> str | None:
@@ -366,15 +369,19 @@ class Watch:
             self.spawned[thread] = piece
 
     # -- the profile hook on the learner's thread ----------------------------------------------------
+    def _escape(self, frame, name: str) -> None:
+        if self.found is None:
+            self.found, self.escaped = _escaped(self._piece_at(frame), name), True
+
     def __call__(self, frame, event, arg):
-        if self.found is not None:
+        if self.found is not None and not self.escaped:
             return
         if event == "c_call" and arg in _ESCAPES and not frame.f_code.co_filename.startswith(_CBTEACH):
-            self.found = _escaped(self._piece_at(frame), f"sys.{arg.__name__}")
+            self._escape(frame, f"sys.{arg.__name__}")
         elif event == "call":
             code = frame.f_code
             if code in _ESCAPE_CODES and not frame.f_back.f_code.co_filename.startswith(_CBTEACH):
-                self.found = _escaped(self._piece_at(frame.f_back), f"threading.{_ESCAPE_CODES[code]}")
+                self._escape(frame.f_back, f"threading.{_ESCAPE_CODES[code]}")
                 return
             records, how = self.codes.get(code), "called"
             if records is None:
@@ -385,7 +392,7 @@ class Watch:
                     return
                 records, how = [hit], "called a copy of"
             if self._delegating(records[0][0], frame.f_back):
-                self.found = refusal(*records[0], how)
+                self._refuse(refusal(*records[0], how))
 
     def __enter__(self):
         tripwires.arm(self, self.entries)
@@ -402,7 +409,7 @@ class Watch:
             threading.setprofile(self.saved_threads)
         tripwires.disarm(self, self.entries)
         if replaced and self.found is None:
-            self.found = _escaped(sorted(self.pieces)[0], "sys.setprofile")
+            self.found, self.escaped = _escaped(sorted(self.pieces)[0], "sys.setprofile"), True
 
 
 def watched(piece: str, fn):
