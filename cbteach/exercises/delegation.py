@@ -23,6 +23,7 @@ piece may be one (notebook 12 says so, :mod:`.where`), but may not call one.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -33,7 +34,7 @@ import weakref
 from . import shapes, tripwires
 from .tripwires import Delegated, SDPA
 
-__all__ = ["Delegated", "Watch", "is_own", "learner_codes", "refusal", "watched"]
+__all__ = ["Delegated", "Watch", "is_own", "learner_codes", "refusal", "refusing", "watched"]
 
 # piece -> the methods of a class piece that must be the learner's own (a scheduler from notebook 06's
 # stage 4 may keep the engine's update; notebook 12 asks for both: is_own(..., methods=...))
@@ -121,9 +122,13 @@ def own_codes() -> dict:
     return out
 
 
-@functools.lru_cache(maxsize=None)
 def _shapes() -> dict:
     """``{fingerprint: [(piece, who, name)]}``: every own implementation's, then every course solution's."""
+    return _shapes_with("cbteach.attention.triton_unified" in sys.modules)
+
+
+@functools.lru_cache(maxsize=None)
+def _shapes_with(kernel: bool) -> dict:  # kernel: whether the Triton kernel's pieces are in the registry yet
     out: dict = {}
     for code, records in own_codes().items():
         out.setdefault(shapes.fingerprint(code), []).extend(records)
@@ -133,9 +138,13 @@ def _shapes() -> dict:
     return out
 
 
-@functools.lru_cache(maxsize=None)
 def _keys() -> frozenset:
-    return frozenset(shape[:3] for shape in _shapes())  # a fingerprint starts with _key
+    return _keys_with("cbteach.attention.triton_unified" in sys.modules)
+
+
+@functools.lru_cache(maxsize=None)
+def _keys_with(kernel: bool) -> frozenset:
+    return frozenset(shape[:3] for shape in _shapes_with(kernel))  # a fingerprint starts with _key
 
 
 def _key(code) -> tuple:  # what a copy keeps of the signature: a cheap first look before the fingerprint
@@ -157,9 +166,10 @@ def copy_of(code, pieces, solutions: bool = True):
     ``solutions``), or None."""
     if _key(code) not in _keys():
         return None
-    if code not in _copies:
-        _copies[code] = tuple(_shapes().get(_shape_of(code), ()))
-    return next((r for r in _copies[code] if (r[0] in pieces or r[0] is None)
+    kernel = "cbteach.attention.triton_unified" in sys.modules
+    if _copies.get(code, (None,))[0] is not kernel:
+        _copies[code] = (kernel, tuple(_shapes().get(_shape_of(code), ())))
+    return next((r for r in _copies[code][1] if (r[0] in pieces or r[0] is None)
                  and (solutions or not r[1].startswith("solution:"))), None)
 
 
@@ -230,7 +240,7 @@ def _reachable(obj, limit: int = 600):
             if isinstance(o, functools.partial):
                 todo += [(a, "in a partial") for a in (*o.args, *o.keywords.values())]
         elif isinstance(o, type):
-            if not o.__module__.startswith(("cbteach.", "builtins")):
+            if o is not object and not o.__module__.startswith("cbteach."):
                 todo += [(v, where or f"in {o.__name__}") for v in vars(o).values()]
         elif isinstance(o, dict):
             todo += [(v, where) for v in list(o.values())[:200]]
@@ -288,8 +298,8 @@ def is_own(piece: str, obj, methods=None) -> str | None:
 def learner_codes(piece: str, obj) -> set:
     """The code objects of a learner's piece: a function's (with the functions nested in it), or every
     method of a class that is not cbteach's own."""
-    if isinstance(obj, type):
-        functions = [f for cls in obj.__mro__ if not cls.__module__.startswith(("cbteach.", "builtins"))
+    if isinstance(obj, type):  # (a class exec'd without a __name__ in its globals says it is from builtins)
+        functions = [f for cls in obj.__mro__ if cls is not object and not cls.__module__.startswith("cbteach.")
                      for f in vars(cls).values()]
     else:
         functions = [obj]
@@ -309,6 +319,7 @@ class Watch:
 
     def __init__(self, pieces, mine: dict | None = None, exempt=()):
         self.pieces, self.mine, self.found, self.escaped = set(pieces), mine, None, False
+        self.found_code = None  # the own code the refusal names, where it names one
         self.entries = [(obj, (piece, who, name)) for piece in self.pieces for who, name, obj in registry().get(piece, ())]
         self.codes = {c: [r for r in rs if r[0] in self.pieces] for c, rs in own_codes().items()}
         self.codes = {c: rs for c, rs in self.codes.items() if rs}
@@ -341,20 +352,23 @@ class Watch:
         """The piece whose code runs at ``frame`` (for a message): the nearest learner frame's, or the first."""
         return (self._nearest(frame) if self.mine else None) or sorted(self.pieces)[0]
 
-    def _refuse(self, said: str) -> str:
+    def _refuse(self, said: str, code=None) -> str:
         if self.found is None or self.escaped:  # naming the course's code says more than "switched off"
-            self.found, self.escaped = said, False
+            self.found, self.found_code, self.escaped = said, code, False
         return said
 
-    def claim(self, records, frame) -> str | None:
+    def claim(self, records, frame, code=None) -> str | None:
         """(A tripwire asks.) The refusal if this call of an own implementation is the learner's hand-over."""
         hit = next((r for r in records if r[0] in self.pieces), None)
         if hit is None or not self._delegating(hit[0], frame):
             return None
-        return self._refuse(refusal(*hit))
+        return self._refuse(refusal(*hit), code)
 
     def made(self, code, frame) -> str | None:
         """(The audit hook asks.) The refusal if ``code``, being executed or made a function, copies one."""
+        hit = next((r for r in tripwires.tripped(code) if r[0] in self.pieces), None)
+        if hit is not None and self._delegating(hit[0], frame):  # the code of a function now refusing
+            return self._refuse(refusal(*hit, "made a copy of"))
         for c in _nested(code):
             hit = None if (self.mine and c in self.mine) else copy_of(c, self.pieces)
             if hit is not None and _shape_of(c) not in self.exempt and self._delegating(hit[0], frame):
@@ -392,7 +406,7 @@ class Watch:
                     return
                 records, how = [hit], "called a copy of"
             if self._delegating(records[0][0], frame.f_back):
-                self._refuse(refusal(*records[0], how))
+                self._refuse(refusal(*records[0], how), code if how == "called" else None)
 
     def __enter__(self):
         tripwires.arm(self, self.entries)
@@ -410,6 +424,27 @@ class Watch:
         tripwires.disarm(self, self.entries)
         if replaced and self.found is None:
             self.found, self.escaped = _escaped(sorted(self.pieces)[0], "sys.setprofile"), True
+
+
+@contextlib.contextmanager
+def refusing(piece: str, learner, on: bool = True, error=Delegated, names=None, text: str = "{}"):
+    """``with refusing(piece, learner):`` -- the learner's code inside runs in a :class:`Watch` of ``piece``;
+    a refusal is raised as ``error`` when the block ends (whatever the learner's code raised or caught
+    meanwhile). ``names``: ``{own code: label}`` -- a refusal of one of them says ``text.format(label)``
+    instead (notebook 06's hints name the engine's scheduling that ran). ``on=False``: no window."""
+    if not on:
+        yield None
+        return
+    seen = Watch([piece], exempt=learner_codes(piece, learner))
+    try:
+        with seen:
+            yield seen
+    except Exception:  # the learner's code: a refusal, if there was one, is what to say
+        if seen.found is None:
+            raise
+    if seen.found:
+        label = (names or {}).get(seen.found_code)
+        raise error(text.format(label) if label is not None else seen.found) from None
 
 
 def watched(piece: str, fn):

@@ -48,7 +48,7 @@ class Delegated(Exception):
 
 class _Armed:
     def __init__(self, function, records):
-        self.function, self.records, self.windows = function, list(records), 0
+        self.function, self.records, self.windows, self.tripwire = function, list(records), 0, None
         self.code, self.kwdefaults = function.__code__, function.__kwdefaults__
         self.original = types.FunctionType(function.__code__, function.__globals__, function.__name__,
                                            function.__defaults__, function.__closure__)
@@ -72,11 +72,12 @@ def _tripwire_code(num_free: int) -> types.CodeType:
     return next(c for c in outer.co_consts if isinstance(c, types.CodeType))
 
 
-def claimed(records, frame) -> str | None:
+def claimed(records, frame, code=None) -> str | None:
     """The refusal of the first open window that claims a call of an implementation known by ``records``
-    made from ``frame`` (None: the call is nobody's delegation -- the check's own, or another thread's)."""
+    (its code: ``code``) made from ``frame`` (None: the call is nobody's delegation -- the check's own, or
+    another thread's)."""
     for window in list(_windows):
-        said = window.claim(records, frame)
+        said = window.claim(records, frame, code)
         if said:
             return said
     return None
@@ -84,7 +85,7 @@ def claimed(records, frame) -> str | None:
 
 def _dispatcher(armed: _Armed):
     def dispatch(args, kwargs):
-        said = claimed(armed.records, sys._getframe(2))  # 1: the tripwire; 2: whoever called it
+        said = claimed(armed.records, sys._getframe(2), armed.code)  # 1: the tripwire; 2: whoever called it
         if said:
             raise Delegated(said)
         return armed.original(*args, **kwargs)
@@ -122,8 +123,12 @@ def arm(window, entries) -> None:
                 elif record not in armed.records:
                     armed.records.append(record)
                 armed.windows += 1
-                if armed.windows == 1:
-                    function.__code__ = _tripwire_code(len(function.__closure__ or ()))
+                if armed.windows == 1:  # a tripwire of its own (a copy of it made meanwhile is known: tripped),
+                    code = function.__code__  # where the function is: inspect.getsource still reads it
+                    armed.tripwire = _tripwire_code(len(function.__closure__ or ())).replace(
+                        co_name=code.co_name, co_qualname=function.__qualname__, co_filename=code.co_filename,
+                        co_firstlineno=code.co_firstlineno)
+                    function.__code__ = armed.tripwire
                     function.__kwdefaults__ = {KEYWORD: _dispatcher(armed)}
         _windows.append(window)
 
@@ -147,10 +152,10 @@ def disarm(window, entries) -> None:
                     del _armed[id(function)]
 
 
-def original(function):
-    """``function`` as it is when no window is open (the check's own calls inside a window use it)."""
-    armed = _armed.get(id(function))
-    return armed.original if armed is not None else function
+def tripped(code) -> list:
+    """The records of the armed function whose tripwire ``code`` is (a learner's copy of its ``__code__``
+    made inside a window), else ``[]``."""
+    return next((a.records for a in list(_armed.values()) if a.windows and a.tripwire is code), [])
 
 
 # -- torch's scaled_dot_product_attention ------------------------------------------------------------
