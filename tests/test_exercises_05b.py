@@ -93,7 +93,10 @@ MISTAKES = [
                                          ("out = out * shrink[:, None] +", "out = out +")], "overflows float32"),
     ("divided in the loop", [("return out, run_sum", "return out / run_sum[:, None], run_sum")],
      "divided by the sum itself"),
-    ("float16 accumulation", [("tl.dot(w, vt, input_precision=\"ieee\")", "tl.dot(w.to(tl.float16), vt.to(tl.float16))")],
+    ("float16 products", [("tl.dot(w, vt, input_precision=\"ieee\")", "tl.dot(w.to(tl.float16), vt.to(tl.float16))")],
+     "not within float32's rounding"),
+    ("float16 accumulator", [("out = out * shrink[:, None] + tl.dot(w, vt, input_precision=\"ieee\")",
+                              "out = (out * shrink[:, None] + tl.dot(w, vt, input_precision=\"ieee\")).to(tl.float16)")],
      "not within float32's rounding"),
 ]
 

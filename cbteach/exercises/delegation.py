@@ -48,16 +48,19 @@ _ESCAPE_CODES = {getattr(threading, n).__code__: n for n in ("setprofile", "sett
 def _function(obj):
     """The plain function behind ``obj`` (a function, a bound method, a ``functools.partial``, a Triton
     kernel), or None."""
-    for _ in range(8):
-        if isinstance(obj, functools.partial):
-            obj = obj.func
-        elif isinstance(obj, (types.MethodType, staticmethod, classmethod)):
-            obj = obj.__func__
-        elif isinstance(getattr(obj, "fn", None), types.FunctionType):
-            obj = obj.fn
-        else:
-            break
-    return obj if isinstance(getattr(obj, "__code__", None), types.CodeType) else None
+    try:
+        for _ in range(8):
+            if isinstance(obj, functools.partial):
+                obj = obj.func
+            elif isinstance(obj, (types.MethodType, staticmethod, classmethod)):
+                obj = obj.__func__
+            elif isinstance(getattr(obj, "fn", None), types.FunctionType):
+                obj = obj.fn
+            else:
+                break
+        return obj if isinstance(getattr(obj, "__code__", None), types.CodeType) else None
+    except Exception:  # an object of the learner's whose attributes raise: not a function
+        return None
 
 
 def _library(f) -> bool:
@@ -134,7 +137,8 @@ def is_own(piece: str, obj, methods=None) -> str | None:
             how = f"is, in {label}, a copy of" if label else "is a copy of"
         if hit is not None:
             return refusal(*hit, how)
-    for g, where in _reachable(obj):  # a copy kept where the piece can reach it
+    callable_object = not isinstance(obj, type) and _function(obj) is None and callable(obj)
+    for g, where in _reachable(type(obj) if callable_object else obj):  # a copy kept where the piece reaches it
         if g.__code__ in mine or id(g) in originals:
             continue
         hit = next((r for r in codes.get(g.__code__, ()) if r[0] == piece), None) or copy_of(g.__code__, {piece})
@@ -145,7 +149,9 @@ def is_own(piece: str, obj, methods=None) -> str | None:
 
 def learner_codes(piece: str, obj) -> set:
     """The code objects of a learner's piece: a function's (with the functions nested in it), or every
-    method of a class that is not cbteach's own."""
+    method of a class that is not cbteach's own (of the class of a callable object)."""
+    if not isinstance(obj, type) and _function(obj) is None and callable(obj):
+        obj = type(obj)
     if isinstance(obj, type):  # (a class exec'd without a __name__ in its globals says it is from builtins)
         functions = [f for cls in obj.__mro__ if cls is not object and not cls.__module__.startswith("cbteach.")
                      for f in vars(cls).values()]

@@ -98,6 +98,8 @@ def functions_of(obj) -> list:
     for a GPU, a kernel runs no Python: only the check's reading of the source can catch it there)."""
     if isinstance(obj, property):
         obj = obj.fget
+    while not isinstance(obj, types.FunctionType) and isinstance(getattr(obj, "__wrapped__", None), types.FunctionType):
+        obj = obj.__wrapped__  # a functools.wraps wrapper (lru_cache, ...) calls the function it wraps
     if isinstance(obj, types.FunctionType):
         return [obj]
     raw = getattr(obj, "fn", None)
