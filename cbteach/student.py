@@ -70,7 +70,11 @@ def _literal(value) -> bool:
 
 
 def _head(source: str, node) -> str:
-    return source.splitlines()[node.lineno - 1].rstrip()
+    """The ``def`` or ``class`` line, after its decorators (``@triton.jit`` is part of what to write)."""
+    lines = source.splitlines()
+    indent = lines[node.lineno - 1][:len(lines[node.lineno - 1]) - len(lines[node.lineno - 1].lstrip())]
+    decorators = [indent + "@" + ast.get_source_segment(source, d) for d in node.decorator_list]
+    return "\n".join(decorators + [lines[node.lineno - 1].rstrip()])
 
 
 def _clear(cell: dict) -> None:

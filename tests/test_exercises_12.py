@@ -307,11 +307,19 @@ def test_from_an_empty_folder_on_a_laptop_it_says_where_it_looked(tmp_path, monk
 
 
 def _learners_copy(path: Path, number: str) -> None:
-    """The course's notebook with every solution cell rewritten a little, as a learner's own would be."""
+    """The course's notebook with every solution cell rewritten, as a learner's own would differ: one more
+    statement in every function (a comment or new names would not do: the course's code is recognised by
+    its shape, :mod:`cbteach.exercises.shapes`)."""
+    import ast
+
     nb = json.loads(next(NOTEBOOKS.glob(f"{number}_*.ipynb")).read_text())
     for cell in nb["cells"]:
         if "solution" in cell["metadata"].get("tags", []):
-            cell["source"] = "# mine\n" + "".join(cell["source"])
+            tree = ast.parse("".join(cell["source"]))
+            for node in ast.walk(tree):
+                if isinstance(node, ast.FunctionDef):
+                    node.body.insert(0, ast.parse("checked = True").body[0])
+            cell["source"] = "# mine\n" + ast.unparse(tree)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(nb))
 

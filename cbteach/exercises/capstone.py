@@ -75,7 +75,7 @@ class Pieces:
             folders = {p.parent for p in self.where.values() if p is not None}
             why = ("read from the course's own notebooks, the folder cbteach's course is shipped in"
                    if len(folders) == 1 and where.is_course_folder(next(iter(folders)))
-                   else "their cells are, letter for letter, the course's solution cells")
+                   else "their cells are the course's solution cells, whatever their comments, layout or names")
             lines.append(where.course_text([p for p in PIECES if p in self.course], why))
         return "\n".join(lines)
 
@@ -112,9 +112,8 @@ def _read(folder=None, use_course_solutions: bool = False) -> tuple[str, dict, s
             continue
         more, solutions = where.cells(source_path, stubbed=path is None)
         imports += [i for i in more if i not in imports]
-        theirs = where.course_cells(number) if path is not None else set()
         for s in solutions:
-            if where.normal(s) in theirs:
+            if path is not None and where.is_course_cell(s, number):
                 course_names |= where.defined(s)
         label = path.name if path is not None else f"{number} (not found: the student copy's stubs)"
         bodies += [f"# -- from {label} --\n{s.strip()}\n" for s in solutions]

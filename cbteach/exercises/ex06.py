@@ -31,6 +31,7 @@ import torch
 from ..engine.scheduler import Scheduler
 from ..viz.schedule import first_difference, plan_of
 from . import report, self_check
+from .delegation import is_own
 from .rules import ROOM_STAGE, SchedulerMistake
 from .scheduler_check import NotDone, Workload, hint, run, watched, with_eos
 
@@ -247,7 +248,8 @@ def check_stage(stage, scheduler_cls, model=None, *, prefix_caching: bool = True
     never caches prefixes: ``serve`` without ``--prefix-caching``)."""
     if isinstance(scheduler_cls, int) and not isinstance(stage, int):
         stage, scheduler_cls = scheduler_cls, stage
-    refused = _refuse(stage, scheduler_cls)
+    refused = _refuse(stage, scheduler_cls) or is_own("scheduler", scheduler_cls, ("update_from_output",) if stage == 5
+                                                      else ("schedule",))
     if refused:
         return report(False, "", refused)
     if stage == 5:  # the update alone: the engine's own schedule plans every step

@@ -116,6 +116,8 @@ def compare(my_engine, pieces: Pieces, model, tok=None) -> dict:
         with Watch(PIECES, yours) as seen:  # does a piece hand its work to the engine's own, while it runs?
             my_records = run(mine, requests)
     except Exception as err:  # noqa: BLE001 -- a piece of the learner's, inside the engine
+        if seen.found:  # refused on its way (any thread): say whose code it reached for
+            return {**out, "refused": seen.found}
         out["error"] = f"{type(err).__name__}: {err}"
         return out
     if seen.found:

@@ -38,6 +38,7 @@ from ..core.sampling import SamplingParams
 from ..engine.engine import Engine
 from ..engine.scheduler import Scheduler
 from . import raised, rules, update_rules
+from .delegation import refusing
 from .rules import NotDone, SchedulerMistake, hint
 from .watchers import KVWatch, QueueWatch, RunningWatch, Tracer
 
@@ -194,7 +195,8 @@ def watched(cls: type, stage: int | None = None, rules_: str = "exercise", eos_i
             self.kv_manager.begin_step()
             self.made = None
             before = list(self.running)
-            with Tracer(REFERENCE) as tracer:
+            with Tracer(REFERENCE) as tracer, refusing("scheduler", cls, exercise and own_schedule, SchedulerMistake,
+                                                       REFERENCE, hint("called_reference", stage)):
                 out = super().schedule(now)
             if exercise and own_schedule and tracer.called:
                 raise SchedulerMistake(hint("called_reference", stage).format(tracer.called))
@@ -219,7 +221,9 @@ def watched(cls: type, stage: int | None = None, rules_: str = "exercise", eos_i
         def update_from_output(self, scheduler_output, output, now):
             self.kv_manager.begin_step()
             try:
-                with Tracer(UPDATE_REFERENCES if own_update else {}) as tracer:
+                with Tracer(UPDATE_REFERENCES if own_update else {}) as tracer, refusing(
+                        "scheduler", cls, exercise and own_update, SchedulerMistake, UPDATE_REFERENCES,
+                        update_rules.UPDATE_HINTS["called_reference"]):
                     finished = super().update_from_output(scheduler_output, output, now)
             except TypeError as err:  # the commonest way to trip over a chunk that got no token
                 if own_update and any(t is None for t in output.sampled):

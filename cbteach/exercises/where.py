@@ -15,9 +15,10 @@ this order (:func:`search_folders`), and takes each notebook from the first fold
 A notebook counts if its name is ``05_*.ipynb`` (or ``06_*``), ``Copy of 05_*.ipynb`` included; of
 several in one folder, the one saved last. The course's own notebooks (``notebooks/`` in a checkout,
 the copy inside the installed package) are never searched: they hold the solutions. Only
-``use_course_solutions=True`` reads them, and then every line says so. A piece whose cell is, letter
-for letter, the course's solution cell (the course copy, or a solution pasted in) is reported as the
-course's, not yours (:func:`course_cells`).
+``use_course_solutions=True`` reads them, and then every line says so. A piece whose cell is the
+course's solution cell -- the course copy, or a solution pasted in, with comments added, lines reflowed
+or names changed -- is reported as the course's, not yours (:func:`is_course_cell`: the same text, or
+the same shape of code, :mod:`cbteach.exercises.shapes`).
 """
 from __future__ import annotations
 
@@ -116,6 +117,16 @@ def course_cells(number: str) -> set[str]:
         return set()
     cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
     return {normal(c["source"]) for c in cells if SOLUTION_TAG in c.get("metadata", {}).get("tags", [])}
+
+
+def is_course_cell(source, number: str) -> bool:
+    """Whether a learner's cell is one of notebook ``number``'s solution cells: letter for letter
+    (:func:`course_cells`), or the same code whatever its comments, layout and -- where the code is long
+    enough to tell -- names (:func:`cbteach.exercises.shapes.same_cell`)."""
+    from .shapes import same_cell
+
+    text = normal(source)
+    return text in course_cells(number) or same_cell(text, number)
 
 
 def normal(source) -> str:

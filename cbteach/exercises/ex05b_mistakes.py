@@ -1,0 +1,161 @@
+"""Notebook 05b's kernel loop as a learner who made one typical mistake would write it -- simulated in torch.
+
+:func:`loop` computes what the course's launcher returns for a hand-built step
+(:func:`cbteach.exercises.ex05b.make_step`) when its inner loop is written with ``mistake``: the same
+programs (a sequence, a tile of its queries, a query head), the same pointers into the flat pool, the
+same masked loads (``other=0``), tile by tile. The check (:mod:`cbteach.exercises.ex05b`) runs the
+learner's loop on the step that failed, and again with finite stale slots instead of NaN, and names the
+mistake whose simulation equals both answers. Each hint names the idea that was missed, never code.
+
+A loop that reads outside the pool or the block table cannot be simulated (``None``): Triton's
+interpreter would read whatever lies there.
+
+This is the check's reference, not an answer: a loop that calls it is refused (:mod:`.delegation`).
+"""
+from __future__ import annotations
+
+import torch
+
+_POINTER = ("Section 2's formula: a key at position p lies in logical block p // BLOCK_SIZE -- whose pool block "
+            "the block table gives -- at slot p % BLOCK_SIZE of it")
+# name -> hint, in the order the check tries them (on a step whose scores overflow, both the loop without the
+# max and the inverted rescale give NaN everywhere: the first is named there, and only it passes the steps before)
+MISTAKES = {
+    "swapped": "block and slot are swapped in your key pointers. " + _POINTER,
+    "block_plus_one": ("each key was read from the block after its own: the block index is one too far (logical "
+                       "blocks count from 0: positions 0 .. BLOCK_SIZE - 1 are block 0). " + _POINTER),
+    "slot_no_stride": ("a key's slot in its block was added to the pointer as a count of elements: one slot further "
+                       "is stride_slot elements further, as one block further is stride_block"),
+    "block_no_stride": ("the pool block was added to the pointer as a count of elements: one block further is "
+                        "stride_block elements further"),
+    "head_no_stride": ("the KV head was added to the pointer as a count of elements: one head further is "
+                       "stride_head elements further"),
+    "logical_as_physical": ("your loop read logical block b as if it were pool block b: the block table says which "
+                            "pool block holds each logical block (here they lie out of order)"),
+    "one_block_per_tile": ("a tile here spans several blocks (blocks of 3, tiles of 8 keys): each key of a tile has its "
+                           "own logical block and its own slot in it, from its own position"),
+    "no_scale": "the scores were not multiplied by scale: attention's softmax is over q . k times scale",
+    "scale_twice": "the scores were multiplied by scale twice: once, q . k times scale",
+    "loads_unmasked": ("the slots past the sequence's length hold stale K/V of earlier requests (here NaN), and your "
+                       "loop loaded them: a NaN loaded is a NaN summed, whatever the score mask does -- mask the loads "
+                       "(mask=..., other=0.0), not only the scores"),
+    "masked_with_zero": ("masked scores were set to 0, not -inf: exp(0 - m) is not 0, so every key a query may not "
+                         "see -- past the length, or after the query -- still got weight. A masked score must give "
+                         "exp(score - m) = 0"),
+    "no_causal": ("a prefill chunk: its queries saw keys after their own positions. Query j of a chunk sits at position "
+                  "seq_len - num_queries + j (q_pos) and may see keys 0 .. q_pos only; earlier chunks are all in its "
+                  "past"),
+    "causal_strict": ("a query did not see its own key: the causal mask lets the query at position q_pos see the keys "
+                      "0 .. q_pos, itself included"),
+    "max_before_masking": ("a key this query may not see scores far above the others, and your running max took it "
+                           "in: the max must be taken over the scores that survive the masks, or every kept "
+                           "exp(score - max) underflows to 0"),
+    "kv_head_is_head": ("a query head read the wrong KV head: here 4 query heads share 2 KV heads, consecutive query "
+                        "heads sharing one (GROUP = heads // kv_heads query heads per KV head)"),
+    "kv_head_modulo": ("a query head read the wrong KV head: here 4 query heads share 2 KV heads, consecutive query heads "
+                       "sharing one (GROUP = heads // kv_heads query heads per KV head), not every GROUP-th"),
+    "no_running_max": ("scores here reach the hundreds, and exp of a score above about 88 overflows float32 to inf: "
+                       "your loop took exp of the scores as they are. Subtracting the running max first (section 3) "
+                       "keeps every exp at most 1"),
+    "rescale_inverted": ("NaN from the rescale: your factor grows when the max grows -- on the first tile m is -inf, so "
+                         "it is exp(+inf) = inf, and inf times the empty sum 0 is NaN. What was summed under the old "
+                         "max must shrink when the max grows (section 3)"),
+    "sum_not_rescaled": ("the running max grew from one tile to the next, and the running sum kept what was summed "
+                         "under the old max as it was: when m changes, the sum must be rescaled too"),
+    "acc_not_rescaled": ("the running max grew from one tile to the next, and the output so far kept what was summed "
+                         "under the old max as it was: when m changes, acc must be rescaled too"),
+    "divided": ("your loop divided by the sum itself, and the program divides again: the loop returns the "
+                "unnormalised output and the sums, (acc, total)"),
+    "fp16": ("close to the reference, but not within float32's rounding: part of your loop computes in float16 -- "
+             "keep p, V and the accumulator in float32 (the GPU tutorial's .to(tl.float16) is for speed, not here)"),
+}
+ROUNDING = ("close to the reference, but not within float32's rounding: some part of your loop computes in lower "
+            "precision (float16, bfloat16, or tl.dot's default TF32 -- pass input_precision=\"ieee\")")
+NAN = ("your output has NaN (or inf) where the reference has none, and every slot of this step is a real key: the NaN "
+       "comes from the arithmetic -- exp of a large number, inf - inf, 0 * inf. Look at the first tile, where m is "
+       "still -inf, and at what the masks put in the scores")
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _load(flat, addr, mask):
+    """A masked load from a flat tensor (``other=0``); None if an address it reads lies outside."""
+    if bool(((addr < 0) | (addr >= flat.numel()))[mask].any()):
+        return None
+    return torch.where(mask, flat[addr.clamp(0, flat.numel() - 1)], torch.zeros((), dtype=flat.dtype,
+                                                                                 device=flat.device))
+
+
+def loop(query, pool, meta, tile_n: int, mistake: str | None = None, block_q: int | None = None):
+    """The launcher's output ``[1, heads, T, head_dim]`` with ``mistake`` in its inner loop (None: right),
+    or None where the mistaken loop reads outside the tensors. ``block_q``: queries per program (default:
+    the interpreter's choice, :func:`cbteach.attention.triton_unified.unified_attention`)."""
+    _, H, T, D = query.shape
+    k_pool, v_pool = pool.k[0], pool.v[0]
+    B, kv_heads = k_pool.shape[1], k_pool.shape[2]
+    sb, ss, sh = k_pool.stride()[:3]
+    kflat, vflat, tables = k_pool.reshape(-1), v_pool.reshape(-1), meta.block_tables.contiguous()
+    tflat, group, scale = tables.reshape(-1), H // kv_heads, D ** -0.5
+    seqs = list(zip(meta.num_computed_tokens, meta.num_scheduled_tokens))
+    block_q = block_q or min(16, _pow2(max(n for _, n in seqs)))
+    dev, out = query.device, torch.empty_like(query)
+    for i, (c, n) in enumerate(seqs):
+        seq_len, start_q = c + n, int(meta.query_start_loc[i])
+        for tile in range(-(-n // block_q)):
+            rows = torch.arange(tile * block_q, min(n, (tile + 1) * block_q), device=dev)
+            q_pos = seq_len - n + rows
+            num_keys = min(seq_len, seq_len - n + (tile + 1) * block_q)
+            for h in range(H):
+                kv_head = {"kv_head_is_head": h, "kv_head_modulo": h % group}.get(mistake, h // group)
+                got = _inner(query[0, h, start_q + rows], q_pos, kv_head, i * tables.stride(0), num_keys, seq_len,
+                             tflat, kflat, vflat, (sb, ss, sh), B, tile_n, scale, mistake)
+                if got is None:
+                    return None
+                out[0, h, start_q + rows] = got
+    return out
+
+
+def _inner(q, q_pos, kv_head, table_at, num_keys, seq_len, tflat, kflat, vflat, strides, B, tile_n, scale, mistake):
+    sb, ss, sh = strides
+    dev, D = q.device, q.shape[1]
+    offs_n, offs_d = torch.arange(tile_n, device=dev), torch.arange(D, device=dev)
+    m = torch.full((q.shape[0],), float("-inf"), device=dev)
+    total = torch.zeros(q.shape[0], device=dev)
+    acc = torch.zeros(q.shape, device=dev)
+    for start in range(0, num_keys, tile_n):
+        pos = start + offs_n
+        present = pos < seq_len
+        loaded = torch.ones_like(present) if mistake == "loads_unmasked" else present
+        index = {"block_plus_one": pos // B + 1, "one_block_per_tile": torch.full_like(pos, start // B),
+                 "swapped": pos % B}.get(mistake, pos // B)
+        slot = {"swapped": pos // B, "one_block_per_tile": offs_n}.get(mistake, pos % B)
+        block = index if mistake == "logical_as_physical" else _load(tflat, table_at + index, loaded)
+        if block is None:
+            return None
+        where = (block * (1 if mistake == "block_no_stride" else sb) + slot * (1 if mistake == "slot_no_stride" else ss)
+                 + kv_head * (1 if mistake == "head_no_stride" else sh))[:, None] + offs_d[None, :]
+        mask = loaded[:, None].expand(-1, D)
+        k, v = _load(kflat, where, mask), _load(vflat, where, mask)
+        if k is None or v is None:
+            return None
+        s = (q @ k.T) * {"no_scale": 1.0, "scale_twice": scale * scale}.get(mistake, scale)
+        causal = {"no_causal": torch.ones_like(q_pos[:, None] >= pos[None, :]),
+                  "causal_strict": pos[None, :] < q_pos[:, None]}.get(mistake, pos[None, :] <= q_pos[:, None])
+        keep = present[None, :] & causal
+        unmasked = s
+        s = torch.where(keep, s, torch.tensor(0.0 if mistake == "masked_with_zero" else float("-inf"), device=dev))
+        if mistake == "no_running_max":
+            p = torch.exp(s)
+            total, acc = total + p.sum(1), acc + p @ v
+            continue
+        m_new = torch.maximum(m, (unmasked if mistake == "max_before_masking" else s).max(1).values)
+        alpha = torch.exp(m_new - m) if mistake == "rescale_inverted" else torch.exp(m - m_new)
+        p = torch.exp(s - m_new[:, None])
+        total = (total if mistake == "sum_not_rescaled" else total * alpha) + p.sum(1)
+        pv = p.half().float() @ v.half().float() if mistake == "fp16" else p @ v
+        acc = (acc if mistake == "acc_not_rescaled" else acc * alpha[:, None]) + pv
+        m = m_new
+    out = acc / total[:, None]
+    return out / total[:, None] if mistake == "divided" else out

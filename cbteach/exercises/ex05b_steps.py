@@ -1,0 +1,164 @@
+"""Notebook 05b's hand-built steps, and how the check names the mistake of a loop that fails one.
+
+Each step (:data:`STEPS`) adds one thing to the steps before it -- several tiles with a growing max,
+scores so large that ``exp`` of them overflows, blocks out of order, a partly filled last block with
+stale slots, tiles that span blocks, a prefill chunk, a masked key with a huge score, grouped-query
+heads -- so a loop meets one new difficulty at a time. When one fails, :func:`diagnose` runs the loop
+again on the same kind of step with finite stale slots, and compares both answers with the typical
+wrong loops simulated in torch (:mod:`cbteach.exercises.ex05b_mistakes`): the first that gives both is
+named. A loop no simulation matches gets what its symptom says -- NaN where the reference has none, a
+result close but not within float32's rounding -- or the step's own hint.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..attention.metadata import build
+from ..kv.pool import PagedKVPool
+from . import ex05b_mistakes as mistakes
+
+# (name, what the step is, hint if it is the first to fail, spec). A spec: the sequences
+# [(num_computed_tokens, num_scheduled_tokens)], block_size, tile_n, heads, kv_heads, how the blocks
+# lie ("in order" / "shuffled"), what stale slots hold ("random" / "nan") and how keys are drawn.
+STEPS = [
+    ("basic", "one decode over one full block, one head", (
+        "even the simplest step is wrong -- one decode, one full block of 4 keys, one head, one tile: check "
+        "the loads (the pointer of a key: its block, its slot in the block, its KV head, the column), the "
+        "scores (q times k transposed, times scale) and what you return: (acc, total) before dividing"),
+     dict(seqs=[(3, 1)], block_size=4, tile_n=4, heads=1, kv_heads=1, blocks="in order", stale="random")),
+    ("not_rescaled", "one decode over three blocks, tiles of 4, scores rising tile by tile", (
+        "the running max grew from one tile to the next, and what was summed under the old max was kept "
+        "as it was: when m changes, the running sum and the output so far must both be rescaled, by "
+        "exp(m_old - m_new)"),
+     dict(seqs=[(11, 1)], block_size=4, tile_n=4, heads=1, kv_heads=1, blocks="in order", stale="random",
+          keys="rising")),
+    ("overflow", "one decode over three blocks whose scores reach the hundreds", (
+        "scores here reach the hundreds, and exp of a score above about 88 overflows float32: the online softmax "
+        "keeps every exp(score - m) at most 1 -- check what your loop subtracts before exp, and its rescale"),
+     dict(seqs=[(11, 1)], block_size=4, tile_n=4, heads=1, kv_heads=1, blocks="in order", stale="random",
+          keys="large")),
+    ("logical_as_physical", "the same decode, its blocks out of order in the pool", (
+        "the sequence's blocks lie out of order in the pool here, and your loop read logical block b as if "
+        "it were pool block b: the block table says which pool block holds each logical block"),
+     dict(seqs=[(11, 1)], block_size=4, tile_n=4, heads=1, kv_heads=1, blocks="shuffled", stale="random")),
+    ("past_the_length", "a decode whose last block is partly filled, stale slots after it", (
+        "this sequence's last block is only partly filled; the slots after its length hold stale K/V of "
+        "earlier requests (here NaN), and your loop read them: a key at a position >= seq_len is not the "
+        "sequence's, whatever a load finds there -- mask the loads, not only the scores"),
+     dict(seqs=[(9, 1)], block_size=4, tile_n=4, heads=1, kv_heads=1, blocks="shuffled", stale="nan")),
+    ("tile_spans_blocks", "blocks of 3 tokens, tiles of 8 keys", (
+        "a tile here spans several blocks (blocks of 3, tiles of 8 keys): each key of a tile has its own "
+        "logical block and its own slot in it, from its own position"),
+     dict(seqs=[(12, 1)], block_size=3, tile_n=8, heads=1, kv_heads=1, blocks="shuffled", stale="nan")),
+    ("no_causal_mask", "a prefill chunk of 6 after 3 cached tokens, across a block boundary", (
+        "a prefill chunk: its queries saw keys after their own positions. Query j of a chunk sits at "
+        "position seq_len - num_queries + j (q_pos) and may see keys 0 .. q_pos only; earlier chunks are "
+        "all in its past"),
+     dict(seqs=[(3, 6)], block_size=4, tile_n=4, heads=1, kv_heads=1, blocks="shuffled", stale="nan")),
+    ("max_before_masking", "a chunk where a key after the first query scores far above the rest", (
+        "a key this query may not see scores far above the others, and your running max took it in: the "
+        "max must be taken over the scores that survive the masks, or every kept exp(score - max) "
+        "underflows to 0"),
+     dict(seqs=[(2, 5)], block_size=4, tile_n=4, heads=1, kv_heads=1, blocks="shuffled", stale="nan",
+          keys="spike")),
+    ("wrong_kv_head", "grouped-query attention: 4 query heads on 2 KV heads", (
+        "a query head read the wrong KV head: here 4 query heads share 2 KV heads, consecutive query heads "
+        "sharing one (GROUP = heads // kv_heads query heads per KV head)"),
+     dict(seqs=[(5, 1), (2, 3)], block_size=4, tile_n=4, heads=4, kv_heads=2, blocks="shuffled", stale="nan")),
+    ("mixed", "decodes, chunks and a prompt together, blocks of 3, tiles of 8, 6 heads on 2 KV heads", (
+        "every step with one thing at a time passes, but a step with all of them together does not: look at "
+        "what changes between sequences of one step -- each has its own length, queries and block table"),
+     dict(seqs=[(7, 1), (0, 9), (13, 4), (20, 1)], block_size=3, tile_n=8, heads=6, kv_heads=2,
+          blocks="shuffled", stale="nan")),
+]
+HEAD_DIM = 8
+
+
+def make_step(seqs, block_size, heads, kv_heads, blocks="shuffled", stale="nan", keys="random", seed=0,
+              device="cpu", **_):
+    """A hand-built packed step: ``(query, pool, meta)``. Every table is padded with a stale block and
+    the pool keeps spare blocks after the last, so a loop that reads past a sequence reads stale K/V
+    (never memory outside the tensors: Triton's interpreter reads raw memory, and a read past the end
+    of a tensor can crash the process)."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-(c + n) // block_size) for c, n in seqs]
+    used = sum(need)
+    num_blocks = 2 * used + 3  # as many blocks again hold other (stale) K/V, and spares after the last
+    pool = PagedKVPool(num_layers=1, num_blocks=num_blocks, block_size=block_size, num_kv_heads=kv_heads,
+                       head_dim=HEAD_DIM)
+    for t in (pool.k[0], pool.v[0]):
+        t.copy_(torch.full_like(t, float("nan")) if stale == "nan" else torch.randn(t.shape, generator=g))
+    order = list(range(used))
+    if blocks == "shuffled":  # scattered over twice the blocks, none where its own number would put it
+        order = torch.randperm(2 * used, generator=g).tolist()
+        order = [b for j, b in enumerate(order) if b != j][:used]
+    tables, taken, spare = [], 0, num_blocks - 1
+    for k in need:
+        # padded with a stale block, as engines pad, and at least block_size wide: a loop that swaps block
+        # and slot reads table entries up to block_size - 1, and the interpreter would read past the tensor
+        tables.append(order[taken:taken + k] + [spare] * max(3, block_size - k))
+        taken += k
+    query = torch.randn(1, heads, sum(n for _, n in seqs), HEAD_DIM, generator=g)
+    for i, (c, n) in enumerate(seqs):
+        pos = torch.arange(c + n)
+        slots = torch.tensor(tables[i])[pos // block_size] * block_size + pos % block_size
+        k = torch.randn(c + n, kv_heads, HEAD_DIM, generator=g)
+        if keys == "rising":  # each block's keys point further along the query: the max grows tile by tile
+            k = 0.5 * k + (pos // block_size + 1).float()[:, None, None] * query[0, :, -1].mean(0)
+        elif keys == "large":  # every key along the last query: scores around 120, and exp(120) overflows float32
+            along = query[0, :, -1].mean(0)
+            k = 0.5 * k + along * (120.0 * HEAD_DIM ** 0.5 / (along @ along))
+        elif keys == "spike":  # the last key scores 400 against the chunk's first query, who may not see it
+            first = query[0, ::heads // kv_heads, int(meta_rows(seqs)[i])]  # [kv_heads, D]
+            k[-1] = first * (400.0 * HEAD_DIM ** 0.5 / (first * first).sum(-1, keepdim=True))
+        pool.k[0].view(-1, kv_heads, HEAD_DIM)[slots] = k
+        pool.v[0].view(-1, kv_heads, HEAD_DIM)[slots] = torch.randn(c + n, kv_heads, HEAD_DIM, generator=g)
+    if device != "cpu":
+        for t in (pool.k, pool.v):
+            t[0] = t[0].to(device)
+        query = query.to(device)
+    meta = build([1] * query.shape[2], [c for c, _ in seqs], [n for _, n in seqs], device, block_tables=tables,
+                 block_size=block_size)
+    meta.pool = pool
+    return query, pool, meta
+
+
+def meta_rows(seqs) -> list[int]:
+    """The packed row of each sequence's first query."""
+    rows, start = [], 0
+    for _, n in seqs:
+        rows.append(start)
+        start += n
+    return rows
+
+
+def scaled(spec: dict, k: int) -> dict:
+    """``spec`` with lengths, blocks and tiles ``k`` times larger: compiled for a GPU, ``tl.dot`` wants
+    tiles of 16 or more. Lengths scale with the blocks, so a full block stays full and a partial one
+    partial; a decode stays one token."""
+    seqs = [((c + n) * k - (1 if n == 1 else n * k), 1 if n == 1 else n * k) for c, n in spec["seqs"]]
+    return {**spec, "seqs": seqs, "block_size": spec["block_size"] * k, "tile_n": spec["tile_n"] * k}
+
+
+def _close(a, b, tol: float) -> bool:
+    return a is not None and b is not None and torch.allclose(a, b, rtol=tol, atol=tol / 10, equal_nan=True)
+
+
+def diagnose(run, spec: dict, got, want, tol: float, hint: str, device: str = "cpu", block_q: int | None = None) -> str:
+    """The hint for a loop whose answer ``got`` on the step ``spec`` differs from ``want`` (``hint``: the
+    step's own, the last resort). ``run(query, pool, meta)`` runs the loop on another step (None if it
+    fails there): here the same kind of step with finite stale slots."""
+    query, pool, meta = make_step(**spec, device=device)
+    again = make_step(**{**spec, "stale": "random"}, seed=1, device=device)
+    got_again = run(*again)
+    for name, said in mistakes.MISTAKES.items():
+        if not _close(got, mistakes.loop(query, pool, meta, spec["tile_n"], name, block_q), tol):
+            continue
+        if got_again is None or _close(got_again, mistakes.loop(*again, spec["tile_n"], name, block_q), tol):
+            return said
+    if not torch.isfinite(got).all():
+        stale = spec.get("stale", "nan") == "nan"
+        return mistakes.NAN + ("; or from a stale slot: here every slot no sequence owns holds NaN" if stale else "")
+    if torch.allclose(got, want, rtol=100 * tol, atol=10 * tol):
+        return mistakes.ROUNDING
+    return hint
