@@ -157,3 +157,26 @@ def test_transformers_continuous_batching_works_after_a_paged_engine():
                                progress_bar=False, warmup=False)
     got = sorted(o.generated_tokens for o in out.values())
     assert got == sorted(reference(model, p, 8) for p in prompts)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_the_written_out_attention_a_gpu_runs_gives_generates_tokens(arch, monkeypatch):
+    """On a GPU the engine's paged attention does not hand its boolean masks to a fused SDPA kernel: it
+    computes ``softmax(q kᵀ * scale, where mask) v`` itself (``masked_softmax_attention``), because the
+    kernel an H200 picked gave wrong tokens. Forced here on the CPU, on every layout a step meets
+    (decodes laid out by KV head, chunked prefills, grouped-query and one KV head), it gives
+    ``generate``'s tokens -- in the engine's attention and in the reference one."""
+    from cbteach.attention import paged as paged_attention
+
+    model = tiny_model(arch)
+    monkeypatch.setattr(paged_attention, "written_out", lambda device: True)
+    reqs = [Request([3 + i, 9, 4, 7, 11, 5, 6][: 2 + i], 9, request_id=i, ignore_eos=True) for i in range(5)]
+    for options in (dict(), dict(token_budget=5), dict(bucket_shapes=True)):
+        outs = Engine(model, kv="paged", max_batch_size=3, block_size=4, **options).run(reqs)
+        assert [o.output_ids for o in outs] == [reference(model, r.prompt, 9) for r in reqs], options
+    def reference_on_the_pool(query, key, value, meta, layer, scaling):
+        meta.pool.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
+        return paged_attention.reference_attention(query, layer, meta, scaling)
+
+    outs = Engine(model, kv="paged", max_batch_size=3, block_size=4, attention=reference_on_the_pool).run(reqs)
+    assert [o.output_ids for o in outs] == [reference(model, r.prompt, 9) for r in reqs]

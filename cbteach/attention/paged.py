@@ -99,7 +99,15 @@ def _attend(q, k, v, mask, scaling):
     With one query per sequence (decodes) and grouped-query attention, the ``H // kv_heads`` query
     heads that share a KV head are laid out as that head's queries -- ``[G, kv_heads, H // kv_heads, D]``
     -- so the call is plain multi-query attention over one mask row: same numbers, less work.
+
+    On a GPU the attention is written out instead (:func:`masked_softmax_attention`): there
+    ``scaled_dot_product_attention`` picks a fused kernel by shape and device, and with our boolean
+    masks broadcast over heads (and, for the decodes' layout, over queries) the one it picked on an H200
+    gave wrong tokens (the course's GPU check, ``benchmarks/results/gpu.json``), where the same step
+    written out cannot -- the course promises ``generate``'s tokens on every device.
     """
+    if written_out(q.device):
+        return masked_softmax_attention(q, k, v, mask, scaling)
     G, H, Q, D = q.shape
     kv_heads = k.shape[1]
     if Q == 1 and H != kv_heads:
@@ -107,6 +115,26 @@ def _attend(q, k, v, mask, scaling):
                                            scale=scaling)
         return o.view(G, H, 1, D)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=H != kv_heads)
+
+
+def written_out(device) -> bool:
+    """Whether attention is computed by :func:`masked_softmax_attention` on ``device`` (any but the CPU)."""
+    return device.type != "cpu"
+
+
+def masked_softmax_attention(q, k, v, mask, scaling=None):
+    """``softmax(q kᵀ * scale, where mask) v`` for ``q`` ``[G, H, Q, D]``, ``k``/``v`` ``[G, kv_heads, K, D]``
+    and a boolean ``mask`` ``[G, 1, Q, K]`` (None: no mask): the formula itself, each query head reading
+    the KV head its group shares (head ``h`` reads KV head ``h // (H // kv_heads)``)."""
+    G, H, Q, D = q.shape
+    kv_heads = k.shape[1]
+    scale = scaling if scaling is not None else D ** -0.5
+    qg = q.reshape(G, kv_heads, H // kv_heads, Q, D)  # the query heads of each KV head together
+    scores = torch.matmul(qg, k[:, :, None].transpose(-1, -2)) * scale  # [G, kv_heads, H // kv_heads, Q, K]
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), v[:, :, None])  # [G, kv_heads, H // kv_heads, Q, D]
+    return out.reshape(G, H, Q, D)
 
 
 def reference_attention(query, layer: int, meta, scaling=None) -> torch.Tensor:
@@ -121,6 +149,10 @@ def reference_attention(query, layer: int, meta, scaling=None) -> torch.Tensor:
         k, v = k.transpose(0, 1)[None].to(query.dtype), v.transpose(0, 1)[None].to(query.dtype)
         # query j (at position c + j) sees keys 0..c+j: the sequence's block of the causal mask
         mask = None if n == 1 else torch.ones(n, c + n, dtype=torch.bool, device=query.device).tril(diagonal=c)
+        if written_out(query.device):  # on a GPU, the formula written out (see _attend)
+            out[:, :, start:start + n] = masked_softmax_attention(query[:, :, start:start + n], k, v,
+                                                                  None if mask is None else mask[None, None], scaling)
+            continue
         out[:, :, start:start + n] = F.scaled_dot_product_attention(
             query[:, :, start:start + n], k, v, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != k.shape[1])
     return out
