@@ -4,6 +4,7 @@ The reference is always transformers' own ``model.generate`` on one prompt at a 
 earlier output of cbteach.
 """
 import os
+import signal
 import subprocess
 import sys
 
@@ -18,6 +19,14 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
                           Qwen2ForCausalLM)
 
 torch.set_num_threads(1)  # tiny models: one thread is as fast, and runs side by side stay predictable
+
+# A shell starts a background job (`make test &` in a script) with SIGINT ignored, and every process the
+# tests start would inherit that: a server signalled with SIGINT before its own handler is in place (while
+# Python starts) would ignore it and run on. The tests that send SIGINT play a user at a terminal, where
+# Ctrl-C is not ignored; so this session restores Python's own handler, and its children start with the
+# default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # -- a loaded machine, made on purpose: pytest --busy N ----------------------------------------------------
 # What `benchmarks/serve/run_serve_bench.py --busy N` does for the serve benchmark: N processes that loop in
