@@ -14,8 +14,9 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 EXTRAS      ?= dev,lab,serve
 SITE        := site
 OFFLINE     := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+BUSY        ?= 2
 
-.PHONY: install demo test test-fast lint lab student notebooks outputs bench gpu-check book browser-deps clean
+.PHONY: install demo test test-busy test-fast lint lab student notebooks outputs bench gpu-check book browser-deps clean
 
 $(VENV)/.installed: pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +40,13 @@ test: $(VENV)/.installed $(VENV)/.kernels browser-deps
 	$(VENV)/bin/ruff check .
 	$(OFFLINE) $(PY) tools/build_site.py --out $(SITE)
 	$(OFFLINE) $(PY) -m pytest -q -p no:cacheprovider tests notebooks \
+		--nbval --nbval-sanitize-with notebooks/sanitize.cfg
+
+# Every test and notebook again, on a machine loaded on purpose: $(BUSY) processes loop in Python beside
+# the tests for the whole run (tests/conftest.py's --busy), as on a laptop doing other things or a shared
+# CI machine. A test that fails here and not in `make test` waits for time, not for the state it needs.
+test-busy: $(VENV)/.installed $(VENV)/.kernels browser-deps
+	$(OFFLINE) $(PY) -m pytest -q -p no:cacheprovider tests notebooks --busy $(BUSY) \
 		--nbval --nbval-sanitize-with notebooks/sanitize.cfg
 
 test-fast: $(VENV)/.installed $(VENV)/.kernels

@@ -4,6 +4,9 @@ The reference is always transformers' own ``model.generate`` on one prompt at a 
 earlier output of cbteach.
 """
 import os
+import signal
+import subprocess
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -16,6 +19,57 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
                           Qwen2ForCausalLM)
 
 torch.set_num_threads(1)  # tiny models: one thread is as fast, and runs side by side stay predictable
+
+# A shell starts a background job (`make test &` in a script) with SIGINT ignored, and every process the
+# tests start would inherit that: a server signalled with SIGINT before its own handler is in place (while
+# Python starts) would ignore it and run on. The tests that send SIGINT play a user at a terminal, where
+# Ctrl-C is not ignored; so this session restores Python's own handler, and its children start with the
+# default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+# -- a loaded machine, made on purpose: pytest --busy N ----------------------------------------------------
+# What `benchmarks/serve/run_serve_bench.py --busy N` does for the serve benchmark: N processes that loop in
+# Python for the whole session, so that a race between processes shows up here rather than on a learner's
+# busy laptop or a shared CI machine (`make test-busy`). Each loop also ends by itself once its parent is
+# no longer this pytest (its pid is passed, not read at the loop's start: pytest may be gone by then), so
+# even a killed session leaves none behind.
+BUSY_LOOP = "import os, sys\nwhile os.getppid() == int(sys.argv[1]):\n    for _ in range(1_000_000):\n        pass\n"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--busy", type=int, default=0, metavar="N",
+                     help="load the machine with N busy-looping processes for the whole session (make test-busy)")
+
+
+def pytest_configure(config):
+    n = config.getoption("busy")
+    if n < 0:
+        raise pytest.UsageError(f"--busy takes a number of processes >= 0, got {n}")
+    config.busy_procs = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(os.getpid())]) for _ in range(n)]
+
+
+def _load() -> str:
+    return ", ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "unknown"
+
+
+def pytest_report_header(config):
+    procs = getattr(config, "busy_procs", [])
+    busy = f"{len(procs)} busy-looping processes beside the tests; " if procs else ""
+    return f"{busy}load average {_load()} on {os.cpu_count()} processors"
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    procs = getattr(config, "busy_procs", [])
+    busy = f"{len(procs)} busy-looping processes beside the tests; " if procs else ""
+    terminalreporter.write_line(f"{busy}load average at the end {_load()} on {os.cpu_count()} processors")
+
+
+def pytest_unconfigure(config):
+    for p in getattr(config, "busy_procs", []):
+        p.kill()
+        p.wait()
+
 
 EOS = 5  # a token id inside the tiny vocabularies, so random models do stop by themselves sometimes
 VOCAB = 97

@@ -2,8 +2,9 @@
 
 Starts the server on 127.0.0.1 in this process, opens ``/`` in headless Chromium driven by Playwright
 (found as ``test_browser.py`` finds it: Debian's ``chromium`` or ``CBTEACH_CHROMIUM``; Playwright's
-own browser download is not used), sends requests from a background thread, and checks that the page's
-step counter and running count move and that the timeline canvas is drawn. Without Playwright or
+own browser download is not used), sends streamed requests from background threads -- each held open
+until the page has shown what the test looks for, so a slow page cannot miss the batch -- and checks
+that the page's step counter and running count move and that the timeline canvas is drawn. Without Playwright or
 Chromium the test is skipped and says why. Every wait is bounded; the browser may only reach 127.0.0.1.
 """
 import threading
@@ -45,19 +46,22 @@ def test_live_view_redraws_while_requests_stream(page):
         page.wait_for_function("() => document.getElementById('status').textContent === 'live'", timeout=WAIT_MS)
         assert page.inner_text("#seen") == "0"
 
-        def traffic():  # six clients, more than the four slots: some wait, then join the batch
-            with httpx.Client(base_url=server.url, timeout=60) as c:
-                threads = [threading.Thread(target=c.post, args=("/v1/completions",),
-                                            kwargs={"json": {"prompt": f"{w}, n.", "max_tokens": 300,
-                                                             "ignore_eos": True}})
-                           for w in ("CYNIC", "BORE", "ALONE", "EXECUTIVE", "DEBT", "FRIEND")]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join(90)
+        leave = threading.Event()
 
-        sender = threading.Thread(target=traffic, daemon=True)
-        sender.start()
+        def client(word):  # a stream the test ends itself (the client leaves) once the page has shown it
+            body = {"prompt": f"{word}, n.", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", server.url + "/v1/completions", json=body,
+                              timeout=httpx.Timeout(60, read=300)) as r:  # (a queued one is silent until let go)
+                for _ in r.iter_lines():
+                    if leave.is_set():
+                        return
+
+        # six clients, more than the four slots: some wait. Each runs until the test lets it go, so the page
+        # sees the batch while it is there whatever the machine's speed (not only if it looks in time).
+        senders = [threading.Thread(target=client, args=(w,), daemon=True)
+                   for w in ("CYNIC", "BORE", "ALONE", "EXECUTIVE", "DEBT", "FRIEND")]
+        for t in senders:
+            t.start()
         page.wait_for_function("() => Number(document.getElementById('seen').textContent) > 0", timeout=WAIT_MS)
         first = int(page.inner_text("#seen"))
         page.wait_for_function(f"() => Number(document.getElementById('seen').textContent) > {first}",
@@ -68,5 +72,7 @@ def test_live_view_redraws_while_requests_stream(page):
             const d = c.getContext('2d').getImageData(70, 20, c.width - 70, c.height - 50).data;
             let n = 0; for (let i = 3; i < d.length; i += 4) if (d[i] > 0) n++; return n; }""")
         assert drawn > 0, "the timeline canvas shows no step"
-        sender.join(120)
-        assert not sender.is_alive()
+        leave.set()
+        for t in senders:
+            t.join(60)
+        assert not any(t.is_alive() for t in senders)

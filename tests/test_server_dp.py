@@ -78,39 +78,51 @@ def test_two_cores_with_plugged_pieces_answer_exactly_and_both_work(server, ref,
 
 def test_a_new_request_goes_to_the_least_loaded_core(server):
     """One long request holds core 0; the next goes to core 1 (less load), the third to core 0 again when the
-    second is longer."""
-    streams, started = [], []
+    second is longer. Where each went is read from the cores' own count of the messages they received, and
+    every stream stays open until the test has read it (then its client leaves and it is aborted): no request
+    ends by itself while the test looks, whatever the machine's speed (each would run thousands of steps)."""
+    streams = []
+
+    def messages_in():
+        m = metrics(server.url)
+        return [m[f'cbteach:engine_core_messages_in_total{{{LAB},engine="{i}"}}'] for i in (0, 1)]
 
     def open_stream(n):
-        ev = threading.Event()
-        started.append(ev)
+        started, leave = threading.Event(), threading.Event()
 
         def run():
             body = {"prompt": "CYNIC, n.", "max_tokens": n, "ignore_eos": True, "stream": True}
             with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=WAIT_S) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: {"):
-                        ev.set()
+                        started.set()
+                    if leave.is_set():
+                        return  # the client hangs up: its request is aborted in its core
         t = threading.Thread(target=run, daemon=True)
         t.start()
-        streams.append(t)
-        assert ev.wait(WAIT_S)
+        streams.append((t, leave))
+        assert started.wait(WAIT_S), f"no token of the {n}-token stream within {WAIT_S} s"
 
-    def running(m):
-        return [m[f'cbteach:num_requests_running{{{LAB},engine="{i}"}}'] for i in (0, 1)]
+    def sent(expected, what):
+        wait_for(lambda: [a - b for a, b in zip(messages_in(), before)] == expected, what)
 
-    open_stream(200)
-    open_stream(600)
-    wait_for(lambda: running(metrics(server.url)) == [1, 1], "one request on each core")
-    open_stream(150)  # core 0 has less left to do (under 200 tokens) than core 1 (under 600)
-    wait_for(lambda: running(metrics(server.url)) == [2, 1], "the third request on core 0")
-    for t in streams:
-        t.join(WAIT_S * 2)
+    wait_idle(server.url)
+    before = messages_in()
+    open_stream(3000)
+    sent([1, 0], "the first request on core 0 (both idle: the lowest)")
+    open_stream(4000)
+    sent([1, 1], "the second request on core 1 (less load)")
+    open_stream(150)  # core 0 has less left to do (under 3,000 tokens) than core 1 (under 4,000)
+    sent([2, 1], "the third request on core 0")
+    for t, leave in streams:
+        leave.set()
+        t.join(WAIT_S)
     wait_idle(server.url)
 
 
 def test_live_view_and_metrics_show_every_core(server):
-    httpx.post(server.url + "/v1/completions", json={"prompt": "BORE, n.", "max_tokens": 3}, timeout=WAIT_S)
+    # two choices, routed one after the other before either runs: one on each core, whatever ran before
+    httpx.post(server.url + "/v1/completions", json={"prompt": "BORE, n.", "max_tokens": 3, "n": 2}, timeout=WAIT_S)
     live = httpx.get(server.url + "/live/steps", timeout=WAIT_S).json()
     assert live["num_cores"] == 2 and {s["core"] for s in live["steps"]} == {0, 1}
     m = metrics(server.url)

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -22,6 +23,7 @@ pytest.importorskip("msgspec", reason="the serve extra is not installed (pip ins
 from serverkit import WAIT_S, Served, core_sum, gone, metrics, wait_for  # noqa: E402
 
 LONG = {"prompt": "CYNIC, n.", "max_tokens": 3000, "ignore_eos": True}
+SHORT = {"prompt": "BORE, n.", "max_tokens": 300, "ignore_eos": True}  # long enough to be in flight at the signal
 
 
 def stream_events(url, body, started: threading.Event, out: list):
@@ -65,7 +67,14 @@ def whole(url, body, out: list):
 
 
 def test_port_zero_announces_its_port_and_sigterm_drains_then_stops_both_processes(tmp_path):
-    with Served(["--drain-timeout", "3"], tmp_path / "serve.log") as s:
+    """SIGTERM: no new request is taken, the ones in flight may finish (the short stream does), what is left
+    when the drain ends is cut -- a stream with an error event, a whole answer with a 503 -- and both processes
+    stop. Each step waits for the state it needs: both long requests in the engine core, then the short one
+    streaming, before the signal; the drain begun with all three in flight; the short one finished. The drain
+    is ended by a second SIGTERM, not by its timeout (600 s here), so that the short answer finishes within it
+    however slow the machine, and the long ones (3,000 tokens) are still running however fast. (The timeout's
+    own abort: tests/test_server_logs.py.)"""
+    with Served(["--drain-timeout", "600"], tmp_path / "serve.log") as s:
         assert not s.url.endswith(":0") and httpx.get(s.url + "/health", timeout=WAIT_S).status_code == 200
         cores = s.core_pids()
         assert len(cores) == 1
@@ -73,19 +82,25 @@ def test_port_zero_announces_its_port_and_sigterm_drains_then_stops_both_process
         long_started, short_started = threading.Event(), threading.Event()
         threads = [background(stream_events, s.url, LONG, long_started, long_events),
                    background(whole, s.url, LONG, cut)]
-        assert long_started.wait(WAIT_S)
-        threads.append(background(stream_events, s.url, {"prompt": "BORE, n.", "max_tokens": 5}, short_started,
-                                  short_events))
-        assert short_started.wait(WAIT_S)
-        assert s.stop() == 0, s.text()[-3000:]  # SIGTERM: drain, abort what is left, stop the core, exit 0
+        wait_for(lambda: in_flight(s.url) == 2, "both long requests (the stream and the whole answer) in the core")
+        short = background(stream_events, s.url, SHORT, short_started, short_events)
+        assert short_started.wait(WAIT_S), short_events
+        s.proc.send_signal(signal.SIGTERM)  # drain: no new requests, the ones in flight go on
+        wait_for(lambda: "draining:" in s.text(), "the drain to begin")
+        assert "draining: no new requests; 3 in flight" in s.text(), s.text()[-3000:]  # the short one too
+        short.join(WAIT_S)
+        assert not short.is_alive(), f"the short stream did not finish within the drain: {short_events[-3:]}"
+        assert short_events[-1] == "[DONE]" and short_events[-2]["choices"][0]["finish_reason"] == "length"
+        assert all(t.is_alive() for t in threads), (long_events[-2:], cut)  # still running: 3,000 tokens each
+        s.proc.send_signal(signal.SIGTERM)  # the second: abort what is left now, stop the core, exit 0
+        assert s.proc.wait(WAIT_S) == 0, s.text()[-3000:]
         for t in threads:
             t.join(WAIT_S)
-        # the short answer finished within the drain; the long stream was cut with an error event, not a finish_reason
-        assert short_events[-1] == "[DONE]" and short_events[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+        # the long stream was cut with an error event, not a finish_reason
         assert long_events[-1] == "[DONE]" and long_events[-2]["error"]["code"] == "aborted", long_events[-3:]
         assert all(e["choices"][0]["finish_reason"] is None for e in long_events[1:-2])
         status, body = cut[0]  # the whole answer cut by shutdown: an error status, not a 200 that pretends
-        assert status == 503 and body["error"]["code"] == "aborted"
+        assert status == 503 and body["error"]["code"] == "aborted", cut
         wait_for(lambda: all(gone(p) for p in cores), "the engine core to exit")
         assert "Traceback" not in s.text()
 
@@ -122,22 +137,40 @@ def test_a_port_in_use_fails_before_anything_starts(tmp_path):
     assert "serving" not in r.stderr and "engine core" not in r.stderr
 
 
+def health_until_gone(url, out: list):
+    """GET /health every 10 ms until the server stops answering: every ``(status, body)`` into ``out``."""
+    while True:
+        try:
+            r = httpx.get(url + "/health", timeout=WAIT_S)
+        except httpx.TransportError:
+            return
+        out.append((r.status_code, r.json()))
+        time.sleep(0.01)
+
+
 def test_a_killed_engine_core_fails_its_requests_turns_health_red_and_the_server_exits_non_zero(tmp_path):
+    """/health is red from the core's death until the server exits, a moment later: it is asked every 10 ms, by a
+    thread started before the kill, until the server is gone, so an answer in between is seen whatever the load.
+    Its message names the core once the server has noticed the death (within a tenth of a second; before that it
+    says "an engine core has stopped")."""
     with Served([], tmp_path / "serve.log") as s:
         (core,) = s.core_pids()
-        events, cut, started = [], [], threading.Event()
+        events, cut, started, health = [], [], threading.Event(), []
         threads = [background(stream_events, s.url, LONG, started, events), background(whole, s.url, LONG, cut)]
         assert started.wait(WAIT_S)
         wait_for(lambda: core_sum(metrics(s.url), "num_requests_running") == 2, "both requests to be running")
+        poll = background(health_until_gone, s.url, health)
         os.kill(core, signal.SIGKILL)
         for t in threads:
             t.join(WAIT_S)
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_dead", events[-3:]
         assert "engine core 0" in events[-2]["error"]["message"]
         assert cut[0][0] == 503 and cut[0][1]["error"]["code"] == "engine_dead"
-        health = httpx.get(s.url + "/health", timeout=WAIT_S)  # (it answers for a moment before it exits)
-        assert health.status_code == 503 and "engine core 0" in health.json()["error"]["message"]
         assert s.proc.wait(WAIT_S) == 1
+        poll.join(WAIT_S)
+        red = [i for i, (status, _) in enumerate(health) if status != 200]  # (the first answer may be red already)
+        assert red and all(health[i][0] == 503 for i in range(red[0], len(health))), health[-3:]  # red, and stays so
+        assert any("engine core 0" in body["error"]["message"] for _, body in health[red[0]:]), health[-3:]
         assert "engine core 0" in s.text()
 
 
@@ -151,10 +184,12 @@ def test_engine_cores_never_outlive_a_killed_server(tmp_path):
 
 
 def test_with_two_cores_a_killed_core_fails_only_its_requests_and_the_other_finishes_exactly(tmp_path, bierce):
+    """The server drains when a core dies: the drain timeout is set far beyond any wait here (600 s), so the
+    survivor finishes in the drain however slow the machine, and the server exits once it has."""
     from serverkit import make_ref
 
     ref = make_ref(*bierce)
-    with Served(["--data-parallel-size", "2"], tmp_path / "serve.log") as s:
+    with Served(["--data-parallel-size", "2", "--drain-timeout", "600"], tmp_path / "serve.log") as s:
         cores = s.core_pids()  # started in order: core 0, core 1
         doomed, survivor = [], []
         started = [threading.Event(), threading.Event()]

@@ -11,7 +11,7 @@ pytest.importorskip("fastapi", reason="the serve extra is not installed (pip ins
 pytest.importorskip("zmq", reason="the serve extra is not installed (pip install 'cbteach[serve]')")
 pytest.importorskip("msgspec", reason="the serve extra is not installed (pip install 'cbteach[serve]')")
 
-from serverkit import WAIT_S  # noqa: E402
+from serverkit import WAIT_S, wait_for  # noqa: E402
 
 from cbteach.serving.server import ServerThread  # noqa: E402
 
@@ -79,9 +79,7 @@ def test_live_view_listeners_are_capped(server):
             assert a.status_code == b.status_code == 200
             third = c.get("/live/events")
             assert third.status_code == 503 and third.json()["error"]["code"] == "too_many_listeners"
-        deadline = time.monotonic() + WAIT_S
-        while len(server.frontend.hub.listeners) and time.monotonic() < deadline:
-            time.sleep(0.05)  # the two pages closed: their places are free again
+        wait_for(lambda: not server.frontend.hub.listeners, "the two closed pages to give their places back")
         with c.stream("GET", "/live/events") as again:
             assert again.status_code == 200
 
