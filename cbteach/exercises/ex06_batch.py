@@ -18,7 +18,7 @@ message says it must be:
 The first difference stops the run with a hint that names the mistake; at the end every request's
 tokens must equal per-prompt greedy ``model.generate`` (the seeded samples: the engine's own run). A
 function that is, copies or calls the worker's own (:func:`cbteach.worker.states.update_batch`) is
-refused (:mod:`.delegation`, and :func:`_own` below until its registry names this piece).
+refused (:mod:`.delegation`, and :func:`own_update_batch` below until its registry names this piece).
 """
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ class Refused(Wrong):
     """The learner's update handed its work to the worker's own."""
 
 
-def _own(fn) -> str | None:
+def own_update_batch(fn) -> str | None:
     """The refusal if ``fn`` is the worker's own update_batch or a copy of it (the same names, locals and
     constants) -- what :func:`~cbteach.exercises.delegation.is_own` says once its registry has this piece."""
     said = is_own("update_batch", fn)
@@ -109,8 +109,9 @@ def _shape(code) -> tuple:
     return code.co_names, code.co_varnames, code.co_argcount, consts
 
 
-class _Calls:
-    """A profile hook while the learner's function runs: did it call the worker's own update?"""
+class CallsOwn:
+    """``with CallsOwn() as calls:`` -- a profile hook while the learner's code runs: ``calls.called``, whether
+    the worker's own update_batch ran (called, or called through a copy of its code object)."""
 
     def __init__(self):
         self.called, self.saved = False, None
@@ -161,7 +162,7 @@ def plugged(fn, seen: list):
     def update_batch(runner, scheduler_output):
         before = _snapshot(runner)
         try:
-            with _Calls() as calls:
+            with CallsOwn() as calls:
                 fn(runner, scheduler_output)
         except Exception as err:  # noqa: BLE001 -- the learner's code
             raise Wrong(f"your update_batch stopped with {raised(err)}") from None
@@ -242,7 +243,7 @@ def check_update_batch(update_batch, model=None) -> bool:
         return report(False, "", "not done yet: write update_batch(runner, scheduler_output), then run this check")
     if not callable(update_batch):
         return report(False, "", f"pass your function itself, update_batch (got a {type(update_batch).__name__})")
-    refused = _own(update_batch)
+    refused = own_update_batch(update_batch)
     if refused:
         return report(False, "", refused)
     model = _bierce() if model is None else model
