@@ -98,12 +98,13 @@ def _same_stream(a, b) -> bool:
     return torch.equal(a.get_state(), b.get_state())
 
 
-def state_hint(runner, msg, before: dict, expect: dict) -> str | None:
-    """The hint for the first way ``runner``'s state differs from what ``msg`` says (None: it is right)."""
+def state_hint(runner, msg, before: dict, expect: dict, rows_before: list) -> str | None:
+    """The hint for the first way ``runner``'s state differs from what ``msg`` says (None: it is right);
+    ``before`` and ``rows_before``: the states and the batch's rows before the learner's update ran."""
     reqs, b = runner.requests, runner.input_batch
     sched = set(msg.num_scheduled_tokens)
     finished = set(msg.finished_req_ids) - sched
-    if msg.scheduled_new_reqs and set(reqs) == set(before) and b.num_reqs == sum(h.had_row for h in before.values()):
+    if msg.scheduled_new_reqs and set(reqs) == set(before) and list(b.req_ids) == rows_before:
         return HINTS["nothing"]
     if finished & set(reqs):
         return HINTS["finished_state"]

@@ -160,7 +160,7 @@ def plugged(fn, seen: list):
     """``fn`` as the runner calls it, checked after every call (``seen``: the messages, for counting)."""
     @functools.wraps(fn)
     def update_batch(runner, scheduler_output):
-        before = _snapshot(runner)
+        before, rows = _snapshot(runner), list(runner.input_batch.req_ids)
         try:
             with CallsOwn() as calls:
                 fn(runner, scheduler_output)
@@ -168,7 +168,7 @@ def plugged(fn, seen: list):
             raise Wrong(f"your update_batch stopped with {raised(err)}") from None
         if calls.called:
             raise Refused(REFUSED.format(how="called"))
-        said = state_hint(runner, scheduler_output, before, expected(scheduler_output, before))
+        said = state_hint(runner, scheduler_output, before, expected(scheduler_output, before), rows)
         if said is not None:
             raise Wrong(said)
         seen.append(scheduler_output)
@@ -176,15 +176,15 @@ def plugged(fn, seen: list):
 
 
 def _generate(model, requests) -> dict:
-    """Per-prompt greedy ``model.generate`` (stopping at EOS unless the request ignores it)."""
-    gen = model.generation_config
-    eos = gen.eos_token_id if isinstance(gen.eos_token_id, int) else (gen.eos_token_id or [None])[0]
+    """Per-prompt greedy ``model.generate``: it stops at the model's EOS ids, unless the request ignores them."""
+    eos = model.generation_config.eos_token_id
+    pad = eos if isinstance(eos, int) or eos is None else eos[0]
     outs = {}
     for r in requests:
         ids = torch.tensor([list(r.prompt)], device=model.device)
-        stop = dict(eos_token_id=None, min_new_tokens=r.max_new_tokens) if r.ignore_eos else dict(eos_token_id=eos)
+        stop = {"eos_token_id": None} if r.ignore_eos else {}
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=r.max_new_tokens,
-                             pad_token_id=eos, **stop)
+                             pad_token_id=pad, **stop)
         outs[r.request_id] = out[0, ids.shape[1]:].tolist()
     return outs
 
