@@ -24,7 +24,7 @@ COMMANDS = {
     "simulate": "the engine's scheduler at GPU and cluster scale, on a cost model (no weights; notebook 13)",
 }
 # serve's options that plug a learner's pieces into the engine (notebook 12): checked before it starts.
-PIECE_OPTIONS = ("--scheduler", "--kv-manager", "--attention", "--slot-mapping")
+PIECE_OPTIONS = ("--scheduler", "--kv-manager", "--attention", "--slot-mapping", "--update-batch")
 SERVE_HINT = "pip install 'cbteach[serve]'"
 
 

@@ -46,10 +46,12 @@ def exercises(nb: dict) -> list[tuple[list[int], str]]:
 @pytest.fixture(scope="module")
 def captured(bierce):  # bierce: (model, tokenizer)
     """What a learner's scheduler sees in a real run: itself, a request, its plan and message, the
-    runner's output; what a plugged attention function sees (``meta``); and 12's pieces."""
+    runner's output; what a plugged attention function sees (``meta``); what a plugged update_batch
+    sees (the runner, a message, a new request's data and its state); and 12's pieces."""
     from cbteach import Engine, Request
     from cbteach.attention.paged import default_attention
     from cbteach.engine.scheduler import Scheduler
+    from cbteach.worker import states
 
     seen = {}
 
@@ -69,8 +71,17 @@ def captured(bierce):  # bierce: (model, tokenizer)
         seen.setdefault("meta", meta)
         return default_attention(query, key, value, meta, layer, scaling)
 
+    def update_batch(runner, scheduler_output):  # what notebook 06's worker exercise sees
+        states.update_batch(runner, scheduler_output)
+        seen.setdefault("runner", runner)
+        if scheduler_output.scheduled_new_reqs:
+            seen.setdefault("new", scheduler_output.scheduled_new_reqs[0])
+            seen.setdefault("state", runner.requests[scheduler_output.scheduled_new_reqs[0].req_id])
+        if scheduler_output.scheduled_cached_reqs.req_ids:
+            seen.setdefault("batch_message", scheduler_output)
+
     eng = Engine(bierce[0], None, max_batch_size=2, kv="paged", block_size=4, token_budget=8, prefix_caching=True,
-                 scheduler_cls=Capture, attention=attention)
+                 scheduler_cls=Capture, attention=attention, update_batch=update_batch)
     eng.run([Request(list(range(3, 14)), 4, request_id="a"), Request(list(range(3, 9)), 3, request_id="b")])
     seen["model"], seen["tok"] = bierce
     return seen
@@ -95,6 +106,10 @@ def _contexts(c, stem: str, solution: str) -> dict:
         return {"config": c["model"].config}
     if stem.startswith("05_"):
         return {"seq": c["seq"], "meta": c["meta"]}
+    if stem.startswith("06_") and "def update_batch" in solution:  # the worker's side of the message
+        msg = c["batch_message"]
+        return {"runner": c["runner"], "scheduler_output": msg, "batch": c["runner"].input_batch,
+                "cached": msg.scheduled_cached_reqs, "new": c["new"], "state": c["state"]}
     if stem.startswith("06_") and "def update_from_output" not in solution:  # the scheduling step
         return {"self": c["self"], "seq": c["seq"], "plan": c["plan"], "output": c["scheduler_output"]}
     if stem.startswith("06_"):  # update_from_output
@@ -185,18 +200,20 @@ def hint_texts(module) -> list[str]:
 
 
 def test_notebook_06s_hints_name_its_interface(captured):
-    """The hints of 06's checks (``rules``, ``update_rules``, ``ex06``) name the calls and signatures the
-    exercise text does -- ``self.make_output(plan)``, ``update_from_output(self, scheduler_output, output, now)``."""
-    from cbteach.exercises import ex06, rules, update_rules
+    """The hints of 06's checks (``rules``, ``update_rules``, ``ex06``, ``batch_rules``, ``ex06_batch``) name the
+    calls and signatures the exercise text does -- ``self.make_output(plan)``, ``update_from_output(self,
+    scheduler_output, output, now)``, ``batch.remove_request(req_id)``."""
+    from cbteach.exercises import batch_rules, ex06, ex06_batch, rules, update_rules
 
     path = ROOT / "notebooks" / "06_scheduling_and_latency.ipynb"
     nb = json.loads(path.read_text())
     student, _ = strip_solutions(nb)
-    (schedule_at, _), (update_at, _) = exercises(nb)
+    (schedule_at, _), (update_at, _), (batch_at, _) = exercises(nb)
     everything = imports_before(nb["cells"], len(nb["cells"]))  # a hint may name a check imported later
-    stubs = "\n".join(source(student["cells"][i]) for i in schedule_at + update_at)
+    stubs = "\n".join(source(student["cells"][i]) for i in schedule_at + update_at + batch_at)
     found = []
-    for module, indices in ((rules, schedule_at), (update_rules, update_at), (ex06, schedule_at), (ex06, update_at)):
+    for module, indices in ((rules, schedule_at), (update_rules, update_at), (ex06, schedule_at), (ex06, update_at),
+                            (batch_rules, batch_at), (ex06_batch, batch_at)):
         scope = scope_for(nb, path.stem, indices, stubs, captured, namespace=everything)
         for text in hint_texts(module):
             for fragment in hint_fragments(text):

@@ -79,6 +79,7 @@ BROKEN = {  # a piece broken the way learners break it -> the words that must na
                   "scheduler (notebook 06)"),
     "update": ("                self.kv_manager.free(seq)\n                finished.append(seq)",
                "                finished.append(seq)", "scheduler (notebook 06)"),
+    "update_batch": ("    batch.condense()\n", "", "update batch (notebook 06) fails its own check: on the workload"),
 }
 
 
@@ -92,7 +93,8 @@ def test_a_broken_piece_is_named_by_its_own_check(piece, llama):
 
 
 @pytest.mark.parametrize("drop, words", [("attention", "your attention"), ("slot_mapping", "your slot mapping"),
-                                         ("kv_manager", "your KV manager"), ("scheduler_cls", "your scheduler")])
+                                         ("kv_manager", "your KV manager"), ("scheduler_cls", "your scheduler"),
+                                         ("update_batch", "your update_batch")])
 def test_a_piece_left_out_of_the_engine_is_named(drop, words, llama):
     pieces = pieces_of(SOLUTION)
     ok, out = check(my_engine_of(pieces, drop=drop), pieces, llama)
@@ -193,7 +195,7 @@ def test_serve_lets_a_scheduler_keep_the_engines_update(pieces_dir):
 
 def test_serve_lets_pieces_that_pass_their_checks_start(pieces_dir):
     pieces = capstone.refuse_broken_pieces(capstone.serve_options("good_pieces"))
-    assert set(pieces) == {"scheduler_cls", "kv_manager", "attention", "slot_mapping"}
+    assert set(pieces) == {"scheduler_cls", "kv_manager", "attention", "slot_mapping", "update_batch"}
     assert capstone.refuse_broken_pieces(["--max-batch-size", "4"]) == {}
 
 
@@ -236,6 +238,7 @@ def test_the_course_notebooks_hold_every_piece():
     pieces = pieces_of(SOLUTION)
     assert all(v is not None for v in pieces.objects.values()), pieces.objects
     assert "def my_slot_mapping" in SOLUTION and "def my_attention" in SOLUTION and "class MyUpdate" in SOLUTION
+    assert "def update_batch" in SOLUTION
 
 
 def test_the_notebook_reads_the_pieces_it_assembles():
@@ -342,8 +345,9 @@ def test_an_upload_beside_the_notebook_wins_and_a_pasted_solution_is_called_the_
     (colab / "06_scheduling_and_latency.ipynb").write_text((NOTEBOOKS / "06_scheduling_and_latency.ipynb").read_text())
     _learners_copy(colab / "drive" / "MyDrive" / "05_paged_kv_cache.ipynb", "05")
     pieces, said = read()
-    assert pieces.where["05"].parent == colab and pieces.course == {"scheduler"}, (pieces.where, pieces.course)
-    assert "NOT YOUR CODE: scheduler is the COURSE'S OWN SOLUTION" in said, said
+    assert pieces.where["05"].parent == colab and pieces.course == {"scheduler", "update_batch"}, (pieces.where,
+                                                                                                  pieces.course)
+    assert "NOT YOUR CODE: scheduler, update_batch are the COURSE'S OWN SOLUTIONS" in said, said
 
 
 def test_in_the_course_copy_every_piece_is_called_the_courses(monkeypatch):
@@ -372,16 +376,21 @@ CHEATS = {  # piece -> (the learner's cell, the words that must name it)
                "        return super().update_from_output(plan, output, now)",
                "update_from_output -- a check"),
     "update_missing": ("class MyUpdate(Scheduler):\n    pass", "in MyEngineScheduler.update_from_output, the engine's"),
+    "update_batch": ("from cbteach.worker.states import update_batch", "is the worker's own update_batch"),
+    "update_batch_wrapper": ("from cbteach.worker import states\n\n\ndef update_batch(runner, scheduler_output):\n"
+                             "    states.update_batch(runner, scheduler_output)", "called the worker's own update_batch"),
 }
 
 
 @pytest.mark.parametrize("cheat", sorted(CHEATS))
 def test_a_piece_that_is_or_calls_the_engines_or_the_courses_own_is_refused(cheat, llama):
     cell, words = CHEATS[cheat]
-    name = {"attention_wrapper": "attention", "update": "scheduler", "update_missing": "scheduler"}.get(cheat, cheat)
+    name = {"attention_wrapper": "attention", "update": "scheduler", "update_missing": "scheduler",
+            "update_batch_wrapper": "update_batch"}.get(cheat, cheat)
     defines = {"update": "class MyUpdate", "update_missing": "class MyUpdate"}.get(cheat, {"attention": "def my_attention", "slot_mapping":
                                                         "def my_slot_mapping", "kv_manager": "class MyKVManager",
-                                                        "scheduler": "class MyScheduler"}[name])
+                                                        "scheduler": "class MyScheduler",
+                                                        "update_batch": "def update_batch"}[name])
     start = SOLUTION.index(defines)
     end = SOLUTION.find("\n# -- from", start)
     source = SOLUTION[:start] + cell + "\n" + (SOLUTION[end:] if end != -1 else "")
@@ -402,3 +411,12 @@ def test_the_benchmark_interleaves_rounds_and_reports_medians_with_their_range(l
             assert s[key]["min"] <= s[key]["median"] <= s[key]["max"], (key, s[key])
     with pytest.raises(ValueError, match="rounds"):
         ex12.benchmark(my_engine_of(pieces), llama, None, rounds=0)
+
+
+def test_serve_refuses_a_learners_update_batch_with_tensor_parallelism(pieces_dir, capsys):
+    """The plugged update runs in the engine core's process; tensor-parallel ranks run the worker's own."""
+    from cbteach.__main__ import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["serve", "--port", "0", "--tensor-parallel-size", "2", "--update-batch", "good_pieces:update_batch"])
+    assert stopped.value.code == 2 and "--update-batch runs in the engine core's own process" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """Your engine: the pieces you wrote in notebooks 05 and 06, assembled into one engine (notebook 12).
 
-Four plug points of :class:`~cbteach.Engine` take a learner's pieces (:mod:`cbteach.engine.plug`):
+Five plug points of :class:`~cbteach.Engine` take a learner's pieces (:mod:`cbteach.engine.plug`, and
+the worker's ``update_batch``, :mod:`cbteach.worker.model_runner`):
 
 ==================  ==========================  ===========  ================================
 piece               ``Engine(...)`` keyword      notebook     ``serve`` option
@@ -10,6 +11,7 @@ piece               ``Engine(...)`` keyword      notebook     ``serve`` option
 ``my_attention``    ``attention=``               05           ``--attention MODULE:FUNCTION``
 ``MyScheduler`` +   ``scheduler_cls=``           06           ``--scheduler MODULE:CLASS``
 ``MyUpdate``
+``update_batch``    ``update_batch=``            06           ``--update-batch MODULE:FUNCTION``
 ==================  ==========================  ===========  ================================
 
 :func:`pieces_from_notebooks` reads them from the notebooks themselves -- the cells tagged
@@ -38,6 +40,7 @@ PIECES = {
     "slot_mapping": ("05", ("my_slot_mapping",), "--slot-mapping", "slot_mapping"),
     "attention": ("05", ("my_attention",), "--attention", "attention"),
     "scheduler": ("06", ("MyScheduler", "MyUpdate"), "--scheduler", "scheduler_cls"),
+    "update_batch": ("06", ("update_batch",), "--update-batch", "update_batch"),  # the worker's side (section 8)
 }
 ENGINE_CLASS = "MyEngineScheduler"  # MyScheduler's schedule with MyUpdate's update_from_output
 
@@ -184,7 +187,8 @@ def write_module(path, pieces=None) -> Path:
 def serve_options(module: str) -> list[str]:
     """``serve``'s options that plug every piece of ``module`` (a module name, e.g. ``"my_engine"``)."""
     return ["--scheduler", f"{module}:{ENGINE_CLASS}", "--kv-manager", f"{module}:MyKVManager",
-            "--attention", f"{module}:my_attention", "--slot-mapping", f"{module}:my_slot_mapping"]
+            "--attention", f"{module}:my_attention", "--slot-mapping", f"{module}:my_slot_mapping",
+            "--update-batch", f"{module}:update_batch"]
 
 
 # -- a piece's own check ----------------------------------------------------------------------------------
@@ -226,6 +230,10 @@ def _run_check(piece, obj, model, tok, slot_mapping, prefix_caching=True) -> boo
         from .ex05_attention import check_paged_attention
 
         return check_paged_attention(obj, model, tok, prompts, slot_mapping=slot_mapping)
+    if piece == "update_batch":
+        from .ex06_batch import check_update_batch
+
+        return check_update_batch(obj, model)
     from .ex06 import check_stage
 
     if not (isinstance(obj, type) and issubclass(obj, Scheduler)):
@@ -272,7 +280,7 @@ def refuse_broken_pieces(argv) -> dict:
     print(f"checking {len(loaded)} piece(s) with their notebooks' checks before the server starts (seconds on "
           "bierce)...", file=sys.stderr)
     model, tok = load_model(options.get("model", "bierce"), device="cpu")
-    for piece in ("kv_manager", "slot_mapping", "attention", "scheduler"):
+    for piece in ("kv_manager", "slot_mapping", "attention", "scheduler", "update_batch"):
         if piece not in loaded:
             continue
         ok, said = check_piece(piece, loaded[piece], model, tok, slot_mapping=loaded.get("slot_mapping"),

@@ -1,13 +1,14 @@
 """Notebook 12: your engine -- every piece you wrote, in one engine, proved, measured and served.
 
 The exercise is the assembly: ``my_engine(model, tok, **options)`` returns an
-:class:`~cbteach.Engine` with all four of the learner's pieces plugged in
+:class:`~cbteach.Engine` with all five of the learner's pieces plugged in
 (:mod:`cbteach.exercises.capstone`). :func:`check_my_engine` runs it on the course's workload --
 bierce's headword prompts, answers that stop at EOS, a pool small enough to preempt and a token
 budget small enough to chunk -- beside the engine's own pieces on the same simulated clock, and
 requires:
 
-1. every piece plugged in (the scheduler is yours, the KV manager, the attention, the slot mapping);
+1. every piece plugged in (the scheduler is yours, the KV manager, the attention, the slot mapping, the
+   worker's update of its batch);
 2. the same schedule, step for step (who ran, with how many tokens, admitted, preempted);
 3. every request's tokens equal to per-prompt ``model.generate``'s, and every block back.
 
@@ -33,6 +34,7 @@ from ..viz.schedule import first_difference
 from . import report, self_check
 from .capstone import PIECES, Pieces, check_piece, serve_options
 from .delegation import Watch, is_own, learner_codes
+from .ex06_batch import REFUSED, CallsOwn, own_update_batch
 
 OPTIONS = dict(max_batch_size=4, block_size=4, num_blocks=32, token_budget=8)  # it preempts and chunks
 NUM_REQUESTS, MAX_NEW_TOKENS = 10, 40
@@ -90,6 +92,9 @@ def _plugged(engine, pieces: Pieces) -> str | None:
     for piece in ("attention", "slot_mapping"):
         if want.get(piece) is not None and getattr(engine.kv, piece) is not want[piece]:
             return f"your engine does not use your {piece.replace('_', ' ')}: pass {PIECES[piece][3]}="
+    runner = getattr(engine.executor, "runner", None)
+    if want.get("update_batch") is not None and getattr(runner, "update_batch", None) is not want["update_batch"]:
+        return "your engine's worker does not run your update_batch: pass update_batch= (the function itself)"
     return None
 
 
@@ -106,14 +111,15 @@ def compare(my_engine, pieces: Pieces, model, tok=None) -> dict:
         return out
     written = {piece: obj for piece, obj in pieces.objects.items() if obj is not None}
     both = {"scheduler": ("schedule", "update_from_output")}  # the assembled engine runs your update too
-    refused = next((said for said in (is_own(p, o, both.get(p)) for p, o in written.items()) if said), None)
+    refused = next((said for said in (is_own(p, o, both.get(p)) for p, o in written.items()) if said), None) or \
+        (own_update_batch(written["update_batch"]) if "update_batch" in written else None)
     if refused:
         return {**out, "refused": refused}
     ref = Engine(model, tok, kv="paged", clock=VirtualClock(step_time=0.01), **OPTIONS)
     ref_records = run(ref, course_requests(model, tok))
     yours = {code: piece for piece, obj in written.items() for code in learner_codes(piece, obj)}
     try:
-        with Watch(PIECES, yours) as seen:  # does a piece hand its work to the engine's own, while it runs?
+        with Watch(PIECES, yours) as seen, CallsOwn() as worker:  # does a piece hand its work to the engine's own?
             my_records = run(mine, requests)
     except Exception as err:  # noqa: BLE001 -- a piece of the learner's, inside the engine
         if seen.found:  # refused on its way (any thread): say whose code it reached for
@@ -122,6 +128,8 @@ def compare(my_engine, pieces: Pieces, model, tok=None) -> dict:
         return out
     if seen.found:
         return {**out, "refused": seen.found}
+    if worker.called:
+        return {**out, "refused": REFUSED.format(how="called")}
     expected = generate_outputs(model, requests)
     outputs = {rid: c.output_ids for rid, c in mine.completions.items()}
     out.update(steps=len(my_records), diverges_at=first_difference(ref_records, my_records),
@@ -144,7 +152,7 @@ def _build_hint(err: Exception) -> str:
 
 def _blame(pieces: Pieces, model, tok) -> str:
     """Run each piece's own check; the first one that fails, with its hint."""
-    for piece in ("kv_manager", "slot_mapping", "attention", "scheduler"):
+    for piece in ("kv_manager", "slot_mapping", "attention", "scheduler", "update_batch"):
         obj = pieces.objects.get(piece)
         if obj is None:
             continue
@@ -200,7 +208,8 @@ def _check_my_engine(my_engine, pieces, model, tok=None) -> bool:
                 "KV blocks were left in use" if not got["blocks"] else
                 f"its schedule parts from the engine's at step {got['diverges_at']}")
         return report(False, "", f"your engine ran the course workload, but {what}. {_blame(pieces, model, tok)}")
-    whose = ("your engine -- your KV manager, slot mapping, attention, scheduler and update --" if not pieces.course
+    whose = ("your engine -- your KV manager, slot mapping, attention, scheduler, update and batch update --"
+             if not pieces.course
              else f"the engine of these pieces -- NOT YOURS: the course's own solution for {', '.join(sorted(pieces.course))} --")
     return report(True, f"{whose} served "
                         f"{got['num_requests']} requests ({got['num_tokens']} tokens, {got['preemptions']} preemptions, "

@@ -53,7 +53,7 @@ from .faults import FaultInjector
 
 IDLE_POLL_MS = 200  # how long an idle core waits for a message before it checks on its parent
 PIECES = {"scheduler": "scheduler_cls", "kv_manager": "kv_manager", "attention": "attention",
-          "slot_mapping": "slot_mapping"}  # serve's --OPTION -> Engine's keyword
+          "slot_mapping": "slot_mapping", "update_batch": "update_batch"}  # serve's --OPTION -> Engine's keyword
 
 
 @dataclass

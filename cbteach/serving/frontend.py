@@ -37,7 +37,8 @@ def core_spec(args) -> CoreSpec:
                 options[name] = getattr(args, name)
     if args.tensor_parallel_size != 1:
         options["tensor_parallel_size"] = args.tensor_parallel_size
-    pieces = {k: getattr(args, k) for k in ("scheduler", "kv_manager", "attention", "slot_mapping") if getattr(args, k)}
+    pieces = {k: getattr(args, k) for k in ("scheduler", "kv_manager", "attention", "slot_mapping", "update_batch")
+              if getattr(args, k)}
     return CoreSpec(index=0, input_address="", output_address="", parent_pid=0, model=args.model, device=args.device,
                     threads=args.threads, engine_options=options, pieces=pieces,
                     speculative_model=args.speculative if args.speculative not in (None, "ngram") else None,

@@ -85,10 +85,11 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def check_pieces(args) -> None:
-    """Every ``--scheduler``/``--kv-manager``/``--attention``/``--slot-mapping`` imports (ValueError if not)."""
-    from .engine_core import load_piece
+    """Every ``--scheduler``/``--kv-manager``/``--attention``/``--slot-mapping``/``--update-batch`` imports
+    (ValueError if not)."""
+    from .engine_core import PIECES, load_piece
 
-    for name in ("scheduler", "kv_manager", "attention", "slot_mapping"):
+    for name in PIECES:
         if getattr(args, name):
             load_piece(getattr(args, name), name)
 

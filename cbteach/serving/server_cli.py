@@ -1,10 +1,11 @@
 """``python -m cbteach serve``'s options: the server, its engine cores, each request's caps, the network's limits.
 
-The engine options are :class:`cbteach.Engine`'s, passed to every engine core. Four more plug the
+The engine options are :class:`cbteach.Engine`'s, passed to every engine core. Five more plug the
 learner's own pieces into each core's engine (notebook 12): ``--scheduler MODULE:CLASS`` (a
 :class:`~cbteach.engine.scheduler.Scheduler` subclass), ``--kv-manager MODULE:CLASS`` (built as
-``CLASS(num_blocks, block_size)``), ``--attention MODULE:FUNCTION`` and ``--slot-mapping
-MODULE:FUNCTION`` -- imported as Python imports them (the current folder is on the path).
+``CLASS(num_blocks, block_size)``), ``--attention MODULE:FUNCTION``, ``--slot-mapping
+MODULE:FUNCTION`` and ``--update-batch MODULE:FUNCTION`` (the worker's update, one process only) --
+imported as Python imports them (the current folder is on the path).
 """
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ def check_mode(p: argparse.ArgumentParser, args, argv) -> None:
         if wrong:
             p.error(f"{', '.join(PAGED_ONLY[d] for d in wrong)} appl{'y' if len(wrong) > 1 else 'ies'} to the paged "
                     "KV cache only; --kv concat has no blocks (drop the option, or use --kv paged)")
+    if args.update_batch and args.tensor_parallel_size != 1:
+        p.error("--update-batch runs in the engine core's own process; with --tensor-parallel-size > 1 every rank "
+                "runs the worker's own update (drop one of the two)")
 
 
 def _positive_int(text: str) -> int:
@@ -123,6 +127,8 @@ def parser() -> argparse.ArgumentParser:
                    help="fn(query, key, value, meta, layer, scaling) (paged)")
     g.add_argument("--slot-mapping", default=None, metavar="MODULE:FUNCTION",
                    help="fn(block_tables, num_computed_tokens, num_scheduled_tokens, block_size) (paged)")
+    g.add_argument("--update-batch", default=None, metavar="MODULE:FUNCTION",
+                   help="fn(runner, scheduler_output): the worker's update of its batch (notebook 06; one process)")
     c = p.add_argument_group("per-request caps")
     c.add_argument("--max-tokens-cap", type=_positive_int, default=None,
                    help="the largest max_tokens a request may ask (default: the model's positions)")

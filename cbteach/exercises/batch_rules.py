@@ -1,0 +1,176 @@
+"""What the worker must hold after each message, and the hint for each way a learner's ``update_batch``
+leaves it otherwise (notebook 06, section 8; the check is :mod:`cbteach.exercises.ex06_batch`).
+
+:func:`state_hint` compares the worker's ``runner.requests`` and ``runner.input_batch`` with what one
+message says, in the order vLLM V1's ``_update_states`` changes them -- who is forgotten, whose row
+leaves, who gets a state, who gets a row, the rows packed, then each row -- and names the first
+difference as a misconception (a finished request kept, a preempted request's state dropped, a
+resumed request's table appended to, a prefix-cache hit started at 0, a forked sample's random
+stream started again ...), never the values the row should hold.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+HINTS = {
+    "nothing": "not done yet: your update_batch changed nothing -- the message's new requests have no state in "
+               "runner.requests and no row in the batch",
+    "finished_state": "a request in scheduler_output.finished_req_ids still has its state in runner.requests: the worker "
+                      "forgets a finished request -- its state and its row",
+    "finished_row": "a request in scheduler_output.finished_req_ids still has a row in the batch: the worker forgets a "
+                    "finished request -- its row as well as its state (batch.remove_request(req_id))",
+    "state_dropped": "a request that has not finished lost its state (runner.requests): a request preempted or left out "
+                     "of this step loses only its row -- its state stays, it will be back",
+    "new_no_state": "a new request (scheduler_output.scheduled_new_reqs) has no state in runner.requests: each gets a "
+                    "CachedRequestState",
+    "stranger": "runner.requests holds a request the worker was never told of",
+    "unscheduled_row": "a request not scheduled in this step still has a row: the batch is this step's requests only -- "
+                       "the rows of requests missing from scheduler_output.num_scheduled_tokens leave it "
+                       "(their states stay)",
+    "missing_row": "a request scheduled in this step has no row: {who} is added to the batch (batch.add_request(state))",
+    "holes": "rows were left empty in the batch: after requests leave, rows 0 .. num_reqs - 1 must be this step's "
+             "requests -- the last rows move into the holes (batch.condense(), once everything is added)",
+    "twice": "a request has two rows: it was added while it already had one",
+    "index": "batch.req_ids and batch.req_id_to_index disagree: change rows only through the batch's methods",
+    "prefix": "a new request starts at 0, but the message says it starts past the prompt blocks another request "
+              "already computed (a prefix-cache hit): its num_computed_tokens is the message's",
+    "computed": "a running request's row still starts where it started in the step before: its num_computed_tokens "
+                "comes with every message (cached.num_computed_tokens[i]), and a request that keeps its row is "
+                "changed in place (batch.num_computed_tokens[row])",
+    "computed_state": "a request's state (runner.requests) does not start where the message says: the state's "
+                      "num_computed_tokens is the message's too, not only its row's",
+    "computed_cached": "a cached request does not start where the message says: cached.num_computed_tokens[i] is "
+                       "where it starts now -- in its state and in its row",
+    "computed_other": "a request's num_computed_tokens is not the message's",
+    "appended": "{which} request's block table was appended to: {why}, and cached.new_block_ids[i] is its whole table",
+    "not_appended": "a running request's row is missing the blocks allocated to it since the last step: "
+                    "cached.new_block_ids[i] go after its others (batch.block_table.append_row(new_block_ids, row))",
+    "blocks_state": "a request's state (its block_ids) and its row's block table disagree: both follow the message",
+    "blocks_other": "a request's block table is not the one the message gives it",
+    "all_tokens": "a resumed request's tokens are wrong: cached.all_token_ids[req_id] holds its prompt and its output "
+                  "-- the output is what comes after the prompt",
+    "new_output": "a new request's row is missing tokens it already had: new.output_token_ids come after its prompt",
+    "tokens": "a request's row does not hold its prompt then its output, as its state does",
+    "tokens_state": "a request's state (prompt_token_ids + output_token_ids) is not its prompt then its output",
+    "params": "a row's sampling parameters are not its request's",
+    "forked": "a forked sample (a new request the worker already holds a state for: runner.requests.get(new.req_id)) got "
+              "a fresh random stream: the stream of the state the worker holds drew the sample's first token, and a "
+              "fresh one draws that same number again -- keep the held state's generator",
+    "seeded": "a new seeded request's random stream is not new_generator(new) (its seed plus its sample index)",
+    "kept_generator": "a cached request's random stream was replaced: a cached request keeps its state, and the state "
+                      "its generator",
+    "row_generator": "a row's generator is not its request's state's generator",
+}
+WHY = {"resumed": ("a resumed", "its blocks were taken back when it was preempted (cached.resumed_req_ids)"),
+       "replaced": ("a", "a copy on write changed its table (cached.replaced_req_ids)")}
+
+
+@dataclass
+class Held:
+    """What the worker held for a request before the message."""
+
+    prompt: list
+    output: list
+    blocks: list
+    generator: object
+    had_row: bool
+
+
+@dataclass
+class Expect:
+    """What a scheduled request's row and state must hold after the message. ``how``: ``new``, ``forked``
+    (a new request the worker held a state for), ``resumed``, ``replaced`` or ``running``."""
+
+    how: str
+    tokens: list
+    num_computed_tokens: int
+    blocks: list
+    generator: object
+    sampling_params: object = None  # a new request's (a cached one keeps its state's)
+    held: Held | None = None
+
+
+def _same_stream(a, b) -> bool:
+    if a is None or b is None:
+        return a is b
+    return torch.equal(a.get_state(), b.get_state())
+
+
+def state_hint(runner, msg, before: dict, expect: dict, rows_before: list) -> str | None:
+    """The hint for the first way ``runner``'s state differs from what ``msg`` says (None: it is right);
+    ``before`` and ``rows_before``: the states and the batch's rows before the learner's update ran."""
+    reqs, b = runner.requests, runner.input_batch
+    sched = set(msg.num_scheduled_tokens)
+    finished = set(msg.finished_req_ids) - sched
+    if msg.scheduled_new_reqs and set(reqs) == set(before) and list(b.req_ids) == rows_before:
+        return HINTS["nothing"]
+    if finished & set(reqs):
+        return HINTS["finished_state"]
+    if finished & set(b.req_id_to_index):
+        return HINTS["finished_row"]
+    if set(before) - finished - set(reqs):
+        return HINTS["state_dropped"]
+    if any(new.req_id not in reqs for new in msg.scheduled_new_reqs):
+        return HINTS["new_no_state"]
+    if set(reqs) - set(before) - set(expect):
+        return HINTS["stranger"]
+    rows = set(b.req_id_to_index)
+    if rows - sched:
+        return HINTS["unscheduled_row"]
+    if sched - rows:
+        rid = next(iter(sched - rows))
+        who = "a new request" if expect[rid].how in ("new", "forked") else \
+            "a cached request without a row -- resumed, or left out of the step before --"
+        return HINTS["missing_row"].format(who=who)
+    if len(b.req_ids) != b.num_reqs or None in b.req_ids:
+        return HINTS["holes"] if len(set(b.req_ids) - {None}) == b.num_reqs else HINTS["twice"]
+    if len(set(b.req_ids)) != len(b.req_ids):
+        return HINTS["twice"]
+    if any(b.req_id_to_index[rid] != row for row, rid in enumerate(b.req_ids)):
+        return HINTS["index"]
+    for rid, e in expect.items():
+        said = _row_hint(b, b.req_id_to_index[rid], reqs[rid], e)
+        if said is not None:
+            return said
+    return None
+
+
+def _row_hint(b, row: int, state, e: Expect) -> str | None:
+    computed = int(b.num_computed_tokens[row])
+    if computed != e.num_computed_tokens:
+        if e.how in ("new", "forked"):
+            return HINTS["prefix"] if computed == 0 else HINTS["computed_other"]
+        return HINTS["computed"] if state.num_computed_tokens == e.num_computed_tokens else HINTS["computed_cached"]
+    if state.num_computed_tokens != e.num_computed_tokens:
+        return HINTS["computed_state"]
+    table = b.block_table.row(row)
+    if table != e.blocks:
+        if e.how in WHY and table == e.held.blocks + e.blocks:
+            which, why = WHY[e.how]
+            return HINTS["appended"].format(which=which[0].upper() + which[1:], why=why)
+        if e.how == "running" and table == e.held.blocks:
+            return HINTS["not_appended"]
+        return HINTS["blocks_state"] if list(state.block_ids) == e.blocks else HINTS["blocks_other"]
+    if list(state.block_ids) != e.blocks:
+        return HINTS["blocks_state"]
+    tokens, theirs = b.token_row(row), list(state.prompt_token_ids) + list(state.output_token_ids)
+    if tokens != e.tokens or theirs != e.tokens:
+        if e.how == "resumed" and len(tokens) > len(e.tokens):
+            return HINTS["all_tokens"]
+        if e.how in ("new", "forked") and len(tokens) < len(e.tokens):
+            return HINTS["new_output"]
+        return HINTS["tokens"] if theirs == e.tokens else HINTS["tokens_state"]
+    params = e.sampling_params if e.sampling_params is not None else state.sampling_params
+    if b.sampling_params[row] != params or state.sampling_params != params:
+        return HINTS["params"]
+    if e.how == "forked" and state.generator is not e.generator:
+        return HINTS["forked"]
+    if e.how == "new" and not _same_stream(state.generator, e.generator):
+        return HINTS["seeded"]
+    if e.how not in ("new", "forked") and state.generator is not e.generator:
+        return HINTS["kept_generator"]
+    if b.generators.get(row) is not state.generator:
+        return HINTS["row_generator"]
+    return None

@@ -1,0 +1,257 @@
+"""Notebook 06, section 8: the worker's side of the message -- ``update_batch(runner, scheduler_output)``,
+vLLM V1's ``GPUModelRunner._update_states``, written by the learner.
+
+:func:`check_update_batch` runs the real engine with the learner's function in the worker's place
+(``Engine(..., update_batch=fn)``) on :data:`WORKLOADS`, built so that every branch is taken: requests
+that finish, prompts in chunks, preemption and resumption under async scheduling (rows of requests
+left out of a step, resumed requests sent their token ids), prefix-cache hits, and samples forked
+from a prompt (parallel sampling, with copies on write). Right after every call it compares the worker's state with what the
+message says it must be:
+
+1. ``runner.requests`` holds exactly the unfinished requests the worker was told of;
+2. rows ``0 .. num_reqs - 1`` of ``runner.input_batch`` hold exactly this step's requests, each once,
+   with no empty row among them;
+3. each row -- and its request's state -- has the request's tokens (prompt, then output),
+   ``num_computed_tokens`` and block table as the message says; its sampling parameters; a seeded
+   request its random stream (a forked sample: the one that drew its first token).
+
+The first difference stops the run with a hint that names the mistake; at the end every request's
+tokens must equal per-prompt greedy ``model.generate`` (the seeded samples: the engine's own run). A
+function that is, copies or calls the worker's own (:func:`cbteach.worker.states.update_batch`) is
+refused (:mod:`.delegation`, and :func:`own_update_batch` below until its registry names this piece).
+"""
+from __future__ import annotations
+
+import functools
+import sys
+import types
+from dataclasses import dataclass, field
+
+import torch
+
+from ..core.clock import VirtualClock
+from ..core.request import Request
+from ..core.sampling import SamplingParams
+from ..engine.engine import Engine
+from ..worker import states
+from . import raised, report, self_check
+from .batch_rules import Expect, Held, state_hint
+from .delegation import is_own
+
+REFUSED = ("write the batch update yourself: your update_batch {how} the worker's own update_batch "
+           "(cbteach.worker.states) -- a check that compared the worker with itself would prove nothing about your code")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Requests (token-id prompts, a step clock) and the engine options that take a branch of the update."""
+
+    name: str
+    prompt_lens: tuple
+    max_new_tokens: tuple
+    options: dict = field(default_factory=dict)  # Engine(...) keywords
+    arrivals: tuple = ()  # step-clock times; empty: everyone at 0
+    shared_prefix: int = 0
+    n: int = 1  # samples per prompt (seeded, temperature 0.8), compared with the engine's own run
+    ignore_eos: bool = False
+
+    def requests(self, vocab_size: int) -> list[Request]:
+        span = max(1, min(vocab_size, 97) - 3)  # ids 3.. kept clear of special tokens
+        common = [3 + (5 * j + 1) % span for j in range(self.shared_prefix)]
+        sampling = dict(n=self.n, temperature=0.8) if self.n > 1 else {}
+        return [Request((common + [3 + (13 * i + 7 * j + 2) % span for j in range(n)])[:max(n, self.shared_prefix + 1)],
+                        m, request_id=f"r{i}", arrival_time=self.arrivals[i] if self.arrivals else 0.0,
+                        ignore_eos=self.ignore_eos, sampling_params=SamplingParams(seed=10 + i, **sampling))
+                for i, (n, m) in enumerate(zip(self.prompt_lens, self.max_new_tokens))]
+
+
+W = Workload
+WORKLOADS = [
+    W("requests that finish at different steps, prompts fed in chunks of a token budget of 3",
+      (9, 3, 14, 5, 4, 11), (6, 9, 4, 8, 5, 7), dict(max_batch_size=4, token_budget=3)),
+    W("preemption and resumption under async scheduling (rows left out of a step, resumed requests sent their "
+      "tokens), a pool of 7 blocks", (10, 3, 13, 5, 4, 2),
+      (9, 10, 6, 8, 7, 9), dict(max_batch_size=4, num_blocks=7, token_budget=6, async_scheduling=True),
+      arrivals=(0, 0, 0, 1.5, 2.5, 6.5), ignore_eos=True),
+    W("prefix caching: prompts sharing their first 12 tokens, arriving one after another", (15, 14, 17, 13),
+      (6, 5, 7, 4), dict(max_batch_size=3, prefix_caching=True), arrivals=(0, 3.5, 4.5, 9.5), shared_prefix=12),
+    W("three seeded samples of each prompt forked from it (copies on write), async scheduling", (6, 9, 5),
+      (7, 5, 6), dict(max_batch_size=6, parallel_sampling="fork", async_scheduling=True), n=3, ignore_eos=True),
+]
+
+
+class Wrong(Exception):
+    """The worker's state after the learner's update is not what the message says (the message: the hint)."""
+
+
+class Refused(Wrong):
+    """The learner's update handed its work to the worker's own."""
+
+
+def own_update_batch(fn) -> str | None:
+    """The refusal if ``fn`` is the worker's own update_batch or a copy of it (the same names, locals and
+    constants) -- what :func:`~cbteach.exercises.delegation.is_own` says once its registry has this piece."""
+    said = is_own("update_batch", fn)
+    if said:
+        return said
+    f = getattr(fn, "func", getattr(fn, "__func__", fn))
+    code, theirs = getattr(f, "__code__", None), states.update_batch.__code__
+    if code is None:
+        return None
+    if code is theirs:
+        return REFUSED.format(how="is")
+    return REFUSED.format(how="is a copy of") if _shape(code) == _shape(theirs) else None
+
+
+def _shape(code) -> tuple:
+    """What a copy of ``code`` shares with it whatever compiled it: names, locals, constants (nested alike)."""
+    consts = tuple(_shape(c) if isinstance(c, types.CodeType) else c for c in code.co_consts)
+    return code.co_names, code.co_varnames, code.co_argcount, consts
+
+
+class CallsOwn:
+    """``with CallsOwn() as calls:`` -- a profile hook while the learner's code runs: ``calls.called``, whether
+    the worker's own update_batch ran (called, or called through a copy of its code object)."""
+
+    def __init__(self):
+        self.called, self.saved = False, None
+
+    def __call__(self, frame, event, arg):
+        if event == "call" and frame.f_code is states.update_batch.__code__:
+            self.called = True
+        if self.saved is not None:
+            self.saved(frame, event, arg)
+
+    def __enter__(self):
+        self.saved = sys.getprofile()
+        sys.setprofile(self)
+        return self
+
+    def __exit__(self, *exc):
+        sys.setprofile(self.saved)
+
+
+def _snapshot(runner) -> dict:
+    """What the worker held before a message: each state's prompt, output, blocks, generator and row."""
+    rows = runner.input_batch.req_id_to_index
+    return {rid: Held(list(s.prompt_token_ids), list(s.output_token_ids), list(s.block_ids), s.generator, rid in rows)
+            for rid, s in runner.requests.items()}
+
+
+def expected(msg, before: dict) -> dict:
+    """``{request id: Expect}`` for each request ``msg`` schedules: what its row and state must hold."""
+    out = {}
+    for new in msg.scheduled_new_reqs:
+        old = None if new.req_id in msg.finished_req_ids else before.get(new.req_id)  # (an id used again: new)
+        out[new.req_id] = Expect("new" if old is None else "forked", list(new.prompt_token_ids) + list(new.output_token_ids),
+                                 new.num_computed_tokens, list(new.block_ids),
+                                 states.new_generator(new) if old is None else old.generator, new.sampling_params)
+    c = msg.scheduled_cached_reqs
+    for i, rid in enumerate(c.req_ids):
+        held = before[rid]
+        how = "resumed" if rid in c.resumed_req_ids else "replaced" if rid in c.replaced_req_ids else "running"
+        table = list(c.new_block_ids[i]) if how != "running" else held.blocks + list(c.new_block_ids[i])
+        tokens = list(c.all_token_ids[rid]) if rid in c.all_token_ids else held.prompt + held.output
+        out[rid] = Expect(how, tokens, c.num_computed_tokens[i], table, held.generator, None, held)
+    return out
+
+
+def plugged(fn, seen: list):
+    """``fn`` as the runner calls it, checked after every call (``seen``: the messages, for counting)."""
+    @functools.wraps(fn)
+    def update_batch(runner, scheduler_output):
+        before, rows = _snapshot(runner), list(runner.input_batch.req_ids)
+        try:
+            with CallsOwn() as calls:
+                fn(runner, scheduler_output)
+        except Exception as err:  # noqa: BLE001 -- the learner's code
+            raise Wrong(f"your update_batch stopped with {raised(err)}") from None
+        if calls.called:
+            raise Refused(REFUSED.format(how="called"))
+        said = state_hint(runner, scheduler_output, before, expected(scheduler_output, before), rows)
+        if said is not None:
+            raise Wrong(said)
+        seen.append(scheduler_output)
+    return update_batch
+
+
+def _generate(model, requests) -> dict:
+    """Per-prompt greedy ``model.generate``: it stops at the model's EOS ids, unless the request ignores them."""
+    eos = model.generation_config.eos_token_id
+    pad = eos if isinstance(eos, int) or eos is None else eos[0]
+    outs = {}
+    for r in requests:
+        ids = torch.tensor([list(r.prompt)], device=model.device)
+        stop = {"eos_token_id": None} if r.ignore_eos else {}
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=r.max_new_tokens,
+                             pad_token_id=pad, **stop)
+        outs[r.request_id] = out[0, ids.shape[1]:].tolist()
+    return outs
+
+
+def run_workload(model, w: Workload, fn=None) -> tuple[Engine, list, Wrong | None]:
+    """``w`` through an engine with ``fn`` as its worker's update (None: the worker's own); the engine,
+    the messages, and the first mistake (a :class:`Wrong`, or None)."""
+    seen: list = []
+    eng = Engine(model, None, kv="paged", block_size=4, clock=VirtualClock(step_time=1.0),
+                 update_batch=None if fn is None else plugged(fn, seen), **w.options)
+    said = None
+    try:
+        eng.run(w.requests(model.config.vocab_size))
+    except Wrong as err:
+        said = err
+    finally:
+        try:
+            eng.close()
+        except Exception:  # noqa: BLE001 -- a run stopped half-way by a wrong batch
+            pass
+    return eng, seen, said
+
+
+def _outputs(eng) -> dict:
+    return {rid: [s.output_ids for s in c.samples] if c.samples else c.output_ids for rid, c in eng.completions.items()}
+
+
+def _check_workload(model, w: Workload, fn) -> str | None:
+    eng, seen, said = run_workload(model, w, fn)
+    where = f"on the workload '{w.name}'"
+    if isinstance(said, Refused):
+        return str(said)
+    if said is not None:
+        return f"{where}, message {len(seen)}: {said}"
+    got = _outputs(eng)
+    want = _outputs(run_workload(model, w)[0]) if w.n > 1 else _generate(model, w.requests(model.config.vocab_size))
+    if got != want:
+        return (f"{where}: the batch was right after every message, but the tokens differ from " +
+                ("the engine's own run" if w.n > 1 else "model.generate's") + " -- does your code change the rows' tokens "
+                "or generators after it has built them?")
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _bierce():
+    from ..models import load_model
+
+    return load_model()[0]
+
+
+@self_check
+def check_update_batch(update_batch, model=None) -> bool:
+    """Run the engine with ``update_batch(runner, scheduler_output)`` as its worker's update on every
+    workload of :data:`WORKLOADS`, on ``model`` (None: the course's bierce); see the module."""
+    if update_batch is None or update_batch is Ellipsis:
+        return report(False, "", "not done yet: write update_batch(runner, scheduler_output), then run this check")
+    if not callable(update_batch):
+        return report(False, "", f"pass your function itself, update_batch (got a {type(update_batch).__name__})")
+    refused = own_update_batch(update_batch)
+    if refused:
+        return report(False, "", refused)
+    model = _bierce() if model is None else model
+    for w in WORKLOADS:
+        said = _check_workload(model, w, update_batch)
+        if said is not None:
+            return report(False, "", said)
+    return report(True, f"on all {len(WORKLOADS)} workloads your update_batch left the worker's batch as every "
+                        "message said -- finished requests forgotten, rows of the scheduled requests only, blocks "
+                        "appended or replaced, prefix hits and forked samples kept -- and every token came out as "
+                        "model.generate's (the seeded samples: as the engine's own run)", "")
