@@ -15,8 +15,8 @@ from cbteach.exercises import vllm_scheduler_tests as V
 from cbteach.exercises.vllm_harness import VLLM_COMMIT
 
 NOTEBOOK = Path(__file__).parent.parent / "notebooks" / "06_scheduling_and_latency.ipynb"
-SCHEDULE, UPDATE = ("".join(c["source"]) for c in json.loads(NOTEBOOK.read_text())["cells"]
-                    if "solution" in c.get("metadata", {}).get("tags", []))
+SCHEDULE, UPDATE, *_ = ("".join(c["source"]) for c in json.loads(NOTEBOOK.read_text())["cells"]
+                         if "solution" in c.get("metadata", {}).get("tags", []))  # (the third: the worker's update)
 
 
 def defined(src, name):

@@ -35,7 +35,7 @@ _CONSTS = frozenset(dis.hasconst)
 NOTEBOOKS = ("05", "05b", "06", "13")
 PIECE_OF = {"my_attention": "attention", "my_slot_mapping": "slot_mapping", "MyKVManager": "kv_manager",
             "my_attend_blocks": "loop", "MyScheduler": "scheduler", "MyUpdate": "scheduler",
-            "kv_heads_of_rank": "tp", "all_reduce_bytes": "tp"}
+            "kv_heads_of_rank": "tp", "all_reduce_bytes": "tp", "update_batch": "update_batch"}
 
 
 def _instructions(code):
