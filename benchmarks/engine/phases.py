@@ -140,8 +140,9 @@ def main() -> None:
     if a.table is not None:
         table(sorted(path for pattern in a.table for path in glob.glob(pattern)))
         return
+    load_before = os.getloadavg()[0]
     results = [measure(int(b), a.repeat, a.requests, a.max_new_tokens) for b in a.batches.split(",")]
-    out = {"label": a.label, "load_before": os.getloadavg()[0], "results": results, "time": time.time()}
+    out = {"label": a.label, "load_before": load_before, "results": results, "time": time.time()}
     for m in results:
         med = m["median"]
         print(f"{a.label} batch {m['batch']} ({m['layout']}): wall {med['wall']:.2f} s, host {med['host_ms_per_step']:.3f} "
