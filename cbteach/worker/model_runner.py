@@ -31,8 +31,6 @@ blocks a failed row was to fill are computed again by whoever reads them (:mod:`
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-
 import numpy as np
 import torch
 
@@ -41,30 +39,8 @@ from ..core.sampling import make_generator
 from ..errors import EngineDeadError, EngineRuleError
 from .input_batch import CachedRequestState, InputBatch
 from .sampler import NOT_FINITE, accept, sample_on_device
+from .step import Step, fed_chunks, pending_tokens
 from . import recovery, states
-
-
-@dataclass
-class Step:
-    """One step as the runner runs it: rows ``rows`` of the batch, in packed order."""
-
-    msg: object  # the SchedulerOutput
-    rows: list[int]
-    req_ids: list
-    starts: list[int]  # position of each row's first fed token
-    counts: list[int]  # tokens fed (known ones, then guesses)
-    drafts: list[list[int]]  # speculative guesses fed after the known tokens
-    samples: list[bool]  # whether the row gets a token (it reaches the end of its known tokens)
-    meta: object = None
-    kwargs: dict | None = None
-    input_ids: torch.Tensor | None = None  # the host's copy of the fed ids (a pending token: 0)
-    pending: list = field(default_factory=list)  # (packed position, request id, token position) not known then
-    keep: torch.Tensor | None = None  # packed rows whose logits the model returns
-    last: torch.Tensor | None = None  # speculative steps: each row's last logit row among the kept ones
-    logits: torch.Tensor | None = None
-    sampled: object = None  # the DeviceSample
-    forward_time: float = 0.0
-    traffic: object = None
 
 
 class ModelRunner:
@@ -160,7 +136,7 @@ class ModelRunner:
         first = np.asarray(rows) * b.token_ids.shape[1] + starts
         idx = first if T == B else np.repeat(first - np.cumsum([0, *counts[:-1]]), counts) + np.arange(T)
         input_ids = b.token_ids_np.reshape(-1)[idx]
-        pending = self._pending(req_ids, starts, counts, known + [len(d) for d in drafts] if spec else known, input_ids)
+        pending = pending_tokens(req_ids, starts, counts, known + [len(d) for d in drafts] if spec else known, input_ids)
         tables, num_blocks = b.block_table.table[sl], b.block_table.num_blocks[sl]
         meta = self.kv_cache.build_metadata(input_ids, starts, counts, self.device,
                                             block_tables=tables if self.block_size else None,
@@ -228,7 +204,7 @@ class ModelRunner:
             if self.unwritten_blocks:
                 for i, rid in enumerate(step.req_ids):
                     self.written(rid, step.starts[i], step.counts[i], ok=True)
-            chunks = self._chunks(step)
+            chunks = fed_chunks(step, self.requests)
             self._append_all(step.req_ids, sampled)
             return RunnerOutput(sampled=sampled, req_ids=list(step.req_ids), chunks=chunks,
                                 forward_time=step.forward_time, traffic=step.traffic)
@@ -250,7 +226,7 @@ class ModelRunner:
         failed = [i for i, e in enumerate(errors) if e is not None]
         for i in failed if not self.unwritten_blocks else range(n):
             self.written(step.req_ids[i], step.starts[i], step.counts[i], ok=errors[i] is None)
-        chunks = self._chunks(step)  # (before the tokens join: a pending token is read from the states)
+        chunks = fed_chunks(step, self.requests)  # (before the tokens join: a pending token is read from the states)
         self._append_all(step.req_ids, sampled)
         for forks in filter(None, fork_tokens):
             for sample_id, token in forks.items():
@@ -284,36 +260,6 @@ class ModelRunner:
                 b.append_token_ids(row, tokens)
         if rows:
             b.append_one_each(rows, toks)
-
-    def _pending(self, req_ids, starts, counts, known_ends, input_ids) -> list:
-        """Fed positions past what the host knows -- the token the last step sampled for the request (under
-        async scheduling still on the device), or, if that step failed for it, none: fed as 0, its output
-        dropped. Returns ``(packed position, request id, token position)`` for each."""
-        if not np.any(np.add(starts, counts) > known_ends):
-            return []
-        out, pos = [], 0
-        for rid, start, count, known in zip(req_ids, starts, counts, known_ends):
-            for p in range(max(start, int(known)), start + count):
-                input_ids[pos + p - start] = 0
-                out.append((pos + p - start, rid, p))
-            pos += count
-        return out
-
-    def _chunks(self, step: Step) -> list[list[int]]:
-        """The token ids each row fed, for the step's record: the step's input ids, with a token that was
-        pending when the step was prepared read from its request's state (0 if it never came)."""
-        ids = step.input_ids.tolist()
-        if len(ids) == len(step.counts) and not step.pending:  # one token each
-            return [[t] for t in ids]
-        for at, rid, position in step.pending:
-            s = self.requests.get(rid)
-            known = s is not None and position < s.num_tokens
-            ids[at] = (s.prompt_token_ids + s.output_token_ids)[position] if known else 0
-        out, pos = [], 0
-        for count in step.counts:
-            out.append(ids[pos:pos + count])
-            pos += count
-        return out
 
     def _redo_from(self, block_ids: list[int], start: int, count: int) -> tuple[int, int]:
         return recovery.redo_from(self.unwritten_blocks, block_ids, start, count, self.block_size)
