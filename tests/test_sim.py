@@ -506,3 +506,23 @@ def test_calibrate_names_a_shape_it_cannot_use(tmp_path, capsys):
         WorkloadShape(max_batch=0)
     with pytest.raises(ValueError, match="prompt_lens"):
         WorkloadShape(prompt_lens=(9, 3))
+
+
+def test_validate_says_when_a_runs_ttft_hangs_on_its_step_times(capsys):
+    """Near saturation a queue forms, and the simulated mean TTFT moves many times faster than the step times
+    behind it: in the stored held-out runs (benchmarks/sim/results/held_out/), 2% slower steps move the
+    near-saturation Poisson run's TTFT by over 5% per 1% of step time, and a run without a queue by about
+    1%. `simulate validate` reports that sensitivity per run and warns for the first only, naming it.
+    Deterministic: stored measurements, replayed by the simulator."""
+    from cbteach.__main__ import main
+    from cbteach.sim.calibrate import load_device
+
+    path = Path(__file__).parent.parent / "benchmarks/sim/results/held_out"
+    runs, device = path / "runs.json", path / "device.json"
+    report = validation_report(json.loads(runs.read_text()), load_device(device))
+    sensitivity = {p["run"]: p["ttft_per_step_error"] for p in report["held_out"]}
+    assert sensitivity["poisson-near-saturation"] > 5.0, sensitivity
+    assert sensitivity["decode-heavy"] < 2.0 and sensitivity["mixed-budget512"] < 2.0, sensitivity
+    assert main(["simulate", "validate", "--device", str(device), "--data", str(runs)]) == 0
+    warned = [line for line in capsys.readouterr().out.splitlines() if "a 1% error in step time" in line]
+    assert len(warned) == 1 and "poisson-near-saturation" in warned[0], warned

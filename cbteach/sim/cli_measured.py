@@ -71,7 +71,7 @@ def validate_command(a) -> dict:
     from .calibrate import load_calibration, load_device
     from .coverage import WARN_FRACTION
     from .occasion import occasion_warnings
-    from .validate import load, validation_report
+    from .validate import SENSITIVE, load, validation_report
 
     data = None
     if a.data:
@@ -104,7 +104,13 @@ def validate_command(a) -> dict:
         warnings.append(f"{outside} of the runs' {steps} steps ({outside / steps:.0%}) lie outside the calibrated range "
                         f"({runs}): calibrate with their shape (simulate calibrate --shape-of {a.data or 'RUNS.json'})")
     if warnings:
-        out["warnings"] = warnings
         out["what_the_errors_mean"] = ("errors of a calibration from another occasion, or beyond its range: they include "
                                        "the machine's drift or the extrapolation, not only the model's error")
+    for p in rep["held_out"]:
+        if p.get("ttft_per_step_error", 0.0) > SENSITIVE:
+            warnings.append(f"{p['run']}: a 1% error in step time moves its simulated mean TTFT by "
+                            f"{p['ttft_per_step_error']:.0f}% (a queue near saturation): its TTFT error measures the "
+                            f"run's sensitivity more than the model (its step error is {p['step_mape']:.1%})")
+    if warnings:
+        out["warnings"] = warnings
     return out

@@ -125,7 +125,10 @@ def _workload_and_settings(run: dict):
 def predict_run(run: dict, device: Device, model="bierce") -> dict:
     """A measured run predicted: each step from its plan, and the whole workload replayed through the
     simulator (the engine's scheduler); the relative error of the mean TTFT, TPOT and E2E latency
-    and of the throughput (output tokens over the run's length)."""
+    and of the throughput (output tokens over the run's length). ``ttft_per_step_error`` says how
+    ill-conditioned the TTFT answer is: the relative change of the simulated mean TTFT per relative
+    change of every step's time (about 1 for a run without a queue; near saturation 10 or more, so a
+    step-time error of 2% -- this CPU's run-to-run noise -- moves TTFT by 20%)."""
     work, settings, name = _workload_and_settings(run)
     cost = CostModel(model, device, block_size=settings["block_size"])
     measured = np.array([s["t"] for s in run["steps"]])
@@ -146,7 +149,15 @@ def predict_run(run: dict, device: Device, model="bierce") -> dict:
     for metric, true, pred in (("ttft", ttft, float(np.mean(sim.ttft))), ("tpot", tpot, float(np.nanmean(sim.tpot))),
                                ("e2e", e2e, float(np.mean(sim.e2e))), ("throughput", thr, sim.throughput)):
         out.update({f"{metric}_measured": true, f"{metric}_simulated": pred, f"{metric}_error": _rel(pred, true)})
+    # How much the answer hangs on the step times: the same replay with every step SLOWER (2%) longer.
+    # Near saturation a queue forms, and its wait grows many times faster than the steps' cost.
+    slower = simulate(work, lambda plan: cost(plan) * (1 + SLOWER), **settings)
+    out["ttft_per_step_error"] = _rel(float(np.mean(slower.ttft)), float(np.mean(sim.ttft))) / SLOWER
     return out
+
+
+SLOWER = 0.02  # the step-time change predict_run's sensitivity is measured with
+SENSITIVE = 5.0  # a run whose mean TTFT moves more than 5% per 1% of step time is called ill-conditioned
 
 
 METRICS = ("step_mape", "duration_error", "ttft_error", "tpot_error", "e2e_error", "throughput_error")
