@@ -162,6 +162,40 @@ def test_fit_recovers_a_known_device():
     assert fitted.attention_layout == "groups" and dict(fitted.calibrated_range)["seqs"] == max(len(s["n"]) for s in steps)
 
 
+def test_fit_recovers_the_cost_of_scores_that_leave_the_cache():
+    """Big padded prefill groups write score tensors past cost.SPILL_BYTES: a device that charges them their
+    own bandwidth is recovered by fit_cpu (score_bandwidth within 10%), the charge is what the cost model
+    adds for those steps only, and runs without such steps fit no score bandwidth (nothing charged)."""
+    from cbteach.sim.cost import SPILL_BYTES
+
+    truth = get_device("t4").with_(step_overhead=2e-3, seq_overhead=1e-4, dtype_bytes=4, mfu=1.0, mbu=1.0,
+                                   attn_flops=5e12, attention_layout="groups", group_overhead=3e-4, overlap=False,
+                                   mem_bandwidth=1e18, kv_bandwidth=2e10, score_bandwidth=4e9)
+    cost = CostModel("bierce", truth)
+    rng = np.random.default_rng(2)
+    small, big = [], []
+    for _ in range(200):
+        s = int(rng.integers(1, 24))
+        c = rng.integers(0, 2000, s).tolist()
+        n = [1] * s if rng.random() < 0.6 else [int(x) if rng.random() < 0.5 else 1 for x in rng.integers(2, 400, s)]
+        small.append({"c": c, "n": n, "t": cost.step_time(c, n)})
+    for _ in range(40):
+        n = rng.integers(1200, 2500, int(rng.integers(3, 6))).tolist()
+        big.append({"c": [0] * len(n), "n": n, "t": cost.step_time([0] * len(n), n)})
+    assert all(cost.step(s["c"], s["n"]).score_bytes > SPILL_BYTES for s in big)
+    steps, small = small + big, [s for s in small if cost.step(s["c"], s["n"]).score_bytes == 0]
+    assert len(small) > 100
+    fitted = fit_cpu([{"spec": {"name": "synthetic"}, "steps": steps}])
+    assert fitted.score_bandwidth == pytest.approx(4e9, rel=0.1)
+    pred = CostModel("bierce", fitted)
+    assert max(abs(pred.step_time(s["c"], s["n"]) - s["t"]) / s["t"] for s in steps) < 0.03
+    assert fit_cpu([{"spec": {"name": "synthetic"}, "steps": small}]).score_bandwidth == 0.0
+    uncharged = CostModel("bierce", truth.with_(score_bandwidth=0.0))
+    for s in big[:5]:
+        extra = cost.step(s["c"], s["n"]).score_bytes / 4e9
+        assert cost.step_time(s["c"], s["n"]) == pytest.approx(uncharged.step_time(s["c"], s["n"]) + extra)
+
+
 @pytest.mark.parametrize("bucket_shapes", [False, True])
 def test_attention_work_is_what_the_engine_builds(bucket_shapes):
     """The cost model's "groups" ("buckets") layout charges, per layer and head, the keys and (query, key) pairs
@@ -185,8 +219,14 @@ def test_attention_work_is_what_the_engine_builds(bucket_shapes):
         assert work.groups == len(shapes)
         assert work.read == sum(g * k for g, _, _, k in shapes)
         assert work.pairs == sum(g * q * k for g, _, q, k in shapes)
+        # Only the groups whose scores exceed the threshold count as spilled, each with all its pairs.
+        limit = float(rng.integers(100, 20000))
+        spilled = attention_work(c, n, "buckets" if bucket_shapes else "groups", block_size=16, spill_pairs=limit)
+        assert spilled.spilled == sum(g * q * k for g, _, q, k in shapes if g * q * k > limit)
+        assert (spilled.pairs, spilled.read, work.spilled) == (work.pairs, work.read, 0.0)
     exact = attention_work([10, 0], [1, 5], "exact")
     assert exact.pairs == 10 + 1 + 15 and exact.read == 11 + 5  # causal pairs; each context read once
+    assert attention_work([0], [4000], "exact", spill_pairs=1.0).spilled == 0.0  # an exact kernel keeps scores on chip
     with pytest.raises(ValueError, match="attention layout"):
         attention_work([0], [1], "paged")
 
@@ -439,12 +479,12 @@ def test_validate_warns_when_the_calibration_belongs_elsewhere(tmp_path, capsys)
     load than the runs, and when too many of the runs' steps lie outside its calibrated range; a calibration of
     the runs' own occasion gets no warning."""
     from cbteach.__main__ import main
-    from cbteach.sim.calibrate import save_device
+    from cbteach.sim.calibrate import load_device, save_device
     from cbteach.sim.occasion import occasion_warnings
 
     folder = Path(__file__).parent.parent / "benchmarks/sim/results/calibrated_same_occasion"
     runs = json.loads((folder / "runs.json").read_text())
-    device = fit_cpu([r for r in load()["runs"] if r["spec"]["train"]])
+    device = load_device(folder / "device.json")  # calibrated beside these runs
     here = dict(runs["machine"], load_before=runs["load_before"][0], when="2026-12-03 23:30:00 UTC")
     elsewhere = dict(here, platform="Linux-other", torch="2.0.0", torch_threads=4, load_before=3.0,
                      when="2026-11-01 10:00:00 UTC")
@@ -463,6 +503,18 @@ def test_validate_warns_when_the_calibration_belongs_elsewhere(tmp_path, capsys)
         out = json.loads(capsys.readouterr().out)
         warnings = " ".join(out.get("warnings", []))
         assert all(e in warnings for e in expect) and (warnings == "") == (expect == []), warnings
+    # The same machine, torch and load on paper, but every step 25% slower than during the sweep (a slow spell
+    # of a shared machine that no load figure shows): the runs themselves say so.
+    for scale, how in [(1.25, "more time"), (0.8, "less time")]:
+        slow = json.loads(json.dumps(runs))
+        for run in slow["runs"]:
+            for step in run["steps"]:
+                step["t"] *= scale
+        runs_file.write_text(json.dumps(slow))
+        path = save_device({"device": device, "calibration": here}, tmp_path / "dev.json")
+        assert main(["simulate", "--json", "validate", "--device", str(path), "--data", str(runs_file)]) == 0
+        warnings = json.loads(capsys.readouterr().out).get("warnings", [])
+        assert len(warnings) == 1 and how in warnings[0] and "speed differed" in warnings[0], warnings
 
 
 @pytest.mark.parametrize("folder", ["held_out_process_clock", "held_out"])

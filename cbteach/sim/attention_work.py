@@ -18,6 +18,15 @@ sequences, queries and blocks up to powers of two (``bucket_shapes``, the engine
 :func:`attention_work` follows :mod:`cbteach.attention.metadata`'s grouping rule (its public pieces
 :func:`~cbteach.attention.metadata.split_by_length` and :func:`~cbteach.attention.metadata.bucket`,
 the rest restated here) and a block table of ``ceil((c + n) / block_size)`` blocks per sequence.
+
+**Scores that leave the cache.** Stock attention writes each group's scores -- ``G x Q x K`` per head --
+to memory before the softmax reads them back. A small score tensor lives in the caches; a large one
+(a prefill group of thousands of queries) is fresh memory every call, written and read at DRAM speed
+and, past the C library's largest pooled allocation (glibc hands out blocks above 32 MiB straight from
+the kernel, zeroed page by page), faulted in anew. ``spilled`` counts the (query, key) pairs of groups
+whose scores for all heads exceed ``spill_pairs``: on the reference CPU a prefill of four 1-2k-token
+prompts took 1.11 s where the pair count alone predicted 0.96 s, and charging these pairs their own
+bandwidth closed it (:func:`cbteach.sim.validate.fit_cpu`).
 """
 from __future__ import annotations
 
@@ -36,11 +45,15 @@ class AttentionWork:
     prefill_pairs: float
     read: float
     groups: int
+    spilled: float = 0.0  # pairs of the groups whose score tensor is larger than ``spill_pairs``
 
 
-def attention_work(num_computed_tokens, num_scheduled_tokens, layout: str = "exact", block_size: int = 16) -> AttentionWork:
+def attention_work(num_computed_tokens, num_scheduled_tokens, layout: str = "exact", block_size: int = 16,
+                   spill_pairs: float | None = None) -> AttentionWork:
     """The attention work of a step feeding ``num_scheduled_tokens[i]`` tokens to sequence ``i``, which has
-    ``num_computed_tokens[i]`` cached, in ``layout`` (:data:`LAYOUTS`)."""
+    ``num_computed_tokens[i]`` cached, in ``layout`` (:data:`LAYOUTS`). With ``spill_pairs``, the pairs of
+    the groups that compute more than that many (per head) are also counted as ``spilled`` (padded
+    layouts only: an exact kernel keeps its scores on chip)."""
     if layout == "exact":
         pairs = prefill = 0.0
         for c, n in zip(num_computed_tokens, num_scheduled_tokens):
@@ -57,7 +70,7 @@ def attention_work(num_computed_tokens, num_scheduled_tokens, layout: str = "exa
     decodes = [i for i, n in enumerate(num_scheduled_tokens) if n == 1]
     prefills = [i for i, n in enumerate(num_scheduled_tokens) if n > 1]
     split = [decodes] if bucketed else split_by_length(decodes, [blocks[i] for i in decodes])
-    pairs = prefill = read = 0.0
+    pairs = prefill = read = spilled = 0.0
     groups = 0
     for members, several in [(m, False) for m in split] + [(prefills, True)]:
         if not members:
@@ -70,4 +83,5 @@ def attention_work(num_computed_tokens, num_scheduled_tokens, layout: str = "exa
         read += size * keys
         pairs += size * q * keys
         prefill += size * q * keys if several else 0.0
-    return AttentionWork(pairs, prefill, read, groups)
+        spilled += size * q * keys if spill_pairs is not None and size * q * keys > spill_pairs else 0.0
+    return AttentionWork(pairs, prefill, read, groups, spilled)

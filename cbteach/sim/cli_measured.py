@@ -71,7 +71,7 @@ def validate_command(a) -> dict:
     from .calibrate import load_calibration, load_device
     from .coverage import WARN_FRACTION
     from .occasion import occasion_warnings
-    from .validate import SENSITIVE, load, validation_report
+    from .validate import SENSITIVE, drift_warning, load, validation_report
 
     data = None
     if a.data:
@@ -103,6 +103,8 @@ def validate_command(a) -> dict:
         runs = ", ".join(p["run"] for p in rep["held_out"] if p["steps_outside_calibration"])
         warnings.append(f"{outside} of the runs' {steps} steps ({outside / steps:.0%}) lie outside the calibrated range "
                         f"({runs}): calibrate with their shape (simulate calibrate --shape-of {a.data or 'RUNS.json'})")
+    drift = drift_warning(rep["held_out"]) if a.device else None
+    warnings += [drift] if drift else []
     if warnings:
         out["what_the_errors_mean"] = ("errors of a calibration from another occasion, or beyond its range: they include "
                                        "the machine's drift or the extrapolation, not only the model's error")

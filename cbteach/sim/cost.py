@@ -10,7 +10,8 @@ One forward pass over a packed row of ``T`` tokens from ``S`` sequences must
 Which K/V and which pairs: a GPU's paged kernels read each context once and compute only the causal
 pairs (the device's ``attention_layout="exact"``); the cbteach engine on a CPU attends padded groups
 of sequences, and pays for the padding (``"groups"``, fitted with a cost per group:
-:mod:`cbteach.sim.attention_work`).
+:mod:`cbteach.sim.attention_work`) and, when a group's scores are too large for the caches
+(:data:`SPILL_BYTES`), for writing and reading them through memory (the device's ``score_bandwidth``).
 
 On a device that reads ``B`` bytes/s and computes ``F`` FLOP/s, the step takes at least
 ``max(bytes / B, flops / F)`` -- the roofline (Williams et al., 2009; notebook 01), when reading and
@@ -68,6 +69,7 @@ class StepCost:
     comm_bytes: float  # wire bytes one rank sends into the step's all-reduces (ring: 2 (tp-1)/tp x payload)
     comm_payload: float = 0.0  # bytes of the all-reduced tensors (2 per layer, tokens x hidden x dtype each)
     attn_groups: int = 0  # attention calls per layer (groups of sequences attended together)
+    score_bytes: float = 0.0  # score tensors too large for the caches, written and read (padded layouts)
 
     overlap: bool = True
 
@@ -79,6 +81,9 @@ class StepCost:
     @property
     def bound(self) -> str:
         return "compute" if self.compute >= self.memory else "memory"
+
+
+SPILL_BYTES = 64 * 2**20  # a score tensor (all heads of a layer) above this is charged at score_bandwidth
 
 
 class CostModel:
@@ -160,7 +165,10 @@ class CostModel:
         T, S = sum(num_scheduled_tokens), len(num_scheduled_tokens)
         self.coverage.check(num_computed_tokens, num_scheduled_tokens)
         rows = S if num_logit_rows is None else num_logit_rows
-        work = attention_work(num_computed_tokens, num_scheduled_tokens, d.attention_layout, self.block_size)
+        heads = max(s.num_heads // tp, 1)
+        work = attention_work(num_computed_tokens, num_scheduled_tokens, d.attention_layout, self.block_size,
+                              spill_pairs=SPILL_BYTES / (heads * d.dtype_bytes))
+        score_bytes = 2 * s.num_layers * heads * d.dtype_bytes * work.spilled  # written, then read by the softmax
         dense = (2 * T * s.num_layers * s.layer_params + 2 * rows * s.hidden_size * s.vocab_size) / tp
         attn = 4 * s.num_layers * s.num_heads * s.head_dim * work.pairs / tp
         eff = d.tp_efficiency(tp)
@@ -176,10 +184,11 @@ class CostModel:
             comm = 2 * s.num_layers * 2 * (tp - 1) * d.link_latency + comm_bytes / (d.link_bandwidth * d.link_efficiency)
         overhead = d.step_overhead + S * d.seq_overhead + T * d.token_overhead + work.groups * d.group_overhead
         memory = (self.weight_bytes_per_device / (d.mem_bandwidth * d.mbu * eff)
-                  + kv_bytes / (d.kv_bandwidth or d.mem_bandwidth * d.mbu * eff))
+                  + kv_bytes / (d.kv_bandwidth or d.mem_bandwidth * d.mbu * eff)
+                  + (score_bytes / d.score_bandwidth if d.score_bandwidth else 0.0))
         return StepCost(compute=compute, memory=memory, comm=comm, overhead=overhead, flops=dense + attn,
                         attn_flops=attn, bytes=nbytes, comm_bytes=comm_bytes, comm_payload=payload, overlap=d.overlap,
-                        attn_groups=work.groups)
+                        attn_groups=work.groups, score_bytes=score_bytes)
 
     def step_time(self, num_computed_tokens, num_scheduled_tokens) -> float:
         return self.step(num_computed_tokens, num_scheduled_tokens).total

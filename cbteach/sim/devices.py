@@ -57,6 +57,8 @@ class Device:
     overlap: bool = True  # reads overlap compute (a GPU's kernels: the roofline's max); False: they add up
     attention_layout: str = "exact"  # what attention reads: "exact" (paged kernels), "groups"/"buckets" (cbteach's)
     group_overhead: float = 0.0  # seconds per attention group of a step (fitted for the CPU: calls per layer)
+    score_bandwidth: float = 0.0  # bytes/s of writing and reading score tensors too large for the caches (fitted
+    #                               for the CPU's padded groups, attention_work's "spilled"; 0: not charged)
     calibrated_range: tuple = ()  # ((what, largest calibrated), ...): steps beyond it are extrapolated
     dtype_bytes: int = 2  # bytes per weight and per K/V element
     price_per_hour: float = 0.0  # illustrative, per device

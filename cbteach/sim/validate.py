@@ -52,12 +52,13 @@ def _spec(run: dict) -> RunSpec:
 # -- fitting ---------------------------------------------------------------------------------------
 def fit_cpu(runs: list[dict], model="bierce", layout: str = "groups") -> Device:
     """The device ``"cpu"``: the step overhead, per-sequence and per-attention-group overheads,
-    effective FLOP/s of the dense layers and of attention, and effective bytes/s of reading K/V, that
+    effective FLOP/s of the dense layers and of attention, and effective bytes/s of reading K/V and of
+    the score tensors too large for the caches (when the runs have any), that
     best predict the measured step durations of ``runs`` (least absolute relative error). Attention
     is charged for what the engine computes and reads (``layout``: its padded groups,
     :mod:`cbteach.sim.attention_work`). On this CPU reading and computing do not overlap (the engine
     gathers K/V blocks, then attends), so the fitted device adds the two times (``overlap=False``) and
-    the fit is linear in the six numbers. The device keeps the range of the steps it was fitted on."""
+    the fit is linear in the seven numbers. The device keeps the range of the steps it was fitted on."""
     unit_device = Device("unit", 1e30, 1.0, 1.0, 1.0, mfu=1.0, mbu=1.0, step_overhead=0.0, seq_overhead=0.0,
                          dtype_bytes=4, attention_layout=layout)
     rows, t, steps = [], [], []
@@ -67,17 +68,18 @@ def fit_cpu(runs: list[dict], model="bierce", layout: str = "groups") -> Device:
         for step in run["steps"]:
             cost = unit.step(step["c"], step["n"])
             rows.append((1.0, len(step["n"]), cost.flops - cost.attn_flops, cost.attn_flops, cost.bytes - weights,
-                         cost.attn_groups))
+                         cost.attn_groups, cost.score_bytes))
             t.append(step["t"])
             steps.append(step)
     x, t = np.array(rows), np.array(t)
-    overhead, per_seq, per_flop, per_attn_flop, per_kv_byte, per_group = _robust_fit(x / t[:, None])
+    overhead, per_seq, per_flop, per_attn_flop, per_kv_byte, per_group, per_score_byte = _robust_fit(x / t[:, None])
     # Reading the weights costs the same every step: it is part of the fitted step overhead (mem_bandwidth
     # is set so high that the cost model adds nothing more for it); K/V reads have their own bandwidth.
     return Device("cpu", memory_bytes=8e9, mem_bandwidth=1e18, kv_bandwidth=1.0 / per_kv_byte, peak_flops=1.0 / per_flop,
                   link_bandwidth=5e9, link_latency=50e-6, mfu=1.0, mbu=1.0, step_overhead=float(overhead),
                   seq_overhead=float(per_seq), attn_flops=1.0 / per_attn_flop, overlap=False, dtype_bytes=4,
                   attention_layout=layout, group_overhead=float(per_group), calibrated_range=range_of(steps),
+                  score_bandwidth=1.0 / per_score_byte if x[:, 6].any() else 0.0,
                   source=f"fitted on {len(steps)} measured steps of bierce "
                          f"({', '.join(_name(r) for r in runs)}); its step overhead includes reading the weights")
 
@@ -128,7 +130,8 @@ def predict_run(run: dict, device: Device, model="bierce") -> dict:
     and of the throughput (output tokens over the run's length). ``ttft_per_step_error`` says how
     ill-conditioned the TTFT answer is: the relative change of the simulated mean TTFT per relative
     change of every step's time (about 1 for a run without a queue; near saturation 10 or more, so a
-    step-time error of 2% -- this CPU's run-to-run noise -- moves TTFT by 20%)."""
+    step-time error of 2% -- this CPU's run-to-run noise -- moves TTFT by 20%). ``step_bias`` is the
+    signed error of the steps' total time (+0.1: predicted 10% slower than measured)."""
     work, settings, name = _workload_and_settings(run)
     cost = CostModel(model, device, block_size=settings["block_size"])
     measured = np.array([s["t"] for s in run["steps"]])
@@ -143,6 +146,7 @@ def predict_run(run: dict, device: Device, model="bierce") -> dict:
     thr = sum(r["n"] for r in reqs) / run["duration"]
     out = {"run": name, "steps": len(measured), "simulated_steps": len(sim.step_times),
            "step_mape": float(np.mean(np.abs(predicted - measured) / measured)),
+           "step_bias": float(predicted.sum() / measured.sum() - 1.0),
            "duration_measured": float(run["duration"]), "duration_simulated": sim.makespan,
            "duration_error": _rel(sim.makespan, run["duration"]),
            "steps_outside_calibration": coverage.get("outside", 0)}
@@ -158,6 +162,24 @@ def predict_run(run: dict, device: Device, model="bierce") -> dict:
 
 SLOWER = 0.02  # the step-time change predict_run's sensitivity is measured with
 SENSITIVE = 5.0  # a run whose mean TTFT moves more than 5% per 1% of step time is called ill-conditioned
+DRIFT = 0.08  # the runs' steps off by more than 8% (median of the runs' signed step errors)
+
+
+def drift_warning(per_run: list[dict]) -> str | None:
+    """A sentence when the runs' steps are off by more than :data:`DRIFT` one way (the median of the
+    runs' ``step_bias``): the calibration does not describe these runs' steps, most often because the
+    machine ran at another speed than during the sweep -- on the reference 2-core VM the same sweep,
+    repeated minutes apart with no load to show for it, ran 0.66x-0.85x as long per grid point."""
+    biases = [p["step_bias"] for p in per_run if "step_bias" in p]
+    typical = float(np.median(biases)) if biases else 0.0
+    if abs(typical) <= DRIFT:
+        return None
+    how = "less" if typical > 0 else "more"
+    same = sum((b > 0) == (typical > 0) for b in biases)
+    return (f"the runs' steps took {abs(typical):.0%} {how} time than the calibration predicts (median of {len(biases)} "
+            f"runs, {same} of them the same way): the machine's speed differed from the sweep's (a fast or slow spell "
+            "of a shared machine shows in no load figure) or the calibration does not describe these steps; every "
+            "latency error above carries it -- calibrate again right beside the runs and compare the device files")
 
 
 METRICS = ("step_mape", "duration_error", "ttft_error", "tpot_error", "e2e_error", "throughput_error")
