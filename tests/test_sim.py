@@ -517,16 +517,17 @@ def test_validate_warns_when_the_calibration_belongs_elsewhere(tmp_path, capsys)
         assert len(warnings) == 1 and how in warnings[0] and "speed differed" in warnings[0], warnings
 
 
-@pytest.mark.parametrize("folder", ["held_out_process_clock", "held_out"])
+@pytest.mark.parametrize("folder", ["held_out_process_clock", "held_out", "held_out_2026-12-04"])
 def test_held_out_workloads_stored_errors(folder):
     """Issue 46's check on kept measurements (benchmarks/sim/results/<folder>/): the six held-out workloads
     (cbteach.sim.measure.HELD_OUT), measured by benchmarks/sim/measure_cpu.py and predicted by a device
     calibrated over their shape on the same occasion -- every step inside the calibrated range, and the
     stored report is what the code computes now. Timed in process CPU seconds (other programs' time not
-    counted), the mean absolute errors are under 10% on TTFT, TPOT, E2E and throughput; the wall-clock
-    folder was taken on the quiet machine with `python benchmarks/sim/held_out.py` (its load stored
-    beside it; its TTFT error, 12.8%, is over the target: benchmarks/sim/README.md says why). Pure
-    arithmetic on stored numbers: deterministic."""
+    counted), and on the wall clock on the quiet machine with `python benchmarks/sim/held_out.py` (its load
+    stored beside it), the mean absolute errors are under 10% on TTFT, TPOT, E2E and throughput. The first
+    wall-clock check (held_out_2026-12-04/, before score tensors past the caches were charged) is kept as
+    it was: its TTFT error, 12.8%, is over the target (benchmarks/sim/README.md says why). Pure arithmetic
+    on stored numbers: deterministic."""
     from cbteach.sim.calibrate import load_device
     from cbteach.sim.measure import HELD_OUT
 
@@ -537,7 +538,7 @@ def test_held_out_workloads_stored_errors(folder):
     text = (path / "validation.txt").read_text()
     for metric in ("ttft_error", "tpot_error", "e2e_error", "throughput_error"):
         assert f"{metric}: {report['mae'][metric]:.4g}" in text
-        if folder == "held_out_process_clock":
+        if folder != "held_out_2026-12-04":
             assert report["mae"][metric] < 0.10, (metric, report["mae"])
 
 
@@ -562,14 +563,14 @@ def test_calibrate_names_a_shape_it_cannot_use(tmp_path, capsys):
 
 def test_validate_says_when_a_runs_ttft_hangs_on_its_step_times(capsys):
     """Near saturation a queue forms, and the simulated mean TTFT moves many times faster than the step times
-    behind it: in the stored held-out runs (benchmarks/sim/results/held_out/), 2% slower steps move the
-    near-saturation Poisson run's TTFT by over 5% per 1% of step time, and a run without a queue by about
-    1%. `simulate validate` reports that sensitivity per run and warns for the first only, naming it.
+    behind it: in the first stored held-out check (benchmarks/sim/results/held_out_2026-12-04/), 2% slower
+    steps move the near-saturation Poisson run's TTFT by over 5% per 1% of step time, and a run without a
+    queue by about 1%. `simulate validate` reports that sensitivity per run and warns for the first only, naming it.
     Deterministic: stored measurements, replayed by the simulator."""
     from cbteach.__main__ import main
     from cbteach.sim.calibrate import load_device
 
-    path = Path(__file__).parent.parent / "benchmarks/sim/results/held_out"
+    path = Path(__file__).parent.parent / "benchmarks/sim/results/held_out_2026-12-04"
     runs, device = path / "runs.json", path / "device.json"
     report = validation_report(json.loads(runs.read_text()), load_device(device))
     sensitivity = {p["run"]: p["ttft_per_step_error"] for p in report["held_out"]}

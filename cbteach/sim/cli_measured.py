@@ -60,7 +60,8 @@ def calibrate_command(a) -> dict:
             "steps_measured": info["steps"], "seconds": info["seconds"], "fit_step_error": info["fit_step_error"],
             "calibrated_range": dict(d.calibrated_range), "step_overhead_s": d.step_overhead,
             "seq_overhead_s": d.seq_overhead, "group_overhead_s": d.group_overhead, "flops": d.peak_flops,
-            "attn_flops": d.attn_flops, "kv_bytes_per_s": d.kv_bandwidth, "attention_layout": d.attention_layout,
+            "attn_flops": d.attn_flops, "kv_bytes_per_s": d.kv_bandwidth, "score_bytes_per_s": d.score_bandwidth,
+            "attention_layout": d.attention_layout,
             "occasion": {k: info.get(k) for k in ("platform", "processor", "cpus", "torch", "torch_threads", "clock",
                                                   "load_before", "load_after", "when")},
             "next": f"python -m cbteach simulate validate --device {path} --data RUNS.json (runs of this occasion: an "
@@ -90,7 +91,8 @@ def validate_command(a) -> dict:
     d = rep["device"]
     out = {"fitted_cpu": {"step_overhead_s": d.step_overhead, "seq_overhead_s": d.seq_overhead,
                           "group_overhead_s": d.group_overhead, "flops": d.peak_flops, "attn_flops": d.attn_flops,
-                          "kv_bytes_per_s": d.kv_bandwidth, "attention_layout": d.attention_layout},
+                          "kv_bytes_per_s": d.kv_bandwidth, "score_bytes_per_s": d.score_bandwidth,
+                          "attention_layout": d.attention_layout},
            "train": rep["train"] or f"none: the device of {a.device}", "held_out": rep["held_out"],
            "mean_abs_error": rep["mae"], "worst": rep["worst"]}
     warnings = []

@@ -169,7 +169,7 @@ def drift_warning(per_run: list[dict]) -> str | None:
     """A sentence when the runs' steps are off by more than :data:`DRIFT` one way (the median of the
     runs' ``step_bias``): the calibration does not describe these runs' steps, most often because the
     machine ran at another speed than during the sweep -- on the reference 2-core VM the same sweep,
-    repeated minutes apart with no load to show for it, ran 0.66x-0.85x as long per grid point."""
+    repeated minutes apart with no load to show for it, ran 0.67x-0.91x as long per grid point."""
     biases = [p["step_bias"] for p in per_run if "step_bias" in p]
     typical = float(np.median(biases)) if biases else 0.0
     if abs(typical) <= DRIFT:
