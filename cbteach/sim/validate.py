@@ -174,9 +174,10 @@ def drift_warning(per_run: list[dict]) -> str | None:
     typical = float(np.median(biases)) if biases else 0.0
     if abs(typical) <= DRIFT:
         return None
-    how = "less" if typical > 0 else "more"
+    off = 1.0 / (1.0 + typical) - 1.0  # measured over predicted
+    how = "more" if off > 0 else "less"
     same = sum((b > 0) == (typical > 0) for b in biases)
-    return (f"the runs' steps took {abs(typical):.0%} {how} time than the calibration predicts (median of {len(biases)} "
+    return (f"the runs' steps took {abs(off):.0%} {how} time than the calibration predicts (median of {len(biases)} "
             f"runs, {same} of them the same way): the machine's speed differed from the sweep's (a fast or slow spell "
             "of a shared machine shows in no load figure) or the calibration does not describe these steps; every "
             "latency error above carries it -- calibrate again right beside the runs and compare the device files")

@@ -31,6 +31,7 @@ blocks a failed row was to fill are computed again by whoever reads them (:mod:`
 from __future__ import annotations
 
 import time
+
 import numpy as np
 import torch
 
