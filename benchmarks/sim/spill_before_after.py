@@ -1,6 +1,6 @@
 """The score term before and after, on one occasion: the held-out runs and a covering calibration sweep
 measured together, fitted twice -- with score tensors past the caches charged (``cost.SPILL_BYTES``, the
-cost model now) and without (the threshold set to infinity, the cost model before) -- and predicted.
+cost model now) and without (``fit_cpu(..., charge_scores=False)``, the cost model before) -- and predicted.
 
     python benchmarks/sim/spill_before_after.py                    # the stored measurement, recomputed
     python benchmarks/sim/spill_before_after.py --measure OUT.json # measure anew (~2 minutes), then compare
@@ -21,7 +21,6 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--measure", metavar="OUT", help="measure runs and sweep anew into OUT, then compare")
     a = p.parse_args()
-    from cbteach.sim import cost
     from cbteach.sim.validate import fit_cpu, validation_report
 
     if a.measure:
@@ -39,13 +38,8 @@ def main():
             json.dump({"runs": runs, "grid": grid}, f)
     with open(a.measure or STORED) as f:
         data = json.load(f)
-    charged = cost.SPILL_BYTES
-    for name, spill in (("before (scores not charged)", float("inf")), ("after (scores charged)", charged)):
-        cost.SPILL_BYTES = spill  # the threshold the cost model reads at each step
-        try:
-            report = validation_report(data["runs"], fit_cpu(data["grid"]))
-        finally:
-            cost.SPILL_BYTES = charged
+    for name, charge in (("before (scores not charged)", False), ("after (scores charged)", True)):
+        report = validation_report(data["runs"], fit_cpu(data["grid"], charge_scores=charge))
         mae = report["mae"]
         print(f"{name:28s} mean abs error: " + ", ".join(f"{m} {mae[m + '_error']:.1%}" for m in
                                                           ("ttft", "tpot", "e2e", "throughput")))

@@ -24,9 +24,9 @@ to memory before the softmax reads them back. A small score tensor lives in the 
 (a prefill group of thousands of queries) is fresh memory every call, written and read at DRAM speed
 and, past the C library's largest pooled allocation (glibc hands out blocks above 32 MiB straight from
 the kernel, zeroed page by page), faulted in anew. ``spilled`` counts the (query, key) pairs of groups
-whose scores for all heads exceed ``spill_pairs``: on the reference CPU a prefill of four 1-2k-token
-prompts took 1.11 s where the pair count alone predicted 0.96 s, and charging these pairs their own
-bandwidth closed it (:func:`cbteach.sim.validate.fit_cpu`).
+whose scores for all heads exceed ``spill_pairs``. On the reference CPU a fit without them left the
+held-out prefill-heavy run (four 1-2k-token prompts a step) 21% short in TTFT; charging these pairs their
+own bandwidth (:func:`cbteach.sim.validate.fit_cpu`) brought it to 5% (benchmarks/sim/spill_before_after.py).
 """
 from __future__ import annotations
 

@@ -50,7 +50,7 @@ def _spec(run: dict) -> RunSpec:
 
 
 # -- fitting ---------------------------------------------------------------------------------------
-def fit_cpu(runs: list[dict], model="bierce", layout: str = "groups") -> Device:
+def fit_cpu(runs: list[dict], model="bierce", layout: str = "groups", charge_scores: bool = True) -> Device:
     """The device ``"cpu"``: the step overhead, per-sequence and per-attention-group overheads,
     effective FLOP/s of the dense layers and of attention, and effective bytes/s of reading K/V and of
     the score tensors too large for the caches (when the runs have any), that
@@ -58,7 +58,9 @@ def fit_cpu(runs: list[dict], model="bierce", layout: str = "groups") -> Device:
     is charged for what the engine computes and reads (``layout``: its padded groups,
     :mod:`cbteach.sim.attention_work`). On this CPU reading and computing do not overlap (the engine
     gathers K/V blocks, then attends), so the fitted device adds the two times (``overlap=False``) and
-    the fit is linear in the seven numbers. The device keeps the range of the steps it was fitted on."""
+    the fit is linear in the seven numbers. The device keeps the range of the steps it was fitted on.
+    ``charge_scores=False`` fits the cost model as it was before score tensors were charged (no
+    ``score_bandwidth``: benchmarks/sim/spill_before_after.py compares the two)."""
     unit_device = Device("unit", 1e30, 1.0, 1.0, 1.0, mfu=1.0, mbu=1.0, step_overhead=0.0, seq_overhead=0.0,
                          dtype_bytes=4, attention_layout=layout)
     rows, t, steps = [], [], []
@@ -68,7 +70,7 @@ def fit_cpu(runs: list[dict], model="bierce", layout: str = "groups") -> Device:
         for step in run["steps"]:
             cost = unit.step(step["c"], step["n"])
             rows.append((1.0, len(step["n"]), cost.flops - cost.attn_flops, cost.attn_flops, cost.bytes - weights,
-                         cost.attn_groups, cost.score_bytes))
+                         cost.attn_groups, cost.score_bytes if charge_scores else 0.0))
             t.append(step["t"])
             steps.append(step)
     x, t = np.array(rows), np.array(t)
