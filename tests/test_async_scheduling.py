@@ -98,3 +98,31 @@ def test_what_async_cannot_run_is_refused(options, message):
     opts = {"async_scheduling": True, **options}
     with pytest.raises(ValueError, match=message):
         Engine(tiny_model("gpt2"), max_batch_size=2, **opts)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("step_at_once", [False, True])
+def test_an_id_reused_after_release_gets_generates_tokens(async_scheduling, step_at_once):
+    """A request that stops on a stop token has its next decode in flight (async). Released and added
+    again under the same id, the new request must get ``generate``'s tokens -- not the old one's wasted
+    token -- and the engine must go on (vLLM fixed the same race in its PR 27987)."""
+    model = tiny_model("llama")
+    p, q = [7, 8, 9, 10], [40, 41, 42]
+    stop = reference(model, p, 12, eos_id=-1)[2]
+    eng = Engine(model, max_batch_size=3, kv="paged", async_scheduling=async_scheduling)
+    eng.add_request(Request(p, 12, request_id="A", ignore_eos=True,
+                            sampling_params=SamplingParams(stop_token_ids=[stop])))
+    eng.add_request(Request([30, 31], 12, request_id="B", ignore_eos=True))
+    for _ in range(20):
+        if "A" in eng.completions:
+            break
+        eng.step()
+    assert eng.completions["A"].finish_reason == "stop"
+    eng.release("A")
+    eng.add_request(Request(q, 6, request_id="A", ignore_eos=True))
+    if step_at_once:
+        eng.step()
+    eng.run([])
+    assert eng.completions["A"].output_ids == reference(model, q, 6, eos_id=-1)
+    assert eng.completions["B"].output_ids == reference(model, [30, 31], 12, eos_id=-1)
+    assert eng.kv_usage()["num_used_blocks"] == 0

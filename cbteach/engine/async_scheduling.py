@@ -117,6 +117,11 @@ class AsyncStepper:
             self.apply_output(done, recovered if recovered is not None else self.runner.finish(done["step"]))
             self.engine.end_record(done["planned"].record)
 
+    def drain_if_scheduled(self, request_ids) -> None:
+        """Drain the step in flight if it schedules any of ``request_ids`` (before those ids can be reused)."""
+        if self.flight is not None and any(r in self.flight["planned"].plan.num_scheduled_tokens for r in request_ids):
+            self.drain()
+
     def close(self) -> None:
         self.drain()
         self.worker.shutdown(wait=True)

@@ -173,7 +173,9 @@ class Engine(EngineCore):
         if seqs[0] is None or not all(s.status.is_finished for s in seqs):
             raise ValueError(f"request {request_id!r} is not a finished request of this engine; only a finished "
                              "or aborted request can be released")
-        for s in seqs:
+        if self._stepper is not None:  # async: a step in flight may still run its last (wasted) decode, whose
+            self._stepper.drain_if_scheduled([s.request_id for s in seqs])  # token must not reach a new request
+        for s in seqs:                                                      # that takes the same id (vLLM PR 27987)
             self.sequences.pop(s.request_id, None)
         self.groups.pop(request_id, None)
         self.completions.pop(request_id, None)
