@@ -49,8 +49,8 @@ def check_invariants(eng, budget=None, record=None):
         assert seq.block_table == [] and seq.status is RequestStatus.SWAPPED
         # blocks conserved: the host copy holds exactly the blocks of its computed tokens
         assert kv.swap_space[seq.request_id][0][0].shape[0] == math.ceil(seq.num_computed_tokens / kv.block_size)
-    # (an aborted one's host copy goes when the next message tells the worker it finished)
-    assert set(kv.swap_space) - sched.finished_req_ids == {s.request_id for s in swapped}
+    # (an aborted one's host copy goes at once: test_an_aborted_swapped_out_request_leaves_no_host_copy)
+    assert set(kv.swap_space) == {s.request_id for s in swapped}
     ref = kv.manager.allocator.ref_counts
     assert sum(1 for c in ref if c > 0) == len(owners)
     assert kv.manager.num_free_blocks == kv.num_blocks - len(owners)
@@ -367,3 +367,22 @@ def test_random_workloads_pools_and_policies_match_generate():
             got = eng.completions[r.request_id].output_ids
             assert got == expected(r.prompt, r.max_new_tokens), f"workload {w}: {r}"
     assert preemptions > n_workloads // 10, "the pools were never tight"
+
+
+def test_an_aborted_swapped_out_request_leaves_no_host_copy():
+    """V0's swap keeps a preempted request's K/V in host memory; aborting it must let go of that copy at
+    once, not when some later message reaches the worker (an idle engine sends none)."""
+    eng = Engine(MODEL, max_batch_size=4, kv="paged", block_size=4, num_blocks=14, preemption="swap")
+    reqs = pressure_requests()
+    for r in reqs:
+        eng.add_request(r)
+    step_until(eng, lambda: getattr(eng.scheduler, "swapped", []), "a request swapped out")
+    victims = [s.request_id for s in eng.scheduler.swapped]
+    for rid in victims:
+        eng.abort(rid)
+    assert eng.kv_usage()["num_swapped"] == 0 and not eng.kv.swap_space
+    assert eng.run([]) == []
+    for r in reqs:
+        if r.request_id not in victims:
+            assert eng.completions[r.request_id].output_ids == expected(r.prompt, r.max_new_tokens)
+    assert eng.kv_usage()["num_used_blocks"] == 0

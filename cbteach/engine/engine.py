@@ -20,7 +20,8 @@ since the engine was made, or simulated: :mod:`cbteach.core.clock`). An ``arriva
 """
 from __future__ import annotations
 
-from ..core.request import Completion, Request, Sequence, as_request_list, validate_request
+from ..core.request import Completion, Request, RequestStatus, Sequence, as_request_list, validate_request
+from ..core.scheduler_output import StepPlan
 from ..kv.fork import can_fork
 from . import parallel_sampling
 from .engine_core import EngineCore
@@ -156,11 +157,14 @@ class Engine(EngineCore):
                              "swapped-out request can be aborted")
         if self._stepper is not None:
             self._stepper.drain()  # the step in flight ends first: nobody is aborted half-way through one
+        held_on_host = any(s.status is RequestStatus.SWAPPED for s in live)
         for seq in live:
             group = self.groups.get(seq.request.request_id, [seq])
             parallel_sampling.abort_sample(self.scheduler, seq, group)
             seq.finish_reason = "aborted"
             self._complete(seq, self.now())
+        if held_on_host:  # V0's swap: the worker keeps a host copy until a message says the request finished
+            self.executor.execute_model(self.scheduler.make_output(StepPlan()))  # -- send that message now
         return self.completions.get(request_id) or seqs[0].completion
 
     def release(self, request_id) -> None:
