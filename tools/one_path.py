@@ -15,6 +15,7 @@ result so the count can be checked by eye.
 
     python tools/one_path.py            # the table
     python tools/one_path.py --json     # the same as JSON (the test reads it)
+    python tools/one_path.py --map      # README's reading map, with today's line counts
 """
 from __future__ import annotations
 
@@ -37,6 +38,34 @@ VARIANT = re.compile(
     r"disaggregat|handover|before_free|whole_prompt|preempt_to_admit|parallel_sampling|fanout",
     re.IGNORECASE,
 )
+
+
+# The one path in the order a learner reads it, and the V1 files each part follows. README's reading map
+# is this table (``--map``); tests/test_one_path.py checks that it lists exactly the traced files.
+READ_ORDER = [
+    ("1 the message", ["core/scheduler_output.py", "core/outputs.py"], "`v1/core/sched/output.py`, `v1/outputs.py`"),
+    ("2 a request", ["core/request.py", "core/sampling.py"], "`v1/request.py`, `vllm/sampling_params.py`"),
+    ("3 the scheduler", ["engine/scheduler.py", "engine/policies.py", "engine/update.py"],
+     "`v1/core/sched/scheduler.py`, `request_queue.py`"),
+    ("4 the KV manager", ["kv/manager.py", "kv/pool.py", "kv/paged.py"],
+     "`v1/core/kv_cache_manager.py`, `block_pool.py`"),
+    ("5 the engine core", ["engine/engine_core.py", "executor/uniproc.py"], "`v1/engine/core.py`, `v1/executor/`"),
+    ("6 the worker", ["worker/input_batch.py", "worker/block_table.py", "worker/states.py", "worker/model_runner.py",
+                      "worker/step.py", "worker/sampler.py"],
+     "`v1/worker/gpu_input_batch.py`, `block_table.py`, `gpu_model_runner.py`, `v1/sample/`"),
+    ("7 attention", ["attention/metadata.py", "attention/paged.py"], "`v1/attention/backends/`"),
+    ("(bookkeeping)", ["core/records.py", "engine/fingerprint.py", "core/modelinfo.py"],
+     "none: ours (step records, the model-changed check)"),
+]
+
+
+def map_table() -> str:
+    """README's reading map: each part of the one path, its files with their line counts, V1's files."""
+    rows = ["| read | files (lines) | V1 |", "|---|---|---|"]
+    for what, files, v1 in READ_ORDER:
+        cells = ", ".join(f"`{f}` ({len((PACKAGE / f).read_text().splitlines())})" for f in files)
+        rows.append(f"| {what} | {cells} | {v1} |")
+    return "\n".join(rows)
 
 
 def traced_files(steps_after: int = 0) -> set[Path]:
@@ -84,7 +113,11 @@ def measure() -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print JSON")
+    ap.add_argument("--map", action="store_true", help="print README's reading map")
     args = ap.parse_args(argv)
+    if args.map:
+        print(map_table())
+        return 0
     result = measure()
     if args.json:
         print(json.dumps(result, indent=1))

@@ -54,10 +54,10 @@ class SchedulerConfig:
     """How :class:`~cbteach.engine.scheduler.Scheduler` plans a step.
 
     ``admission="per_chunk"`` (the default): a waiting request is let in when the KV manager gives room
-    for the chunk it feeds this step -- vLLM V1's rule as read at ``00024d3``. ``"whole_prompt"``: only
+    for the chunk it feeds this step -- vLLM V1's rule before ``scheduler_reserve_full_isl``. ``"whole_prompt"``: only
     when its whole prompt fits (plus any output a preempted request must recompute), even when the
     token budget feeds it in chunks -- vLLM V0's rule, and current V1's default in its own form:
-    ``vllm/v1/core/sched/scheduler.py`` at ``003df29`` passes ``full_sequence_must_fit=
+    ``vllm/v1/core/sched/scheduler.py`` passes ``full_sequence_must_fit=
     self.scheduler_reserve_full_isl`` to ``allocate_slots``, and ``SchedulerConfig.scheduler_reserve_full_isl``
     is True by default (V1 checks the whole sequence fits but takes blocks for the chunk only; V0, and
     this option, reserve them). It admits fewer requests on a sliver of room; it does not protect a
@@ -79,7 +79,7 @@ class SchedulerConfig:
         if self.preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {self.preemption!r}")
         if self.admission not in ADMISSION_RULES:
-            raise ValueError(f"admission must be 'per_chunk' (vLLM V1's rule as read at 00024d3) or 'whole_prompt' "
+            raise ValueError(f"admission must be 'per_chunk' (vLLM V1's rule before scheduler_reserve_full_isl) or 'whole_prompt' "
                              f"(vLLM V0's, close to current V1's default), got {self.admission!r}")
         check_policy(self.policy)
         if not isinstance(self.preempt_to_admit, bool):

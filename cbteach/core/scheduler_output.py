@@ -7,7 +7,7 @@ The scheduler and the worker share no objects. The scheduler keeps the requests'
 samples itself. That is vLLM V1's boundary (``vllm/v1/core/sched/output.py``; the worker's side is
 ``_update_states`` in ``vllm/v1/worker/gpu_model_runner.py``): V1 caches each request's data in every
 worker so that the message need not send it again ("we only send the diff to minimize the
-communication cost", ``output.py`` at ``00e8f1f``). The same split is what lets the next step be
+communication cost", ``output.py``). The same split is what lets the next step be
 planned while this one runs -- the worker, not the scheduler, holds the tokens the step in flight
 will give -- and one message go to every tensor-parallel worker (each runs it and samples for itself).
 
@@ -19,7 +19,7 @@ tensor -- and it pickles. To keep it small it sends each request's data once:
 * :class:`CachedRequestData` -- requests the worker already holds: only what changed -- blocks added
   since the last step, and ``num_computed_tokens``. A request **resumed** after a preemption is
   flagged (``resumed_req_ids``) and sent its whole new block table, and, if it was not scheduled in
-  the step before, its token ids (``all_token_ids``). (V1's scheduler at ``003df29`` sends
+  the step before, its token ids (``all_token_ids``). (Current V1's scheduler sends
   ``all_token_ids`` to every cached request not scheduled in the step before, resumed or not, and
   ``new_token_ids`` under pipeline parallelism; cbteach's worker keeps a running request's state, so
   only a resumed one needs them.) Otherwise no token ids: the worker appended the tokens it sampled
@@ -31,15 +31,15 @@ tensor -- and it pickles. To keep it small it sends each request's data once:
   forgets them. After the last step the engine sends one more message, with nothing scheduled, so
   that the worker holds no request when the engine is idle (V1's ``has_finished_requests``).
 
-What is cbteach's, not V1's (V1's ``SchedulerOutput`` as read at ``00e8f1f``, and as
-``vllm/v1/core/sched/scheduler.py`` at ``003df29`` fills it): in :class:`NewRequestData`, ``sample_index``
+What is cbteach's, not V1's (V1's ``SchedulerOutput``, and as ``vllm/v1/core/sched/scheduler.py`` fills
+it; the commits read are in README's "Which V1"): in :class:`NewRequestData`, ``sample_index``
 (sample ``i`` of a request with ``n > 1`` draws from ``seed + i``; V1 gives each child request its own
 seeded params), ``output_token_ids`` and ``generator_state`` (a request handed over from another
 engine, with what it generated and its random stream); in :class:`CachedRequestData`,
 ``replaced_req_ids`` (a table changed other than by appending: a copy on write or a trim of rejected
 guesses' blocks; V1 appends unless a request is resumed); and two fields of V0's PagedAttention-style
-parallel sampling, ``block_copies`` (copies on write the worker makes before the forward pass; V1 at
-``003df29`` has copies on write of its own, ``kv_cache_block_copies``, for its prefix cache) and
+parallel sampling, ``block_copies`` (copies on write the worker makes before the forward pass; current
+V1 has copies on write of its own, ``kv_cache_block_copies``, for its prefix cache) and
 ``scheduled_forks`` (samples forking from a prompt that ends this step). ``admitted_req_ids`` and
 ``swapped_in_req_ids`` are for the engine's step record, and so, here, is ``preempted_req_ids`` (V1
 has it too, for its V2 model runner); the worker ignores them.

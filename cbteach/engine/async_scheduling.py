@@ -24,10 +24,14 @@ fork) hands them their first tokens, and with its blocks gone they compute the p
 Tokens are the same as the synchronous engine's.
 
 What is the same as vLLM V1 (``vllm/v1/core/sched/async_scheduler.py``, ``vllm/v1/engine/core.py``,
-``vllm/v1/worker/gpu_model_runner.py``): placeholders on the scheduler's side, the worker feeding the
-last step's tokens from the device, the host copy made beside the next forward pass. What is not:
-V1's worker runs in its own process (or thread) with CUDA streams and events; here one thread runs
-the forward pass and the sampling. The limits are cbteach's, not V1's: ``kv="paged"``, no
+``vllm/v1/worker/gpu_model_runner.py``): placeholders on the scheduler's side, and the worker feeding
+the last step's tokens from the device. What is not: V1's ``step_with_batch_queue`` launches N+1
+before it waits on N; here the worker applies plan N+1 and prepares its inputs only after N's forward
+and sampling have finished, so the model idles while the host does that. V1 copies N's tokens to the
+host on a side CUDA stream and waits on an event; here ``finish`` copies them on the default stream
+after N+1 is queued (on a GPU that copy would wait for N+1's forward). V1's worker runs in its own
+process (or thread); here one thread runs the forward pass and the sampling, and this stepper drives
+the runner directly rather than through the executor. The limits are cbteach's, not V1's: ``kv="paged"``, no
 speculative decoding (V1 runs it, with placeholder guesses its worker fills in), no swap preemption
 (V0's), one process (V1 runs async scheduling with its multiprocess executor and tensor parallelism).
 
@@ -95,7 +99,7 @@ class AsyncStepper:
             self._launch(planned, expecting)
         else:
             self._tell_worker(planned.plan)
-        output = recovered if recovered is not None else self.runner.finish(done["step"])  # beside the next forward
+        output = recovered if recovered is not None else self.runner.finish(done["step"])  # while N+1's forward runs
         self.apply_output(done, output)
         finished = e.end_record(done["planned"].record)
         if not planned.plan.num_scheduled_tokens and planned.plan.preempted_req_ids:

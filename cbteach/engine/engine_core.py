@@ -203,7 +203,8 @@ class EngineCore:
             self._complete(seq, now)
         fill_record(step.record, step, output, before, finished)
         self.forward_seconds += output.forward_time
-        count_speculation(self.spec_stats, step.record)
+        if self.proposer is not None:
+            count_speculation(self.spec_stats, step.record)
 
     def end_record(self, record: StepRecord) -> StepRecord:
         """Close a step's record: numbered and kept unless nothing happened (an idle wait)."""

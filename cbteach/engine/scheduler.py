@@ -22,9 +22,9 @@ There is no "prefill phase" and "decode phase" (vLLM V1's design note): every se
 4. **Admissions**, in the waiting queue's order, while a slot (``max_batch_size``) and budget are
    left: the prefix cache is asked which of the prompt's blocks are already computed
    (``get_computed_blocks``), and the request is let in when ``allocate_slots`` gives room for the
-   chunk it feeds now (V1's rule as read at ``00024d3``; V1 at ``003df29`` by default also requires its
-   whole sequence to fit -- ``scheduler_reserve_full_isl`` -- close to this engine's
-   ``admission="whole_prompt"``); the first refusal ends admissions (nobody overtakes it).
+   chunk it feeds now (V1's rule before ``scheduler_reserve_full_isl``; current V1 by default also
+   requires its whole sequence to fit, close to this engine's ``admission="whole_prompt"``: README,
+   "Which V1"); the first refusal ends admissions (nobody overtakes it).
 5. **The message** (:meth:`Scheduler.make_output`): the scheduler's working notes (a
    :class:`~cbteach.core.scheduler_output.StepPlan` of live sequences) become plain data -- a request
    the worker has not seen in full, one it holds as a diff.

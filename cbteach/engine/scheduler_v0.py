@@ -15,10 +15,10 @@ picks when one of them is asked for (``Engine(..., preemption="swap")`` and the 
 * **whole-prompt admission** (``admission="whole_prompt"``; V0's block manager): a request is let in
   only when its whole remaining prompt fits, even when the token budget feeds it in chunks, keeping
   a ``watermark`` of blocks free. (V1 grew the same two rules back: ``SchedulerConfig.scheduler_reserve_full_isl``,
-  True by default, which ``vllm/v1/core/sched/scheduler.py`` at ``003df29`` passes to ``allocate_slots``
+  True by default, which ``vllm/v1/core/sched/scheduler.py`` passes to ``allocate_slots``
   as ``full_sequence_must_fit`` -- it checks the whole sequence fits, and takes blocks for the chunk
   only -- and ``SchedulerConfig.watermark``, 0 by default, applied to waiting and preempted requests
-  while others run. This engine's default scheduler follows V1 as read at ``00024d3``, before them.)
+  while others run. This engine's default scheduler follows V1 before them: README, "Which V1".)
   A request admitted whole can still be preempted half-way through its
   prefill, by a decoding neighbour's refused allocation.
 * **preempting to admit** (``preempt_to_admit=True``; V0's and SGLang's priority scheduling): an

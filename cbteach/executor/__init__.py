@@ -1,8 +1,11 @@
 """Who runs the worker's side of a step: one worker in this process, or N worker processes.
 
-The engine core only ever calls ``executor.execute_model(scheduler_output) -> RunnerOutput`` and, when
+The synchronous engine core calls ``executor.execute_model(scheduler_output) -> RunnerOutput`` and, when
 it closes, ``executor.close()`` -- vLLM V1's seam between its engine core and its workers
-(``vllm/v1/executor/``: ``UniProcExecutor``, ``MultiprocExecutor``). So V1's three places are three
+(``vllm/v1/executor/``: ``UniProcExecutor``, ``MultiprocExecutor``). Async scheduling
+(:mod:`cbteach.engine.async_scheduling`) does not go through it yet: it drives the runner of a
+:class:`~cbteach.executor.uniproc.UniProcExecutor` directly, which is why it needs one process (V1 runs
+async scheduling through its executor, with tensor parallelism too). So V1's three places are three
 folders here: the scheduler in :mod:`cbteach.engine` (the engine core), the executor here, and the
 worker -- model runner, persistent batch, sampler -- in :mod:`cbteach.worker`, lowest of the three.
 

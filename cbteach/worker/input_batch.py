@@ -6,16 +6,18 @@ needs to run a request it keeps twice, as vLLM V1's GPU model runner does:
 * a :class:`CachedRequestState` per request it has been told about (``ModelRunner.requests``) --
   prompt, output so far, sampling parameters, random stream, block ids. It lives as long as the
   request does, also while the request is preempted or simply not scheduled this step;
-* a **row** of the :class:`InputBatch` per request scheduled this step, in arrays allocated once:
+* a **row** of the :class:`InputBatch` per request scheduled this step, in preallocated arrays (they
+  grow by doubling, below):
   ``token_ids[row]`` (prompt, then output, then any speculative guesses), ``num_tokens``,
   ``num_computed_tokens``, the block table (:mod:`cbteach.worker.block_table`) and the sampling
   parameters. A step's inputs are read from these arrays -- the block tables are a slice, the token
   ids one gather -- not rebuilt from lists.
 
 The message is a *diff* because the rows persist: a request that keeps running keeps its row, and
-the message only says what changed -- its new blocks, where it starts. ``add_request``,
-``remove_request`` and ``condense`` are the three ways rows change, as in V1's ``InputBatch``
-(``vllm/v1/worker/gpu_input_batch.py`` at ``a9e3b0a``): a removed request leaves a hole, an added one
+the message only says what changed -- its new blocks, where it starts. Here ``add_request``,
+``remove_request`` and ``condense`` are the three ways rows change; V1's ``InputBatch``
+(``vllm/v1/worker/gpu_input_batch.py``) has these three and more (``swap_states``, for an attention
+backend that reorders the batch; ``refresh_metadata``). A removed request leaves a hole, an added one
 takes the lowest hole (or the end), and ``condense`` moves the last rows into the holes that are left,
 so rows ``0 .. num_reqs - 1`` are the batch, in the order they are packed into the step.
 

@@ -4,8 +4,8 @@ The scheduler decides *who* runs and *how many* tokens each feeds, and sends it 
 :class:`~cbteach.core.scheduler_output.SchedulerOutput`: plain data, no live request objects). The
 runner owns everything the step needs on the worker's side -- the requests' states, the
 :class:`~cbteach.worker.input_batch.InputBatch` (a row per scheduled request), the KV pool -- and a
-step is four calls, the way vLLM V1's GPU model runner splits it (``vllm/v1/worker/gpu_model_runner.py``
-at ``000fc94``: ``_update_states``, ``_prepare_inputs``, the model, ``sample_tokens``):
+step is four calls, the way vLLM V1's GPU model runner splits it (``vllm/v1/worker/gpu_model_runner.py``:
+``_update_states``, ``_prepare_inputs``, the model, ``sample_tokens``):
 
 1. :meth:`ModelRunner.update_states` -- the message changes the batch: finished requests are forgotten,
    rows of requests not scheduled now leave (their states stay), new requests get a state and a row,
@@ -21,7 +21,10 @@ at ``000fc94``: ``_update_states``, ``_prepare_inputs``, the model, ``sample_tok
 
 Under async scheduling (:mod:`cbteach.engine.async_scheduling`) the next step is launched between 3
 and 4: its decodes read the tokens this step sampled straight from the device tensor
-(:attr:`ModelRunner.prev`, V1's ``prev_sampled_token_ids``), and 4 runs beside the next forward pass.
+(:attr:`ModelRunner.prev`, V1's ``prev_sampled_token_ids``), and 4 runs after that launch, while the
+next forward pass runs in the worker thread. On the CPU 4's "copy" is a conversion to lists; on a GPU
+it is made on the default stream, where it would wait for the next forward pass (V1 copies on a side
+stream and waits on an event).
 
 **One request's failure is its own** -- cbteach's rule, not V1's (V1's worker re-raises and the
 engine stops): a row whose sampling fails, or whose logits are not finite, gets an error instead of a

@@ -5,7 +5,7 @@ The worker never reads the scheduler's objects. Each step's
 :func:`update_batch` turns it into the worker's state -- ``runner.requests`` (a
 :class:`~cbteach.worker.input_batch.CachedRequestState` per request it holds) and
 ``runner.input_batch`` (a row per request scheduled now). Read beside V1's
-``GPUModelRunner._update_states`` (``vllm/v1/worker/gpu_model_runner.py`` at ``000fc94``):
+``GPUModelRunner._update_states`` (``vllm/v1/worker/gpu_model_runner.py``):
 
 1. **forget who finished** -- their states and their rows;
 2. **rows of requests not scheduled now leave the batch** -- preempted ones, or running ones the
@@ -20,9 +20,10 @@ The worker never reads the scheduler's objects. Each step's
    into the holes left, and rows ``0 .. num_reqs - 1`` are this step's batch, in packed order.
 
 Around it the runner does what moves *blocks* rather than batch state (:meth:`ModelRunner.update_states`):
-before, V0's swap-outs and the copies on write (fork's here; V1's ``_update_states`` also runs its
-``kv_cache_block_copies`` first) -- before anyone this step writes into a block a victim gave up; after, dropping the host copies of finished requests, V0's swap-ins, and writing speculative
-guesses after each row's known tokens. Notebook 06 asks you to write :func:`update_batch` yourself and
+before, V0's swap-outs and the copies on write (fork's here; V1's ``_update_states`` runs its own
+``kv_cache_block_copies`` early too, though after it forgets the finished requests) -- before anyone
+this step writes into a block a victim gave up; after, dropping the host copies of finished requests,
+V0's swap-ins, and writing speculative guesses after each row's known tokens. Notebook 06 asks you to write :func:`update_batch` yourself and
 runs the engine on yours (``Engine(..., update_batch=...)``).
 """
 from __future__ import annotations
@@ -66,7 +67,8 @@ def update_batch(runner, msg) -> None:
         else:
             state.block_ids.extend(new_blocks)
         row = batch.req_id_to_index.get(rid)
-        if row is not None and resumed:  # (V1 never finds a resumed request in its batch; start it afresh)
+        if row is not None and resumed:  # (V1 too takes a resumed request out of its batch and adds it afresh:
+            # its reset_prefix_cache's forced preemption can leave one there)
             batch.remove_request(rid)
             row = None
         if row is None:

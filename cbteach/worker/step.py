@@ -4,8 +4,11 @@ Under async scheduling a step can be prepared before the step in front of it has
 then feeds a token that exists only on the device (the last step's sample). The host fills its place
 in the packed row with 0 and remembers it as *pending*; the device copy replaces the 0 before the
 forward pass (:attr:`cbteach.worker.model_runner.ModelRunner.prev`), and the step's record reads the
-real token from the request's state once it has arrived. V1 does the same with placeholders in the
-scheduler and ``prev_sampled_token_ids`` in ``gpu_model_runner.py``.
+real token from the request's state once it has arrived. V1 feeds the token the same way, from
+``prev_sampled_token_ids`` (``gpu_model_runner.py``), but its worker keeps a placeholder (-1) where
+that token goes and never learns it on the host -- which is *why* a request it must add to its batch
+again comes with its token ids (``all_token_ids`` in the message). This worker writes the real token
+into its rows and states once the step's output reaches the host.
 """
 from __future__ import annotations
 
