@@ -126,3 +126,20 @@ def test_an_id_reused_after_release_gets_generates_tokens(async_scheduling, step
     assert eng.completions["A"].output_ids == reference(model, q, 6, eos_id=-1)
     assert eng.completions["B"].output_ids == reference(model, [30, 31], 12, eos_id=-1)
     assert eng.kv_usage()["num_used_blocks"] == 0
+
+
+def test_async_steps_go_through_the_executor():
+    """Every async step reaches the worker as ``executor.execute_model(plan, non_block=True)`` (vLLM V1's
+    seam); nothing drives the model runner around it."""
+    model = tiny_model("gpt2")
+    eng = Engine(model, max_batch_size=4, kv="paged", async_scheduling=True)
+    calls = []
+    send = eng.executor.execute_model
+    eng.executor.execute_model = lambda plan, non_block=False: (calls.append(non_block), send(plan, non_block))[1]
+    reqs = workload(5, 5)
+    got = eng.run(reqs)
+    assert calls and all(calls) and len(calls) >= eng.num_steps
+    assert [c.output_ids for c in got] == [reference(model, r.prompt, r.max_new_tokens) if not r.ignore_eos
+                                           else reference(model, r.prompt, r.max_new_tokens, eos_id=-1) for r in reqs]
+    with pytest.raises(ValueError, match="built for non_block=True"):
+        send(eng.scheduler.schedule(eng.now()))  # a synchronous call on an async executor is refused

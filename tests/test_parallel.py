@@ -301,3 +301,23 @@ def test_runs_under_torchrun():
                            "--model", "qwen2"], capture_output=True, text=True, timeout=150, cwd=root)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "torchrun tp: 4/4 equal" in proc.stdout
+
+
+@pytest.mark.timeout(180)
+def test_async_scheduling_with_tensor_parallelism_equals_one_process():
+    """Async scheduling through the executor on two gloo ranks: each rank keeps a step in flight, rank 0
+    answers with the step before's output; the tokens are one process's, and generate's."""
+    model = tiny_model("llama")
+    opts = dict(max_batch_size=4, block_size=4, num_blocks=24, token_budget=8)  # chunks and a tight pool
+    single = Engine(model, None, kv="paged", **opts).run(requests())
+    eng = tp_engine(model, async_scheduling=True, **opts)
+    try:
+        outs = eng.run(requests())
+        usage = eng.kv_usage()
+        procs = list(eng.executor.group.procs)
+    finally:
+        close(eng)
+    assert not any(p.is_alive() for p in procs)
+    for p, o, s in zip(PROMPTS, outs, single):
+        assert o.output_ids == s.output_ids == reference(model, p, 10, EOS), p
+    assert usage["num_used_blocks"] == 0

@@ -33,6 +33,7 @@ class RunnerOutput:
     fork_tokens: list | None = None
     errors: list | None = None
     comm: dict | None = None  # tensor parallelism: {"all_reduces", "all_reduce_bytes", "num_tokens", "world_size"}
+    forward_span: tuple | None = None  # (start, end) of the forward pass on time.perf_counter(), if kept
 
     def __post_init__(self):
         if len(self.req_ids) != len(self.sampled):

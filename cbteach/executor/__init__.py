@@ -1,11 +1,11 @@
 """Who runs the worker's side of a step: one worker in this process, or N worker processes.
 
-The synchronous engine core calls ``executor.execute_model(scheduler_output) -> RunnerOutput`` and, when
-it closes, ``executor.close()`` -- vLLM V1's seam between its engine core and its workers
-(``vllm/v1/executor/``: ``UniProcExecutor``, ``MultiprocExecutor``). Async scheduling
-(:mod:`cbteach.engine.async_scheduling`) does not go through it yet: it drives the runner of a
-:class:`~cbteach.executor.uniproc.UniProcExecutor` directly, which is why it needs one process (V1 runs
-async scheduling through its executor, with tensor parallelism too). So V1's three places are three
+The engine core only calls ``executor.execute_model(scheduler_output) -> RunnerOutput`` and, when it
+closes, ``executor.close()`` -- vLLM V1's seam between its engine core and its workers
+(``vllm/v1/executor/``: ``UniProcExecutor``, ``MultiprocExecutor``). Under async scheduling it calls
+``execute_model(scheduler_output, non_block=True)``, which launches the step and returns the output of
+the step launched before it, and ``drain()`` (:mod:`cbteach.engine.async_scheduling`; the workers'
+side: :mod:`cbteach.worker.async_runner`) -- in one process or on every tensor-parallel rank. So V1's three places are three
 folders here: the scheduler in :mod:`cbteach.engine` (the engine core), the executor here, and the
 worker -- model runner, persistent batch, sampler -- in :mod:`cbteach.worker`, lowest of the three.
 
@@ -18,6 +18,7 @@ worker -- model runner, persistent batch, sampler -- in :mod:`cbteach.worker`, l
 """
 from __future__ import annotations
 
+from ..worker.async_runner import AsyncModelRunner
 from ..worker.model_runner import ModelRunner
 from .uniproc import UniProcExecutor
 
@@ -31,7 +32,7 @@ def make_executor(model, view, info, kv_cache, config, update_batch=None):
         runner = ModelRunner(view, kv_cache, device=info.device, accepts_logits_to_keep=info.accepts_logits_to_keep,
                              max_num_reqs=config.scheduler.max_batch_size, max_model_len=info.max_positions,
                              update_batch=update_batch)
-        return UniProcExecutor(runner)
+        return UniProcExecutor(runner, AsyncModelRunner(runner) if config.async_scheduling else None)
     if update_batch is not None:
         raise ValueError("a plugged-in update_batch runs in this process; with tensor_parallel_size > 1 every rank "
                          "runs the engine's own: use tensor_parallel_size=1 to run yours")

@@ -10,7 +10,8 @@ result into request state. What happens in between:
    a ``torch.distributed`` group -- gloo on the CPU, NCCL on CUDA -- each a
    :class:`~cbteach.worker.worker.Worker` with a paged pool for its own KV heads and its own model
    runner;
-2. **each step** -- the scheduler's message, and nothing else, goes to every rank; every rank applies
+2. **each step** -- the scheduler's message, and nothing else, goes to every rank (under async
+   scheduling each rank keeps one step in flight and rank 0 answers with the step before's output); every rank applies
    it to its own persistent batch, runs its shard (one all-reduce after attention and one after the
    MLP of every layer), samples with the same generators and appends the same tokens. Only rank 0
    answers, with the step's :class:`~cbteach.core.outputs.RunnerOutput` -- token ids, not logits;
@@ -33,7 +34,7 @@ import torch
 from ..parallel.procs import WorkerGroup
 from ..parallel.shard import shard_tensors
 from ..parallel.tp import check_config, parallel_config
-from ..worker.worker import WorkerSetup, worker_main
+from ..worker.worker import DRAIN, WorkerSetup, worker_main
 from . import torchrun
 
 
@@ -46,6 +47,11 @@ class MultiprocExecutor:
         self.parallel = pc
         self.comm_log: list[dict] = []  # per step: all-reduces, bytes each rank sent, tokens
         n = pc.tensor_parallel_size
+        self.async_scheduling = bool(getattr(config, "async_scheduling", False))
+        if self.async_scheduling and torchrun.launched_by_torchrun(n):
+            raise ValueError("async_scheduling with tensor parallelism needs the executor's own worker processes: under "
+                             "torchrun rank 0 is the driver and a worker at once, and its device thread's all-reduces "
+                             "would cross the driver's broadcasts; run without torchrun, or without async_scheduling")
         threads = pc.num_threads or max(1, (os.cpu_count() or 1) // n)
         scheduler = getattr(config, "scheduler", None)
         # Every rank's global random stream starts from one seed, drawn from this process's: unseeded
@@ -61,7 +67,7 @@ class MultiprocExecutor:
                                init_method=None, num_threads=threads,
                                accepts_logits_to_keep=info.accepts_logits_to_keep,
                                max_num_reqs=getattr(scheduler, "max_batch_size", 8), max_model_len=info.max_positions,
-                               seed=seed, timeout_s=pc.step_timeout)
+                               seed=seed, timeout_s=pc.step_timeout, async_scheduling=self.async_scheduling)
 
         if torchrun.launched_by_torchrun(n):  # this process is rank 0; torchrun started the others
             self.group = torchrun.TorchrunGroup(setup(0), step_timeout=pc.step_timeout)
@@ -70,12 +76,21 @@ class MultiprocExecutor:
                                      step_timeout=pc.step_timeout, start_method=pc.start_method)
         self.memory: list[dict] = self.group.memory  # per rank: weight and KV pool bytes, its heads
 
-    def execute_model(self, scheduler_output):
-        """Send the message to every rank; rank 0's output."""
+    def execute_model(self, scheduler_output, non_block: bool = False):
+        """Send the message to every rank; rank 0's output -- or, under async scheduling (``non_block=True``:
+        every rank keeps one step in flight, :mod:`cbteach.worker.async_runner`), rank 0's output of the
+        step sent before (``None`` if none was)."""
+        if non_block != self.async_scheduling:
+            raise ValueError(f"this executor was built for non_block={self.async_scheduling}: "
+                             f"execute_model(non_block={non_block}) cannot run here")
         out = self.group.call(scheduler_output)
-        if out.comm is not None:
+        if out is not None and out.comm is not None:
             self.comm_log.append(out.comm)
         return out
+
+    def drain(self):
+        """Async scheduling: every rank finishes its step in flight; rank 0's output of it (``None`` if none)."""
+        return self.group.call(DRAIN) if self.async_scheduling else None
 
     def describe(self) -> list[str]:
         """Who holds which heads, one line per rank."""

@@ -3,18 +3,27 @@ from __future__ import annotations
 
 
 class UniProcExecutor:
-    """``execute_model`` is the runner's; ``runner`` is there for async scheduling, which splits the
-    runner's step around the forward pass (:mod:`cbteach.engine.async_scheduling`)."""
+    """``execute_model`` is the runner's; ``pipeline``, when given, is a runner that keeps one step in
+    flight (:mod:`cbteach.worker.async_runner`), for ``execute_model(..., non_block=True)``."""
 
-    def __init__(self, runner):
-        self.runner = runner
+    def __init__(self, runner, pipeline=None):
+        self.runner, self.pipeline = runner, pipeline
 
-    def execute_model(self, scheduler_output):
-        return self.runner.execute_model(scheduler_output)
+    def execute_model(self, scheduler_output, non_block: bool = False):
+        """Run the message's step and return its output -- or, ``non_block=True``, launch it and return
+        the output of the step launched before it (``None`` if none was)."""
+        if non_block != (self.pipeline is not None):
+            raise ValueError(f"this executor was built for non_block={self.pipeline is not None}: "
+                             f"execute_model(non_block={non_block}) cannot run here")
+        return (self.pipeline or self.runner).execute_model(scheduler_output)
+
+    def drain(self):
+        """Finish the step in flight (``non_block``) and return its output (``None`` if none)."""
+        return self.pipeline.drain() if self.pipeline is not None else None
 
     def generator_state(self, req_id) -> bytes | None:
         """A seeded request's random stream, as bytes (a disaggregated handover carries it along)."""
         return self.runner.generator_state(req_id)
 
     def close(self) -> None:
-        self.runner.close()
+        (self.pipeline or self.runner).close()

@@ -31,7 +31,10 @@ from ..kv.concat import KVTraffic
 from ..kv.paged import PagedKVCache
 from ..parallel.procs import recv, send
 from ..parallel.shard import Layout, add_all_reduce_hooks, load_shard
+from .async_runner import AsyncModelRunner
 from .model_runner import ModelRunner
+
+DRAIN = "drain"  # the message that finishes a rank's step in flight (async scheduling)
 
 
 @dataclass
@@ -56,6 +59,7 @@ class WorkerSetup:
     max_model_len: int | None = None
     seed: int = 0  # every rank's global random stream starts here: unseeded sampling agrees across ranks
     timeout_s: float = 120.0
+    async_scheduling: bool = False  # keep one step in flight (cbteach.worker.async_runner)
 
 
 class CommCounter:
@@ -95,6 +99,7 @@ class Worker:
         self.runner = ModelRunner(self.model, self.kv, device=self.device,
                                   accepts_logits_to_keep=setup.accepts_logits_to_keep,
                                   max_num_reqs=setup.max_num_reqs, max_model_len=setup.max_model_len)
+        self.pipeline = AsyncModelRunner(self.runner) if setup.async_scheduling else None
 
     def memory(self) -> dict:
         """This rank's bytes: its weights (shared tensors once), its KV pool, and on CUDA what torch holds."""
@@ -111,7 +116,12 @@ class Worker:
 
     def execute_model(self, msg):
         """Run one message; the output rank returns the step's :class:`RunnerOutput` (with its
-        all-reduces counted), the others ``None``."""
+        all-reduces counted), the others ``None``. Under async scheduling the output is the step
+        before's (``None`` if none), all-reduces not counted: they run on the device thread, across
+        two messages; :data:`DRAIN` finishes the step in flight."""
+        if self.pipeline is not None:
+            out = self.pipeline.drain() if msg == DRAIN else self.pipeline.execute_model(msg)
+            return out if self.rank == 0 else None
         self.comm.count = self.comm.nbytes = 0
         out = self.runner.execute_model(msg)
         if self.rank != 0:
@@ -156,7 +166,7 @@ def worker_main(conn) -> None:
             if msg is None:
                 break
             out = worker.execute_model(msg)
-            if out is not None:
+            if worker.rank == 0:  # (under async scheduling its answer may be None: no step was in flight)
                 send(conn, ("ok", out))
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the driver is gone: nothing to answer
