@@ -91,7 +91,8 @@ class EngineCore:
         self.scheduler = pick_scheduler_cls(self.config, scheduler_cls)(
             self.config.scheduler, self.kv.manager, eos_ids=self.info.eos_ids)
         self.executor = make_executor(model, model_view(model, self.kv.attn_implementation), self.info, self.kv,
-                                      self.config, update_batch=update_batch)
+                                      self.config, update_batch=update_batch,
+                                      swaps=isinstance(self.scheduler, V0Scheduler))
         self.keep_records = self.config.keep_records
         self.records: list[StepRecord] = []
         self.completions: dict[object, Completion] = {}

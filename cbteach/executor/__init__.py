@@ -20,16 +20,18 @@ from __future__ import annotations
 
 from ..worker.async_runner import AsyncModelRunner
 from ..worker.model_runner import ModelRunner
+from ..worker.swap_runner import SwappingModelRunner
 from .uniproc import UniProcExecutor
 
 __all__ = ["make_executor", "UniProcExecutor"]
 
 
-def make_executor(model, view, info, kv_cache, config, update_batch=None):
+def make_executor(model, view, info, kv_cache, config, update_batch=None, swaps: bool = False):
     """The executor for ``config``: ``view`` is the engine's own view of ``model`` (one process);
-    ``update_batch`` a learner's own message-to-batch function (notebook 06), one process only."""
+    ``update_batch`` a learner's own message-to-batch function (notebook 06), one process only;
+    ``swaps``: the scheduler sends V0's swaps (:mod:`cbteach.worker.swap_runner` carries them out)."""
     if config.tensor_parallel_size == 1:
-        runner = ModelRunner(view, kv_cache, device=info.device, accepts_logits_to_keep=info.accepts_logits_to_keep,
+        runner = (SwappingModelRunner if swaps else ModelRunner)(view, kv_cache, device=info.device, accepts_logits_to_keep=info.accepts_logits_to_keep,
                              max_num_reqs=config.scheduler.max_batch_size, max_model_len=info.max_positions,
                              update_batch=update_batch)
         return UniProcExecutor(runner, AsyncModelRunner(runner) if config.async_scheduling else None)
@@ -38,4 +40,4 @@ def make_executor(model, view, info, kv_cache, config, update_batch=None):
                          "runs the engine's own: use tensor_parallel_size=1 to run yours")
     from .multiproc import MultiprocExecutor  # its workers start here: errors before any process starts
 
-    return MultiprocExecutor(model, info, kv_cache, config)
+    return MultiprocExecutor(model, info, kv_cache, config, swaps=swaps)

@@ -21,7 +21,6 @@ everything the request never generates.
 """
 from __future__ import annotations
 
-import time
 import torch
 
 from ..attention import metadata as attn_metadata
@@ -31,6 +30,7 @@ from .int8 import Int8BlockKVPool, Int8KVPool
 from .fork import ForkingKVCacheManager
 from .manager import KVCacheManager, PoolExhausted  # noqa: F401  (PoolExhausted: re-exported)
 from .pool import PagedKVPool
+from .swap import HostCopies
 from ..core.config import CacheConfig
 from ..errors import EngineRuleError
 from ..core.model_view import model_view
@@ -43,11 +43,12 @@ def _pool_class(kv_dtype):
     return {None: PagedKVPool, "int8": Int8KVPool, "int8_block": Int8BlockKVPool}[kv_dtype]
 
 
-class PagedKVCache:
+class PagedKVCache(HostCopies):
     """The engine's view of the paged cache: the manager that hands out blocks, and the pool.
 
     Built from a validated :class:`~cbteach.core.config.CacheConfig` (``kind="paged"``); it
-    implements :class:`cbteach.kv.interface.KVCache` and :class:`~cbteach.kv.interface.Swapper`.
+    implements :class:`cbteach.kv.interface.KVCache` (and, through :class:`~cbteach.kv.swap.HostCopies`,
+    copies blocks to host memory and back).
     """
 
     kind = "paged"
@@ -67,8 +68,7 @@ class PagedKVCache:
                                                  block_size=config.block_size, num_kv_heads=num_kv_heads,
                                                  head_dim=head_dim, dtype=dtype, device=device) if allocate_pool else None
         self.last_traffic = KVTraffic()
-        self.swap_space: dict = {}  # request id -> per-layer host copies of its K/V blocks
-        self.swap_stats = {"bytes_out": 0, "bytes_in": 0, "seconds": 0.0}
+        super().__init__()
         # Padding attention shapes to powers of two pays on CUDA, where a new shape costs a one-off setup;
         # on a CPU the padding would only cost compute.
         self.bucket_shapes = (torch.device(device).type == "cuda" if config.bucket_shapes is None
@@ -163,46 +163,10 @@ class PagedKVCache:
                                       bytes_written=round(meta.num_tokens * per_token))
         return self.last_traffic
 
-    # -- swap preemption (vLLM paper, section 4.5): the worker's half -------------------------------
-    # The scheduler decides which blocks go out and come back (V0SchedulerOutput); the worker, which
-    # owns the pool, copies them before the step's forward pass and keeps the host copies.
-    def copy_out(self, seq) -> tuple[list, int]:
-        """Host copies of the blocks holding ``seq``'s computed tokens (per layer), and their bytes
-        (a disaggregated prefill engine ships them, between steps)."""
-        return self.copy_out_blocks(seq.block_table[:self.manager.blocks_needed(seq.num_computed_tokens)])
-
-    def copy_out_blocks(self, blocks: list[int]) -> tuple[list, int]:
-        """Host copies of ``blocks`` (per layer), and their bytes."""
-        return self.pool.copy_out(blocks), round(len(blocks) * self.block_size * self.pool.bytes_per_token)
-
-    def hold_swapped(self, req_id, data: list) -> None:
-        """Keep ``data`` (per-layer host copies of a request's blocks) until :meth:`swap_in_blocks` takes it."""
-        self.swap_space[req_id] = data
-
-    def swap_out_blocks(self, req_id, blocks: list[int]) -> None:
-        """Copy ``blocks`` (a swapped-out request's) to host memory and keep them for its return."""
-        t0 = time.perf_counter()
-        data, nbytes = self.copy_out_blocks(blocks)
-        self.hold_swapped(req_id, data)
-        self.swap_stats["bytes_out"] += nbytes
-        self.swap_stats["seconds"] += time.perf_counter() - t0
-
-    def swap_in_blocks(self, req_id, blocks: list[int]) -> None:
-        """Write a request's host copy back into ``blocks`` (the ones the scheduler gave it now)."""
-        t0 = time.perf_counter()
-        data = self.swap_space.pop(req_id)
-        self.pool.copy_in(blocks, data)
-        self.swap_stats["bytes_in"] += round(len(blocks) * self.block_size * self.pool.bytes_per_token)
-        self.swap_stats["seconds"] += time.perf_counter() - t0
-
-    def discard(self, req_id) -> None:
-        """Drop a request's host copy, if any (it finished or was aborted while swapped out)."""
-        self.swap_space.pop(req_id, None)
-
     def close(self) -> None:
         """Let go of the pool's memory (:meth:`cbteach.Engine.close`)."""
         self.pool = None
-        self.swap_space.clear()
+        super().close()
 
     # -- the manager's side -----------------------------------------------------------------
     def check_fits(self, num_tokens: int, request_id) -> None:

@@ -90,20 +90,11 @@ class ModelRunner:
         return self.finish(step)
 
     def update_states(self, msg) -> None:
-        """The message changes the worker: blocks move first (V0's swap-outs, copies on write), then the
-        batch (V1's ``_update_states``: :func:`~cbteach.worker.states.update_batch`), then the rest moves in
-        (host copies of finished requests dropped, V0's swap-ins, speculative guesses after the known tokens)."""
-        kv = self.kv_cache
-        for rid, blocks in getattr(msg, "blocks_to_swap_out", {}).items():  # (V0's message only)
-            kv.swap_out_blocks(rid, blocks)
+        """The message changes the worker: block copies first, then the batch (V1's ``_update_states``:
+        :func:`~cbteach.worker.states.update_batch`), then speculative guesses after the known tokens."""
         if msg.block_copies:
             self.copy_blocks(msg.block_copies)
         self.update_batch(self, msg)
-        if kv.kind == "paged":
-            for rid in msg.finished_req_ids:
-                kv.discard(rid)
-        for rid, blocks in getattr(msg, "blocks_to_swap_in", {}).items():
-            kv.swap_in_blocks(rid, blocks)
         batch = self.input_batch
         for rid, drafts in msg.scheduled_spec_decode_tokens.items():
             batch.write_guesses(batch.req_id_to_index[rid], drafts)
