@@ -11,7 +11,7 @@ import pytest
 from cbteach import Engine, Request, SamplingParams
 from cbteach.core.outputs import RunnerOutput
 from cbteach.core.request import RequestStatus
-from cbteach.core.scheduler_output import V0SchedulerOutput
+from cbteach.engine.scheduler_v0 import V0SchedulerOutput
 from cbteach.engine.scheduler import Scheduler
 from cbteach.engine.scheduler_v0 import V0Scheduler
 from conftest import ARCHS, VOCAB, reference, tiny_model

@@ -43,8 +43,6 @@ V1 has copies on write of its own, ``kv_cache_block_copies``, for its prefix cac
 ``scheduled_forks`` (samples forking from a prompt that ends this step). ``admitted_req_ids`` and
 ``swapped_in_req_ids`` are for the engine's step record, and so, here, is ``preempted_req_ids`` (V1
 has it too, for its V2 model runner); the worker ignores them.
-:class:`V0SchedulerOutput` is V0's message: swaps the worker carries out before the forward pass.
-
 While it plans, the scheduler keeps working notes with live sequences -- :class:`StepPlan`, V1's local
 lists in ``schedule()`` -- and turns them into the message at the end (:func:`make_scheduler_output`,
 through :meth:`~cbteach.engine.scheduler.Scheduler.make_output`).
@@ -134,20 +132,6 @@ class SchedulerOutput:
                 f"{f', finished={sorted(map(str, self.finished_req_ids))}' if self.finished_req_ids else ''})")
 
 
-@dataclass(frozen=True)
-class V0SchedulerOutput(SchedulerOutput):
-    """vLLM V0's message: V1's fields, plus the swaps the worker makes before the forward pass (V0's
-    ``blocks_to_swap_out`` and ``blocks_to_swap_in``, keyed here by request). Swap-outs first: a block a
-    victim gave up may be handed to someone else in the same step."""
-
-    blocks_to_swap_out: dict = field(default_factory=dict)  # request id -> blocks copied to host memory
-    blocks_to_swap_in: dict = field(default_factory=dict)  # request id -> blocks its host copy is written into
-
-    @property
-    def is_empty(self) -> bool:
-        return super().is_empty and not (self.blocks_to_swap_out or self.blocks_to_swap_in)
-
-
 @dataclass
 class StepPlan:
     """The scheduler's working notes while it plans one step (live sequences; never leaves the
@@ -156,10 +140,7 @@ class StepPlan:
     seqs: list[Sequence] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)  # recomputed later or swapped out
-    swapped_in: list[Sequence] = field(default_factory=list)
-    swap_out: dict = field(default_factory=dict)  # V0: request id -> blocks to copy to host memory
-    swap_in: dict = field(default_factory=dict)  # V0: request id -> blocks to copy its host copy into
+    preempted: list[Sequence] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -189,7 +170,7 @@ def make_scheduler_output(plan: StepPlan, sent_block_ids: dict, finished_req_ids
     (:class:`CachedRequestData`): the blocks appended since, or its whole table if it was resumed or the
     table changed otherwise -- with its token ids when it was resumed and not in ``prev_scheduled`` (the
     step before's requests). Each request's ``num_computed_tokens`` is read now -- before the plan
-    counts as computed. ``cls`` and ``extra``: V0's message and its swap fields."""
+    counts as computed. ``cls`` and ``extra``: a message class with more fields, and their values."""
     new, cached = [], CachedRequestData()  # (its lists are filled here, before the message is sent)
     spec, forks = {}, {}
     planned = [(seq, n) for seq, n in zip(plan.seqs, plan.num_scheduled_tokens) if n > 0]
@@ -232,4 +213,4 @@ def make_scheduler_output(plan: StepPlan, sent_block_ids: dict, finished_req_ids
         total_num_scheduled_tokens=sum(n for _, n in planned), scheduled_spec_decode_tokens=spec,
         finished_req_ids=frozenset(finished_req_ids), block_copies=list(block_copies), scheduled_forks=forks,
         admitted_req_ids=[s.request_id for s in plan.admitted], preempted_req_ids=[s.request_id for s in plan.preempted],
-        swapped_in_req_ids=[s.request_id for s in plan.swapped_in], **extra)
+        **extra)

@@ -21,10 +21,10 @@ since the engine was made, or simulated: :mod:`cbteach.core.clock`). An ``arriva
 from __future__ import annotations
 
 from ..core.request import Completion, Request, RequestStatus, Sequence, as_request_list, validate_request
-from ..core.scheduler_output import StepPlan
 from ..kv.fork import can_fork
 from . import parallel_sampling
 from .engine_core import EngineCore
+from .scheduler_v0 import V0StepPlan
 from .plug import plug_pieces
 from .streaming import StreamEvent, stream_events  # noqa: F401  (StreamEvent: part of the engine's API)
 
@@ -164,7 +164,7 @@ class Engine(EngineCore):
             seq.finish_reason = "aborted"
             self._complete(seq, self.now())
         if held_on_host:  # V0's swap: the worker keeps a host copy until a message says the request finished
-            self.executor.execute_model(self.scheduler.make_output(StepPlan()))  # -- send that message now
+            self.executor.execute_model(self.scheduler.make_output(V0StepPlan()))  # -- send that message now
         return self.completions.get(request_id) or seqs[0].completion
 
     def release(self, request_id) -> None:

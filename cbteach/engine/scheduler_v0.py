@@ -7,7 +7,7 @@ picks when one of them is asked for (``Engine(..., preemption="swap")`` and the 
 
 * **swap preemption** (``preemption="swap"``; the vLLM paper, section 4.5): a victim's blocks are
   copied to host memory and back, instead of recomputed. The scheduler only decides: its message
-  (:class:`~cbteach.core.scheduler_output.V0SchedulerOutput`) says which blocks go out and which come
+  (:class:`V0SchedulerOutput`) says which blocks go out and which come
   back in (V0's ``blocks_to_swap_out`` / ``blocks_to_swap_in``), and the worker copies them before the
   forward pass. Swapped-out requests wait in :attr:`V0Scheduler.swapped` and come back first, before
   any admission. A disaggregated decode engine takes handed-over K/V the same way
@@ -28,9 +28,34 @@ picks when one of them is asked for (``Engine(..., preemption="swap")`` and the 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from ..core.request import RequestStatus, Sequence
-from ..core.scheduler_output import StepPlan, V0SchedulerOutput
+from ..core.scheduler_output import SchedulerOutput, StepPlan
 from .scheduler import Scheduler
+
+
+@dataclass(frozen=True)
+class V0SchedulerOutput(SchedulerOutput):
+    """vLLM V0's message: V1's fields, plus the swaps the worker makes before the forward pass (V0's
+    ``blocks_to_swap_out`` and ``blocks_to_swap_in``, keyed here by request). Swap-outs first: a block a
+    victim gave up may be handed to someone else in the same step."""
+
+    blocks_to_swap_out: dict = field(default_factory=dict)  # request id -> blocks copied to host memory
+    blocks_to_swap_in: dict = field(default_factory=dict)  # request id -> blocks its host copy is written into
+
+    @property
+    def is_empty(self) -> bool:
+        return super().is_empty and not (self.blocks_to_swap_out or self.blocks_to_swap_in)
+
+
+@dataclass
+class V0StepPlan(StepPlan):
+    """The scheduler's notes for one step, with V0's: who comes back in, and the blocks to move."""
+
+    swapped_in: list[Sequence] = field(default_factory=list)
+    swap_out: dict = field(default_factory=dict)  # request id -> blocks to copy to host memory
+    swap_in: dict = field(default_factory=dict)  # request id -> blocks to copy its host copy into
 
 
 def uses_v0_rules(config) -> bool:
@@ -63,7 +88,7 @@ class V0Scheduler(Scheduler):
 
     def schedule(self, now: float):
         """Running sequences, then (if nobody was preempted) swapped-out ones, then admissions."""
-        plan = StepPlan()
+        plan = V0StepPlan()
         budget = self.token_budget if self.token_budget is not None else float("inf")
         budget = self.schedule_running(plan, budget)
         if not plan.preempted:
@@ -149,7 +174,7 @@ class V0Scheduler(Scheduler):
     def extra_output_fields(self, plan: StepPlan) -> dict:
         """V0's message: the swaps, for the worker to carry out."""
         return {"cls": V0SchedulerOutput, "blocks_to_swap_out": dict(plan.swap_out),
-                "blocks_to_swap_in": dict(plan.swap_in)}
+                "blocks_to_swap_in": dict(plan.swap_in), "swapped_in_req_ids": [s.request_id for s in plan.swapped_in]}
 
     def abort(self, seq: Sequence) -> None:
         """A swapped-out request leaves :attr:`swapped` (the worker drops its host copy when the next

@@ -3,7 +3,7 @@
 Swap preemption (the vLLM paper, section 4.5; vLLM V0) takes a request out of the batch by copying
 its K/V blocks to host memory instead of dropping them, and copies them back into the blocks the
 scheduler gives it when room returns. The scheduler decides which blocks go out and come back
-(:class:`~cbteach.core.scheduler_output.V0SchedulerOutput`); the worker, which owns the pool, makes
+(:class:`~cbteach.engine.scheduler_v0.V0SchedulerOutput`); the worker, which owns the pool, makes
 the copies before the step's forward pass (:class:`~cbteach.worker.swap_runner.SwappingModelRunner`)
 and keeps the host copies here, in :attr:`HostCopies.swap_space`. A disaggregated prefill engine
 ships a request's blocks the same way (:meth:`HostCopies.copy_out`), and the decode engine holds them

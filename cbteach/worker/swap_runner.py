@@ -3,7 +3,7 @@
 vLLM V0 (and the PagedAttention paper, section 4.5) can preempt a request by copying its K/V blocks
 to host memory and bring them back later; V1 only recomputes. A scheduler with V0's rules
 (:class:`~cbteach.engine.scheduler_v0.V0Scheduler`) sends a
-:class:`~cbteach.core.scheduler_output.V0SchedulerOutput`, whose ``blocks_to_swap_out`` and
+:class:`~cbteach.engine.scheduler_v0.V0SchedulerOutput`, whose ``blocks_to_swap_out`` and
 ``blocks_to_swap_in`` say which blocks move; the worker, which owns the pool, moves them
 (:class:`~cbteach.kv.swap.HostCopies`). The order matters: swap-outs first, before anyone this step
 writes into a block a victim gave up; swap-ins last, into blocks the scheduler has just given the
