@@ -16,7 +16,7 @@ SITE        := site
 OFFLINE     := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 BUSY        ?= 2
 
-.PHONY: install demo test test-busy test-fast lint lab lab-solutions student notebooks outputs bench gpu-check book browser-deps clean
+.PHONY: install demo test test-busy test-fast lint lab lab-solutions handouts wheelhouse student notebooks outputs bench gpu-check book browser-deps clean
 
 $(VENV)/.installed: pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -67,6 +67,19 @@ lab: $(VENV)/.installed
 
 lab-solutions: $(VENV)/.installed
 	CBTEACH_LAB=solutions $(VENV)/bin/jupyter lab --config=tools/lab_config.py
+
+# The workshop kit (notebooks/WORKSHOP_KIT.md): one Markdown handout per exercise from the notebooks'
+# solution cells, and an offline wheelhouse -- torch's CPU wheel, cbteach's own wheel and every wheel
+# `cbteach[lab]` needs, for this machine's OS and Python -- to install a room's laptops without a network
+# (`pip install --no-index --find-links wheelhouse "cbteach[lab]"` on each).
+handouts:
+	$(PYTHON) tools/handouts.py --out handouts
+
+wheelhouse: $(VENV)/.installed
+	$(PY) -m pip download -q -d wheelhouse --index-url "$(TORCH_INDEX)" "$(TORCH)"
+	$(PY) -m pip wheel -q --no-deps -w wheelhouse .
+	$(PY) -m pip download -q -d wheelhouse --find-links wheelhouse "cbteach[lab]"
+	@echo "wheelhouse/: $$(ls wheelhouse | wc -l) files, $$(du -sh wheelhouse | cut -f1)"
 
 student: $(VENV)/.installed
 	$(PY) -m cbteach student notebooks student
