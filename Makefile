@@ -78,7 +78,7 @@ handouts:
 wheelhouse: $(VENV)/.installed
 	$(PY) -m pip download -q -d wheelhouse --index-url "$(TORCH_INDEX)" "$(TORCH)"
 	$(PY) -m pip wheel -q --no-deps -w wheelhouse .
-	$(PY) -m pip download -q -d wheelhouse --find-links wheelhouse "cbteach[lab]"
+	$(PY) -m pip download -q -d wheelhouse --find-links wheelhouse "$$(ls wheelhouse/cbteach-*.whl)[lab]" "$(TORCH)"
 	@echo "wheelhouse/: $$(ls wheelhouse | wc -l) files, $$(du -sh wheelhouse | cut -f1)"
 
 student: $(VENV)/.installed
