@@ -93,3 +93,11 @@ def test_the_ranges_checked_are_pyproject_s():
     for dist, (lowest, below, _) in {**preflight.CORE, **preflight.LAB}.items():
         want = f'"{dist}>={lowest}' + (f",<{below}" if below else "") + '"'
         assert want in text, (dist, want)
+
+
+def test_versions_are_read_without_packaging_too(monkeypatch):
+    """packaging comes with transformers: where transformers is missing, the version checks still work."""
+    monkeypatch.setitem(sys.modules, "packaging.version", None)  # import fails
+    assert preflight._release("2.13.0+cpu") == (2, 13, 0)
+    c = preflight.check_package("transformers", "5.0", "6", "fix", version_of=lambda d: "4.57.1")
+    assert not c.ok and c.detail == "4.57.1 is installed; cbteach needs >=5.0,<6"
