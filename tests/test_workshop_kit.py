@@ -73,3 +73,13 @@ def test_the_handout_count_is_the_notebooks():
                 for c in json.loads(b.read_text(encoding="utf-8"))["cells"])
     exercises = sum(len(handouts.exercises(b)) for b in books)
     assert f"{exercises} today, from the {cells} code cells tagged `solution`" in section("6. Solution handouts")
+
+
+def test_the_instructor_kit_counts_05b_s_steps_and_says_90_minutes_in_one_meaning():
+    from cbteach.exercises.ex05b_steps import STEPS
+
+    kit = (ROOT / "notebooks" / "INSTRUCTOR.md").read_text(encoding="utf-8")
+    words = {8: "eight", 9: "nine", 10: "ten", 11: "eleven", 12: "twelve"}
+    assert f"on {words.get(len(STEPS), len(STEPS))} hand-built steps (`STEPS`" in kit
+    assert "90-minute slot:" not in kit  # each notebook's cuts are "When time is short"
+    assert "\nWhen time is short:" in kit
