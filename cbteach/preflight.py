@@ -77,7 +77,7 @@ def check_python(version_info=None) -> Check:
         return Check("python", True, text)
     need = ".".join(map(str, MIN_PYTHON))
     return Check("python", False, f"{text} is older than {need}",
-                 f"install Python {need} or newer (3.12 is what the install sheet measures) and make a new "
+                 f"install Python {need} or newer (3.12, say: notebooks/WORKSHOP_KIT.md) and make a new "
                  "virtual environment with it")
 
 
