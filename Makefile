@@ -16,7 +16,7 @@ SITE        := site
 OFFLINE     := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 BUSY        ?= 2
 
-.PHONY: install demo test test-busy test-fast lint lab student notebooks outputs bench gpu-check book browser-deps clean
+.PHONY: install demo test test-busy test-fast lint lab lab-solutions handouts wheelhouse student notebooks outputs bench gpu-check book browser-deps clean
 
 $(VENV)/.installed: pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -55,10 +55,31 @@ test-fast: $(VENV)/.installed $(VENV)/.kernels
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 
-# JupyterLab on 127.0.0.1 only, rooted at the repository so notebooks/ and student/ are both there
-# (tools/lab_config.py hides the engine's source and the instructor kit); runs as root in containers.
+# JupyterLab on 127.0.0.1 only, rooted at the repository (tools/lab_config.py). `make lab` opens the
+# learners' copy, student/ (written first when it is missing; an existing one is kept, with any work in
+# it), with cbteach/ in the file browser -- notebooks 03, 05, 06 and 12 send learners to read its files --
+# and notebooks/ (the solutions) hidden. `make lab-solutions` opens notebooks/, for instructors.
+# Without make (Windows): `python -m cbteach student notebooks student`, then
+# `jupyter lab --config=tools/lab_config.py`; for the solutions set CBTEACH_LAB=solutions first.
 lab: $(VENV)/.installed
-	$(VENV)/bin/jupyter lab --config=tools/lab_config.py
+	test -f student/00_setup_and_first_generation.ipynb || $(PY) -m cbteach student notebooks student
+	CBTEACH_LAB=student $(VENV)/bin/jupyter lab --config=tools/lab_config.py
+
+lab-solutions: $(VENV)/.installed
+	CBTEACH_LAB=solutions $(VENV)/bin/jupyter lab --config=tools/lab_config.py
+
+# The workshop kit (notebooks/WORKSHOP_KIT.md): one Markdown handout per exercise from the notebooks'
+# solution cells, and an offline wheelhouse -- torch's CPU wheel, cbteach's own wheel and every wheel
+# `cbteach[lab]` needs, for this machine's OS and Python -- to install a room's laptops without a network
+# (`pip install --no-index --find-links wheelhouse "cbteach[lab]"` on each).
+handouts:
+	$(PYTHON) tools/handouts.py --out handouts
+
+wheelhouse: $(VENV)/.installed
+	$(PY) -m pip download -q -d wheelhouse --index-url "$(TORCH_INDEX)" "$(TORCH)"
+	$(PY) -m pip wheel -q --no-deps -w wheelhouse .
+	$(PY) -m pip download -q -d wheelhouse --find-links wheelhouse "$$(ls wheelhouse/cbteach-*.whl)[lab]" "$(TORCH)"
+	@echo "wheelhouse/: $$(ls wheelhouse | wc -l) files, $$(du -sh wheelhouse | cut -f1)"
 
 student: $(VENV)/.installed
 	$(PY) -m cbteach student notebooks student

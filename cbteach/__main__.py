@@ -22,6 +22,7 @@ COMMANDS = {
     "bench-serve": "load-test a running server endpoint and report TTFT/TPOT (needs cbteach[serve])",
     "tournament": "rank a folder of learners' schedulers (notebook 06's MyScheduler) on one trace, in the real engine",
     "simulate": "the engine's scheduler at GPU and cluster scale, on a cost model (no weights; notebook 13)",
+    "preflight": "is this machine ready for the workshop? versions, the model offline, a tiny engine vs generate",
 }
 # serve's options that plug a learner's pieces into the engine (notebook 12): checked before it starts.
 PIECE_OPTIONS = ("--scheduler", "--kv-manager", "--attention", "--slot-mapping", "--update-batch")
@@ -133,6 +134,10 @@ def run_command(command: str, rest: list[str]) -> int:
         from .sim.cli import cli
 
         return cli(rest) or 0
+    if command == "preflight":
+        from .preflight import cli
+
+        return cli(rest)
     if command == "bench-serve":
         return _optional(command, "cbteach.bench.endpoint", rest)
     from .student import cli, notebooks_cli

@@ -132,7 +132,7 @@ def strip_solutions(nb: dict, clear_outputs: bool = False) -> tuple[dict, int]:
 
 
 COURSE_EXTRAS = ("sanitize.cfg",)          # copied with the notebooks (nbval needs it to check them)
-INSTRUCTOR_FILES = ("INSTRUCTOR.md",)     # copied with the full course only, not with the student copy
+INSTRUCTOR_FILES = ("INSTRUCTOR.md", "WORKSHOP_KIT.md")  # with the full course only, not the student copy
 
 
 def course_dir() -> Path:
