@@ -11,7 +11,7 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
-COURSE_FILES = ("*.ipynb", "INSTRUCTOR.md", "sanitize.cfg")
+COURSE_FILES = ("*.ipynb", "INSTRUCTOR.md", "WORKSHOP_KIT.md", "sanitize.cfg")
 
 
 class BuildPyWithCourse(build_py):
