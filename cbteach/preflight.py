@@ -141,7 +141,8 @@ def check_engine(device: str = "auto") -> tuple[list[Check], str | None]:
             expected.append(out[0, len(ids):].tolist())
     except Exception as err:  # noqa: BLE001
         return checks + [Check("model.generate", False, f"raised {type(err).__name__}: {err}", _engine_fix(used))], used
-    from . import Engine, Request
+    from .core.request import Request
+    from .engine.engine import Engine
 
     for kv in ("concat", "paged"):
         try:
@@ -162,7 +163,7 @@ def check_engine(device: str = "auto") -> tuple[list[Check], str | None]:
 
 def _engine_fix(device: str) -> str:
     if device.startswith("cpu"):
-        return ("this should not happen on a CPU: run `python -m pytest tests/test_engine.py` in a clone and "
+        return ("this should not happen on a CPU: run `python -m pytest tests/test_engine_equality.py` in a clone and "
                 "file an issue with its output")
     return (f"the engine is not exact on {device}: use a CPU runtime (on Colab: Runtime > Change runtime type > "
             "CPU) or run this with --device cpu, and tell the instructor")
@@ -170,9 +171,11 @@ def _engine_fix(device: str) -> str:
 
 def run_checks(device: str = "auto", lab: bool | None = None, say=print) -> list[Check]:
     """Every check in order, each printed as it finishes; ``lab=None``: JupyterLab is checked unless in Colab."""
-    from . import __version__
-
-    say(f"cbteach {__version__} from {os.path.dirname(os.path.abspath(__file__))}")
+    try:
+        version = importlib.metadata.version("cbteach")
+    except importlib.metadata.PackageNotFoundError:  # a checkout on the path, not installed
+        version = "(not installed)"
+    say(f"cbteach {version} from {os.path.dirname(os.path.abspath(__file__))}")
     checks = [check_python()]
     say(checks[-1].line())
     if lab is None:

@@ -19,7 +19,7 @@ FLOORS = {
     "engine": 7,  # the scheduler and the engine core
     "serving": 8, "sim": 8,
     "bench": 9, "viz": 9,
-    "exercises": 10, "demo": 10, "student": 10, "tournament": 10, "__main__": 11, "": 11,
+    "exercises": 10, "demo": 10, "preflight": 10, "student": 10, "tournament": 10, "__main__": 11, "": 11,
 }
 
 

@@ -224,16 +224,17 @@ def test_each_sample_is_forked_once_under_async_scheduling():
 def test_async_steps_read_the_last_steps_tokens_on_the_device():
     """V1's ``prev_sampled_token_ids``: when step N+1 is prepared, the host has not got N's tokens yet (its
     decodes' inputs are pending) -- they are read from the device tensor N sampled into, and copied to the
-    host only afterwards, beside N+1's forward. Still exact."""
+    host only after N+1 is launched (cbteach.worker.async_runner). Still exact."""
     model = tiny_model("llama")
     eng = Engine(model, max_batch_size=4, kv="paged", block_size=4, async_scheduling=True)
-    runner = eng.executor.runner
+    runner, pipeline = eng.executor.runner, eng.executor.pipeline
     prepare, pending = runner.prepare_inputs, []
 
     def watched(msg, rows=None):
         step = prepare(msg, rows)
         if rows is None:
-            fed = [(at, rid) for at, rid, _ in step.pending if runner.prev is not None and rid in runner.prev[1]]
+            prev = pipeline.prev
+            fed = [(at, rid) for at, rid, _ in step.pending if prev is not None and rid in prev[1]]
             pending.append((len(step.counts), len(fed)))
         return step
 

@@ -29,6 +29,8 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
 from ..core.outputs import RunnerOutput
 
 
@@ -37,9 +39,10 @@ class AsyncModelRunner:
 
     def __init__(self, runner):
         self.runner = runner
-        runner.feed_from_device = True  # the next step reads this step's tokens on the device
+        runner.feed = self._feed  # the next step reads this step's tokens on the device
         self.device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cbteach-forward")
         self.flight = None  # the step on the device: (Step, future, launch time)
+        self.prev = None  # the last step's sampled tokens on the device, and {request id: index} (V1's prev_sampled_token_ids)
 
     def execute_model(self, msg) -> RunnerOutput | None:
         """Apply ``msg``, launch its step (if it schedules any tokens); the output of the step in flight
@@ -71,7 +74,15 @@ class AsyncModelRunner:
         self.runner.forward(step)
         t1 = time.perf_counter()
         self.runner.sample(step)
+        self.prev = (step.sampled.tokens, {rid: i for i, rid in enumerate(step.req_ids) if step.samples[i]})
         return t0, t1
+
+    def _feed(self, step) -> None:
+        """A step prepared before the last one's tokens reached the host feeds them from the device."""
+        fed = [(at, self.prev[1][rid]) for at, rid, _ in step.pending if self.prev is not None and rid in self.prev[1]]
+        if fed:
+            at, src = torch.tensor(fed, device=step.meta.input_ids.device).T
+            step.meta.input_ids[0, at] = self.prev[0][src]
 
     def _wait(self):
         """Wait for the step in flight; a function that finishes it (its tokens to the host), or ``None``."""
@@ -83,6 +94,8 @@ class AsyncModelRunner:
         except Exception as err:  # noqa: BLE001  (isolate: find whose tokens failed)
             output = self.runner.recover(step, err)  # (errors that stop the engine re-raise from here)
             output.forward_span = (launched, time.perf_counter())
+            tokens = [(s or [0])[-1] for s in output.sampled]  # the next step reads them as if one pass had sampled them
+            self.prev = (torch.tensor(tokens, device=self.runner.device), {rid: i for i, rid in enumerate(step.req_ids)})
             return lambda: output
 
         def finish() -> RunnerOutput:

@@ -21,7 +21,7 @@ step is four calls, the way vLLM V1's GPU model runner splits it (``vllm/v1/work
 
 Under async scheduling (:mod:`cbteach.engine.async_scheduling`) the next step is launched between 3
 and 4: its decodes read the tokens this step sampled straight from the device tensor
-(:attr:`ModelRunner.prev`, V1's ``prev_sampled_token_ids``), and 4 runs after that launch, while the
+(:mod:`cbteach.worker.async_runner`; V1's ``prev_sampled_token_ids``), and 4 runs after that launch, while the
 next forward pass runs in the worker thread. On the CPU 4's "copy" is a conversion to lists; on a GPU
 it is made on the default stream, where it would wait for the next forward pass (V1 copies on a side
 stream and waits on an event).
@@ -59,8 +59,7 @@ class ModelRunner:
         self.requests: dict[object, CachedRequestState] = {}  # every request it was told of and not yet finished
         self.input_batch = InputBatch(max_num_reqs, max_model_len)
         self.unwritten_blocks: set[int] = set()
-        self.feed_from_device = False  # async scheduling: a step reads the last step's tokens on the device
-        self.prev = None  # (tokens on the device, {request id: index}) of the last step, for that feed
+        self.feed = None  # fills a step's pending tokens on the device (cbteach.worker.async_runner), or None
         self.update_batch = update_batch or states.update_batch  # a learner's own (notebook 06), or V1's
 
     def close(self) -> None:
@@ -136,12 +135,10 @@ class ModelRunner:
         meta = self.kv_cache.build_metadata(input_ids, starts, counts, self.device,
                                             block_tables=tables if self.block_size else None,
                                             num_blocks=num_blocks, request_ids=req_ids)
-        fed = [(at, self.prev[1][rid]) for at, rid, _ in pending if self.prev is not None and rid in self.prev[1]]
-        if fed:  # tokens the last step sampled, read where they are: on the device (async scheduling)
-            at, src = torch.tensor(fed, device=self.device).T
-            meta.input_ids[0, at] = self.prev[0][src]
         step = Step(msg, rows, req_ids, starts, counts, drafts, samples, meta,
                     kwargs=self.kv_cache.forward_kwargs(meta), input_ids=input_ids, pending=pending)
+        if pending and self.feed is not None:
+            self.feed(step)  # tokens not on the host yet, read where they are: on the device
         keep = meta.logits_indices
         if any(drafts):  # a speculating row needs the logits of its last 1 + guesses tokens
             packed_ends = np.cumsum(counts).tolist()
@@ -185,8 +182,6 @@ class ModelRunner:
                             generator=make_generator(parent.sampling_params, index))
                         forks.setdefault(i, []).append((sample_id, self.requests[sample_id].generator))
         step.sampled = sample_on_device(step.logits, step.last, params, generators, forks)
-        if self.feed_from_device:
-            self.prev = (step.sampled.tokens, {rid: i for i, rid in enumerate(step.req_ids) if step.samples[i]})
 
     def finish(self, step: Step) -> RunnerOutput:
         """The sampled tokens come to the host, join the batch's rows and the requests' states, and go to

@@ -19,8 +19,6 @@ and a dead worker process (:class:`~cbteach.errors.EngineDeadError`) is nobody's
 """
 from __future__ import annotations
 
-import torch
-
 from ..core.outputs import RunnerOutput
 from ..errors import EngineDeadError, EngineRuleError
 
@@ -43,9 +41,6 @@ def recover(runner, step, err: Exception) -> RunnerOutput:
             runner.written(rid, start, count, ok=False)
             message = f"the model failed on this request's tokens: {type(e).__name__}: {e}"
             parts.append(RunnerOutput(sampled=[None], req_ids=[rid], chunks=[[]], errors=[message]))
-    if runner.feed_from_device:  # the next step reads these tokens as if one pass had sampled them
-        tokens = [(p.sampled[0] or [0])[-1] for p in parts]
-        runner.prev = (torch.tensor(tokens, device=runner.device), {rid: i for i, rid in enumerate(step.req_ids)})
     return RunnerOutput(
         sampled=[p.sampled[0] for p in parts], req_ids=list(step.req_ids),
         chunks=[p.chunks[0] if p.chunks else [] for p in parts],

@@ -3,7 +3,7 @@
 Under async scheduling a step can be prepared before the step in front of it has finished: a decode
 then feeds a token that exists only on the device (the last step's sample). The host fills its place
 in the packed row with 0 and remembers it as *pending*; the device copy replaces the 0 before the
-forward pass (:attr:`cbteach.worker.model_runner.ModelRunner.prev`), and the step's record reads the
+forward pass (:attr:`cbteach.worker.async_runner.AsyncModelRunner.prev`), and the step's record reads the
 real token from the request's state once it has arrived. V1 feeds the token the same way, from
 ``prev_sampled_token_ids`` (``gpu_model_runner.py``), but its worker keeps a placeholder (-1) where
 that token goes and never learns it on the host -- which is *why* a request it must add to its batch
