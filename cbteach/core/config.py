@@ -20,7 +20,7 @@ import math
 import numbers
 from dataclasses import dataclass, field, fields
 
-from .request import check_positive_int
+from .validation import check_positive_int
 
 KV_KINDS = ("concat", "paged")
 PREEMPTION_MODES = ("recompute", "swap")

@@ -20,7 +20,8 @@ since the engine was made, or simulated: :mod:`cbteach.core.clock`). An ``arriva
 """
 from __future__ import annotations
 
-from ..core.request import Completion, Request, RequestStatus, Sequence, as_request_list, validate_request
+from ..core.request import Completion, Request, RequestStatus, Sequence
+from ..core.validation import as_request_list, validate_request
 from ..kv.fork import can_fork
 from . import parallel_sampling
 from .engine_core import EngineCore

@@ -24,7 +24,8 @@ from transformers import DynamicCache
 
 from ..core import modelinfo
 from ..core.model_view import model_view
-from ..core.request import Completion, as_request_list, check_positive_int, validate_request
+from ..core.request import Completion
+from ..core.validation import as_request_list, check_positive_int, validate_request
 from ..core.sampling import make_generator, sample, stop_reason
 
 SLOT_STATES = ("prefill", "decode", "idle", "empty")

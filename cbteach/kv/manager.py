@@ -21,7 +21,7 @@ from collections import OrderedDict
 
 from .prefix_cache import PrefixCache
 from ..core.config import check_watermark
-from ..core.request import check_positive_int
+from ..core.validation import check_positive_int
 
 
 class PoolExhausted(RuntimeError):

@@ -22,7 +22,8 @@ import math
 from ..core.clock import VirtualClock
 from ..engine.engine import Engine
 from ..engine.scheduler_v0 import V0Scheduler
-from ..core.request import Completion, Request, RequestStatus, Sequence, as_request_list
+from ..core.request import Completion, Request, RequestStatus, Sequence
+from ..core.validation import as_request_list
 
 
 class DisaggregatedServer:

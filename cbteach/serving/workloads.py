@@ -42,7 +42,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..bierce.corpus import headword_prompts, load_entries
-from ..core.request import Request, check_positive_int
+from ..core.request import Request
+from ..core.validation import check_positive_int
 
 CORPUS_ENTRIES = 300  # entries tokenized for the prompt windows (~40k tokens with bierce's tokenizer)
 SHAREGPT_MEAN_PROMPT = 161.31  # the vLLM paper (Kwon et al., SOSP'23), Figure 11(a)

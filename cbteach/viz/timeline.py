@@ -28,7 +28,7 @@ from __future__ import annotations
 from matplotlib.colors import to_rgb
 from matplotlib.ticker import MaxNLocator
 
-from ..core.request import check_positive_int
+from ..core.validation import check_positive_int
 from .style import STATE_COLORS, STATE_HATCH, get_axes, label_if_fits, step_window, text_color_on
 
 STATES = ("prefill", "decode", "idle", "empty")
