@@ -4,7 +4,8 @@ Each check takes the learner's answer, compares it with a value computed from th
 model, prints what is right or exactly what is wrong, and returns ``True``/``False``. Solutions are
 in the notebooks (cells tagged ``solution``). What a check compares with -- the engine's own pieces,
 and the references a check computes a step with (``ex05_mistakes``) -- is not an answer: a piece
-that is, copies or calls one of them is refused with a hint saying so (:mod:`.delegation`).
+that is, inherits or directly calls one of them is refused with a hint naming it (:mod:`.guard`).
+Deliberate copying is not policed: the solution cell is one click away.
 
 Every check is wrapped in :func:`self_check`: whatever a learner passes -- ``None``, a function that
 raises, a tensor where a list was expected -- the check prints what stopped it and returns

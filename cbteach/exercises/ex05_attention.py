@@ -25,7 +25,6 @@ import numbers
 import torch
 
 from . import report, self_check
-from .delegation import Delegated, watched
 from .ex05_steps import HEADS, STEPS, Fail, check_attention_cases, check_slot_mapping_cases
 
 MAX_NEW_TOKENS = 16  # per request, in the engine runs
@@ -68,8 +67,6 @@ def run_in_engine(model, prompts, options, attention=None, slot_mapping=None,
     from ..core.request import Request
     from ..engine.engine import Engine
 
-    attention = watched("attention", attention) if attention is not None else None  # every call, watched
-    slot_mapping = watched("slot_mapping", slot_mapping) if slot_mapping is not None else None
     engine = Engine(model, None, kv="paged", attention=attention, slot_mapping=slot_mapping, **options)
     return engine.run([Request(list(p), max_new_tokens, request_id=f"r{i}") for i, p in enumerate(prompts)])
 
@@ -81,11 +78,6 @@ def _in_engine(model, prompts, attention, slot_mapping, max_new_tokens: int = MA
         try:
             done = run_in_engine(m, ps, options, attention, slot_mapping, max_new_tokens)
         except Exception as err:  # a rule the engine enforces, or the learner's code inside the forward pass
-            cause = err
-            while cause is not None and not isinstance(cause, Delegated):
-                cause = cause.__cause__ or cause.__context__
-            if cause is not None:
-                raise Fail(f"in the real engine ({what}): {cause}", named=True) from None
             raise Fail(f"in the real engine ({what}): {type(err).__name__}: {err}") from None
         for c, exp in zip(done, expected):
             if getattr(c, "error", None):
