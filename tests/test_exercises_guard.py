@@ -14,6 +14,8 @@ from cbteach.attention.paged import default_attention
 from cbteach.engine.scheduler import Scheduler
 from cbteach.exercises import ex05_mistakes, guard
 from cbteach.kv.manager import KVCacheManager
+from cbteach.parallel.shard import Layout
+from cbteach.sim.cost import ring_all_reduce_bytes
 from cbteach.worker import states
 
 
@@ -66,6 +68,10 @@ def update_calls_the_workers(runner, scheduler_output):
     states.update_batch(runner, scheduler_output)
 
 
+def kv_heads_from_the_layout(rank, world_size, heads, kv_heads):
+    return Layout(heads, kv_heads, world_size).kv_heads(rank)
+
+
 ROUTES = [
     ("attention", default_attention, "is the engine's default_attention"),
     ("attention", functools.partial(default_attention), "is the engine's default_attention"),
@@ -80,6 +86,8 @@ ROUTES = [
     ("kv_manager", SuperFree, "calls the engine's KVCacheManager.free (through super().free)"),
     ("kv_manager", KVCacheManager, "not done yet: KVCacheManager.allocate_slots is still the engine's"),
     ("update_batch", update_calls_the_workers, "calls the worker's own update_batch"),
+    ("tp", ring_all_reduce_bytes, "is the simulator's ring_all_reduce_bytes"),
+    ("tp", kv_heads_from_the_layout, "calls the engine's Layout"),
 ]
 
 
