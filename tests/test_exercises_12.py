@@ -374,7 +374,7 @@ def test_a_piece_left_undone_is_the_courses_marked_so_and_the_engine_assembles_a
     pieces, said = read(folder=tmp_path)
     assert all(o is not None for o in pieces.objects.values()), pieces.objects
     assert pieces.course == set(pieces.filled) == {undone} and undone not in pieces.yours, (pieces.course, pieces.yours)
-    assert f"THE COURSE'S: yours is not written yet (notebook {number}, the cell under '" in said, said
+    assert f"THE COURSE'S (yours is not written yet: notebook {number}, the cell under '" in said, said
     ok, out = check(my_engine_of(pieces), pieces, llama)
     assert ok and f"yours: {', '.join(p for p in capstone.PIECES if p != undone)}; NOT YOURS" in out, out
     assert out.rstrip().split("NOT YOURS: the course's own solution for ")[1].startswith(undone), out
@@ -384,6 +384,18 @@ def test_a_piece_left_undone_is_the_courses_marked_so_and_the_engine_assembles_a
                                         tournament.Trace(num_requests=4), baseline=False)
     table = tournament.table(entries, tournament.Trace(num_requests=4))
     assert entries[0].disqualified is None and ("yours (the course's)" in table) == (undone == "scheduler"), table
+
+
+def test_a_piece_that_does_not_pass_yet_can_be_the_courses_on_request_marked_so(tmp_path, llama):
+    _learners_copy(tmp_path / "05_paged_kv_cache.ipynb", "05")
+    _learners_copy(tmp_path / "06_scheduling_and_latency.ipynb", "06")
+    pieces, said = read(folder=tmp_path, use_course_for=["attention"])
+    assert pieces.course == set(pieces.filled) == {"attention"} and "you asked for the course's" in said, said
+    ok, out = check(my_engine_of(pieces), pieces, llama)
+    assert ok and "NOT YOURS: the course's own solution for attention" in out, out
+    for bad in ("attention", ["the attention"]):
+        with pytest.raises(ValueError, match="use_course_for takes a list of pieces"):
+            capstone.pieces_from_notebooks(tmp_path, use_course_for=bad, say=None)
 
 
 # -- no route around the check: a piece that is, or hands its work to, the engine's or the course's own -----------
@@ -470,6 +482,6 @@ def test_run_all_in_the_student_copy_claims_nothing_it_computed_from_a_stub(tmp_
     text = "\n".join(printed)
     assert FAILED not in text and "Traceback" not in text, text
     for piece, (number, _, _, _) in capstone.PIECES.items():
-        assert f"{piece}" in text and f"yours is not written yet (notebook {number}, the cell under '" in text, piece
+        assert f"{piece}" in text and f"yours is not written yet: notebook {number}, the cell under '" in text, piece
     assert "not done yet: my_engine returned None" in text and "yours (the course's)" in text, text
     assert "claim: yours (the course's) scores what the engine's own does" in text, text

@@ -52,6 +52,20 @@ def self_check(check):
     return wrapper
 
 
+def generated(model, prompt, max_new_tokens: int, stop_at_eos: bool = True) -> list[int]:
+    """Greedy per-prompt ``model.generate``'s new tokens: the ground truth the checks compare the engine with.
+    ``stop_at_eos=False``: past the model's EOS too (a request that ignores EOS)."""
+    import torch
+
+    gen = model.generation_config
+    pad = gen.pad_token_id if gen.pad_token_id is not None else gen.eos_token_id
+    ids = torch.tensor([list(prompt)], device=model.device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+                         pad_token_id=pad[0] if isinstance(pad, list) else pad,
+                         **({} if stop_at_eos else {"eos_token_id": None}))
+    return out[0, ids.shape[1]:].tolist()
+
+
 def is_int(x) -> bool:
     """A whole number as an answer: a Python or NumPy integer (``True`` is not a count)."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)

@@ -78,14 +78,14 @@ class Pieces:
             origin = f"{path.name}  in {where.shown(path.parent)}" if path is not None else f"no notebook {number} found"
             mark = "   <-- THE COURSE'S SOLUTION" if piece in self.course else ""
             if piece in self.filled:
-                mark = f"   <-- THE COURSE'S: yours is not written yet ({self.filled[piece]})"
+                mark = f"   <-- THE COURSE'S ({self.filled[piece]})"
             lines.append(f"{piece:13s} {what:22s} from {origin}{mark}")
         missing = [n for n, p in self.where.items() if p is None]
         if missing:
             lines.append(where.not_found_text(missing, self.searched))
         if self.filled:
-            lines.append(where.course_text(list(self.filled), "not written yet: the course's solution stands in, "
-                                                              "so the engine assembles and runs"))
+            lines.append(where.course_text(list(self.filled), "not written yet, or asked for: the course's solution "
+                                                              "stands in, so the engine assembles and runs"))
         if self.course - set(self.filled):
             folders = {p.parent for p in self.where.values() if p is not None}
             why = ("read from the course's own notebooks, the folder cbteach's course is shipped in"
@@ -95,7 +95,7 @@ class Pieces:
         return "\n".join(lines)
 
 
-def _read(folder=None, use_course_solutions: bool = False) -> tuple[str, dict, set, list, dict]:
+def _read(folder=None, use_course_solutions: bool = False, use_course_for=()) -> tuple[str, dict, set, list, dict]:
     """(the pieces module's text, where each notebook was found, the pieces that are the course's
     solutions, the folders searched, the pieces not written yet -> where to write them). A notebook found
     nowhere gives the student copy's stubs; a piece whose cell is still the stub gets the course's cell."""
@@ -132,9 +132,11 @@ def _read(folder=None, use_course_solutions: bool = False) -> tuple[str, dict, s
         theirs = dict(zip(*where.cells(course_path)[1:])) if path is not None and course_path is not None else {}
         for i, s in enumerate(solutions):
             twin = next((c for c in theirs if where.defined(c) == where.defined(s)), None)
-            if twin is not None and where.normal(s) == where.normal(stub(twin)):  # not written yet: the course's
+            asked = where.defined(s) & {n for p in use_course_for for n in PIECES[p][1]}  # yours does not pass yet
+            if twin is not None and (asked or where.normal(s) == where.normal(stub(twin))):  # the course's, marked
                 solutions[i] = twin
-                filled.update({n: f"notebook {number}, the cell under '{theirs[twin]}'" for n in where.defined(s)})
+                why = "you asked for the course's" if asked else "yours is not written yet"
+                filled.update({n: f"{why}: notebook {number}, the cell under '{theirs[twin]}'" for n in where.defined(s)})
             elif path is not None and where.is_course_cell(s, number):
                 course_names |= where.defined(s)
         label = path.name if path is not None else f"{number} (not found: the student copy's stubs)"
@@ -160,14 +162,19 @@ def pieces_source(folder=None, use_course_solutions: bool = False) -> tuple[str,
     return source, found
 
 
-def pieces_from_notebooks(folder=None, *, use_course_solutions: bool = False, say=print) -> Pieces:
+def pieces_from_notebooks(folder=None, *, use_course_solutions: bool = False, use_course_for=(), say=print) -> Pieces:
     """The learner's pieces, read from notebooks 05 and 06 and run; ``say`` gets :meth:`Pieces.report`.
 
     ``folder``: the folder that holds them (default: where the learner works, :func:`where.search_folders`
     -- never the course's own notebooks unless you work in them). A notebook found nowhere counts as not
-    written yet. ``use_course_solutions=True`` (for instructors) runs the course's own solutions, and
-    says so."""
-    source, found, course, searched, filled = _read(folder, use_course_solutions)
+    written yet; a piece whose cell is still the stub is the course's, marked as the course's everywhere.
+    ``use_course_for=["scheduler"]``: those pieces the course's too (one of yours that does not pass yet), so
+    the rest of yours runs. ``use_course_solutions=True`` (for instructors) runs the course's own solutions,
+    and says so."""
+    unknown = set(use_course_for) - set(PIECES)
+    if isinstance(use_course_for, str) or unknown:
+        raise ValueError(f"use_course_for takes a list of pieces, each one of {list(PIECES)}; got {use_course_for!r}")
+    source, found, course, searched, filled = _read(folder, use_course_solutions, use_course_for)
     namespace: dict = {"__name__": "my_engine"}
     filename = f"<my_engine {len(linecache.cache)}>"  # kept as a notebook keeps a cell: the guard reads the source
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)

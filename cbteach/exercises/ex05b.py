@@ -27,7 +27,7 @@ import types
 import torch
 
 from ..attention.paged import reference_attention
-from . import raised, report, self_check
+from . import generated, raised, report, self_check
 from .ex05b_steps import HEAD_DIM, STEPS, diagnose, make_step, meta_rows, scaled
 
 __all__ = ["HEAD_DIM", "STEPS", "Fail", "check_attend_blocks", "make_step", "meta_rows", "run_engine", "run_steps",
@@ -133,14 +133,8 @@ def run_engine(model, tok, inner, max_new_tokens: int = 4) -> tuple[int, int]:
         done = engine.run(requests)
     except Exception as err:  # the learner's code, inside the engine's forward pass
         raise Fail(f"in the real engine: {raised(err)}") from None
-    gen = model.generation_config
-    pad = gen.pad_token_id if gen.pad_token_id is not None else gen.eos_token_id
     for p, c in zip(prompts, done):
-        ids = torch.tensor([p], device=model.device)
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=max_new_tokens, pad_token_id=pad[0] if isinstance(pad, list) else pad)
-        if c.output_ids != out[0, len(p):].tolist():
+        if c.output_ids != generated(model, p, max_new_tokens):
             raise Fail(f"in the real engine, request {c.request_id}'s tokens differ from generate's, though every "
                        "hand-built step passed: look at what a real step adds -- longer contexts, several "
                        "sequences of different lengths, the engine's own tile size")

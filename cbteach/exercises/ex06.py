@@ -26,11 +26,10 @@ import dataclasses
 import functools
 import weakref
 
-import torch
 
 from ..engine.scheduler import Scheduler
 from ..viz.schedule import first_difference, plan_of
-from . import guard, report, self_check
+from . import generated, guard, report, self_check
 from .rules import ROOM_STAGE, SchedulerMistake
 from .scheduler_check import NotDone, Workload, hint, run, watched, with_eos
 
@@ -121,14 +120,7 @@ def reference_run(model, workload: W, eos_ids=None):
 
 def generate_outputs(model, workload: W) -> dict:
     """Per-prompt greedy ``model.generate``: the ground truth for a workload that stops at EOS."""
-    outs = {}
-    for r in workload.requests(model.config.vocab_size):
-        ids = torch.tensor([r.prompt], device=model.device)
-        eos = model.generation_config.eos_token_id
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=r.max_new_tokens,
-                             pad_token_id=eos if isinstance(eos, int) else None)
-        outs[r.request_id] = out[0, ids.shape[1]:].tolist()
-    return outs
+    return {r.request_id: generated(model, r.prompt, r.max_new_tokens) for r in workload.requests(model.config.vocab_size)}
 
 
 def diagnose(ref, mine, stage=None) -> str:

@@ -25,14 +25,13 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-import torch
 
 from ..core.clock import VirtualClock
 from ..core.request import Request
 from ..core.sampling import SamplingParams
 from ..engine.engine import Engine
 from ..worker import states
-from . import guard, raised, report, self_check
+from . import generated, guard, raised, report, self_check
 from .batch_rules import Expect, Held, state_hint
 
 @dataclass(frozen=True)
@@ -130,16 +129,7 @@ def plugged(fn, seen: list):
 
 def _generate(model, requests) -> dict:
     """Per-prompt greedy ``model.generate``: it stops at the model's EOS ids, unless the request ignores them."""
-    eos = model.generation_config.eos_token_id
-    pad = eos if isinstance(eos, int) or eos is None else eos[0]
-    outs = {}
-    for r in requests:
-        ids = torch.tensor([list(r.prompt)], device=model.device)
-        stop = {"eos_token_id": None} if r.ignore_eos else {}
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=r.max_new_tokens,
-                             pad_token_id=pad, **stop)
-        outs[r.request_id] = out[0, ids.shape[1]:].tolist()
-    return outs
+    return {r.request_id: generated(model, r.prompt, r.max_new_tokens, stop_at_eos=not r.ignore_eos) for r in requests}
 
 
 def run_workload(model, w: Workload, fn=None) -> tuple[Engine, list, Wrong | None]:

@@ -31,7 +31,7 @@ from ..core.clock import VirtualClock
 from ..engine.engine import Engine
 from ..serving.metrics import summarize
 from ..viz.schedule import first_difference
-from . import guard, report, self_check
+from . import generated, guard, report, self_check
 from .capstone import PIECES, Pieces, check_piece, serve_options
 
 OPTIONS = dict(max_batch_size=4, block_size=4, num_blocks=32, token_budget=8)  # it preempts and chunks
@@ -54,17 +54,7 @@ def course_requests(model, tok, n: int = NUM_REQUESTS, max_new_tokens: int = MAX
 
 def generate_outputs(model, requests) -> dict:
     """Per-prompt greedy ``model.generate`` (it stops at EOS): the ground truth."""
-    import torch
-
-    outs = {}
-    gen = model.generation_config
-    pad = gen.pad_token_id if gen.pad_token_id is not None else gen.eos_token_id
-    for r in requests:
-        ids = torch.tensor([list(r.prompt)], device=model.device)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=r.max_new_tokens,
-                             pad_token_id=pad[0] if isinstance(pad, list) else pad)
-        outs[r.request_id] = out[0, ids.shape[1]:].tolist()
-    return outs
+    return {r.request_id: generated(model, r.prompt, r.max_new_tokens) for r in requests}
 
 
 def run(engine, requests) -> list:
@@ -149,7 +139,9 @@ def _blame(pieces: Pieces, model, tok) -> str:
             continue
         ok, said = check_piece(piece, obj, model, tok, slot_mapping=pieces.objects.get("slot_mapping"))
         if not ok:
-            return f"your {piece.replace('_', ' ')} (notebook {PIECES[piece][0]}) fails its own check: {said}"
+            return (f"your {piece.replace('_', ' ')} (notebook {PIECES[piece][0]}) fails its own check: {said}. To go "
+                    f"on meanwhile with the course's {piece} (marked as the course's): "
+                    f"capstone.pieces_from_notebooks(use_course_for=[\"{piece}\"])")
     return "every piece passes its own check, so look at how they are put together in my_engine"
 
 
