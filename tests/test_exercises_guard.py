@@ -130,5 +130,7 @@ def test_no_module_of_the_package_hooks_the_interpreter():
     assert [str(p) for p in package.rglob("*.py") if hooks.search(p.read_text(encoding="utf-8"))] == []
 
 
-def test_the_guard_says_it_does_not_police_copying():
+def test_the_guard_says_it_does_not_police_copying_and_refuses_an_unknown_piece():
     assert "not policed" in guard.__doc__
+    with pytest.raises(ValueError, match="piece must be one of"):
+        guard.refusal("attnetion", default_attention)

@@ -12,8 +12,7 @@ import importlib
 import inspect
 import textwrap
 
-WHAT = {"slot_mapping": "slot mapping", "attention": "attention", "kv_manager": "KV manager", "scheduler": "scheduler",
-        "tp": "answer", "update_batch": "batch update"}
+WHAT = {"slot_mapping": "slot mapping", "kv_manager": "KV manager", "tp": "answer", "update_batch": "batch update"}
 METHODS = {"kv_manager": ("allocate_slots", "free"), "scheduler": ("schedule",)}  # a class piece's own methods
 _WHY = " -- a check that compared the engine (or the course) with itself would prove nothing about your code"
 
@@ -84,7 +83,9 @@ def _calls(fn, own: dict, cls=None) -> str | None:
 
 def refusal(piece: str, obj, methods=None) -> str | None:
     """The refusal if ``obj`` is, inherits or calls the engine's or the course's own ``piece`` (else None)."""
-    own, what = registry()[piece], WHAT[piece]
+    if piece not in registry():
+        raise ValueError(f"piece must be one of {sorted(registry())}, got {piece!r}")
+    own, what = registry()[piece], WHAT.get(piece, piece)
     if not isinstance(obj, type):  # a function: is it, or does it call, one of own?
         said = _owner(obj, own) and f"is {_owner(obj, own)}" or next(
             (f"calls {_calls(f, own)}" for f in _chain(obj) if inspect.isfunction(f) and _calls(f, own)), None)
