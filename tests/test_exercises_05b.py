@@ -9,10 +9,8 @@ interpreter (TRITON_INTERPRET=1) on the CPU."""
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import json
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -98,6 +96,7 @@ MISTAKES = [
     ("float16 accumulator", [("out = out * shrink[:, None] + tl.dot(w, vt, input_precision=\"ieee\")",
                               "out = (out * shrink[:, None] + tl.dot(w, vt, input_precision=\"ieee\")).to(tl.float16)")],
      "not within float32's rounding"),
+    ("scale divided instead of multiplied", [(") * scale", ") / scale")], "divided by scale"),
 ]
 
 
@@ -164,13 +163,14 @@ def test_the_student_stub_is_decorated_and_called_not_done(tmp_path, capsys):
     assert "still the stub" in capsys.readouterr().out
 
 
-def test_the_stub_a_delegating_loop_the_courses_loop_and_a_wrong_argument_are_refused(tmp_path, capsys):
+def test_the_stub_a_delegating_loop_and_a_wrong_argument_are_refused(tmp_path, capsys):
     def my_attend_blocks(q, q_pos, head, table_ptr, num_keys, seq_len, k_pool_ptr, v_pool_ptr, stride_block,
                          stride_slot, stride_head, scale, GROUP, BLOCK_SIZE, TILE_N, HEAD_DIM, BLOCK_D):
         ...  # your code
 
     assert ex05b.check_attend_blocks(my_attend_blocks) is False
-    assert "still the stub" in capsys.readouterr().out
+    out = capsys.readouterr().out  # the stub is already @triton.jit: the hint asks for its loop, not a decorator
+    assert "still the stub" in out and "write its loop" in out and "decorate" not in out, out
     for delegating in (triton_unified.attend_blocks, loop_from_source(tmp_path, "delegating", (
             "def attend_blocks(q, q_pos, head, table_ptr, num_keys, seq_len, k_pool_ptr, v_pool_ptr, stride_block,\n"
             "                  stride_slot, stride_head, scale, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,\n"
@@ -182,10 +182,6 @@ def test_the_stub_a_delegating_loop_the_courses_loop_and_a_wrong_argument_are_re
             delegating.fn.__globals__["triton_unified"] = triton_unified
         assert ex05b.check_attend_blocks(delegating) is False
         assert "calls the course's own" in capsys.readouterr().out
-    courses = textwrap.dedent(inspect.getsource(triton_unified.attend_blocks.fn)).replace("@triton.jit\n", "", 1)
-    renamed = courses.replace("kv_head", "h").replace("present", "mine").replace("# ", "# mine: ")
-    assert ex05b.check_attend_blocks(loop_from_source(tmp_path, "courses_loop", renamed)) is False
-    assert "is a copy of the engine's attend_blocks" in capsys.readouterr().out
     assert ex05b.check_attend_blocks(my_attend_blocks(*[None] * 17)) is False
     assert "pass your function itself" in capsys.readouterr().out
 

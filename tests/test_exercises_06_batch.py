@@ -5,7 +5,6 @@ it; anything a learner passes gets a hint; a function that is, copies or calls t
 refused; the student copy's stub is "not done yet"."""
 import contextlib
 import functools
-import inspect
 import io
 import json
 import re
@@ -117,6 +116,13 @@ MISTAKES = {  # the mistake, made once in the solution -> the hint that must nam
     "a request without a row never added back": ("            to_add.append(state)  # (added below)\n", "",
                                                   "missing_row"),
     "nothing added to the batch": ("        batch.add_request(state)\n", "        pass\n", "missing_row"),
+    "a request that kept its row added again": ("        if (row := batch.req_id_to_index.get(req_id)) is None:",
+                                                "        if (row := batch.req_id_to_index.get(req_id)) or True:", "twice"),
+    "a running request's table replaced by its new blocks": (
+        "req_id in cached.resumed_req_ids | cached.replaced_req_ids\n", "True\n", "replaced"),
+    "the row taken as the place in the message": ("        batch.num_computed_tokens[row] = state.num_computed_tokens",
+                                                  "        batch.num_computed_tokens[i] = state.num_computed_tokens",
+                                                  "wrong_row"),
 }
 
 
@@ -171,15 +177,8 @@ def _wrapper(runner, scheduler_output):
     states.update_batch(runner, scheduler_output)
 
 
-def _copy():
-    namespace = {"CachedRequestState": CachedRequestState, "make_generator": None, "torch": None}
-    exec(compile(inspect.getsource(states.update_batch), "copied", "exec"), namespace)
-    return namespace["update_batch"]
-
-
 CHEATS = {
     "the worker's own": lambda: states.update_batch,
-    "a copy of its source": _copy,
     "a wrapper that calls it": lambda: _wrapper,
     "a partial of it": lambda: functools.partial(states.update_batch),
 }

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import io
 import json
+import linecache
 import os
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from cbteach import Engine
-from cbteach.exercises import capstone, ex12
+from cbteach.exercises import capstone, ex12, tournament
 from cbteach.student import write_course
 from conftest import tiny_model
 
@@ -28,8 +29,9 @@ def solution_source() -> str:
 
 
 def pieces_of(source: str) -> capstone.Pieces:
-    namespace = {"__name__": "my_engine"}
-    exec(compile(source, "my_engine.py", "exec"), namespace)
+    namespace, filename = {"__name__": "my_engine"}, f"<my_engine {len(linecache.cache)}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)  # as a notebook keeps a cell
+    exec(compile(source, filename, "exec"), namespace)
     objects = {p: namespace.get(names[0]) for p, (_, names, _, _) in capstone.PIECES.items()}
     objects["scheduler"] = namespace[capstone.ENGINE_CLASS]
     return capstone.Pieces(objects, source)
@@ -131,10 +133,12 @@ def test_pieces_are_read_from_the_notebooks_and_the_student_copys_stubs_are_not_
     assert course.objects["kv_manager"].__name__ == "MyKVManager" and course.objects["scheduler"] is not None
     assert set(course.where) == {"05", "06"}
     write_course(NOTEBOOKS, tmp_path, student=True, say=lambda _m: None)
-    student = capstone.pieces_from_notebooks(tmp_path)
-    assert all(v is None for v in student.objects.values()), student.objects
+    student = capstone.pieces_from_notebooks(tmp_path)  # every cell a stub: every piece the course's, marked so
+    assert student.course == set(student.filled) == set(capstone.PIECES) and not student.yours, student.filled
     ok, out = check(my_engine_of(student), student, llama)
-    assert not ok and "not done yet" in out, out
+    assert ok and "yours: none; NOT YOURS: the course's own solution for kv_manager" in out, out
+    ok, out = check(lambda model, tok, **options: None, student, llama)  # the student copy's my_engine
+    assert not ok and "not done yet" in out and "2. Exercise: assemble your engine" in out, out
     with pytest.raises(ValueError, match="is not a folder"):
         capstone.pieces_from_notebooks(tmp_path / "nowhere")
     (tmp_path / "empty").mkdir()
@@ -309,15 +313,19 @@ def test_from_an_empty_folder_on_a_laptop_it_says_where_it_looked(tmp_path, monk
     assert "NOT FOUND" in said and "!!   the current folder\n" in said and str(tmp_path) not in said, said
 
 
-def _learners_copy(path: Path, number: str) -> None:
+def _learners_copy(path: Path, number: str, undone: tuple = ()) -> None:
     """The course's notebook with every solution cell rewritten, as a learner's own would differ: one more
-    statement in every function (a comment or new names would not do: the course's code is recognised by
-    its shape, :mod:`cbteach.exercises.shapes`)."""
+    statement in every function; a cell that defines one of ``undone`` left as the student copy's stub."""
     import ast
+
+    from cbteach.exercises import where
+    from cbteach.student import stub
 
     nb = json.loads(next(NOTEBOOKS.glob(f"{number}_*.ipynb")).read_text())
     for cell in nb["cells"]:
-        if "solution" in cell["metadata"].get("tags", []):
+        if "solution" in cell["metadata"].get("tags", []) and where.defined("".join(cell["source"])) & set(undone):
+            cell["source"] = stub("".join(cell["source"]))
+        elif "solution" in cell["metadata"].get("tags", []):
             tree = ast.parse("".join(cell["source"]))
             for node in ast.walk(tree):
                 if isinstance(node, ast.FunctionDef):
@@ -356,6 +364,40 @@ def test_in_the_course_copy_every_piece_is_called_the_courses(monkeypatch):
     assert pieces.course == set(capstone.PIECES) and "NOT YOUR CODE" in said, said
 
 
+# -- catch-up: a piece not written yet is the course's, marked so everywhere, and the rest still runs ------------
+
+@pytest.mark.parametrize("undone", list(capstone.PIECES))
+def test_a_piece_left_undone_is_the_courses_marked_so_and_the_engine_assembles_and_ranks(undone, tmp_path, llama):
+    number, names = capstone.PIECES[undone][:2]
+    _learners_copy(tmp_path / "05_paged_kv_cache.ipynb", "05", names)
+    _learners_copy(tmp_path / "06_scheduling_and_latency.ipynb", "06", names)
+    pieces, said = read(folder=tmp_path)
+    assert all(o is not None for o in pieces.objects.values()), pieces.objects
+    assert pieces.course == set(pieces.filled) == {undone} and undone not in pieces.yours, (pieces.course, pieces.yours)
+    assert f"THE COURSE'S (yours is not written yet: notebook {number}, the cell under '" in said, said
+    ok, out = check(my_engine_of(pieces), pieces, llama)
+    assert ok and f"yours: {', '.join(p for p in capstone.PIECES if p != undone)}; NOT YOURS" in out, out
+    assert out.rstrip().split("NOT YOURS: the course's own solution for ")[1].startswith(undone), out
+    (tmp_path / "room").mkdir()
+    module = capstone.write_module(tmp_path / "room" / "yours.py", pieces)
+    entries = tournament.run_tournament({"yours": tournament.load_scheduler(module)}, llama,
+                                        tournament.Trace(num_requests=4), baseline=False)
+    table = tournament.table(entries, tournament.Trace(num_requests=4))
+    assert entries[0].disqualified is None and ("yours (the course's)" in table) == (undone == "scheduler"), table
+
+
+def test_a_piece_that_does_not_pass_yet_can_be_the_courses_on_request_marked_so(tmp_path, llama):
+    _learners_copy(tmp_path / "05_paged_kv_cache.ipynb", "05")
+    _learners_copy(tmp_path / "06_scheduling_and_latency.ipynb", "06")
+    pieces, said = read(folder=tmp_path, use_course_for=["attention"])
+    assert pieces.course == set(pieces.filled) == {"attention"} and "you asked for the course's" in said, said
+    ok, out = check(my_engine_of(pieces), pieces, llama)
+    assert ok and "NOT YOURS: the course's own solution for attention" in out, out
+    for bad in ("attention", ["the attention"]):
+        with pytest.raises(ValueError, match="use_course_for takes a list of pieces"):
+            capstone.pieces_from_notebooks(tmp_path, use_course_for=bad, say=None)
+
+
 # -- no route around the check: a piece that is, or hands its work to, the engine's or the course's own -----------
 
 CHEATS = {  # piece -> (the learner's cell, the words that must name it)
@@ -363,22 +405,22 @@ CHEATS = {  # piece -> (the learner's cell, the words that must name it)
                   "is the course's own answer attend"),
     "attention_wrapper": ("from cbteach.attention.paged import default_attention\n\n\n"
                           "def my_attention(*args):\n    return default_attention(*args)",
-                          "called the engine's default_attention"),
+                          "calls the engine's default_attention"),
     "slot_mapping": ("from cbteach.exercises.ex05_mistakes import slots as my_slot_mapping",
                      "is the course's own answer slots"),
     "kv_manager": ("from cbteach.kv.manager import KVCacheManager\n\n\nclass MyKVManager(KVCacheManager):\n"
                    "    def __init__(self, num_blocks, block_size):\n        super().__init__(num_blocks, block_size)\n"
                    "        self.free_blocks = list(range(num_blocks))",
-                   "your KV manager is, in MyKVManager.allocate_slots, the engine's"),
+                   "MyKVManager.allocate_slots is still the engine's KVCacheManager.allocate_slots"),
     "scheduler": ("class MyScheduler(Scheduler):\n    def schedule(self, now):\n        return super().schedule(now)",
-                  "called the engine's Scheduler.schedule"),
+                  "calls the engine's Scheduler.schedule (through super().schedule)"),
     "update": ("class MyUpdate(Scheduler):\n    def update_from_output(self, plan, output, now):\n"
                "        return super().update_from_output(plan, output, now)",
-               "update_from_output -- a check"),
-    "update_missing": ("class MyUpdate(Scheduler):\n    pass", "in MyEngineScheduler.update_from_output, the engine's"),
+               "calls the engine's Scheduler.update_from_output (through super().update_from_output)"),
+    "update_missing": ("class MyUpdate(Scheduler):\n    pass", "MyEngineScheduler.update_from_output is still the engine's"),
     "update_batch": ("from cbteach.worker.states import update_batch", "is the worker's own update_batch"),
     "update_batch_wrapper": ("from cbteach.worker import states\n\n\ndef update_batch(runner, scheduler_output):\n"
-                             "    states.update_batch(runner, scheduler_output)", "called the worker's own update_batch"),
+                             "    states.update_batch(runner, scheduler_output)", "calls the worker's own update_batch"),
 }
 
 
@@ -420,3 +462,26 @@ def test_serve_refuses_a_learners_update_batch_with_tensor_parallelism(pieces_di
     with pytest.raises(SystemExit) as stopped:
         main(["serve", "--port", "0", "--tensor-parallel-size", "2", "--update-batch", "good_pieces:update_batch"])
     assert stopped.value.code == 2 and "--update-batch runs in the engine core's own process" in capsys.readouterr().err
+
+
+def test_run_all_in_the_student_copy_claims_nothing_it_computed_from_a_stub(tmp_path):
+    """Notebook 12's student copy, every exercise undone, Run All: each piece is the course's and says so, the
+    cells that need my_engine say "not done yet", the tournament's table marks the course's scheduler, and no
+    claim reports that it did not hold (a claim computed from a stub would)."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    from cbteach.perf.claims import FAILED
+
+    write_course(NOTEBOOKS, tmp_path, student=True, say=lambda _m: None)
+    path = tmp_path / "12_your_engine.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(nb, timeout=600, resources={"metadata": {"path": str(tmp_path)}}).execute()
+    printed = ["".join(o.get("text", "")) + "".join(o.get("data", {}).get("text/plain", "")) for c in nb.cells
+               if c.cell_type == "code" for o in c.get("outputs", [])]
+    text = "\n".join(printed)
+    assert FAILED not in text and "Traceback" not in text, text
+    for piece, (number, _, _, _) in capstone.PIECES.items():
+        assert f"{piece}" in text and f"yours is not written yet: notebook {number}, the cell under '" in text, piece
+    assert "not done yet: my_engine returned None" in text and "yours (the course's)" in text, text
+    assert "claim: yours (the course's) scores what the engine's own does" in text, text

@@ -4,7 +4,8 @@ Each check takes the learner's answer, compares it with a value computed from th
 model, prints what is right or exactly what is wrong, and returns ``True``/``False``. Solutions are
 in the notebooks (cells tagged ``solution``). What a check compares with -- the engine's own pieces,
 and the references a check computes a step with (``ex05_mistakes``) -- is not an answer: a piece
-that is, copies or calls one of them is refused with a hint saying so (:mod:`.delegation`).
+that is, inherits or directly calls one of them is refused with a hint naming it (:mod:`.guard`).
+Deliberate copying is not policed: the solution cell is one click away.
 
 Every check is wrapped in :func:`self_check`: whatever a learner passes -- ``None``, a function that
 raises, a tensor where a list was expected -- the check prints what stopped it and returns
@@ -49,6 +50,20 @@ def self_check(check):
             return report(False, "", f"the check stopped with {raised(err)}\n  Run your code on a "
                           "small case by hand and look at what it returns (its type, length and values).")
     return wrapper
+
+
+def generated(model, prompt, max_new_tokens: int, stop_at_eos: bool = True) -> list[int]:
+    """Greedy per-prompt ``model.generate``'s new tokens: the ground truth the checks compare the engine with.
+    ``stop_at_eos=False``: past the model's EOS too (a request that ignores EOS)."""
+    import torch
+
+    gen = model.generation_config
+    pad = gen.pad_token_id if gen.pad_token_id is not None else gen.eos_token_id
+    ids = torch.tensor([list(prompt)], device=model.device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+                         pad_token_id=pad[0] if isinstance(pad, list) else pad,
+                         **({} if stop_at_eos else {"eos_token_id": None}))
+    return out[0, ids.shape[1]:].tolist()
 
 
 def is_int(x) -> bool:

@@ -32,7 +32,9 @@ HINTS = {
     "missing_row": "a request scheduled in this step has no row: {who} is added to the batch (batch.add_request(state))",
     "holes": "rows were left empty in the batch: after requests leave, rows 0 .. num_reqs - 1 must be this step's "
              "requests -- the last rows move into the holes (batch.condense(), once everything is added)",
-    "twice": "a request has two rows: it was added while it already had one",
+    "twice": "a request has two rows: batch.add_request was called for a request that still had its row -- a cached "
+             "request that kept its row is changed in place, only one without a row (resumed, or left out of the "
+             "step before) is added",
     "index": "batch.req_ids and batch.req_id_to_index disagree: change rows only through the batch's methods",
     "prefix": "a new request starts at 0, but the message says it starts past the prompt blocks another request "
               "already computed (a prefix-cache hit): its num_computed_tokens is the message's",
@@ -45,6 +47,11 @@ HINTS = {
                        "where it starts now -- in its state and in its row",
     "computed_other": "a request's num_computed_tokens is not the message's",
     "appended": "{which} request's block table was appended to: {why}, and cached.new_block_ids[i] is its whole table",
+    "replaced": "a running request's block table was replaced by cached.new_block_ids[i]: for a running request those "
+                "are only the blocks allocated since the last step, and they go after its others (only a resumed "
+                "request, or one whose table a copy on write changed, gets a whole new table)",
+    "wrong_row": "a request's {what} went into another request's row: a cached request's row is "
+                 "batch.req_id_to_index[req_id], not its place i in the message's lists",
     "not_appended": "a running request's row is missing the blocks allocated to it since the last step: "
                     "cached.new_block_ids[i] go after its others (batch.block_table.append_row(new_block_ids, row))",
     "blocks_state": "a request's state (its block_ids) and its row's block table disagree: both follow the message",
@@ -76,6 +83,7 @@ class Held:
     blocks: list
     generator: object
     had_row: bool
+    computed: int = 0  # its num_computed_tokens
 
 
 @dataclass
@@ -124,16 +132,37 @@ def state_hint(runner, msg, before: dict, expect: dict, rows_before: list) -> st
         who = "a new request" if expect[rid].how in ("new", "forked") else \
             "a cached request without a row -- resumed, or left out of the step before --"
         return HINTS["missing_row"].format(who=who)
-    if len(b.req_ids) != b.num_reqs or None in b.req_ids:
-        return HINTS["holes"] if len(set(b.req_ids) - {None}) == b.num_reqs else HINTS["twice"]
-    if len(set(b.req_ids)) != len(b.req_ids):
+    held = [rid for rid in b.req_ids if rid is not None]
+    if len(set(held)) != len(held):
         return HINTS["twice"]
-    if any(b.req_id_to_index[rid] != row for row, rid in enumerate(b.req_ids)):
-        return HINTS["index"]
+    if len(b.req_ids) != b.num_reqs or None in b.req_ids:
+        return HINTS["holes"]
+    lost = [rid for rid, row in b.req_id_to_index.items() if row >= len(b.req_ids) or b.req_ids[row] != rid]
+    if lost or any(b.req_id_to_index[rid] != row for row, rid in enumerate(b.req_ids)):
+        # added again while it had its row: the batch gave it a second row, and condense() cut one off
+        return HINTS["twice"] if any(before.get(rid) and before[rid].had_row for rid in lost) else HINTS["index"]
+    said = _wrong_row(b, expect)
+    if said is not None:
+        return said
     for rid, e in expect.items():
         said = _row_hint(b, b.req_id_to_index[rid], reqs[rid], e)
         if said is not None:
             return said
+    return None
+
+
+def _wrong_row(b, expect: dict) -> str | None:
+    """The hint if a cached request's row was left as it was, or changed, while what the message gives it went
+    into another request's row (the row taken as the request's place in the message's lists)."""
+    rows = {rid: b.req_id_to_index[rid] for rid in expect}
+    for what, key, read in (("num_computed_tokens", "num_computed_tokens", lambda r: int(b.num_computed_tokens[r])),
+                            ("block table", "blocks", b.block_table.row)):
+        for rid, e in expect.items():
+            want, old = getattr(e, key), e.held and (e.held.computed if key != "blocks" else e.held.blocks)
+            if e.how in ("new", "forked") or read(rows[rid]) == want or want == old:
+                continue
+            if any(read(r) == want != getattr(expect[o], key) for o, r in rows.items() if o != rid):
+                return HINTS["wrong_row"].format(what=what)
     return None
 
 
@@ -152,6 +181,8 @@ def _row_hint(b, row: int, state, e: Expect) -> str | None:
             return HINTS["appended"].format(which=which[0].upper() + which[1:], why=why)
         if e.how == "running" and table == e.held.blocks:
             return HINTS["not_appended"]
+        if e.how == "running" and table == e.blocks[len(e.held.blocks):]:
+            return HINTS["replaced"]
         return HINTS["blocks_state"] if list(state.block_ids) == e.blocks else HINTS["blocks_other"]
     if list(state.block_ids) != e.blocks:
         return HINTS["blocks_state"]

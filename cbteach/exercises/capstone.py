@@ -27,12 +27,13 @@ from __future__ import annotations
 import ast
 import contextlib
 import io
+import linecache
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..engine.scheduler import Scheduler
-from . import where
+from . import guard, where
 
 # piece -> (notebook number, the names it is made of, serve's option, Engine's keyword)
 PIECES = {
@@ -56,6 +57,12 @@ class Pieces:
     where: dict = field(default_factory=dict)  # notebook number -> the notebook's path, or None
     course: set = field(default_factory=set)  # pieces that are the course's solutions, not the learner's
     searched: list = field(default_factory=list)  # the folders looked in
+    filled: dict = field(default_factory=dict)  # piece not written yet -> the cell to write it in (the course's runs)
+
+    @property
+    def yours(self) -> list:
+        """The pieces that are the learner's own."""
+        return [p for p in PIECES if self.objects.get(p) is not None and p not in self.course]
 
     def engine_kwargs(self) -> dict:
         """The pieces as ``Engine(...)`` keywords (those written so far)."""
@@ -70,23 +77,29 @@ class Pieces:
             what = "not written yet" if self.objects.get(piece) is None else " + ".join(names)
             origin = f"{path.name}  in {where.shown(path.parent)}" if path is not None else f"no notebook {number} found"
             mark = "   <-- THE COURSE'S SOLUTION" if piece in self.course else ""
+            if piece in self.filled:
+                mark = f"   <-- THE COURSE'S ({self.filled[piece]})"
             lines.append(f"{piece:13s} {what:22s} from {origin}{mark}")
         missing = [n for n, p in self.where.items() if p is None]
         if missing:
             lines.append(where.not_found_text(missing, self.searched))
-        if self.course:
+        if self.filled:
+            lines.append(where.course_text(list(self.filled), "not written yet, or asked for: the course's solution "
+                                                              "stands in, so the engine assembles and runs"))
+        if self.course - set(self.filled):
             folders = {p.parent for p in self.where.values() if p is not None}
             why = ("read from the course's own notebooks, the folder cbteach's course is shipped in"
                    if len(folders) == 1 and where.is_course_folder(next(iter(folders)))
                    else "their cells are the course's solution cells, whatever their comments, layout or names")
-            lines.append(where.course_text([p for p in PIECES if p in self.course], why))
+            lines.append(where.course_text([p for p in PIECES if p in self.course and p not in self.filled], why))
         return "\n".join(lines)
 
 
-def _read(folder=None, use_course_solutions: bool = False) -> tuple[str, dict, set, list]:
+def _read(folder=None, use_course_solutions: bool = False, use_course_for=()) -> tuple[str, dict, set, list, dict]:
     """(the pieces module's text, where each notebook was found, the pieces that are the course's
-    solutions, the folders searched). A notebook found nowhere gives the student copy's stubs."""
-    from ..student import course_dir
+    solutions, the folders searched, the pieces not written yet -> where to write them). A notebook found
+    nowhere gives the student copy's stubs; a piece whose cell is still the stub gets the course's cell."""
+    from ..student import course_dir, stub
 
     if use_course_solutions:
         folders = [course_dir()]
@@ -101,22 +114,30 @@ def _read(folder=None, use_course_solutions: bool = False) -> tuple[str, dict, s
     if folder is not None and not use_course_solutions and not any(found.values()):
         raise ValueError(f"no notebook 05_*.ipynb or 06_*.ipynb in {folder}: your pieces are read from notebooks 05 "
                          "and 06 -- name the folder you saved them in")
-    imports, bodies, course_names = ["import math"], [], set()  # math: notebook 06 imports it before its exercise
+    imports, bodies, course_names, filled = ["import math"], [], set(), {}  # math: notebook 06 imports it
     for number, path in found.items():
         try:
-            source_path = path if path is not None else where.find_notebook(course_dir(), number)
-        except FileNotFoundError:  # no course notebooks either: bare stubs of the pieces' names
-            source_path = None
+            course_path = where.find_notebook(course_dir(), number)
+        except FileNotFoundError:  # no course notebooks: no course cells to stand in
+            course_path = None
+        source_path = path if path is not None else course_path
         if source_path is None:
             bodies += [f"class {name}:\n    pass\n" for piece, (n, names, _, _) in PIECES.items() if n == number
                        for name in names if name.startswith("My")]
             bodies += [f"def {name}(*args):\n    ...\n" for piece, (n, names, _, _) in PIECES.items() if n == number
                        for name in names if not name.startswith("My")]
             continue
-        more, solutions = where.cells(source_path, stubbed=path is None)
+        more, solutions, _ = where.cells(source_path, stubbed=path is None)
         imports += [i for i in more if i not in imports]
-        for s in solutions:
-            if path is not None and where.is_course_cell(s, number):
+        theirs = dict(zip(*where.cells(course_path)[1:])) if path is not None and course_path is not None else {}
+        for i, s in enumerate(solutions):
+            twin = next((c for c in theirs if where.defined(c) == where.defined(s)), None)
+            asked = where.defined(s) & {n for p in use_course_for for n in PIECES[p][1]}  # yours does not pass yet
+            if twin is not None and (asked or where.normal(s) == where.normal(stub(twin))):  # the course's, marked
+                solutions[i] = twin
+                why = "you asked for the course's" if asked else "yours is not written yet"
+                filled.update({n: f"{why}: notebook {number}, the cell under '{theirs[twin]}'" for n in where.defined(s)})
+            elif path is not None and where.is_course_cell(s, number):
                 course_names |= where.defined(s)
         label = path.name if path is not None else f"{number} (not found: the student copy's stubs)"
         bodies += [f"# -- from {label} --\n{s.strip()}\n" for s in solutions]
@@ -127,26 +148,37 @@ def _read(folder=None, use_course_solutions: bool = False) -> tuple[str, dict, s
     header = '"""Your engine\'s pieces, written from notebooks 05 and 06 (cbteach.exercises.capstone)."""\n'
     source = header + "\n".join(imports) + "\n\n\n" + "\n\n".join(bodies) + combined
     course = {p for p, (_, names, _, _) in PIECES.items() if course_names & set(names)}
-    return source, found, course, folders
+    filled = {p: next(filled[n] for n in names if n in filled) for p, (_, names, _, _) in PIECES.items()
+              if filled.keys() & set(names)}
+    if "scheduler" in course | set(filled):  # the tournament's table marks it (tournament_core.run_entry)
+        source += f"\n\n{PIECES['scheduler'][1][0]}.course_solution = True  # the course's, not yours\n"
+    return source, found, course, folders, filled
 
 
 def pieces_source(folder=None, use_course_solutions: bool = False) -> tuple[str, dict]:
     """A module's text with every piece from notebooks 05 and 06 -- in ``folder``, or where the learner
     works (:mod:`cbteach.exercises.where`) -- and where each notebook was found (``None``: nowhere)."""
-    source, found, _, _ = _read(folder, use_course_solutions)
+    source, found, _, _, _ = _read(folder, use_course_solutions)
     return source, found
 
 
-def pieces_from_notebooks(folder=None, *, use_course_solutions: bool = False, say=print) -> Pieces:
+def pieces_from_notebooks(folder=None, *, use_course_solutions: bool = False, use_course_for=(), say=print) -> Pieces:
     """The learner's pieces, read from notebooks 05 and 06 and run; ``say`` gets :meth:`Pieces.report`.
 
     ``folder``: the folder that holds them (default: where the learner works, :func:`where.search_folders`
     -- never the course's own notebooks unless you work in them). A notebook found nowhere counts as not
-    written yet. ``use_course_solutions=True`` (for instructors) runs the course's own solutions, and
-    says so."""
-    source, found, course, searched = _read(folder, use_course_solutions)
+    written yet; a piece whose cell is still the stub is the course's, marked as the course's everywhere.
+    ``use_course_for=["scheduler"]``: those pieces the course's too (one of yours that does not pass yet), so
+    the rest of yours runs. ``use_course_solutions=True`` (for instructors) runs the course's own solutions,
+    and says so."""
+    unknown = set(use_course_for) - set(PIECES)
+    if isinstance(use_course_for, str) or unknown:
+        raise ValueError(f"use_course_for takes a list of pieces, each one of {list(PIECES)}; got {use_course_for!r}")
+    source, found, course, searched, filled = _read(folder, use_course_solutions, use_course_for)
     namespace: dict = {"__name__": "my_engine"}
-    exec(compile(source, "my_engine.py", "exec"), namespace)  # noqa: S102 -- the learner's own code
+    filename = f"<my_engine {len(linecache.cache)}>"  # kept as a notebook keeps a cell: the guard reads the source
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    exec(compile(source, filename, "exec"), namespace)  # noqa: S102 -- the learner's own code
     objects = {}
     for piece, (_, names, _, _) in PIECES.items():
         got = [namespace.get(n) for n in names]
@@ -154,7 +186,8 @@ def pieces_from_notebooks(folder=None, *, use_course_solutions: bool = False, sa
         objects[piece] = None if missing or any(_is_stub(o) for o in got) else got[0]
     if objects["scheduler"] is not None:
         objects["scheduler"] = namespace[ENGINE_CLASS]
-    pieces = Pieces(objects, source, found, {p for p in course if objects[p] is not None}, searched)
+    course = {p for p in course | set(filled) if objects[p] is not None}
+    pieces = Pieces(objects, source, found, course, searched, {p: w for p, w in filled.items() if p in course})
     if say is not None:
         say(pieces.report())
     return pieces
@@ -196,10 +229,8 @@ def serve_options(module: str) -> list[str]:
 def check_piece(piece: str, obj, model, tok=None, slot_mapping=None, prefix_caching: bool = True) -> tuple[bool, str]:
     """Run ``piece``'s own notebook check on ``obj``: (passed, what the check said -- its failure if any).
     ``prefix_caching=False``: the scheduler is not checked on workloads with prefix caching on. A piece
-    that is (or copies) the engine's or the course's own is refused first (:mod:`.delegation`)."""
-    from .delegation import is_own
-
-    refused = is_own(piece, obj)
+    that is, or calls, the engine's or the course's own is refused first (:mod:`.guard`)."""
+    refused = guard.refusal(piece, obj)
     if refused:
         return False, refused
     out = io.StringIO()

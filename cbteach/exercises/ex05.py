@@ -3,7 +3,7 @@
 The learner's class ``MyKVManager(num_blocks, block_size)`` keeps ``free_blocks`` (every free block
 id) and has ``allocate_slots(seq, num_new_tokens)`` and ``free(seq)``, the two calls the scheduler
 makes (:class:`~cbteach.kv.manager.KVCacheManager` is the engine's own). The check plugs it into a
-real paged :class:`~cbteach.Engine` (:func:`cbteach.bench.memory_experiments.plug`), watches every call,
+real paged :class:`~cbteach.Engine` (:func:`cbteach.bench.memory_experiments.plug`), checks every call,
 and serves small workloads -- several blocks per sequence, finished sequences' blocks reused, a
 pool so small that the engine preempts -- once on the learner's manager and once on the engine's
 own. They must agree token for token, block count for block count, preemption for preemption.
@@ -14,8 +14,7 @@ from ..engine.engine import Engine
 from ..kv.plugged import PluggedKVManager
 from ..bench.memory_experiments import plug
 from ..core.request import Request
-from . import is_int, raised, report, self_check
-from .delegation import Watch, is_own, learner_codes
+from . import guard, is_int, raised, report, self_check
 
 # (block_size, num_blocks, max_batch_size, [(prompt tokens, new tokens), ...]): several blocks each and
 # blocks reused after a finish; prompts shorter than a block; one-token blocks; a pool so small it preempts.
@@ -38,13 +37,9 @@ class Watched(PluggedKVManager):
 
     def call_mine(self, call: str, method: str, *args):
         try:
-            with Watch(["kv_manager"], exempt=learner_codes("kv_manager", type(self.mine))) as seen:
-                out = super().call_mine(call, method, *args)
+            return super().call_mine(call, method, *args)
         except Exception as err:  # the learner's code: say what failed, and on which call
-            raise Wrong(seen.found or f"{call} raised {raised(err)}") from None
-        if seen.found:  # it handed the call to the engine's own manager
-            raise Wrong(seen.found)
-        return out
+            raise Wrong(f"{call} raised {raised(err)}") from None
 
 
 def serve(model, case, manager_class=None) -> dict:
@@ -102,7 +97,7 @@ def check_kv_manager(manager_class, model) -> bool:
     if not isinstance(manager_class, type):
         return report(False, "", f"pass your class itself (MyKVManager, not MyKVManager(...)); got "
                                  f"{type(manager_class).__name__}")
-    problem = is_own("kv_manager", manager_class) or _check_init(manager_class)
+    problem = guard.refusal("kv_manager", manager_class) or _check_init(manager_class)
     if problem:
         return report(False, "", problem)
     steps = preemptions = 0

@@ -22,27 +22,14 @@ from __future__ import annotations
 
 import numbers
 
-import torch
 
-from . import report, self_check
-from .delegation import Delegated, watched
+from . import generated, report, self_check
 from .ex05_steps import HEADS, STEPS, Fail, check_attention_cases, check_slot_mapping_cases
 
 MAX_NEW_TOKENS = 16  # per request, in the engine runs
 
 
 # -- the real engine ----------------------------------------------------------------------------------
-
-def _reference(model, prompt, n):
-    """Greedy per-prompt ``model.generate``: the ground truth."""
-    ids = torch.tensor([prompt], device=model.device)
-    gen = model.generation_config
-    pad = gen.pad_token_id if gen.pad_token_id is not None else gen.eos_token_id
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
-                             pad_token_id=pad[0] if isinstance(pad, list) else pad)
-    return out[0, ids.shape[1]:].tolist()
-
 
 def engine_runs(model, prompts, max_new_tokens: int = MAX_NEW_TOKENS):
     """What the check serves: ``(what, model, prompts, engine options)``; the notebook's model first.
@@ -68,8 +55,6 @@ def run_in_engine(model, prompts, options, attention=None, slot_mapping=None,
     from ..core.request import Request
     from ..engine.engine import Engine
 
-    attention = watched("attention", attention) if attention is not None else None  # every call, watched
-    slot_mapping = watched("slot_mapping", slot_mapping) if slot_mapping is not None else None
     engine = Engine(model, None, kv="paged", attention=attention, slot_mapping=slot_mapping, **options)
     return engine.run([Request(list(p), max_new_tokens, request_id=f"r{i}") for i, p in enumerate(prompts)])
 
@@ -77,15 +62,10 @@ def run_in_engine(model, prompts, options, attention=None, slot_mapping=None,
 def _in_engine(model, prompts, attention, slot_mapping, max_new_tokens: int = MAX_NEW_TOKENS) -> tuple[int, int]:
     steps = tokens = 0
     for what, m, ps, options in engine_runs(model, prompts, max_new_tokens):
-        expected = [_reference(m, p, max_new_tokens) for p in ps]
+        expected = [generated(m, p, max_new_tokens) for p in ps]
         try:
             done = run_in_engine(m, ps, options, attention, slot_mapping, max_new_tokens)
         except Exception as err:  # a rule the engine enforces, or the learner's code inside the forward pass
-            cause = err
-            while cause is not None and not isinstance(cause, Delegated):
-                cause = cause.__cause__ or cause.__context__
-            if cause is not None:
-                raise Fail(f"in the real engine ({what}): {cause}", named=True) from None
             raise Fail(f"in the real engine ({what}): {type(err).__name__}: {err}") from None
         for c, exp in zip(done, expected):
             if getattr(c, "error", None):

@@ -7,8 +7,8 @@ that was missed, never a slot or a value. (These are the check's own references,
 clarity; the engine computes the same in :mod:`cbteach.attention.metadata` and
 :mod:`cbteach.attention.paged`, and the tests hold the two equal.)
 
-They are the check's, not an answer: a piece that calls them, is them or is a copy of them is refused
-with a hint saying so (:mod:`cbteach.exercises.delegation`), as a piece that calls the engine's is.
+They are the check's, not an answer: a piece that is them or calls them is refused with a hint
+saying so (:mod:`cbteach.exercises.guard`), as a piece that calls the engine's is.
 """
 from __future__ import annotations
 

@@ -15,8 +15,7 @@ import torch
 
 from ..attention.metadata import build
 from ..kv.pool import PagedKVPool
-from . import is_int, raised
-from .delegation import Watch, is_own, learner_codes
+from . import guard, is_int, raised
 from .ex05_mistakes import ATTENTION_MISTAKES, SLOT_MISTAKES, attend, slots
 
 # (what, block_size, [(num_computed_tokens, num_scheduled_tokens, block_table), ...]) of each step.
@@ -136,7 +135,7 @@ def _crashed_slots(slot_mapping, case, err) -> Fail:
 
 def check_slot_mapping_cases(slot_mapping) -> None:
     """Run ``slot_mapping`` on every hand-built step; raise :class:`Fail` naming the mistake."""
-    refused = is_own("slot_mapping", slot_mapping)
+    refused = guard.refusal("slot_mapping", slot_mapping)
     if refused:
         raise Fail(refused, named=True)
     failures = []
@@ -144,15 +143,10 @@ def check_slot_mapping_cases(slot_mapping) -> None:
         _, bs, seqs = case
         args = ([list(t) for _, _, t in seqs], [c for c, _, _ in seqs], [n for _, n, _ in seqs], bs)
         try:
-            with Watch(["slot_mapping"], exempt=learner_codes("slot_mapping", slot_mapping)) as seen:
-                got = slot_mapping(*args)
+            got = slot_mapping(*args)
         except Exception as err:  # the learner's code
-            if seen.found:
-                raise Fail(seen.found, named=True) from None
             failures.append(_crashed_slots(slot_mapping, case, err))
             continue
-        if seen.found:
-            raise Fail(seen.found, named=True)
         got = _as_slots(got, sum(args[2]))
         if got != slots(*args):
             hint, named = _diagnose_slots(got, case)
@@ -238,7 +232,7 @@ def _diagnose(out, meta, q, k, v, layer, scaling) -> tuple[str, bool]:
 
 def check_attention_cases(attention) -> None:
     """Run ``attention`` on every hand-built step; raise :class:`Fail` naming the mistake."""
-    refused = is_own("attention", attention)
+    refused = guard.refusal("attention", attention)
     if refused:
         raise Fail(refused, named=True)
     passed_plain, failures = False, []
@@ -250,11 +244,8 @@ def check_attention_cases(attention) -> None:
                  f"scaling {scale:g}, layer 1)")
         mine, before = _fresh(meta), _fresh(meta).pool
         try:
-            with Watch(["attention"], exempt=learner_codes("attention", attention)) as seen:
-                out = attention(q.clone(), k.clone(), v.clone(), mine, 1, scale)
+            out = attention(q.clone(), k.clone(), v.clone(), mine, 1, scale)
         except Exception as err:  # the learner's code
-            if seen.found:
-                raise Fail(seen.found, named=True) from None
             more = ""
             if heads != kv_heads and passed_plain:
                 more = (f"\n  It ran when every query head had its own KV head; here {heads} query heads share "
@@ -263,8 +254,6 @@ def check_attention_cases(attention) -> None:
             failures.append(Fail(f"your attention raised {raised(err)}\n  on the step {where}{more}",
                                   named=bool(more)))
             continue
-        if seen.found:
-            raise Fail(seen.found, named=True)
         if out is None:
             raise Fail("not done yet: your attention returned None -- write it in the cell above")
         if not isinstance(out, torch.Tensor) or out.shape != q.shape:

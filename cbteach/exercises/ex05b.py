@@ -14,9 +14,8 @@ learner's answer is named, in a hint that never gives the code. Then the real en
 learner's loop (prompt chunks beside decodes, a pool small enough to preempt) and every request's
 tokens must equal per-prompt ``model.generate``'s.
 
-Nothing of the course's may do the work: a loop that is (or copies) the course's kernel loop, or names
-a piece of cbteach, is refused before it runs; while it runs, the course's and the engine's attention
-and torch's ``scaled_dot_product_attention`` refuse on every thread (:mod:`cbteach.exercises.delegation`).
+A loop that is the course's kernel loop, or names a piece of cbteach, is refused before it runs: the
+check would compare the course with itself. (Copying the course's code is not policed.)
 """
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ import types
 import torch
 
 from ..attention.paged import reference_attention
-from . import raised, report, self_check, tripwires
-from .delegation import Watch, is_own, learner_codes
+from . import generated, raised, report, self_check
 from .ex05b_steps import HEAD_DIM, STEPS, diagnose, make_step, meta_rows, scaled
 
 __all__ = ["HEAD_DIM", "STEPS", "Fail", "check_attend_blocks", "make_step", "meta_rows", "run_engine", "run_steps",
@@ -79,35 +77,12 @@ def delegates(fn) -> bool:
     return False
 
 
-def loop_codes(inner) -> set:
-    """The code objects of the learner's loop -- in the interpreter, the rewritten function it really runs
-    too, made now (before the check's window opens, so that making it is not taken for a copy)."""
-    codes = learner_codes("loop", inner)
-    if _course().INTERPRETED:
-        from ..attention.triton_mode import triton
-
-        kernel = inner if callable(getattr(inner, "rewrite", None)) else triton.jit(getattr(inner, "fn", inner))
-        for f in tripwires.functions_of(kernel):
-            codes |= learner_codes("loop", f)
-    return codes
-
-
-def refused_by(seen) -> None:
-    """:class:`Fail` with the window's refusal, if the loop handed its work to the course's, the engine's or torch's."""
-    if seen.found:
-        raise Fail(seen.found)
-
-
-def _attempt(course, inner, query, pool, meta, tile_n: int, mine: set):
-    """The launcher on one step with ``inner`` as its loop, in a window where the course's, the engine's
-    and torch's attention refuse: its output, or the exception it stopped with (:class:`Fail` if refused)."""
-    with Watch(["loop"], exempt=mine) as seen:
-        try:
-            got = course.unified_attention(query, pool.k[0], pool.v[0], meta, None, inner=inner, tile_n=tile_n)
-        except Exception as err:  # the learner's code, inside the interpreter
-            got = err
-    refused_by(seen)
-    return got
+def _attempt(course, inner, query, pool, meta, tile_n: int):
+    """The launcher on one step with ``inner`` as its loop: its output, or the exception it stopped with."""
+    try:
+        return course.unified_attention(query, pool.k[0], pool.v[0], meta, None, inner=inner, tile_n=tile_n)
+    except Exception as err:  # the learner's code, inside the interpreter
+        return err
 
 
 def run_steps(inner, scale: int | None = None) -> int:
@@ -119,17 +94,16 @@ def run_steps(inner, scale: int | None = None) -> int:
     scale = scale or (1 if course.INTERPRETED else GPU_SCALE)
     device = "cpu" if course.INTERPRETED else "cuda"
     tol = TOLERANCE[device]
-    mine = loop_codes(inner)
     for i, (name, what, hint, spec) in enumerate(STEPS, 1):
         spec = scaled(spec, scale) if scale > 1 else spec
         query, pool, meta = make_step(**spec, device=device)
-        got = _attempt(course, inner, query, pool, meta, spec["tile_n"], mine)
+        got = _attempt(course, inner, query, pool, meta, spec["tile_n"])
         if isinstance(got, Exception):
             raise Fail(f"step {i} of {len(STEPS)} ({what}): your loop stopped with {raised(got)}") from None
         want = reference_attention(query, 0, meta, None)
         if not (torch.isfinite(got).all() and torch.allclose(got, want, rtol=tol, atol=tol / 10)):
             def again(q, p, m):
-                out = _attempt(course, inner, q, p, m, spec["tile_n"], mine)
+                out = _attempt(course, inner, q, p, m, spec["tile_n"])
                 return None if isinstance(out, Exception) else out
             said = diagnose(again, spec, got, want, tol, hint, device, None if course.INTERPRETED else 16)
             raise Fail(f"step {i} of {len(STEPS)} ({what}) differs from the reference attention: {said}")
@@ -155,22 +129,12 @@ def run_engine(model, tok, inner, max_new_tokens: int = 4) -> tuple[int, int]:
     engine = Engine(model, tok, max_batch_size=3, kv="paged", block_size=4, num_blocks=blocks, token_budget=6,
                     attention=_course().kernel_attention(inner))
     requests = [Request(p, max_new_tokens, request_id=f"r{i}") for i, p in enumerate(prompts)]
-    with Watch(["loop"], exempt=loop_codes(inner)) as seen:
-        try:
-            done = engine.run(requests)
-        except Exception as err:
-            done = err
-    refused_by(seen)
-    if isinstance(done, Exception):
-        raise Fail(f"in the real engine: {raised(done)}") from None
-    gen = model.generation_config
-    pad = gen.pad_token_id if gen.pad_token_id is not None else gen.eos_token_id
+    try:
+        done = engine.run(requests)
+    except Exception as err:  # the learner's code, inside the engine's forward pass
+        raise Fail(f"in the real engine: {raised(err)}") from None
     for p, c in zip(prompts, done):
-        ids = torch.tensor([p], device=model.device)
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=max_new_tokens, pad_token_id=pad[0] if isinstance(pad, list) else pad)
-        if c.output_ids != out[0, len(p):].tolist():
+        if c.output_ids != generated(model, p, max_new_tokens):
             raise Fail(f"in the real engine, request {c.request_id}'s tokens differ from generate's, though every "
                        "hand-built step passed: look at what a real step adds -- longer contexts, several "
                        "sequences of different lengths, the engine's own tile size")
@@ -189,14 +153,11 @@ def check_attend_blocks(inner, model=None, tok=None) -> bool:
         return report(False, "", f"pass your function itself (my_attend_blocks, not my_attend_blocks(...)); got "
                                  f"{type(inner).__name__}")
     if not written(inner):
-        return report(False, "", "my_attend_blocks is still the stub: write its loop (and decorate it with "
-                                 "@triton.jit), then run this cell again")
+        return report(False, "", "my_attend_blocks is still the stub: write its loop below the cell's "
+                                 "@triton.jit line (replace the ...), then run this cell again")
     if delegates(inner):
         return report(False, "", "your loop calls the course's own (cbteach's attend_blocks or another piece of "
                                  "cbteach): write the loop yourself")
-    refused = is_own("loop", inner)
-    if refused:
-        return report(False, "", refused)
     try:
         steps = run_steps(inner)
         served = run_engine(model, tok, inner) if model is not None else None

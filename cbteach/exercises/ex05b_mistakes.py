@@ -10,7 +10,7 @@ mistake whose simulation equals both answers. Each hint names the idea that was 
 A loop that reads outside the pool or the block table cannot be simulated (``None``): Triton's
 interpreter would read whatever lies there.
 
-This is the check's reference, not an answer: a loop that calls it is refused (:mod:`.delegation`).
+This is the check's reference, not an answer: a loop that names cbteach is refused (:func:`cbteach.exercises.ex05b.delegates`).
 """
 from __future__ import annotations
 
@@ -36,6 +36,8 @@ MISTAKES = {
                            "own logical block and its own slot in it, from its own position"),
     "no_scale": "the scores were not multiplied by scale: attention's softmax is over q . k times scale",
     "scale_twice": "the scores were multiplied by scale twice: once, q . k times scale",
+    "scale_divided": ("the scores were divided by scale: scale is already 1 / sqrt(head_dim) -- attention's softmax is "
+                      "over q . k times scale"),
     "loads_unmasked": ("the slots past the sequence's length hold stale K/V of earlier requests (here NaN), and your "
                        "loop loaded them: a NaN loaded is a NaN summed, whatever the score mask does -- mask the loads "
                        "(mask=..., other=0.0), not only the scores"),
@@ -140,7 +142,7 @@ def _inner(q, q_pos, kv_head, table_at, num_keys, seq_len, tflat, kflat, vflat, 
         k, v = _load(kflat, where, mask), _load(vflat, where, mask)
         if k is None or v is None:
             return None
-        s = (q @ k.T) * {"no_scale": 1.0, "scale_twice": scale * scale}.get(mistake, scale)
+        s = (q @ k.T) * {"no_scale": 1.0, "scale_twice": scale * scale, "scale_divided": 1 / scale}.get(mistake, scale)
         causal = {"no_causal": torch.ones_like(q_pos[:, None] >= pos[None, :]),
                   "causal_strict": pos[None, :] < q_pos[:, None]}.get(mistake, pos[None, :] <= q_pos[:, None])
         keep = present[None, :] & causal

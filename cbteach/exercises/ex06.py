@@ -26,54 +26,62 @@ import dataclasses
 import functools
 import weakref
 
-import torch
 
 from ..engine.scheduler import Scheduler
 from ..viz.schedule import first_difference, plan_of
-from . import report, self_check
-from .delegation import is_own
+from . import generated, guard, report, self_check
 from .rules import ROOM_STAGE, SchedulerMistake
 from .scheduler_check import NotDone, Workload, hint, run, watched, with_eos
 
 W = Workload
 ID8 = ("kite", "ash", "moss", "bee", "elm", "fox", "dew", "gnu")  # arrival order is not alphabetical order
 STAGES = {
-    1: [W("six requests, three slots, stop at EOS (compared with model.generate too)", ID8[:6], (5, 9, 3, 7, 4, 6),
-          (10,) * 6, 3, ignore_eos=False),
-        W("arrivals mid-run and an idle gap, two slots", ID8[:7], (4, 6, 3, 5, 2, 7, 3), (6, 3, 8, 2, 5, 4, 3), 2,
-          arrivals=(0, 0, 2.5, 3.5, 4.5, 30.5, 31.5))],
-    2: [W("a token budget of 8, long prompts", ID8[:5], (20, 3, 5, 30, 2), (6, 8, 5, 4, 7), 3, token_budget=8),
-        W("a token budget of 5, a long prompt arrives while others decode", ID8[:6], (3, 4, 2, 23, 3, 2),
-          (9, 12, 10, 3, 6, 4), 4, arrivals=(0, 0, 1.5, 4.5, 5.5, 7.5), token_budget=5)],
-    3: [W("a tiny pool of 12 blocks", ID8[:6], (8, 6, 9, 3, 17, 2), (12, 12, 10, 8, 6, 8), 4, num_blocks=12),
-        W("a tiny pool of 10 blocks and a token budget of 6", ID8[:7], (10, 3, 14, 5, 4, 2, 9),
-          (9, 10, 6, 8, 7, 9, 5), 4, arrivals=(0, 0, 0, 1.5, 2.5, 6.5, 9.5), token_budget=6, num_blocks=10),
-        W("a long prompt arrives while others decode, a tiny pool of 8 blocks, a token budget of 5", ID8[:6],
-          (3, 4, 2, 23, 3, 2), (9, 12, 10, 3, 6, 4), 4, arrivals=(0, 0, 1.5, 4.5, 5.5, 7.5), token_budget=5,
-          num_blocks=8),
-        W("prefix caching on: prompts sharing their first 12 tokens, a pool of 8 blocks", ID8[:6],
-          (15, 14, 17, 13, 16, 14), (6, 9, 5, 8, 7, 6), 3, arrivals=(0, 0, 0, 2.5, 4.5, 9.5), num_blocks=8,
-          shared_prefix=12, prefix_caching=True)],
-    4: [W("priorities with ties, two slots", ID8, (5, 3, 6, 4, 2, 5, 3, 4), (4, 6, 3, 5, 4, 3, 6, 2), 2,
-          priorities=(1, 0, 1, 2, 0, 1, 0, 2), policy="priority"),
-        W("priorities, arrivals mid-run, a token budget of 7", ID8[:7], (6, 3, 9, 4, 5, 3, 2), (7, 5, 4, 6, 5, 4, 3),
-          3, arrivals=(0, 0, 0, 2.5, 3.5, 3.5, 8.5), priorities=(2, 2, 1, 0, 2, 0, 1), token_budget=7,
+    1: [W(name="six requests, three slots, stop at EOS (compared with model.generate too)", ids=ID8[:6],
+          prompt_lens=(5, 9, 3, 7, 4, 6), max_new_tokens=(10,) * 6, max_batch_size=3, ignore_eos=False),
+        W(name="arrivals mid-run and an idle gap, two slots", ids=ID8[:7], prompt_lens=(4, 6, 3, 5, 2, 7, 3),
+          max_new_tokens=(6, 3, 8, 2, 5, 4, 3), max_batch_size=2, arrivals=(0, 0, 2.5, 3.5, 4.5, 30.5, 31.5))],
+    2: [W(name="a token budget of 8, long prompts", ids=ID8[:5], prompt_lens=(20, 3, 5, 30, 2),
+          max_new_tokens=(6, 8, 5, 4, 7), max_batch_size=3, token_budget=8),
+        W(name="a token budget of 5, a long prompt arrives while others decode", ids=ID8[:6],
+          prompt_lens=(3, 4, 2, 23, 3, 2), max_new_tokens=(9, 12, 10, 3, 6, 4), max_batch_size=4,
+          arrivals=(0, 0, 1.5, 4.5, 5.5, 7.5), token_budget=5)],
+    3: [W(name="a tiny pool of 12 blocks", ids=ID8[:6], prompt_lens=(8, 6, 9, 3, 17, 2),
+          max_new_tokens=(12, 12, 10, 8, 6, 8), max_batch_size=4, num_blocks=12),
+        W(name="a tiny pool of 10 blocks and a token budget of 6", ids=ID8[:7], prompt_lens=(10, 3, 14, 5, 4, 2, 9),
+          max_new_tokens=(9, 10, 6, 8, 7, 9, 5), max_batch_size=4, arrivals=(0, 0, 0, 1.5, 2.5, 6.5, 9.5),
+          token_budget=6, num_blocks=10),
+        W(name="a long prompt arrives while others decode, a tiny pool of 8 blocks, a token budget of 5", ids=ID8[:6],
+          prompt_lens=(3, 4, 2, 23, 3, 2), max_new_tokens=(9, 12, 10, 3, 6, 4), max_batch_size=4,
+          arrivals=(0, 0, 1.5, 4.5, 5.5, 7.5), token_budget=5, num_blocks=8),
+        W(name="prefix caching on: prompts sharing their first 12 tokens, a pool of 8 blocks", ids=ID8[:6],
+          prompt_lens=(15, 14, 17, 13, 16, 14), max_new_tokens=(6, 9, 5, 8, 7, 6), max_batch_size=3,
+          arrivals=(0, 0, 0, 2.5, 4.5, 9.5), num_blocks=8, shared_prefix=12, prefix_caching=True)],
+    4: [W(name="priorities with ties, two slots", ids=ID8, prompt_lens=(5, 3, 6, 4, 2, 5, 3, 4),
+          max_new_tokens=(4, 6, 3, 5, 4, 3, 6, 2), max_batch_size=2, priorities=(1, 0, 1, 2, 0, 1, 0, 2),
           policy="priority"),
-        W("priorities with ties in a tiny pool of 11 blocks", ID8[:6], (7, 5, 6, 4, 8, 3), (10, 12, 9, 10, 6, 7), 4,
-          priorities=(1, 1, 0, 1, 0, 1), num_blocks=11, policy="priority"),
-        W("priorities, arrivals mid-run, a tiny pool of 7 blocks and a token budget of 5", ID8[:7], (6, 3, 4, 3, 5, 8, 5),
-          (11, 11, 10, 6, 7, 7, 8), 4, arrivals=(0, 0, 0.5, 2.5, 2.5, 3.5, 3.5), priorities=(2, 1, 1, 1, 2, 0, 0),
-          token_budget=5, num_blocks=7, policy="priority")],
-    5: [W("stops: an EOS, a stop token, lengths, ignore_eos; long prompts in chunks of a budget of 6", ID8[:6],
-          (9, 4, 14, 3, 11, 5), (12, 14, 10, 16, 9, 13), 3, arrivals=(0, 0, 0, 1.5, 3.5, 6.5), token_budget=6,
-          ignore_eos=False),
-        W("speculative decoding: guesses accepted and rejected, a pool of 16 blocks", ID8[:5], (8, 6, 10, 7, 5),
-          (14, 12, 16, 10, 11), 3, arrivals=(0, 0, 0, 2.5, 5.5), num_blocks=16, speculative="draft", ignore_eos=False),
-        W("prefix caching and preemption in a pool of 7 blocks, a token budget of 7", ID8[:6], (13, 10, 15, 9, 12, 14),
-          (8, 10, 7, 9, 6, 8), 3, arrivals=(0, 0, 1.5, 2.5, 6.5, 8.5), token_budget=7, num_blocks=7,
-          shared_prefix=8, prefix_caching=True, ignore_eos=False)],
+        W(name="priorities, arrivals mid-run, a token budget of 7", ids=ID8[:7], prompt_lens=(6, 3, 9, 4, 5, 3, 2),
+          max_new_tokens=(7, 5, 4, 6, 5, 4, 3), max_batch_size=3, arrivals=(0, 0, 0, 2.5, 3.5, 3.5, 8.5),
+          priorities=(2, 2, 1, 0, 2, 0, 1), token_budget=7, policy="priority"),
+        W(name="priorities with ties in a tiny pool of 11 blocks", ids=ID8[:6], prompt_lens=(7, 5, 6, 4, 8, 3),
+          max_new_tokens=(10, 12, 9, 10, 6, 7), max_batch_size=4, priorities=(1, 1, 0, 1, 0, 1),
+          num_blocks=11, policy="priority"),
+        W(name="priorities, arrivals mid-run, a tiny pool of 7 blocks and a token budget of 5", ids=ID8[:7],
+          prompt_lens=(6, 3, 4, 3, 5, 8, 5), max_new_tokens=(11, 11, 10, 6, 7, 7, 8), max_batch_size=4,
+          arrivals=(0, 0, 0.5, 2.5, 2.5, 3.5, 3.5), priorities=(2, 1, 1, 1, 2, 0, 0), token_budget=5,
+          num_blocks=7, policy="priority")],
+    5: [W(name="stops: an EOS, a stop token, lengths, ignore_eos; long prompts in chunks of a budget of 6",
+          ids=ID8[:6], prompt_lens=(9, 4, 14, 3, 11, 5), max_new_tokens=(12, 14, 10, 16, 9, 13),
+          max_batch_size=3, arrivals=(0, 0, 0, 1.5, 3.5, 6.5), token_budget=6, ignore_eos=False),
+        W(name="speculative decoding: guesses accepted and rejected, a pool of 16 blocks", ids=ID8[:5],
+          prompt_lens=(8, 6, 10, 7, 5), max_new_tokens=(14, 12, 16, 10, 11), max_batch_size=3,
+          arrivals=(0, 0, 0, 2.5, 5.5), num_blocks=16, speculative="draft", ignore_eos=False),
+        W(name="prefix caching and preemption in a pool of 7 blocks, a token budget of 7", ids=ID8[:6],
+          prompt_lens=(13, 10, 15, 9, 12, 14), max_new_tokens=(8, 10, 7, 9, 6, 8), max_batch_size=3,
+          arrivals=(0, 0, 1.5, 2.5, 6.5, 8.5), token_budget=7, num_blocks=7, shared_prefix=8,
+          prefix_caching=True, ignore_eos=False)],
 }
-NEVER_FITS = W("a request that could never fit", ("whale",), (60,), (4,), 1, num_blocks=12)
+NEVER_FITS = W(name="a request that could never fit", ids=("whale",), prompt_lens=(60,), max_new_tokens=(4,),
+               max_batch_size=1, num_blocks=12)
 STAGE_NAMES = {1: "no memory limit", 2: "the token budget and chunked prefill", 3: "KV room and preemption",
                4: "priorities", 5: "update_from_output"}
 
@@ -112,14 +120,7 @@ def reference_run(model, workload: W, eos_ids=None):
 
 def generate_outputs(model, workload: W) -> dict:
     """Per-prompt greedy ``model.generate``: the ground truth for a workload that stops at EOS."""
-    outs = {}
-    for r in workload.requests(model.config.vocab_size):
-        ids = torch.tensor([r.prompt], device=model.device)
-        eos = model.generation_config.eos_token_id
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=r.max_new_tokens,
-                             pad_token_id=eos if isinstance(eos, int) else None)
-        outs[r.request_id] = out[0, ids.shape[1]:].tolist()
-    return outs
+    return {r.request_id: generated(model, r.prompt, r.max_new_tokens) for r in workload.requests(model.config.vocab_size)}
 
 
 def diagnose(ref, mine, stage=None) -> str:
@@ -248,8 +249,8 @@ def check_stage(stage, scheduler_cls, model=None, *, prefix_caching: bool = True
     never caches prefixes: ``serve`` without ``--prefix-caching``)."""
     if isinstance(scheduler_cls, int) and not isinstance(stage, int):
         stage, scheduler_cls = scheduler_cls, stage
-    refused = _refuse(stage, scheduler_cls) or is_own("scheduler", scheduler_cls, ("update_from_output",) if stage == 5
-                                                      else ("schedule",))
+    refused = _refuse(stage, scheduler_cls) or guard.refusal("scheduler", scheduler_cls, ("update_from_output",)
+                                                             if stage == 5 else ("schedule",))
     if refused:
         return report(False, "", refused)
     if stage == 5:  # the update alone: the engine's own schedule plans every step

@@ -17,30 +17,22 @@ message says it must be:
 
 The first difference stops the run with a hint that names the mistake; at the end every request's
 tokens must equal per-prompt greedy ``model.generate`` (the seeded samples: the engine's own run). A
-function that is, copies or calls the worker's own (:func:`cbteach.worker.states.update_batch`) is
-refused (:mod:`.delegation`, and :func:`own_update_batch` below until its registry names this piece).
+function that is, or calls, the worker's own (:func:`cbteach.worker.states.update_batch`) is refused
+(:mod:`.guard`).
 """
 from __future__ import annotations
 
 import functools
-import sys
-import types
 from dataclasses import dataclass, field
 
-import torch
 
 from ..core.clock import VirtualClock
 from ..core.request import Request
 from ..core.sampling import SamplingParams
 from ..engine.engine import Engine
 from ..worker import states
-from . import raised, report, self_check
+from . import generated, guard, raised, report, self_check
 from .batch_rules import Expect, Held, state_hint
-from .delegation import is_own
-
-REFUSED = ("write the batch update yourself: your update_batch {how} the worker's own update_batch "
-           "(cbteach.worker.states) -- a check that compared the worker with itself would prove nothing about your code")
-
 
 @dataclass(frozen=True)
 class Workload:
@@ -67,16 +59,20 @@ class Workload:
 
 W = Workload
 WORKLOADS = [
-    W("requests that finish at different steps, prompts fed in chunks of a token budget of 3",
-      (9, 3, 14, 5, 4, 11), (6, 9, 4, 8, 5, 7), dict(max_batch_size=4, token_budget=3)),
-    W("preemption and resumption under async scheduling (rows left out of a step, resumed requests sent their "
-      "tokens), a pool of 7 blocks", (10, 3, 13, 5, 4, 2),
-      (9, 10, 6, 8, 7, 9), dict(max_batch_size=4, num_blocks=7, token_budget=6, async_scheduling=True),
+    W(name="requests that finish at different steps, prompts fed in chunks of a token budget of 3",
+      prompt_lens=(9, 3, 14, 5, 4, 11), max_new_tokens=(6, 9, 4, 8, 5, 7),
+      options=dict(max_batch_size=4, token_budget=3)),
+    W(name="preemption and resumption under async scheduling (rows left out of a step, resumed requests sent their "
+      "tokens), a pool of 7 blocks",
+      prompt_lens=(10, 3, 13, 5, 4, 2), max_new_tokens=(9, 10, 6, 8, 7, 9),
+      options=dict(max_batch_size=4, num_blocks=7, token_budget=6, async_scheduling=True),
       arrivals=(0, 0, 0, 1.5, 2.5, 6.5), ignore_eos=True),
-    W("prefix caching: prompts sharing their first 12 tokens, arriving one after another", (15, 14, 17, 13),
-      (6, 5, 7, 4), dict(max_batch_size=3, prefix_caching=True), arrivals=(0, 3.5, 4.5, 9.5), shared_prefix=12),
-    W("three seeded samples of each prompt forked from it (copies on write), async scheduling", (6, 9, 5),
-      (7, 5, 6), dict(max_batch_size=6, parallel_sampling="fork", async_scheduling=True), n=3, ignore_eos=True),
+    W(name="prefix caching: prompts sharing their first 12 tokens, arriving one after another",
+      prompt_lens=(15, 14, 17, 13), max_new_tokens=(6, 5, 7, 4),
+      options=dict(max_batch_size=3, prefix_caching=True), arrivals=(0, 3.5, 4.5, 9.5), shared_prefix=12),
+    W(name="three seeded samples of each prompt forked from it (copies on write), async scheduling",
+      prompt_lens=(6, 9, 5), max_new_tokens=(7, 5, 6),
+      options=dict(max_batch_size=6, parallel_sampling="fork", async_scheduling=True), n=3, ignore_eos=True),
 ]
 
 
@@ -84,57 +80,16 @@ class Wrong(Exception):
     """The worker's state after the learner's update is not what the message says (the message: the hint)."""
 
 
-class Refused(Wrong):
-    """The learner's update handed its work to the worker's own."""
-
-
 def own_update_batch(fn) -> str | None:
-    """The refusal if ``fn`` is the worker's own update_batch or a copy of it (the same names, locals and
-    constants) -- what :func:`~cbteach.exercises.delegation.is_own` says once its registry has this piece."""
-    said = is_own("update_batch", fn)
-    if said:
-        return said
-    f = getattr(fn, "func", getattr(fn, "__func__", fn))
-    code, theirs = getattr(f, "__code__", None), states.update_batch.__code__
-    if code is None:
-        return None
-    if code is theirs:
-        return REFUSED.format(how="is")
-    return REFUSED.format(how="is a copy of") if _shape(code) == _shape(theirs) else None
-
-
-def _shape(code) -> tuple:
-    """What a copy of ``code`` shares with it whatever compiled it: names, locals, constants (nested alike)."""
-    consts = tuple(_shape(c) if isinstance(c, types.CodeType) else c for c in code.co_consts)
-    return code.co_names, code.co_varnames, code.co_argcount, consts
-
-
-class CallsOwn:
-    """``with CallsOwn() as calls:`` -- a profile hook while the learner's code runs: ``calls.called``, whether
-    the worker's own update_batch ran (called, or called through a copy of its code object)."""
-
-    def __init__(self):
-        self.called, self.saved = False, None
-
-    def __call__(self, frame, event, arg):
-        if event == "call" and frame.f_code is states.update_batch.__code__:
-            self.called = True
-        if self.saved is not None:
-            self.saved(frame, event, arg)
-
-    def __enter__(self):
-        self.saved = sys.getprofile()
-        sys.setprofile(self)
-        return self
-
-    def __exit__(self, *exc):
-        sys.setprofile(self.saved)
+    """The refusal if ``fn`` is, or calls, the worker's own update_batch (:mod:`cbteach.exercises.guard`)."""
+    return guard.refusal("update_batch", fn)
 
 
 def _snapshot(runner) -> dict:
     """What the worker held before a message: each state's prompt, output, blocks, generator and row."""
     rows = runner.input_batch.req_id_to_index
-    return {rid: Held(list(s.prompt_token_ids), list(s.output_token_ids), list(s.block_ids), s.generator, rid in rows)
+    return {rid: Held(list(s.prompt_token_ids), list(s.output_token_ids), list(s.block_ids), s.generator, rid in rows,
+                      s.num_computed_tokens)
             for rid, s in runner.requests.items()}
 
 
@@ -162,12 +117,9 @@ def plugged(fn, seen: list):
     def update_batch(runner, scheduler_output):
         before, rows = _snapshot(runner), list(runner.input_batch.req_ids)
         try:
-            with CallsOwn() as calls:
-                fn(runner, scheduler_output)
+            fn(runner, scheduler_output)
         except Exception as err:  # noqa: BLE001 -- the learner's code
             raise Wrong(f"your update_batch stopped with {raised(err)}") from None
-        if calls.called:
-            raise Refused(REFUSED.format(how="called"))
         said = state_hint(runner, scheduler_output, before, expected(scheduler_output, before), rows)
         if said is not None:
             raise Wrong(said)
@@ -177,16 +129,7 @@ def plugged(fn, seen: list):
 
 def _generate(model, requests) -> dict:
     """Per-prompt greedy ``model.generate``: it stops at the model's EOS ids, unless the request ignores them."""
-    eos = model.generation_config.eos_token_id
-    pad = eos if isinstance(eos, int) or eos is None else eos[0]
-    outs = {}
-    for r in requests:
-        ids = torch.tensor([list(r.prompt)], device=model.device)
-        stop = {"eos_token_id": None} if r.ignore_eos else {}
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=r.max_new_tokens,
-                             pad_token_id=pad, **stop)
-        outs[r.request_id] = out[0, ids.shape[1]:].tolist()
-    return outs
+    return {r.request_id: generated(model, r.prompt, r.max_new_tokens, stop_at_eos=not r.ignore_eos) for r in requests}
 
 
 def run_workload(model, w: Workload, fn=None) -> tuple[Engine, list, Wrong | None]:
@@ -215,8 +158,6 @@ def _outputs(eng) -> dict:
 def _check_workload(model, w: Workload, fn) -> str | None:
     eng, seen, said = run_workload(model, w, fn)
     where = f"on the workload '{w.name}'"
-    if isinstance(said, Refused):
-        return str(said)
     if said is not None:
         return f"{where}, message {len(seen)}: {said}"
     got = _outputs(eng)

@@ -31,10 +31,8 @@ from ..core.clock import VirtualClock
 from ..engine.engine import Engine
 from ..serving.metrics import summarize
 from ..viz.schedule import first_difference
-from . import report, self_check
+from . import generated, guard, report, self_check
 from .capstone import PIECES, Pieces, check_piece, serve_options
-from .delegation import Watch, is_own, learner_codes
-from .ex06_batch import REFUSED, CallsOwn, own_update_batch
 
 OPTIONS = dict(max_batch_size=4, block_size=4, num_blocks=32, token_budget=8)  # it preempts and chunks
 NUM_REQUESTS, MAX_NEW_TOKENS = 10, 40
@@ -56,17 +54,7 @@ def course_requests(model, tok, n: int = NUM_REQUESTS, max_new_tokens: int = MAX
 
 def generate_outputs(model, requests) -> dict:
     """Per-prompt greedy ``model.generate`` (it stops at EOS): the ground truth."""
-    import torch
-
-    outs = {}
-    gen = model.generation_config
-    pad = gen.pad_token_id if gen.pad_token_id is not None else gen.eos_token_id
-    for r in requests:
-        ids = torch.tensor([list(r.prompt)], device=model.device)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=r.max_new_tokens,
-                             pad_token_id=pad[0] if isinstance(pad, list) else pad)
-        outs[r.request_id] = out[0, ids.shape[1]:].tolist()
-    return outs
+    return {r.request_id: generated(model, r.prompt, r.max_new_tokens) for r in requests}
 
 
 def run(engine, requests) -> list:
@@ -78,6 +66,8 @@ def run(engine, requests) -> list:
 def _plugged(engine, pieces: Pieces) -> str | None:
     """What of ``pieces`` is not in ``engine`` (None: all of it)."""
     want = pieces.objects
+    if engine is None:
+        return "not done yet: my_engine returned None -- write it in the cell under '2. Exercise: assemble your engine'"
     if not isinstance(engine, Engine):
         return f"my_engine must return a cbteach Engine, got {type(engine).__name__}"
     if want.get("scheduler") is not None and not isinstance(engine.scheduler, want["scheduler"]):
@@ -111,25 +101,16 @@ def compare(my_engine, pieces: Pieces, model, tok=None) -> dict:
         return out
     written = {piece: obj for piece, obj in pieces.objects.items() if obj is not None}
     both = {"scheduler": ("schedule", "update_from_output")}  # the assembled engine runs your update too
-    refused = next((said for said in (is_own(p, o, both.get(p)) for p, o in written.items()) if said), None) or \
-        (own_update_batch(written["update_batch"]) if "update_batch" in written else None)
+    refused = next((said for said in (guard.refusal(p, o, both.get(p)) for p, o in written.items()) if said), None)
     if refused:
         return {**out, "refused": refused}
     ref = Engine(model, tok, kv="paged", clock=VirtualClock(step_time=0.01), **OPTIONS)
     ref_records = run(ref, course_requests(model, tok))
-    yours = {code: piece for piece, obj in written.items() for code in learner_codes(piece, obj)}
     try:
-        with Watch(PIECES, yours) as seen, CallsOwn() as worker:  # does a piece hand its work to the engine's own?
-            my_records = run(mine, requests)
+        my_records = run(mine, requests)
     except Exception as err:  # noqa: BLE001 -- a piece of the learner's, inside the engine
-        if seen.found:  # refused on its way (any thread): say whose code it reached for
-            return {**out, "refused": seen.found}
         out["error"] = f"{type(err).__name__}: {err}"
         return out
-    if seen.found:
-        return {**out, "refused": seen.found}
-    if worker.called:
-        return {**out, "refused": REFUSED.format(how="called")}
     expected = generate_outputs(model, requests)
     outputs = {rid: c.output_ids for rid, c in mine.completions.items()}
     out.update(steps=len(my_records), diverges_at=first_difference(ref_records, my_records),
@@ -158,7 +139,9 @@ def _blame(pieces: Pieces, model, tok) -> str:
             continue
         ok, said = check_piece(piece, obj, model, tok, slot_mapping=pieces.objects.get("slot_mapping"))
         if not ok:
-            return f"your {piece.replace('_', ' ')} (notebook {PIECES[piece][0]}) fails its own check: {said}"
+            return (f"your {piece.replace('_', ' ')} (notebook {PIECES[piece][0]}) fails its own check: {said}. To go "
+                    f"on meanwhile with the course's {piece} (marked as the course's): "
+                    f"capstone.pieces_from_notebooks(use_course_for=[\"{piece}\"])")
     return "every piece passes its own check, so look at how they are put together in my_engine"
 
 
@@ -208,9 +191,10 @@ def _check_my_engine(my_engine, pieces, model, tok=None) -> bool:
                 "KV blocks were left in use" if not got["blocks"] else
                 f"its schedule parts from the engine's at step {got['diverges_at']}")
         return report(False, "", f"your engine ran the course workload, but {what}. {_blame(pieces, model, tok)}")
+    course = [p for p in PIECES if p in pieces.course]
     whose = ("your engine -- your KV manager, slot mapping, attention, scheduler, update and batch update --"
-             if not pieces.course
-             else f"the engine of these pieces -- NOT YOURS: the course's own solution for {', '.join(sorted(pieces.course))} --")
+             if not course else f"the engine of these pieces -- yours: {', '.join(pieces.yours) or 'none'}; NOT YOURS: "
+             f"the course's own solution for {', '.join(course)} --")
     return report(True, f"{whose} served "
                         f"{got['num_requests']} requests ({got['num_tokens']} tokens, {got['preemptions']} preemptions, "
                         f"{got['chunks']} prefill chunks) step for step as the engine's own pieces do, every token equal "

@@ -15,9 +15,8 @@ The learner writes two functions and :func:`check_tp` runs them against the real
   (:func:`cbteach.sim.cost.ring_all_reduce_bytes`: ``2 (N - 1) / N`` of the tensor per rank).
 
 A wrong answer gets a hint naming the idea it missed, never the right value. The real layout and
-the simulator's formula are what the check compares with, so an answer may not use them: while the
-learner's functions run, ``Layout``'s head methods and ``ring_all_reduce_bytes`` refuse, on any thread
-(:mod:`cbteach.exercises.delegation`).
+the simulator's formula are what the check compares with, so an answer that is or calls ``Layout``'s
+head methods or ``ring_all_reduce_bytes`` is refused (:mod:`cbteach.exercises.guard`).
 """
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ import numbers
 
 from ..parallel.shard import Layout
 from ..sim.cost import ring_all_reduce_bytes
-from . import report, self_check
-from .delegation import Delegated, Watch, is_own, learner_codes
+from . import guard, report, self_check
 
 # (num_heads, num_kv_heads, world_size): bierce and the course's tiny models, and real shapes.
 SHAPES = [(6, 2, 2), (4, 2, 2), (4, 1, 2), (8, 2, 4), (8, 8, 4), (32, 8, 8), (64, 8, 16), (32, 8, 2)]
@@ -106,20 +104,6 @@ def _cases(comm_log, num_layers, hidden_size, dtype_bytes, world_size):
     return cases
 
 
-def _answer(fn, *args, mine=()):
-    """``fn(*args)`` in a window where the layout's and the simulator's own answers refuse (:class:`Delegated`)."""
-    with Watch(["tp"], exempt=mine) as seen:
-        try:
-            got = fn(*args)
-        except Exception:  # the learner's code: a refusal is what to say, if there was one
-            if seen.found is None:
-                raise
-            got = None
-    if seen.found:
-        raise Delegated(seen.found)
-    return got
-
-
 def _same(a, b) -> bool:
     return abs(a - b) <= 1e-9 * max(abs(a), abs(b), 1.0)
 
@@ -143,25 +127,19 @@ def check_tp(kv_heads_of_rank, all_reduce_bytes, comm_log, *, num_layers: int, h
                                  "all_reduce_bytes, runner.comm_log, ...)")
     if not comm_log:
         return report(False, "", "comm_log is empty: pass the runner's comm_log after the tensor-parallel run")
-    refused = is_own("tp", kv_heads_of_rank) or is_own("tp", all_reduce_bytes)
+    refused = guard.refusal("tp", kv_heads_of_rank) or guard.refusal("tp", all_reduce_bytes)
     if refused:
         return report(False, "", refused)
-    mine = learner_codes("tp", kv_heads_of_rank) | learner_codes("tp", all_reduce_bytes)
-    try:
-        return _check(kv_heads_of_rank, all_reduce_bytes, comm_log, num_layers, hidden_size, dtype_bytes, world_size,
-                      mine)
-    except Delegated as err:
-        return report(False, "", str(err))
+    return _check(kv_heads_of_rank, all_reduce_bytes, comm_log, num_layers, hidden_size, dtype_bytes, world_size)
 
 
-def _check(kv_heads_of_rank, all_reduce_bytes, comm_log, num_layers, hidden_size, dtype_bytes, world_size,
-           mine) -> bool:
+def _check(kv_heads_of_rank, all_reduce_bytes, comm_log, num_layers, hidden_size, dtype_bytes, world_size) -> bool:
     ok = True
     for heads, kv, world in SHAPES:
         layout = _layout(heads, kv, world)
         for rank in range(world):
             truth = list(layout.kv_heads(rank))
-            got = _answer(kv_heads_of_rank, rank, world, heads, kv, mine=mine)
+            got = kv_heads_of_rank(rank, world, heads, kv)
             if got is None or isinstance(got, (str, float)):
                 return report(False, "", f"kv_heads_of_rank returned {got!r}: return the list of KV head indices "
                                          "the rank holds, e.g. [0] or [2, 3]")
@@ -187,7 +165,7 @@ def _check(kv_heads_of_rank, all_reduce_bytes, comm_log, num_layers, hidden_size
     cases = _cases(comm_log, num_layers, hidden_size, dtype_bytes, world_size)
     answers = []
     for args, _ in cases:
-        got = _answer(all_reduce_bytes, *args, mine=mine)
+        got = all_reduce_bytes(*args)
         if not isinstance(got, numbers.Real) or isinstance(got, bool):
             return report(False, "", f"all_reduce_bytes returned {got!r}: return a number of bytes")
         answers.append(float(got))

@@ -47,8 +47,6 @@ HINTS = {
     "idle+": "; a long prompt is fed in chunks, not kept waiting to fit whole",
     "unfinished": "requests were still unfinished after {} steps: is one never given its tokens?",
     "unfinished+": " Or are the same requests preempted over and over?",
-    "called_reference": "your schedule() ran the engine's own scheduling ({}): the exercise is to write the step "
-                        "yourself, from allocate_slots, admit and plan.add",
     "walked_waiting": "your loop walked self.waiting itself while admit() removed requests from it, so the request "
                       "after each admitted one was skipped: walk a copy (a list made before the loop)",
     "walked_running": "your loop walked self.running itself while preempt() removed a request from it, so the "
@@ -127,8 +125,6 @@ def hint(key: str, stage: int | None) -> str:
     room = stage is None or stage >= ROOM_STAGE
     if key in ("idle", "unfinished") and (stage is None or stage >= (2 if key == "idle" else ROOM_STAGE)):
         text += HINTS[key + "+"]
-    if key == "called_reference" and room:
-        text = text.replace("allocate_slots, admit", "allocate_slots, pick_victim, preempt, admit")
     if key == "no_room":
         text += HINTS["no_room3"] if room else HINTS["no_room1"]
     if key == "not_running" and not room:

@@ -16,11 +16,11 @@ beside the engine's own scheduler, so the two runs can be compared step by step
   so the run stops with a :class:`SchedulerMistake` naming the misconception, before the damage
   spreads. Its queue and KV manager are watched too: a loop that walks ``self.waiting`` while
   ``admit`` removes from it, and a chunk planned without room from ``allocate_slots``, are seen;
-* **a tracer** around each ``schedule`` call (``sys.settrace``): it notices when the learner's code
-  runs the engine's own scheduling (``super().schedule``, ``schedule_running``, ...), and stops a
-  ``schedule`` that never returns after :data:`~cbteach.exercises.watchers.MAX_EVENTS` traced events.
+* **a bound on each step**: a ``schedule`` that calls its queue, running list or KV manager more than
+  :data:`~cbteach.exercises.watchers.MAX_CALLS` times never returns, and is stopped.
 
-The watchers themselves are in :mod:`cbteach.exercises.watchers`.
+The watchers themselves are in :mod:`cbteach.exercises.watchers`; a scheduler that is or calls the
+engine's own scheduling is refused before it runs (:mod:`cbteach.exercises.guard`).
 
 ``rules_="exercise"`` checks vLLM V1's rules as notebook 06 teaches them (the order of the loops, the
 policy's order and victim); ``rules_="safety"`` only the rules that keep any engine correct, whatever
@@ -37,20 +37,11 @@ from ..core.request import Request
 from ..core.sampling import SamplingParams
 from ..engine.engine import Engine
 from ..engine.scheduler import Scheduler
-from . import raised, rules, update_rules
-from .delegation import refusing
+from . import raised, rules, update_rules, watchers
 from .rules import NotDone, SchedulerMistake, hint
-from .watchers import KVWatch, QueueWatch, RunningWatch, Tracer
+from .watchers import KVWatch, QueueWatch, RunningWatch
 
 __all__ = ["NotDone", "SchedulerMistake", "Workload", "Run", "run", "drive", "watched", "with_eos", "hint"]
-
-REFERENCE = {f.__code__: name for name, f in [
-    ("super().schedule", Scheduler.schedule), ("schedule_running", Scheduler.schedule_running),
-    ("schedule_waiting", Scheduler.schedule_waiting),
-    ("allocate_or_preempt", Scheduler.allocate_or_preempt)]}
-UPDATE_REFERENCE = Scheduler.update_from_output.__code__
-UPDATE_REFERENCES = {UPDATE_REFERENCE: "super().update_from_output"}
-
 
 @dataclass(frozen=True)
 class Workload:
@@ -169,8 +160,7 @@ def watched(cls: type, stage: int | None = None, rules_: str = "exercise", eos_i
     """A subclass of the learner's ``cls`` that checks every rule where it can be broken
     (``rules_``: ``"exercise"`` or ``"safety"``, see the module); ``eos_ids`` replaces the model's."""
     exercise = rules_ == "exercise"
-    own_schedule = cls.schedule is not Scheduler.schedule
-    own_update = cls.update_from_output.__code__ is not UPDATE_REFERENCE
+    own_update = cls.update_from_output is not Scheduler.update_from_output
 
     class Watched(cls):
         check_now = 0.0
@@ -179,8 +169,7 @@ def watched(cls: type, stage: int | None = None, rules_: str = "exercise", eos_i
             super().__init__(*args, **kwargs)
             if eos_ids is not None:
                 self.eos_ids = frozenset(eos_ids)
-            if exercise:
-                self.waiting, self.running = QueueWatch(self.waiting), RunningWatch(self.running)
+            self.waiting, self.running = QueueWatch(self.waiting, exercise), RunningWatch(self.running, exercise)
 
         @property
         def kv_manager(self):
@@ -195,11 +184,11 @@ def watched(cls: type, stage: int | None = None, rules_: str = "exercise", eos_i
             self.kv_manager.begin_step()
             self.made = None
             before = list(self.running)
-            with Tracer(REFERENCE) as tracer, refusing("scheduler", cls, exercise and own_schedule, SchedulerMistake,
-                                                       REFERENCE, hint("called_reference", stage)):
+            watchers.counting(True)
+            try:
                 out = super().schedule(now)
-            if exercise and own_schedule and tracer.called:
-                raise SchedulerMistake(hint("called_reference", stage).format(tracer.called))
+            finally:
+                watchers.counting(False)
             rules.check_plan(self, out, self.made, before, stage, exercise)
             self.outputs_before = [len(s.output_ids) for s in self.made.plan.seqs]
             return out
@@ -221,16 +210,11 @@ def watched(cls: type, stage: int | None = None, rules_: str = "exercise", eos_i
         def update_from_output(self, scheduler_output, output, now):
             self.kv_manager.begin_step()
             try:
-                with Tracer(UPDATE_REFERENCES if own_update else {}) as tracer, refusing(
-                        "scheduler", cls, exercise and own_update, SchedulerMistake, UPDATE_REFERENCES,
-                        update_rules.UPDATE_HINTS["called_reference"]):
-                    finished = super().update_from_output(scheduler_output, output, now)
+                finished = super().update_from_output(scheduler_output, output, now)
             except TypeError as err:  # the commonest way to trip over a chunk that got no token
                 if own_update and any(t is None for t in output.sampled):
                     raise SchedulerMistake(f"{update_rules.UPDATE_HINTS['none_token']} ({err})") from None
                 raise
-            if own_update and exercise and tracer.called:
-                raise SchedulerMistake(update_rules.UPDATE_HINTS["called_reference"].format(tracer.called))
             if own_update:
                 update_rules.check_update(self, self.made, output, finished, stage)
             return finished

@@ -18,8 +18,6 @@ from ..core.sampling import stop_reason
 from .rules import NotDone, SchedulerMistake, includes
 
 UPDATE_HINTS = {
-    "called_reference": "your update_from_output ran the engine's own ({}): the exercise is to write the update "
-                        "yourself -- append the tokens, check the stop, free what finished",
     "update_none": "not done yet: update_from_output() returned None -- it must return the list of the sequences "
                    "that finished in this step",
     "not_a_list": "update_from_output() returned a {}; it must return a list of the sequences that finished",

@@ -19,42 +19,23 @@ the same stage for a cbteach scheduler class -- the learner's, or the engine's o
 * :func:`expect` is an assertion that quotes vLLM's: a failure says what vLLM asserts, in V1's words,
   and what the scheduler under test gave.
 
-A ``schedule`` that never returns is stopped (:class:`~cbteach.exercises.watchers.Tracer`), and one that
-runs the engine's own scheduling is noted: its results are the engine's.
+A scheduler that is or calls the engine's own scheduling is noted (:mod:`.guard`): its results are the engine's.
 """
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..core.config import SchedulerConfig
 from ..core.outputs import RunnerOutput
 from ..core.request import Request, RequestStatus, Sequence
 from ..core.sampling import SamplingParams
 from ..core.scheduler_output import CachedRequestData, SchedulerOutput
-from ..engine.scheduler import Scheduler
 from ..kv.manager import KVCacheManager
-from .scheduler_check import REFERENCE, UPDATE_REFERENCES
-from .watchers import Tracer
 
 VLLM_COMMIT = "003df2961dd8830c317a61f9745ccd557da9fa06"  # the newest vllm-project/vllm stored when ported
 VLLM_FILE = "tests/v1/core/test_scheduler.py"
 EOS_TOKEN_ID = 50256  # tests/v1/core/utils.py
 NOW = 1000.0  # the harness's clock: after every arrival (V1's scheduler sees a request once it has arrived)
-
-
-_recorded: list | None = None  # the harnesses made inside recording()
-
-
-@contextlib.contextmanager
-def recording():
-    """Collect every :class:`Harness` made inside the block (to read what their schedulers delegated)."""
-    global _recorded
-    _recorded, saved = [], _recorded
-    try:
-        yield _recorded
-    finally:
-        _recorded = saved
 
 
 class VLLMAssertion(AssertionError):
@@ -81,15 +62,12 @@ class Harness:
     enable_prefix_caching: bool = False
     policy: str = "fcfs"
     steps: int = 0
-    delegated: set = field(default_factory=set)  # the engine's own code the scheduler ran
 
     def __post_init__(self):
         config = SchedulerConfig(max_batch_size=self.max_num_seqs, token_budget=self.max_num_batched_tokens,
                                  policy=self.policy)
         self.kv = KVCacheManager(self.num_blocks - 1, self.block_size, prefix_caching=self.enable_prefix_caching)
         self.scheduler = self.cls(config, self.kv, eos_ids=frozenset({EOS_TOKEN_ID}))
-        if _recorded is not None:
-            _recorded.append(self)
 
     # -- requests, as tests/v1/core/utils.py makes them ----------------------------------------------
     def create_requests(self, num_requests: int, num_tokens: int = 10, max_tokens: int = 16, stop_token_ids=(),
@@ -117,11 +95,7 @@ class Harness:
     # -- one step: schedule, the runner's made-up output, update ----------------------------------
     def schedule(self) -> SchedulerOutput:
         self.steps += 1
-        own = self.cls.schedule is not Scheduler.schedule
-        with Tracer(REFERENCE if own else {}) as tracer:
-            out = self.scheduler.schedule(NOW + self.steps)
-        if tracer.called:
-            self.delegated.add(tracer.called)
+        out = self.scheduler.schedule(NOW + self.steps)
         if not isinstance(out, SchedulerOutput):
             raise VLLMAssertion(f"schedule() returned {type(out).__name__}, not the step's message (a SchedulerOutput)"
                                 + (": not done yet?" if out is None else ""))
@@ -132,11 +106,7 @@ class Harness:
         request the message scheduled (V1 reads them by id, ``req_id_to_index``)."""
         ids = list(out.num_scheduled_tokens)
         tokens = [list(sampled[r]) if sampled.get(r) else None for r in ids]
-        own = self.cls.update_from_output is not Scheduler.update_from_output
-        with Tracer(UPDATE_REFERENCES if own else {}) as tracer:
-            finished = self.scheduler.update_from_output(out, RunnerOutput(sampled=tokens, req_ids=ids), NOW + self.steps)
-        if tracer.called:
-            self.delegated.add(tracer.called)
+        finished = self.scheduler.update_from_output(out, RunnerOutput(sampled=tokens, req_ids=ids), NOW + self.steps)
         if not isinstance(finished, list):
             raise VLLMAssertion(f"update_from_output() returned {type(finished).__name__}, not the list of the "
                                 "requests that finished" + (": not done yet?" if finished is None else ""))

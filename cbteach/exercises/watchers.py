@@ -3,65 +3,57 @@
 Each stands in for one thing the scheduler touches and behaves exactly like it, but notices one
 mistake the moment it happens, while the evidence is still there:
 
-* :class:`Tracer` -- ``sys.settrace`` around one ``schedule`` call: did it run the engine's own
-  scheduling code, and does it ever return (:data:`MAX_EVENTS`)?
 * :class:`QueueWatch` -- the waiting queue: was it changed while a loop walked it?
 * :class:`RunningWatch` -- the running list: did removing a request make a loop skip the next one?
 * :class:`KVWatch` -- the KV manager: what room was granted or refused this step, and what each
   ``free`` saw (read by :mod:`cbteach.exercises.update_rules`).
+
+Each counts the calls one ``schedule`` makes on it: past :data:`MAX_CALLS` the step is a loop that never ends.
 """
 from __future__ import annotations
 
-import sys
-
 from .rules import SchedulerMistake, hint
 
-MAX_EVENTS = 200_000  # traced calls and lines in one schedule() call: far beyond any honest step
+MAX_CALLS = 100_000  # calls on the queue, the running list and the KV manager in one step: far beyond any honest step
+_calls = [None]  # calls so far in the schedule() running now (None: none is running)
 
 
-class Tracer:
-    """``sys.settrace`` for one call: which engine code it ran, and a bound on events."""
+def counting(on: bool) -> None:
+    """Start (or stop) counting the calls of one ``schedule``."""
+    _calls[0] = 0 if on else None
 
-    def __init__(self, watch: dict):
-        self.watch, self.called, self.events, self.saved = watch, None, 0, None
 
-    def __call__(self, frame, event, arg):
-        self.events += 1
-        if self.events > MAX_EVENTS:
-            raise SchedulerMistake("schedule() did not return: a loop that never ends? (a retry loop must change "
-                                   "something each time round -- preempt someone -- or stop)")
-        if event == "call" and frame.f_code in self.watch and self.called is None:
-            self.called = self.watch[frame.f_code]
-        return self
-
-    def __enter__(self):
-        self.saved = sys.gettrace()
-        sys.settrace(self)
-        return self
-
-    def __exit__(self, *exc):
-        sys.settrace(self.saved)
+def tick() -> None:
+    """One more call on a watched object in this ``schedule``; past :data:`MAX_CALLS`, it never ends."""
+    if _calls[0] is None:
+        return
+    _calls[0] += 1
+    if _calls[0] > MAX_CALLS:
+        raise SchedulerMistake("schedule() did not return: a loop that never ends? (a retry loop must change "
+                               "something each time round -- preempt someone -- or stop)")
 
 
 class QueueWatch:
     """The policy's waiting queue, unchanged, but it knows when it is changed while being walked."""
 
-    def __init__(self, queue):
-        self.queue, self.version = queue, 0
+    def __init__(self, queue, strict: bool = True):
+        self.queue, self.version, self.strict = queue, 0, strict  # strict: the exercise's rule, not only safety
 
     def __getattr__(self, name):
         return getattr(self.queue, name)
 
     def __len__(self):
+        tick()
         return len(self.queue)
 
     def __contains__(self, seq):
+        tick()
         return seq in self.queue
 
     def __iter__(self):
         version = self.version
         for seq in list(self.queue):
-            if self.version != version:  # a plain list iterator would now skip a request
+            if self.strict and self.version != version:  # a plain list iterator would now skip a request
                 raise SchedulerMistake(hint("walked_waiting", None))
             yield seq
 
@@ -83,16 +75,25 @@ class RunningWatch(list):
     """The running list, unchanged, but it knows when a loop over it skips a request: removing one at or
     before the loop's position shifts the rest left, and a plain list iterator steps over the next."""
 
-    def __init__(self, items=()):
+    def __init__(self, items=(), strict: bool = True):
         super().__init__(items)
         self.cursors: list = []  # [position, skipped] of each live loop
+        self.strict = strict  # the exercise's rule (no request skipped), not only the count
+
+    def __len__(self):
+        tick()
+        return super().__len__()
+
+    def __contains__(self, seq):
+        tick()
+        return super().__contains__(seq)
 
     def __iter__(self):
         cursor = [0, False]
         self.cursors.append(cursor)
         try:
             while True:
-                if cursor[1]:
+                if cursor[1] and self.strict:
                     raise SchedulerMistake(hint("walked_running", None))
                 if cursor[0] >= len(self):
                     return
@@ -122,6 +123,7 @@ class KVWatch:
         self.granted, self.refused, self.frees = {}, set(), {}
 
     def allocate_slots(self, seq, num_new_tokens, *args, **kwargs):
+        tick()
         cached = kwargs.get("new_computed_blocks", args[0] if args else ())
         start = seq.num_computed_tokens + len(cached) * self.manager.block_size  # an admission's cached prefix
         got = self.manager.allocate_slots(seq, num_new_tokens, *args, **kwargs)

@@ -16,9 +16,8 @@ A notebook counts if its name is ``05_*.ipynb`` (or ``06_*``), ``Copy of 05_*.ip
 several in one folder, the one saved last. The course's own notebooks (``notebooks/`` in a checkout,
 the copy inside the installed package) are never searched: they hold the solutions. Only
 ``use_course_solutions=True`` reads them, and then every line says so. A piece whose cell is the
-course's solution cell -- the course copy, or a solution pasted in, with comments added, lines reflowed
-or names changed -- is reported as the course's, not yours (:func:`is_course_cell`: the same text, or
-the same shape of code, :mod:`cbteach.exercises.shapes`).
+course's solution cell -- the course copy, or a solution pasted in -- is reported as the course's, not
+yours (:func:`is_course_cell`: the same text).
 """
 from __future__ import annotations
 
@@ -120,13 +119,9 @@ def course_cells(number: str) -> set[str]:
 
 
 def is_course_cell(source, number: str) -> bool:
-    """Whether a learner's cell is one of notebook ``number``'s solution cells: letter for letter
-    (:func:`course_cells`), or the same code whatever its comments, layout and -- where the code is long
-    enough to tell -- names (:func:`cbteach.exercises.shapes.same_cell`)."""
-    from .shapes import same_cell
-
-    text = normal(source)
-    return text in course_cells(number) or same_cell(text, number)
+    """Whether a learner's cell is one of notebook ``number``'s solution cells, letter for letter (trailing
+    spaces and blank lines aside) -- so the capstone can say which pieces are the course's."""
+    return normal(source) in course_cells(number)
 
 
 def normal(source) -> str:
@@ -175,25 +170,28 @@ def defined(src: str) -> set:
     return names
 
 
-def cells(path: Path, stubbed: bool = False) -> tuple[list[str], list[str]]:
-    """(the import statements of the code cells that are not solutions, the solution cells' sources);
-    ``stubbed``: the solution cells as the student copy hands them out."""
+def cells(path: Path, stubbed: bool = False) -> tuple[list[str], list[str], list[str]]:
+    """(the import statements of the code cells that are not solutions, the solution cells' sources, the
+    heading each solution cell sits under); ``stubbed``: the solution cells as the student copy hands them out."""
     from ..student import SOLUTION_TAG, stub
 
-    imports, solutions = [], []
+    imports, solutions, headings, heading = [], [], [], ""
     for cell in json.loads(path.read_text(encoding="utf-8"))["cells"]:
+        src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+        if cell.get("cell_type") == "markdown":
+            heading = next((line.lstrip("#").strip() for line in src.splitlines() if line.startswith("#")), heading)
         if cell.get("cell_type") != "code":
             continue
-        src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
         if SOLUTION_TAG in cell.get("metadata", {}).get("tags", []):
             solutions.append(stub(src) if stubbed else src)
+            headings.append(heading)
             continue
         try:
             tree = ast.parse("\n".join(line for line in src.splitlines() if not line.lstrip().startswith(("%", "!"))))
         except SyntaxError:
             continue
         imports += [ast.unparse(n) for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
-    return imports, solutions
+    return imports, solutions, headings
 
 
 def binds(statement: str) -> set:

@@ -8,7 +8,8 @@ Two panels, one entrant per row or point:
   dashed lines: a scheduler in the lower left corner serves most of its users within both.
 
 The entries are plain objects with ``name``, ``rank``, ``goodput``, ``ttft_p90``, ``tpot_p90`` and
-``disqualified`` (the tournament's :class:`~cbteach.exercises.tournament.Entry`).
+``disqualified`` (the tournament's :class:`~cbteach.exercises.tournament.Entry`); an entry's ``label``, where it has one,
+marks the course's scheduler.
 """
 from __future__ import annotations
 
@@ -34,13 +35,13 @@ def plot_tournament(entries, ttft_slo: float, tpot_slo: float, *, title: str | N
         else:
             bars.text(0, yy, "  disqualified", va="center", fontsize=9, color="firebrick")
     bars.set_yticks(y)
-    bars.set_yticklabels([f"{e.rank}. {e.name}" if e.rank else f"DQ {e.name}" for e in rows], fontsize=9)
+    bars.set_yticklabels([f"{e.rank}. {_label(e)}" if e.rank else f"DQ {_label(e)}" for e in rows], fontsize=9)
     bars.set_xlabel("goodput (requests per simulated second meeting both targets)")
     bars.set_ylabel("scheduler (rank)")
     bars.set_title("Goodput: more is better")
     for i, e in enumerate(ranked):
         scatter.scatter(e.ttft_p90, e.tpot_p90, s=60, color=colors(i % 10), zorder=3)
-        scatter.annotate(e.name, (e.ttft_p90, e.tpot_p90), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        scatter.annotate(_label(e), (e.ttft_p90, e.tpot_p90), textcoords="offset points", xytext=(5, 4), fontsize=8)
     scatter.axvline(ttft_slo, color="grey", linestyle="--", linewidth=1, label=f"TTFT target {ttft_slo:g} s")
     scatter.axhline(tpot_slo, color="grey", linestyle=":", linewidth=1, label=f"TPOT target {tpot_slo:g} s")
     scatter.set_xlabel("p90 time to first token (simulated s)")
@@ -50,3 +51,8 @@ def plot_tournament(entries, ttft_slo: float, tpot_slo: float, *, title: str | N
     fig.suptitle(title or "Scheduler tournament: one trace, the real engine, the same rules for everyone", fontsize=11)
     fig.tight_layout()
     return fig
+
+
+def _label(entry) -> str:
+    """The entry's name, the course's scheduler marked (an object without ``label``: its name)."""
+    return getattr(entry, "label", entry.name)
