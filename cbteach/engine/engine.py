@@ -25,8 +25,8 @@ from ..core.validation import as_request_list, validate_request
 from ..kv.fork import can_fork
 from . import parallel_sampling
 from .engine_core import EngineCore
-from .scheduler_v0 import V0StepPlan
 from .plug import plug_pieces
+from .scheduler_v0 import V0StepPlan
 from .streaming import StreamEvent, stream_events  # noqa: F401  (StreamEvent: part of the engine's API)
 
 

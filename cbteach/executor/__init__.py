@@ -5,8 +5,8 @@ closes, ``executor.close()`` -- vLLM V1's seam between its engine core and its w
 (``vllm/v1/executor/``: ``UniProcExecutor``, ``MultiprocExecutor``). Under async scheduling it calls
 ``execute_model(scheduler_output, non_block=True)``, which launches the step and returns the output of
 the step launched before it, and ``drain()`` (:mod:`cbteach.engine.async_scheduling`; the workers'
-side: :mod:`cbteach.worker.async_runner`) -- in one process or on every tensor-parallel rank. So V1's three places are three
-folders here: the scheduler in :mod:`cbteach.engine` (the engine core), the executor here, and the
+side: :mod:`cbteach.worker.async_runner`) -- in one process or on every tensor-parallel rank. So V1's
+three places are three folders here: the scheduler in :mod:`cbteach.engine` (the engine core), the executor here, and the
 worker -- model runner, persistent batch, sampler -- in :mod:`cbteach.worker`, lowest of the three.
 
 * :class:`~cbteach.executor.uniproc.UniProcExecutor` -- ``tensor_parallel_size=1``: one
@@ -31,9 +31,10 @@ def make_executor(model, view, info, kv_cache, config, update_batch=None, swaps:
     ``update_batch`` a learner's own message-to-batch function (notebook 06), one process only;
     ``swaps``: the scheduler sends V0's swaps (:mod:`cbteach.worker.swap_runner` carries them out)."""
     if config.tensor_parallel_size == 1:
-        runner = (SwappingModelRunner if swaps else ModelRunner)(view, kv_cache, device=info.device, accepts_logits_to_keep=info.accepts_logits_to_keep,
-                             max_num_reqs=config.scheduler.max_batch_size, max_model_len=info.max_positions,
-                             update_batch=update_batch)
+        runner_cls = SwappingModelRunner if swaps else ModelRunner
+        runner = runner_cls(view, kv_cache, device=info.device, accepts_logits_to_keep=info.accepts_logits_to_keep,
+                            max_num_reqs=config.scheduler.max_batch_size, max_model_len=info.max_positions,
+                            update_batch=update_batch)
         return UniProcExecutor(runner, AsyncModelRunner(runner) if config.async_scheduling else None)
     if update_batch is not None:
         raise ValueError("a plugged-in update_batch runs in this process; with tensor_parallel_size > 1 every rank "

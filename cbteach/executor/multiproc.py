@@ -11,8 +11,8 @@ result into request state. What happens in between:
    :class:`~cbteach.worker.worker.Worker` with a paged pool for its own KV heads and its own model
    runner;
 2. **each step** -- the scheduler's message, and nothing else, goes to every rank (under async
-   scheduling each rank keeps one step in flight and rank 0 answers with the step before's output); every rank applies
-   it to its own persistent batch, runs its shard (one all-reduce after attention and one after the
+   scheduling each rank keeps one step in flight and rank 0 answers with the step before's output);
+   every rank applies it to its own persistent batch, runs its shard (one all-reduce after attention and one after the
    MLP of every layer), samples with the same generators and appends the same tokens. Only rank 0
    answers, with the step's :class:`~cbteach.core.outputs.RunnerOutput` -- token ids, not logits;
 3. **stop** -- :meth:`close` asks the workers to exit and makes sure they did. A rank that dies ends
