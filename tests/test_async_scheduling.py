@@ -143,3 +143,26 @@ def test_async_steps_go_through_the_executor():
                                            else reference(model, r.prompt, r.max_new_tokens, eos_id=-1) for r in reqs]
     with pytest.raises(ValueError, match="built for non_block=True"):
         send(eng.scheduler.schedule(eng.now()))  # a synchronous call on an async executor is refused
+
+
+def test_step_n_plus_1_is_handed_over_before_step_n_is_waited_on():
+    """V1's order at the engine core: the executor gets plan N+1 before N's output comes back, and what
+    it returns with N+1's launch is N's output (the requests plan N scheduled, in the worker's order)."""
+    model = tiny_model("llama")
+    eng = Engine(model, max_batch_size=3, kv="paged", block_size=4, async_scheduling=True)
+    sent, got = [], []
+    send = eng.executor.execute_model
+
+    def watched(plan, non_block=False):
+        out = send(plan, non_block)
+        sent.append(set(plan.num_scheduled_tokens))
+        got.append(None if out is None else set(out.req_ids))
+        return out
+
+    eng.executor.execute_model = watched
+    reqs = workload(7, 5)
+    eng.run(reqs)
+    assert got[0] is None  # the first launch has no step before it
+    launched = [s for s in sent if s]
+    answered = [g for g in got if g is not None]
+    assert answered and answered == launched[:len(answered)]  # each answer is the step launched just before
