@@ -180,6 +180,21 @@ def test_changing_the_model_under_an_engine_is_refused(change):
     assert fresh.run([Request([7, 8], 2)])[0].output_ids == reference(model, [7, 8], 2, eos_id=model.generation_config.eos_token_id)
 
 
+def test_a_model_built_elsewhere_is_not_a_change_but_a_replaced_layer_found_by_step_alone():
+    """The per-step check compares a cheap snapshot and walks the model only when a module or parameter
+    was set somewhere (cbteach.engine.fingerprint): building another model is no change to this one, a
+    layer replaced in this one is caught by the next step, without a run() first."""
+    model = tiny_model("llama")
+    eng = Engine(model, max_batch_size=2, kv="paged", block_size=4)
+    eng.add_request(Request([7, 8, 9], 4, request_id="a"))
+    eng.step()
+    tiny_model("gpt2")  # modules and parameters registered in this process, none of them this model's
+    eng.step()
+    model.lm_head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
+    with pytest.raises(ModelChangedError, match="module of the model"):
+        eng.step()
+
+
 # -- closing ------------------------------------------------------------------------------------------
 def test_close_aborts_what_is_running_and_lets_go_of_the_pool():
     model = tiny_model("gpt2")

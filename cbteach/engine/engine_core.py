@@ -33,7 +33,7 @@ from ..errors import EngineClosedError, EngineDeadError
 from ..kv.caches import make_kv_cache
 from ..executor import make_executor
 from . import async_scheduling
-from .fingerprint import check_unchanged, fingerprint
+from .fingerprint import ModelWatch
 from .plug import RuleGuard, plug_pieces
 from .scheduler import Scheduler
 from .scheduler_v0 import V0Scheduler, uses_v0_rules
@@ -105,7 +105,7 @@ class EngineCore:
         self.forward_seconds = 0.0  # the model's forward passes, all steps together (the rest is host work)
         self._t0 = time.perf_counter()
         self.clock = clock  # None: wall time; a VirtualClock: simulated time (cbteach.core.clock)
-        self._fingerprint = fingerprint(model, tokenizer)
+        self._model_watch = ModelWatch(model, tokenizer)  # (cbteach.engine.fingerprint)
         self._closed = False
         self._dead: EngineDeadError | None = None  # what stopped the engine (a worker process died)
         self.rules = RuleGuard(self.scheduler, self.kv) if scheduler_cls not in (None, Scheduler, V0Scheduler) else None
@@ -253,7 +253,7 @@ class EngineCore:
             raise self._dead
         if self._closed:
             raise EngineClosedError("this engine was closed (Engine.close()); build a new one")
-        check_unchanged(self._fingerprint, self.model, self.tokenizer)
+        self._model_watch.check()
 
     def _complete(self, seq: Sequence, now: float) -> None:
         seq.completion = Completion.of(seq, self.tokenizer, now)
