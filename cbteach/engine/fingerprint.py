@@ -15,13 +15,16 @@ belongs to the model as it was when the engine was built; change the model, buil
 
 Walking the module tree costs about as much as a fifth of a small model's host work per step, so
 :class:`ModelWatch` walks it only when something could have changed: torch calls a registration
-hook whenever any module or parameter is set on any module (public API,
-``torch.nn.modules.module.register_module_*_registration_hook``), and every step compares only that
-count, the first parameter's dtype and device, the parameters' in-place version counters and the
-EOS settings. A difference sends it to the full comparison, which names what changed -- or finds
-nothing (another model was built meanwhile) and takes a new quick snapshot.
+hook whenever a module or parameter is set on any module (public API,
+``torch.nn.modules.module.register_module_*_registration_hook``; the hook counts only those set on a
+watched model's modules -- a forward pass that slices a ``ModuleList`` builds a new one each time),
+and every step compares only that count, the first parameter's dtype and device, the parameters'
+in-place version counters and the EOS settings. A difference sends it to the full comparison, which
+names what changed -- or finds nothing and takes a new quick snapshot.
 """
 from __future__ import annotations
+
+import weakref
 
 from torch.nn.modules import module as torch_module
 
@@ -57,12 +60,15 @@ def check_unchanged(before: tuple, model, tokenizer=None) -> None:
                                 "the model as it was then -- build a new Engine for the model as it is now")
 
 
-_registrations = [0]  # modules and parameters set on any module in this process, since the first watch
+_registrations = [0]  # modules and parameters set on a watched model's modules, since the first watch
+_watched: weakref.WeakSet = weakref.WeakSet()  # every module of every watched model (gone with the model)
 
 
-def _count_registration(*_args) -> None:
-    """torch's registration hook: counts, and returns None (the module or parameter is left as it is)."""
-    _registrations[0] += 1
+def _count_registration(module, *_args) -> None:
+    """torch's registration hook: counts a module or parameter set on a watched model's module, and
+    returns None (what was set is left as it is)."""
+    if module in _watched:
+        _registrations[0] += 1
 
 
 def _hook_registrations() -> None:
@@ -78,6 +84,7 @@ class ModelWatch:
 
     def __init__(self, model, tokenizer=None):
         _hook_registrations()
+        _watched.update(model.modules())
         self.model, self.tokenizer = model, tokenizer
         self.before = fingerprint(model, tokenizer)
         self._snapshot()
@@ -98,4 +105,4 @@ class ModelWatch:
         if self._quick() == self.quick:
             return
         check_unchanged(self.before, self.model, self.tokenizer)
-        self._snapshot()  # nothing of this model changed (a module was set somewhere else)
+        self._snapshot()  # nothing this engine depends on changed (a module was set again, say)
