@@ -166,3 +166,25 @@ def test_step_n_plus_1_is_handed_over_before_step_n_is_waited_on():
     launched = [s for s in sent if s]
     answered = [g for g in got if g is not None]
     assert answered and answered == launched[:len(answered)]  # each answer is the step launched just before
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_the_worker_prepares_step_n_plus_1_while_step_n_is_in_flight(arch):
+    """V1's order in the worker: plan N+1 changes the batch and N+1's inputs are read from it before the
+    worker waits for N (cbteach.worker.async_runner) -- every step but the first is prepared with the step
+    before it still in flight -- and the tokens are still generate's."""
+    model = tiny_model(arch)
+    eng = Engine(model, max_batch_size=3, kv="paged", block_size=4, async_scheduling=True)
+    pipeline = eng.executor.pipeline
+    prepare, in_flight = pipeline.runner.prepare_inputs, []
+
+    def watched(msg):
+        in_flight.append(pipeline.flight is not None)  # N not waited on yet
+        return prepare(msg)
+
+    pipeline.runner.prepare_inputs = watched
+    reqs = workload(7, 5)
+    got = eng.run(reqs)
+    assert len(in_flight) > 5 and not in_flight[0] and all(in_flight[1:]), in_flight
+    assert [c.output_ids for c in got] == [reference(model, r.prompt, r.max_new_tokens) if not r.ignore_eos
+                                           else reference(model, r.prompt, r.max_new_tokens, eos_id=-1) for r in reqs]

@@ -155,7 +155,7 @@ def test_results_are_found_by_request_id_whatever_their_order():
             return out
         reversed_steps[0] += 1
         flip = lambda xs: None if xs is None else xs[::-1]  # noqa: E731
-        return RunnerOutput(sampled=out.sampled[::-1], req_ids=out.req_ids[::-1], chunks=out.chunks[::-1],
+        return RunnerOutput(sampled=out.sampled[::-1], req_ids=out.req_ids[::-1],
                             forward_time=out.forward_time, traffic=out.traffic, fork_tokens=flip(out.fork_tokens),
                             errors=flip(out.errors))
 
@@ -227,18 +227,16 @@ def test_async_steps_read_the_last_steps_tokens_on_the_device():
     host only after N+1 is launched (cbteach.worker.async_runner). Still exact."""
     model = tiny_model("llama")
     eng = Engine(model, max_batch_size=4, kv="paged", block_size=4, async_scheduling=True)
-    runner, pipeline = eng.executor.runner, eng.executor.pipeline
-    prepare, pending = runner.prepare_inputs, []
+    pipeline = eng.executor.pipeline
+    feed, pending = pipeline.feed, []
 
-    def watched(msg, rows=None):
-        step = prepare(msg, rows)
-        if rows is None:
-            prev = pipeline.prev
-            fed = [(at, rid) for at, rid, _ in step.pending if prev is not None and rid in prev[1]]
-            pending.append((len(step.counts), len(fed)))
-        return step
+    def watched(step):
+        prev = pipeline.prev
+        fed = [(at, rid) for at, rid, _ in step.pending if prev is not None and rid in prev[1]]
+        pending.append((len(step.counts), len(fed)))
+        feed(step)
 
-    runner.prepare_inputs = watched
+    pipeline.feed = watched
     reqs = _requests(17, n=5, max_new=12)
     _exact(model, reqs, eng.run(reqs))
     fed_steps = [n for n, fed in pending if fed]

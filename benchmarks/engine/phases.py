@@ -31,6 +31,11 @@ import os
 import statistics
 import time
 
+# What the phases are timed with: wall time (time.perf_counter), or with --clock cpu this thread's CPU
+# time (time.thread_time), which another process on a busy machine does not inflate -- the synchronous
+# engine runs every phase in this one thread.
+CLOCK = [time.perf_counter]
+
 PHASES = ("plan", "message", "prepare", "forward", "sample", "update", "other")
 
 
@@ -41,11 +46,11 @@ def _wrap(owner, name: str, label: str, acc: collections.Counter) -> bool:
 
     @functools.wraps(fn)
     def timed(*args, **kwargs):
-        t0 = time.perf_counter()
+        t0 = CLOCK[0]()
         try:
             return fn(*args, **kwargs)
         finally:
-            acc[label] += time.perf_counter() - t0
+            acc[label] += CLOCK[0]() - t0
 
     setattr(owner, name, timed)
     return True
@@ -89,15 +94,15 @@ def measure(batch: int, repeat: int, n: int, max_new: int) -> dict:
     acc: collections.Counter = collections.Counter()
     layout = instrument(acc)
     starts: list = []
-    model.register_forward_pre_hook(lambda *a: starts.append(time.perf_counter()))
-    model.register_forward_hook(lambda *a: acc.update(forward=time.perf_counter() - starts.pop()))
+    model.register_forward_pre_hook(lambda *a: starts.append(CLOCK[0]()))
+    model.register_forward_hook(lambda *a: acc.update(forward=CLOCK[0]() - starts.pop()))
     runs = []
     for i in range(repeat + 1):
         eng = Engine(model, tok, kv="paged", max_batch_size=batch, keep_records=False)
         acc.clear()
-        t0 = time.perf_counter()
+        t0 = CLOCK[0]()
         out = eng.run(reqs)
-        wall = time.perf_counter() - t0
+        wall = CLOCK[0]() - t0
         steps = eng.num_steps
         eng.close()
         if i == 0:
@@ -134,15 +139,18 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=300)
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="time phases by wall time, or by this thread's CPU time (steadier on a busy machine)")
     p.add_argument("--out")
     p.add_argument("--table", nargs="*")
     a = p.parse_args()
     if a.table is not None:
         table(sorted(path for pattern in a.table for path in glob.glob(pattern)))
         return
+    CLOCK[0] = time.thread_time if a.clock == "cpu" else time.perf_counter
     load_before = os.getloadavg()[0]
     results = [measure(int(b), a.repeat, a.requests, a.max_new_tokens) for b in a.batches.split(",")]
-    out = {"label": a.label, "load_before": load_before, "results": results, "time": time.time()}
+    out = {"label": a.label, "clock": a.clock, "load_before": load_before, "results": results, "time": time.time()}
     for m in results:
         med = m["median"]
         print(f"{a.label} batch {m['batch']} ({m['layout']}): wall {med['wall']:.2f} s, host {med['host_ms_per_step']:.3f} "

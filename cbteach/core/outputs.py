@@ -27,7 +27,6 @@ class RunnerOutput:
     sampled: list
     req_ids: list = field(default_factory=list)  # whose results, in order (V1's ModelRunnerOutput.req_ids)
     req_id_to_index: dict = field(default=None)  # request id -> its index in these lists (from req_ids if None)
-    chunks: list = field(default_factory=list)  # the token ids each fed (guesses included), for records
     forward_time: float = 0.0
     traffic: object = None  # the KV cache's KVTraffic for this step
     fork_tokens: list | None = None

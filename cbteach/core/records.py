@@ -144,13 +144,16 @@ def fill_record(record: StepRecord, step, out, num_outputs_before: list[int], fi
     # What each sequence got is what was appended to it: a token the runner sampled for a sequence that
     # had already stopped or failed (async scheduling: it was in the step in flight) was dropped.
     ended = {id(s) for s in finished}
-    record.seqs = [
-        SeqStep(request_id=s.request_id, slot=s.slot, kind=k, num_computed_tokens=starts[s.request_id],
-                num_scheduled_tokens=plan.num_scheduled_tokens[s.request_id], token_ids=chunk,
-                sampled=s.output_ids[-1] if len(s.output_ids) > b else None, new_token_ids=s.output_ids[b:],
-                num_draft_tokens=plan.num_draft_tokens(s.request_id),
-                finish_reason=s.finish_reason if len(s.output_ids) > b or id(s) in ended else None)
-        for s, k, chunk, b in zip(step.seqs, step.kinds, _in_plan_order(out, step.seqs), num_outputs_before)]
+    guesses = plan.scheduled_spec_decode_tokens
+    record.seqs = []
+    for s, k, b in zip(step.seqs, step.kinds, num_outputs_before):
+        start, n = starts[s.request_id], plan.num_scheduled_tokens[s.request_id]
+        drafts = guesses.get(s.request_id, ()) if guesses else ()
+        record.seqs.append(SeqStep(
+            request_id=s.request_id, slot=s.slot, kind=k, num_computed_tokens=start, num_scheduled_tokens=n,
+            token_ids=_fed(s, start, n - len(drafts), drafts), sampled=s.output_ids[-1] if len(s.output_ids) > b else None,
+            new_token_ids=s.output_ids[b:], num_draft_tokens=len(drafts),
+            finish_reason=s.finish_reason if len(s.output_ids) > b or id(s) in ended else None))
     record.forward_time = out.forward_time
     if out.comm is not None:
         record.num_all_reduces, record.all_reduce_bytes = out.comm["all_reduces"], out.comm["all_reduce_bytes"]
@@ -159,7 +162,8 @@ def fill_record(record: StepRecord, step, out, num_outputs_before: list[int], fi
         record.kv_copy_time = out.traffic.seconds
 
 
-def _in_plan_order(out, seqs) -> list:
-    """The token ids each planned sequence fed, from the worker's output (in the worker's row order)."""
-    index = out.req_id_to_index
-    return [out.chunks[index[s.request_id]] if s.request_id in index and out.chunks else [] for s in seqs]
+def _fed(seq, start: int, n: int, drafts) -> list[int]:
+    """The token ids a sequence fed: its tokens ``start .. start + n - 1`` -- all known by now, but for a
+    token an async step in flight was to give it and did not (it failed): fed as 0 -- then its guesses."""
+    known = max(start, min(start + n, seq.num_tokens))
+    return seq.token_ids(start, known) + [0] * (start + n - known) + list(drafts)

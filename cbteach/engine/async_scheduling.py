@@ -6,10 +6,11 @@ work is a fixed cost per step (a few milliseconds in Python) that a fast forward
 vLLM V1 hides it by overlapping it with the forward pass. One :meth:`AsyncStepper.step` does::
 
     plan N+1      (host; step N's forward and sampling are running on the worker's device thread)
-    send N+1      ``executor.execute_model(plan, non_block=True)``: the worker waits for N, applies
-                  plan N+1 to its batch and launches it -- N+1's decodes read N's tokens straight
-                  from the device tensor (V1's ``prev_sampled_token_ids``) -- then copies N's tokens
-                  to the host and returns N's output (:mod:`cbteach.worker.async_runner`)
+    send N+1      ``executor.execute_model(plan, non_block=True)``: the worker applies plan N+1 to
+                  its batch and prepares N+1's inputs, waits for N, launches N+1 -- its decodes read
+                  N's tokens straight from the device tensor (V1's ``prev_sampled_token_ids``) --
+                  then copies N's tokens to the host and returns N's output
+                  (:mod:`cbteach.worker.async_runner`)
     update N      (host; step N+1's forward is running all the while)
 
 The executor carries it, as in V1 (``step_with_batch_queue`` in ``vllm/v1/engine/core.py`` hands N+1
@@ -27,15 +28,16 @@ Tokens are the same as the synchronous engine's.
 
 What is the same as vLLM V1 (``vllm/v1/core/sched/async_scheduler.py``, ``vllm/v1/engine/core.py``,
 ``vllm/v1/worker/gpu_model_runner.py``): placeholders on the scheduler's side; N+1 handed to the
-executor before N's output is waited on; the worker feeding the last step's tokens from the device.
-What is not: V1's worker prepares N+1 while N is still on the device, and copies N's tokens on a side
-CUDA stream; see :mod:`cbteach.worker.async_runner` for what this worker does instead. The limits are
+executor before N's output is waited on; the worker preparing N+1 while N is on the device and feeding
+N's tokens from the device. What is not: V1 copies N's tokens to the host on a side CUDA stream; see
+:mod:`cbteach.worker.async_runner`. The limits are
 cbteach's, not V1's: ``kv="paged"``, no speculative decoding (V1 runs it, with placeholder guesses
 its worker fills in), no swap preemption (V0's), and not under ``torchrun``.
 
-When step N fails, the worker runs N's requests again one at a time from its own batch -- which plan
-N+1 has not touched yet: it is applied only after N's forward pass -- so nobody is failed with the
-request the model failed on; a request planned in N+1 on blocks N never wrote computes them itself.
+When step N fails, the worker runs N's requests again one at a time, each from its own state and N's
+inputs (plan N+1 may have changed the batch's rows already), so nobody is failed with the request the
+model failed on; then it prepares N+1 again, and a request planned in N+1 on blocks N never wrote
+computes them itself.
 
 Each step's record keeps when the host and the model worked (``StepRecord.timings``): notebook 09
 draws both timelines from them.

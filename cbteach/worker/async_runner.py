@@ -1,28 +1,32 @@
 """The worker's side of async scheduling: one step always in flight on a "device" thread.
 
 vLLM V1's engine core, under async scheduling, hands step N+1 to its executor before it waits for
-step N's output (``step_with_batch_queue`` in ``vllm/v1/engine/core.py``); the worker runs the
-messages in order and keeps the last step's sampled tokens on the device for the next one. Here
-:class:`AsyncModelRunner` wraps a :class:`~cbteach.worker.model_runner.ModelRunner` the same way,
-in every process that runs one (the engine's, or each tensor-parallel rank's). One call,
+step N's output (``step_with_batch_queue`` in ``vllm/v1/engine/core.py``); its worker prepares N+1
+while N is still on the device and keeps N's sampled tokens there for N+1's decodes. Here
+:class:`AsyncModelRunner` wraps a :class:`~cbteach.worker.model_runner.ModelRunner` the same way, in
+every process that runs one (the engine's, or each tensor-parallel rank's). One call,
 ``execute_model(msg)``, does::
 
-    wait for N     its forward pass and sampling (on the device thread) are done; a forward that
-                   raised is run again one request at a time (cbteach's recovery)
-    launch N+1     the message changes the batch, the inputs are read from its rows -- a decode of a
-                   token N sampled reads it from N's device tensor -- and the forward pass and the
-                   sampling start on the device thread
+    prepare N+1    the message changes the batch and N+1's inputs are read from its rows, while N's
+                   forward pass and sampling run on the device thread; a decode of the token N is
+                   sampling is *pending* (fed as 0 for now)
+    wait for N     N's tokens exist on the device; a forward that raised is run again one request at
+                   a time (cbteach's recovery), and then N+1 is prepared again (N may have left blocks
+                   unwritten that N+1 reads)
+    launch N+1     the pending tokens are copied from N's device tensor into N+1's input ids (V1's
+                   ``prev_sampled_token_ids``), and the forward pass and the sampling start
     finish N       N's tokens come to the host and join the rows and the states, while N+1's forward
                    pass runs; N's output is returned
 
 so the caller gets the output of the step *before* the one it sent (``None`` when none was in flight),
-and :meth:`drain` finishes the last one. On the CPU the device thread is a thread: PyTorch releases
-the interpreter lock inside its kernels, so host work overlaps the forward pass.
+and :meth:`drain` finishes the last one. Preparing N+1 may change the batch's rows while N samples, so
+a step takes what sampling reads (each row's parameters and generator) when it is prepared. Block
+copies inside the pool (V0's copy on write) would race the forward pass in flight: a message that
+carries some waits for N first. On the CPU the device thread is a thread: PyTorch releases the
+interpreter lock inside its kernels, so host work overlaps the forward pass -- where the lock allows.
 
-Not V1's order yet: V1's worker prepares N+1 (``_update_states``, ``_prepare_inputs``) while N is
-still on the device; here N+1 is applied and prepared after N's forward and sampling have finished,
-and the model idles meanwhile. And V1 copies N's tokens on a side CUDA stream and waits on an
-event; here ``finish`` copies them on the default stream (on a GPU it would wait for N+1's forward).
+Not V1's: V1 copies N's tokens to the host on a side CUDA stream and waits on an event; here
+``finish`` copies them on the default stream (on a GPU it would wait for N+1's forward).
 """
 from __future__ import annotations
 
@@ -39,18 +43,24 @@ class AsyncModelRunner:
 
     def __init__(self, runner):
         self.runner = runner
-        runner.feed = self._feed  # the next step reads this step's tokens on the device
         self.device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cbteach-forward")
         self.flight = None  # the step on the device: (Step, future, launch time)
         self.prev = None  # the last step's sampled tokens on the device, and {request id: index} (V1's prev_sampled_token_ids)
+        self.recovered = False  # the last step waited for failed and was run again a request at a time
 
     def execute_model(self, msg) -> RunnerOutput | None:
-        """Apply ``msg``, launch its step (if it schedules any tokens); the output of the step in flight
-        before it, or ``None``."""
-        done = self._wait()
+        """Apply ``msg`` and prepare its step while the step in flight runs, then wait for that one and
+        launch this one (if it schedules any tokens); the output of the step in flight before, or ``None``."""
+        done = self._wait() if msg.block_copies else None  # (copies inside the pool: not beside a forward)
         self.runner.update_states(msg)
-        if msg.total_num_scheduled_tokens:
-            step = self.runner.prepare_inputs(msg)
+        step = self.runner.prepare_inputs(msg) if msg.total_num_scheduled_tokens else None
+        if done is None:
+            done = self._wait()
+        if step is not None:
+            if self.recovered:  # N failed for someone: blocks it was to fill may be read by N+1 -- read again
+                forks, step = step.forks, self.runner.prepare_inputs(msg)
+                step.forks = forks  # (made once, when first prepared)
+            self.feed(step)
             self.flight = (step, self.device.submit(self._forward, step), time.perf_counter())
             time.sleep(0)  # give up the interpreter lock: the device thread starts now, not at our next wait
         return done() if done is not None else None
@@ -77,8 +87,8 @@ class AsyncModelRunner:
         self.prev = (step.sampled.tokens, {rid: i for i, rid in enumerate(step.req_ids) if step.samples[i]})
         return t0, t1
 
-    def _feed(self, step) -> None:
-        """A step prepared before the last one's tokens reached the host feeds them from the device."""
+    def feed(self, step) -> None:
+        """A step's pending tokens -- sampled by the step before, not on the host yet -- read from the device."""
         fed = [(at, self.prev[1][rid]) for at, rid, _ in step.pending if self.prev is not None and rid in self.prev[1]]
         if fed:
             at, src = torch.tensor(fed, device=step.meta.input_ids.device).T
@@ -86,6 +96,7 @@ class AsyncModelRunner:
 
     def _wait(self):
         """Wait for the step in flight; a function that finishes it (its tokens to the host), or ``None``."""
+        self.recovered = False
         if self.flight is None:
             return None
         (step, future, launched), self.flight = self.flight, None
@@ -96,6 +107,7 @@ class AsyncModelRunner:
             output.forward_span = (launched, time.perf_counter())
             tokens = [(s or [0])[-1] for s in output.sampled]  # the next step reads them as if one pass had sampled them
             self.prev = (torch.tensor(tokens, device=self.runner.device), {rid: i for i, rid in enumerate(step.req_ids)})
+            self.recovered = True
             return lambda: output
 
         def finish() -> RunnerOutput:

@@ -15,21 +15,13 @@ step is four calls, the way vLLM V1's GPU model runner splits it (``vllm/v1/work
    mapping, attention groups) and ``logits_to_keep`` asks the model for each row's last logits only;
 3. :meth:`ModelRunner.forward` -- the model, once, on the packed row; then :meth:`ModelRunner.sample`
    -- each row that reached the end of its known tokens gets a token, on the device
-   (:mod:`cbteach.worker.sampler`); a row that fed speculative guesses keeps the ones the model agrees with;
+   (:mod:`cbteach.worker.sampler`);
 4. :meth:`ModelRunner.finish` -- the tokens come to the host, join the rows and the states, and go back
    to the scheduler as a :class:`~cbteach.core.outputs.RunnerOutput`, in the batch's row order.
 
-Under async scheduling (:mod:`cbteach.engine.async_scheduling`) the next step is launched between 3
-and 4: its decodes read the tokens this step sampled straight from the device tensor
-(:mod:`cbteach.worker.async_runner`; V1's ``prev_sampled_token_ids``), and 4 runs after that launch, while the
-next forward pass runs in the worker thread. On the CPU 4's "copy" is a conversion to lists; on a GPU
-it is made on the default stream, where it would wait for the next forward pass (V1 copies on a side
-stream and waits on an event).
-
-**One request's failure is its own** -- cbteach's rule, not V1's (V1's worker re-raises and the
-engine stops): a row whose sampling fails, or whose logits are not finite, gets an error instead of a
-token; if the forward pass raises, each row is run alone to find whose tokens the model fails on, and
-blocks a failed row was to fill are computed again by whoever reads them (:mod:`cbteach.worker.recovery`).
+Beside this path: async scheduling's order of these calls (:mod:`cbteach.worker.async_runner`), and what
+happens when the forward pass raises -- cbteach's rule, not V1's: one request's failure is its own
+(:mod:`cbteach.worker.recovery`).
 """
 from __future__ import annotations
 
@@ -43,7 +35,7 @@ from ..core.sampling import make_generator
 from ..errors import EngineDeadError, EngineRuleError
 from .input_batch import CachedRequestState, InputBatch
 from .sampler import NOT_FINITE, accept, sample_on_device
-from .step import Step, fed_chunks, pending_tokens
+from .step import Step, pending_tokens
 from . import recovery, states
 
 
@@ -59,7 +51,6 @@ class ModelRunner:
         self.requests: dict[object, CachedRequestState] = {}  # every request it was told of and not yet finished
         self.input_batch = InputBatch(max_num_reqs, max_model_len)
         self.unwritten_blocks: set[int] = set()
-        self.feed = None  # fills a step's pending tokens on the device (cbteach.worker.async_runner), or None
         self.update_batch = update_batch or states.update_batch  # a learner's own (notebook 06), or V1's
 
     def close(self) -> None:
@@ -107,48 +98,47 @@ class ModelRunner:
                 self.unwritten_blocks.add(dst)
 
     # -- a step ---------------------------------------------------------------------------------------
-    def prepare_inputs(self, msg, rows: list[int] | None = None) -> Step:
-        """The step's inputs, read from the batch's rows (all of them, or ``rows`` when a row is run alone)."""
+    def prepare_inputs(self, msg) -> Step:
+        """The step's inputs, read from the batch's rows."""
         b = self.input_batch
-        whole = rows is None
-        B = b.num_reqs if whole else len(rows)
-        sl = slice(0, B) if whole else rows  # a slice of the arrays (the whole batch), or a gather
-        rows = list(range(B)) if whole else rows
-        req_ids = b.req_ids[:B] if whole else [b.req_ids[r] for r in rows]
+        B = b.num_reqs
+        req_ids = b.req_ids[:B]
         counts = [msg.num_scheduled_tokens[rid] for rid in req_ids]
         spec = msg.scheduled_spec_decode_tokens
         drafts = [spec.get(rid, []) for rid in req_ids] if spec else [[]] * B
-        starts = b.num_computed_tokens[sl].tolist()
+        starts = b.num_computed_tokens[:B].tolist()
         if self.unwritten_blocks:  # a cached prefix whose K/V were never written is computed again
             for i, rid in enumerate(req_ids):
                 starts[i], counts[i] = self._redo_from(self.requests[rid].block_ids, starts[i], counts[i])
-        known = b.num_tokens[sl]
-        ends = np.add(starts, counts)
-        samples = (ends >= known).tolist()
+        known = b.num_tokens[:B]
+        samples = (np.add(starts, counts) >= known).tolist()
         # Token ids: one gather from the rows (guesses were written after the known tokens).
         T = sum(counts)
-        first = np.asarray(rows) * b.token_ids.shape[1] + starts
+        first = np.arange(B) * b.token_ids.shape[1] + starts
         idx = first if T == B else np.repeat(first - np.cumsum([0, *counts[:-1]]), counts) + np.arange(T)
         input_ids = b.token_ids_np.reshape(-1)[idx]
         pending = pending_tokens(req_ids, starts, counts, known + [len(d) for d in drafts] if spec else known, input_ids)
-        tables, num_blocks = b.block_table.table[sl], b.block_table.num_blocks[sl]
-        meta = self.kv_cache.build_metadata(input_ids, starts, counts, self.device,
-                                            block_tables=tables if self.block_size else None,
-                                            num_blocks=num_blocks, request_ids=req_ids)
-        step = Step(msg, rows, req_ids, starts, counts, drafts, samples, meta,
-                    kwargs=self.kv_cache.forward_kwargs(meta), input_ids=input_ids, pending=pending)
-        if pending and self.feed is not None:
-            self.feed(step)  # tokens not on the host yet, read where they are: on the device
+        step = Step(msg, list(range(B)), req_ids, starts, counts, drafts, samples, input_ids=input_ids, pending=pending)
+        self.build_inputs(step, b.block_table.table[:B], b.block_table.num_blocks[:B])
+        self._sampling_inputs(step)
+        return step
+
+    def build_inputs(self, step: Step, block_tables, num_blocks=None) -> None:
+        """The step's attention metadata and the model's keyword arguments, from its token ids, positions
+        and block tables (a table per row; ``num_blocks``: how many entries of each are blocks)."""
+        meta = self.kv_cache.build_metadata(step.input_ids, step.starts, step.counts, self.device,
+                                            block_tables=block_tables if self.block_size else None,
+                                            num_blocks=num_blocks, request_ids=step.req_ids)
+        step.meta, step.kwargs = meta, self.kv_cache.forward_kwargs(meta)
         keep = meta.logits_indices
-        if any(drafts):  # a speculating row needs the logits of its last 1 + guesses tokens
-            packed_ends = np.cumsum(counts).tolist()
-            keep = torch.tensor([e - k for e, d in zip(packed_ends, drafts) for k in range(len(d) + 1, 0, -1)],
+        if any(step.drafts):  # a speculating row needs the logits of its last 1 + guesses tokens
+            packed_ends = np.cumsum(step.counts).tolist()
+            keep = torch.tensor([e - k for e, d in zip(packed_ends, step.drafts) for k in range(len(d) + 1, 0, -1)],
                                 device=self.device)
-            step.last = torch.tensor(np.cumsum([len(d) + 1 for d in drafts]) - 1, device=self.device)
+            step.last = torch.tensor(np.cumsum([len(d) + 1 for d in step.drafts]) - 1, device=self.device)
         if self.accepts_logits_to_keep:
             step.kwargs["logits_to_keep"] = keep
         step.keep = keep
-        return step
 
     @torch.inference_mode()
     def forward(self, step: Step) -> None:
@@ -160,28 +150,32 @@ class ModelRunner:
         step.traffic = self.kv_cache.after_forward(meta)
         step.logits = out.logits[0] if self.accepts_logits_to_keep else out.logits[0, step.keep]
 
+    def _sampling_inputs(self, step: Step) -> None:
+        """What sampling reads, taken from the rows now (under async scheduling the next message may
+        change the rows while this step samples): each row's parameters and generator, and a prompt's
+        forked samples -- a state and a generator each, made here once (a sample already known is not
+        forked again)."""
+        b = self.input_batch
+        if b.all_greedy and not step.msg.scheduled_forks:  # the course's case: one max over the vocabulary
+            step.params = step.generators = [None] * len(step.rows)
+            return
+        step.params = [b.sampling_params[r] if s and not d else None
+                       for r, s, d in zip(step.rows, step.samples, step.drafts)]
+        step.generators = [b.generators.get(r) for r in step.rows]
+        for i, rid in enumerate(step.req_ids):
+            for sample_id, index in step.msg.scheduled_forks.get(rid, ()) if step.samples[i] else ():
+                if sample_id not in self.requests:
+                    parent = self.requests[rid]
+                    self.requests[sample_id] = CachedRequestState(
+                        req_id=sample_id, prompt_token_ids=list(parent.prompt_token_ids),
+                        sampling_params=parent.sampling_params,
+                        generator=make_generator(parent.sampling_params, index))
+                    step.forks.setdefault(i, []).append((sample_id, self.requests[sample_id].generator))
+
     @torch.inference_mode()
     def sample(self, step: Step) -> None:
-        """Tokens for the rows that sample, on the device; a prompt's forked samples get a state and
-        their first token here (each once: a sample already known is not forked again)."""
-        b = self.input_batch
-        forks = {}
-        if b.all_greedy and not step.msg.scheduled_forks:  # the course's case: one max over the vocabulary
-            params = generators = [None] * len(step.rows)
-        else:
-            params = [b.sampling_params[r] if s and not d else None
-                      for r, s, d in zip(step.rows, step.samples, step.drafts)]
-            generators = [b.generators.get(r) for r in step.rows]
-            for i, rid in enumerate(step.req_ids):
-                for sample_id, index in step.msg.scheduled_forks.get(rid, ()) if step.samples[i] else ():
-                    if sample_id not in self.requests:
-                        parent = self.requests[rid]
-                        self.requests[sample_id] = CachedRequestState(
-                            req_id=sample_id, prompt_token_ids=list(parent.prompt_token_ids),
-                            sampling_params=parent.sampling_params,
-                            generator=make_generator(parent.sampling_params, index))
-                        forks.setdefault(i, []).append((sample_id, self.requests[sample_id].generator))
-        step.sampled = sample_on_device(step.logits, step.last, params, generators, forks)
+        """Tokens for the rows that sample, on the device (reading only the step: see ``_sampling_inputs``)."""
+        step.sampled = sample_on_device(step.logits, step.last, step.params, step.generators, step.forks)
 
     def finish(self, step: Step) -> RunnerOutput:
         """The sampled tokens come to the host, join the batch's rows and the requests' states, and go to
@@ -194,10 +188,9 @@ class ModelRunner:
             if self.unwritten_blocks:
                 for i, rid in enumerate(step.req_ids):
                     self.written(rid, step.starts[i], step.counts[i], ok=True)
-            chunks = fed_chunks(step, self.requests)
             self._append_all(step.req_ids, sampled)
-            return RunnerOutput(sampled=sampled, req_ids=list(step.req_ids), chunks=chunks,
-                                forward_time=step.forward_time, traffic=step.traffic)
+            return RunnerOutput(sampled=sampled, req_ids=list(step.req_ids), forward_time=step.forward_time,
+                                traffic=step.traffic)
         sampled, errors, fork_tokens = [None] * n, [None] * n, [None] * n
         first = 0
         for i, (rid, drafts) in enumerate(zip(step.req_ids, step.drafts)):
@@ -216,13 +209,12 @@ class ModelRunner:
         failed = [i for i, e in enumerate(errors) if e is not None]
         for i in failed if not self.unwritten_blocks else range(n):
             self.written(step.req_ids[i], step.starts[i], step.counts[i], ok=errors[i] is None)
-        chunks = fed_chunks(step, self.requests)  # (before the tokens join: a pending token is read from the states)
         self._append_all(step.req_ids, sampled)
         for forks in filter(None, fork_tokens):
             for sample_id, token in forks.items():
                 self.requests[sample_id].output_token_ids.append(token)
-        return RunnerOutput(sampled=sampled, req_ids=list(step.req_ids), chunks=chunks,
-                            forward_time=step.forward_time, traffic=step.traffic,
+        return RunnerOutput(sampled=sampled, req_ids=list(step.req_ids), forward_time=step.forward_time,
+                            traffic=step.traffic,
                             fork_tokens=fork_tokens if any(fork_tokens) else None,
                             errors=errors if failed else None)
 

@@ -19,34 +19,57 @@ and a dead worker process (:class:`~cbteach.errors.EngineDeadError`) is nobody's
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ..core.outputs import RunnerOutput
 from ..errors import EngineDeadError, EngineRuleError
+from .step import Step
 
 
 def recover(runner, step, err: Exception) -> RunnerOutput:
     """``step``'s forward pass raised ``err``: run each row alone; the ones the model fails on get an
     error, and the blocks they were to fill are unwritten."""
     parts = []
-    for row, rid, start, count in zip(step.rows, step.req_ids, step.starts, step.counts):
+    for i, (rid, start, count) in enumerate(zip(step.req_ids, step.starts, step.counts)):
+        if rid not in runner.requests:  # finished by a message sent since (async scheduling): nothing to give it
+            parts.append(RunnerOutput(sampled=[None], req_ids=[rid]))
+            continue
         try:
             if len(step.rows) == 1:
                 raise err
-            alone = runner.prepare_inputs(step.msg, [row])
-            runner.forward(alone)
-            runner.sample(alone)
-            parts.append(runner.finish(alone))
+            one = alone(runner, step, i)
+            runner.forward(one)
+            runner.sample(one)
+            parts.append(runner.finish(one))
         except (EngineRuleError, EngineDeadError):
             raise
         except Exception as e:  # noqa: BLE001  (the model failed on this row's tokens)
             runner.written(rid, start, count, ok=False)
             message = f"the model failed on this request's tokens: {type(e).__name__}: {e}"
-            parts.append(RunnerOutput(sampled=[None], req_ids=[rid], chunks=[[]], errors=[message]))
+            parts.append(RunnerOutput(sampled=[None], req_ids=[rid], errors=[message]))
     return RunnerOutput(
         sampled=[p.sampled[0] for p in parts], req_ids=list(step.req_ids),
-        chunks=[p.chunks[0] if p.chunks else [] for p in parts],
         forward_time=sum(p.forward_time for p in parts), traffic=next((p.traffic for p in parts if p.traffic), None),
         fork_tokens=[p.fork_tokens[0] if p.fork_tokens else None for p in parts],
         errors=[p.error(0) for p in parts])
+
+
+def alone(runner, step, i: int) -> Step:
+    """Row ``i`` of ``step`` as a step of its own, read from the request's state and the step -- not from
+    the batch's rows, which the next message may have changed already (async scheduling). A row before
+    it that failed leaves blocks unwritten that this one may read: it computes them again."""
+    rid, drafts, state = step.req_ids[i], step.drafts[i], runner.requests[step.req_ids[i]]
+    start, count = step.starts[i], step.counts[i]
+    if runner.unwritten_blocks and runner.block_size is not None:
+        start, count = redo_from(runner.unwritten_blocks, state.block_ids, start, count, runner.block_size)
+    n = count - len(drafts)
+    known = (state.prompt_token_ids + state.output_token_ids)[start:start + n]
+    ids = np.asarray(known + [0] * (n - len(known)) + list(drafts), dtype=np.int64)  # (0: a token that never came)
+    one = Step(step.msg, [step.rows[i]], [rid], [start], [count], [drafts], [step.samples[i]], input_ids=ids,
+               params=[step.params[i]], generators=[step.generators[i]],
+               forks={0: step.forks[i]} if i in step.forks else {})
+    runner.build_inputs(one, [state.block_ids])
+    return one
 
 
 def redo_from(unwritten: set, block_ids: list[int], start: int, count: int, block_size: int) -> tuple[int, int]:

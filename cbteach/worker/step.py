@@ -3,8 +3,7 @@
 Under async scheduling a step can be prepared before the step in front of it has finished: a decode
 then feeds a token that exists only on the device (the last step's sample). The host fills its place
 in the packed row with 0 and remembers it as *pending*; the device copy replaces the 0 before the
-forward pass (:attr:`cbteach.worker.async_runner.AsyncModelRunner.prev`), and the step's record reads the
-real token from the request's state once it has arrived. V1 feeds the token the same way, from
+forward pass (:attr:`cbteach.worker.async_runner.AsyncModelRunner.prev`). V1 feeds the token the same way, from
 ``prev_sampled_token_ids`` (``gpu_model_runner.py``), but its worker keeps a placeholder (-1) where
 that token goes and never learns it on the host -- which is *why* a request it must add to its batch
 again comes with its token ids (``all_token_ids`` in the message). This worker writes the real token
@@ -29,13 +28,16 @@ class Step:
     counts: list[int]  # tokens fed (known ones, then guesses)
     drafts: list[list[int]]  # speculative guesses fed after the known tokens
     samples: list[bool]  # whether the row gets a token (it reaches the end of its known tokens)
+    input_ids: np.ndarray | None = None  # the host's copy of the fed ids (a pending token: 0)
+    pending: list = field(default_factory=list)  # (packed position, request id, token position) not known then
     meta: object = None
     kwargs: dict | None = None
-    input_ids: torch.Tensor | None = None  # the host's copy of the fed ids (a pending token: 0)
-    pending: list = field(default_factory=list)  # (packed position, request id, token position) not known then
     keep: torch.Tensor | None = None  # packed rows whose logits the model returns
     last: torch.Tensor | None = None  # speculative steps: each row's last logit row among the kept ones
     logits: torch.Tensor | None = None
+    params: list | None = None  # each row's SamplingParams (None: greedy), taken when the step is prepared
+    generators: list | None = None  # each row's generator, or None
+    forks: dict = field(default_factory=dict)  # row -> [(sample id, generator)] drawing their first token from it
     sampled: object = None  # the DeviceSample
     forward_time: float = 0.0
     traffic: object = None
@@ -53,22 +55,5 @@ def pending_tokens(req_ids, starts, counts, known_ends, input_ids) -> list:
         for p in range(max(start, int(known)), start + count):
             input_ids[pos + p - start] = 0
             out.append((pos + p - start, rid, p))
-        pos += count
-    return out
-
-
-def fed_chunks(step: Step, requests: dict) -> list[list[int]]:
-    """The token ids each row fed, for the step's record: the step's input ids, with a token that was
-    pending when the step was prepared read from its request's state in ``requests`` (0 if it never came)."""
-    ids = step.input_ids.tolist()
-    if len(ids) == len(step.counts) and not step.pending:  # one token each
-        return [[t] for t in ids]
-    for at, rid, position in step.pending:
-        s = requests.get(rid)
-        known = s is not None and position < s.num_tokens
-        ids[at] = (s.prompt_token_ids + s.output_token_ids)[position] if known else 0
-    out, pos = [], 0
-    for count in step.counts:
-        out.append(ids[pos:pos + count])
         pos += count
     return out
