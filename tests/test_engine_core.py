@@ -257,6 +257,13 @@ def test_keep_records_false_keeps_no_history_and_stays_exact():
     got = eng.run(reqs)
     assert eng.records == []
     assert [c.output_ids for c in got] == [reference(model, r.prompt, r.max_new_tokens) for r in reqs]
+    # A step still says who ran and what each got (a server streams from it), without the fed token ids
+    # only the drawings read.
+    eng = Engine(model, max_batch_size=2, kv="paged", keep_records=False)
+    eng.add_request(Request([7, 8], 5, request_id="a"))
+    rec = eng.step()
+    assert [(s.request_id, s.kind, s.num_scheduled_tokens, s.new_token_ids, s.token_ids) for s in rec.seqs] == \
+        [("a", "prefill", 2, got[0].output_ids[:1], [])]
 
 
 # -- vectorised paged attention == the per-sequence reference -------------------------------------

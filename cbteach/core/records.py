@@ -26,7 +26,7 @@ class SeqStep:
     kind: str
     num_computed_tokens: int  # tokens already in the KV cache before this step
     num_scheduled_tokens: int  # tokens fed this step
-    token_ids: list[int]  # the tokens fed
+    token_ids: list[int]  # the tokens fed (empty when the engine keeps no records: Engine(keep_records=False))
     sampled: int | None = None  # last token produced by this step (None for a partial prefill chunk)
     new_token_ids: list[int] = field(default_factory=list)  # every token it produced (several after speculation)
     num_draft_tokens: int = 0  # speculative guesses fed (and checked) in this step
@@ -133,11 +133,13 @@ def new_record(step: int, kv_kind: str, start_time: float, plan) -> StepRecord:
                       preempted=list(plan.preempted_req_ids), swapped_in=list(plan.swapped_in_req_ids))
 
 
-def fill_record(record: StepRecord, step, out, num_outputs_before: list[int], finished: list) -> None:
+def fill_record(record: StepRecord, step, out, num_outputs_before: list[int], finished: list,
+                fed: bool = True) -> None:
     """Add what the step did to ``record``: each sequence's part (``step``: the planned step -- its
     message, sequences and kinds; ``out``: the runner's output; ``num_outputs_before``: read before
     the scheduler updated the sequences), the finished requests, the forward pass's time and the KV
-    bytes it moved."""
+    bytes it moved. ``fed=False`` (an engine that keeps no records) leaves each part's ``token_ids``
+    empty: only the drawings read them."""
     record.finished = [s.request_id for s in finished]
     plan = step.plan
     starts = plan.num_computed_tokens_of()
@@ -151,7 +153,7 @@ def fill_record(record: StepRecord, step, out, num_outputs_before: list[int], fi
         drafts = guesses.get(s.request_id, ()) if guesses else ()
         record.seqs.append(SeqStep(
             request_id=s.request_id, slot=s.slot, kind=k, num_computed_tokens=start, num_scheduled_tokens=n,
-            token_ids=_fed(s, start, n - len(drafts), drafts), sampled=s.output_ids[-1] if len(s.output_ids) > b else None,
+            token_ids=_fed(s, start, n - len(drafts), drafts) if fed else [], sampled=s.output_ids[-1] if len(s.output_ids) > b else None,
             new_token_ids=s.output_ids[b:], num_draft_tokens=len(drafts),
             finish_reason=s.finish_reason if len(s.output_ids) > b or id(s) in ended else None))
     record.forward_time = out.forward_time

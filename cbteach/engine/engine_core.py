@@ -202,7 +202,7 @@ class EngineCore:
             self.rules.after_update(step.seqs, finished)
         for seq in finished:
             self._complete(seq, now)
-        fill_record(step.record, step, output, before, finished)
+        fill_record(step.record, step, output, before, finished, fed=self.keep_records)
         self.forward_seconds += output.forward_time
         if self.proposer is not None:
             count_speculation(self.spec_stats, step.record)
