@@ -35,7 +35,8 @@ def _loads(node) -> set:
 def _into(node) -> set:
     """The names a statement that binds nothing may have changed: what it reads, less the functions it calls
     by name (``claim(...)``, ``print(...)`` change no name of theirs); a bare self-check call changes none."""
-    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and CHECK_NAME.search(ast.unparse(node.value.func)):
+    value = node.value if isinstance(node, ast.Expr) else None
+    if isinstance(value, ast.Call) and CHECK_NAME.search(ast.unparse(value.func)):
         return set()  # a self-check reads what it is given (the learner's function, the model) and changes none of it
     called = {n.func.id for n in ast.walk(node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
     return _loads(node) - called
@@ -118,8 +119,8 @@ def test_the_reader_finds_a_claim_on_a_stub_and_accepts_the_two_guards():
     assert [(i, names) for i, _, names in unguarded_claims(bare)] == [(1, ["x"])]
     checked = nb("def answer():\n    return 3", "if check_answer(answer):\n    claim('it is three', answer() == 3)")
     assert unguarded_claims(checked) == []
-    said = nb("def answer():\n    return 3",
-              "if answer() is not None:\n    claim('three', answer() == 3)\nelse:\n    not_checked('three', 'write it')")
+    said = nb("def answer():\n    return 3", "if answer() is not None:\n    claim('three', answer() == 3)\n"
+              "else:\n    not_checked('three', 'write it')")
     assert unguarded_claims(said) == []
     read = nb("N = 1", "pieces = capstone.pieces_from_notebooks()", "by = {p: 1 for p in pieces.objects}",
               "claim('all in', len(by) == 5)")

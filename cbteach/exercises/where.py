@@ -134,10 +134,11 @@ def not_found_text(missing: list[str], searched: list[Path]) -> str:
     """The loud lines printed when notebooks 05/06/06b were found nowhere."""
     bar = "!" * 100
     where = "\n".join(f"!!   {shown(f)}" for f in searched) or "!!   (no folder)"
-    return (f"{bar}\n!! NOT FOUND: notebook {', '.join(missing[:-1]) + ' and ' * (len(missing) > 1) + missing[-1]} -- the pieces written there count as NOT WRITTEN YET.\n"
+    names = " and ".join(filter(None, [", ".join(missing[:-1]), missing[-1]]))  # 05, 06 and 06b
+    return (f"{bar}\n!! NOT FOUND: notebook {names} -- the pieces written there count as NOT WRITTEN YET.\n"
             f"!! Looked in:\n{where}\n"
-            "!! Keep this notebook beside your 05, 06 and 06b and save them. On Colab: upload your saved 05, 06 and 06b "
-            "(Files pane, Upload: they land\n!! in /content), or mount Google Drive (from google.colab import "
+            "!! Keep this notebook beside your 05, 06 and 06b and save them. On Colab: upload your saved 05, 06 "
+            "and 06b (Files pane, Upload: they land\n!! in /content), or mount Google Drive (from google.colab import "
             "drive; drive.mount('/content/drive')) if you saved\n!! them there (File > Save a copy in Drive puts "
             "them in MyDrive/Colab Notebooks), then run this cell again. Or name the\n!! folder: "
             "capstone.pieces_from_notebooks('path/to/folder'). (Instructors: use_course_solutions=True runs the "
