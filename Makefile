@@ -57,7 +57,7 @@ lint: $(VENV)/.installed
 
 # JupyterLab on 127.0.0.1 only, rooted at the repository (tools/lab_config.py). `make lab` opens the
 # learners' copy, student/ (written first when it is missing; an existing one is kept, with any work in
-# it), with cbteach/ in the file browser -- notebooks 03, 05, 06 and 12 send learners to read its files --
+# it), with cbteach/ in the file browser -- notebooks 03, 05, 06, 06b and 12 send learners to read its files --
 # and notebooks/ (the solutions) hidden. `make lab-solutions` opens notebooks/, for instructors.
 # Without make (Windows): `python -m cbteach student notebooks student`, then
 # `jupyter lab --config=tools/lab_config.py`; for the solutions set CBTEACH_LAB=solutions first.

@@ -71,7 +71,7 @@ def captured(bierce):  # bierce: (model, tokenizer)
         seen.setdefault("meta", meta)
         return default_attention(query, key, value, meta, layer, scaling)
 
-    def update_batch(runner, scheduler_output):  # what notebook 06's worker exercise sees
+    def update_batch(runner, scheduler_output):  # what notebook 06b's worker exercise sees
         states.update_batch(runner, scheduler_output)
         seen.setdefault("runner", runner)
         if scheduler_output.scheduled_new_reqs:
@@ -106,7 +106,7 @@ def _contexts(c, stem: str, solution: str) -> dict:
         return {"config": c["model"].config}
     if stem.startswith("05_"):
         return {"seq": c["seq"], "meta": c["meta"]}
-    if stem.startswith("06_") and "def update_batch" in solution:  # the worker's side of the message
+    if stem.startswith("06b_") and "def update_batch" in solution:  # the worker's side of the message (06b)
         msg = c["batch_message"]
         return {"runner": c["runner"], "scheduler_output": msg, "batch": c["runner"].input_batch,
                 "cached": msg.scheduled_cached_reqs, "new": c["new"], "state": c["state"]}
@@ -199,21 +199,27 @@ def hint_texts(module) -> list[str]:
             and id(n) not in docs]
 
 
-def test_notebook_06s_hints_name_its_interface(captured):
-    """The hints of 06's checks (``rules``, ``update_rules``, ``ex06``, ``batch_rules``, ``ex06_batch``) name the
-    calls and signatures the exercise text does -- ``self.make_output(plan)``, ``update_from_output(self,
-    scheduler_output, output, now)``, ``batch.remove_request(req_id)``."""
+@pytest.mark.parametrize("name", ["06_scheduling_and_latency", "06b_the_worker"])
+def test_notebook_06s_hints_name_its_interface(name, captured):
+    """The hints of 06's checks (``rules``, ``update_rules``, ``ex06``) and of 06b's (``batch_rules``,
+    ``ex06_batch``) name the calls and signatures the exercise text does -- ``self.make_output(plan)``,
+    ``update_from_output(self, scheduler_output, output, now)``, ``batch.remove_request(req_id)``."""
     from cbteach.exercises import batch_rules, ex06, ex06_batch, rules, update_rules
 
-    path = ROOT / "notebooks" / "06_scheduling_and_latency.ipynb"
+    path = ROOT / "notebooks" / f"{name}.ipynb"
     nb = json.loads(path.read_text())
     student, _ = strip_solutions(nb)
-    (schedule_at, _), (update_at, _), (batch_at, _) = exercises(nb)
+    if name.startswith("06_"):  # two exercises: the scheduling step, its update
+        (schedule_at, _), (update_at, _) = exercises(nb)
+        checks = ((rules, schedule_at), (update_rules, update_at), (ex06, schedule_at), (ex06, update_at))
+        at = schedule_at + update_at
+    else:  # one: the worker's update_batch
+        ((at, _),) = exercises(nb)
+        checks = ((batch_rules, at), (ex06_batch, at))
     everything = imports_before(nb["cells"], len(nb["cells"]))  # a hint may name a check imported later
-    stubs = "\n".join(source(student["cells"][i]) for i in schedule_at + update_at + batch_at)
+    stubs = "\n".join(source(student["cells"][i]) for i in at)
     found = []
-    for module, indices in ((rules, schedule_at), (update_rules, update_at), (ex06, schedule_at), (ex06, update_at),
-                            (batch_rules, batch_at), (ex06_batch, batch_at)):
+    for module, indices in checks:
         scope = scope_for(nb, path.stem, indices, stubs, captured, namespace=everything)
         for text in hint_texts(module):
             for fragment in hint_fragments(text):

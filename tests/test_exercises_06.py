@@ -27,7 +27,7 @@ from conftest import tiny_model
 
 NOTEBOOK = Path(__file__).parent.parent / "notebooks" / "06_scheduling_and_latency.ipynb"
 SOLUTIONS = [c for c in json.loads(NOTEBOOK.read_text())["cells"] if "solution" in c.get("metadata", {}).get("tags", [])]
-SOLUTION, UPDATE = ("".join(c["source"]) for c in SOLUTIONS[:2])  # (the third, section 8's: test_exercises_06_batch.py)
+SOLUTION, UPDATE = ("".join(c["source"]) for c in SOLUTIONS[:2])  # (06b's update_batch: test_exercises_06_batch.py)
 
 
 @pytest.fixture(scope="module")

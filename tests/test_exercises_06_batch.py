@@ -1,4 +1,4 @@
-"""Notebook 06, section 8: the learner's ``update_batch`` (vLLM V1's ``_update_states``). The notebook's
+"""Notebook 06b, section 3: the learner's ``update_batch`` (vLLM V1's ``_update_states``). The notebook's
 solution passes on every architecture and on bierce; the check's workloads take every branch of the
 update; each typical mistake -- made once, in a copy of the solution -- fails with the hint meant for
 it; anything a learner passes gets a hint; a function that is, copies or calls the worker's own is
@@ -20,13 +20,13 @@ from cbteach.worker.input_batch import CachedRequestState
 from cbteach.worker.states import new_generator
 from conftest import ARCHS, tiny_model
 
-NOTEBOOK = Path(__file__).parent.parent / "notebooks" / "06_scheduling_and_latency.ipynb"
+NOTEBOOK = Path(__file__).parent.parent / "notebooks" / "06b_the_worker.ipynb"
 SOLUTION = next("".join(c["source"]) for c in json.loads(NOTEBOOK.read_text())["cells"]
                 if "solution" in c.get("metadata", {}).get("tags", []) and "def update_batch" in "".join(c["source"]))
 
 
 def defined(src):
-    """``update_batch`` as ``src`` defines it, with what notebook 06 imported before it."""
+    """``update_batch`` as ``src`` defines it, with what notebook 06b imported before it."""
     namespace = {"CachedRequestState": CachedRequestState, "new_generator": new_generator}
     exec(compile(src, "update_batch", "exec"), namespace)
     return namespace.get("update_batch")

@@ -1,4 +1,4 @@
-"""Notebook 12, your engine: the learner's pieces -- read from notebooks 05 and 06 as the notebook reads
+"""Notebook 12, your engine: the learner's pieces -- read from notebooks 05, 06 and 06b as the notebook reads
 them -- plugged into one engine equal the engine's own pieces token for token and step for step on
 the course workload (and per-prompt ``generate``); the check names a missing or broken piece; the
 student copy's stubs say "not done yet"; ``serve`` refuses a piece that fails its check before it
@@ -23,7 +23,7 @@ NOTEBOOKS = Path(__file__).parent.parent / "notebooks"
 
 
 def solution_source() -> str:
-    """The pieces module the course copy gives: every solution cell of notebooks 05 and 06."""
+    """The pieces module the course copy gives: every solution cell of notebooks 05, 06 and 06b."""
     source, _ = capstone.pieces_source(NOTEBOOKS)
     return source
 
@@ -81,7 +81,7 @@ BROKEN = {  # a piece broken the way learners break it -> the words that must na
                   "scheduler (notebook 06)"),
     "update": ("                self.kv_manager.free(seq)\n                finished.append(seq)",
                "                finished.append(seq)", "scheduler (notebook 06)"),
-    "update_batch": ("    batch.condense()\n", "", "update batch (notebook 06) fails its own check: on the workload"),
+    "update_batch": ("    batch.condense()\n", "", "update batch (notebook 06b) fails its own check: on the workload"),
 }
 
 
@@ -131,7 +131,7 @@ def test_anything_a_learner_passes_gets_a_hint(answer, words, llama):
 def test_pieces_are_read_from_the_notebooks_and_the_student_copys_stubs_are_not_done(tmp_path, llama):
     course = capstone.pieces_from_notebooks(NOTEBOOKS)
     assert course.objects["kv_manager"].__name__ == "MyKVManager" and course.objects["scheduler"] is not None
-    assert set(course.where) == {"05", "06"}
+    assert set(course.where) == {"05", "06", "06b"}
     write_course(NOTEBOOKS, tmp_path, student=True, say=lambda _m: None)
     student = capstone.pieces_from_notebooks(tmp_path)  # every cell a stub: every piece the course's, marked so
     assert student.course == set(student.filled) == set(capstone.PIECES) and not student.yours, student.filled
@@ -291,7 +291,7 @@ def read(**kwargs):
 def test_from_an_empty_folder_nothing_is_taken_from_the_course_without_saying_so(colab, llama):
     pieces, said = read()
     assert all(v is None for v in pieces.objects.values()) and not pieces.course, pieces.objects
-    assert "NOT FOUND: notebook 05 and 06" in said and str(colab.resolve()) in said and "drive.mount" in said, said
+    assert "NOT FOUND: notebook 05, 06 and 06b" in said and str(colab.resolve()) in said and "drive.mount" in said, said
     ok, out = check(my_engine_of(pieces), pieces, llama)
     assert not ok and "was not found" in out, out
     course, said = read(use_course_solutions=True)  # the instructor's way: it runs, and says whose it is
@@ -309,7 +309,7 @@ def test_from_an_empty_folder_on_a_laptop_it_says_where_it_looked(tmp_path, monk
     monkeypatch.setattr(where, "COLAB_DRIVE", tmp_path / "no-drive")
     monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
     pieces, said = read()
-    assert all(v is None for v in pieces.objects.values()) and pieces.where == {"05": None, "06": None}
+    assert all(v is None for v in pieces.objects.values()) and pieces.where == {"05": None, "06": None, "06b": None}
     assert "NOT FOUND" in said and "!!   the current folder\n" in said and str(tmp_path) not in said, said
 
 
@@ -339,9 +339,11 @@ def test_on_colab_the_learners_notebooks_are_found_on_drive_and_named(colab, lla
     drive = colab / "drive" / "MyDrive"
     _learners_copy(drive / "Colab Notebooks" / "Copy of 05_paged_kv_cache.ipynb", "05")
     _learners_copy(drive / "cbteach" / "06_scheduling_and_latency.ipynb", "06")
+    _learners_copy(drive / "cbteach" / "06b_the_worker.ipynb", "06b")
     pieces, said = read()
     assert pieces.where["05"].name == "Copy of 05_paged_kv_cache.ipynb"
-    assert pieces.where["06"].parent.name == "cbteach" and not pieces.course, pieces.course
+    assert pieces.where["06"].parent.name == pieces.where["06b"].parent.name == "cbteach" and not pieces.course, \
+        pieces.course
     assert str((drive / "Colab Notebooks").resolve()) in said and str((drive / "cbteach").resolve()) in said, said
     assert "NOT" not in said, said
     ok, out = check(my_engine_of(pieces), pieces, llama)
@@ -350,7 +352,8 @@ def test_on_colab_the_learners_notebooks_are_found_on_drive_and_named(colab, lla
 
 def test_an_upload_beside_the_notebook_wins_and_a_pasted_solution_is_called_the_courses(colab):
     _learners_copy(colab / "05_paged_kv_cache.ipynb", "05")
-    (colab / "06_scheduling_and_latency.ipynb").write_text((NOTEBOOKS / "06_scheduling_and_latency.ipynb").read_text())
+    for name in ("06_scheduling_and_latency.ipynb", "06b_the_worker.ipynb"):
+        (colab / name).write_text((NOTEBOOKS / name).read_text())
     _learners_copy(colab / "drive" / "MyDrive" / "05_paged_kv_cache.ipynb", "05")
     pieces, said = read()
     assert pieces.where["05"].parent == colab and pieces.course == {"scheduler", "update_batch"}, (pieces.where,
@@ -371,6 +374,7 @@ def test_a_piece_left_undone_is_the_courses_marked_so_and_the_engine_assembles_a
     number, names = capstone.PIECES[undone][:2]
     _learners_copy(tmp_path / "05_paged_kv_cache.ipynb", "05", names)
     _learners_copy(tmp_path / "06_scheduling_and_latency.ipynb", "06", names)
+    _learners_copy(tmp_path / "06b_the_worker.ipynb", "06b", names)
     pieces, said = read(folder=tmp_path)
     assert all(o is not None for o in pieces.objects.values()), pieces.objects
     assert pieces.course == set(pieces.filled) == {undone} and undone not in pieces.yours, (pieces.course, pieces.yours)
@@ -389,6 +393,7 @@ def test_a_piece_left_undone_is_the_courses_marked_so_and_the_engine_assembles_a
 def test_a_piece_that_does_not_pass_yet_can_be_the_courses_on_request_marked_so(tmp_path, llama):
     _learners_copy(tmp_path / "05_paged_kv_cache.ipynb", "05")
     _learners_copy(tmp_path / "06_scheduling_and_latency.ipynb", "06")
+    _learners_copy(tmp_path / "06b_the_worker.ipynb", "06b")
     pieces, said = read(folder=tmp_path, use_course_for=["attention"])
     assert pieces.course == set(pieces.filled) == {"attention"} and "you asked for the course's" in said, said
     ok, out = check(my_engine_of(pieces), pieces, llama)

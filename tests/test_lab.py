@@ -34,7 +34,7 @@ def listing(config, path=""):
 
 def engine_files_the_notebooks_name():
     names = set()
-    for nb in ("03", "05", "06", "12"):
+    for nb in ("03", "05", "06", "06b", "12"):
         (path,) = (ROOT / "notebooks").glob(f"{nb}_*.ipynb")
         names |= set(re.findall(r"cbteach/[\w/]+\.py", path.read_text()))
     return sorted(names)

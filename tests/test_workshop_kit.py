@@ -45,7 +45,7 @@ def test_the_colab_warning_carries_the_last_gpu_run():
     right, total = gpu["exact_fp32"]["paged"]
     assert f"**{['0', 'one', 'two'][right] if right < 3 else right} of {total}**" in colab
     assert gpu["run"]["date"] in colab and gpu["device"].split()[-1] in colab
-    assert "not verified on a GPU" in colab and "CPU runtime for notebooks 05, 06 and 12" in colab
+    assert "not verified on a GPU" in colab and "CPU runtime for notebooks 05, 06, 06b and 12" in colab
     assert "make gpu-check" in colab
 
 

@@ -1,5 +1,5 @@
 """What the worker must hold after each message, and the hint for each way a learner's ``update_batch``
-leaves it otherwise (notebook 06, section 8; the check is :mod:`cbteach.exercises.ex06_batch`).
+leaves it otherwise (notebook 06b, section 3; the check is :mod:`cbteach.exercises.ex06_batch`).
 
 :func:`state_hint` compares the worker's ``runner.requests`` and ``runner.input_batch`` with what one
 message says, in the order vLLM V1's ``_update_states`` changes them -- who is forgotten, whose row

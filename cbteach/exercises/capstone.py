@@ -11,7 +11,7 @@ piece               ``Engine(...)`` keyword      notebook     ``serve`` option
 ``my_attention``    ``attention=``               05           ``--attention MODULE:FUNCTION``
 ``MyScheduler`` +   ``scheduler_cls=``           06           ``--scheduler MODULE:CLASS``
 ``MyUpdate``
-``update_batch``    ``update_batch=``            06           ``--update-batch MODULE:FUNCTION``
+``update_batch``    ``update_batch=``            06b          ``--update-batch MODULE:FUNCTION``
 ==================  ==========================  ===========  ================================
 
 :func:`pieces_from_notebooks` reads them from the notebooks themselves -- the cells tagged
@@ -41,7 +41,7 @@ PIECES = {
     "slot_mapping": ("05", ("my_slot_mapping",), "--slot-mapping", "slot_mapping"),
     "attention": ("05", ("my_attention",), "--attention", "attention"),
     "scheduler": ("06", ("MyScheduler", "MyUpdate"), "--scheduler", "scheduler_cls"),
-    "update_batch": ("06", ("update_batch",), "--update-batch", "update_batch"),  # the worker's side (section 8)
+    "update_batch": ("06b", ("update_batch",), "--update-batch", "update_batch"),  # the worker's side (06b)
 }
 ENGINE_CLASS = "MyEngineScheduler"  # MyScheduler's schedule with MyUpdate's update_from_output
 
@@ -106,14 +106,14 @@ def _read(folder=None, use_course_solutions: bool = False, use_course_for=()) ->
     elif folder is not None:
         folders = [Path(folder)]
         if not folders[0].is_dir():
-            raise ValueError(f"{folder} is not a folder: name the folder that holds your notebooks 05 and 06")
+            raise ValueError(f"{folder} is not a folder: name the folder that holds your notebooks 05, 06 and 06b")
     else:
         folders = where.search_folders()
     found = {n: next((p for p in (where.find_notebook(f, n) for f in folders) if p is not None), None)
-             for n in ("05", "06")}
+             for n in dict.fromkeys(number for number, *_ in PIECES.values())}  # 05, 06, 06b
     if folder is not None and not use_course_solutions and not any(found.values()):
-        raise ValueError(f"no notebook 05_*.ipynb or 06_*.ipynb in {folder}: your pieces are read from notebooks 05 "
-                         "and 06 -- name the folder you saved them in")
+        raise ValueError(f"no notebook 05_*.ipynb, 06_*.ipynb or 06b_*.ipynb in {folder}: your pieces are read from "
+                         "notebooks 05, 06 and 06b -- name the folder you saved them in")
     imports, bodies, course_names, filled = ["import math"], [], set(), {}  # math: notebook 06 imports it
     for number, path in found.items():
         try:

@@ -1,4 +1,4 @@
-"""Notebook 06, section 8: the worker's side of the message -- ``update_batch(runner, scheduler_output)``,
+"""Notebook 06b, section 3: the worker's side of the message -- ``update_batch(runner, scheduler_output)``,
 vLLM V1's ``GPUModelRunner._update_states``, written by the learner.
 
 :func:`check_update_batch` runs the real engine with the learner's function in the worker's place

@@ -12,7 +12,7 @@ this order (:func:`search_folders`), and takes each notebook from the first fold
    *File > Save a copy in Drive* puts ``Copy of 05_paged_kv_cache.ipynb``), ``MyDrive`` itself, and
    every folder one level under ``MyDrive`` (say ``MyDrive/cbteach``).
 
-A notebook counts if its name is ``05_*.ipynb`` (or ``06_*``), ``Copy of 05_*.ipynb`` included; of
+A notebook counts if its name is ``05_*.ipynb`` (or ``06_*``, ``06b_*``), ``Copy of 05_*.ipynb`` included; of
 several in one folder, the one saved last. The course's own notebooks (``notebooks/`` in a checkout,
 the copy inside the installed package) are never searched: they hold the solutions. Only
 ``use_course_solutions=True`` reads them, and then every line says so. A piece whose cell is the
@@ -131,13 +131,14 @@ def normal(source) -> str:
 
 
 def not_found_text(missing: list[str], searched: list[Path]) -> str:
-    """The loud lines printed when notebooks 05/06 were found nowhere."""
+    """The loud lines printed when notebooks 05/06/06b were found nowhere."""
     bar = "!" * 100
     where = "\n".join(f"!!   {shown(f)}" for f in searched) or "!!   (no folder)"
-    return (f"{bar}\n!! NOT FOUND: notebook {' and '.join(missing)} -- the pieces written there count as NOT WRITTEN YET.\n"
+    names = " and ".join(filter(None, [", ".join(missing[:-1]), missing[-1]]))  # 05, 06 and 06b
+    return (f"{bar}\n!! NOT FOUND: notebook {names} -- the pieces written there count as NOT WRITTEN YET.\n"
             f"!! Looked in:\n{where}\n"
-            "!! Keep this notebook beside your 05 and 06 and save them. On Colab: upload your saved 05 and 06 "
-            "(Files pane, Upload: they land\n!! in /content), or mount Google Drive (from google.colab import "
+            "!! Keep this notebook beside your 05, 06 and 06b and save them. On Colab: upload your saved 05, 06 "
+            "and 06b (Files pane, Upload: they land\n!! in /content), or mount Google Drive (from google.colab import "
             "drive; drive.mount('/content/drive')) if you saved\n!! them there (File > Save a copy in Drive puts "
             "them in MyDrive/Colab Notebooks), then run this cell again. Or name the\n!! folder: "
             "capstone.pieces_from_notebooks('path/to/folder'). (Instructors: use_course_solutions=True runs the "

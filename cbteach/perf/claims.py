@@ -7,7 +7,13 @@ Every such comparison is computed in the cell beside the prose and printed as on
     claim: a batch of 16 costs less than 2x a batch of 1 per step -- DID NOT HOLD on this machine
 
 The format is fixed (:data:`CLAIM_LINE`) so that a test can read every notebook's stored outputs
-and fail when one of them reports a claim that did not hold (:func:`failed_claims`). A claim whose
+and fail when one of them reports a claim that did not hold (:func:`failed_claims`). A claim that rests on
+the learner's own code is not computed while that code is still the student copy's stub (or fails its
+check): :func:`not_checked` prints the line without a verdict, and says what to write first::
+
+    claim: your scheduler scores what the engine's own does -- not checked: write MyScheduler in notebook 06 first
+
+rather than a "DID NOT HOLD" that would blame the machine for a piece not written yet. A claim whose
 verdict depends on the machine (a timing) goes in a cell marked ``# NBVAL_IGNORE_OUTPUT``; a claim
 that is a count (steps, tokens, bytes) holds everywhere and can be compared by nbval.
 
@@ -22,6 +28,7 @@ import time
 
 HOLDS = "holds"
 FAILED = "DID NOT HOLD on this machine"
+NOT_CHECKED = "not checked"
 CLAIM_LINE = re.compile(rf"^claim: (?P<text>.+) -- (?P<verdict>{HOLDS}|{FAILED})$", re.MULTILINE)
 
 
@@ -38,6 +45,16 @@ def claim(text: str, holds) -> None:
     except (TypeError, RuntimeError, ValueError) as err:  # a tensor of several values has no truth value
         raise ValueError(f"holds must be one truth value, got {holds!r}") from err
     print(f"claim: {text.strip()} -- {HOLDS if ok else FAILED}")
+
+
+def not_checked(text: str, first: str) -> None:
+    """Print ``claim: <text> -- not checked: <first> first``: the claim rests on the learner's code, which
+    is not written yet or does not pass its check, so no verdict is computed. ``first`` names what to do
+    (``"write MyScheduler in notebook 06"``)."""
+    for what in (text, first):
+        if not isinstance(what, str) or not what.strip() or "\n" in what:
+            raise ValueError(f"a claim and what it waits for are each one non-empty line of text, got {what!r}")
+    print(f"claim: {text.strip()} -- {NOT_CHECKED}: {first.strip()} first")
 
 
 def failed_claims(output: str) -> list[str]:

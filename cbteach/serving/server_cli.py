@@ -128,7 +128,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--slot-mapping", default=None, metavar="MODULE:FUNCTION",
                    help="fn(block_tables, num_computed_tokens, num_scheduled_tokens, block_size) (paged)")
     g.add_argument("--update-batch", default=None, metavar="MODULE:FUNCTION",
-                   help="fn(runner, scheduler_output): the worker's update of its batch (notebook 06; one process)")
+                   help="fn(runner, scheduler_output): the worker's update of its batch (notebook 06b; one process)")
     c = p.add_argument_group("per-request caps")
     c.add_argument("--max-tokens-cap", type=_positive_int, default=None,
                    help="the largest max_tokens a request may ask (default: the model's positions)")
