@@ -159,8 +159,9 @@ def test_async_fanout_siblings_of_a_failing_prompt_fail_and_others_stay_exact():
 
 def test_async_a_request_preempted_in_the_plan_ahead_of_a_failed_step_is_not_failed_with_it():
     """Step 0 fails for ``a``; plan 1, made while it ran, preempted ``c`` (lowest priority) to give ``a`` a
-    block. The failed step is run again one request at a time from the runner's own batch -- as step 0 saw
-    it, ``c``'s block table included -- so ``c`` is not failed with ``a``, and it ends exact."""
+    block, and the worker applied plan 1 before it learned that step 0 failed. The failed step is run
+    again one request at a time from each request's own state and step 0's inputs -- ``c``'s block table
+    as step 0 saw it -- so ``c`` is not failed with ``a``, and it ends exact."""
     model = tiny_model("llama")
     eng = Engine(model, max_batch_size=3, kv="paged", block_size=2, num_blocks=5, policy="priority",
                  async_scheduling=True)
