@@ -53,7 +53,7 @@ def test_kv_memory_bytes_counts_int8_bytes_and_bad_kv_dtype_is_refused():
 
 def test_kv_loss_fp32_pool_is_the_models_loss_and_int8_changes_it_a_little(bierce):
     from cbteach.bierce.corpus import load_entries
-    from cbteach.kv.paged import kv_loss
+    from cbteach.kv.loss import kv_loss
 
     model, tok = bierce
     ids = tok(" ".join(e["text"] for e in load_entries()[-3:]))["input_ids"][:200]

@@ -33,8 +33,6 @@ from .pool import PagedKVPool
 from .swap import HostCopies
 from ..core.config import CacheConfig
 from ..errors import EngineRuleError
-from ..core.model_view import model_view
-from ..core.modelinfo import describe
 
 
 def _pool_class(kv_dtype):
@@ -178,20 +176,3 @@ class PagedKVCache(HostCopies):
         return {**self.manager.usage(), "pool_bytes": pool.nbytes if pool is not None else 0,
                 "kv_bytes_per_token": pool.bytes_per_token if pool is not None else 0,
                 "num_swapped": len(self.swap_space)}
-
-
-@torch.no_grad()
-def kv_loss(model, token_ids: list[int], kv_dtype=None, block_size: int = 16) -> float:
-    """The model's mean next-token loss on ``token_ids`` when attention reads its K/V from a paged pool
-    stored as ``kv_dtype`` (``None``: the model's dtype, ``"int8"``): one prefill pass writes every
-    token's K/V into the pool, and every query reads them back from it -- quantised, for int8."""
-    if len(token_ids) < 2:
-        raise ValueError("kv_loss needs at least two tokens (one prediction)")
-    info = describe(model)
-    n = len(token_ids)
-    config = CacheConfig(kind="paged", block_size=block_size, num_blocks=-(-n // block_size), kv_dtype=kv_dtype)
-    cache = PagedKVCache.for_model(info, config)
-    meta = cache.build_metadata(list(token_ids), [0], [n], info.device, block_tables=[list(range(cache.num_blocks))])
-    view = model_view(model, cache.attn_implementation)  # the model itself is left as it is
-    logits = view(input_ids=meta.input_ids, position_ids=meta.positions, **cache.forward_kwargs(meta)).logits[0]
-    return torch.nn.functional.cross_entropy(logits[:-1].float(), meta.input_ids[0, 1:]).item()
