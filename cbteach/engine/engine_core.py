@@ -81,7 +81,7 @@ class EngineCore:
                                       vocab_size=self.info.vocab_size)
         self.model = model  # never changed: the runner runs the engine's own view of it
         self.tokenizer = tokenizer
-        self.kv = make_kv_cache(self.info, self.config)
+        self.kv = make_kv_cache(self.info, self.config, pieces=attention is not None or slot_mapping is not None)
         plug_pieces(self.kv, kv_manager=kv_manager, attention=attention, slot_mapping=slot_mapping)
         if kv_manager is not None and self.config.cache.prefix_caching and \
                 getattr(self.kv.manager, "prefix_cache", None) is None:

@@ -52,6 +52,8 @@ def plug_pieces(kv, kv_manager=None, attention=None, slot_mapping=None) -> None:
     if isinstance(attention, str):
         attention = named_attention(kv, attention)
     if attention is not None or slot_mapping is not None:
+        if not hasattr(kv, "plug"):
+            raise ValueError("attention and slot_mapping plug into a cache built for them: pass them to Engine(...)")
         kv.plug(attention=attention, slot_mapping=slot_mapping)
 
 

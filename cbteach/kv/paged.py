@@ -32,7 +32,6 @@ from .manager import KVCacheManager, PoolExhausted  # noqa: F401  (PoolExhausted
 from .pool import PagedKVPool
 from .swap import HostCopies
 from ..core.config import CacheConfig
-from ..errors import EngineRuleError
 
 
 def _pool_class(kv_dtype):
@@ -71,8 +70,6 @@ class PagedKVCache(HostCopies):
         # on a CPU the padding would only cost compute.
         self.bucket_shapes = (torch.device(device).type == "cuda" if config.bucket_shapes is None
                               else config.bucket_shapes)
-        self.attention = None  # plugged-in pieces (Engine(attention=..., slot_mapping=...)); None: the engine's
-        self.slot_mapping = None
         paged_attention.register()
 
     block_size = property(lambda self: self.manager.block_size)
@@ -106,47 +103,12 @@ class PagedKVCache(HostCopies):
         with ``num_blocks`` per row (``request_ids``: only the concat cache needs them)."""
         meta = attn_metadata.build(token_ids, num_computed, num_scheduled, device, block_tables=block_tables,
                                    block_size=self.block_size, bucket_shapes=self.bucket_shapes, num_blocks=num_blocks)
-        meta.pool, meta.attention = self.pool, self.attention
-        if self.slot_mapping is not None:
-            tables = ([row[:n].tolist() for row, n in zip(block_tables, num_blocks)] if num_blocks is not None
-                      else [list(t) for t in block_tables])
-            meta.slot_mapping = self._plugged_slot_mapping(meta, tables, num_computed, num_scheduled)
+        meta.pool = self.pool
         return meta
 
     def copy_blocks(self, copies: list) -> None:
         """Copy-on-write copies ``(src, dst)`` a step's message asks for, made before its forward pass."""
         self.pool.copy_blocks(list(copies))
-
-    def plug(self, attention=None, slot_mapping=None) -> None:
-        """Run a learner's pieces (notebooks 05 and 12): ``attention(query, key, value, meta, layer,
-        scaling)`` instead of :func:`cbteach.attention.paged.default_attention`, and
-        ``slot_mapping(block_tables, num_computed_tokens, num_scheduled_tokens, block_size)`` (a list
-        of pool slots, one per scheduled token in packed order) instead of the engine's."""
-        for name, fn in (("attention", attention), ("slot_mapping", slot_mapping)):
-            if fn is not None and not callable(fn):
-                raise ValueError(f"{name} must be a function, got {type(fn).__name__}")
-        self.attention, self.slot_mapping = attention, slot_mapping
-
-    def _plugged_slot_mapping(self, meta, tables, num_computed, num_scheduled):
-        """The learner's slot mapping, used only if it puts every token where the engine would: a token's
-        K/V in the wrong slot would silently corrupt someone's context, so a disagreement stops the step."""
-        got = self.slot_mapping([list(t) for t in tables], list(num_computed), list(num_scheduled), self.block_size)
-        try:
-            mine = torch.as_tensor(list(got), dtype=torch.long, device=meta.slot_mapping.device)
-        except (TypeError, ValueError, RuntimeError):
-            raise EngineRuleError(f"slot_mapping returned {type(got).__name__}: return one pool slot (an int) per "
-                                  "scheduled token, in packed order") from None
-        if mine.shape != meta.slot_mapping.shape:
-            raise EngineRuleError(f"slot_mapping returned {mine.numel()} slots for {meta.slot_mapping.numel()} "
-                                  "scheduled tokens: one slot per token fed this step, in packed order")
-        wrong = (mine != meta.slot_mapping).nonzero()
-        if len(wrong):
-            t = int(wrong[0])
-            i = int((meta.query_start_loc[1:] <= t).sum())
-            raise EngineRuleError(f"slot_mapping put token {t - int(meta.query_start_loc[i])} of sequence {i} (position "
-                                  f"{int(meta.positions[0, t])}) where its block table does not: the engine stopped "
-                                  "rather than write K/V over another token's (run notebook 05's check)")
-        return mine
 
     def forward_kwargs(self, meta) -> dict:
         return {paged_attention.STEP_KWARG: meta, "use_cache": False}  # the pool is the cache
