@@ -58,6 +58,7 @@ class Pieces:
     course: set = field(default_factory=set)  # pieces that are the course's solutions, not the learner's
     searched: list = field(default_factory=list)  # the folders looked in
     filled: dict = field(default_factory=dict)  # piece not written yet -> the cell to write it in (the course's runs)
+    read_with: dict = field(default_factory=dict, repr=False)  # how they were read (stand_in reads them again)
 
     @property
     def yours(self) -> list:
@@ -84,8 +85,8 @@ class Pieces:
         if missing:
             lines.append(where.not_found_text(missing, self.searched))
         if self.filled:
-            lines.append(where.course_text(list(self.filled), "not written yet, or asked for: the course's solution "
-                                                              "stands in, so the engine assembles and runs"))
+            lines.append(where.course_text(list(self.filled), "not written yet, failing its check, or asked for: the "
+                                                              "course's solution stands in, so the engine assembles and runs"))
         if self.course - set(self.filled):
             folders = {p.parent for p in self.where.values() if p is not None}
             why = ("read from the course's own notebooks, the folder cbteach's course is shipped in"
@@ -95,7 +96,7 @@ class Pieces:
         return "\n".join(lines)
 
 
-def _read(folder=None, use_course_solutions: bool = False, use_course_for=()) -> tuple[str, dict, set, list, dict]:
+def _read(folder=None, use_course_solutions: bool = False, use_course_for=(), failed=None) -> tuple[str, dict, set, list, dict]:
     """(the pieces module's text, where each notebook was found, the pieces that are the course's
     solutions, the folders searched, the pieces not written yet -> where to write them). A notebook found
     nowhere gives the student copy's stubs; a piece whose cell is still the stub gets the course's cell."""
@@ -133,9 +134,11 @@ def _read(folder=None, use_course_solutions: bool = False, use_course_for=()) ->
         for i, s in enumerate(solutions):
             twin = next((c for c in theirs if where.defined(c) == where.defined(s)), None)
             asked = where.defined(s) & {n for p in use_course_for for n in PIECES[p][1]}  # yours does not pass yet
-            if twin is not None and (asked or where.normal(s) == where.normal(stub(twin))):  # the course's, marked
+            failing = next((p for p in failed or {} if where.defined(s) & set(PIECES[p][1])), None)
+            if twin is not None and (asked or failing or where.normal(s) == where.normal(stub(twin))):  # the course's
                 solutions[i] = twin
-                why = "you asked for the course's" if asked else "yours is not written yet"
+                why = (f"yours fails its own check: {failed[failing]}" if failing else
+                       "you asked for the course's" if asked else "yours is not written yet")
                 filled.update({n: f"{why}: notebook {number}, the cell under '{theirs[twin]}'" for n in where.defined(s)})
             elif path is not None and where.is_course_cell(s, number):
                 course_names |= where.defined(s)
@@ -174,7 +177,25 @@ def pieces_from_notebooks(folder=None, *, use_course_solutions: bool = False, us
     unknown = set(use_course_for) - set(PIECES)
     if isinstance(use_course_for, str) or unknown:
         raise ValueError(f"use_course_for takes a list of pieces, each one of {list(PIECES)}; got {use_course_for!r}")
-    source, found, course, searched, filled = _read(folder, use_course_solutions, use_course_for)
+    pieces = _assemble(dict(folder=folder, use_course_solutions=use_course_solutions, use_course_for=list(use_course_for)))
+    if say is not None:
+        say(pieces.report())
+    return pieces
+
+
+def stand_in(pieces: Pieces, failed: dict) -> bool:
+    """Catch-up: read ``pieces`` again with the course's piece, marked as the course's, in place of each piece
+    of ``failed`` (piece -> what its check said). False if they were not read from notebooks (nothing to read)."""
+    if not pieces.read_with:
+        return False
+    vars(pieces).update(vars(_assemble(pieces.read_with, {**pieces.read_with.get("failed", {}), **failed})))
+    return True
+
+
+def _assemble(read_with: dict, failed=None) -> Pieces:
+    """The pieces read as ``read_with`` says (:func:`pieces_from_notebooks`'s arguments), run."""
+    read_with = {**read_with, **({"failed": failed} if failed else {})}
+    source, found, course, searched, filled = _read(**read_with)
     namespace: dict = {"__name__": "my_engine"}
     filename = f"<my_engine {len(linecache.cache)}>"  # kept as a notebook keeps a cell: the guard reads the source
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
@@ -187,10 +208,7 @@ def pieces_from_notebooks(folder=None, *, use_course_solutions: bool = False, us
     if objects["scheduler"] is not None:
         objects["scheduler"] = namespace[ENGINE_CLASS]
     course = {p for p in course | set(filled) if objects[p] is not None}
-    pieces = Pieces(objects, source, found, course, searched, {p: w for p, w in filled.items() if p in course})
-    if say is not None:
-        say(pieces.report())
-    return pieces
+    return Pieces(objects, source, found, course, searched, {p: w for p, w in filled.items() if p in course}, read_with)
 
 
 def _stub():
