@@ -1,15 +1,9 @@
 """Self-checks for the notebooks' exercises, one module per notebook (``ex00`` for notebook 00 ...).
 
-Each check takes the learner's answer, compares it with a value computed from the real engine or
-model, prints what is right or exactly what is wrong, and returns ``True``/``False``. Solutions are
-in the notebooks (cells tagged ``solution``). What a check compares with -- the engine's own pieces,
-and the references a check computes a step with (``ex05_mistakes``) -- is not an answer: a piece
-that is, inherits or directly calls one of them is refused with a hint naming it (:mod:`.guard`).
-Deliberate copying is not policed: the solution cell is one click away.
-
-Every check is wrapped in :func:`self_check`: whatever a learner passes -- ``None``, a function that
-raises, a tensor where a list was expected -- the check prints what stopped it and returns
-``False``; it never ends in a traceback.
+A check runs the learner's answer against the real engine or model and prints what is right or which
+mistake it found (``True``/``False``). A piece that is, or directly calls, the course's own is refused
+(:mod:`.guard`); deliberate copying is not policed. :func:`self_check` turns whatever a learner passes
+into a hint, never a traceback.
 """
 import functools
 import numbers

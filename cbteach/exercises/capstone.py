@@ -1,26 +1,10 @@
-"""Your engine: the pieces you wrote in notebooks 05 and 06, assembled into one engine (notebook 12).
+"""Your engine: the pieces you wrote in notebooks 05 and 06, read from those notebooks and assembled (notebook 12).
 
-Five plug points of :class:`~cbteach.Engine` take a learner's pieces (:mod:`cbteach.engine.plug`, and
-the worker's ``update_batch``, :mod:`cbteach.worker.model_runner`):
-
-==================  ==========================  ===========  ================================
-piece               ``Engine(...)`` keyword      notebook     ``serve`` option
-==================  ==========================  ===========  ================================
-``MyKVManager``     ``kv_manager=``              05           ``--kv-manager MODULE:CLASS``
-``my_slot_mapping`` ``slot_mapping=``            05           ``--slot-mapping MODULE:FUNCTION``
-``my_attention``    ``attention=``               05           ``--attention MODULE:FUNCTION``
-``MyScheduler`` +   ``scheduler_cls=``           06           ``--scheduler MODULE:CLASS``
-``MyUpdate``
-``update_batch``    ``update_batch=``            06           ``--update-batch MODULE:FUNCTION``
-==================  ==========================  ===========  ================================
-
-:func:`pieces_from_notebooks` reads them from the notebooks themselves -- the cells tagged
-``solution``, where the learner typed them (in the course copy they hold the solutions), after the
-imports of the cells before them -- and :func:`write_module` writes them into one ``.py`` file that
-``python -m cbteach serve`` can import. :func:`refuse_broken_pieces` is what ``serve`` calls first
-when piece options are given: each piece runs its own notebook's check, and one that fails stops
-the server before it starts, with the check's hint (a piece that breaks a rule later, mid-run, stops
-its engine with :class:`~cbteach.errors.EngineRuleError`).
+:data:`PIECES` names each piece, its notebook, ``serve``'s option and ``Engine``'s keyword.
+:func:`pieces_from_notebooks` reads the solution cells (where the learner typed them), a piece not written
+yet -- or, with :func:`stand_in`, one that fails its check -- replaced by the course's and marked so;
+:func:`write_module` writes them into a ``.py`` file ``serve`` imports, and :func:`refuse_broken_pieces`
+stops ``serve`` before it starts when a piece fails its notebook's check.
 """
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Notebook 02: predict how many steps continuous batching takes, with a tiny FCFS slot-refill simulator.
-
-The check runs the real :class:`~cbteach.Engine` on requests whose output lengths are forced
-(``ignore_eos=True``, ``max_new_tokens`` = the length) and compares its step count with the
-learner's simulator, on the notebook's workload and on a few small cases chosen to catch the usual
-mistakes.
+"""Notebook 02: predict continuous batching's step count with a tiny FCFS slot-refill simulator; the check
+compares it with the real engine's on forced output lengths, and on cases chosen to catch the usual mistakes.
 """
 from __future__ import annotations
 

@@ -1,20 +1,8 @@
-"""Notebook 04: write the concatenating cache's gather and scatter, and run them inside the engine.
+"""Notebook 04: the concatenating cache's ``gather`` and ``scatter``, run inside the engine.
 
-The learner writes two functions on one layer's tensors:
-
-* ``gather(caches)`` -- ``caches`` lists, in the step's order, each sequence's ``(keys, values)``
-  (``[1, kv_heads, cached, head_dim]``), or ``None`` for a sequence with nothing cached yet;
-  returns the packed ``(keys, values)`` the model receives (``[A cached | B cached | ...]``), or
-  ``None`` when nothing is cached at all;
-* ``scatter(packed_keys, packed_values, caches, num_scheduled)`` -- after the model appended this step's
-  keys and values (``[A cached | B cached | ... | A new | B new | ...]``, notebook 03's concat
-  layout), returns each sequence's new ``(keys, values)``: its old cache followed by its new tokens.
-
-The check first runs both on labelled tensors (every key holds its sequence and position, so a
-misplaced one is recognised and the kind of mistake named), then plugs them into a real
-:class:`cbteach.Engine` (``kv="concat"``) in place of the cache's own gather and scatter and
-serves a workload with fused steps; the tokens must be greedy ``model.generate``'s, prompt by
-prompt.
+Both run first on labelled tensors (each key holds its sequence and position, so a misplaced one names its
+mistake), then in a real ``kv="concat"`` :class:`~cbteach.Engine` in place of the cache's own; the tokens must
+be greedy ``model.generate``'s.
 """
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
-"""Notebook 05: write the paged cache's KV manager -- a free list and block tables -- and run the engine on it.
+"""Notebook 05: the paged cache's KV manager -- a free list and block tables -- run by the engine.
 
-The learner's class ``MyKVManager(num_blocks, block_size)`` keeps ``free_blocks`` (every free block
-id) and has ``allocate_slots(seq, num_new_tokens)`` and ``free(seq)``, the two calls the scheduler
-makes (:class:`~cbteach.kv.manager.KVCacheManager` is the engine's own). The check plugs it into a
-real paged :class:`~cbteach.Engine` (:func:`cbteach.bench.memory_experiments.plug`), checks every call,
-and serves small workloads -- several blocks per sequence, finished sequences' blocks reused, a
-pool so small that the engine preempts -- once on the learner's manager and once on the engine's
-own. They must agree token for token, block count for block count, preemption for preemption.
+The learner's ``MyKVManager`` is plugged into a real paged engine (every call checked by the engine's
+:class:`~cbteach.kv.plugged.PluggedKVManager`) on workloads that reuse blocks and preempt; the run must equal
+the engine's own manager's token for token, block count for block count, preemption for preemption.
 """
 from __future__ import annotations
 

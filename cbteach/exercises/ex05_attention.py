@@ -1,21 +1,7 @@
-"""Notebook 05, second exercise: the slot mapping and paged attention -- run by the real engine.
+"""Notebook 05's second exercise: the slot mapping and paged attention, with the engine's plug-point signatures.
 
-The learner writes the two pieces that make PagedAttention what it is, with the signatures of the
-engine's plug points (``Engine(..., kv="paged", slot_mapping=..., attention=...)``):
-
-* ``slot_mapping(block_tables, num_computed_tokens, num_scheduled_tokens, block_size)`` -> the pool
-  slot of every token scheduled this step, in packed order;
-* ``attention(query, key, value, meta, layer, scaling)`` -> ``[1, heads, T, head_dim]``: write this
-  step's K/V into ``meta.pool`` at ``meta.slot_mapping``, read each sequence's context through its
-  block table, attend causally.
-
-Each check first runs the learner's function on small steps built by hand, each shaped so that a
-typical mistake shows: a chunk that continues a prompt across a block boundary, a partly filled
-last block, grouped-query heads, a block table padded with another sequence's block, a pool full of
-stale K/V past every sequence's length (:mod:`cbteach.exercises.ex05_steps`); a wrong answer is named
-by recomputing the step *with* each known mistake (:mod:`cbteach.exercises.ex05_mistakes`). Then the
-real engine runs on the learner's functions -- prefill chunks beside decodes, preemption, blocks
-reused with stale K/V in them, a model with one KV head -- and every request's tokens must equal
+Each runs first on hand-built steps that show the typical mistakes (:mod:`.ex05_steps`), then in the real
+engine (prefill chunks beside decodes, preemption, reused blocks, one KV head): every token must equal
 per-prompt ``model.generate``'s. Hints name the idea; no check prints a slot or an output.
 """
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""The right slot mapping and paged attention of notebook 05's exercise -- and each typical mistake.
+"""The right slot mapping and paged attention of notebook 05 -- and each typical mistake.
 
-:func:`slots` and :func:`attend` compute a step the right way, or, given ``mistake=``, the way a
-learner who made that mistake would. The check (:mod:`cbteach.exercises.ex05_attention`) names a
-wrong answer by finding the mistake whose output it equals; each mistake's hint names the idea
-that was missed, never a slot or a value. (These are the check's own references, written for
-clarity; the engine computes the same in :mod:`cbteach.attention.metadata` and
-:mod:`cbteach.attention.paged`, and the tests hold the two equal.)
-
-They are the check's, not an answer: a piece that is them or calls them is refused with a hint
-saying so (:mod:`cbteach.exercises.guard`), as a piece that calls the engine's is.
+:func:`slots` and :func:`attend` compute a step right, or with ``mistake=`` as a learner who made it would;
+the check names a wrong answer by the mistake it equals. They are the check's references, so a piece that
+is or calls them is refused (:mod:`.guard`).
 """
 from __future__ import annotations
 

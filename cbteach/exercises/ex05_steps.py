@@ -1,13 +1,8 @@
-"""Notebook 05's paged-attention exercise, on steps built by hand: each shaped so a typical mistake shows.
+"""Notebook 05's slot-mapping and attention checks on steps built by hand, each shaped so a mistake shows.
 
-A step here is a handful of sequences -- decodes, a prompt, a chunk that continues a prompt across a
-block boundary -- with block tables that are neither in order nor full (a partly filled last block,
-a table padded with another sequence's block), on a pool whose every slot holds random K/V: the
-history, and stale values past every sequence's length. The learner's slot mapping and attention run
-on each; a wrong answer is named by recomputing the step *with* each known mistake
-(:mod:`cbteach.exercises.ex05_mistakes`) and finding the one it equals. A mistake may crash on one
-step (an index past a block table) and be recognisable on another, so every step is run and the
-most telling failure is reported.
+Block tables out of order and padded, partly filled blocks, a pool full of random stale K/V. A wrong answer
+is named by recomputing the step with each known mistake (:mod:`.ex05_mistakes`); a mistake may crash on
+one step and be recognisable on another, so every step runs and the most telling failure is reported.
 """
 from __future__ import annotations
 

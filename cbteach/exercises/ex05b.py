@@ -1,21 +1,8 @@
-"""Notebook 05b: write the paged-attention kernel's inner loop in Triton, then run the engine on it.
+"""Notebook 05b: the paged-attention kernel's inner loop in Triton, run by the course's launcher.
 
-The learner writes ``my_attend_blocks``, a ``@triton.jit`` function with the signature of the
-course's :func:`cbteach.attention.triton_unified.attend_blocks`: one program's walk over its
-sequence's keys, ``TILE_N`` at a time, each found through the block table -- load K and V, scores,
-masks, FlashAttention's online-softmax update, accumulate -- returning ``(acc, total)``. The course's
-launcher (:func:`~cbteach.attention.triton_unified.unified_attention`) runs it, in Triton's
-interpreter on a CPU.
-
-The check first runs it on hand-built steps (:mod:`cbteach.exercises.ex05b_steps`), each adding one
-difficulty to the steps before it; at the first that fails it names the mistake -- the typical wrong
-loops are simulated in torch (:mod:`cbteach.exercises.ex05b_mistakes`) and the one that gives the
-learner's answer is named, in a hint that never gives the code. Then the real engine runs on the
-learner's loop (prompt chunks beside decodes, a pool small enough to preempt) and every request's
-tokens must equal per-prompt ``model.generate``'s.
-
-A loop that is the course's kernel loop, or names a piece of cbteach, is refused before it runs: the
-check would compare the course with itself. (Copying the course's code is not policed.)
+The learner's ``my_attend_blocks`` runs on hand-built steps, each adding one difficulty (:mod:`.ex05b_steps`);
+the first that fails names the mistake, then the real engine runs on it and its tokens must equal
+``model.generate``'s. A loop that is the course's, or names cbteach, is refused.
 """
 from __future__ import annotations
 

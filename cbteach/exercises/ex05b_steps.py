@@ -1,13 +1,6 @@
-"""Notebook 05b's hand-built steps, and how the check names the mistake of a loop that fails one.
-
-Each step (:data:`STEPS`) adds one thing to the steps before it -- several tiles with a growing max,
-scores so large that ``exp`` of them overflows, blocks out of order, a partly filled last block with
-stale slots, tiles that span blocks, a prefill chunk, a masked key with a huge score, grouped-query
-heads -- so a loop meets one new difficulty at a time. When one fails, :func:`diagnose` runs the loop
-again on the same kind of step with finite stale slots, and compares both answers with the typical
-wrong loops simulated in torch (:mod:`cbteach.exercises.ex05b_mistakes`): the first that gives both is
-named. A loop no simulation matches gets what its symptom says -- NaN where the reference has none, a
-result close but not within float32's rounding -- or the step's own hint.
+"""Notebook 05b's hand-built steps (:data:`STEPS`, one new difficulty each), and :func:`diagnose`: the loop
+that fails one is run again with finite stale slots, and the typical wrong loop (:mod:`.ex05b_mistakes`)
+that gives both answers is named -- else what its symptom says (NaN, rounding), else the step's own hint.
 """
 from __future__ import annotations
 

@@ -1,23 +1,8 @@
-"""Notebook 06: build the engine's step -- ``schedule(now)``, who runs and with how many tokens, in
-four stages, and ``update_from_output``, what the step's output does to the requests, in a fifth.
+"""Notebook 06: the engine's step -- ``schedule(now)`` in four stages, ``update_from_output`` in a fifth.
 
-Each stage plugs the learner's class into the real :class:`~cbteach.Engine` (``scheduler_cls=``) on
-workloads built to expose the typical mistakes, runs the same workload with the engine's own
-scheduler, and compares, in this order:
-
-1. the rules, checked the moment they are broken (:mod:`cbteach.exercises.rules`);
-2. the schedule, step by step: when each step ran, who ran with how many tokens from which position,
-   who was admitted and who was preempted -- the first step that differs is diagnosed;
-3. the outputs: tokens, finish reasons and token times equal to the engine's run, and on stage 1's
-   first workload the tokens equal to per-prompt ``model.generate``'s;
-4. the pool: every KV block back at the end.
-
-Stages: 1 -- no memory limit (a pool with room for every slot); 2 -- a token budget (chunked
-prefill); 3 -- a tiny pool (KV room, preemption, prefix caching, and a request that could never fit,
-which the engine refuses at add time); 4 -- the priority policy (its order, ties and victim); 5 --
-``update_from_output``, run under the engine's own ``schedule`` (appending, stop rules, freeing,
-chunks that stop short, speculative guesses taken back). Hints name the misconception and where it
-showed, never the engine's choice or a value.
+Each stage plugs the learner's class into the real engine on workloads built to expose the typical mistakes,
+runs the engine's own scheduler beside it, and compares: the rules where they are broken (:mod:`.rules`),
+the schedule step by step (the first difference diagnosed), the outputs, and every KV block back.
 """
 from __future__ import annotations
 

@@ -1,24 +1,9 @@
 """Notebook 06, section 8: the worker's side of the message -- ``update_batch(runner, scheduler_output)``,
 vLLM V1's ``GPUModelRunner._update_states``, written by the learner.
 
-:func:`check_update_batch` runs the real engine with the learner's function in the worker's place
-(``Engine(..., update_batch=fn)``) on :data:`WORKLOADS`, built so that every branch is taken: requests
-that finish, prompts in chunks, preemption and resumption under async scheduling (rows of requests
-left out of a step, resumed requests sent their token ids), prefix-cache hits, and samples forked
-from a prompt (parallel sampling, with copies on write). Right after every call it compares the worker's state with what the
-message says it must be:
-
-1. ``runner.requests`` holds exactly the unfinished requests the worker was told of;
-2. rows ``0 .. num_reqs - 1`` of ``runner.input_batch`` hold exactly this step's requests, each once,
-   with no empty row among them;
-3. each row -- and its request's state -- has the request's tokens (prompt, then output),
-   ``num_computed_tokens`` and block table as the message says; its sampling parameters; a seeded
-   request its random stream (a forked sample: the one that drew its first token).
-
-The first difference stops the run with a hint that names the mistake; at the end every request's
-tokens must equal per-prompt greedy ``model.generate`` (the seeded samples: the engine's own run). A
-function that is, or calls, the worker's own (:func:`cbteach.worker.states.update_batch`) is refused
-(:mod:`.guard`).
+The real engine runs with it in the worker's place on :data:`WORKLOADS` (finishes, chunks, preemption and
+resumption under async scheduling, prefix hits, forked samples); after every call the worker's state is
+compared with the message (:mod:`.batch_rules`), and at the end the tokens with ``model.generate``'s.
 """
 from __future__ import annotations
 

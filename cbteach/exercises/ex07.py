@@ -1,19 +1,8 @@
-"""Notebook 07: write an honest benchmark harness, and let the check catch every shortcut.
+"""Notebook 07: an honest benchmark harness, and a check that catches every shortcut.
 
-The learner writes ``benchmark(runs, repeat, clock)``: ``runs`` maps an engine's name to a function
-that runs that engine once on the workload and returns its outputs (one list of token ids per
-request). The harness must warm every engine up (one untimed run), then time ``repeat`` runs of each,
-**interleaved** (round after round, every engine once per round), each run timed on its own with
-``clock``; it returns ``(medians, same_tokens)``: each engine's median seconds, and whether *every*
-run of every engine produced the tokens of the first engine's warm-up run.
-
-The check hands the harness real engines (:func:`~cbteach.static_batching` and the paged
-:class:`~cbteach.Engine`, on the notebook's model) and a clock it controls: the clock advances only
-while an engine runs, by a cost the check sets -- a cold first run, a machine that slows down as it
-runs (drift), one hiccup -- so the check knows exactly which runs were timed and what each one
-"took". One engine in the second workload has a real-world bug: correct on its first run, stale
-state on the next. Each shortcut fails in its own way and gets a hint that names the misconception;
-the check never prints the medians it expected.
+The harness times real engines on a :class:`Clock` the check controls -- it moves only while an engine runs,
+by costs the check sets (a cold first run, drift, a hiccup) -- so the check knows which runs were timed and
+what each took; one engine is right on its first run only. Each shortcut gets a hint naming it.
 """
 from __future__ import annotations
 

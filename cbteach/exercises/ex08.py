@@ -1,15 +1,8 @@
 """Notebook 08: predict what the prefix cache reuses, and write speculative decoding's acceptance rule.
 
-* :func:`check_prefix_reuse` -- the learner's ``predict(prompts, block_size)`` says how many prompt
-  tokens of each request the prefix cache will supply; the check serves the prompts one at a time
-  in the real :class:`~cbteach.Engine` (``prefix_caching=True``) and compares with each
-  completion's ``num_cached_prompt_tokens``, on the notebook's prompts and on small cases built to
-  catch the usual mistakes.
-* :func:`check_accept` -- the learner's ``accept(drafts, targets)`` is compared with the engine's
-  rule (:func:`cbteach.engine.speculative.accept`), then swapped into the engine itself: a speculative run
-  with it must give exactly the tokens of a run without speculation.
-
-Hints name the rule that was missed; the expected values are never printed.
+:func:`check_prefix_reuse` compares the learner's predictions with the real engine's
+``num_cached_prompt_tokens``; :func:`check_accept` compares the rule with the engine's, then swaps it into a
+speculative run that must equal a plain one. Hints name the rule missed, never the values.
 """
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Notebook 09: what a disaggregated handover moves -- bytes of KV cache and seconds on the link.
-
-The learner writes ``handover(prompt_len, config, block_size, kv_dtype, link_bytes_per_s)`` returning
-``(bytes, seconds)``. The check runs a real :class:`~cbteach.serving.disagg.DisaggregatedServer` with one
-request of ``prompt_len`` tokens for each case -- the notebook's model in fp32 and int8 KV, and small
-random-weight models of other shapes (grouped-query and multi-head attention) -- and compares with
-its ``.transfers``. Hints name the factor that is off; the expected numbers are never printed.
+"""Notebook 09: what a disaggregated handover moves -- bytes of KV cache and seconds on the link -- compared
+with a real :class:`~cbteach.serving.disagg.DisaggregatedServer`'s ``.transfers`` on several model shapes and
+KV dtypes. Hints name the factor that is off.
 """
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""Notebook 11: read a streamed chat answer the way a client must -- text, token count, finish reason.
-
-The learner writes ``summarize_stream(events) -> (text, num_tokens, finish_reason)``: ``events`` are
-the JSON objects of one ``/v1/chat/completions`` stream (``"stream": true`` with
-``"stream_options": {"include_usage": true}``), ``[DONE]`` left out. The check asks the real server
-(the notebook's, at ``base_url``) for a few answers twice -- once streamed, once whole -- and compares
-what the learner's function reads from the stream with the whole answer: its ``content``, its
-``usage.completion_tokens`` and its ``finish_reason``. The cases end at the length cap, at a stop
-string, and (usually) at EOS. A wrong answer gets a hint about the stream's shape, never the values.
+"""Notebook 11: read a streamed chat answer as a client must -- ``summarize_stream(events) -> (text,
+num_tokens, finish_reason)``, compared with the same server's whole (not streamed) answers.
 """
 from __future__ import annotations
 

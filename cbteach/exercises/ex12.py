@@ -1,20 +1,8 @@
 """Notebook 12: your engine -- every piece you wrote, in one engine, proved, measured and served.
 
-The exercise is the assembly: ``my_engine(model, tok, **options)`` returns an
-:class:`~cbteach.Engine` with all five of the learner's pieces plugged in
-(:mod:`cbteach.exercises.capstone`). :func:`check_my_engine` runs it on the course's workload --
-bierce's headword prompts, answers that stop at EOS, a pool small enough to preempt and a token
-budget small enough to chunk -- beside the engine's own pieces on the same simulated clock, and
-requires:
-
-1. every piece plugged in (the scheduler is yours, the KV manager, the attention, the slot mapping, the
-   worker's update of its batch);
-2. the same schedule, step for step (who ran, with how many tokens, admitted, preempted);
-3. every request's tokens equal to per-prompt ``model.generate``'s, and every block back.
-
-When the assembled engine goes wrong, each piece's own check (notebooks 05 and 06) is run to name
-the piece to look at. :func:`benchmark` measures both engines with the course's metrics (wall
-time: throughput, TTFT, TPOT), and :func:`submit` sends a scheduler to a workshop tournament.
+:func:`check_my_engine` runs ``my_engine(model, tok, **options)`` on the course's workload beside the
+engine's own pieces on the same step clock: every piece plugged in, the same schedule step for step, the
+tokens of ``model.generate``, every block back. When it goes wrong, each piece's own check names the piece.
 """
 from __future__ import annotations
 

@@ -1,22 +1,8 @@
-"""Notebook 13: predict what tensor parallelism keeps on each rank and sends between them.
+"""Notebook 13: what tensor parallelism keeps on each rank and sends between them.
 
-The learner writes two functions and :func:`check_tp` runs them against the real thing:
-
-* ``kv_heads_of_rank(rank, world_size, num_heads, num_kv_heads)`` -- the KV heads rank ``rank``
-  holds in its pool, checked against :mod:`cbteach.parallel.shard`'s layout (the one the worker
-  processes really build) on common shapes, grouped-query attention with fewer KV heads than
-  ranks included;
-* ``all_reduce_bytes(num_layers, num_tokens, hidden_size, dtype_bytes, world_size)`` -- the bytes one
-  rank **sends** over the links in one step's all-reduces when NCCL's ring runs them over
-  ``world_size`` ranks. Checked at 2, 4 and 8 ranks, on the tensors a real two-process run
-  all-reduced (the runner's ``comm_log``: its forward hooks count every all-reduce and the size of
-  the tensor it sums) and on a second model shape (5 layers, hidden size 96, 2-byte floats), so that
-  different mistakes give different numbers; the truth is the simulator's own formula
-  (:func:`cbteach.sim.cost.ring_all_reduce_bytes`: ``2 (N - 1) / N`` of the tensor per rank).
-
-A wrong answer gets a hint naming the idea it missed, never the right value. The real layout and
-the simulator's formula are what the check compares with, so an answer that is or calls ``Layout``'s
-head methods or ``ring_all_reduce_bytes`` is refused (:mod:`cbteach.exercises.guard`).
+``kv_heads_of_rank`` is compared with :mod:`cbteach.parallel.shard`'s layout, ``all_reduce_bytes`` with the
+ring's bytes per rank on a real two-process run's all-reduces and a second shape; a wrong answer is named by
+the typical mistake whose formula gives it. An answer that is or calls what it is compared with is refused.
 """
 from __future__ import annotations
 

@@ -1,18 +1,7 @@
-"""The tournament over the workshop's network: learners submit schedulers, the room watches the board.
-
-``CBTEACH_API_KEY=<key> python -m cbteach tournament DIR --serve --host 0.0.0.0`` (needs
-``cbteach[serve]``) serves
-
-* ``POST /submit`` -- ``{"name": ..., "source": ...}`` with ``Authorization: Bearer <key>``: the file
-  is saved as ``DIR/<name>.py`` (a new submission under the same name replaces the old), run at once
-  on the trace, and the answer is its entry -- its goodput and rank, or why it was disqualified;
-* ``GET /`` -- the leaderboard, a page that refreshes itself (project it);
-  ``GET /leaderboard.json`` and ``GET /plot.png`` -- the same as data and as the figure.
-
-A submission is Python that runs on the instructor's machine, so the key is always required (there
-is no open mode), names are plain (letters, digits, ``-`` and ``_``), sources are capped at 64 KiB, and
-entrants run one at a time. Use it on a room's network you trust. Learners submit with
-:func:`cbteach.exercises.ex12.submit`.
+"""The tournament over a workshop's network: ``POST /submit`` (``{"name", "source"}``, with
+``Authorization: Bearer <CBTEACH_API_KEY>``) saves and runs a scheduler at once; ``GET /`` shows the board
+(also ``/leaderboard.json``, ``/plot.png``). Submissions are code run on the instructor's machine: the key is
+always required, names are plain, sources capped; use it on a network you trust.
 """
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
-"""vLLM's priority-scheduling tests, ported (see :mod:`cbteach.exercises.vllm_scheduler_tests`).
-
-From ``tests/v1/core/test_scheduler.py`` at vllm-project/vllm@003df29: the scheduler is made as its
-``create_scheduler_with_priority`` makes one (the ``priority`` policy; 16 sequences, 8,192 tokens,
-10,000 blocks of 16, no prefix caching) and requests as ``create_requests_with_priority`` does
-(priorities and arrival times given; a smaller number is more urgent, ties go to the earlier arrival).
-``test_priority_scheduling_preemption_and_resumption_when_out_of_kv`` runs without its KV and EC
-connectors (they find nothing to load there) and keeps the assertions of V1's default model runner;
-V1 marks the resumed request in the message (``resumed_req_ids``) and sends its token ids
-(``all_token_ids``); so does cbteach's message, and the request starts again at token 0 and feeds all
-32 tokens to recompute its K/V.
+"""vLLM's priority-scheduling tests, ported (see :mod:`.vllm_scheduler_tests`): the scheduler made as
+``create_scheduler_with_priority`` makes one (a smaller number is more urgent, ties go to the earlier arrival).
+The preemption-and-resumption test runs without its KV and EC connectors.
 """
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
-"""The watchers notebook 06's harness wraps around a learner's scheduler (:mod:`cbteach.exercises.scheduler_check`).
-
-Each stands in for one thing the scheduler touches and behaves exactly like it, but notices one
-mistake the moment it happens, while the evidence is still there:
-
-* :class:`QueueWatch` -- the waiting queue: was it changed while a loop walked it?
-* :class:`RunningWatch` -- the running list: did removing a request make a loop skip the next one?
-* :class:`KVWatch` -- the KV manager: what room was granted or refused this step, and what each
-  ``free`` saw (read by :mod:`cbteach.exercises.update_rules`).
-
-Each counts the calls one ``schedule`` makes on it: past :data:`MAX_CALLS` the step is a loop that never ends.
+"""The watchers :func:`.scheduler_check.watched` wraps around a learner's scheduler: the waiting queue
+(changed while walked?), the running list (a request skipped after a removal?) and the KV manager (this step's
+grants, refusals and frees). Each counts one ``schedule``'s calls: past :data:`MAX_CALLS` it never ends.
 """
 from __future__ import annotations
 

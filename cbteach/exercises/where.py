@@ -1,23 +1,9 @@
-"""Where notebook 12 finds the learner's notebooks 05 and 06, how it tells them from the course's, and
-how it reads the pieces out of them (:func:`cells`).
+"""Where notebook 12 finds the learner's notebooks 05 and 06, and how it reads the pieces out of them.
 
-Notebook 12 runs *your* pieces, so it reads them from the notebooks you wrote them in. It looks, in
-this order (:func:`search_folders`), and takes each notebook from the first folder that holds it:
-
-1. the current folder -- where Jupyter, JupyterLab and VS Code start a notebook's kernel (the
-   notebook's own folder), and ``/content`` on Colab, where the Files pane's uploads land;
-2. the running notebook's own folder, where the front end says it is (Jupyter's ``JPY_SESSION_NAME``,
-   VS Code's ``__vsc_ipynb_file__``), if that is another folder;
-3. on Colab, Google Drive once it is mounted at ``/content/drive``: ``MyDrive/Colab Notebooks`` (where
-   *File > Save a copy in Drive* puts ``Copy of 05_paged_kv_cache.ipynb``), ``MyDrive`` itself, and
-   every folder one level under ``MyDrive`` (say ``MyDrive/cbteach``).
-
-A notebook counts if its name is ``05_*.ipynb`` (or ``06_*``), ``Copy of 05_*.ipynb`` included; of
-several in one folder, the one saved last. The course's own notebooks (``notebooks/`` in a checkout,
-the copy inside the installed package) are never searched: they hold the solutions. Only
-``use_course_solutions=True`` reads them, and then every line says so. A piece whose cell is the
-course's solution cell -- the course copy, or a solution pasted in -- is reported as the course's, not
-yours (:func:`is_course_cell`: the same text).
+It looks in the current folder, the running notebook's folder, then (Colab) Google Drive's ``MyDrive/Colab
+Notebooks``, ``MyDrive`` and the folders under it, taking ``05_*.ipynb`` / ``Copy of 05_*.ipynb`` saved last.
+The course's own notebooks hold the solutions and are never searched; a cell equal to a solution cell is
+reported as the course's.
 """
 from __future__ import annotations
 
