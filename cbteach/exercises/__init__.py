@@ -60,6 +60,19 @@ def generated(model, prompt, max_new_tokens: int, stop_at_eos: bool = True) -> l
     return out[0, ids.shape[1]:].tolist()
 
 
+def generated_all(model, requests) -> dict:
+    """Per-prompt greedy ``model.generate`` of every request (past EOS for a request that ignores it)."""
+    return {r.request_id: generated(model, r.prompt, r.max_new_tokens, stop_at_eos=not r.ignore_eos) for r in requests}
+
+
+@functools.lru_cache(maxsize=1)
+def bierce():
+    """The course's model, loaded once: a check's model when none is given."""
+    from ..models import load_model
+
+    return load_model()[0]
+
+
 def is_int(x) -> bool:
     """A whole number as an answer: a Python or NumPy integer (``True`` is not a count)."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)

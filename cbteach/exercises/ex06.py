@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import weakref
 
 
 from ..engine.scheduler import Scheduler
 from ..viz.schedule import first_difference, plan_of
-from . import generated, guard, report, self_check
+from . import bierce, generated_all, guard, report, self_check
 from .rules import ROOM_STAGE, SchedulerMistake
 from .scheduler_check import NotDone, Workload, hint, run, watched, with_eos
 
@@ -103,11 +102,6 @@ def reference_run(model, workload: W, eos_ids=None):
     return runs[key]
 
 
-def generate_outputs(model, workload: W) -> dict:
-    """Per-prompt greedy ``model.generate``: the ground truth for a workload that stops at EOS."""
-    return {r.request_id: generated(model, r.prompt, r.max_new_tokens) for r in workload.requests(model.config.vocab_size)}
-
-
 def diagnose(ref, mine, stage=None) -> str:
     """Name the misconception behind the first step where ``mine``'s schedule differs from ``ref``'s.
     The steps before it were identical, so both schedulers saw the same state."""
@@ -185,7 +179,7 @@ def _check_workload(cls, model, w: W, stage: int, with_generate: bool) -> str | 
     if differ is not None:
         return differ
     outputs = {rid: c.output_ids for rid, c in mine.engine.completions.items()}
-    if with_generate and outputs != generate_outputs(model, w):
+    if with_generate and outputs != generated_all(model, w.requests(model.config.vocab_size)):
         return f"{where}: the tokens differ from model.generate's -- does your code change the requests' tokens?"
     if mine.engine.kv_usage()["num_used_blocks"]:
         return f"{where}: KV blocks are still in use after every request finished"
@@ -199,13 +193,6 @@ def _never_fits(model) -> bool:
     except ValueError:
         return True
     return False
-
-
-@functools.lru_cache(maxsize=1)
-def _bierce():
-    from ..models import load_model
-
-    return load_model()[0]
 
 
 def _refuse(stage, cls) -> str | None:
@@ -240,7 +227,7 @@ def check_stage(stage, scheduler_cls, model=None, *, prefix_caching: bool = True
         return report(False, "", refused)
     if stage == 5:  # the update alone: the engine's own schedule plans every step
         scheduler_cls = type(scheduler_cls.__name__, (scheduler_cls,), {"schedule": Scheduler.schedule})
-    model = _bierce() if model is None else model
+    model = bierce() if model is None else model
     workloads = [w for w in STAGES[stage] if prefix_caching or not w.prefix_caching]
     for i, w in enumerate(workloads):
         try:

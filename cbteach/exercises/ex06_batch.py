@@ -16,7 +16,7 @@ from ..core.request import Request
 from ..core.sampling import SamplingParams
 from ..engine.engine import Engine
 from ..worker import states
-from . import generated, guard, raised, report, self_check
+from . import bierce, generated_all, guard, raised, report, self_check
 from .batch_rules import Expect, Held, state_hint
 
 @dataclass(frozen=True)
@@ -112,11 +112,6 @@ def plugged(fn, seen: list):
     return update_batch
 
 
-def _generate(model, requests) -> dict:
-    """Per-prompt greedy ``model.generate``: it stops at the model's EOS ids, unless the request ignores them."""
-    return {r.request_id: generated(model, r.prompt, r.max_new_tokens, stop_at_eos=not r.ignore_eos) for r in requests}
-
-
 def run_workload(model, w: Workload, fn=None) -> tuple[Engine, list, Wrong | None]:
     """``w`` through an engine with ``fn`` as its worker's update (None: the worker's own); the engine,
     the messages, and the first mistake (a :class:`Wrong`, or None)."""
@@ -146,19 +141,12 @@ def _check_workload(model, w: Workload, fn) -> str | None:
     if said is not None:
         return f"{where}, message {len(seen)}: {said}"
     got = _outputs(eng)
-    want = _outputs(run_workload(model, w)[0]) if w.n > 1 else _generate(model, w.requests(model.config.vocab_size))
+    want = _outputs(run_workload(model, w)[0]) if w.n > 1 else generated_all(model, w.requests(model.config.vocab_size))
     if got != want:
         return (f"{where}: the batch was right after every message, but the tokens differ from " +
                 ("the engine's own run" if w.n > 1 else "model.generate's") + " -- does your code change the rows' tokens "
                 "or generators after it has built them?")
     return None
-
-
-@functools.lru_cache(maxsize=1)
-def _bierce():
-    from ..models import load_model
-
-    return load_model()[0]
 
 
 @self_check
@@ -172,7 +160,7 @@ def check_update_batch(update_batch, model=None) -> bool:
     refused = own_update_batch(update_batch)
     if refused:
         return report(False, "", refused)
-    model = _bierce() if model is None else model
+    model = bierce() if model is None else model
     for w in WORKLOADS:
         said = _check_workload(model, w, update_batch)
         if said is not None:

@@ -19,7 +19,7 @@ from ..core.clock import VirtualClock
 from ..engine.engine import Engine
 from ..serving.metrics import summarize
 from ..viz.schedule import first_difference
-from . import generated, guard, report, self_check
+from . import generated_all, guard, report, self_check
 from .capstone import PIECES, Pieces, check_piece, serve_options, stand_in
 
 OPTIONS = dict(max_batch_size=4, block_size=4, num_blocks=32, token_budget=8)  # it preempts and chunks
@@ -38,11 +38,6 @@ def course_requests(model, tok, n: int = NUM_REQUESTS, max_new_tokens: int = MAX
     span = max(1, min(model.config.vocab_size, 97) - 3)
     return [Request([3 + (13 * i + 5 * j) % span for j in range(4 + 3 * i)], max_new_tokens, request_id=f"r{i}")
             for i in range(n)]
-
-
-def generate_outputs(model, requests) -> dict:
-    """Per-prompt greedy ``model.generate`` (it stops at EOS): the ground truth."""
-    return {r.request_id: generated(model, r.prompt, r.max_new_tokens) for r in requests}
 
 
 def run(engine, requests) -> list:
@@ -99,7 +94,7 @@ def compare(my_engine, pieces: Pieces, model, tok=None) -> dict:
     except Exception as err:  # noqa: BLE001 -- a piece of the learner's, inside the engine
         out["error"] = f"{type(err).__name__}: {err}"
         return out
-    expected = generate_outputs(model, requests)
+    expected = generated_all(model, requests)
     outputs = {rid: c.output_ids for rid, c in mine.completions.items()}
     out.update(steps=len(my_records), diverges_at=first_difference(ref_records, my_records),
                tokens=outputs == {rid: c.output_ids for rid, c in ref.completions.items()},

@@ -200,12 +200,17 @@ def run_tournament(entrants: dict, model, trace: Trace = Trace(), baseline: bool
             bar.set_postfix_str(name)
             entries.append(run_entry(name, cls, model, trace, expected))
             bar.update()
-    ranked = sorted((e for e in entries if e.disqualified is None),
-                    key=lambda e: (-(e.goodput or 0.0), e.ttft_mean if e.ttft_mean is not None else float("inf"),
-                                   e.name))
-    for i, e in enumerate(ranked, 1):
-        e.rank = i
-    return ranked + sorted((e for e in entries if e.disqualified is not None), key=lambda e: e.name)
+    return ranked(entries)
+
+
+def ranked(entries: list[Entry]) -> list[Entry]:
+    """``entries`` ranked by goodput (best first; ties by mean TTFT, then name), the disqualified last, unranked."""
+    good = sorted((e for e in entries if e.disqualified is None),
+                  key=lambda e: (-(e.goodput or 0.0), e.ttft_mean if e.ttft_mean is not None else float("inf"), e.name))
+    bad = sorted((e for e in entries if e.disqualified is not None), key=lambda e: e.name)
+    for i, e in enumerate(good + bad, 1):
+        e.rank = i if e.disqualified is None else None
+    return good + bad
 
 
 def table(entries: list[Entry], trace: Trace) -> str:

@@ -14,7 +14,7 @@ import secrets
 import threading
 from pathlib import Path
 
-from .tournament_core import BASELINE, Trace, load_scheduler, generate_outputs, run_entry, table
+from .tournament_core import BASELINE, Trace, generate_outputs, load_scheduler, ranked, run_entry, table
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,40}$")
 MAX_SOURCE = 64 * 1024
@@ -56,15 +56,7 @@ class Board:
 
     def entries(self) -> list:
         """Every entrant and the baseline, ranked (ranks are given afresh each time)."""
-        everyone = [e for _, e in self.results.values()] + [self.baseline]
-        ranked = sorted((e for e in everyone if e.disqualified is None),
-                        key=lambda e: (-(e.goodput or 0.0), e.ttft_mean or 0.0, e.name))
-        for i, e in enumerate(ranked, 1):
-            e.rank = i
-        out = sorted((e for e in everyone if e.disqualified is not None), key=lambda e: e.name)
-        for e in out:
-            e.rank = None
-        return ranked + out
+        return ranked([e for _, e in self.results.values()] + [self.baseline])
 
 
 def _row(e) -> dict:
