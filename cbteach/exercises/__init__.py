@@ -20,6 +20,12 @@ def report(ok: bool, good: str, bad: str) -> bool:
     return ok
 
 
+def uncallable(fn, name: str) -> bool:
+    """Say so, and True, when ``fn`` is not a function (the learner passed its result, or nothing)."""
+    return not callable(fn) and not report(False, "", f"pass your function itself ({name}, not {name}(...)); got "
+                                                      f"{type(fn).__name__}")
+
+
 def raised(err: BaseException) -> str:
     """``"IndexError: list index out of range (line 7 of your code: out[i] = x)"``: the error, and the last
     line of the learner's own code it passed through -- found in the traceback as the deepest frame

@@ -32,9 +32,8 @@ ENGINE_CLASS = "MyEngineScheduler"  # MyScheduler's schedule with MyUpdate's upd
 
 @dataclass
 class Pieces:
-    """The learner's pieces as objects (``None``: not written yet), the source they came from, where each
-    notebook was found (``None``: nowhere -- its pieces count as not written), and which pieces are the
-    course's own solutions (the course copy, ``use_course_solutions=True``, or a solution cell pasted in)."""
+    """The learner's pieces as objects (``None``: not written yet), their module's source, where each
+    notebook was found (``None``: nowhere), and which pieces are the course's own."""
 
     objects: dict = field(default_factory=dict)  # piece -> object (the scheduler: the combined class)
     source: str = ""  # a module defining every piece (write_module writes it)
@@ -69,8 +68,8 @@ class Pieces:
         if missing:
             lines.append(where.not_found_text(missing, self.searched))
         if self.filled:
-            lines.append(where.course_text(list(self.filled), "not written yet, failing its check, or asked for: the "
-                                                              "course's solution stands in, so the engine assembles and runs"))
+            lines.append(where.course_text(list(self.filled), "not written yet, failing its check, or asked for: "
+                                                              "the course's solution stands in, so the engine runs"))
         if self.course - set(self.filled):
             folders = {p.parent for p in self.where.values() if p is not None}
             why = ("read from the course's own notebooks, the folder cbteach's course is shipped in"
@@ -80,7 +79,7 @@ class Pieces:
         return "\n".join(lines)
 
 
-def _read(folder=None, use_course_solutions: bool = False, use_course_for=(), failed=None) -> tuple[str, dict, set, list, dict]:
+def _read(folder=None, use_course_solutions: bool = False, use_course_for=(), failed=None) -> tuple:
     """(the pieces module's text, where each notebook was found, the pieces that are the course's
     solutions, the folders searched, the pieces not written yet -> where to write them). A notebook found
     nowhere gives the student copy's stubs; a piece whose cell is still the stub gets the course's cell."""
@@ -124,7 +123,7 @@ def _read(folder=None, use_course_solutions: bool = False, use_course_for=(), fa
                 why = (f"yours fails its own check: {failed[failing]}" if failing else
                        "you asked for the course's" if asked else "yours is not written yet")
                 filled.update({n: f"{why}: notebook {number}, the cell under '{theirs[twin]}'" for n in where.defined(s)})
-            elif path is not None and where.is_course_cell(s, number):
+            elif where.normal(s) in {where.normal(c) for c in theirs}:  # a solution cell pasted in, or the course's
                 course_names |= where.defined(s)
         label = path.name if path is not None else f"{number} (not found: the student copy's stubs)"
         bodies += [f"# -- from {label} --\n{s.strip()}\n" for s in solutions]
@@ -150,18 +149,14 @@ def pieces_source(folder=None, use_course_solutions: bool = False) -> tuple[str,
 
 
 def pieces_from_notebooks(folder=None, *, use_course_solutions: bool = False, use_course_for=(), say=print) -> Pieces:
-    """The learner's pieces, read from notebooks 05 and 06 and run; ``say`` gets :meth:`Pieces.report`.
-
-    ``folder``: the folder that holds them (default: where the learner works, :func:`where.search_folders`
-    -- never the course's own notebooks unless you work in them). A notebook found nowhere counts as not
-    written yet; a piece whose cell is still the stub is the course's, marked as the course's everywhere.
-    ``use_course_for=["scheduler"]``: those pieces the course's too (one of yours that does not pass yet), so
-    the rest of yours runs. ``use_course_solutions=True`` (for instructors) runs the course's own solutions,
-    and says so."""
+    """The learner's pieces, read from notebooks 05 and 06 in ``folder`` (default: where the learner works,
+    :func:`where.search_folders`) and run; ``say`` gets :meth:`Pieces.report`. A piece not written yet, or named in
+    ``use_course_for``, is the course's, marked so everywhere; ``use_course_solutions=True`` (instructors): all."""
     unknown = set(use_course_for) - set(PIECES)
     if isinstance(use_course_for, str) or unknown:
         raise ValueError(f"use_course_for takes a list of pieces, each one of {list(PIECES)}; got {use_course_for!r}")
-    pieces = _assemble(dict(folder=folder, use_course_solutions=use_course_solutions, use_course_for=list(use_course_for)))
+    pieces = _assemble(dict(folder=folder, use_course_solutions=use_course_solutions,
+                            use_course_for=list(use_course_for)))
     if say is not None:
         say(pieces.report())
     return pieces
@@ -295,10 +290,8 @@ def _options(argv: list[str]) -> dict:
 
 
 def refuse_broken_pieces(argv) -> dict:
-    """``serve`` with piece options: import each ``MODULE:NAME`` (the current folder on the path) and
-    run its notebook's check on serve's ``--model``; a piece that fails raises ``ValueError`` with the
-    check's hint, before the server starts. (A scheduler meets prefix caching in its check only if serve
-    turns it on.) Returns the pieces, by Engine keyword."""
+    """``serve`` with piece options: each ``MODULE:NAME`` imported and run through its notebook's check on serve's
+    ``--model``; a failing piece raises ``ValueError`` with the hint before the server starts. Returns them."""
     from ..models import load_model
     from ..serving.engine_core import load_piece
 

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import torch
 
-from . import is_int, report, self_check
+from . import is_int, report, self_check, uncallable
 
 CACHE_KWARGS = ("cache", "past_key_values")  # transformers 5 renamed past_key_values to cache
 
@@ -153,15 +153,10 @@ def _cases(model, input_ids, max_new_tokens, eos_id):
 
 @self_check
 def check_greedy_decode(greedy_decode, model, input_ids, max_new_tokens: int, eos_id: int) -> bool:
-    """``greedy_decode(model, input_ids, max_new_tokens, eos_id)`` should return the list of new token
-    ids that greedy ``model.generate`` returns, feeding the model what ``generate`` feeds with its cache.
-
-    ``input_ids``: the notebook's prompt, shape ``[1, P]`` on ``model.device``; checked first, then a
-    few cases made from it.
-    """
-    if not callable(greedy_decode):
-        return report(False, "", f"pass your function itself (greedy_decode, not greedy_decode(...)); got "
-                                 f"{type(greedy_decode).__name__}")
+    """``greedy_decode(model, input_ids, max_new_tokens, eos_id)`` -> greedy ``model.generate``'s new tokens, fed
+    as ``generate`` feeds with its cache; the notebook's case (``input_ids``: ``[1, P]``) first, then a few more."""
+    if uncallable(greedy_decode, "greedy_decode"):
+        return False
     prompt = input_ids[0].tolist()
     cases = _cases(model, input_ids, max_new_tokens, eos_id)
     n_new = None  # new tokens of the notebook's case (the first)

@@ -10,7 +10,7 @@ import torch
 
 from ..core.request import Request
 from ..engine.static import static_batching
-from . import is_int, report, self_check
+from . import is_int, report, self_check, uncallable
 from .ex00 import run_barred
 
 
@@ -20,7 +20,8 @@ def _pass(ids, cached, kwargs, model):
     mask = kwargs.get("attention_mask")
     mask = mask if torch.is_tensor(mask) and mask.dim() == 2 else None
     return None if ids.dim() != 2 else {
-        "rows": ids.shape[0], "fed": ids.shape[1], "cached": cached, "mask_width": None if mask is None else mask.shape[1],
+        "rows": ids.shape[0], "fed": ids.shape[1], "cached": cached,
+        "mask_width": None if mask is None else mask.shape[1],
         "positions": kwargs.get("position_ids") is not None, "mask": None if mask is None else mask.tolist()}
 
 
@@ -159,14 +160,10 @@ def _cases(model, prompts, n, eos_id):
 
 @self_check
 def check_static_wave(static_wave, model, prompts, max_new_tokens: int, eos_id: int) -> bool:
-    """``static_wave(model, prompts, max_new_tokens, eos_id)`` should return each prompt's greedy tokens,
-    made the way :func:`cbteach.static_batching` makes them (one padded prefill, then one pass per step).
-
-    ``prompts``: the notebook's wave (token-id lists), run on ``model``; then two more cases (see
-    :func:`_cases`), one on a model where position ids matter."""
-    if not callable(static_wave):
-        return report(False, "", "pass your function itself (static_wave, not static_wave(...)); got "
-                                 f"{type(static_wave).__name__}")
+    """``static_wave(model, prompts, max_new_tokens, eos_id)`` -> each prompt's greedy tokens, in the static
+    batcher's passes; the notebook's wave first, then :func:`_cases`'s."""
+    if uncallable(static_wave, "static_wave"):
+        return False
     cases = _cases(model, prompts, max_new_tokens, eos_id)
     for where, m, ps, n, eos in cases:
         want = [reference(m, p, n, eos) for p in ps]

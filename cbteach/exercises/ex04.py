@@ -13,7 +13,7 @@ from ..attention.packing import additive_mask, block_diagonal_causal_mask
 from ..engine.engine import Engine
 from ..core.request import Request
 from ..kv.concat import KVTraffic, layer_kv
-from . import raised, report, self_check
+from . import raised, report, self_check, uncallable
 
 HEADS, DIM = 2, 3
 
@@ -148,9 +148,8 @@ def _reference(model, tokenizer, prompt, n):
 def check_gather_scatter(gather, scatter, model, tokenizer) -> bool:
     """``gather(caches)`` and ``scatter(packed_keys, packed_values, caches, num_scheduled)``: labelled cases
     first, then inside a real concat engine, compared with ``model.generate`` prompt by prompt."""
-    for name, fn in (("gather", gather), ("scatter", scatter)):
-        if not callable(fn):
-            return report(False, "", f"pass your function itself ({name}, not {name}(...)); got {type(fn).__name__}")
+    if uncallable(gather, "gather") or uncallable(scatter, "scatter"):
+        return False
     for name, hint_of in (("gather", _gather_hint), ("scatter", _scatter_hint)):
         try:
             hint = hint_of(gather if name == "gather" else scatter)

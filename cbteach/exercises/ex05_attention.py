@@ -9,7 +9,7 @@ from __future__ import annotations
 import numbers
 
 
-from . import generated, report, self_check
+from . import generated, report, self_check, uncallable
 from .ex05_steps import HEADS, STEPS, Fail, check_attention_cases, check_slot_mapping_cases
 
 MAX_NEW_TOKENS = 16  # per request, in the engine runs
@@ -81,9 +81,8 @@ def _prompts(tok, prompts):
 def check_slot_mapping(slot_mapping, model, tok=None, prompts=None) -> bool:
     """``slot_mapping(block_tables, num_computed_tokens, num_scheduled_tokens, block_size)``: every
     scheduled token's pool slot, in packed order. Hand-built steps first, then the real engine."""
-    if not callable(slot_mapping):
-        return report(False, "", f"pass your function itself (my_slot_mapping, not my_slot_mapping(...)); got "
-                                 f"{type(slot_mapping).__name__}")
+    if uncallable(slot_mapping, "my_slot_mapping"):
+        return False
     try:
         check_slot_mapping_cases(slot_mapping)
         served, tokens = _in_engine(model, _prompts(tok, prompts), None, slot_mapping)
@@ -98,9 +97,8 @@ def check_paged_attention(attention, model, tok=None, prompts=None, slot_mapping
     """``attention(query, key, value, meta, layer, scaling)``: write this step's K/V at ``meta.slot_mapping``,
     read each sequence's context through its block table, attend causally; ``[1, heads, T, head_dim]``.
     With ``slot_mapping`` the engine runs on both of your pieces."""
-    if not callable(attention):
-        return report(False, "", f"pass your function itself (my_attention, not my_attention(...)); got "
-                                 f"{type(attention).__name__}")
+    if uncallable(attention, "my_attention"):
+        return False
     if slot_mapping is not None and not callable(slot_mapping):
         return report(False, "", "slot_mapping= takes your slot-mapping function itself (or None)")
     try:

@@ -14,7 +14,7 @@ import types
 import torch
 
 from ..attention.paged import reference_attention
-from . import generated, raised, report, self_check
+from . import generated, raised, report, self_check, uncallable
 from .ex05b_steps import HEAD_DIM, STEPS, diagnose, make_step, meta_rows, scaled
 
 __all__ = ["HEAD_DIM", "STEPS", "Fail", "check_attend_blocks", "make_step", "meta_rows", "run_engine", "run_steps",
@@ -73,10 +73,8 @@ def _attempt(course, inner, query, pool, meta, tile_n: int):
 
 
 def run_steps(inner, scale: int | None = None) -> int:
-    """Run ``inner`` on every hand-built step in order; :class:`Fail` with the first failure's hint
-    (:func:`~cbteach.exercises.ex05b_steps.diagnose`). ``scale``: the steps' sizes times this (default: 1 in
-    Triton's interpreter, :data:`GPU_SCALE` compiled for a GPU, where fp32 ``tl.dot`` may also round through
-    TF32, so the tolerance is wider: :data:`TOLERANCE`)."""
+    """Run ``inner`` on every hand-built step in order; :class:`Fail` with the first failure's hint. ``scale``: the
+    steps' sizes times this (default 1 in the interpreter, :data:`GPU_SCALE` on a GPU, with a wider tolerance)."""
     course = _course()
     scale = scale or (1 if course.INTERPRETED else GPU_SCALE)
     device = "cpu" if course.INTERPRETED else "cuda"
@@ -136,9 +134,8 @@ def check_attend_blocks(inner, model=None, tok=None) -> bool:
         _course()
     except ImportError:
         return report(False, "", NOT_INSTALLED)
-    if not callable(inner):
-        return report(False, "", f"pass your function itself (my_attend_blocks, not my_attend_blocks(...)); got "
-                                 f"{type(inner).__name__}")
+    if uncallable(inner, "my_attend_blocks"):
+        return False
     if not written(inner):
         return report(False, "", "my_attend_blocks is still the stub: write its loop below the cell's "
                                  "@triton.jit line (replace the ...), then run this cell again")

@@ -69,10 +69,8 @@ HEAD_DIM = 8
 
 def make_step(seqs, block_size, heads, kv_heads, blocks="shuffled", stale="nan", keys="random", seed=0,
               device="cpu", **_):
-    """A hand-built packed step: ``(query, pool, meta)``. Every table is padded with a stale block and
-    the pool keeps spare blocks after the last, so a loop that reads past a sequence reads stale K/V
-    (never memory outside the tensors: Triton's interpreter reads raw memory, and a read past the end
-    of a tensor can crash the process)."""
+    """A hand-built packed step ``(query, pool, meta)``; tables padded with a stale block and spare blocks after the
+    last, so a loop reading past a sequence reads stale K/V, never outside the tensors (the interpreter would crash)."""
     g = torch.Generator().manual_seed(seed)
     need = [-(-(c + n) // block_size) for c, n in seqs]
     used = sum(need)

@@ -73,11 +73,8 @@ _references: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model ->
 
 
 def stops_for(model, w: W) -> tuple[W, frozenset | None]:
-    """A workload that stops at EOS (``w.ignore_eos`` False) whatever the model: the stop tokens are
-    chosen from what the model says on ``w`` when nothing stops it (greedy, so the same tokens come
-    again). EOS is the commonest token said; every second request ignores it; the first request that
-    says a token other than EOS gets that token as its stop token. Returns the workload and the EOS
-    ids to use (None: the model's own, for a workload that ignores EOS)."""
+    """``w`` made to stop at EOS whatever the model: EOS is the token the model says most on ``w`` (greedy), every
+    second request ignores it, one gets a stop token. Returns the workload and the EOS ids (None: the model's)."""
     if w.ignore_eos:
         return w, None
     probe = reference_run(model, dataclasses.replace(w, ignore_eos=True))
@@ -213,12 +210,8 @@ def _refuse(stage, cls) -> str | None:
 
 @self_check
 def check_stage(stage, scheduler_cls, model=None, *, prefix_caching: bool = True) -> bool:
-    """Stage ``stage`` (1-5, see :data:`STAGES`) of the exercise, for ``scheduler_cls`` (a subclass of
-    :class:`~cbteach.engine.scheduler.Scheduler` that overrides ``schedule``; for stage 5,
-    ``update_from_output``, which runs under the engine's own ``schedule``) on ``model`` (any causal
-    LM the engine runs; None: the course's bierce). ``check_stage(MyScheduler, 1)`` works too.
-    ``prefix_caching=False`` leaves out the workloads that turn prefix caching on (for an engine that
-    never caches prefixes: ``serve`` without ``--prefix-caching``)."""
+    """Stage ``stage`` (1-5, :data:`STAGES`) for ``scheduler_cls`` on ``model`` (None: bierce); stage 5 checks
+    ``update_from_output`` under the engine's own ``schedule``. ``prefix_caching=False`` leaves those workloads out."""
     if isinstance(scheduler_cls, int) and not isinstance(stage, int):
         stage, scheduler_cls = scheduler_cls, stage
     refused = _refuse(stage, scheduler_cls) or guard.refusal("scheduler", scheduler_cls, ("update_from_output",)

@@ -13,7 +13,7 @@ import statistics
 from ..engine.engine import Engine
 from ..core.request import Request
 from ..engine.static import static_batching
-from . import report, self_check
+from . import report, self_check, uncallable
 
 COLD = 6.0     # a first run costs this many times a warm one (allocation, lazy imports, caches)
 DRIFT = 0.08   # each run costs this much more than the one before it, whichever engine ran (a machine slowing)
@@ -77,11 +77,8 @@ def engine_runs(model, clock: Clock, repeat: int = 3, batch_size: int = 2, stale
 
 
 def _timed_flags(events) -> list[bool]:
-    """For each run in the clock's log, in order: was it timed on its own (a reading right before and
-    right after it)? A harness that reads the clock twice around each run (two readings in a row
-    somewhere) uses each reading once: the reading that ended one run's timing does not start the
-    next -- an untimed warm-up right after a timed run stays untimed. One that reads once between
-    runs shares each reading between the run before and the run after."""
+    """For each run in the clock's log: was it timed on its own (a reading right before and right after)? A
+    harness that reads twice around each run uses each reading once; one that reads once between runs shares it."""
     own_pairs = any(a[0] == b[0] == "read" for a, b in zip(events, events[1:]))
     flags, used = [], -1  # used: the index of the last reading that ended a timing
     for i, e in enumerate(events):
@@ -158,9 +155,8 @@ def check_benchmark(benchmark, model) -> bool:
     """``benchmark(runs, repeat, clock)`` should warm up, time interleaved repeats one by one with
     ``clock``, and return ``({name: median seconds}, same_tokens)``. ``model``: the notebook's model;
     every engine the check times runs it for real."""
-    if not callable(benchmark):
-        return report(False, "", f"pass your function itself (benchmark, not benchmark(...)); got "
-                                 f"{type(benchmark).__name__}")
+    if uncallable(benchmark, "benchmark"):
+        return False
     cases = [(r, stale) for stale in (False, True) for r in REPEATS]
     for repeat, stale in cases:
         clock = Clock()

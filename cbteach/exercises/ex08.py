@@ -16,7 +16,7 @@ from ..worker import model_runner
 from ..engine.engine import Engine
 from ..core.request import Request
 from ..engine.speculative import accept as engine_accept
-from . import is_int, raised, report, self_check
+from . import is_int, raised, report, self_check, uncallable
 
 # ---------------------------------------------------------------- prefix reuse ----------------
 
@@ -102,15 +102,10 @@ def _prefix_hint(prompts, bs, got) -> str:
 
 @self_check
 def check_prefix_reuse(predict, model, prompts=None, block_size=None) -> bool:
-    """``predict(prompts, block_size)`` -> one int per prompt: the prompt tokens the prefix cache supplies.
-
-    The prompts are lists of token ids served in order, one at a time (``max_batch_size=1``), each
-    asking for a single new token, in a pool large enough that nothing is evicted. ``model`` is the
-    notebook's model (any causal LM whose vocabulary holds the ids). ``prompts``/``block_size``: the
-    notebook's case, checked first.
-    """
-    if not callable(predict):
-        return report(False, "", f"pass your function itself (predict, not predict(...)); got {type(predict).__name__}")
+    """``predict(prompts, block_size)`` -> the prompt tokens the prefix cache supplies to each prompt, served one
+    at a time in order; the notebook's case first, then :data:`PREFIX_CASES`."""
+    if uncallable(predict, "predict"):
+        return False
     cases = ([("the notebook's prompts", [list(p) for p in prompts], block_size)] if prompts is not None else [])
     cases += PREFIX_CASES
     for what, case, bs in cases:
@@ -194,8 +189,8 @@ def _loop_requests():
 def check_accept(accept) -> bool:
     """``accept(drafts, targets)`` -> the tokens a verify step yields (``targets`` has one more entry
     than ``drafts``: the model's prediction after the last real token and after each guess)."""
-    if not callable(accept):
-        return report(False, "", f"pass your function itself (accept, not accept(...)); got {type(accept).__name__}")
+    if uncallable(accept, "accept"):
+        return False
     g = random.Random(0)
     cases = list(ACCEPT_CASES)
     for _ in range(NUM_RANDOM_ACCEPT_CASES):  # small alphabets: guesses are often right, as with a good proposer

@@ -12,7 +12,7 @@ import torch
 
 from ..serving.disagg import DisaggregatedServer
 from ..core.request import Request
-from . import report, self_check
+from . import report, self_check, uncallable
 
 # Small model shapes: (layers, query heads, KV heads, hidden size); head_dim = hidden / query heads.
 SHAPES = {"gqa": (2, 4, 2, 64), "mqa": (3, 4, 1, 32), "mha": (1, 2, 2, 32)}
@@ -85,14 +85,10 @@ def _bytes_hint(got, prompt_len, config, bs, kv_dtype) -> str:
 
 @self_check
 def check_handover(handover, model, prompt_len: int | None = None) -> bool:
-    """``handover(prompt_len, config, block_size, kv_dtype, link_bytes_per_s)`` -> ``(bytes, seconds)``.
-
-    ``model`` is the notebook's model; ``prompt_len`` the notebook's prompt, checked first in fp32 and
-    in int8 with blocks of 16 on a 10 GB/s link.
-    """
-    if not callable(handover):
-        return report(False, "", f"pass your function itself (handover, not handover(...)); got "
-                                 f"{type(handover).__name__}")
+    """``handover(prompt_len, config, block_size, kv_dtype, link_bytes_per_s)`` -> ``(bytes, seconds)``; the
+    notebook's prompt first (fp32 and int8), then :data:`CASES`."""
+    if uncallable(handover, "handover"):
+        return False
     cases = [(None, prompt_len, 16, None, 10e9), (None, prompt_len, 16, "int8", 10e9)] if prompt_len else []
     cases += CASES
     for shape, n, bs, kv_dtype, link in cases:

@@ -177,12 +177,8 @@ def _malformed(name, value) -> str | None:
 @self_check
 def check_schedule(model, *, static_steps, continuous_steps, running, num_computed_tokens, num_blocks,
                    prefill_steps) -> bool:
-    """Check six predictions about the module's workload against live runs of the engines.
-
-    ``model``: the notebook's model (the step counts do not depend on it: the lengths are forced).
-    Prints one line per answer, ``✓`` with the rule it shows or ``✗`` with a hint; returns ``True``
-    when all six are right.
-    """
+    """Six predictions about the module's workload against live runs of the engines: a line each (``✓`` with the
+    rule it shows, ``✗`` with a hint); ``True`` when all six are right."""
     answers = dict(static_steps=static_steps, continuous_steps=continuous_steps, running=running,
                    num_computed_tokens=num_computed_tokens, num_blocks=num_blocks, prefill_steps=prefill_steps)
     m = measure(model)

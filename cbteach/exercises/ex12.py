@@ -204,9 +204,7 @@ def side_by_side(my_engine, model, tok=None) -> tuple:
 
 
 def serve_my_engine(module_path, *server_args):
-    """``serve`` with every piece of the module at ``module_path`` (:func:`capstone.write_module`):
-    its HTTP side in a thread of this process, its engine core in a process of its own, which imports
-    the module -- so its folder goes on ``sys.path`` and ``PYTHONPATH``. Returns the started server."""
+    """``serve`` with every piece of the module at ``module_path``, its folder importable; the started server."""
     from ..serving.server import ServerThread
 
     importable(Path(module_path).parent)
@@ -228,32 +226,29 @@ METRICS = ("tokens_per_s", "ttft_p50", "tpot_p50")  # what benchmark() summarise
 
 
 def benchmark(my_engine, model, tok=None, rounds: int = 3) -> dict:
-    """The course's metrics for your engine and the engine's own on the course workload, on wall time.
-
-    One warm-up run each (one-off costs), then ``rounds`` interleaved rounds -- yours then the engine's,
-    then the other way round -- so that a slow spell of the machine falls on both. For each engine and
-    each of :data:`METRICS`: ``{"median": ..., "min": ..., "max": ...}`` over the rounds, and ``"runs"``,
-    every round's :func:`~cbteach.serving.metrics.summarize`."""
+    """The course's metrics for your engine and the engine's own on the course workload, on wall time: a warm-up
+    each, then ``rounds`` interleaved rounds (the order flipped each round, so a slow spell falls on both). Per
+    engine and metric of :data:`METRICS`: ``{"median", "min", "max"}`` over the rounds; ``"runs"``: every round's
+    :func:`~cbteach.serving.metrics.summarize`."""
     import statistics
 
     if not (isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 1):
         raise ValueError(f"rounds must be a whole number >= 1, got {rounds!r}")
     builds = {"your engine": lambda: my_engine(model, tok, **OPTIONS),
               "the engine's own pieces": lambda: Engine(model, tok, kv="paged", **OPTIONS)}
-    names = list(builds)
-    for name in names:  # warm-up
-        builds[name]().run(course_requests(model, tok))
-    runs = {name: [] for name in names}
-    for i in range(rounds):
-        for name in (names if i % 2 == 0 else names[::-1]):
-            runs[name].append(summarize(builds[name]().run(course_requests(model, tok))))
+    runs = {name: [] for name in builds}
+    for i in range(-1, rounds):  # round -1: the warm-up (one-off costs)
+        for name in (list(builds) if i % 2 == 0 else list(builds)[::-1]):
+            done = builds[name]().run(course_requests(model, tok))
+            if i >= 0:
+                runs[name].append(summarize(done))
     results = {}
     for name, summaries in runs.items():
         results[name] = {"runs": summaries}
         for key in METRICS:
             values = [s[key] for s in summaries if s[key] is not None]
-            results[name][key] = ({"median": statistics.median(values), "min": min(values), "max": max(values)}
-                                  if values else None)
+            results[name][key] = dict(median=statistics.median(values), min=min(values), max=max(values)) if values \
+                else None
     return results
 
 

@@ -104,10 +104,8 @@ def _bytes_hint(answers, cases) -> str:
 @self_check
 def check_tp(kv_heads_of_rank, all_reduce_bytes, comm_log, *, num_layers: int, hidden_size: int,
              dtype_bytes: int = 4, world_size: int = 2) -> bool:
-    """Check ``kv_heads_of_rank`` on :data:`SHAPES` against the real layout, and ``all_reduce_bytes``
-    at 2, 4 and 8 ranks on the tensors of ``comm_log`` -- a real tensor-parallel run's per-step counts
-    (``runner.comm_log``; the run's ``num_layers``, ``hidden_size``, ``dtype_bytes``) -- and on
-    :data:`SECOND_SHAPE`. Prints a line each; ``True`` when both are right."""
+    """``kv_heads_of_rank`` on :data:`SHAPES` against the real layout, ``all_reduce_bytes`` at 2, 4 and 8 ranks on
+    ``comm_log``'s tensors (a real run's) and on :data:`SECOND_SHAPE`; a line each, ``True`` when both are right."""
     if not callable(kv_heads_of_rank) or not callable(all_reduce_bytes):
         return report(False, "", "pass your two functions (not their results): check_tp(kv_heads_of_rank, "
                                  "all_reduce_bytes, runner.comm_log, ...)")

@@ -183,9 +183,8 @@ def _final_rules(eng, expected: dict) -> SchedulerMistake | None:
 
 def run_tournament(entrants: dict, model, trace: Trace = Trace(), baseline: bool = True,
                    progress: bool = False) -> list[Entry]:
-    """Run every entrant (``{name: class or reason}``) and the engine's own scheduler; returns the
-    entries ranked by goodput (best first; ties by mean TTFT, then name), disqualified ones last.
-    ``progress``: a progress bar on stderr (the reference outputs, then one tick per entrant)."""
+    """Every entrant (``{name: class or reason}``) and the engine's own scheduler, :func:`ranked`;
+    ``progress``: a progress bar on stderr."""
     from tqdm.auto import tqdm
 
     field_ = dict(entrants)

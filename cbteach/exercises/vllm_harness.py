@@ -106,10 +106,8 @@ class Harness:
                 seq.draft_ids = list(drafts)
 
     def running_after_schedule(self, seqs, spec: dict) -> SchedulerOutput:
-        """``test_stop_via_update_from_output``'s set-up: every request running, all its known tokens
-        computed, and a message scheduling its last token plus its guesses ``spec[id]``. V1 writes the
-        message by hand and sets ``num_computed_tokens = num_tokens``; cbteach counts a step's tokens as
-        computed when it is planned (``update_after_schedule``), with their KV room -- so here they are."""
+        """``test_stop_via_update_from_output``'s set-up: every request running, its last token and guesses
+    ``spec[id]`` scheduled (counted as computed, with their room, as cbteach's ``update_after_schedule`` does)."""
         ids, starts, counts = [], [], {}
         for seq in seqs:
             seq.status = RequestStatus.RUNNING

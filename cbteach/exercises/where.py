@@ -8,6 +8,7 @@ reported as the course's.
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
 import re
@@ -33,29 +34,21 @@ def _front_end_notebook() -> Path | None:
 
 
 def search_folders() -> list[Path]:
-    """The folders :func:`find_notebook` looks in, in order (see the module); only those that exist."""
-    drive, uploads = Path(COLAB_DRIVE), Path(COLAB_UPLOADS)
-    folders = [Path.cwd()]
-    notebook = _front_end_notebook()
-    if notebook is not None:
-        folders.append(notebook.parent if notebook.is_absolute() else folders[0] / notebook.parent)
-    folders.append(uploads)
+    """The folders :func:`find_notebook` looks in, in order (see the module); only those that exist, each once."""
+    drive, notebook = Path(COLAB_DRIVE), _front_end_notebook()
+    folders = [Path.cwd(), *([Path.cwd() / notebook.parent] if notebook is not None else []), Path(COLAB_UPLOADS)]
     if drive.is_dir():
         folders += [drive / "Colab Notebooks", drive]
         try:
             folders += sorted(p for p in drive.iterdir() if p.is_dir() and p.name != "Colab Notebooks")
         except OSError:  # Drive can refuse a listing; the folders above are still searched
             pass
-    seen, out = set(), []
+    out: dict = {}
     for folder in folders:
-        try:
-            key = folder.resolve()
-        except OSError:
-            continue
-        if key not in seen and folder.is_dir():
-            seen.add(key)
-            out.append(folder)
-    return out
+        with contextlib.suppress(OSError):
+            if folder.is_dir():
+                out.setdefault(folder.resolve(), folder)
+    return list(out.values())
 
 
 def shown(folder: Path) -> str:
@@ -87,27 +80,6 @@ def is_course_folder(folder: Path) -> bool:
         return Path(folder).resolve() == course_dir().resolve()
     except (FileNotFoundError, OSError):
         return False
-
-
-def course_cells(number: str) -> set[str]:
-    """The course's own solution cells of notebook ``number``, normalised (:func:`normal`); empty if the
-    course's notebooks cannot be found."""
-    from ..student import SOLUTION_TAG, course_dir
-
-    try:
-        path = find_notebook(course_dir(), number)
-    except FileNotFoundError:
-        return set()
-    if path is None:
-        return set()
-    cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
-    return {normal(c["source"]) for c in cells if SOLUTION_TAG in c.get("metadata", {}).get("tags", [])}
-
-
-def is_course_cell(source, number: str) -> bool:
-    """Whether a learner's cell is one of notebook ``number``'s solution cells, letter for letter (trailing
-    spaces and blank lines aside) -- so the capstone can say which pieces are the course's."""
-    return normal(source) in course_cells(number)
 
 
 def normal(source) -> str:
