@@ -40,6 +40,9 @@ def course_requests(model, tok, n: int = NUM_REQUESTS, max_new_tokens: int = MAX
             for i in range(n)]
 
 
+generate_outputs = generated_all  # per-prompt greedy model.generate: the ground truth (notebook 12 calls it)
+
+
 def run(engine, requests) -> list:
     """Every request through ``engine`` (bounded by the engine's own run loop); the records."""
     engine.run(requests)
