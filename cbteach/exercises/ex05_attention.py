@@ -9,6 +9,8 @@ from __future__ import annotations
 import numbers
 
 
+from ..core.request import Request
+from ..engine.engine import Engine
 from . import generated, report, self_check, uncallable
 from .ex05_steps import HEADS, STEPS, Fail, check_attention_cases, check_slot_mapping_cases
 
@@ -35,22 +37,13 @@ def engine_runs(model, prompts, max_new_tokens: int = MAX_NEW_TOKENS):
              small_model("mqa"), toy, dict(max_batch_size=3, block_size=8, token_budget=8))]
 
 
-def run_in_engine(model, prompts, options, attention=None, slot_mapping=None,
-                  max_new_tokens: int = MAX_NEW_TOKENS) -> list:
-    """Serve ``prompts`` on a paged engine with the pieces plugged in; the completions."""
-    from ..core.request import Request
-    from ..engine.engine import Engine
-
-    engine = Engine(model, None, kv="paged", attention=attention, slot_mapping=slot_mapping, **options)
-    return engine.run([Request(list(p), max_new_tokens, request_id=f"r{i}") for i, p in enumerate(prompts)])
-
-
 def _in_engine(model, prompts, attention, slot_mapping, max_new_tokens: int = MAX_NEW_TOKENS) -> tuple[int, int]:
     steps = tokens = 0
     for what, m, ps, options in engine_runs(model, prompts, max_new_tokens):
         expected = [generated(m, p, max_new_tokens) for p in ps]
         try:
-            done = run_in_engine(m, ps, options, attention, slot_mapping, max_new_tokens)
+            engine = Engine(m, None, kv="paged", attention=attention, slot_mapping=slot_mapping, **options)
+            done = engine.run([Request(list(p), max_new_tokens, request_id=f"r{i}") for i, p in enumerate(ps)])
         except Exception as err:  # a rule the engine enforces, or the learner's code inside the forward pass
             raise Fail(f"in the real engine ({what}): {type(err).__name__}: {err}") from None
         for c, exp in zip(done, expected):

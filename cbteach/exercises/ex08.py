@@ -7,6 +7,7 @@ speculative run that must equal a plain one. Hints name the rule missed, never t
 from __future__ import annotations
 
 import functools
+import os
 import random
 from unittest import mock
 
@@ -50,15 +51,6 @@ def engine_cached_tokens(model, prompts, block_size: int) -> list[int]:
     return [c.num_cached_prompt_tokens for c in engine.run(reqs)]
 
 
-def _lcp(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def _model(prompts, bs, *, last_rule=True, full_blocks=True, earlier="all", chained=True, ceil=False):
     """The engine's rule, with one part switched off at a time (to recognise a learner's mistake)."""
     out = []
@@ -68,7 +60,7 @@ def _model(prompts, bs, *, last_rule=True, full_blocks=True, earlier="all", chai
         best = 0
         for q in pool:
             if chained:
-                n = _lcp(usable, q)
+                n = len(os.path.commonprefix([usable, q]))
             else:  # equal blocks at the same index, wherever they are
                 n = sum(bs for i in range(0, min(len(usable), len(q)) - bs + 1, bs) if usable[i:i + bs] == q[i:i + bs])
             if full_blocks:

@@ -43,16 +43,10 @@ def measured_handover(model, prompt_len: int, block_size: int, kv_dtype=None, li
     return server.transfers["bytes"], server.transfers["seconds"]
 
 
-def _factors(config):
-    layers = config.num_hidden_layers
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return layers, heads, kv_heads, head_dim
-
-
 def _bytes_hint(got, prompt_len, config, bs, kv_dtype) -> str:
-    layers, heads, kv_heads, d = _factors(config)
+    layers, heads = config.num_hidden_layers, config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    d = getattr(config, "head_dim", None) or config.hidden_size // heads
     slots = lambda n: math.ceil(n / bs) * bs  # noqa: E731  n tokens take whole blocks
     per_token = 2 * layers * kv_heads * (d + 4 if kv_dtype == "int8" else 4 * d)
     expected = slots(prompt_len) * per_token

@@ -17,11 +17,6 @@ from . import guard, report, self_check
 SHAPES = [(6, 2, 2), (4, 2, 2), (4, 1, 2), (8, 2, 4), (8, 8, 4), (32, 8, 8), (64, 8, 16), (32, 8, 2)]
 
 
-def _layout(heads: int, kv: int, world: int) -> Layout:
-    return Layout(arch="llama", world_size=world, num_heads=heads, num_kv_heads=kv, head_dim=8, hidden_size=8 * heads,
-                  intermediate_size=16 * world, num_layers=1)
-
-
 def _kv_hint(got, truth, rank, heads, kv, world) -> str:
     if kv < world and not got:
         return ("with fewer KV heads than ranks a KV head cannot be split: it is replicated, so every rank holds "
@@ -118,26 +113,24 @@ def check_tp(kv_heads_of_rank, all_reduce_bytes, comm_log, *, num_layers: int, h
 
 
 def _check(kv_heads_of_rank, all_reduce_bytes, comm_log, num_layers, hidden_size, dtype_bytes, world_size) -> bool:
-    ok = True
+    wrong = None
     for heads, kv, world in SHAPES:
-        layout = _layout(heads, kv, world)
+        layout = Layout(arch="llama", world_size=world, num_heads=heads, num_kv_heads=kv, head_dim=8,
+                        hidden_size=8 * heads, intermediate_size=16 * world, num_layers=1)
         for rank in range(world):
-            truth = list(layout.kv_heads(rank))
-            got = kv_heads_of_rank(rank, world, heads, kv)
+            truth, got = list(layout.kv_heads(rank)), kv_heads_of_rank(rank, world, heads, kv)
             if got is None or isinstance(got, (str, float)):
                 return report(False, "", f"kv_heads_of_rank returned {got!r}: return the list of KV head indices "
                                          "the rank holds, e.g. [0] or [2, 3]")
             got = list(got) if not isinstance(got, int) else [got]
             if got != truth:
-                ok = report(False, "", f"kv_heads_of_rank({rank}, world_size={world}, num_heads={heads}, "
-                                       f"num_kv_heads={kv}) returned {got}: "
-                                       + _kv_hint(got, truth, rank, heads, kv, world))
+                wrong = (f"kv_heads_of_rank({rank}, world_size={world}, num_heads={heads}, num_kv_heads={kv}) "
+                         f"returned {got}: " + _kv_hint(got, truth, rank, heads, kv, world))
                 break
-        if not ok:
+        if wrong:
             break
-    if ok:
-        report(True, f"kv_heads_of_rank: every rank of {len(SHAPES)} shapes holds the KV heads the real layout gives "
-                     "it (replicated when there are fewer KV heads than ranks)", "")
+    ok = report(wrong is None, f"kv_heads_of_rank: every rank of {len(SHAPES)} shapes holds the KV heads the real "
+                               "layout gives it (replicated when there are fewer KV heads than ranks)", wrong)
     try:
         params = inspect.signature(all_reduce_bytes).parameters.values()
         arity = 5 if any(p.kind is p.VAR_POSITIONAL for p in params) else len(params)
