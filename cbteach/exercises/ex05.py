@@ -6,6 +6,8 @@ the engine's own manager's token for token, block count for block count, preempt
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from ..engine.engine import Engine
 from ..kv.plugged import PluggedKVManager
 from ..bench.memory_experiments import plug
@@ -55,14 +57,6 @@ def serve(model, case, manager_class=None) -> dict:
             "free_at_end": len(watched.mine.free_blocks) if watched else num_blocks}
 
 
-class _Probe:
-    """A sequence as allocate_slots sees it, for telling a stub from a start."""
-    request_id, num_computed_tokens = "probe", 0
-
-    def __init__(self):
-        self.block_table = []
-
-
 def _check_init(manager_class) -> str | None:
     try:
         mine = manager_class(6, 4)
@@ -70,7 +64,8 @@ def _check_init(manager_class) -> str | None:
         return f"MyKVManager(6, 4) raised {raised(err)}"
     if not hasattr(mine, "free_blocks"):
         try:
-            stub = mine.allocate_slots(_Probe(), 1) is None
+            probe = SimpleNamespace(request_id="probe", num_computed_tokens=0, block_table=[])  # a sequence
+            stub = mine.allocate_slots(probe, 1) is None
         except Exception:  # the learner's code, half written: the message below says what is missing
             stub = False
         if stub:
