@@ -67,8 +67,9 @@ class Harness:
             out.append(Sequence(request=request, prompt_ids=list(prompt), arrival_time=at))
         return out
 
-    def add_request(self, seq: Sequence) -> None:
-        self.scheduler.add(seq)
+    def add_request(self, *seqs: Sequence) -> None:
+        for seq in seqs:
+            self.scheduler.add(seq)
 
     def finish_requests(self, seq: Sequence) -> None:
         """V1's ``finish_requests(id, FINISHED_...)``: the request ends where it is, its blocks freed."""

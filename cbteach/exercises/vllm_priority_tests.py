@@ -15,8 +15,7 @@ def _priority(cls, **kwargs) -> Harness:
 def _order_case(cls, priorities, arrival_times, want):
     h = _priority(cls)
     requests = h.create_requests(len(priorities), priorities=priorities, arrival_times=arrival_times)
-    for request in requests:
-        h.add_request(request)
+    h.add_request(*requests)
     output = h.schedule()
     expect(f"len(output.scheduled_new_reqs) == {len(want)}", len(output.scheduled_new_reqs), len(want),
            "should schedule all requests since they fit in budget")
@@ -64,8 +63,7 @@ def test_priority_scheduling_preemption(cls):
 def test_priority_scheduling_no_preemption_when_space_available(cls):
     h = _priority(cls, max_num_seqs=3, max_num_batched_tokens=200)
     low = h.create_requests(2, num_tokens=30, priorities=[5, 5], arrival_times=[1.0, 2.0], req_ids=["lo1", "lo2"])
-    for request in low:
-        h.add_request(request)
+    h.add_request(*low)
     output = h.schedule()
     h.update(output, {"lo1": [100], "lo2": [100]})
     (high,) = h.create_requests(1, num_tokens=30, priorities=[0], arrival_times=[3.0], req_ids=["hi1"])
@@ -79,8 +77,7 @@ def test_priority_scheduling_no_preemption_when_space_available(cls):
 def _one_slot_case(cls, priorities, arrival_times, first, waiting_ids, max_num_seqs=1, max_num_batched_tokens=8192):
     h = _priority(cls, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     requests = h.create_requests(len(priorities), priorities=priorities, arrival_times=arrival_times)
-    for request in requests:
-        h.add_request(request)
+    h.add_request(*requests)
     output = h.schedule()
     expect(f"len(output.scheduled_new_reqs) == {len(first)}", len(output.scheduled_new_reqs), len(first))
     expect(f"scheduled request ids == {first}", sorted(r.req_id for r in output.scheduled_new_reqs), sorted(first))
@@ -111,8 +108,7 @@ def test_priority_scheduling_heap_property(cls):
     h = _priority(cls, max_num_seqs=1)
     requests = h.create_requests(len(priorities), priorities=priorities,
                                  arrival_times=[float(i) for i in range(len(priorities))])
-    for request in requests:
-        h.add_request(request)
+    h.add_request(*requests)
     scheduled = []
     for _ in range(4 * len(priorities)):  # `while scheduler.waiting:`, bounded
         if not len(h.scheduler.waiting):

@@ -34,8 +34,7 @@ from .vllm_harness import EOS_TOKEN_ID, VLLM_COMMIT, VLLM_FILE, Harness, VLLMAss
 def test_schedule(cls, enable_prefix_caching):
     h = Harness(cls, enable_prefix_caching=enable_prefix_caching)
     requests = h.create_requests(num_requests=10)
-    for request in requests:
-        h.add_request(request)
+    h.add_request(*requests)
     output = h.schedule()
     expect("len(output.scheduled_new_reqs) == len(requests)", len(output.scheduled_new_reqs), len(requests))
     expect("output.scheduled_cached_reqs.num_reqs == 0", len(output.scheduled_cached_reqs.req_ids), 0)
@@ -52,8 +51,7 @@ def test_schedule_order(cls):
     h = Harness(cls, max_num_batched_tokens=1024, max_num_seqs=3)
     requests = h.create_requests(2, num_tokens=800, req_ids=["1", "2"])  # long requests
     requests += h.create_requests(2, num_tokens=10, req_ids=["3", "4"])  # short requests
-    for request in requests:
-        h.add_request(request)
+    h.add_request(*requests)
     output = h.schedule()
     expect("len(scheduler_output1.scheduled_new_reqs) == 2", len(output.scheduled_new_reqs), 2,
            "with chunked prefill, long requests will be chunked")
@@ -117,8 +115,7 @@ def test_schedule_spec_decoding_stats(cls, spec_tokens, output_tokens, expected)
     h = Harness(cls)
     requests = h.create_requests(num_requests=len(spec_tokens), num_tokens=1)
     req_ids = h.ids(requests)
-    for request in requests:
-        h.add_request(request)
+    h.add_request(*requests)
     output = h.schedule()  # a decode, which will also draft speculative tokens
     expect("len(output.scheduled_new_reqs) == len(requests)", len(output.scheduled_new_reqs), len(requests))
     expect("output.total_num_scheduled_tokens == len(requests)", output.total_num_scheduled_tokens, len(requests))
