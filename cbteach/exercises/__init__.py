@@ -15,6 +15,14 @@ _NOT_YOURS = tuple(os.path.abspath(p) + os.sep for p in
                    {os.path.dirname(os.path.dirname(__file__)), sys.prefix, sys.base_prefix, sys.exec_prefix})
 
 
+class Fail(Exception):
+    """The learner's answer is wrong; the message is the hint (``named``: it names a known mistake)."""
+
+    def __init__(self, message: str, named: bool = False):
+        super().__init__(message)
+        self.named = named
+
+
 def report(ok: bool, good: str, bad: str) -> bool:
     print(("✓ " + good) if ok else ("✗ " + bad))
     return ok

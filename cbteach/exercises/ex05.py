@@ -12,7 +12,7 @@ from ..engine.engine import Engine
 from ..kv.plugged import PluggedKVManager
 from ..bench.memory_experiments import plug
 from ..core.request import Request
-from . import guard, is_int, raised, report, self_check
+from . import Fail, guard, is_int, raised, report, self_check
 
 # (block_size, num_blocks, max_batch_size, [(prompt tokens, new tokens), ...]): several blocks each and
 # blocks reused after a finish; prompts shorter than a block; one-token blocks; a pool so small it preempts.
@@ -22,22 +22,18 @@ CASES = [(4, 32, 2, [(5, 7), (3, 10), (9, 4), (2, 6)]),
          (4, 7, 3, [(6, 12), (5, 14), (7, 10), (3, 8)])]
 
 
-class Wrong(Exception):
-    """What the learner's manager did wrong, found while the engine ran."""
-
-
 class Watched(PluggedKVManager):
     """The engine's own wrapper for a plugged-in manager (:class:`~cbteach.kv.plugged.PluggedKVManager`:
     it passes each call on and checks every rule), with the check's error, and the learner's exceptions
     reported with the call that raised them."""
 
-    Error = Wrong
+    Error = Fail
 
     def call_mine(self, call: str, method: str, *args):
         try:
             return super().call_mine(call, method, *args)
         except Exception as err:  # the learner's code: say what failed, and on which call
-            raise Wrong(f"{call} raised {raised(err)}") from None
+            raise Fail(f"{call} raised {raised(err)}") from None
 
 
 def serve(model, case, manager_class=None) -> dict:
@@ -98,7 +94,7 @@ def check_kv_manager(manager_class, model) -> bool:
         expected = serve(model, case)
         try:
             got = serve(model, case, manager_class)
-        except (Wrong, ValueError) as err:  # ValueError: a method or free_blocks missing
+        except (Fail, ValueError) as err:  # ValueError: a method or free_blocks missing
             return report(False, "", f"{where}: {err}")
         if got["free_at_end"] != num_blocks:
             return report(False, "", f"{where}: when every request had finished, not every block was back in the "

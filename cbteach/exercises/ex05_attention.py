@@ -11,8 +11,8 @@ import numbers
 
 from ..core.request import Request
 from ..engine.engine import Engine
-from . import generated, report, self_check, uncallable
-from .ex05_steps import HEADS, STEPS, Fail, check_attention_cases, check_slot_mapping_cases
+from . import Fail, generated, report, self_check, uncallable
+from .ex05_steps import HEADS, STEPS, check_attention_cases, check_slot_mapping_cases
 
 MAX_NEW_TOKENS = 16  # per request, in the engine runs
 

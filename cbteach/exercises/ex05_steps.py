@@ -10,7 +10,7 @@ import torch
 
 from ..attention.metadata import build
 from ..kv.pool import PagedKVPool
-from . import guard, is_int, raised
+from . import Fail, guard, is_int, raised
 from .ex05_mistakes import ATTENTION_MISTAKES, SLOT_MISTAKES, attend, slots
 
 # (what, block_size, [(num_computed_tokens, num_scheduled_tokens, block_table), ...]) of each step.
@@ -24,14 +24,6 @@ STEPS = [
 ]
 # Attention on those steps: (step index, query heads, KV heads, head_dim, scaling or None for head_dim ** -0.5).
 HEADS = [(0, 2, 2, 8, None), (1, 4, 2, 8, None), (2, 4, 1, 8, 0.6), (1, 6, 3, 4, 0.35), (4, 4, 2, 8, None)]
-
-
-class Fail(Exception):
-    """The learner's piece is wrong; the message says how (``named``: a known mistake was recognised)."""
-
-    def __init__(self, message: str, named: bool = False):
-        super().__init__(message)
-        self.named = named
 
 
 def _first_named(failures: list) -> None:

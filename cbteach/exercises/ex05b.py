@@ -14,7 +14,7 @@ import types
 import torch
 
 from ..attention.paged import reference_attention
-from . import generated, raised, report, self_check, uncallable
+from . import Fail, generated, raised, report, self_check, uncallable
 from .ex05b_steps import HEAD_DIM, STEPS, diagnose, make_step, meta_rows, scaled
 
 __all__ = ["HEAD_DIM", "STEPS", "Fail", "check_attend_blocks", "make_step", "meta_rows", "run_engine", "run_steps",
@@ -23,10 +23,6 @@ __all__ = ["HEAD_DIM", "STEPS", "Fail", "check_attend_blocks", "make_step", "met
 NOT_INSTALLED = 'Triton is not installed here: pip install "cbteach[kernels]" (Colab has it), then restart the kernel'
 GPU_SCALE = 4  # compiled for a GPU the steps are this much larger: tl.dot wants tiles of 16 or more
 TOLERANCE = {"cpu": 1e-4, "cuda": 2e-2}  # the interpreter computes exactly; a GPU's fp32 tl.dot may use TF32
-
-
-class Fail(Exception):
-    """The learner's loop is wrong; the message says how."""
 
 
 def _course():

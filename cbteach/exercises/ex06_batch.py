@@ -16,7 +16,7 @@ from ..core.request import Request
 from ..core.sampling import SamplingParams
 from ..engine.engine import Engine
 from ..worker import states
-from . import bierce, generated_all, guard, raised, report, self_check
+from . import Fail, bierce, generated_all, guard, raised, report, self_check
 from .batch_rules import Expect, Held, state_hint
 
 @dataclass(frozen=True)
@@ -61,15 +61,6 @@ WORKLOADS = [
 ]
 
 
-class Wrong(Exception):
-    """The worker's state after the learner's update is not what the message says (the message: the hint)."""
-
-
-def own_update_batch(fn) -> str | None:
-    """The refusal if ``fn`` is, or calls, the worker's own update_batch (:mod:`cbteach.exercises.guard`)."""
-    return guard.refusal("update_batch", fn)
-
-
 def _snapshot(runner) -> dict:
     """What the worker held before a message: each state's prompt, output, blocks, generator and row."""
     rows = runner.input_batch.req_id_to_index
@@ -104,24 +95,24 @@ def plugged(fn, seen: list):
         try:
             fn(runner, scheduler_output)
         except Exception as err:  # noqa: BLE001 -- the learner's code
-            raise Wrong(f"your update_batch stopped with {raised(err)}") from None
+            raise Fail(f"your update_batch stopped with {raised(err)}") from None
         said = state_hint(runner, scheduler_output, before, expected(scheduler_output, before), rows)
         if said is not None:
-            raise Wrong(said)
+            raise Fail(said)
         seen.append(scheduler_output)
     return update_batch
 
 
-def run_workload(model, w: Workload, fn=None) -> tuple[Engine, list, Wrong | None]:
+def run_workload(model, w: Workload, fn=None) -> tuple[Engine, list, Fail | None]:
     """``w`` through an engine with ``fn`` as its worker's update (None: the worker's own); the engine,
-    the messages, and the first mistake (a :class:`Wrong`, or None)."""
+    the messages, and the first mistake (a :class:`Fail`, or None)."""
     seen: list = []
     eng = Engine(model, None, kv="paged", block_size=4, clock=VirtualClock(step_time=1.0),
                  update_batch=None if fn is None else plugged(fn, seen), **w.options)
     said = None
     try:
         eng.run(w.requests(model.config.vocab_size))
-    except Wrong as err:
+    except Fail as err:
         said = err
     finally:
         try:
@@ -157,7 +148,7 @@ def check_update_batch(update_batch, model=None) -> bool:
         return report(False, "", "not done yet: write update_batch(runner, scheduler_output), then run this check")
     if not callable(update_batch):
         return report(False, "", f"pass your function itself, update_batch (got a {type(update_batch).__name__})")
-    refused = own_update_batch(update_batch)
+    refused = guard.refusal("update_batch", update_batch)
     if refused:
         return report(False, "", refused)
     model = bierce() if model is None else model
