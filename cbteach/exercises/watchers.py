@@ -32,6 +32,8 @@ class QueueWatch:
         self.queue, self.version, self.strict = queue, 0, strict  # strict: the exercise's rule, not only safety
 
     def __getattr__(self, name):
+        if name in ("add", "remove", "readd_preempted"):  # the queue is about to change
+            self.version += 1
         return getattr(self.queue, name)
 
     def __len__(self):
@@ -48,19 +50,6 @@ class QueueWatch:
             if self.strict and self.version != version:  # a plain list iterator would now skip a request
                 raise SchedulerMistake(hint("walked_waiting", None))
             yield seq
-
-    def _changed(self, method, seq):
-        self.version += 1
-        return method(seq)
-
-    def add(self, seq):
-        return self._changed(self.queue.add, seq)
-
-    def remove(self, seq):
-        return self._changed(self.queue.remove, seq)
-
-    def readd_preempted(self, seq):
-        return self._changed(self.queue.readd_preempted, seq)
 
 
 class RunningWatch(list):
