@@ -245,25 +245,18 @@ def _token_prompts(model) -> list:
 
 
 def _run_check(piece, obj, model, tok, slot_mapping, prefix_caching=True) -> bool:
+    from . import ex05, ex05_attention, ex06, ex06_batch  # the notebooks' checks, imported when one runs
+
     prompts = None if tok is not None else _token_prompts(model)
     if piece == "kv_manager":
-        from .ex05 import check_kv_manager
-
-        return check_kv_manager(obj, model)
+        return ex05.check_kv_manager(obj, model)
     if piece == "slot_mapping":
-        from .ex05_attention import check_slot_mapping
-
-        return check_slot_mapping(obj, model, tok, prompts)
+        return ex05_attention.check_slot_mapping(obj, model, tok, prompts)
     if piece == "attention":
-        from .ex05_attention import check_paged_attention
-
-        return check_paged_attention(obj, model, tok, prompts, slot_mapping=slot_mapping)
+        return ex05_attention.check_paged_attention(obj, model, tok, prompts, slot_mapping=slot_mapping)
     if piece == "update_batch":
-        from .ex06_batch import check_update_batch
-
-        return check_update_batch(obj, model)
-    from .ex06 import check_stage
-
+        return ex06_batch.check_update_batch(obj, model)
+    check_stage = ex06.check_stage
     if not (isinstance(obj, type) and issubclass(obj, Scheduler)):
         return check_stage(1, obj, model)  # its answer says what a scheduler must be
     stages = ([1, 2, 3, 4] if obj.schedule is not Scheduler.schedule else []) + \

@@ -43,12 +43,6 @@ def course_requests(model, tok, n: int = NUM_REQUESTS, max_new_tokens: int = MAX
 generate_outputs = generated_all  # per-prompt greedy model.generate: the ground truth (notebook 12 calls it)
 
 
-def run(engine, requests) -> list:
-    """Every request through ``engine`` (bounded by the engine's own run loop); the records."""
-    engine.run(requests)
-    return engine.records
-
-
 def _plugged(engine, pieces: Pieces) -> str | None:
     """What of ``pieces`` is not in ``engine`` (None: all of it)."""
     want = pieces.objects
@@ -91,13 +85,13 @@ def compare(my_engine, pieces: Pieces, model, tok=None) -> dict:
     if refused:
         return {**out, "refused": refused}
     ref = Engine(model, tok, kv="paged", clock=VirtualClock(step_time=0.01), **OPTIONS)
-    ref_records = run(ref, course_requests(model, tok))
+    ref.run(course_requests(model, tok))
     try:
-        my_records = run(mine, requests)
+        mine.run(requests)
     except Exception as err:  # noqa: BLE001 -- a piece of the learner's, inside the engine
         out["error"] = f"{type(err).__name__}: {err}"
         return out
-    expected = generated_all(model, requests)
+    expected, ref_records, my_records = generated_all(model, requests), ref.records, mine.records
     outputs = {rid: c.output_ids for rid, c in mine.completions.items()}
     out.update(steps=len(my_records), diverges_at=first_difference(ref_records, my_records),
                tokens=outputs == {rid: c.output_ids for rid, c in ref.completions.items()},
