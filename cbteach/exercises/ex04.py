@@ -13,7 +13,7 @@ from ..attention.packing import additive_mask, block_diagonal_causal_mask
 from ..engine.engine import Engine
 from ..core.request import Request
 from ..kv.concat import KVTraffic, layer_kv
-from . import raised, report, self_check, uncallable
+from . import generated, raised, report, self_check, uncallable
 
 HEADS, DIM = 2, 3
 
@@ -137,13 +137,6 @@ def _plug(engine, gather, scatter):
 WORKLOAD = [("CYNIC, n.", 12), ("EXECUTIVE, n.", 5), ("HAG, n.", 9), ("ABSURDITY, n.", 4)]
 
 
-def _reference(model, tokenizer, prompt, n):
-    x = tokenizer(prompt, return_tensors="pt").to(model.device)
-    with torch.no_grad():
-        y = model.generate(**x, do_sample=False, max_new_tokens=n, min_new_tokens=n)
-    return y[0, x["input_ids"].shape[1]:].tolist()
-
-
 @self_check
 def check_gather_scatter(gather, scatter, model, tokenizer) -> bool:
     """``gather(caches)`` and ``scatter(packed_keys, packed_values, caches, num_scheduled)``: labelled cases
@@ -167,7 +160,7 @@ def check_gather_scatter(gather, scatter, model, tokenizer) -> bool:
                                  "step a sequence's cache did not hold exactly its tokens so far")
     fused = sum(r.is_fused for r in engine.records)
     for c, (p, n) in zip(out, WORKLOAD):
-        if c.output_ids != _reference(model, tokenizer, p, n):
+        if c.output_ids != generated(model, tokenizer(p)["input_ids"], n, stop_at_eos=False):
             return report(False, "", f"inside the engine, {c.request_id}'s tokens are not what generate gives it "
                                      "alone: a key or value reached the wrong sequence or position on some step")
     return report(True, f"your gather and scatter ran inside the engine for {len(engine.records)} steps ({fused} "
