@@ -6,12 +6,10 @@ speculative run that must equal a plain one. Hints name the rule missed, never t
 """
 from __future__ import annotations
 
-import functools
 import os
 import random
 from unittest import mock
 
-import torch
 
 from ..worker import model_runner
 from ..engine.engine import Engine
@@ -158,19 +156,12 @@ def _accept_hint(drafts, targets, got) -> str:
             "follow section 6's picture on a small case by hand")
 
 
-@functools.lru_cache(maxsize=1)
 def loop_model():
-    """A 2-layer random-weight Llama (vocabulary 97): its greedy output falls into loops within a few
-    tokens, so prompt lookup guesses right often -- a workload where speculation has work to do."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A 2-layer random-weight Llama (vocabulary 97, :func:`cbteach.exercises.ex09.small_model`'s ``"gqa"``): its
+    greedy output falls into loops within a few tokens, so prompt lookup guesses right often."""
+    from .ex09 import small_model
 
-    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      eos_token_id=5, bos_token_id=1, pad_token_id=5)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
-    model.generation_config.eos_token_id = model.generation_config.pad_token_id = 5
-    return model
+    return small_model("gqa")
 
 
 def _loop_requests():
