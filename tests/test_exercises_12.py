@@ -390,6 +390,25 @@ def test_a_piece_left_undone_is_the_courses_marked_so_and_the_engine_assembles_a
     assert entries[0].disqualified is None and ("yours (the course's)" in table) == (undone == "scheduler"), table
 
 
+def test_a_written_piece_that_fails_its_check_is_replaced_by_the_courses_marked_so_and_the_check_says_why(tmp_path,
+                                                                                                          llama):
+    _learners_copy(tmp_path / "05_paged_kv_cache.ipynb", "05")
+    _learners_copy(tmp_path / "06_scheduling_and_latency.ipynb", "06")
+    path = tmp_path / "05_paged_kv_cache.ipynb"
+    leak = "self.free_blocks.extend(seq.block_table)\\n        "  # as the notebook's JSON holds the line
+    assert path.read_text().count(leak) == 1  # the learner's free() forgets to give the blocks back
+    path.write_text(path.read_text().replace(leak, ""))
+    pieces, said = read(folder=tmp_path)
+    assert not pieces.course and "kv_manager" in pieces.yours, said  # written: it is the learner's until checked
+    ok, out = check(my_engine_of(pieces), pieces, llama)
+    assert ok and "NOT YOURS: the course's own solution for kv_manager" in out, out
+    assert "the course's kv_manager stood in for yours, which fails its own check (" in out, out
+    assert "are not back in the free list" in out, out  # the check's own hint says why
+    assert pieces.course == set(pieces.filled) == {"kv_manager"}, (pieces.course, pieces.filled)
+    assert "yours fails its own check" in pieces.filled["kv_manager"] and "THE COURSE'S (yours fails" in pieces.report()
+    assert "def free(self, seq):\n        self.free_blocks.extend" in pieces.source  # serve and the tournament get it
+
+
 def test_a_piece_that_does_not_pass_yet_can_be_the_courses_on_request_marked_so(tmp_path, llama):
     _learners_copy(tmp_path / "05_paged_kv_cache.ipynb", "05")
     _learners_copy(tmp_path / "06_scheduling_and_latency.ipynb", "06")

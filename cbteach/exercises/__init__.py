@@ -1,15 +1,9 @@
 """Self-checks for the notebooks' exercises, one module per notebook (``ex00`` for notebook 00 ...).
 
-Each check takes the learner's answer, compares it with a value computed from the real engine or
-model, prints what is right or exactly what is wrong, and returns ``True``/``False``. Solutions are
-in the notebooks (cells tagged ``solution``). What a check compares with -- the engine's own pieces,
-and the references a check computes a step with (``ex05_mistakes``) -- is not an answer: a piece
-that is, inherits or directly calls one of them is refused with a hint naming it (:mod:`.guard`).
-Deliberate copying is not policed: the solution cell is one click away.
-
-Every check is wrapped in :func:`self_check`: whatever a learner passes -- ``None``, a function that
-raises, a tensor where a list was expected -- the check prints what stopped it and returns
-``False``; it never ends in a traceback.
+A check runs the learner's answer against the real engine or model and prints what is right or which
+mistake it found (``True``/``False``). A piece that is, or directly calls, the course's own is refused
+(:mod:`.guard`); deliberate copying is not policed. :func:`self_check` turns whatever a learner passes
+into a hint, never a traceback.
 """
 import functools
 import numbers
@@ -21,9 +15,23 @@ _NOT_YOURS = tuple(os.path.abspath(p) + os.sep for p in
                    {os.path.dirname(os.path.dirname(__file__)), sys.prefix, sys.base_prefix, sys.exec_prefix})
 
 
+class Fail(Exception):
+    """The learner's answer is wrong; the message is the hint (``named``: it names a known mistake)."""
+
+    def __init__(self, message: str, named: bool = False):
+        super().__init__(message)
+        self.named = named
+
+
 def report(ok: bool, good: str, bad: str) -> bool:
     print(("✓ " + good) if ok else ("✗ " + bad))
     return ok
+
+
+def uncallable(fn, name: str) -> bool:
+    """Say so, and True, when ``fn`` is not a function (the learner passed its result, or nothing)."""
+    return not callable(fn) and not report(False, "", f"pass your function itself ({name}, not {name}(...)); got "
+                                                      f"{type(fn).__name__}")
 
 
 def raised(err: BaseException) -> str:
@@ -64,6 +72,19 @@ def generated(model, prompt, max_new_tokens: int, stop_at_eos: bool = True) -> l
                          pad_token_id=pad[0] if isinstance(pad, list) else pad,
                          **({} if stop_at_eos else {"eos_token_id": None}))
     return out[0, ids.shape[1]:].tolist()
+
+
+def generated_all(model, requests) -> dict:
+    """Per-prompt greedy ``model.generate`` of every request (past EOS for a request that ignores it)."""
+    return {r.request_id: generated(model, r.prompt, r.max_new_tokens, stop_at_eos=not r.ignore_eos) for r in requests}
+
+
+@functools.lru_cache(maxsize=1)
+def bierce():
+    """The course's model, loaded once: a check's model when none is given."""
+    from ..models import load_model
+
+    return load_model()[0]
 
 
 def is_int(x) -> bool:

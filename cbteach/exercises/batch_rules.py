@@ -1,12 +1,6 @@
 """What the worker must hold after each message, and the hint for each way a learner's ``update_batch``
-leaves it otherwise (notebook 06b, section 3; the check is :mod:`cbteach.exercises.ex06_batch`).
-
-:func:`state_hint` compares the worker's ``runner.requests`` and ``runner.input_batch`` with what one
-message says, in the order vLLM V1's ``_update_states`` changes them -- who is forgotten, whose row
-leaves, who gets a state, who gets a row, the rows packed, then each row -- and names the first
-difference as a misconception (a finished request kept, a preempted request's state dropped, a
-resumed request's table appended to, a prefix-cache hit started at 0, a forked sample's random
-stream started again ...), never the values the row should hold.
+leaves it otherwise (notebook 06b, section 3; checked by :mod:`.ex06_batch`). :func:`state_hint` compares
+in the order vLLM V1's ``_update_states`` changes the state and names the first difference, never a value.
 """
 from __future__ import annotations
 

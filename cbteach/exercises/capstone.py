@@ -1,9 +1,6 @@
-"""Your engine: the pieces you wrote in notebooks 05 and 06, assembled into one engine (notebook 12).
+"""Your engine: the pieces you wrote in notebooks 05, 06 and 06b, read from those notebooks and assembled
+(notebook 12).
 
-Five plug points of :class:`~cbteach.Engine` take a learner's pieces (:mod:`cbteach.engine.plug`, and
-the worker's ``update_batch``, :mod:`cbteach.worker.model_runner`):
-
-==================  ==========================  ===========  ================================
 piece               ``Engine(...)`` keyword      notebook     ``serve`` option
 ==================  ==========================  ===========  ================================
 ``MyKVManager``     ``kv_manager=``              05           ``--kv-manager MODULE:CLASS``
@@ -21,6 +18,12 @@ imports of the cells before them -- and :func:`write_module` writes them into on
 when piece options are given: each piece runs its own notebook's check, and one that fails stops
 the server before it starts, with the check's hint (a piece that breaks a rule later, mid-run, stops
 its engine with :class:`~cbteach.errors.EngineRuleError`).
+=======
+:data:`PIECES` names each piece, its notebook, ``serve``'s option and ``Engine``'s keyword.
+:func:`pieces_from_notebooks` reads the solution cells (where the learner typed them), a piece not written
+yet -- or, with :func:`stand_in`, one that fails its check -- replaced by the course's and marked so;
+:func:`write_module` writes them into a ``.py`` file ``serve`` imports, and :func:`refuse_broken_pieces`
+stops ``serve`` before it starts when a piece fails its notebook's check.
 """
 from __future__ import annotations
 
@@ -48,9 +51,8 @@ ENGINE_CLASS = "MyEngineScheduler"  # MyScheduler's schedule with MyUpdate's upd
 
 @dataclass
 class Pieces:
-    """The learner's pieces as objects (``None``: not written yet), the source they came from, where each
-    notebook was found (``None``: nowhere -- its pieces count as not written), and which pieces are the
-    course's own solutions (the course copy, ``use_course_solutions=True``, or a solution cell pasted in)."""
+    """The learner's pieces as objects (``None``: not written yet), their module's source, where each
+    notebook was found (``None``: nowhere), and which pieces are the course's own."""
 
     objects: dict = field(default_factory=dict)  # piece -> object (the scheduler: the combined class)
     source: str = ""  # a module defining every piece (write_module writes it)
@@ -58,6 +60,7 @@ class Pieces:
     course: set = field(default_factory=set)  # pieces that are the course's solutions, not the learner's
     searched: list = field(default_factory=list)  # the folders looked in
     filled: dict = field(default_factory=dict)  # piece not written yet -> the cell to write it in (the course's runs)
+    read_with: dict = field(default_factory=dict, repr=False)  # how they were read (stand_in reads them again)
 
     @property
     def yours(self) -> list:
@@ -84,8 +87,8 @@ class Pieces:
         if missing:
             lines.append(where.not_found_text(missing, self.searched))
         if self.filled:
-            lines.append(where.course_text(list(self.filled), "not written yet, or asked for: the course's solution "
-                                                              "stands in, so the engine assembles and runs"))
+            lines.append(where.course_text(list(self.filled), "not written yet, failing its check, or asked for: "
+                                                              "the course's solution stands in, so the engine runs"))
         if self.course - set(self.filled):
             folders = {p.parent for p in self.where.values() if p is not None}
             why = ("read from the course's own notebooks, the folder cbteach's course is shipped in"
@@ -95,7 +98,7 @@ class Pieces:
         return "\n".join(lines)
 
 
-def _read(folder=None, use_course_solutions: bool = False, use_course_for=()) -> tuple[str, dict, set, list, dict]:
+def _read(folder=None, use_course_solutions: bool = False, use_course_for=(), failed=None) -> tuple:
     """(the pieces module's text, where each notebook was found, the pieces that are the course's
     solutions, the folders searched, the pieces not written yet -> where to write them). A notebook found
     nowhere gives the student copy's stubs; a piece whose cell is still the stub gets the course's cell."""
@@ -133,11 +136,13 @@ def _read(folder=None, use_course_solutions: bool = False, use_course_for=()) ->
         for i, s in enumerate(solutions):
             twin = next((c for c in theirs if where.defined(c) == where.defined(s)), None)
             asked = where.defined(s) & {n for p in use_course_for for n in PIECES[p][1]}  # yours does not pass yet
-            if twin is not None and (asked or where.normal(s) == where.normal(stub(twin))):  # the course's, marked
+            failing = next((p for p in failed or {} if where.defined(s) & set(PIECES[p][1])), None)
+            if twin is not None and (asked or failing or where.normal(s) == where.normal(stub(twin))):  # the course's
                 solutions[i] = twin
-                why = "you asked for the course's" if asked else "yours is not written yet"
+                why = (f"yours fails its own check: {failed[failing]}" if failing else
+                       "you asked for the course's" if asked else "yours is not written yet")
                 filled.update({n: f"{why}: notebook {number}, the cell under '{theirs[twin]}'" for n in where.defined(s)})
-            elif path is not None and where.is_course_cell(s, number):
+            elif where.normal(s) in {where.normal(c) for c in theirs}:  # a solution cell pasted in, or the course's
                 course_names |= where.defined(s)
         label = path.name if path is not None else f"{number} (not found: the student copy's stubs)"
         bodies += [f"# -- from {label} --\n{s.strip()}\n" for s in solutions]
@@ -163,18 +168,32 @@ def pieces_source(folder=None, use_course_solutions: bool = False) -> tuple[str,
 
 
 def pieces_from_notebooks(folder=None, *, use_course_solutions: bool = False, use_course_for=(), say=print) -> Pieces:
-    """The learner's pieces, read from notebooks 05 and 06 and run; ``say`` gets :meth:`Pieces.report`.
-
-    ``folder``: the folder that holds them (default: where the learner works, :func:`where.search_folders`
-    -- never the course's own notebooks unless you work in them). A notebook found nowhere counts as not
-    written yet; a piece whose cell is still the stub is the course's, marked as the course's everywhere.
-    ``use_course_for=["scheduler"]``: those pieces the course's too (one of yours that does not pass yet), so
-    the rest of yours runs. ``use_course_solutions=True`` (for instructors) runs the course's own solutions,
-    and says so."""
+    """The learner's pieces, read from notebooks 05 and 06 in ``folder`` (default: where the learner works,
+    :func:`where.search_folders`) and run; ``say`` gets :meth:`Pieces.report`. A piece not written yet, or named in
+    ``use_course_for``, is the course's, marked so everywhere; ``use_course_solutions=True`` (instructors): all."""
     unknown = set(use_course_for) - set(PIECES)
     if isinstance(use_course_for, str) or unknown:
         raise ValueError(f"use_course_for takes a list of pieces, each one of {list(PIECES)}; got {use_course_for!r}")
-    source, found, course, searched, filled = _read(folder, use_course_solutions, use_course_for)
+    pieces = _assemble(dict(folder=folder, use_course_solutions=use_course_solutions,
+                            use_course_for=list(use_course_for)))
+    if say is not None:
+        say(pieces.report())
+    return pieces
+
+
+def stand_in(pieces: Pieces, failed: dict) -> bool:
+    """Catch-up: read ``pieces`` again with the course's piece, marked as the course's, in place of each piece
+    of ``failed`` (piece -> what its check said). False if they were not read from notebooks (nothing to read)."""
+    if not pieces.read_with:
+        return False
+    vars(pieces).update(vars(_assemble(pieces.read_with, {**pieces.read_with.get("failed", {}), **failed})))
+    return True
+
+
+def _assemble(read_with: dict, failed=None) -> Pieces:
+    """The pieces read as ``read_with`` says (:func:`pieces_from_notebooks`'s arguments), run."""
+    read_with = {**read_with, **({"failed": failed} if failed else {})}
+    source, found, course, searched, filled = _read(**read_with)
     namespace: dict = {"__name__": "my_engine"}
     filename = f"<my_engine {len(linecache.cache)}>"  # kept as a notebook keeps a cell: the guard reads the source
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
@@ -187,10 +206,7 @@ def pieces_from_notebooks(folder=None, *, use_course_solutions: bool = False, us
     if objects["scheduler"] is not None:
         objects["scheduler"] = namespace[ENGINE_CLASS]
     course = {p for p in course | set(filled) if objects[p] is not None}
-    pieces = Pieces(objects, source, found, course, searched, {p: w for p, w in filled.items() if p in course})
-    if say is not None:
-        say(pieces.report())
-    return pieces
+    return Pieces(objects, source, found, course, searched, {p: w for p, w in filled.items() if p in course}, read_with)
 
 
 def _stub():
@@ -248,25 +264,18 @@ def _token_prompts(model) -> list:
 
 
 def _run_check(piece, obj, model, tok, slot_mapping, prefix_caching=True) -> bool:
+    from . import ex05, ex05_attention, ex06, ex06_batch  # the notebooks' checks, imported when one runs
+
     prompts = None if tok is not None else _token_prompts(model)
     if piece == "kv_manager":
-        from .ex05 import check_kv_manager
-
-        return check_kv_manager(obj, model)
+        return ex05.check_kv_manager(obj, model)
     if piece == "slot_mapping":
-        from .ex05_attention import check_slot_mapping
-
-        return check_slot_mapping(obj, model, tok, prompts)
+        return ex05_attention.check_slot_mapping(obj, model, tok, prompts)
     if piece == "attention":
-        from .ex05_attention import check_paged_attention
-
-        return check_paged_attention(obj, model, tok, prompts, slot_mapping=slot_mapping)
+        return ex05_attention.check_paged_attention(obj, model, tok, prompts, slot_mapping=slot_mapping)
     if piece == "update_batch":
-        from .ex06_batch import check_update_batch
-
-        return check_update_batch(obj, model)
-    from .ex06 import check_stage
-
+        return ex06_batch.check_update_batch(obj, model)
+    check_stage = ex06.check_stage
     if not (isinstance(obj, type) and issubclass(obj, Scheduler)):
         return check_stage(1, obj, model)  # its answer says what a scheduler must be
     stages = ([1, 2, 3, 4] if obj.schedule is not Scheduler.schedule else []) + \
@@ -293,10 +302,8 @@ def _options(argv: list[str]) -> dict:
 
 
 def refuse_broken_pieces(argv) -> dict:
-    """``serve`` with piece options: import each ``MODULE:NAME`` (the current folder on the path) and
-    run its notebook's check on serve's ``--model``; a piece that fails raises ``ValueError`` with the
-    check's hint, before the server starts. (A scheduler meets prefix caching in its check only if serve
-    turns it on.) Returns the pieces, by Engine keyword."""
+    """``serve`` with piece options: each ``MODULE:NAME`` imported and run through its notebook's check on serve's
+    ``--model``; a failing piece raises ``ValueError`` with the hint before the server starts. Returns them."""
     from ..models import load_model
     from ..serving.engine_core import load_piece
 

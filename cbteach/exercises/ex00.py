@@ -1,14 +1,8 @@
-"""Notebook 00: write greedy decoding with a KV cache, and check it against what the model really does.
+"""Notebook 00: greedy decoding with a KV cache, checked against what the model really does.
 
-The learner writes ``greedy_decode(model, input_ids, max_new_tokens, eos_id)``: one *prefill* pass
-over the prompt, then one *decode* pass per new token that feeds only that token and the cache.
-The check runs it with a forward pre-hook on the model that records, for every forward pass, how
-many positions it was fed and how many were already in the cache it was given. It then compares,
-case by case, with transformers' own greedy ``model.generate`` run live on the same model:
-
-* the tokens must be ``generate``'s, EOS included;
-* the positions fed must be those ``generate`` feeds with its cache (``use_cache=True``): the
-  prompt once, then one per decode step -- not the whole sequence again at every step.
+The learner's ``greedy_decode`` runs with a forward pre-hook recording each pass (positions fed, positions
+cached); its tokens must be transformers' greedy ``model.generate``'s, fed as ``generate`` feeds with its
+cache: the prompt once, then one position per decode step.
 """
 from __future__ import annotations
 
@@ -16,7 +10,7 @@ from contextlib import contextmanager
 
 import torch
 
-from . import is_int, report, self_check
+from . import is_int, report, self_check, uncallable
 
 CACHE_KWARGS = ("cache", "past_key_values")  # transformers 5 renamed past_key_values to cache
 
@@ -32,10 +26,9 @@ def _cached(cache) -> int:
 
 
 @contextmanager
-def recorded_forwards(model):
-    """Record ``(fed, cached, on_model_device)`` for every call of ``model(...)`` inside the block:
-    positions fed, positions already in the cache passed in, and whether the input was on
-    ``model.device``."""
+def recorded(model, record=lambda ids, cached, kwargs, model: (int(ids.shape[-1]), cached, ids.device == model.device)):
+    """The list of ``record(input_ids, positions already cached, kwargs, model)`` for every ``model(...)`` call
+    inside the block (None left out); by default ``(fed, cached, on_model_device)``."""
     calls = []
 
     def hook(module, args, kwargs):
@@ -43,8 +36,9 @@ def recorded_forwards(model):
         if ids is None and kwargs.get("inputs_embeds") is not None:
             ids = kwargs["inputs_embeds"][..., 0]
         cache = next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
-        if torch.is_tensor(ids):
-            calls.append((int(ids.shape[-1]), _cached(cache), ids.device == model.device))
+        got = record(ids, _cached(cache), kwargs, model) if torch.is_tensor(ids) else None
+        if got is not None:
+            calls.append(got)
 
     handle = model.register_forward_pre_hook(hook, with_kwargs=True)
     try:
@@ -53,9 +47,32 @@ def recorded_forwards(model):
         handle.remove()
 
 
+def run_barred(fn, model, args: tuple, name: str, record=None):
+    """``fn(model, *args)`` with its forward passes recorded (:func:`recorded`) and ``model.generate`` barred:
+    (what it returned or raised, the passes, whether it called generate)."""
+    barred = []
+
+    def no_generate(*_, **__):
+        barred.append(True)
+        raise RuntimeError(f"the check does not let {name} call model.generate")
+
+    model.generate = no_generate  # on this instance only; removed below
+    try:
+        with recorded(model, *([record] if record else [])) as calls, torch.no_grad():
+            try:
+                got = fn(model, *args)
+                if not isinstance(got, (list, tuple)) and not torch.is_tensor(got) and hasattr(got, "__next__"):
+                    got = list(got)  # a generator runs only when consumed: while its forward passes are recorded
+            except Exception as err:  # the learner's code: say what failed
+                got = err
+    finally:
+        model.__dict__.pop("generate", None)  # the learner's code may have deleted it already
+    return got, calls, bool(barred)
+
+
 def generate_with_work(model, input_ids, max_new_tokens: int, eos_id: int, use_cache: bool = True):
     """Greedy ``model.generate``'s new tokens and its recorded forward passes (the reference)."""
-    with recorded_forwards(model) as calls, torch.no_grad():
+    with recorded(model) as calls, torch.no_grad():
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
                              max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=eos_id,
                              use_cache=use_cache)
@@ -76,28 +93,6 @@ def _as_ids(got):
             return None
         out.append(int(t))
     return out
-
-
-def _run(fn, model, input_ids, n, eos_id):
-    """Call the learner's function with the forward passes recorded and ``model.generate`` barred."""
-    used_generate = []
-
-    def no_generate(*args, **kwargs):
-        used_generate.append(True)
-        raise RuntimeError("the check does not let greedy_decode call model.generate")
-
-    model.generate = no_generate  # on this instance only; removed below
-    try:
-        with recorded_forwards(model) as calls, torch.no_grad():
-            try:
-                got = fn(model, input_ids.clone(), n, eos_id)
-                if not isinstance(got, (list, tuple)) and not torch.is_tensor(got) and hasattr(got, "__next__"):
-                    got = list(got)  # a generator runs only when consumed: while its forward passes are recorded
-            except Exception as err:  # the learner's code: say what failed
-                got = err
-    finally:
-        model.__dict__.pop("generate", None)  # the learner's code may have deleted it already
-    return got, calls, bool(used_generate)
 
 
 def _work_hint(calls) -> str | None:
@@ -158,21 +153,16 @@ def _cases(model, input_ids, max_new_tokens, eos_id):
 
 @self_check
 def check_greedy_decode(greedy_decode, model, input_ids, max_new_tokens: int, eos_id: int) -> bool:
-    """``greedy_decode(model, input_ids, max_new_tokens, eos_id)`` should return the list of new token
-    ids that greedy ``model.generate`` returns, feeding the model what ``generate`` feeds with its cache.
-
-    ``input_ids``: the notebook's prompt, shape ``[1, P]`` on ``model.device``; checked first, then a
-    few cases made from it.
-    """
-    if not callable(greedy_decode):
-        return report(False, "", f"pass your function itself (greedy_decode, not greedy_decode(...)); got "
-                                 f"{type(greedy_decode).__name__}")
+    """``greedy_decode(model, input_ids, max_new_tokens, eos_id)`` -> greedy ``model.generate``'s new tokens, fed
+    as ``generate`` feeds with its cache; the notebook's case (``input_ids``: ``[1, P]``) first, then a few more."""
+    if uncallable(greedy_decode, "greedy_decode"):
+        return False
     prompt = input_ids[0].tolist()
     cases = _cases(model, input_ids, max_new_tokens, eos_id)
     n_new = None  # new tokens of the notebook's case (the first)
     for ids, n, eos in cases:
         expected, ref_calls = generate_with_work(model, ids, n, eos)
-        got, calls, used_generate = _run(greedy_decode, model, ids, n, eos)
+        got, calls, used_generate = run_barred(greedy_decode, model, (ids.clone(), n, eos), "greedy_decode")
         where = _case(ids, n, eos)
         if used_generate:
             return report(False, "", "write the loop yourself: your function called model.generate")

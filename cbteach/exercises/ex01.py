@@ -1,58 +1,28 @@
-"""Notebook 01: build one wave of static batching -- the padded prefill, then decode to the barrier.
+"""Notebook 01: one wave of static batching -- the padded prefill, then decode to the barrier.
 
-The learner writes ``static_wave(model, prompts, max_new_tokens, eos_id)``: ``prompts`` is a list of
-token-id lists; it returns, per prompt, the new token ids greedy ``model.generate`` gives that prompt
-alone. It must run them *together*, as :func:`cbteach.static_batching` does: one left-padded prefill
-pass over all rows (attention mask and position ids), then one decode pass per step, every row
-fed one token with the cache, until the wave's last request is done.
-
-The check runs the learner's function with a forward pre-hook that records what every pass was
-fed, with ``model.generate`` barred, and compares
-
-* the tokens, request by request, with transformers' greedy ``model.generate`` on each prompt alone;
-* the passes -- how many, how many rows, how wide the prefill -- with the step records of
-  :func:`cbteach.static_batching` serving the same wave.
-
-It runs the notebook's wave on bierce, a one-token wave (the prefill alone makes it), and a wave on
-a model with learned positions (GPT-2 style), where position ids that do not count from each
-row's first real token change the answer (bierce's RoPE only sees distances). Hints name the
-mistake, never the tokens or the counts.
+The learner's ``static_wave`` runs with its passes recorded and ``model.generate`` barred; each request's tokens
+must be greedy ``generate``'s on that prompt alone, and the passes those of :func:`cbteach.static_batching`.
+A wave on a GPT-2 (learned positions) catches position ids that do not count from a row's first real token.
 """
 from __future__ import annotations
-
-from contextlib import contextmanager
 
 import torch
 
 from ..core.request import Request
 from ..engine.static import static_batching
-from . import is_int, report, self_check
-from .ex00 import CACHE_KWARGS, _cached
+from . import is_int, report, self_check, uncallable
+from .ex00 import run_barred
 
 
-@contextmanager
-def recorded_passes(model):
-    """Record, per ``model(...)`` call: rows, positions fed, positions cached, the mask's width (None:
-    no mask), whether position ids were given, and the first row's attention mask (to see the padding side)."""
-    calls = []
-
-    def hook(module, args, kwargs):
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if not torch.is_tensor(ids) or ids.dim() != 2:
-            return
-        cache = next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
-        mask = kwargs.get("attention_mask")
-        mask = mask if torch.is_tensor(mask) and mask.dim() == 2 else None
-        calls.append({"rows": ids.shape[0], "fed": ids.shape[1], "cached": _cached(cache),
-                      "mask_width": None if mask is None else mask.shape[1],
-                      "positions": kwargs.get("position_ids") is not None,
-                      "mask": None if mask is None else mask.tolist()})
-
-    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        yield calls
-    finally:
-        handle.remove()
+def _pass(ids, cached, kwargs, model):
+    """One pass as the checks read it: rows, positions fed and cached, the mask's width (None: no mask), whether
+    position ids were given, and the attention mask (to see the padding side)."""
+    mask = kwargs.get("attention_mask")
+    mask = mask if torch.is_tensor(mask) and mask.dim() == 2 else None
+    return None if ids.dim() != 2 else {
+        "rows": ids.shape[0], "fed": ids.shape[1], "cached": cached,
+        "mask_width": None if mask is None else mask.shape[1],
+        "positions": kwargs.get("position_ids") is not None, "mask": None if mask is None else mask.tolist()}
 
 
 def reference(model, prompt, max_new_tokens, eos_id) -> list[int]:
@@ -76,25 +46,6 @@ def engine_passes(model, prompts, max_new_tokens, eos_id) -> list[tuple[int, int
     finally:
         gen.eos_token_id = saved
     return [(len(st.slots), max(s.num_tokens + s.num_pad for s in st.slots)) for st in result.steps]
-
-
-def _run(fn, model, prompts, n, eos_id):
-    barred = []
-
-    def no_generate(*args, **kwargs):
-        barred.append(True)
-        raise RuntimeError("the check does not let static_wave call model.generate")
-
-    model.generate = no_generate  # this instance only
-    try:
-        with recorded_passes(model) as calls, torch.no_grad():
-            try:
-                got = fn(model, [list(p) for p in prompts], n, eos_id)
-            except Exception as err:  # the learner's code
-                got = err
-    finally:
-        model.__dict__.pop("generate", None)
-    return got, calls, bool(barred)
 
 
 def _as_outputs(got, n):
@@ -209,18 +160,14 @@ def _cases(model, prompts, n, eos_id):
 
 @self_check
 def check_static_wave(static_wave, model, prompts, max_new_tokens: int, eos_id: int) -> bool:
-    """``static_wave(model, prompts, max_new_tokens, eos_id)`` should return each prompt's greedy tokens,
-    made the way :func:`cbteach.static_batching` makes them (one padded prefill, then one pass per step).
-
-    ``prompts``: the notebook's wave (token-id lists), run on ``model``; then two more cases (see
-    :func:`_cases`), one on a model where position ids matter."""
-    if not callable(static_wave):
-        return report(False, "", "pass your function itself (static_wave, not static_wave(...)); got "
-                                 f"{type(static_wave).__name__}")
+    """``static_wave(model, prompts, max_new_tokens, eos_id)`` -> each prompt's greedy tokens, in the static
+    batcher's passes; the notebook's wave first, then :func:`_cases`'s."""
+    if uncallable(static_wave, "static_wave"):
+        return False
     cases = _cases(model, prompts, max_new_tokens, eos_id)
     for where, m, ps, n, eos in cases:
         want = [reference(m, p, n, eos) for p in ps]
-        got, calls, used_generate = _run(static_wave, m, ps, n, eos)
+        got, calls, used_generate = run_barred(static_wave, m, ([list(p) for p in ps], n, eos), "static_wave", _pass)
         if used_generate:
             return report(False, "", "write the wave yourself: your function called model.generate")
         if isinstance(got, Exception):

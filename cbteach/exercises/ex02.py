@@ -1,9 +1,5 @@
-"""Notebook 02: predict how many steps continuous batching takes, with a tiny FCFS slot-refill simulator.
-
-The check runs the real :class:`~cbteach.Engine` on requests whose output lengths are forced
-(``ignore_eos=True``, ``max_new_tokens`` = the length) and compares its step count with the
-learner's simulator, on the notebook's workload and on a few small cases chosen to catch the usual
-mistakes.
+"""Notebook 02: predict continuous batching's step count with a tiny FCFS slot-refill simulator; the check
+compares it with the real engine's on forced output lengths, and on cases chosen to catch the usual mistakes.
 """
 from __future__ import annotations
 
@@ -11,7 +7,7 @@ import math
 
 from ..engine.engine import Engine
 from ..core.request import Request
-from . import is_int, raised, report, self_check
+from . import is_int, raised, report, self_check, uncallable
 
 # (answer lengths, max_batch_size): one wave, one slot, more slots than requests, a long request
 # first (short ones refill around it), a long request last (FCFS cannot pull it forward), a mix.
@@ -58,15 +54,10 @@ def _hint(model, lengths, b, got, expected) -> str:
 
 @self_check
 def check_fcfs_simulator(simulate, model, lengths=None, batch_size=None) -> bool:
-    """``simulate(lengths, batch_size)`` should return the engine's step count for any workload.
-
-    ``model`` is any causal LM the engine can run (the notebook's bierce); the step count does not
-    depend on it, because the lengths are forced. ``lengths``/``batch_size``: the notebook's workload,
-    checked first.
-    """
-    if not callable(simulate):
-        return report(False, "", f"pass your function itself (simulate, not simulate(...)); got "
-                                 f"{type(simulate).__name__}")
+    """``simulate(lengths, batch_size)`` -> the engine's step count (on ``model``: the count does not depend on
+    it, the lengths are forced); the notebook's workload first."""
+    if uncallable(simulate, "simulate"):
+        return False
     cases = ([(list(lengths), batch_size)] if lengths is not None else []) + CASES
     for case_lengths, b in cases:
         expected = engine_steps(model, case_lengths, b)

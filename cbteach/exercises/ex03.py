@@ -1,10 +1,7 @@
-"""Notebook 03: the position ids and the attention mask of one packed step, written by hand.
+"""Notebook 03: one packed step's position ids and attention mask, written by hand.
 
-Both checks compare the learner's answer with :mod:`cbteach.attention.packing` -- the functions the engine
-itself calls -- and say what *kind* of mistake the wrong entries make ("a query sees a later key of
-its own sequence", "a sequence's positions start too low"), never which entries or what they
-should be: a list of wrong coordinates would let a learner converge on the answer by flipping
-entries without understanding the mask.
+Compared with :mod:`cbteach.attention.packing` (what the engine calls); a hint names the *kind* of mistake,
+never the wrong entries -- a list of coordinates would let a learner flip entries without understanding.
 """
 from __future__ import annotations
 

@@ -1,20 +1,8 @@
-"""Notebook 04: write the concatenating cache's gather and scatter, and run them inside the engine.
+"""Notebook 04: the concatenating cache's ``gather`` and ``scatter``, run inside the engine.
 
-The learner writes two functions on one layer's tensors:
-
-* ``gather(caches)`` -- ``caches`` lists, in the step's order, each sequence's ``(keys, values)``
-  (``[1, kv_heads, cached, head_dim]``), or ``None`` for a sequence with nothing cached yet;
-  returns the packed ``(keys, values)`` the model receives (``[A cached | B cached | ...]``), or
-  ``None`` when nothing is cached at all;
-* ``scatter(packed_keys, packed_values, caches, num_scheduled)`` -- after the model appended this step's
-  keys and values (``[A cached | B cached | ... | A new | B new | ...]``, notebook 03's concat
-  layout), returns each sequence's new ``(keys, values)``: its old cache followed by its new tokens.
-
-The check first runs both on labelled tensors (every key holds its sequence and position, so a
-misplaced one is recognised and the kind of mistake named), then plugs them into a real
-:class:`cbteach.Engine` (``kv="concat"``) in place of the cache's own gather and scatter and
-serves a workload with fused steps; the tokens must be greedy ``model.generate``'s, prompt by
-prompt.
+Both run first on labelled tensors (each key holds its sequence and position, so a misplaced one names its
+mistake), then in a real ``kv="concat"`` :class:`~cbteach.Engine` in place of the cache's own; the tokens must
+be greedy ``model.generate``'s.
 """
 from __future__ import annotations
 
@@ -25,7 +13,7 @@ from ..attention.packing import additive_mask, block_diagonal_causal_mask
 from ..engine.engine import Engine
 from ..core.request import Request
 from ..kv.concat import KVTraffic, layer_kv
-from . import raised, report, self_check
+from . import generated, raised, report, self_check, uncallable
 
 HEADS, DIM = 2, 3
 
@@ -149,20 +137,12 @@ def _plug(engine, gather, scatter):
 WORKLOAD = [("CYNIC, n.", 12), ("EXECUTIVE, n.", 5), ("HAG, n.", 9), ("ABSURDITY, n.", 4)]
 
 
-def _reference(model, tokenizer, prompt, n):
-    x = tokenizer(prompt, return_tensors="pt").to(model.device)
-    with torch.no_grad():
-        y = model.generate(**x, do_sample=False, max_new_tokens=n, min_new_tokens=n)
-    return y[0, x["input_ids"].shape[1]:].tolist()
-
-
 @self_check
 def check_gather_scatter(gather, scatter, model, tokenizer) -> bool:
     """``gather(caches)`` and ``scatter(packed_keys, packed_values, caches, num_scheduled)``: labelled cases
     first, then inside a real concat engine, compared with ``model.generate`` prompt by prompt."""
-    for name, fn in (("gather", gather), ("scatter", scatter)):
-        if not callable(fn):
-            return report(False, "", f"pass your function itself ({name}, not {name}(...)); got {type(fn).__name__}")
+    if uncallable(gather, "gather") or uncallable(scatter, "scatter"):
+        return False
     for name, hint_of in (("gather", _gather_hint), ("scatter", _scatter_hint)):
         try:
             hint = hint_of(gather if name == "gather" else scatter)
@@ -180,7 +160,7 @@ def check_gather_scatter(gather, scatter, model, tokenizer) -> bool:
                                  "step a sequence's cache did not hold exactly its tokens so far")
     fused = sum(r.is_fused for r in engine.records)
     for c, (p, n) in zip(out, WORKLOAD):
-        if c.output_ids != _reference(model, tokenizer, p, n):
+        if c.output_ids != generated(model, tokenizer(p)["input_ids"], n, stop_at_eos=False):
             return report(False, "", f"inside the engine, {c.request_id}'s tokens are not what generate gives it "
                                      "alone: a key or value reached the wrong sequence or position on some step")
     return report(True, f"your gather and scatter ran inside the engine for {len(engine.records)} steps ({fused} "

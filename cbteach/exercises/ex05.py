@@ -1,20 +1,18 @@
-"""Notebook 05: write the paged cache's KV manager -- a free list and block tables -- and run the engine on it.
+"""Notebook 05: the paged cache's KV manager -- a free list and block tables -- run by the engine.
 
-The learner's class ``MyKVManager(num_blocks, block_size)`` keeps ``free_blocks`` (every free block
-id) and has ``allocate_slots(seq, num_new_tokens)`` and ``free(seq)``, the two calls the scheduler
-makes (:class:`~cbteach.kv.manager.KVCacheManager` is the engine's own). The check plugs it into a
-real paged :class:`~cbteach.Engine` (:func:`cbteach.bench.memory_experiments.plug`), checks every call,
-and serves small workloads -- several blocks per sequence, finished sequences' blocks reused, a
-pool so small that the engine preempts -- once on the learner's manager and once on the engine's
-own. They must agree token for token, block count for block count, preemption for preemption.
+The learner's ``MyKVManager`` is plugged into a real paged engine (every call checked by the engine's
+:class:`~cbteach.kv.plugged.PluggedKVManager`) on workloads that reuse blocks and preempt; the run must equal
+the engine's own manager's token for token, block count for block count, preemption for preemption.
 """
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 from ..engine.engine import Engine
 from ..kv.plugged import PluggedKVManager
 from ..bench.memory_experiments import plug
 from ..core.request import Request
-from . import guard, is_int, raised, report, self_check
+from . import Fail, guard, is_int, raised, report, self_check
 
 # (block_size, num_blocks, max_batch_size, [(prompt tokens, new tokens), ...]): several blocks each and
 # blocks reused after a finish; prompts shorter than a block; one-token blocks; a pool so small it preempts.
@@ -24,22 +22,18 @@ CASES = [(4, 32, 2, [(5, 7), (3, 10), (9, 4), (2, 6)]),
          (4, 7, 3, [(6, 12), (5, 14), (7, 10), (3, 8)])]
 
 
-class Wrong(Exception):
-    """What the learner's manager did wrong, found while the engine ran."""
-
-
 class Watched(PluggedKVManager):
     """The engine's own wrapper for a plugged-in manager (:class:`~cbteach.kv.plugged.PluggedKVManager`:
     it passes each call on and checks every rule), with the check's error, and the learner's exceptions
     reported with the call that raised them."""
 
-    Error = Wrong
+    Error = Fail
 
     def call_mine(self, call: str, method: str, *args):
         try:
             return super().call_mine(call, method, *args)
         except Exception as err:  # the learner's code: say what failed, and on which call
-            raise Wrong(f"{call} raised {raised(err)}") from None
+            raise Fail(f"{call} raised {raised(err)}") from None
 
 
 def serve(model, case, manager_class=None) -> dict:
@@ -59,14 +53,6 @@ def serve(model, case, manager_class=None) -> dict:
             "free_at_end": len(watched.mine.free_blocks) if watched else num_blocks}
 
 
-class _Probe:
-    """A sequence as allocate_slots sees it, for telling a stub from a start."""
-    request_id, num_computed_tokens = "probe", 0
-
-    def __init__(self):
-        self.block_table = []
-
-
 def _check_init(manager_class) -> str | None:
     try:
         mine = manager_class(6, 4)
@@ -74,7 +60,8 @@ def _check_init(manager_class) -> str | None:
         return f"MyKVManager(6, 4) raised {raised(err)}"
     if not hasattr(mine, "free_blocks"):
         try:
-            stub = mine.allocate_slots(_Probe(), 1) is None
+            probe = SimpleNamespace(request_id="probe", num_computed_tokens=0, block_table=[])  # a sequence
+            stub = mine.allocate_slots(probe, 1) is None
         except Exception:  # the learner's code, half written: the message below says what is missing
             stub = False
         if stub:
@@ -107,7 +94,7 @@ def check_kv_manager(manager_class, model) -> bool:
         expected = serve(model, case)
         try:
             got = serve(model, case, manager_class)
-        except (Wrong, ValueError) as err:  # ValueError: a method or free_blocks missing
+        except (Fail, ValueError) as err:  # ValueError: a method or free_blocks missing
             return report(False, "", f"{where}: {err}")
         if got["free_at_end"] != num_blocks:
             return report(False, "", f"{where}: when every request had finished, not every block was back in the "

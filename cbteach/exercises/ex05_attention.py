@@ -1,21 +1,7 @@
-"""Notebook 05, second exercise: the slot mapping and paged attention -- run by the real engine.
+"""Notebook 05's second exercise: the slot mapping and paged attention, with the engine's plug-point signatures.
 
-The learner writes the two pieces that make PagedAttention what it is, with the signatures of the
-engine's plug points (``Engine(..., kv="paged", slot_mapping=..., attention=...)``):
-
-* ``slot_mapping(block_tables, num_computed_tokens, num_scheduled_tokens, block_size)`` -> the pool
-  slot of every token scheduled this step, in packed order;
-* ``attention(query, key, value, meta, layer, scaling)`` -> ``[1, heads, T, head_dim]``: write this
-  step's K/V into ``meta.pool`` at ``meta.slot_mapping``, read each sequence's context through its
-  block table, attend causally.
-
-Each check first runs the learner's function on small steps built by hand, each shaped so that a
-typical mistake shows: a chunk that continues a prompt across a block boundary, a partly filled
-last block, grouped-query heads, a block table padded with another sequence's block, a pool full of
-stale K/V past every sequence's length (:mod:`cbteach.exercises.ex05_steps`); a wrong answer is named
-by recomputing the step *with* each known mistake (:mod:`cbteach.exercises.ex05_mistakes`). Then the
-real engine runs on the learner's functions -- prefill chunks beside decodes, preemption, blocks
-reused with stale K/V in them, a model with one KV head -- and every request's tokens must equal
+Each runs first on hand-built steps that show the typical mistakes (:mod:`.ex05_steps`), then in the real
+engine (prefill chunks beside decodes, preemption, reused blocks, one KV head): every token must equal
 per-prompt ``model.generate``'s. Hints name the idea; no check prints a slot or an output.
 """
 from __future__ import annotations
@@ -23,8 +9,10 @@ from __future__ import annotations
 import numbers
 
 
-from . import generated, report, self_check
-from .ex05_steps import HEADS, STEPS, Fail, check_attention_cases, check_slot_mapping_cases
+from ..core.request import Request
+from ..engine.engine import Engine
+from . import Fail, generated, report, self_check, uncallable
+from .ex05_steps import HEADS, STEPS, check_attention_cases, check_slot_mapping_cases
 
 MAX_NEW_TOKENS = 16  # per request, in the engine runs
 
@@ -49,22 +37,13 @@ def engine_runs(model, prompts, max_new_tokens: int = MAX_NEW_TOKENS):
              small_model("mqa"), toy, dict(max_batch_size=3, block_size=8, token_budget=8))]
 
 
-def run_in_engine(model, prompts, options, attention=None, slot_mapping=None,
-                  max_new_tokens: int = MAX_NEW_TOKENS) -> list:
-    """Serve ``prompts`` on a paged engine with the pieces plugged in; the completions."""
-    from ..core.request import Request
-    from ..engine.engine import Engine
-
-    engine = Engine(model, None, kv="paged", attention=attention, slot_mapping=slot_mapping, **options)
-    return engine.run([Request(list(p), max_new_tokens, request_id=f"r{i}") for i, p in enumerate(prompts)])
-
-
 def _in_engine(model, prompts, attention, slot_mapping, max_new_tokens: int = MAX_NEW_TOKENS) -> tuple[int, int]:
     steps = tokens = 0
     for what, m, ps, options in engine_runs(model, prompts, max_new_tokens):
         expected = [generated(m, p, max_new_tokens) for p in ps]
         try:
-            done = run_in_engine(m, ps, options, attention, slot_mapping, max_new_tokens)
+            engine = Engine(m, None, kv="paged", attention=attention, slot_mapping=slot_mapping, **options)
+            done = engine.run([Request(list(p), max_new_tokens, request_id=f"r{i}") for i, p in enumerate(ps)])
         except Exception as err:  # a rule the engine enforces, or the learner's code inside the forward pass
             raise Fail(f"in the real engine ({what}): {type(err).__name__}: {err}") from None
         for c, exp in zip(done, expected):
@@ -95,9 +74,8 @@ def _prompts(tok, prompts):
 def check_slot_mapping(slot_mapping, model, tok=None, prompts=None) -> bool:
     """``slot_mapping(block_tables, num_computed_tokens, num_scheduled_tokens, block_size)``: every
     scheduled token's pool slot, in packed order. Hand-built steps first, then the real engine."""
-    if not callable(slot_mapping):
-        return report(False, "", f"pass your function itself (my_slot_mapping, not my_slot_mapping(...)); got "
-                                 f"{type(slot_mapping).__name__}")
+    if uncallable(slot_mapping, "my_slot_mapping"):
+        return False
     try:
         check_slot_mapping_cases(slot_mapping)
         served, tokens = _in_engine(model, _prompts(tok, prompts), None, slot_mapping)
@@ -112,9 +90,8 @@ def check_paged_attention(attention, model, tok=None, prompts=None, slot_mapping
     """``attention(query, key, value, meta, layer, scaling)``: write this step's K/V at ``meta.slot_mapping``,
     read each sequence's context through its block table, attend causally; ``[1, heads, T, head_dim]``.
     With ``slot_mapping`` the engine runs on both of your pieces."""
-    if not callable(attention):
-        return report(False, "", f"pass your function itself (my_attention, not my_attention(...)); got "
-                                 f"{type(attention).__name__}")
+    if uncallable(attention, "my_attention"):
+        return False
     if slot_mapping is not None and not callable(slot_mapping):
         return report(False, "", "slot_mapping= takes your slot-mapping function itself (or None)")
     try:

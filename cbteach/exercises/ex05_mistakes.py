@@ -1,14 +1,8 @@
-"""The right slot mapping and paged attention of notebook 05's exercise -- and each typical mistake.
+"""The right slot mapping and paged attention of notebook 05 -- and each typical mistake.
 
-:func:`slots` and :func:`attend` compute a step the right way, or, given ``mistake=``, the way a
-learner who made that mistake would. The check (:mod:`cbteach.exercises.ex05_attention`) names a
-wrong answer by finding the mistake whose output it equals; each mistake's hint names the idea
-that was missed, never a slot or a value. (These are the check's own references, written for
-clarity; the engine computes the same in :mod:`cbteach.attention.metadata` and
-:mod:`cbteach.attention.paged`, and the tests hold the two equal.)
-
-They are the check's, not an answer: a piece that is them or calls them is refused with a hint
-saying so (:mod:`cbteach.exercises.guard`), as a piece that calls the engine's is.
+:func:`slots` and :func:`attend` compute a step right, or with ``mistake=`` as a learner who made it would;
+the check names a wrong answer by the mistake it equals. They are the check's references, so a piece that
+is or calls them is refused (:mod:`.guard`).
 """
 from __future__ import annotations
 
@@ -80,6 +74,9 @@ _STALE = ("a sequence owns only positions 0 .. c + n - 1 of its blocks: the rest
           "padding of its block-table row (block 0, someone else's) -- hold stale K/V or none yet. A decode's "
           "single query would attend to all of it: read only the context's own slots")
 
+_OTHER_ROW = ("a sequence read its context through another sequence's block table: sequence i's keys and values "
+              "are in the blocks of its own row, meta.block_tables[i] (not row 0, not the layer's number)")
+
 # name -> hint, in the order the check tries them
 ATTENTION_MISTAKES = {
     "read_first": ("this step's keys and values are part of its own context: write them into the pool first, "
@@ -107,11 +104,8 @@ ATTENTION_MISTAKES = {
     "only_new": ("each query attended to this step's tokens only: its sequence's context also holds the c tokens "
                  "computed in earlier steps, in the pool -- read positions 0 .. c + n - 1 through the block table, "
                  "not only this step's slots"),
-    "table_zero": ("a sequence read its context through another sequence's block table: sequence i's keys and values "
-                   "are in the blocks of its own row, meta.block_tables[i] (not row 0, not the layer's number)"),
-    "table_layer": ("a sequence read its context through another sequence's block table: sequence i's keys and "
-                    "values are in the blocks of its own row, meta.block_tables[i] (not row 0, not the layer's "
-                    "number)"),
+    "table_zero": _OTHER_ROW,
+    "table_layer": _OTHER_ROW,
     "no_scale": ("use the scaling the layer passes you (scaling=): not every model scales scores by "
                  "1 / sqrt(head_dim)"),
 }

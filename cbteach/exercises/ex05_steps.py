@@ -1,13 +1,8 @@
-"""Notebook 05's paged-attention exercise, on steps built by hand: each shaped so a typical mistake shows.
+"""Notebook 05's slot-mapping and attention checks on steps built by hand, each shaped so a mistake shows.
 
-A step here is a handful of sequences -- decodes, a prompt, a chunk that continues a prompt across a
-block boundary -- with block tables that are neither in order nor full (a partly filled last block,
-a table padded with another sequence's block), on a pool whose every slot holds random K/V: the
-history, and stale values past every sequence's length. The learner's slot mapping and attention run
-on each; a wrong answer is named by recomputing the step *with* each known mistake
-(:mod:`cbteach.exercises.ex05_mistakes`) and finding the one it equals. A mistake may crash on one
-step (an index past a block table) and be recognisable on another, so every step is run and the
-most telling failure is reported.
+Block tables out of order and padded, partly filled blocks, a pool full of random stale K/V. A wrong answer
+is named by recomputing the step with each known mistake (:mod:`.ex05_mistakes`); a mistake may crash on
+one step and be recognisable on another, so every step runs and the most telling failure is reported.
 """
 from __future__ import annotations
 
@@ -15,7 +10,7 @@ import torch
 
 from ..attention.metadata import build
 from ..kv.pool import PagedKVPool
-from . import guard, is_int, raised
+from . import Fail, guard, is_int, raised
 from .ex05_mistakes import ATTENTION_MISTAKES, SLOT_MISTAKES, attend, slots
 
 # (what, block_size, [(num_computed_tokens, num_scheduled_tokens, block_table), ...]) of each step.
@@ -29,14 +24,6 @@ STEPS = [
 ]
 # Attention on those steps: (step index, query heads, KV heads, head_dim, scaling or None for head_dim ** -0.5).
 HEADS = [(0, 2, 2, 8, None), (1, 4, 2, 8, None), (2, 4, 1, 8, 0.6), (1, 6, 3, 4, 0.35), (4, 4, 2, 8, None)]
-
-
-class Fail(Exception):
-    """The learner's piece is wrong; the message says how (``named``: a known mistake was recognised)."""
-
-    def __init__(self, message: str, named: bool = False):
-        super().__init__(message)
-        self.named = named
 
 
 def _first_named(failures: list) -> None:

@@ -1,21 +1,8 @@
-"""Notebook 05b: write the paged-attention kernel's inner loop in Triton, then run the engine on it.
+"""Notebook 05b: the paged-attention kernel's inner loop in Triton, run by the course's launcher.
 
-The learner writes ``my_attend_blocks``, a ``@triton.jit`` function with the signature of the
-course's :func:`cbteach.attention.triton_unified.attend_blocks`: one program's walk over its
-sequence's keys, ``TILE_N`` at a time, each found through the block table -- load K and V, scores,
-masks, FlashAttention's online-softmax update, accumulate -- returning ``(acc, total)``. The course's
-launcher (:func:`~cbteach.attention.triton_unified.unified_attention`) runs it, in Triton's
-interpreter on a CPU.
-
-The check first runs it on hand-built steps (:mod:`cbteach.exercises.ex05b_steps`), each adding one
-difficulty to the steps before it; at the first that fails it names the mistake -- the typical wrong
-loops are simulated in torch (:mod:`cbteach.exercises.ex05b_mistakes`) and the one that gives the
-learner's answer is named, in a hint that never gives the code. Then the real engine runs on the
-learner's loop (prompt chunks beside decodes, a pool small enough to preempt) and every request's
-tokens must equal per-prompt ``model.generate``'s.
-
-A loop that is the course's kernel loop, or names a piece of cbteach, is refused before it runs: the
-check would compare the course with itself. (Copying the course's code is not policed.)
+The learner's ``my_attend_blocks`` runs on hand-built steps, each adding one difficulty (:mod:`.ex05b_steps`);
+the first that fails names the mistake, then the real engine runs on it and its tokens must equal
+``model.generate``'s. A loop that is the course's, or names cbteach, is refused.
 """
 from __future__ import annotations
 
@@ -27,7 +14,7 @@ import types
 import torch
 
 from ..attention.paged import reference_attention
-from . import generated, raised, report, self_check
+from . import Fail, generated, raised, report, self_check, uncallable
 from .ex05b_steps import HEAD_DIM, STEPS, diagnose, make_step, meta_rows, scaled
 
 __all__ = ["HEAD_DIM", "STEPS", "Fail", "check_attend_blocks", "make_step", "meta_rows", "run_engine", "run_steps",
@@ -36,10 +23,6 @@ __all__ = ["HEAD_DIM", "STEPS", "Fail", "check_attend_blocks", "make_step", "met
 NOT_INSTALLED = 'Triton is not installed here: pip install "cbteach[kernels]" (Colab has it), then restart the kernel'
 GPU_SCALE = 4  # compiled for a GPU the steps are this much larger: tl.dot wants tiles of 16 or more
 TOLERANCE = {"cpu": 1e-4, "cuda": 2e-2}  # the interpreter computes exactly; a GPU's fp32 tl.dot may use TF32
-
-
-class Fail(Exception):
-    """The learner's loop is wrong; the message says how."""
 
 
 def _course():
@@ -86,10 +69,8 @@ def _attempt(course, inner, query, pool, meta, tile_n: int):
 
 
 def run_steps(inner, scale: int | None = None) -> int:
-    """Run ``inner`` on every hand-built step in order; :class:`Fail` with the first failure's hint
-    (:func:`~cbteach.exercises.ex05b_steps.diagnose`). ``scale``: the steps' sizes times this (default: 1 in
-    Triton's interpreter, :data:`GPU_SCALE` compiled for a GPU, where fp32 ``tl.dot`` may also round through
-    TF32, so the tolerance is wider: :data:`TOLERANCE`)."""
+    """Run ``inner`` on every hand-built step in order; :class:`Fail` with the first failure's hint. ``scale``: the
+    steps' sizes times this (default 1 in the interpreter, :data:`GPU_SCALE` on a GPU, with a wider tolerance)."""
     course = _course()
     scale = scale or (1 if course.INTERPRETED else GPU_SCALE)
     device = "cpu" if course.INTERPRETED else "cuda"
@@ -149,9 +130,8 @@ def check_attend_blocks(inner, model=None, tok=None) -> bool:
         _course()
     except ImportError:
         return report(False, "", NOT_INSTALLED)
-    if not callable(inner):
-        return report(False, "", f"pass your function itself (my_attend_blocks, not my_attend_blocks(...)); got "
-                                 f"{type(inner).__name__}")
+    if uncallable(inner, "my_attend_blocks"):
+        return False
     if not written(inner):
         return report(False, "", "my_attend_blocks is still the stub: write its loop below the cell's "
                                  "@triton.jit line (replace the ...), then run this cell again")

@@ -1,16 +1,8 @@
-"""Notebook 05b's kernel loop as a learner who made one typical mistake would write it -- simulated in torch.
+"""Notebook 05b's kernel loop as a learner who made one typical mistake would write it, simulated in torch.
 
-:func:`loop` computes what the course's launcher returns for a hand-built step
-(:func:`cbteach.exercises.ex05b.make_step`) when its inner loop is written with ``mistake``: the same
-programs (a sequence, a tile of its queries, a query head), the same pointers into the flat pool, the
-same masked loads (``other=0``), tile by tile. The check (:mod:`cbteach.exercises.ex05b`) runs the
-learner's loop on the step that failed, and again with finite stale slots instead of NaN, and names the
-mistake whose simulation equals both answers. Each hint names the idea that was missed, never code.
-
-A loop that reads outside the pool or the block table cannot be simulated (``None``): Triton's
-interpreter would read whatever lies there.
-
-This is the check's reference, not an answer: a loop that names cbteach is refused (:func:`cbteach.exercises.ex05b.delegates`).
+:func:`loop` is what the launcher returns for a hand-built step with ``mistake`` in its inner loop -- the same
+programs, pointers into the flat pool and masked loads (``other=0``) -- or None where the mistaken loop would
+read outside the tensors. The check names the mistake whose simulation equals the learner's answer.
 """
 from __future__ import annotations
 

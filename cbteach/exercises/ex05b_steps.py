@@ -1,13 +1,6 @@
-"""Notebook 05b's hand-built steps, and how the check names the mistake of a loop that fails one.
-
-Each step (:data:`STEPS`) adds one thing to the steps before it -- several tiles with a growing max,
-scores so large that ``exp`` of them overflows, blocks out of order, a partly filled last block with
-stale slots, tiles that span blocks, a prefill chunk, a masked key with a huge score, grouped-query
-heads -- so a loop meets one new difficulty at a time. When one fails, :func:`diagnose` runs the loop
-again on the same kind of step with finite stale slots, and compares both answers with the typical
-wrong loops simulated in torch (:mod:`cbteach.exercises.ex05b_mistakes`): the first that gives both is
-named. A loop no simulation matches gets what its symptom says -- NaN where the reference has none, a
-result close but not within float32's rounding -- or the step's own hint.
+"""Notebook 05b's hand-built steps (:data:`STEPS`, one new difficulty each), and :func:`diagnose`: the loop
+that fails one is run again with finite stale slots, and the typical wrong loop (:mod:`.ex05b_mistakes`)
+that gives both answers is named -- else what its symptom says (NaN, rounding), else the step's own hint.
 """
 from __future__ import annotations
 
@@ -17,8 +10,8 @@ from ..attention.metadata import build
 from ..kv.pool import PagedKVPool
 from . import ex05b_mistakes as mistakes
 
-# (name, what the step is, hint if it is the first to fail, spec). A spec: the sequences
-# [(num_computed_tokens, num_scheduled_tokens)], block_size, tile_n, heads, kv_heads, how the blocks
+# (name, what the step is, its hint if it is the first to fail -- a mistake's own where one names it, spec). A spec:
+# the sequences [(num_computed_tokens, num_scheduled_tokens)], block_size, tile_n, heads, kv_heads, how the blocks
 # lie ("in order" / "shuffled"), what stale slots hold ("random" / "nan") and how keys are drawn.
 STEPS = [
     ("basic", "one decode over one full block, one head", (
@@ -46,24 +39,16 @@ STEPS = [
         "earlier requests (here NaN), and your loop read them: a key at a position >= seq_len is not the "
         "sequence's, whatever a load finds there -- mask the loads, not only the scores"),
      dict(seqs=[(9, 1)], block_size=4, tile_n=4, heads=1, kv_heads=1, blocks="shuffled", stale="nan")),
-    ("tile_spans_blocks", "blocks of 3 tokens, tiles of 8 keys", (
-        "a tile here spans several blocks (blocks of 3, tiles of 8 keys): each key of a tile has its own "
-        "logical block and its own slot in it, from its own position"),
+    ("tile_spans_blocks", "blocks of 3 tokens, tiles of 8 keys", mistakes.MISTAKES["one_block_per_tile"],
      dict(seqs=[(12, 1)], block_size=3, tile_n=8, heads=1, kv_heads=1, blocks="shuffled", stale="nan")),
-    ("no_causal_mask", "a prefill chunk of 6 after 3 cached tokens, across a block boundary", (
-        "a prefill chunk: its queries saw keys after their own positions. Query j of a chunk sits at "
-        "position seq_len - num_queries + j (q_pos) and may see keys 0 .. q_pos only; earlier chunks are "
-        "all in its past"),
+    ("no_causal_mask", "a prefill chunk of 6 after 3 cached tokens, across a block boundary",
+     mistakes.MISTAKES["no_causal"],
      dict(seqs=[(3, 6)], block_size=4, tile_n=4, heads=1, kv_heads=1, blocks="shuffled", stale="nan")),
-    ("max_before_masking", "a chunk where a key after the first query scores far above the rest", (
-        "a key this query may not see scores far above the others, and your running max took it in: the "
-        "max must be taken over the scores that survive the masks, or every kept exp(score - max) "
-        "underflows to 0"),
+    ("max_before_masking", "a chunk where a key after the first query scores far above the rest",
+     mistakes.MISTAKES["max_before_masking"],
      dict(seqs=[(2, 5)], block_size=4, tile_n=4, heads=1, kv_heads=1, blocks="shuffled", stale="nan",
           keys="spike")),
-    ("wrong_kv_head", "grouped-query attention: 4 query heads on 2 KV heads", (
-        "a query head read the wrong KV head: here 4 query heads share 2 KV heads, consecutive query heads "
-        "sharing one (GROUP = heads // kv_heads query heads per KV head)"),
+    ("wrong_kv_head", "grouped-query attention: 4 query heads on 2 KV heads", mistakes.MISTAKES["kv_head_is_head"],
      dict(seqs=[(5, 1), (2, 3)], block_size=4, tile_n=4, heads=4, kv_heads=2, blocks="shuffled", stale="nan")),
     ("mixed", "decodes, chunks and a prompt together, blocks of 3, tiles of 8, 6 heads on 2 KV heads", (
         "every step with one thing at a time passes, but a step with all of them together does not: look at "
@@ -76,10 +61,8 @@ HEAD_DIM = 8
 
 def make_step(seqs, block_size, heads, kv_heads, blocks="shuffled", stale="nan", keys="random", seed=0,
               device="cpu", **_):
-    """A hand-built packed step: ``(query, pool, meta)``. Every table is padded with a stale block and
-    the pool keeps spare blocks after the last, so a loop that reads past a sequence reads stale K/V
-    (never memory outside the tensors: Triton's interpreter reads raw memory, and a read past the end
-    of a tensor can crash the process)."""
+    """A hand-built packed step ``(query, pool, meta)``; tables padded with a stale block and spare blocks after the
+    last, so a loop reading past a sequence reads stale K/V, never outside the tensors (the interpreter would crash)."""
     g = torch.Generator().manual_seed(seed)
     need = [-(-(c + n) // block_size) for c, n in seqs]
     used = sum(need)

@@ -1,35 +1,19 @@
-"""Notebook 06: build the engine's step -- ``schedule(now)``, who runs and with how many tokens, in
-four stages, and ``update_from_output``, what the step's output does to the requests, in a fifth.
+"""Notebook 06: the engine's step -- ``schedule(now)`` in four stages, ``update_from_output`` in a fifth.
 
-Each stage plugs the learner's class into the real :class:`~cbteach.Engine` (``scheduler_cls=``) on
-workloads built to expose the typical mistakes, runs the same workload with the engine's own
-scheduler, and compares, in this order:
-
-1. the rules, checked the moment they are broken (:mod:`cbteach.exercises.rules`);
-2. the schedule, step by step: when each step ran, who ran with how many tokens from which position,
-   who was admitted and who was preempted -- the first step that differs is diagnosed;
-3. the outputs: tokens, finish reasons and token times equal to the engine's run, and on stage 1's
-   first workload the tokens equal to per-prompt ``model.generate``'s;
-4. the pool: every KV block back at the end.
-
-Stages: 1 -- no memory limit (a pool with room for every slot); 2 -- a token budget (chunked
-prefill); 3 -- a tiny pool (KV room, preemption, prefix caching, and a request that could never fit,
-which the engine refuses at add time); 4 -- the priority policy (its order, ties and victim); 5 --
-``update_from_output``, run under the engine's own ``schedule`` (appending, stop rules, freeing,
-chunks that stop short, speculative guesses taken back). Hints name the misconception and where it
-showed, never the engine's choice or a value.
+Each stage plugs the learner's class into the real engine on workloads built to expose the typical mistakes,
+runs the engine's own scheduler beside it, and compares: the rules where they are broken (:mod:`.rules`),
+the schedule step by step (the first difference diagnosed), the outputs, and every KV block back.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import weakref
 
 
 from ..engine.scheduler import Scheduler
 from ..viz.schedule import first_difference, plan_of
-from . import generated, guard, report, self_check
+from . import bierce, generated_all, guard, report, self_check
 from .rules import ROOM_STAGE, SchedulerMistake
 from .scheduler_check import NotDone, Workload, hint, run, watched, with_eos
 
@@ -89,11 +73,8 @@ _references: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model ->
 
 
 def stops_for(model, w: W) -> tuple[W, frozenset | None]:
-    """A workload that stops at EOS (``w.ignore_eos`` False) whatever the model: the stop tokens are
-    chosen from what the model says on ``w`` when nothing stops it (greedy, so the same tokens come
-    again). EOS is the commonest token said; every second request ignores it; the first request that
-    says a token other than EOS gets that token as its stop token. Returns the workload and the EOS
-    ids to use (None: the model's own, for a workload that ignores EOS)."""
+    """``w`` made to stop at EOS whatever the model: EOS is the token the model says most on ``w`` (greedy), every
+    second request ignores it, one gets a stop token. Returns the workload and the EOS ids (None: the model's)."""
     if w.ignore_eos:
         return w, None
     probe = reference_run(model, dataclasses.replace(w, ignore_eos=True))
@@ -116,11 +97,6 @@ def reference_run(model, workload: W, eos_ids=None):
     if key not in runs:
         runs[key] = run(model, workload, None if eos_ids is None else with_eos(Scheduler, eos_ids))
     return runs[key]
-
-
-def generate_outputs(model, workload: W) -> dict:
-    """Per-prompt greedy ``model.generate``: the ground truth for a workload that stops at EOS."""
-    return {r.request_id: generated(model, r.prompt, r.max_new_tokens) for r in workload.requests(model.config.vocab_size)}
 
 
 def diagnose(ref, mine, stage=None) -> str:
@@ -200,7 +176,7 @@ def _check_workload(cls, model, w: W, stage: int, with_generate: bool) -> str | 
     if differ is not None:
         return differ
     outputs = {rid: c.output_ids for rid, c in mine.engine.completions.items()}
-    if with_generate and outputs != generate_outputs(model, w):
+    if with_generate and outputs != generated_all(model, w.requests(model.config.vocab_size)):
         return f"{where}: the tokens differ from model.generate's -- does your code change the requests' tokens?"
     if mine.engine.kv_usage()["num_used_blocks"]:
         return f"{where}: KV blocks are still in use after every request finished"
@@ -214,13 +190,6 @@ def _never_fits(model) -> bool:
     except ValueError:
         return True
     return False
-
-
-@functools.lru_cache(maxsize=1)
-def _bierce():
-    from ..models import load_model
-
-    return load_model()[0]
 
 
 def _refuse(stage, cls) -> str | None:
@@ -241,12 +210,8 @@ def _refuse(stage, cls) -> str | None:
 
 @self_check
 def check_stage(stage, scheduler_cls, model=None, *, prefix_caching: bool = True) -> bool:
-    """Stage ``stage`` (1-5, see :data:`STAGES`) of the exercise, for ``scheduler_cls`` (a subclass of
-    :class:`~cbteach.engine.scheduler.Scheduler` that overrides ``schedule``; for stage 5,
-    ``update_from_output``, which runs under the engine's own ``schedule``) on ``model`` (any causal
-    LM the engine runs; None: the course's bierce). ``check_stage(MyScheduler, 1)`` works too.
-    ``prefix_caching=False`` leaves out the workloads that turn prefix caching on (for an engine that
-    never caches prefixes: ``serve`` without ``--prefix-caching``)."""
+    """Stage ``stage`` (1-5, :data:`STAGES`) for ``scheduler_cls`` on ``model`` (None: bierce); stage 5 checks
+    ``update_from_output`` under the engine's own ``schedule``. ``prefix_caching=False`` leaves those workloads out."""
     if isinstance(scheduler_cls, int) and not isinstance(stage, int):
         stage, scheduler_cls = scheduler_cls, stage
     refused = _refuse(stage, scheduler_cls) or guard.refusal("scheduler", scheduler_cls, ("update_from_output",)
@@ -255,7 +220,7 @@ def check_stage(stage, scheduler_cls, model=None, *, prefix_caching: bool = True
         return report(False, "", refused)
     if stage == 5:  # the update alone: the engine's own schedule plans every step
         scheduler_cls = type(scheduler_cls.__name__, (scheduler_cls,), {"schedule": Scheduler.schedule})
-    model = _bierce() if model is None else model
+    model = bierce() if model is None else model
     workloads = [w for w in STAGES[stage] if prefix_caching or not w.prefix_caching]
     for i, w in enumerate(workloads):
         try:

@@ -1,24 +1,9 @@
 """Notebook 06b, section 3: the worker's side of the message -- ``update_batch(runner, scheduler_output)``,
 vLLM V1's ``GPUModelRunner._update_states``, written by the learner.
 
-:func:`check_update_batch` runs the real engine with the learner's function in the worker's place
-(``Engine(..., update_batch=fn)``) on :data:`WORKLOADS`, built so that every branch is taken: requests
-that finish, prompts in chunks, preemption and resumption under async scheduling (rows of requests
-left out of a step, resumed requests sent their token ids), prefix-cache hits, and samples forked
-from a prompt (parallel sampling, with copies on write). Right after every call it compares the worker's state with what the
-message says it must be:
-
-1. ``runner.requests`` holds exactly the unfinished requests the worker was told of;
-2. rows ``0 .. num_reqs - 1`` of ``runner.input_batch`` hold exactly this step's requests, each once,
-   with no empty row among them;
-3. each row -- and its request's state -- has the request's tokens (prompt, then output),
-   ``num_computed_tokens`` and block table as the message says; its sampling parameters; a seeded
-   request its random stream (a forked sample: the one that drew its first token).
-
-The first difference stops the run with a hint that names the mistake; at the end every request's
-tokens must equal per-prompt greedy ``model.generate`` (the seeded samples: the engine's own run). A
-function that is, or calls, the worker's own (:func:`cbteach.worker.states.update_batch`) is refused
-(:mod:`.guard`).
+The real engine runs with it in the worker's place on :data:`WORKLOADS` (finishes, chunks, preemption and
+resumption under async scheduling, prefix hits, forked samples); after every call the worker's state is
+compared with the message (:mod:`.batch_rules`), and at the end the tokens with ``model.generate``'s.
 """
 from __future__ import annotations
 
@@ -31,7 +16,7 @@ from ..core.request import Request
 from ..core.sampling import SamplingParams
 from ..engine.engine import Engine
 from ..worker import states
-from . import generated, guard, raised, report, self_check
+from . import Fail, bierce, generated_all, guard, raised, report, self_check
 from .batch_rules import Expect, Held, state_hint
 
 @dataclass(frozen=True)
@@ -76,15 +61,6 @@ WORKLOADS = [
 ]
 
 
-class Wrong(Exception):
-    """The worker's state after the learner's update is not what the message says (the message: the hint)."""
-
-
-def own_update_batch(fn) -> str | None:
-    """The refusal if ``fn`` is, or calls, the worker's own update_batch (:mod:`cbteach.exercises.guard`)."""
-    return guard.refusal("update_batch", fn)
-
-
 def _snapshot(runner) -> dict:
     """What the worker held before a message: each state's prompt, output, blocks, generator and row."""
     rows = runner.input_batch.req_id_to_index
@@ -119,29 +95,24 @@ def plugged(fn, seen: list):
         try:
             fn(runner, scheduler_output)
         except Exception as err:  # noqa: BLE001 -- the learner's code
-            raise Wrong(f"your update_batch stopped with {raised(err)}") from None
+            raise Fail(f"your update_batch stopped with {raised(err)}") from None
         said = state_hint(runner, scheduler_output, before, expected(scheduler_output, before), rows)
         if said is not None:
-            raise Wrong(said)
+            raise Fail(said)
         seen.append(scheduler_output)
     return update_batch
 
 
-def _generate(model, requests) -> dict:
-    """Per-prompt greedy ``model.generate``: it stops at the model's EOS ids, unless the request ignores them."""
-    return {r.request_id: generated(model, r.prompt, r.max_new_tokens, stop_at_eos=not r.ignore_eos) for r in requests}
-
-
-def run_workload(model, w: Workload, fn=None) -> tuple[Engine, list, Wrong | None]:
+def run_workload(model, w: Workload, fn=None) -> tuple[Engine, list, Fail | None]:
     """``w`` through an engine with ``fn`` as its worker's update (None: the worker's own); the engine,
-    the messages, and the first mistake (a :class:`Wrong`, or None)."""
+    the messages, and the first mistake (a :class:`Fail`, or None)."""
     seen: list = []
     eng = Engine(model, None, kv="paged", block_size=4, clock=VirtualClock(step_time=1.0),
                  update_batch=None if fn is None else plugged(fn, seen), **w.options)
     said = None
     try:
         eng.run(w.requests(model.config.vocab_size))
-    except Wrong as err:
+    except Fail as err:
         said = err
     finally:
         try:
@@ -161,19 +132,12 @@ def _check_workload(model, w: Workload, fn) -> str | None:
     if said is not None:
         return f"{where}, message {len(seen)}: {said}"
     got = _outputs(eng)
-    want = _outputs(run_workload(model, w)[0]) if w.n > 1 else _generate(model, w.requests(model.config.vocab_size))
+    want = _outputs(run_workload(model, w)[0]) if w.n > 1 else generated_all(model, w.requests(model.config.vocab_size))
     if got != want:
         return (f"{where}: the batch was right after every message, but the tokens differ from " +
                 ("the engine's own run" if w.n > 1 else "model.generate's") + " -- does your code change the rows' tokens "
                 "or generators after it has built them?")
     return None
-
-
-@functools.lru_cache(maxsize=1)
-def _bierce():
-    from ..models import load_model
-
-    return load_model()[0]
 
 
 @self_check
@@ -184,10 +148,10 @@ def check_update_batch(update_batch, model=None) -> bool:
         return report(False, "", "not done yet: write update_batch(runner, scheduler_output), then run this check")
     if not callable(update_batch):
         return report(False, "", f"pass your function itself, update_batch (got a {type(update_batch).__name__})")
-    refused = own_update_batch(update_batch)
+    refused = guard.refusal("update_batch", update_batch)
     if refused:
         return report(False, "", refused)
-    model = _bierce() if model is None else model
+    model = bierce() if model is None else model
     for w in WORKLOADS:
         said = _check_workload(model, w, update_batch)
         if said is not None:

@@ -1,19 +1,8 @@
-"""Notebook 07: write an honest benchmark harness, and let the check catch every shortcut.
+"""Notebook 07: an honest benchmark harness, and a check that catches every shortcut.
 
-The learner writes ``benchmark(runs, repeat, clock)``: ``runs`` maps an engine's name to a function
-that runs that engine once on the workload and returns its outputs (one list of token ids per
-request). The harness must warm every engine up (one untimed run), then time ``repeat`` runs of each,
-**interleaved** (round after round, every engine once per round), each run timed on its own with
-``clock``; it returns ``(medians, same_tokens)``: each engine's median seconds, and whether *every*
-run of every engine produced the tokens of the first engine's warm-up run.
-
-The check hands the harness real engines (:func:`~cbteach.static_batching` and the paged
-:class:`~cbteach.Engine`, on the notebook's model) and a clock it controls: the clock advances only
-while an engine runs, by a cost the check sets -- a cold first run, a machine that slows down as it
-runs (drift), one hiccup -- so the check knows exactly which runs were timed and what each one
-"took". One engine in the second workload has a real-world bug: correct on its first run, stale
-state on the next. Each shortcut fails in its own way and gets a hint that names the misconception;
-the check never prints the medians it expected.
+The harness times real engines on a :class:`Clock` the check controls -- it moves only while an engine runs,
+by costs the check sets (a cold first run, drift, a hiccup) -- so the check knows which runs were timed and
+what each took; one engine is right on its first run only. Each shortcut gets a hint naming it.
 """
 from __future__ import annotations
 
@@ -24,7 +13,7 @@ import statistics
 from ..engine.engine import Engine
 from ..core.request import Request
 from ..engine.static import static_batching
-from . import report, self_check
+from . import report, self_check, uncallable
 
 COLD = 6.0     # a first run costs this many times a warm one (allocation, lazy imports, caches)
 DRIFT = 0.08   # each run costs this much more than the one before it, whichever engine ran (a machine slowing)
@@ -88,11 +77,8 @@ def engine_runs(model, clock: Clock, repeat: int = 3, batch_size: int = 2, stale
 
 
 def _timed_flags(events) -> list[bool]:
-    """For each run in the clock's log, in order: was it timed on its own (a reading right before and
-    right after it)? A harness that reads the clock twice around each run (two readings in a row
-    somewhere) uses each reading once: the reading that ended one run's timing does not start the
-    next -- an untimed warm-up right after a timed run stays untimed. One that reads once between
-    runs shares each reading between the run before and the run after."""
+    """For each run in the clock's log: was it timed on its own (a reading right before and right after)? A
+    harness that reads twice around each run uses each reading once; one that reads once between runs shares it."""
     own_pairs = any(a[0] == b[0] == "read" for a, b in zip(events, events[1:]))
     flags, used = [], -1  # used: the index of the last reading that ended a timing
     for i, e in enumerate(events):
@@ -169,9 +155,8 @@ def check_benchmark(benchmark, model) -> bool:
     """``benchmark(runs, repeat, clock)`` should warm up, time interleaved repeats one by one with
     ``clock``, and return ``({name: median seconds}, same_tokens)``. ``model``: the notebook's model;
     every engine the check times runs it for real."""
-    if not callable(benchmark):
-        return report(False, "", f"pass your function itself (benchmark, not benchmark(...)); got "
-                                 f"{type(benchmark).__name__}")
+    if uncallable(benchmark, "benchmark"):
+        return False
     cases = [(r, stale) for stale in (False, True) for r in REPEATS]
     for repeat, stale in cases:
         clock = Clock()

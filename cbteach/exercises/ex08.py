@@ -1,29 +1,21 @@
 """Notebook 08: predict what the prefix cache reuses, and write speculative decoding's acceptance rule.
 
-* :func:`check_prefix_reuse` -- the learner's ``predict(prompts, block_size)`` says how many prompt
-  tokens of each request the prefix cache will supply; the check serves the prompts one at a time
-  in the real :class:`~cbteach.Engine` (``prefix_caching=True``) and compares with each
-  completion's ``num_cached_prompt_tokens``, on the notebook's prompts and on small cases built to
-  catch the usual mistakes.
-* :func:`check_accept` -- the learner's ``accept(drafts, targets)`` is compared with the engine's
-  rule (:func:`cbteach.engine.speculative.accept`), then swapped into the engine itself: a speculative run
-  with it must give exactly the tokens of a run without speculation.
-
-Hints name the rule that was missed; the expected values are never printed.
+:func:`check_prefix_reuse` compares the learner's predictions with the real engine's
+``num_cached_prompt_tokens``; :func:`check_accept` compares the rule with the engine's, then swaps it into a
+speculative run that must equal a plain one. Hints name the rule missed, never the values.
 """
 from __future__ import annotations
 
-import functools
+import os
 import random
 from unittest import mock
 
-import torch
 
 from ..worker import model_runner
 from ..engine.engine import Engine
 from ..core.request import Request
 from ..engine.speculative import accept as engine_accept
-from . import is_int, raised, report, self_check
+from . import is_int, raised, report, self_check, uncallable
 
 # ---------------------------------------------------------------- prefix reuse ----------------
 
@@ -57,15 +49,6 @@ def engine_cached_tokens(model, prompts, block_size: int) -> list[int]:
     return [c.num_cached_prompt_tokens for c in engine.run(reqs)]
 
 
-def _lcp(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def _model(prompts, bs, *, last_rule=True, full_blocks=True, earlier="all", chained=True, ceil=False):
     """The engine's rule, with one part switched off at a time (to recognise a learner's mistake)."""
     out = []
@@ -75,7 +58,7 @@ def _model(prompts, bs, *, last_rule=True, full_blocks=True, earlier="all", chai
         best = 0
         for q in pool:
             if chained:
-                n = _lcp(usable, q)
+                n = len(os.path.commonprefix([usable, q]))
             else:  # equal blocks at the same index, wherever they are
                 n = sum(bs for i in range(0, min(len(usable), len(q)) - bs + 1, bs) if usable[i:i + bs] == q[i:i + bs])
             if full_blocks:
@@ -109,15 +92,10 @@ def _prefix_hint(prompts, bs, got) -> str:
 
 @self_check
 def check_prefix_reuse(predict, model, prompts=None, block_size=None) -> bool:
-    """``predict(prompts, block_size)`` -> one int per prompt: the prompt tokens the prefix cache supplies.
-
-    The prompts are lists of token ids served in order, one at a time (``max_batch_size=1``), each
-    asking for a single new token, in a pool large enough that nothing is evicted. ``model`` is the
-    notebook's model (any causal LM whose vocabulary holds the ids). ``prompts``/``block_size``: the
-    notebook's case, checked first.
-    """
-    if not callable(predict):
-        return report(False, "", f"pass your function itself (predict, not predict(...)); got {type(predict).__name__}")
+    """``predict(prompts, block_size)`` -> the prompt tokens the prefix cache supplies to each prompt, served one
+    at a time in order; the notebook's case first, then :data:`PREFIX_CASES`."""
+    if uncallable(predict, "predict"):
+        return False
     cases = ([("the notebook's prompts", [list(p) for p in prompts], block_size)] if prompts is not None else [])
     cases += PREFIX_CASES
     for what, case, bs in cases:
@@ -178,19 +156,12 @@ def _accept_hint(drafts, targets, got) -> str:
             "follow section 6's picture on a small case by hand")
 
 
-@functools.lru_cache(maxsize=1)
 def loop_model():
-    """A 2-layer random-weight Llama (vocabulary 97): its greedy output falls into loops within a few
-    tokens, so prompt lookup guesses right often -- a workload where speculation has work to do."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A 2-layer random-weight Llama (vocabulary 97, :func:`cbteach.exercises.ex09.small_model`'s ``"gqa"``): its
+    greedy output falls into loops within a few tokens, so prompt lookup guesses right often."""
+    from .ex09 import small_model
 
-    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      eos_token_id=5, bos_token_id=1, pad_token_id=5)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
-    model.generation_config.eos_token_id = model.generation_config.pad_token_id = 5
-    return model
+    return small_model("gqa")
 
 
 def _loop_requests():
@@ -201,8 +172,8 @@ def _loop_requests():
 def check_accept(accept) -> bool:
     """``accept(drafts, targets)`` -> the tokens a verify step yields (``targets`` has one more entry
     than ``drafts``: the model's prediction after the last real token and after each guess)."""
-    if not callable(accept):
-        return report(False, "", f"pass your function itself (accept, not accept(...)); got {type(accept).__name__}")
+    if uncallable(accept, "accept"):
+        return False
     g = random.Random(0)
     cases = list(ACCEPT_CASES)
     for _ in range(NUM_RANDOM_ACCEPT_CASES):  # small alphabets: guesses are often right, as with a good proposer

@@ -1,10 +1,6 @@
-"""Notebook 09: what a disaggregated handover moves -- bytes of KV cache and seconds on the link.
-
-The learner writes ``handover(prompt_len, config, block_size, kv_dtype, link_bytes_per_s)`` returning
-``(bytes, seconds)``. The check runs a real :class:`~cbteach.serving.disagg.DisaggregatedServer` with one
-request of ``prompt_len`` tokens for each case -- the notebook's model in fp32 and int8 KV, and small
-random-weight models of other shapes (grouped-query and multi-head attention) -- and compares with
-its ``.transfers``. Hints name the factor that is off; the expected numbers are never printed.
+"""Notebook 09: what a disaggregated handover moves -- bytes of KV cache and seconds on the link -- compared
+with a real :class:`~cbteach.serving.disagg.DisaggregatedServer`'s ``.transfers`` on several model shapes and
+KV dtypes. Hints name the factor that is off.
 """
 from __future__ import annotations
 
@@ -16,7 +12,7 @@ import torch
 
 from ..serving.disagg import DisaggregatedServer
 from ..core.request import Request
-from . import report, self_check
+from . import report, self_check, uncallable
 
 # Small model shapes: (layers, query heads, KV heads, hidden size); head_dim = hidden / query heads.
 SHAPES = {"gqa": (2, 4, 2, 64), "mqa": (3, 4, 1, 32), "mha": (1, 2, 2, 32)}
@@ -47,16 +43,10 @@ def measured_handover(model, prompt_len: int, block_size: int, kv_dtype=None, li
     return server.transfers["bytes"], server.transfers["seconds"]
 
 
-def _factors(config):
-    layers = config.num_hidden_layers
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return layers, heads, kv_heads, head_dim
-
-
 def _bytes_hint(got, prompt_len, config, bs, kv_dtype) -> str:
-    layers, heads, kv_heads, d = _factors(config)
+    layers, heads = config.num_hidden_layers, config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    d = getattr(config, "head_dim", None) or config.hidden_size // heads
     slots = lambda n: math.ceil(n / bs) * bs  # noqa: E731  n tokens take whole blocks
     per_token = 2 * layers * kv_heads * (d + 4 if kv_dtype == "int8" else 4 * d)
     expected = slots(prompt_len) * per_token
@@ -89,14 +79,10 @@ def _bytes_hint(got, prompt_len, config, bs, kv_dtype) -> str:
 
 @self_check
 def check_handover(handover, model, prompt_len: int | None = None) -> bool:
-    """``handover(prompt_len, config, block_size, kv_dtype, link_bytes_per_s)`` -> ``(bytes, seconds)``.
-
-    ``model`` is the notebook's model; ``prompt_len`` the notebook's prompt, checked first in fp32 and
-    in int8 with blocks of 16 on a 10 GB/s link.
-    """
-    if not callable(handover):
-        return report(False, "", f"pass your function itself (handover, not handover(...)); got "
-                                 f"{type(handover).__name__}")
+    """``handover(prompt_len, config, block_size, kv_dtype, link_bytes_per_s)`` -> ``(bytes, seconds)``; the
+    notebook's prompt first (fp32 and int8), then :data:`CASES`."""
+    if uncallable(handover, "handover"):
+        return False
     cases = [(None, prompt_len, 16, None, 10e9), (None, prompt_len, 16, "int8", 10e9)] if prompt_len else []
     cases += CASES
     for shape, n, bs, kv_dtype, link in cases:

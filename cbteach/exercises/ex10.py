@@ -1,12 +1,6 @@
-"""Notebook 10: predict a small run's schedule and KV state by hand, then check it against the engines.
-
-The workload is fixed (the constants below) and every output length is forced (``ignore_eos=True``),
-so each answer follows from the course's rules: static waves (notebook 01), iteration-level
-scheduling (02), prefill and decode steps with ``num_computed_tokens`` (02-03), block tables (05)
-and a token budget with decodes first (06). :func:`check_schedule` runs the real engines live --
-:func:`~cbteach.static_batching`, a paged :class:`~cbteach.Engine` and an engine with a token
-budget -- reads the six answers off their records, and checks each of the learner's. A wrong answer
-gets a hint, never the engine's value.
+"""Notebook 10: predict a small run's schedule and KV state by hand; :func:`check_schedule` reads the six
+answers off the real engines' records (static waves, a paged engine, a token budget) and gives each wrong one a
+hint, never the engine's value.
 """
 from __future__ import annotations
 
@@ -183,12 +177,8 @@ def _malformed(name, value) -> str | None:
 @self_check
 def check_schedule(model, *, static_steps, continuous_steps, running, num_computed_tokens, num_blocks,
                    prefill_steps) -> bool:
-    """Check six predictions about the module's workload against live runs of the engines.
-
-    ``model``: the notebook's model (the step counts do not depend on it: the lengths are forced).
-    Prints one line per answer, ``✓`` with the rule it shows or ``✗`` with a hint; returns ``True``
-    when all six are right.
-    """
+    """Six predictions about the module's workload against live runs of the engines: a line each (``✓`` with the
+    rule it shows, ``✗`` with a hint); ``True`` when all six are right."""
     answers = dict(static_steps=static_steps, continuous_steps=continuous_steps, running=running,
                    num_computed_tokens=num_computed_tokens, num_blocks=num_blocks, prefill_steps=prefill_steps)
     m = measure(model)

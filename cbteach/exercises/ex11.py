@@ -1,12 +1,5 @@
-"""Notebook 11: read a streamed chat answer the way a client must -- text, token count, finish reason.
-
-The learner writes ``summarize_stream(events) -> (text, num_tokens, finish_reason)``: ``events`` are
-the JSON objects of one ``/v1/chat/completions`` stream (``"stream": true`` with
-``"stream_options": {"include_usage": true}``), ``[DONE]`` left out. The check asks the real server
-(the notebook's, at ``base_url``) for a few answers twice -- once streamed, once whole -- and compares
-what the learner's function reads from the stream with the whole answer: its ``content``, its
-``usage.completion_tokens`` and its ``finish_reason``. The cases end at the length cap, at a stop
-string, and (usually) at EOS. A wrong answer gets a hint about the stream's shape, never the values.
+"""Notebook 11: read a streamed chat answer as a client must -- ``summarize_stream(events) -> (text,
+num_tokens, finish_reason)``, compared with the same server's whole (not streamed) answers.
 """
 from __future__ import annotations
 
@@ -18,28 +11,20 @@ CASES = [("CYNIC, n.", 12, None), ("BORE, n.", 40, [","]), ("ALONE, adj.", 150, 
 TIMEOUT_S = 60
 
 
-def stream_events(base_url: str, prompt: str, max_tokens: int, stop=None, api_key: str | None = None) -> list:
-    """The JSON chunks of one streamed chat answer (``[DONE]`` left out), as a client receives them."""
+def stream_events(base_url: str, prompt: str, max_tokens: int, stop=None, api_key: str | None = None,
+                  stream: bool = True):
+    """The JSON chunks of one streamed chat answer (``[DONE]`` left out), as a client receives them; with
+    ``stream=False`` the same request answered whole: the response the stream must add up to."""
     import httpx
 
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}, "stop": stop}
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    with httpx.stream("POST", base_url.rstrip("/") + "/v1/chat/completions", json=body, headers=headers,
-                      timeout=TIMEOUT_S) as r:
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "stop": stop,
+            **({"stream": True, "stream_options": {"include_usage": True}} if stream else {})}
+    args = dict(json=body, headers={"Authorization": f"Bearer {api_key}"} if api_key else {}, timeout=TIMEOUT_S)
+    with httpx.stream("POST", base_url.rstrip("/") + "/v1/chat/completions", **args) as r:
         r.raise_for_status()
+        if not stream:
+            return json.loads(r.read())
         return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
-
-
-def whole_answer(base_url: str, prompt: str, max_tokens: int, stop=None, api_key: str | None = None) -> dict:
-    """The same request, not streamed: the response the stream must add up to."""
-    import httpx
-
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "stop": stop}
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    r = httpx.post(base_url.rstrip("/") + "/v1/chat/completions", json=body, headers=headers, timeout=TIMEOUT_S)
-    r.raise_for_status()
-    return r.json()
 
 
 def _hint(events, got, want) -> str:
@@ -67,7 +52,7 @@ def check_stream_summary(summarize_stream, base_url: str, api_key: str | None = 
         return report(False, "", "pass your function itself (summarize_stream, not summarize_stream(...))")
     for prompt, max_tokens, stop in CASES:
         events = stream_events(base_url, prompt, max_tokens, stop, api_key)
-        whole = whole_answer(base_url, prompt, max_tokens, stop, api_key)
+        whole = stream_events(base_url, prompt, max_tokens, stop, api_key, stream=False)
         want = (whole["choices"][0]["message"]["content"], whole["usage"]["completion_tokens"],
                 whole["choices"][0]["finish_reason"])
         got = summarize_stream([json.loads(json.dumps(e)) for e in events])  # a copy: the learner may consume it

@@ -1,20 +1,8 @@
 """Notebook 12: your engine -- every piece you wrote, in one engine, proved, measured and served.
 
-The exercise is the assembly: ``my_engine(model, tok, **options)`` returns an
-:class:`~cbteach.Engine` with all five of the learner's pieces plugged in
-(:mod:`cbteach.exercises.capstone`). :func:`check_my_engine` runs it on the course's workload --
-bierce's headword prompts, answers that stop at EOS, a pool small enough to preempt and a token
-budget small enough to chunk -- beside the engine's own pieces on the same simulated clock, and
-requires:
-
-1. every piece plugged in (the scheduler is yours, the KV manager, the attention, the slot mapping, the
-   worker's update of its batch);
-2. the same schedule, step for step (who ran, with how many tokens, admitted, preempted);
-3. every request's tokens equal to per-prompt ``model.generate``'s, and every block back.
-
-When the assembled engine goes wrong, each piece's own check (notebooks 05 and 06) is run to name
-the piece to look at. :func:`benchmark` measures both engines with the course's metrics (wall
-time: throughput, TTFT, TPOT), and :func:`submit` sends a scheduler to a workshop tournament.
+:func:`check_my_engine` runs ``my_engine(model, tok, **options)`` on the course's workload beside the
+engine's own pieces on the same step clock: every piece plugged in, the same schedule step for step, the
+tokens of ``model.generate``, every block back. When it goes wrong, each piece's own check names the piece.
 """
 from __future__ import annotations
 
@@ -31,8 +19,8 @@ from ..core.clock import VirtualClock
 from ..engine.engine import Engine
 from ..serving.metrics import summarize
 from ..viz.schedule import first_difference
-from . import generated, guard, report, self_check
-from .capstone import PIECES, Pieces, check_piece, serve_options
+from . import generated_all, guard, report, self_check
+from .capstone import PIECES, Pieces, check_piece, serve_options, stand_in
 
 OPTIONS = dict(max_batch_size=4, block_size=4, num_blocks=32, token_budget=8)  # it preempts and chunks
 NUM_REQUESTS, MAX_NEW_TOKENS = 10, 40
@@ -52,15 +40,7 @@ def course_requests(model, tok, n: int = NUM_REQUESTS, max_new_tokens: int = MAX
             for i in range(n)]
 
 
-def generate_outputs(model, requests) -> dict:
-    """Per-prompt greedy ``model.generate`` (it stops at EOS): the ground truth."""
-    return {r.request_id: generated(model, r.prompt, r.max_new_tokens) for r in requests}
-
-
-def run(engine, requests) -> list:
-    """Every request through ``engine`` (bounded by the engine's own run loop); the records."""
-    engine.run(requests)
-    return engine.records
+generate_outputs = generated_all  # per-prompt greedy model.generate: the ground truth (notebook 12 calls it)
 
 
 def _plugged(engine, pieces: Pieces) -> str | None:
@@ -105,13 +85,13 @@ def compare(my_engine, pieces: Pieces, model, tok=None) -> dict:
     if refused:
         return {**out, "refused": refused}
     ref = Engine(model, tok, kv="paged", clock=VirtualClock(step_time=0.01), **OPTIONS)
-    ref_records = run(ref, course_requests(model, tok))
+    ref.run(course_requests(model, tok))
     try:
-        my_records = run(mine, requests)
+        mine.run(requests)
     except Exception as err:  # noqa: BLE001 -- a piece of the learner's, inside the engine
         out["error"] = f"{type(err).__name__}: {err}"
         return out
-    expected = generate_outputs(model, requests)
+    expected, ref_records, my_records = generated_all(model, requests), ref.records, mine.records
     outputs = {rid: c.output_ids for rid, c in mine.completions.items()}
     out.update(steps=len(my_records), diverges_at=first_difference(ref_records, my_records),
                tokens=outputs == {rid: c.output_ids for rid, c in ref.completions.items()},
@@ -131,18 +111,16 @@ def _build_hint(err: Exception) -> str:
     return f"my_engine(model, tok, **options) raised {said}"
 
 
-def _blame(pieces: Pieces, model, tok) -> str:
-    """Run each piece's own check; the first one that fails, with its hint."""
+def _blame(pieces: Pieces, model, tok) -> tuple[str | None, str]:
+    """Run each piece's own check: the first one that fails, with its hint (None: every piece passes)."""
     for piece in ("kv_manager", "slot_mapping", "attention", "scheduler", "update_batch"):
         obj = pieces.objects.get(piece)
-        if obj is None:
+        if obj is None or piece in pieces.course:  # the course's passes its check
             continue
         ok, said = check_piece(piece, obj, model, tok, slot_mapping=pieces.objects.get("slot_mapping"))
         if not ok:
-            return (f"your {piece.replace('_', ' ')} (notebook {PIECES[piece][0]}) fails its own check: {said}. To go "
-                    f"on meanwhile with the course's {piece} (marked as the course's): "
-                    f"capstone.pieces_from_notebooks(use_course_for=[\"{piece}\"])")
-    return "every piece passes its own check, so look at how they are put together in my_engine"
+            return piece, said
+    return None, "every piece passes its own check, so look at how they are put together in my_engine"
 
 
 _last: list = []  # the last check's (arguments, answer): the notebook's later cells ask again, and get it at once
@@ -179,18 +157,28 @@ def _check_my_engine(my_engine, pieces, model, tok=None) -> bool:
         return report(False, "", f"not done yet: no {', '.join(missing)} in notebooks "
                                  f"{' and '.join(sorted({PIECES[p][0] for p in missing}))} -- write them there, save, "
                                  "and run the cell that reads your pieces again")
-    got = compare(my_engine, pieces, model, tok)
-    if got["plugged"] is not None:
-        return report(False, "", got["plugged"])
-    if "refused" in got:
-        return report(False, "", got["refused"])
-    if "error" in got:
-        return report(False, "", f"your engine stopped: {got['error']}. {_blame(pieces, model, tok)}")
-    if not (got["generate"] and got["tokens"] and got["blocks"] and got["diverges_at"] is None):
-        what = ("its tokens differ from model.generate's" if not got["generate"] else
+    stood = {}  # catch-up: a piece of yours that fails its own check -> what it said (the course's stands in)
+    while True:
+        got = compare(my_engine, pieces, model, tok)
+        if got["plugged"] is not None or "refused" in got:
+            return report(False, "", got["plugged"] or got["refused"])
+        if "error" in got:
+            what = f"your engine stopped: {got['error']}"
+        elif not (got["generate"] and got["tokens"] and got["blocks"] and got["diverges_at"] is None):
+            what = "your engine ran the course workload, but " + (
+                "its tokens differ from model.generate's" if not got["generate"] else
                 "KV blocks were left in use" if not got["blocks"] else
                 f"its schedule parts from the engine's at step {got['diverges_at']}")
-        return report(False, "", f"your engine ran the course workload, but {what}. {_blame(pieces, model, tok)}")
+        else:
+            break
+        piece, said = _blame(pieces, model, tok)
+        if piece is None or piece in stood or not stand_in(pieces, {piece: said}) or piece not in pieces.course:
+            if piece is not None:
+                said = (f"your {piece.replace('_', ' ')} (notebook {PIECES[piece][0]}) fails its own check: {said}. "
+                        f"To go on meanwhile with the course's {piece} (marked as the course's): "
+                        f"capstone.pieces_from_notebooks(use_course_for=[\"{piece}\"])")
+            return report(False, "", f"{what}. {said}")
+        stood[piece] = said
     course = [p for p in PIECES if p in pieces.course]
     whose = ("your engine -- your KV manager, slot mapping, attention, scheduler, update and batch update --"
              if not course else f"the engine of these pieces -- yours: {', '.join(pieces.yours) or 'none'}; NOT YOURS: "
@@ -198,7 +186,9 @@ def _check_my_engine(my_engine, pieces, model, tok=None) -> bool:
     return report(True, f"{whose} served "
                         f"{got['num_requests']} requests ({got['num_tokens']} tokens, {got['preemptions']} preemptions, "
                         f"{got['chunks']} prefill chunks) step for step as the engine's own pieces do, every token equal "
-                        f"to model.generate's, every KV block back", "")
+                        f"to model.generate's, every KV block back" + "".join(
+                            f"; the course's {p} stood in for yours, which fails its own check ({said})"
+                            for p, said in stood.items()), "")
 
 
 def side_by_side(my_engine, model, tok=None) -> tuple:
@@ -211,9 +201,7 @@ def side_by_side(my_engine, model, tok=None) -> tuple:
 
 
 def serve_my_engine(module_path, *server_args):
-    """``serve`` with every piece of the module at ``module_path`` (:func:`capstone.write_module`):
-    its HTTP side in a thread of this process, its engine core in a process of its own, which imports
-    the module -- so its folder goes on ``sys.path`` and ``PYTHONPATH``. Returns the started server."""
+    """``serve`` with every piece of the module at ``module_path``, its folder importable; the started server."""
     from ..serving.server import ServerThread
 
     importable(Path(module_path).parent)
@@ -235,32 +223,29 @@ METRICS = ("tokens_per_s", "ttft_p50", "tpot_p50")  # what benchmark() summarise
 
 
 def benchmark(my_engine, model, tok=None, rounds: int = 3) -> dict:
-    """The course's metrics for your engine and the engine's own on the course workload, on wall time.
-
-    One warm-up run each (one-off costs), then ``rounds`` interleaved rounds -- yours then the engine's,
-    then the other way round -- so that a slow spell of the machine falls on both. For each engine and
-    each of :data:`METRICS`: ``{"median": ..., "min": ..., "max": ...}`` over the rounds, and ``"runs"``,
-    every round's :func:`~cbteach.serving.metrics.summarize`."""
+    """The course's metrics for your engine and the engine's own on the course workload, on wall time: a warm-up
+    each, then ``rounds`` interleaved rounds (the order flipped each round, so a slow spell falls on both). Per
+    engine and metric of :data:`METRICS`: ``{"median", "min", "max"}`` over the rounds; ``"runs"``: every round's
+    :func:`~cbteach.serving.metrics.summarize`."""
     import statistics
 
     if not (isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 1):
         raise ValueError(f"rounds must be a whole number >= 1, got {rounds!r}")
     builds = {"your engine": lambda: my_engine(model, tok, **OPTIONS),
               "the engine's own pieces": lambda: Engine(model, tok, kv="paged", **OPTIONS)}
-    names = list(builds)
-    for name in names:  # warm-up
-        builds[name]().run(course_requests(model, tok))
-    runs = {name: [] for name in names}
-    for i in range(rounds):
-        for name in (names if i % 2 == 0 else names[::-1]):
-            runs[name].append(summarize(builds[name]().run(course_requests(model, tok))))
+    runs = {name: [] for name in builds}
+    for i in range(-1, rounds):  # round -1: the warm-up (one-off costs)
+        for name in (list(builds) if i % 2 == 0 else list(builds)[::-1]):
+            done = builds[name]().run(course_requests(model, tok))
+            if i >= 0:
+                runs[name].append(summarize(done))
     results = {}
     for name, summaries in runs.items():
         results[name] = {"runs": summaries}
         for key in METRICS:
             values = [s[key] for s in summaries if s[key] is not None]
-            results[name][key] = ({"median": statistics.median(values), "min": min(values), "max": max(values)}
-                                  if values else None)
+            results[name][key] = dict(median=statistics.median(values), min=min(values), max=max(values)) if values \
+                else None
     return results
 
 

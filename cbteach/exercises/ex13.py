@@ -1,22 +1,8 @@
-"""Notebook 13: predict what tensor parallelism keeps on each rank and sends between them.
+"""Notebook 13: what tensor parallelism keeps on each rank and sends between them.
 
-The learner writes two functions and :func:`check_tp` runs them against the real thing:
-
-* ``kv_heads_of_rank(rank, world_size, num_heads, num_kv_heads)`` -- the KV heads rank ``rank``
-  holds in its pool, checked against :mod:`cbteach.parallel.shard`'s layout (the one the worker
-  processes really build) on common shapes, grouped-query attention with fewer KV heads than
-  ranks included;
-* ``all_reduce_bytes(num_layers, num_tokens, hidden_size, dtype_bytes, world_size)`` -- the bytes one
-  rank **sends** over the links in one step's all-reduces when NCCL's ring runs them over
-  ``world_size`` ranks. Checked at 2, 4 and 8 ranks, on the tensors a real two-process run
-  all-reduced (the runner's ``comm_log``: its forward hooks count every all-reduce and the size of
-  the tensor it sums) and on a second model shape (5 layers, hidden size 96, 2-byte floats), so that
-  different mistakes give different numbers; the truth is the simulator's own formula
-  (:func:`cbteach.sim.cost.ring_all_reduce_bytes`: ``2 (N - 1) / N`` of the tensor per rank).
-
-A wrong answer gets a hint naming the idea it missed, never the right value. The real layout and
-the simulator's formula are what the check compares with, so an answer that is or calls ``Layout``'s
-head methods or ``ring_all_reduce_bytes`` is refused (:mod:`cbteach.exercises.guard`).
+``kv_heads_of_rank`` is compared with :mod:`cbteach.parallel.shard`'s layout, ``all_reduce_bytes`` with the
+ring's bytes per rank on a real two-process run's all-reduces and a second shape; a wrong answer is named by
+the typical mistake whose formula gives it. An answer that is or calls what it is compared with is refused.
 """
 from __future__ import annotations
 
@@ -29,11 +15,6 @@ from . import guard, report, self_check
 
 # (num_heads, num_kv_heads, world_size): bierce and the course's tiny models, and real shapes.
 SHAPES = [(6, 2, 2), (4, 2, 2), (4, 1, 2), (8, 2, 4), (8, 8, 4), (32, 8, 8), (64, 8, 16), (32, 8, 2)]
-
-
-def _layout(heads: int, kv: int, world: int) -> Layout:
-    return Layout(arch="llama", world_size=world, num_heads=heads, num_kv_heads=kv, head_dim=8, hidden_size=8 * heads,
-                  intermediate_size=16 * world, num_layers=1)
 
 
 def _kv_hint(got, truth, rank, heads, kv, world) -> str:
@@ -118,10 +99,8 @@ def _bytes_hint(answers, cases) -> str:
 @self_check
 def check_tp(kv_heads_of_rank, all_reduce_bytes, comm_log, *, num_layers: int, hidden_size: int,
              dtype_bytes: int = 4, world_size: int = 2) -> bool:
-    """Check ``kv_heads_of_rank`` on :data:`SHAPES` against the real layout, and ``all_reduce_bytes``
-    at 2, 4 and 8 ranks on the tensors of ``comm_log`` -- a real tensor-parallel run's per-step counts
-    (``runner.comm_log``; the run's ``num_layers``, ``hidden_size``, ``dtype_bytes``) -- and on
-    :data:`SECOND_SHAPE`. Prints a line each; ``True`` when both are right."""
+    """``kv_heads_of_rank`` on :data:`SHAPES` against the real layout, ``all_reduce_bytes`` at 2, 4 and 8 ranks on
+    ``comm_log``'s tensors (a real run's) and on :data:`SECOND_SHAPE`; a line each, ``True`` when both are right."""
     if not callable(kv_heads_of_rank) or not callable(all_reduce_bytes):
         return report(False, "", "pass your two functions (not their results): check_tp(kv_heads_of_rank, "
                                  "all_reduce_bytes, runner.comm_log, ...)")
@@ -134,26 +113,24 @@ def check_tp(kv_heads_of_rank, all_reduce_bytes, comm_log, *, num_layers: int, h
 
 
 def _check(kv_heads_of_rank, all_reduce_bytes, comm_log, num_layers, hidden_size, dtype_bytes, world_size) -> bool:
-    ok = True
+    wrong = None
     for heads, kv, world in SHAPES:
-        layout = _layout(heads, kv, world)
+        layout = Layout(arch="llama", world_size=world, num_heads=heads, num_kv_heads=kv, head_dim=8,
+                        hidden_size=8 * heads, intermediate_size=16 * world, num_layers=1)
         for rank in range(world):
-            truth = list(layout.kv_heads(rank))
-            got = kv_heads_of_rank(rank, world, heads, kv)
+            truth, got = list(layout.kv_heads(rank)), kv_heads_of_rank(rank, world, heads, kv)
             if got is None or isinstance(got, (str, float)):
                 return report(False, "", f"kv_heads_of_rank returned {got!r}: return the list of KV head indices "
                                          "the rank holds, e.g. [0] or [2, 3]")
             got = list(got) if not isinstance(got, int) else [got]
             if got != truth:
-                ok = report(False, "", f"kv_heads_of_rank({rank}, world_size={world}, num_heads={heads}, "
-                                       f"num_kv_heads={kv}) returned {got}: "
-                                       + _kv_hint(got, truth, rank, heads, kv, world))
+                wrong = (f"kv_heads_of_rank({rank}, world_size={world}, num_heads={heads}, num_kv_heads={kv}) "
+                         f"returned {got}: " + _kv_hint(got, truth, rank, heads, kv, world))
                 break
-        if not ok:
+        if wrong:
             break
-    if ok:
-        report(True, f"kv_heads_of_rank: every rank of {len(SHAPES)} shapes holds the KV heads the real layout gives "
-                     "it (replicated when there are fewer KV heads than ranks)", "")
+    ok = report(wrong is None, f"kv_heads_of_rank: every rank of {len(SHAPES)} shapes holds the KV heads the real "
+                               "layout gives it (replicated when there are fewer KV heads than ranks)", wrong)
     try:
         params = inspect.signature(all_reduce_bytes).parameters.values()
         arity = 5 if any(p.kind is p.VAR_POSITIONAL for p in params) else len(params)

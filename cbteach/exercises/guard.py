@@ -1,8 +1,7 @@
-"""Is a learner's piece the course's own? A piece that *is* the engine's (``my_attention = default_attention``, a
-``partial`` or ``functools.wraps`` wrapper of it, a class that inherits the method), calls ``super().<the same
-method>``, or calls the engine's function for that piece by name (``return paged.default_attention(...)``) is
-refused with the course's piece named: the check would compare the engine with itself. Read from the source,
-nothing hooked. Deliberate copying (the course's code pasted, or reached through a helper) is not policed.
+"""Is a learner's piece the course's own? One that *is* the engine's (or a wrapper of it), inherits it, calls
+``super()``'s, or calls the engine's function for that piece by name is refused with the course's piece
+named: the check would compare the engine with itself. Read from the source, nothing hooked. Deliberate
+copying is not policed.
 """
 from __future__ import annotations
 

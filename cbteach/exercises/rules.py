@@ -1,17 +1,8 @@
 """The rules a scheduler is held to, each checked where it can be broken, and the hint for each.
 
-:func:`~cbteach.exercises.scheduler_check.watched` calls these from inside the learner's class:
-:func:`check_admission` and :func:`check_preemption` the moment ``admit``/``preempt`` is called,
-:func:`check_plan` when ``schedule`` returns (the update's rules, checked when ``update_from_output``
-returns, are :mod:`cbteach.exercises.update_rules`). A broken rule raises :class:`SchedulerMistake` with a hint that names the misconception
-and where it showed -- never the engine's choice or a value.
-
-Two sets: the **safety** rules keep any engine correct whatever its policy (a plan within the token
-budget and the batch, room from ``allocate_slots`` before every chunk, nobody admitted before
-arriving or planned twice, no blocks held by a request that left the batch -- the tournament's
-rules); the **exercise** rules are vLLM V1's as notebook 06 teaches them (running requests first and
-in order, the policy's order and victim, no admission in a step that preempted). Hints depend on
-the stage: stage 1 has no memory limit and no budget, so its hints speak of neither.
+The **safety** rules keep any engine correct (the tournament's); the **exercise** rules are vLLM V1's as
+notebook 06 teaches them. A broken rule raises :class:`SchedulerMistake` naming the misconception, never
+a value; hints are worded for the stage (stage 1 has no memory limit and no budget).
 """
 from __future__ import annotations
 

@@ -1,30 +1,9 @@
-"""Run a learner's scheduler inside the real engine and watch it: the harness behind notebook 06's
-checks and the scheduler tournament.
+"""Run a learner's scheduler inside the real engine and watch it: notebook 06's checks and the tournament.
 
-The learner subclasses :class:`~cbteach.engine.scheduler.Scheduler` and writes ``schedule(now)``
-(and, in notebook 06's stage 5, ``update_from_output``). This module plugs that class into an
-:class:`~cbteach.engine.engine.Engine` (``scheduler_cls=``) and runs it on a :class:`Workload`,
-beside the engine's own scheduler, so the two runs can be compared step by step
-(``engine.records``). Three things make that comparison fair and safe:
-
-* **a step clock** (:class:`~cbteach.core.clock.VirtualClock` with ``step_time=1``): time moves one
-  unit per forward step, so a request that "arrives at 3.5" arrives after the same step on every
-  machine, in both runs;
-* **a watched subclass** (:func:`watched`): the learner's class is subclassed once more, and every
-  rule is checked where it can be broken (:mod:`cbteach.exercises.rules`) -- the moment a request is
-  admitted or preempted, when ``schedule`` returns its plan, when ``update_from_output`` returns --
-  so the run stops with a :class:`SchedulerMistake` naming the misconception, before the damage
-  spreads. Its queue and KV manager are watched too: a loop that walks ``self.waiting`` while
-  ``admit`` removes from it, and a chunk planned without room from ``allocate_slots``, are seen;
-* **a bound on each step**: a ``schedule`` that calls its queue, running list or KV manager more than
-  :data:`~cbteach.exercises.watchers.MAX_CALLS` times never returns, and is stopped.
-
-The watchers themselves are in :mod:`cbteach.exercises.watchers`; a scheduler that is or calls the
-engine's own scheduling is refused before it runs (:mod:`cbteach.exercises.guard`).
-
-``rules_="exercise"`` checks vLLM V1's rules as notebook 06 teaches them (the order of the loops, the
-policy's order and victim); ``rules_="safety"`` only the rules that keep any engine correct, whatever
-its policy -- what the tournament enforces.
+A :class:`Workload` runs on a step clock (the same on every machine), with the learner's class subclassed
+once more by :func:`watched`, which checks every rule where it can be broken (:mod:`.rules`,
+:mod:`.watchers`): ``rules_="exercise"`` vLLM V1's as notebook 06 teaches them, ``"safety"`` only what keeps
+any engine correct.
 """
 from __future__ import annotations
 

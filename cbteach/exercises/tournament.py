@@ -1,14 +1,8 @@
 """The scheduler tournament: ``python -m cbteach tournament DIR`` ranks a room's schedulers.
 
-Every ``*.py`` file in ``DIR`` defines ``MyScheduler`` (a :class:`~cbteach.engine.scheduler.Scheduler`
-subclass, as notebook 06 asks). Each runs in the real engine on the same trace -- Poisson arrivals,
-short and long prompts, mixed output lengths, a token budget and a pool too small for everyone -- on
-the engine's simulated clock, so every machine gets the same table (:mod:`cbteach.exercises.tournament_core`).
-The policy is free; the rules that keep an engine correct are not: a scheduler that breaks one is
-disqualified with the rule's hint, the others are ranked by goodput under TTFT and TPOT targets, in
-a table and a plot (``--plot``). ``--serve`` is the instructor's variant: learners submit their files
-over HTTP and the board is shown at ``/`` (:mod:`cbteach.exercises.tournament_server`,
-notebooks/INSTRUCTOR.md).
+Every ``*.py`` file in ``DIR`` defines ``MyScheduler``; each runs on the same trace on a simulated clock
+(:mod:`.tournament_core`), rule-breakers are disqualified, the rest ranked by goodput. ``--serve`` takes
+submissions over HTTP (:mod:`.tournament_server`).
 """
 from __future__ import annotations
 

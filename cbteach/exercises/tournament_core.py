@@ -1,25 +1,9 @@
 """The scheduler tournament itself: one trace, every entrant in the real engine, the rules, the ranking.
 
-Every ``*.py`` file in ``DIR`` defines ``MyScheduler`` (a :class:`~cbteach.engine.scheduler.Scheduler`
-subclass, as notebook 06 asks). Each runs in the real :class:`~cbteach.Engine` on the same
-:class:`Trace` -- Poisson arrivals, short and long prompts, mixed output lengths, a token budget and
-a pool too small for everyone -- on the engine's simulated clock
-(:class:`~cbteach.core.clock.VirtualClock` with a step cost that grows with the step's tokens), so
-every machine gets the same result.
-
-The policy is free: admission order, victims, chunk sizes, shortest-first, priorities. The rules
-that keep an engine correct are not (:mod:`cbteach.exercises.rules`, ``rules_="safety"``, and the
-engine's own :class:`~cbteach.engine.plug.RuleGuard`): a plan within the token budget and the batch
-size, room from ``allocate_slots`` before every chunk, nobody admitted before arriving or planned
-twice, no blocks held by a request that left the batch, every request finished, every block back,
-and every request's tokens equal to per-prompt ``model.generate``'s. A scheduler that breaks one is
-**disqualified** with the rule's hint; the others are **ranked by goodput** -- requests per
-simulated second that met both latency targets (TTFT and TPOT, DistServe's measure) -- in a table
-and a plot (:mod:`cbteach.viz.tournament`). The engine's own scheduler (vLLM V1's rules) runs too,
-as the baseline to beat.
-
-The command line is :mod:`cbteach.exercises.tournament`; the instructor's variant, which takes
-submissions over HTTP, is :mod:`cbteach.exercises.tournament_server`.
+Entrants run on the same :class:`Trace` on a simulated clock, so every machine gets the same result. The
+policy is free; the safety rules (:mod:`.rules`) are not, nor are every block back and every token equal to
+``model.generate``'s: a rule-breaker is disqualified with the rule's hint, the rest ranked by goodput
+(requests per simulated second meeting the TTFT and TPOT targets). The engine's own scheduler is the baseline.
 """
 from __future__ import annotations
 
@@ -199,9 +183,8 @@ def _final_rules(eng, expected: dict) -> SchedulerMistake | None:
 
 def run_tournament(entrants: dict, model, trace: Trace = Trace(), baseline: bool = True,
                    progress: bool = False) -> list[Entry]:
-    """Run every entrant (``{name: class or reason}``) and the engine's own scheduler; returns the
-    entries ranked by goodput (best first; ties by mean TTFT, then name), disqualified ones last.
-    ``progress``: a progress bar on stderr (the reference outputs, then one tick per entrant)."""
+    """Every entrant (``{name: class or reason}``) and the engine's own scheduler, :func:`ranked`;
+    ``progress``: a progress bar on stderr."""
     from tqdm.auto import tqdm
 
     field_ = dict(entrants)
@@ -216,12 +199,17 @@ def run_tournament(entrants: dict, model, trace: Trace = Trace(), baseline: bool
             bar.set_postfix_str(name)
             entries.append(run_entry(name, cls, model, trace, expected))
             bar.update()
-    ranked = sorted((e for e in entries if e.disqualified is None),
-                    key=lambda e: (-(e.goodput or 0.0), e.ttft_mean if e.ttft_mean is not None else float("inf"),
-                                   e.name))
-    for i, e in enumerate(ranked, 1):
-        e.rank = i
-    return ranked + sorted((e for e in entries if e.disqualified is not None), key=lambda e: e.name)
+    return ranked(entries)
+
+
+def ranked(entries: list[Entry]) -> list[Entry]:
+    """``entries`` ranked by goodput (best first; ties by mean TTFT, then name), the disqualified last, unranked."""
+    good = sorted((e for e in entries if e.disqualified is None),
+                  key=lambda e: (-(e.goodput or 0.0), e.ttft_mean if e.ttft_mean is not None else float("inf"), e.name))
+    bad = sorted((e for e in entries if e.disqualified is not None), key=lambda e: e.name)
+    for i, e in enumerate(good + bad, 1):
+        e.rank = i if e.disqualified is None else None
+    return good + bad
 
 
 def table(entries: list[Entry], trace: Trace) -> str:

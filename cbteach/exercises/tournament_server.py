@@ -1,18 +1,7 @@
-"""The tournament over the workshop's network: learners submit schedulers, the room watches the board.
-
-``CBTEACH_API_KEY=<key> python -m cbteach tournament DIR --serve --host 0.0.0.0`` (needs
-``cbteach[serve]``) serves
-
-* ``POST /submit`` -- ``{"name": ..., "source": ...}`` with ``Authorization: Bearer <key>``: the file
-  is saved as ``DIR/<name>.py`` (a new submission under the same name replaces the old), run at once
-  on the trace, and the answer is its entry -- its goodput and rank, or why it was disqualified;
-* ``GET /`` -- the leaderboard, a page that refreshes itself (project it);
-  ``GET /leaderboard.json`` and ``GET /plot.png`` -- the same as data and as the figure.
-
-A submission is Python that runs on the instructor's machine, so the key is always required (there
-is no open mode), names are plain (letters, digits, ``-`` and ``_``), sources are capped at 64 KiB, and
-entrants run one at a time. Use it on a room's network you trust. Learners submit with
-:func:`cbteach.exercises.ex12.submit`.
+"""The tournament over a workshop's network: ``POST /submit`` (``{"name", "source"}``, with
+``Authorization: Bearer <CBTEACH_API_KEY>``) saves and runs a scheduler at once; ``GET /`` shows the board
+(also ``/leaderboard.json``, ``/plot.png``). Submissions are code run on the instructor's machine: the key is
+always required, names are plain, sources capped; use it on a network you trust.
 """
 from __future__ import annotations
 
@@ -25,7 +14,7 @@ import secrets
 import threading
 from pathlib import Path
 
-from .tournament_core import BASELINE, Trace, load_scheduler, generate_outputs, run_entry, table
+from .tournament_core import BASELINE, Trace, generate_outputs, load_scheduler, ranked, run_entry, table
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,40}$")
 MAX_SOURCE = 64 * 1024
@@ -67,15 +56,7 @@ class Board:
 
     def entries(self) -> list:
         """Every entrant and the baseline, ranked (ranks are given afresh each time)."""
-        everyone = [e for _, e in self.results.values()] + [self.baseline]
-        ranked = sorted((e for e in everyone if e.disqualified is None),
-                        key=lambda e: (-(e.goodput or 0.0), e.ttft_mean or 0.0, e.name))
-        for i, e in enumerate(ranked, 1):
-            e.rank = i
-        out = sorted((e for e in everyone if e.disqualified is not None), key=lambda e: e.name)
-        for e in out:
-            e.rank = None
-        return ranked + out
+        return ranked([e for _, e in self.results.values()] + [self.baseline])
 
 
 def _row(e) -> dict:

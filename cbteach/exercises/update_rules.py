@@ -1,13 +1,6 @@
-"""The rules of ``update_from_output`` (notebook 06, stage 5), checked when it returns, and their hints.
-
-After the forward pass, for each planned sequence: rejected speculative guesses taken back (and the
-blocks that held only them), the sampled tokens appended with their times, the stop rules checked
-after each (``stop_reason``: EOS unless ``ignore_eos``, ``stop_token_ids``, ``max_new_tokens``), and a
-finished request out of ``running``, marked finished, its blocks freed *after* its last token is
-recorded, and returned. :func:`check_update` compares what the learner's update did with what those
-rules say, sequence by sequence, and raises :class:`~cbteach.exercises.rules.SchedulerMistake` with
-the hint for the first rule broken. (It reads the watched KV manager's record of each ``free``:
-:class:`~cbteach.exercises.watchers.KVWatch`.)
+"""The rules of ``update_from_output`` (notebook 06, stage 5), checked when it returns, and their hints:
+tokens appended with their times, the stop rules after each, a finished request out of ``running`` and its
+blocks freed after its last token, rejected speculative guesses taken back.
 """
 from __future__ import annotations
 

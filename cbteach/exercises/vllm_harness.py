@@ -1,25 +1,8 @@
 """The stage vLLM's own scheduler tests play on, rebuilt around cbteach's scheduler interface.
 
-vLLM V1 tests its scheduler alone: no model, no runner -- a test adds requests, calls ``schedule()``,
-makes up the model's output (``ModelRunnerOutput``) and calls ``update_from_output``, then asserts on
-the message and the requests (``tests/v1/core/test_scheduler.py`` and its helpers in
-``tests/v1/core/utils.py``: ``create_scheduler``, ``create_requests``, ``EOS_TOKEN_ID``). This module is
-the same stage for a cbteach scheduler class -- the learner's, or the engine's own:
-
-* :class:`Harness` builds the scheduler as ``create_scheduler`` does (16 sequences, a budget of 8,192
-  tokens, 10,000 blocks of 16 -- one of them vLLM's null block, so 9,999 usable here) on the course's
-  :class:`~cbteach.kv.manager.KVCacheManager`, and requests as ``create_requests`` does (ids ``"0"``,
-  ``"1"``...; request ``i``'s prompt is ``num_tokens`` copies of ``i``);
-* :meth:`Harness.update` plays the model runner and the engine core: it hands the scheduler a
-  :class:`~cbteach.core.outputs.RunnerOutput` with the tokens a test makes up (vLLM's ``[]``, "no token
-  for a prefill chunk", is ``None`` here), then forgets the requests that finished, as the engine does;
-* :meth:`Harness.update_draft_token_ids` gives guesses as the engine's proposer does
-  (:func:`cbteach.engine.speculative.propose_for`): to a decoding request only -- since vLLM's fix, V1's
-  ``update_draft_token_ids`` also ignores a prefill chunk's;
-* :func:`expect` is an assertion that quotes vLLM's: a failure says what vLLM asserts, in V1's words,
-  and what the scheduler under test gave.
-
-A scheduler that is or calls the engine's own scheduling is noted (:mod:`.guard`): its results are the engine's.
+:class:`Harness` builds a scheduler and requests as vLLM's ``tests/v1/core/utils.py`` does, plays the model
+runner and the engine core (made-up outputs, ``None`` for vLLM's "no token"), and :func:`expect` is an
+assertion that quotes vLLM's in V1's words.
 """
 from __future__ import annotations
 
@@ -84,8 +67,9 @@ class Harness:
             out.append(Sequence(request=request, prompt_ids=list(prompt), arrival_time=at))
         return out
 
-    def add_request(self, seq: Sequence) -> None:
-        self.scheduler.add(seq)
+    def add_request(self, *seqs: Sequence) -> None:
+        for seq in seqs:
+            self.scheduler.add(seq)
 
     def finish_requests(self, seq: Sequence) -> None:
         """V1's ``finish_requests(id, FINISHED_...)``: the request ends where it is, its blocks freed."""
@@ -123,10 +107,8 @@ class Harness:
                 seq.draft_ids = list(drafts)
 
     def running_after_schedule(self, seqs, spec: dict) -> SchedulerOutput:
-        """``test_stop_via_update_from_output``'s set-up: every request running, all its known tokens
-        computed, and a message scheduling its last token plus its guesses ``spec[id]``. V1 writes the
-        message by hand and sets ``num_computed_tokens = num_tokens``; cbteach counts a step's tokens as
-        computed when it is planned (``update_after_schedule``), with their KV room -- so here they are."""
+        """``test_stop_via_update_from_output``'s set-up: every request running, its last token and guesses
+    ``spec[id]`` scheduled (counted as computed, with their room, as cbteach's ``update_after_schedule`` does)."""
         ids, starts, counts = [], [], {}
         for seq in seqs:
             seq.status = RequestStatus.RUNNING

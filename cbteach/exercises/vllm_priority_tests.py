@@ -1,14 +1,6 @@
-"""vLLM's priority-scheduling tests, ported (see :mod:`cbteach.exercises.vllm_scheduler_tests`).
-
-From ``tests/v1/core/test_scheduler.py`` at vllm-project/vllm@003df29: the scheduler is made as its
-``create_scheduler_with_priority`` makes one (the ``priority`` policy; 16 sequences, 8,192 tokens,
-10,000 blocks of 16, no prefix caching) and requests as ``create_requests_with_priority`` does
-(priorities and arrival times given; a smaller number is more urgent, ties go to the earlier arrival).
-``test_priority_scheduling_preemption_and_resumption_when_out_of_kv`` runs without its KV and EC
-connectors (they find nothing to load there) and keeps the assertions of V1's default model runner;
-V1 marks the resumed request in the message (``resumed_req_ids``) and sends its token ids
-(``all_token_ids``); so does cbteach's message, and the request starts again at token 0 and feeds all
-32 tokens to recompute its K/V.
+"""vLLM's priority-scheduling tests, ported (see :mod:`.vllm_scheduler_tests`): the scheduler made as
+``create_scheduler_with_priority`` makes one (a smaller number is more urgent, ties go to the earlier arrival).
+The preemption-and-resumption test runs without its KV and EC connectors.
 """
 from __future__ import annotations
 
@@ -23,8 +15,7 @@ def _priority(cls, **kwargs) -> Harness:
 def _order_case(cls, priorities, arrival_times, want):
     h = _priority(cls)
     requests = h.create_requests(len(priorities), priorities=priorities, arrival_times=arrival_times)
-    for request in requests:
-        h.add_request(request)
+    h.add_request(*requests)
     output = h.schedule()
     expect(f"len(output.scheduled_new_reqs) == {len(want)}", len(output.scheduled_new_reqs), len(want),
            "should schedule all requests since they fit in budget")
@@ -72,8 +63,7 @@ def test_priority_scheduling_preemption(cls):
 def test_priority_scheduling_no_preemption_when_space_available(cls):
     h = _priority(cls, max_num_seqs=3, max_num_batched_tokens=200)
     low = h.create_requests(2, num_tokens=30, priorities=[5, 5], arrival_times=[1.0, 2.0], req_ids=["lo1", "lo2"])
-    for request in low:
-        h.add_request(request)
+    h.add_request(*low)
     output = h.schedule()
     h.update(output, {"lo1": [100], "lo2": [100]})
     (high,) = h.create_requests(1, num_tokens=30, priorities=[0], arrival_times=[3.0], req_ids=["hi1"])
@@ -87,8 +77,7 @@ def test_priority_scheduling_no_preemption_when_space_available(cls):
 def _one_slot_case(cls, priorities, arrival_times, first, waiting_ids, max_num_seqs=1, max_num_batched_tokens=8192):
     h = _priority(cls, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     requests = h.create_requests(len(priorities), priorities=priorities, arrival_times=arrival_times)
-    for request in requests:
-        h.add_request(request)
+    h.add_request(*requests)
     output = h.schedule()
     expect(f"len(output.scheduled_new_reqs) == {len(first)}", len(output.scheduled_new_reqs), len(first))
     expect(f"scheduled request ids == {first}", sorted(r.req_id for r in output.scheduled_new_reqs), sorted(first))
@@ -119,8 +108,7 @@ def test_priority_scheduling_heap_property(cls):
     h = _priority(cls, max_num_seqs=1)
     requests = h.create_requests(len(priorities), priorities=priorities,
                                  arrival_times=[float(i) for i in range(len(priorities))])
-    for request in requests:
-        h.add_request(request)
+    h.add_request(*requests)
     scheduled = []
     for _ in range(4 * len(priorities)):  # `while scheduler.waiting:`, bounded
         if not len(h.scheduler.waiting):

@@ -1,46 +1,25 @@
 """vLLM's own scheduler tests, as a check of any cbteach scheduler: "your scheduler passes N of vLLM's M".
 
-Ported from vLLM V1's ``tests/v1/core/test_scheduler.py`` at vllm-project/vllm@003df29
-(:data:`~cbteach.exercises.vllm_harness.VLLM_COMMIT`): each test keeps vLLM's scenario -- its requests,
-sizes, made-up model outputs -- and its assertions, quoted in V1's words when one fails; the code is
-cbteach's (:mod:`cbteach.exercises.vllm_harness` is the stage). Where V1 and cbteach name a thing
-differently the quote says what it is here (``FINISHED_LENGTH_CAPPED`` is ``finish_reason == "length"``).
-The priority tests are in :mod:`cbteach.exercises.vllm_priority_tests`.
+Ported from vLLM V1's ``tests/v1/core/test_scheduler.py`` at vllm-project/vllm@003df29: each test keeps
+vLLM's scenario and assertions, quoted in V1's words when one fails, on :mod:`.vllm_harness`'s stage.
+Ported (25, each parametrization counted): ``test_schedule`` (prefix caching off and on),
+``test_schedule_order`` (chunked prefill on), ``test_stop_via_update_from_output``,
+``test_schedule_spec_decoding_stats`` (6 cases), ``test_no_spec_tokens_scheduled_for_prefill_chunks``,
+``test_spec_decode_padding_skipped_for_diffusion``, ``test_memory_leak``, and twelve priority tests
+(:mod:`.vllm_priority_tests`).
 
-Ported (25, counting each parametrization as vLLM's pytest does): ``test_schedule`` (without and with
-prefix caching), ``test_schedule_order`` (chunked prefill on), ``test_stop_via_update_from_output``,
-``test_schedule_spec_decoding_stats`` (6 cases: its counts come from the message and from how far
-``num_computed_tokens`` moves, not from V1's stats object), ``test_no_spec_tokens_scheduled_for_prefill_chunks``,
-``test_spec_decode_padding_skipped_for_diffusion`` (its scheduler pads nothing, as cbteach's never
-does: a prompt whose blocks are all cached but its last token feeds that one token), ``test_memory_leak``,
-and the twelve priority tests.
-
-Left out, and why:
-
-* ``test_add_requests``, ``test_finish_request``, ``test_get_num_unfinished_requests`` -- bookkeeping a
-  learner's scheduler inherits (``add``, ``abort``), never writes;
-* ``test_schedule_order`` with chunked prefill off, ``test_schedule_concurrent_partial_requests``
-  (``long_prefill_token_threshold``), ``test_schedule_prefills_gating`` and the ``test_throttle_*``
-  tests (data-parallel prefill throttling), ``test_schedule_skip_tokenizer_init`` (test_schedule's
-  scenario under a V1 option) -- options cbteach does not have: it always chunks;
-* ``test_schedule_concurrent_batches``, ``test_preempt_during_execution``,
-  ``test_async_scheduling_pp_allows_rescheduling_with_output_placeholders`` -- two steps planned before
-  the first's output (pipeline parallelism): cbteach plans ahead only under async scheduling, whose
-  placeholders its engine keeps, not its scheduler;
-* ``test_spec_decoding_stats_empty_output`` -- an empty token list for a decode: cbteach's runner
-  reports a failure as ``output.errors[i]`` instead; ``test_spec_decode_padding_first_decode_step``
-  and ``..._skipped_with_prefill_in_batch`` -- V1 pads guesses for uniform batch shapes, cbteach never;
-* ``test_check_stop_min_tokens`` -- no ``min_tokens`` here; ``test_scheduler_reset_prefix_cache``,
-  the ``test_prefix_cache_*`` stats tests and ``test_scheduler_stats_*`` -- counters and a reset that
-  belong to V1's KV manager and front end;
-* everything multimodal, encoder-cache, encoder-decoder, structured-output (grammar), EAGLE,
-  Mamba/hybrid, KV-connector and EC-connector (remote KV, ``skipped_waiting``) -- machinery the course's
-  engine does not have; ``test_cached_request_data_resumed_all_token_ids_mrv1_only`` -- it calls V1's
-  private ``_make_cached_request_data`` and toggles V1's two model runners (cbteach's message does
-  send a resumed request's ``all_token_ids``).
-
-The file holds no test of two identical prompts admitted in one step (their prefix hit): cbteach's
-own checks cover it (notebook 06, stage 3; ``tests/test_prefix_caching.py``).
+Left out, and why: ``test_add_requests``, ``test_finish_request``, ``test_get_num_unfinished_requests`` --
+bookkeeping a learner inherits; ``test_schedule_order`` without chunked prefill,
+``test_schedule_concurrent_partial_requests``, ``test_schedule_prefills_gating``, ``test_throttle_*``,
+``test_schedule_skip_tokenizer_init`` -- V1 options cbteach lacks; ``test_schedule_concurrent_batches``,
+``test_preempt_during_execution``, ``test_async_scheduling_pp_allows_rescheduling_with_output_placeholders``
+-- pipeline parallelism's two plans in flight; ``test_spec_decoding_stats_empty_output`` (cbteach reports a
+failure in ``output.errors``), ``test_spec_decode_padding_first_decode_step`` and
+``..._skipped_with_prefill_in_batch`` (cbteach never pads guesses); ``test_check_stop_min_tokens`` (no
+``min_tokens``); ``test_scheduler_reset_prefix_cache``, ``test_prefix_cache_*`` and ``test_scheduler_stats_*``
+-- V1's KV manager's counters; multimodal, encoder, structured-output, EAGLE, Mamba and connector tests, and
+``test_cached_request_data_resumed_all_token_ids_mrv1_only`` (V1's private runner switch) -- machinery the
+course's engine does not have.
 """
 from __future__ import annotations
 
@@ -55,8 +34,7 @@ from .vllm_harness import EOS_TOKEN_ID, VLLM_COMMIT, VLLM_FILE, Harness, VLLMAss
 def test_schedule(cls, enable_prefix_caching):
     h = Harness(cls, enable_prefix_caching=enable_prefix_caching)
     requests = h.create_requests(num_requests=10)
-    for request in requests:
-        h.add_request(request)
+    h.add_request(*requests)
     output = h.schedule()
     expect("len(output.scheduled_new_reqs) == len(requests)", len(output.scheduled_new_reqs), len(requests))
     expect("output.scheduled_cached_reqs.num_reqs == 0", len(output.scheduled_cached_reqs.req_ids), 0)
@@ -73,8 +51,7 @@ def test_schedule_order(cls):
     h = Harness(cls, max_num_batched_tokens=1024, max_num_seqs=3)
     requests = h.create_requests(2, num_tokens=800, req_ids=["1", "2"])  # long requests
     requests += h.create_requests(2, num_tokens=10, req_ids=["3", "4"])  # short requests
-    for request in requests:
-        h.add_request(request)
+    h.add_request(*requests)
     output = h.schedule()
     expect("len(scheduler_output1.scheduled_new_reqs) == 2", len(output.scheduled_new_reqs), 2,
            "with chunked prefill, long requests will be chunked")
@@ -138,8 +115,7 @@ def test_schedule_spec_decoding_stats(cls, spec_tokens, output_tokens, expected)
     h = Harness(cls)
     requests = h.create_requests(num_requests=len(spec_tokens), num_tokens=1)
     req_ids = h.ids(requests)
-    for request in requests:
-        h.add_request(request)
+    h.add_request(*requests)
     output = h.schedule()  # a decode, which will also draft speculative tokens
     expect("len(output.scheduled_new_reqs) == len(requests)", len(output.scheduled_new_reqs), len(requests))
     expect("output.total_num_scheduled_tokens == len(requests)", output.total_num_scheduled_tokens, len(requests))

@@ -1,14 +1,6 @@
-"""The watchers notebook 06's harness wraps around a learner's scheduler (:mod:`cbteach.exercises.scheduler_check`).
-
-Each stands in for one thing the scheduler touches and behaves exactly like it, but notices one
-mistake the moment it happens, while the evidence is still there:
-
-* :class:`QueueWatch` -- the waiting queue: was it changed while a loop walked it?
-* :class:`RunningWatch` -- the running list: did removing a request make a loop skip the next one?
-* :class:`KVWatch` -- the KV manager: what room was granted or refused this step, and what each
-  ``free`` saw (read by :mod:`cbteach.exercises.update_rules`).
-
-Each counts the calls one ``schedule`` makes on it: past :data:`MAX_CALLS` the step is a loop that never ends.
+"""The watchers :func:`.scheduler_check.watched` wraps around a learner's scheduler: the waiting queue
+(changed while walked?), the running list (a request skipped after a removal?) and the KV manager (this step's
+grants, refusals and frees). Each counts one ``schedule``'s calls: past :data:`MAX_CALLS` it never ends.
 """
 from __future__ import annotations
 
@@ -40,6 +32,8 @@ class QueueWatch:
         self.queue, self.version, self.strict = queue, 0, strict  # strict: the exercise's rule, not only safety
 
     def __getattr__(self, name):
+        if name in ("add", "remove", "readd_preempted"):  # the queue is about to change
+            self.version += 1
         return getattr(self.queue, name)
 
     def __len__(self):
@@ -56,19 +50,6 @@ class QueueWatch:
             if self.strict and self.version != version:  # a plain list iterator would now skip a request
                 raise SchedulerMistake(hint("walked_waiting", None))
             yield seq
-
-    def _changed(self, method, seq):
-        self.version += 1
-        return method(seq)
-
-    def add(self, seq):
-        return self._changed(self.queue.add, seq)
-
-    def remove(self, seq):
-        return self._changed(self.queue.remove, seq)
-
-    def readd_preempted(self, seq):
-        return self._changed(self.queue.readd_preempted, seq)
 
 
 class RunningWatch(list):

@@ -1,27 +1,15 @@
-"""Where notebook 12 finds the learner's notebooks 05 and 06, how it tells them from the course's, and
-how it reads the pieces out of them (:func:`cells`).
+"""Where notebook 12 finds the learner's notebooks 05, 06 and 06b, and how it reads the pieces out of them.
 
-Notebook 12 runs *your* pieces, so it reads them from the notebooks you wrote them in. It looks, in
-this order (:func:`search_folders`), and takes each notebook from the first folder that holds it:
-
-1. the current folder -- where Jupyter, JupyterLab and VS Code start a notebook's kernel (the
-   notebook's own folder), and ``/content`` on Colab, where the Files pane's uploads land;
-2. the running notebook's own folder, where the front end says it is (Jupyter's ``JPY_SESSION_NAME``,
-   VS Code's ``__vsc_ipynb_file__``), if that is another folder;
-3. on Colab, Google Drive once it is mounted at ``/content/drive``: ``MyDrive/Colab Notebooks`` (where
-   *File > Save a copy in Drive* puts ``Copy of 05_paged_kv_cache.ipynb``), ``MyDrive`` itself, and
-   every folder one level under ``MyDrive`` (say ``MyDrive/cbteach``).
-
-A notebook counts if its name is ``05_*.ipynb`` (or ``06_*``, ``06b_*``), ``Copy of 05_*.ipynb`` included; of
-several in one folder, the one saved last. The course's own notebooks (``notebooks/`` in a checkout,
-the copy inside the installed package) are never searched: they hold the solutions. Only
-``use_course_solutions=True`` reads them, and then every line says so. A piece whose cell is the
-course's solution cell -- the course copy, or a solution pasted in -- is reported as the course's, not
-yours (:func:`is_course_cell`: the same text).
+It looks in the current folder, the running notebook's folder, then (Colab) Google Drive's ``MyDrive/Colab
+Notebooks``, ``MyDrive`` and the folders under it, taking ``05_*.ipynb`` (``06_*``, ``06b_*``) /
+``Copy of 05_*.ipynb`` saved last.
+The course's own notebooks hold the solutions and are never searched; a cell equal to a solution cell is
+reported as the course's.
 """
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
 import re
@@ -47,29 +35,21 @@ def _front_end_notebook() -> Path | None:
 
 
 def search_folders() -> list[Path]:
-    """The folders :func:`find_notebook` looks in, in order (see the module); only those that exist."""
-    drive, uploads = Path(COLAB_DRIVE), Path(COLAB_UPLOADS)
-    folders = [Path.cwd()]
-    notebook = _front_end_notebook()
-    if notebook is not None:
-        folders.append(notebook.parent if notebook.is_absolute() else folders[0] / notebook.parent)
-    folders.append(uploads)
+    """The folders :func:`find_notebook` looks in, in order (see the module); only those that exist, each once."""
+    drive, notebook = Path(COLAB_DRIVE), _front_end_notebook()
+    folders = [Path.cwd(), *([Path.cwd() / notebook.parent] if notebook is not None else []), Path(COLAB_UPLOADS)]
     if drive.is_dir():
         folders += [drive / "Colab Notebooks", drive]
         try:
             folders += sorted(p for p in drive.iterdir() if p.is_dir() and p.name != "Colab Notebooks")
         except OSError:  # Drive can refuse a listing; the folders above are still searched
             pass
-    seen, out = set(), []
+    out: dict = {}
     for folder in folders:
-        try:
-            key = folder.resolve()
-        except OSError:
-            continue
-        if key not in seen and folder.is_dir():
-            seen.add(key)
-            out.append(folder)
-    return out
+        with contextlib.suppress(OSError):
+            if folder.is_dir():
+                out.setdefault(folder.resolve(), folder)
+    return list(out.values())
 
 
 def shown(folder: Path) -> str:
@@ -101,27 +81,6 @@ def is_course_folder(folder: Path) -> bool:
         return Path(folder).resolve() == course_dir().resolve()
     except (FileNotFoundError, OSError):
         return False
-
-
-def course_cells(number: str) -> set[str]:
-    """The course's own solution cells of notebook ``number``, normalised (:func:`normal`); empty if the
-    course's notebooks cannot be found."""
-    from ..student import SOLUTION_TAG, course_dir
-
-    try:
-        path = find_notebook(course_dir(), number)
-    except FileNotFoundError:
-        return set()
-    if path is None:
-        return set()
-    cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
-    return {normal(c["source"]) for c in cells if SOLUTION_TAG in c.get("metadata", {}).get("tags", [])}
-
-
-def is_course_cell(source, number: str) -> bool:
-    """Whether a learner's cell is one of notebook ``number``'s solution cells, letter for letter (trailing
-    spaces and blank lines aside) -- so the capstone can say which pieces are the course's."""
-    return normal(source) in course_cells(number)
 
 
 def normal(source) -> str:
