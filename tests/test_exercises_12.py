@@ -394,6 +394,7 @@ def test_a_written_piece_that_fails_its_check_is_replaced_by_the_courses_marked_
                                                                                                           llama):
     _learners_copy(tmp_path / "05_paged_kv_cache.ipynb", "05")
     _learners_copy(tmp_path / "06_scheduling_and_latency.ipynb", "06")
+    _learners_copy(tmp_path / "06b_the_worker.ipynb", "06b")
     path = tmp_path / "05_paged_kv_cache.ipynb"
     leak = "self.free_blocks.extend(seq.block_table)\\n        "  # as the notebook's JSON holds the line
     assert path.read_text().count(leak) == 1  # the learner's free() forgets to give the blocks back
