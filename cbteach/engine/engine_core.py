@@ -42,7 +42,17 @@ from .speculative import count_speculation, make_proposer, propose_for
 
 def pick_scheduler_cls(config, scheduler_cls):
     """vLLM V1's :class:`Scheduler`, or :class:`V0Scheduler` when an option asks for a rule only V0 has;
-    a scheduler of your own must be a subclass of the one the options need."""
+    a scheduler of your own must be a subclass of the one the options need. ``parallel_sampling="fork"``
+    adds fork's rules to it (:func:`cbteach.engine.fork.forking`)."""
+    cls = _pick_scheduler_cls(config, scheduler_cls)
+    if config.parallel_sampling == "fork":
+        from .fork import forking  # (imported only where it is used)
+
+        cls = forking(cls)
+    return cls
+
+
+def _pick_scheduler_cls(config, scheduler_cls):
     need = V0Scheduler if uses_v0_rules(config) else Scheduler
     if scheduler_cls is None:
         return need
@@ -92,7 +102,8 @@ class EngineCore:
             self.config.scheduler, self.kv.manager, eos_ids=self.info.eos_ids)
         self.executor = make_executor(model, model_view(model, self.kv.attn_implementation), self.info, self.kv,
                                       self.config, update_batch=update_batch,
-                                      swaps=isinstance(self.scheduler, V0Scheduler))
+                                      swaps=isinstance(self.scheduler, V0Scheduler),
+                                      forks=self.config.parallel_sampling == "fork")
         self.keep_records = self.config.keep_records
         self.records: list[StepRecord] = []
         self.completions: dict[object, Completion] = {}
