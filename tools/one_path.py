@@ -54,7 +54,7 @@ READ_ORDER = [
                       "worker/step.py", "worker/sampler.py"],
      "`v1/worker/gpu_input_batch.py`, `block_table.py`, `gpu_model_runner.py`, `v1/sample/`"),
     ("7 attention", ["attention/metadata.py", "attention/paged.py"], "`v1/attention/backends/`"),
-    ("(bookkeeping)", ["core/records.py", "engine/fingerprint.py", "core/modelinfo.py"],
+    ("(bookkeeping)", ["core/records.py", "engine/fingerprint.py"],
      "none: ours (step records, the model-changed check)"),
 ]
 

@@ -44,26 +44,20 @@ def pick_scheduler_cls(config, scheduler_cls):
     """vLLM V1's :class:`Scheduler`, or :class:`V0Scheduler` when an option asks for a rule only V0 has;
     a scheduler of your own must be a subclass of the one the options need. ``parallel_sampling="fork"``
     adds fork's rules to it (:func:`cbteach.engine.fork.forking`)."""
-    cls = _pick_scheduler_cls(config, scheduler_cls)
+    need = V0Scheduler if uses_v0_rules(config) else Scheduler
+    cls = need if scheduler_cls is None else scheduler_cls
+    if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
+        raise ValueError(f"scheduler_cls must be a subclass of cbteach.engine.scheduler.Scheduler, got {cls!r}")
+    if not issubclass(cls, need):
+        raise ValueError(f"preemption='swap', admission='whole_prompt', watermark and preempt_to_admit are vLLM V0's "
+                         f"rules (current V1 has the middle two in its own form), which {cls.__name__} "
+                         "does not have: subclass "
+                         "cbteach.engine.scheduler_v0.V0Scheduler to use them")
     if config.parallel_sampling == "fork":
         from .fork import forking  # (imported only where it is used)
 
         cls = forking(cls)
     return cls
-
-
-def _pick_scheduler_cls(config, scheduler_cls):
-    need = V0Scheduler if uses_v0_rules(config) else Scheduler
-    if scheduler_cls is None:
-        return need
-    if not (isinstance(scheduler_cls, type) and issubclass(scheduler_cls, Scheduler)):
-        raise ValueError(f"scheduler_cls must be a subclass of cbteach.engine.scheduler.Scheduler, got {scheduler_cls!r}")
-    if not issubclass(scheduler_cls, need):
-        raise ValueError(f"preemption='swap', admission='whole_prompt', watermark and preempt_to_admit are vLLM V0's "
-                         f"rules (current V1 has the middle two in its own form), which {scheduler_cls.__name__} "
-                         "does not have: subclass "
-                         "cbteach.engine.scheduler_v0.V0Scheduler to use them")
-    return scheduler_cls
 
 
 @dataclass

@@ -8,8 +8,9 @@ tensor-parallel rank too -- carries them out:
 
 * ``block_copies`` -- ``(src, dst)`` pairs: a sample about to write into a block it shares got a
   fresh block, which must hold the shared one's K/V first. They are copied before the batch changes
-  and before the forward pass (V0's ``blocks_to_copy``), after any swap-out (a block a victim gave up
-  may be a copy's destination);
+  and before the forward pass (V0's ``blocks_to_copy``; V1's ``_update_states`` runs its own
+  ``kv_cache_block_copies`` early too, after it forgets the finished requests), after any swap-out (a
+  block a victim gave up may be a copy's destination);
 * ``scheduled_forks`` -- ``{prompt id: [(sample id, sample index)]}`` with the step that ends a
   prompt: each sample gets a state of its own (the prompt's tokens, its own generator, seeded with
   ``seed + sample_index``), made once, and draws its first token from the prompt's last logit row,

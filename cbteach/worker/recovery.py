@@ -51,10 +51,9 @@ def recover(runner, step, err: Exception) -> RunnerOutput:
         sampled=[p.sampled[0] for p in parts], req_ids=list(step.req_ids),
         forward_time=sum(p.forward_time for p in parts), traffic=next((p.traffic for p in parts if p.traffic), None),
         errors=[p.error(0) for p in parts])
-    if any(hasattr(p, "fork_tokens") for p in parts):  # a forking runner's rows (cbteach.worker.fork_runner)
-        from .fork_runner import ForkRunnerOutput
-
-        out = ForkRunnerOutput(**vars(out), fork_tokens=[(getattr(p, "fork_tokens", None) or [None])[0] for p in parts])
+    forking = next((type(p) for p in parts if hasattr(p, "fork_tokens")), None)  # (cbteach.worker.fork_runner's rows)
+    if forking is not None:
+        out = forking(**vars(out), fork_tokens=[(getattr(p, "fork_tokens", None) or [None])[0] for p in parts])
     return out
 
 
