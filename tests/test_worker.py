@@ -156,7 +156,7 @@ def test_results_are_found_by_request_id_whatever_their_order():
         reversed_steps[0] += 1
         flip = lambda xs: None if xs is None else xs[::-1]  # noqa: E731
         return RunnerOutput(sampled=out.sampled[::-1], req_ids=out.req_ids[::-1],
-                            forward_time=out.forward_time, traffic=out.traffic, fork_tokens=flip(out.fork_tokens),
+                            forward_time=out.forward_time, traffic=out.traffic,
                             errors=flip(out.errors))
 
     eng.executor.execute_model = reverse

@@ -18,8 +18,6 @@ class RunnerOutput:
 
     * ``sampled[i]`` -- its new token ids (one; more after speculative decoding: the accepted
       guesses and one of its own), or ``None`` for a prefill chunk that stopped short of its end;
-    * ``fork_tokens[i]`` -- ``{sample id: first token}`` of the samples forking from it
-      (``parallel_sampling="fork"``), or ``None``;
     * ``errors[i]`` -- ``None``, or what went wrong for this sequence alone (a sampling error, a model
       error on its tokens): the scheduler ends it with ``finish_reason="error"``, its neighbours go on.
     """
@@ -29,7 +27,6 @@ class RunnerOutput:
     req_id_to_index: dict = field(default=None)  # request id -> its index in these lists (from req_ids if None)
     forward_time: float = 0.0
     traffic: object = None  # the KV cache's KVTraffic for this step
-    fork_tokens: list | None = None
     errors: list | None = None
     comm: dict | None = None  # tensor parallelism: {"all_reduces", "all_reduce_bytes", "num_tokens", "world_size"}
     forward_span: tuple | None = None  # (start, end) of the forward pass on time.perf_counter(), if kept

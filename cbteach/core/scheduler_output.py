@@ -37,10 +37,7 @@ it; the commits read are in README's "Which V1"): in :class:`NewRequestData`, ``
 seeded params), ``output_token_ids`` and ``generator_state`` (a request handed over from another
 engine, with what it generated and its random stream); in :class:`CachedRequestData`,
 ``replaced_req_ids`` (a table changed other than by appending: a copy on write or a trim of rejected
-guesses' blocks; V1 appends unless a request is resumed); and two fields of V0's PagedAttention-style
-parallel sampling, ``block_copies`` (copies on write the worker makes before the forward pass; current
-V1 has copies on write of its own, ``kv_cache_block_copies``, for its prefix cache) and
-``scheduled_forks`` (samples forking from a prompt that ends this step). ``admitted_req_ids`` and
+guesses' blocks; V1 appends unless a request is resumed). ``admitted_req_ids`` and
 ``swapped_in_req_ids`` are for the engine's step record, and so, here, is ``preempted_req_ids`` (V1
 has it too, for its V2 model runner); the worker ignores them.
 While it plans, the scheduler keeps working notes with live sequences -- :class:`StepPlan`, V1's local
@@ -98,8 +95,6 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     scheduled_spec_decode_tokens: dict = field(default_factory=dict)  # request id -> guesses fed after its tokens
     finished_req_ids: frozenset = frozenset()
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy on write (src, dst), before the forward
-    scheduled_forks: dict = field(default_factory=dict)  # request id -> [(sample id, sample index)] forking from it
     admitted_req_ids: list = field(default_factory=list)  # for the step record
     preempted_req_ids: list = field(default_factory=list)
     swapped_in_req_ids: list = field(default_factory=list)
@@ -112,8 +107,8 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        """Nothing for the worker to do: no tokens, nobody to forget, no blocks to move."""
-        return not (self.num_scheduled_tokens or self.finished_req_ids or self.block_copies)
+        """Nothing for the worker to do: no tokens, nobody to forget."""
+        return not (self.num_scheduled_tokens or self.finished_req_ids)
 
     def num_computed_tokens_of(self) -> dict:
         """``{request id: num_computed_tokens}`` where each scheduled request starts this step."""
@@ -161,7 +156,7 @@ class StepPlan:
         return self.num_scheduled_tokens.pop(i)
 
 
-def make_scheduler_output(plan: StepPlan, sent_block_ids: dict, finished_req_ids=frozenset(), block_copies=(),
+def make_scheduler_output(plan: StepPlan, sent_block_ids: dict, finished_req_ids=frozenset(),
                           prev_scheduled=frozenset(), cls=SchedulerOutput, **extra) -> SchedulerOutput:
     """The message for a planned step. ``sent_block_ids`` is the scheduler's record of the block table
     the worker holds for each request (``None``: the worker holds the request, but its blocks were
@@ -172,7 +167,7 @@ def make_scheduler_output(plan: StepPlan, sent_block_ids: dict, finished_req_ids
     step before's requests). Each request's ``num_computed_tokens`` is read now -- before the plan
     counts as computed. ``cls`` and ``extra``: a message class with more fields, and their values."""
     new, cached = [], CachedRequestData()  # (its lists are filled here, before the message is sent)
-    spec, forks = {}, {}
+    spec = {}
     planned = [(seq, n) for seq, n in zip(plan.seqs, plan.num_scheduled_tokens) if n > 0]
     for seq, n in planned:
         rid, table = seq.request_id, seq.block_table
@@ -204,13 +199,10 @@ def make_scheduler_output(plan: StepPlan, sent_block_ids: dict, finished_req_ids
         d = max(0, seq.num_computed_tokens + n - seq.num_tokens_with_placeholders)
         if d:
             spec[rid] = list(seq.draft_ids[:d])
-        # Samples fork from the step that ends the prompt, before the parent has sampled anything.
-        if seq.forks and not seq.output_ids and not seq.num_placeholders and seq.num_computed_tokens + n >= seq.num_tokens:
-            forks[rid] = [(f.request_id, f.sample_index) for f in seq.forks]
     return cls(
         scheduled_new_reqs=new, scheduled_cached_reqs=cached,
         num_scheduled_tokens={s.request_id: n for s, n in planned},
         total_num_scheduled_tokens=sum(n for _, n in planned), scheduled_spec_decode_tokens=spec,
-        finished_req_ids=frozenset(finished_req_ids), block_copies=list(block_copies), scheduled_forks=forks,
+        finished_req_ids=frozenset(finished_req_ids),
         admitted_req_ids=[s.request_id for s in plan.admitted], preempted_req_ids=[s.request_id for s in plan.preempted],
         **extra)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from ..core.request import Completion, Request, RequestStatus, Sequence
 from ..core.validation import as_request_list, validate_request
-from ..kv.fork import can_fork
 from . import parallel_sampling
 from .engine_core import EngineCore
 from .plug import plug_pieces
@@ -54,6 +53,8 @@ class Engine(EngineCore):
             raise ValueError(f"duplicate request_id {rid!r}: every request needs its own id (a request with n > 1 "
                              "samples also takes the ids (request_id, i) of its samples)")
         if n > 1 and self.config.parallel_sampling == "fork":
+            from ..kv.fork import can_fork  # (imported only where it is used)
+
             if not can_fork(self.kv.manager):
                 raise ValueError(f"request {rid!r} asks for n={n} samples, but this engine's KV manager "
                                  f"({type(self.kv.manager).__name__}) cannot share blocks with copy on write, which "

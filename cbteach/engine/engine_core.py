@@ -42,18 +42,22 @@ from .speculative import count_speculation, make_proposer, propose_for
 
 def pick_scheduler_cls(config, scheduler_cls):
     """vLLM V1's :class:`Scheduler`, or :class:`V0Scheduler` when an option asks for a rule only V0 has;
-    a scheduler of your own must be a subclass of the one the options need."""
+    a scheduler of your own must be a subclass of the one the options need. ``parallel_sampling="fork"``
+    adds fork's rules to it (:func:`cbteach.engine.fork.forking`)."""
     need = V0Scheduler if uses_v0_rules(config) else Scheduler
-    if scheduler_cls is None:
-        return need
-    if not (isinstance(scheduler_cls, type) and issubclass(scheduler_cls, Scheduler)):
-        raise ValueError(f"scheduler_cls must be a subclass of cbteach.engine.scheduler.Scheduler, got {scheduler_cls!r}")
-    if not issubclass(scheduler_cls, need):
+    cls = need if scheduler_cls is None else scheduler_cls
+    if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
+        raise ValueError(f"scheduler_cls must be a subclass of cbteach.engine.scheduler.Scheduler, got {cls!r}")
+    if not issubclass(cls, need):
         raise ValueError(f"preemption='swap', admission='whole_prompt', watermark and preempt_to_admit are vLLM V0's "
-                         f"rules (current V1 has the middle two in its own form), which {scheduler_cls.__name__} "
+                         f"rules (current V1 has the middle two in its own form), which {cls.__name__} "
                          "does not have: subclass "
                          "cbteach.engine.scheduler_v0.V0Scheduler to use them")
-    return scheduler_cls
+    if config.parallel_sampling == "fork":
+        from .fork import forking  # (imported only where it is used)
+
+        cls = forking(cls)
+    return cls
 
 
 @dataclass
@@ -92,7 +96,8 @@ class EngineCore:
             self.config.scheduler, self.kv.manager, eos_ids=self.info.eos_ids)
         self.executor = make_executor(model, model_view(model, self.kv.attn_implementation), self.info, self.kv,
                                       self.config, update_batch=update_batch,
-                                      swaps=isinstance(self.scheduler, V0Scheduler))
+                                      swaps=isinstance(self.scheduler, V0Scheduler),
+                                      forks=self.config.parallel_sampling == "fork")
         self.keep_records = self.config.keep_records
         self.records: list[StepRecord] = []
         self.completions: dict[object, Completion] = {}

@@ -91,8 +91,8 @@ class Scheduler(UpdateFromOutput):
         return self.has_unfinished() or self.has_finished_requests()
 
     def num_slots_taken(self) -> int:
-        """Batch slots in use: one per running sequence, plus one per sample waiting to fork from it."""
-        return sum(s.num_slots for s in self.running)
+        """Batch slots in use: one per running sequence."""
+        return len(self.running)
 
     def next_event_time(self, now: float) -> float | None:
         """The earliest time after ``now`` when a step could do something it cannot do now: a waiting
@@ -115,17 +115,16 @@ class Scheduler(UpdateFromOutput):
     def make_output(self, plan: StepPlan) -> SchedulerOutput:
         """The message for the model runner (:func:`~cbteach.core.scheduler_output.make_scheduler_output`):
         a request the runner has not seen goes in whole, one it holds as a diff of its block table,
-        with the requests finished since the last message and the pool's pending block copies. Read
-        before :meth:`update_after_schedule`: ``num_computed_tokens`` is where each request starts."""
-        take = getattr(self.kv_manager, "take_pending_copies", None)  # only a forking manager copies on write
+        with the requests finished since the last message. Read before :meth:`update_after_schedule`:
+        ``num_computed_tokens`` is where each request starts."""
         finished, self.finished_req_ids = frozenset(self.finished_req_ids), set()
-        output = make_scheduler_output(plan, self.sent_block_ids, finished, list(take()) if take is not None else [],
-                                       self.prev_scheduled, **self.extra_output_fields(plan))
+        output = make_scheduler_output(plan, self.sent_block_ids, finished, self.prev_scheduled,
+                                       **self.extra_output_fields(plan))
         self.prev_scheduled = frozenset(output.num_scheduled_tokens)
         return output
 
     def extra_output_fields(self, plan: StepPlan) -> dict:
-        """More for the message than V1 sends (:class:`~cbteach.engine.scheduler_v0.V0Scheduler`: its swaps)."""
+        """More for the message than V1 sends: a subclass's fields, and the message class that holds them."""
         return {}
 
     def update_after_schedule(self, output: SchedulerOutput) -> None:
@@ -162,7 +161,7 @@ class Scheduler(UpdateFromOutput):
         that does not fit ends admissions (nobody overtakes it)."""
         while self.num_slots_taken() < self.max_batch_size and budget > 0:
             seq = next((s for s in self.waiting if s.arrival_time <= now), None)
-            if seq is None or self.num_slots_taken() + seq.num_slots > self.max_batch_size:  # fork: every sample
+            if seq is None:
                 break
             cached, num_cached = self.kv_manager.get_computed_blocks(seq)  # prefix caching; changes nothing
             n = min(seq.num_tokens - num_cached, budget)

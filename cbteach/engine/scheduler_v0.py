@@ -37,16 +37,20 @@ from .scheduler import Scheduler
 
 @dataclass(frozen=True)
 class V0SchedulerOutput(SchedulerOutput):
-    """vLLM V0's message: V1's fields, plus the swaps the worker makes before the forward pass (V0's
-    ``blocks_to_swap_out`` and ``blocks_to_swap_in``, keyed here by request). Swap-outs first: a block a
-    victim gave up may be handed to someone else in the same step."""
+    """vLLM V0's message: V1's fields, plus the blocks the worker moves before the forward pass -- the
+    swaps (V0's ``blocks_to_swap_out`` and ``blocks_to_swap_in``, keyed here by request; swap-outs first:
+    a block a victim gave up may be handed to someone else in the same step) and the copies on write of
+    parallel sampling by fork (V0's ``blocks_to_copy``; :mod:`cbteach.engine.fork`) -- and the samples
+    forking from a prompt that ends this step."""
 
     blocks_to_swap_out: dict = field(default_factory=dict)  # request id -> blocks copied to host memory
     blocks_to_swap_in: dict = field(default_factory=dict)  # request id -> blocks its host copy is written into
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy on write (src, dst), before the forward
+    scheduled_forks: dict = field(default_factory=dict)  # request id -> [(sample id, sample index)] forking from it
 
     @property
     def is_empty(self) -> bool:
-        return super().is_empty and not (self.blocks_to_swap_out or self.blocks_to_swap_in)
+        return super().is_empty and not (self.blocks_to_swap_out or self.blocks_to_swap_in or self.block_copies)
 
 
 @dataclass
@@ -173,7 +177,7 @@ class V0Scheduler(Scheduler):
 
     def extra_output_fields(self, plan: StepPlan) -> dict:
         """V0's message: the swaps, for the worker to carry out."""
-        return {"cls": V0SchedulerOutput, "blocks_to_swap_out": dict(plan.swap_out),
+        return {**super().extra_output_fields(plan), "cls": V0SchedulerOutput, "blocks_to_swap_out": dict(plan.swap_out),
                 "blocks_to_swap_in": dict(plan.swap_in), "swapped_in_req_ids": [s.request_id for s in plan.swapped_in]}
 
     def abort(self, seq: Sequence) -> None:

@@ -19,8 +19,7 @@ only here, for each planned sequence ``i``:
 
 A failure that belongs to one sequence alone (``output.errors[i]``: its sampling failed, or the model
 failed on its tokens) ends that sequence with ``finish_reason="error"``; the others are updated as
-usual. Parallel samples waiting to fork from a sequence (``parallel_sampling="fork"``) start here,
-on its blocks, with their own first tokens (``output.fork_tokens[i]``).
+usual.
 """
 from __future__ import annotations
 
@@ -37,8 +36,7 @@ class UpdateFromOutput:
     def update_from_output(self, scheduler_output: SchedulerOutput, output: RunnerOutput, now: float) -> list[Sequence]:
         """Turn one step's ``output`` into request state (see the module). ``output``'s lists are in the
         order the worker packed the requests; each is found by its id (``output.req_id_to_index``, as
-        V1's ``update_from_output`` does). Returns the sequences that finished on this step, samples
-        that forked and stopped at once included."""
+        V1's ``update_from_output`` does). Returns the sequences that finished on this step."""
         finished = []
         start = scheduler_output.num_computed_tokens_of()
         index = output.req_id_to_index
@@ -63,11 +61,6 @@ class UpdateFromOutput:
             # Only now are accepted guesses among the sequence's tokens: the prefix cache hashes a
             # block's tokens, so it must see them to make blocks they filled findable.
             self.kv_manager.on_computed(seq)
-            forks = output.fork_tokens[i] if output.fork_tokens is not None else None
-            if forks:
-                for sample in [f for f in seq.forks if f.request_id in forks]:  # before seq may free its blocks
-                    self._fork(seq, sample, forks[sample.request_id], start[rid] + n, now, finished)
-                seq.forks = [f for f in seq.forks if f.request_id not in forks]
             if seq.finish_reason:
                 self._finish(seq, finished)
         return finished
@@ -83,28 +76,6 @@ class UpdateFromOutput:
                                         seq.request.ignore_eos, params.stop_token_ids)
         return seq.finish_reason is not None
 
-    def _fork(self, parent: Sequence, sample: Sequence, token: int, computed: int, now: float,
-              finished: list) -> None:
-        """Start ``sample`` on ``parent``'s blocks (just computed: its prompt, ``computed`` tokens) with its
-        own first token. (Not ``parent.num_computed_tokens``: with async scheduling the parent's next step
-        is already planned, and counted.) If the parent lost its blocks meanwhile -- async scheduling
-        preempted it while this, its prompt's last step, was in flight -- the sample keeps its first
-        token and queues to compute the prompt again, like a request preempted by recompute."""
-        if self._append(sample, token, now):
-            sample.status = RequestStatus.FINISHED
-            self.forget(sample)  # the worker drew its first token: it holds its state
-            finished.append(sample)
-            return
-        if parent.status is not RequestStatus.RUNNING:
-            sample.num_computed_tokens = 0
-            sample.status = RequestStatus.PREEMPTED
-            self.requests[sample.request_id] = sample
-            self.waiting.readd_preempted(sample)
-            return
-        self.kv_manager.fork(parent, sample)
-        sample.num_computed_tokens = computed
-        self._start(sample)
-
     def _finish(self, seq: Sequence, finished: list) -> None:
         """``seq`` stopped: it leaves the batch, and its blocks go back -- after its last token is recorded.
         (With async scheduling a request preempted while its step was in flight may stop while waiting.)"""
@@ -118,18 +89,12 @@ class UpdateFromOutput:
         finished.append(seq)
 
     def _fail(self, seq: Sequence, message: str, finished: list, computed_before: int) -> None:
-        """The step failed for ``seq`` alone: it ends with ``finish_reason="error"`` (its blocks freed),
-        and so do samples still waiting to fork from its prompt. Its count of computed tokens goes back
-        to ``computed_before`` (the step's start) first: the blocks this step was to fill were made
-        findable when they were allocated, their K/V may never have been written, and ``free`` drops
-        from the prefix cache every block past the computed tokens -- no later prompt may reuse them."""
+        """The step failed for ``seq`` alone: it ends with ``finish_reason="error"`` (its blocks freed).
+        Its count of computed tokens goes back to ``computed_before`` (the step's start) first: the
+        blocks this step was to fill were made findable when they were allocated, their K/V may never
+        have been written, and ``free`` drops from the prefix cache every block past the computed
+        tokens -- no later prompt may reuse them."""
         seq.num_computed_tokens = min(seq.num_computed_tokens, computed_before)
-        for s in [seq, *seq.forks]:
-            s.finish_reason, s.error = "error", message
-        waiting_forks, seq.forks = seq.forks, []
+        seq.finish_reason, seq.error = "error", message
         seq.draft_ids = []
         self._finish(seq, finished)
-        for sample in waiting_forks:
-            sample.status = RequestStatus.FINISHED
-            self.forget(sample)  # the runner may hold its state: it drew its first token already
-            finished.append(sample)

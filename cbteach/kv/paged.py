@@ -27,7 +27,6 @@ from ..attention import metadata as attn_metadata
 from ..attention import paged as paged_attention
 from .concat import KVTraffic
 from .int8 import Int8BlockKVPool, Int8KVPool
-from .fork import ForkingKVCacheManager
 from .manager import KVCacheManager, PoolExhausted  # noqa: F401  (PoolExhausted: re-exported)
 from .pool import PagedKVPool
 from .swap import HostCopies
@@ -56,8 +55,9 @@ class PagedKVCache(HostCopies):
         if not isinstance(config, CacheConfig):
             raise ValueError(f"PagedKVCache takes a CacheConfig, got {type(config).__name__}")
         self.config = config
-        # fork=True: parallel_sampling="fork" (V0's), whose samples share blocks with copy on write
-        manager_cls = ForkingKVCacheManager if fork else KVCacheManager
+        manager_cls = KVCacheManager
+        if fork:  # parallel_sampling="fork" (V0's): samples share blocks with copy on write
+            from .fork import ForkingKVCacheManager as manager_cls  # (imported only where it is used)
         self.manager = manager_cls(num_blocks, config.block_size, watermark=config.watermark,
                                    prefix_caching=config.prefix_caching)
         # allocate_pool=False: the K/V live elsewhere (tensor-parallel ranks); this keeps the bookkeeping

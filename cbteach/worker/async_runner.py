@@ -51,15 +51,16 @@ class AsyncModelRunner:
     def execute_model(self, msg) -> RunnerOutput | None:
         """Apply ``msg`` and prepare its step while the step in flight runs, then wait for that one and
         launch this one (if it schedules any tokens); the output of the step in flight before, or ``None``."""
-        done = self._wait() if msg.block_copies else None  # (copies inside the pool: not beside a forward)
+        done = self._wait() if getattr(msg, "block_copies", None) else None  # (copies inside the pool: not beside a forward)
         self.runner.update_states(msg)
         step = self.runner.prepare_inputs(msg) if msg.total_num_scheduled_tokens else None
         if done is None:
             done = self._wait()
         if step is not None:
             if self.recovered:  # N failed for someone: blocks it was to fill may be read by N+1 -- read again
-                forks, step = step.forks, self.runner.prepare_inputs(msg)
-                step.forks = forks  # (made once, when first prepared)
+                first, step = step, self.runner.prepare_inputs(msg)
+                if hasattr(first, "forks"):
+                    step.forks = first.forks  # (a prompt's forked samples: made once, when first prepared)
             self.feed(step)
             self.flight = (step, self.device.submit(self._forward, step), time.perf_counter())
             time.sleep(0)  # give up the interpreter lock: the device thread starts now, not at our next wait

@@ -31,7 +31,6 @@ import numpy as np
 import torch
 
 from ..core.outputs import RunnerOutput
-from ..core.sampling import make_generator
 from ..errors import EngineDeadError, EngineRuleError
 from .input_batch import CachedRequestState, InputBatch
 from .sampler import NOT_FINITE, accept, sample_on_device
@@ -80,22 +79,12 @@ class ModelRunner:
         return self.finish(step)
 
     def update_states(self, msg) -> None:
-        """The message changes the worker: block copies first, then the batch (V1's ``_update_states``:
+        """The message changes the worker: the batch (V1's ``_update_states``:
         :func:`~cbteach.worker.states.update_batch`), then speculative guesses after the known tokens."""
-        if msg.block_copies:
-            self.copy_blocks(msg.block_copies)
         self.update_batch(self, msg)
         batch = self.input_batch
         for rid, drafts in msg.scheduled_spec_decode_tokens.items():
             batch.write_guesses(batch.req_id_to_index[rid], drafts)
-
-    def copy_blocks(self, copies: list) -> None:
-        """Copies on write ``(src, dst)``, made before anyone writes; a copy takes over what its source
-        holds, written or not."""
-        self.kv_cache.copy_blocks(list(copies))
-        for src, dst in copies:
-            if src in self.unwritten_blocks:
-                self.unwritten_blocks.add(dst)
 
     # -- a step ---------------------------------------------------------------------------------------
     def prepare_inputs(self, msg) -> Step:
@@ -152,38 +141,27 @@ class ModelRunner:
 
     def _sampling_inputs(self, step: Step) -> None:
         """What sampling reads, taken from the rows now (under async scheduling the next message may
-        change the rows while this step samples): each row's parameters and generator, and a prompt's
-        forked samples -- a state and a generator each, made here once (a sample already known is not
-        forked again)."""
+        change the rows while this step samples): each row's parameters and generator."""
         b = self.input_batch
-        if b.all_greedy and not step.msg.scheduled_forks:  # the course's case: one max over the vocabulary
+        if b.all_greedy:  # the course's case: one max over the vocabulary
             step.params = step.generators = [None] * len(step.rows)
             return
         step.params = [b.sampling_params[r] if s and not d else None
                        for r, s, d in zip(step.rows, step.samples, step.drafts)]
         step.generators = [b.generators.get(r) for r in step.rows]
-        for i, rid in enumerate(step.req_ids):
-            for sample_id, index in step.msg.scheduled_forks.get(rid, ()) if step.samples[i] else ():
-                if sample_id not in self.requests:
-                    parent = self.requests[rid]
-                    self.requests[sample_id] = CachedRequestState(
-                        req_id=sample_id, prompt_token_ids=list(parent.prompt_token_ids),
-                        sampling_params=parent.sampling_params,
-                        generator=make_generator(parent.sampling_params, index))
-                    step.forks.setdefault(i, []).append((sample_id, self.requests[sample_id].generator))
 
     @torch.inference_mode()
     def sample(self, step: Step) -> None:
         """Tokens for the rows that sample, on the device (reading only the step: see ``_sampling_inputs``)."""
-        step.sampled = sample_on_device(step.logits, step.last, step.params, step.generators, step.forks)
+        step.sampled = sample_on_device(step.logits, step.last, step.params, step.generators)
 
     def finish(self, step: Step) -> RunnerOutput:
         """The sampled tokens come to the host, join the batch's rows and the requests' states, and go to
         the scheduler as a :class:`RunnerOutput`."""
         tokens, finite, targets, targets_finite = step.sampled.to_host()
         n = len(step.rows)
-        if targets is None and not step.sampled.errors and not step.sampled.fork_tokens and all(finite):
-            # the common step: no guesses, nothing failed, no forks
+        if targets is None and not step.sampled.errors and all(finite):
+            # the common step: no guesses, nothing failed
             sampled = [[t] if s else None for t, s in zip(tokens, step.samples)]
             if self.unwritten_blocks:
                 for i, rid in enumerate(step.req_ids):
@@ -191,7 +169,7 @@ class ModelRunner:
             self._append_all(step.req_ids, sampled)
             return RunnerOutput(sampled=sampled, req_ids=list(step.req_ids), forward_time=step.forward_time,
                                 traffic=step.traffic)
-        sampled, errors, fork_tokens = [None] * n, [None] * n, [None] * n
+        sampled, errors = [None] * n, [None] * n
         first = 0
         for i, (rid, drafts) in enumerate(zip(step.req_ids, step.drafts)):
             if drafts:  # greedy verification of the guesses (only greedy requests guess)
@@ -204,19 +182,13 @@ class ModelRunner:
                 errors[i] = step.sampled.errors.get(i) or (None if finite[i] else NOT_FINITE)
                 if errors[i] is None:
                     sampled[i] = [tokens[i]]
-                    fork_tokens[i] = step.sampled.fork_tokens.get(i)
             first += len(drafts) + 1
         failed = [i for i, e in enumerate(errors) if e is not None]
         for i in failed if not self.unwritten_blocks else range(n):
             self.written(step.req_ids[i], step.starts[i], step.counts[i], ok=errors[i] is None)
         self._append_all(step.req_ids, sampled)
-        for forks in filter(None, fork_tokens):
-            for sample_id, token in forks.items():
-                self.requests[sample_id].output_token_ids.append(token)
         return RunnerOutput(sampled=sampled, req_ids=list(step.req_ids), forward_time=step.forward_time,
-                            traffic=step.traffic,
-                            fork_tokens=fork_tokens if any(fork_tokens) else None,
-                            errors=errors if failed else None)
+                            traffic=step.traffic, errors=errors if failed else None)
 
     def recover(self, step: Step, err: Exception) -> RunnerOutput:
         """The forward pass raised: each row is run alone (:func:`cbteach.worker.recovery.recover`)."""

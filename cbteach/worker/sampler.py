@@ -37,7 +37,6 @@ class DeviceSample:
     targets: torch.Tensor | None = None
     targets_finite: torch.Tensor | None = None
     errors: dict = field(default_factory=dict)  # row -> what went wrong when drawing its token
-    fork_tokens: dict = field(default_factory=dict)  # row -> {sample id: its first token}
 
     def to_host(self) -> tuple:
         """The device -> host copy (one per tensor): tokens, finite flags, and (speculative steps)
@@ -47,14 +46,11 @@ class DeviceSample:
         return self.tokens.tolist(), self.finite.tolist(), self.targets.tolist(), self.targets_finite.tolist()
 
 
-def sample_on_device(logits: torch.Tensor, last: torch.Tensor | None, params: list, generators: list,
-                     forks: dict | None = None) -> DeviceSample:
+def sample_on_device(logits: torch.Tensor, last: torch.Tensor | None, params: list, generators: list) -> DeviceSample:
     """Sample each request's last logit row: rows ``last`` of ``logits`` (``None``: ``logits`` has one
     row per request; a step with speculative guesses has more, and their argmax are the ``targets``).
     ``params[i]`` and ``generators[i]`` are request ``i``'s sampling parameters and generator
-    (``None``: the global stream); ``forks``: ``{i: [(sample id, generator)]}`` -- samples that draw
-    their first token from the same row (parallel sampling by fork). A greedy batch never leaves
-    the device here."""
+    (``None``: the global stream). A greedy batch never leaves the device here."""
     top, tokens = logits.max(dim=-1)  # (the first maximum, as argmax and generate take it)
     finite = torch.isfinite(top)
     out = DeviceSample(tokens=tokens, finite=finite)
@@ -64,7 +60,7 @@ def sample_on_device(logits: torch.Tensor, last: torch.Tensor | None, params: li
         rows, tokens, finite = logits[last], tokens[last], finite[last]
         out.tokens, out.finite = tokens, finite
     random_rows = [i for i, p in enumerate(params) if p is not None and not p.greedy]
-    if random_rows or forks:
+    if random_rows:
         ok = finite.tolist()  # a draw from non-finite logits would fail anyway
         for i in random_rows:
             if ok[i]:
@@ -72,17 +68,6 @@ def sample_on_device(logits: torch.Tensor, last: torch.Tensor | None, params: li
                     tokens[i] = sample(rows[i:i + 1], [params[i]], [generators[i]])[0]
                 except (RuntimeError, ValueError) as err:
                     out.errors[i] = f"sampling failed: {err}"
-        for i, picks in (forks or {}).items():
-            drawn = {}
-            for sample_id, generator in picks:
-                if not ok[i]:
-                    break
-                try:
-                    drawn[sample_id] = rows[i].argmax().item() if params[i].greedy else \
-                        sample(rows[i:i + 1], [params[i]], [generator])[0]
-                except (RuntimeError, ValueError) as err:
-                    out.errors[i] = f"sampling failed: {err}"  # a fork's failure fails the prompt it shares
-            out.fork_tokens[i] = drawn
     tokens.masked_fill_(~finite, 0)  # (no sync with the device: a failed row feeds 0, and is dropped)
     for i in out.errors:
         tokens[i] = 0

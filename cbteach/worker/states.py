@@ -19,12 +19,11 @@ The worker never reads the scheduler's objects. Each step's
 5. **add, then condense**: new and returning requests take the lowest free rows, the last rows move
    into the holes left, and rows ``0 .. num_reqs - 1`` are this step's batch, in packed order.
 
-Around it the runner does what moves *blocks* rather than batch state (:meth:`ModelRunner.update_states`):
-before, V0's swap-outs and the copies on write (fork's here; V1's ``_update_states`` runs its own
-``kv_cache_block_copies`` early too, though after it forgets the finished requests) -- before anyone
-this step writes into a block a victim gave up; after, dropping the host copies of finished requests,
-V0's swap-ins, and writing speculative guesses after each row's known tokens. Notebook 06 asks you to write :func:`update_batch` yourself and
-runs the engine on yours (``Engine(..., update_batch=...)``).
+Around it the runner writes speculative guesses after each row's known tokens
+(:meth:`ModelRunner.update_states`), and V0's runners (:mod:`cbteach.worker.swap_runner`,
+:mod:`cbteach.worker.fork_runner`) move blocks, before anyone writes into them and after.
+Notebook 06 asks you to write :func:`update_batch` yourself and runs the engine on yours
+(``Engine(..., update_batch=...)``).
 """
 from __future__ import annotations
 

@@ -37,7 +37,6 @@ class Step:
     logits: torch.Tensor | None = None
     params: list | None = None  # each row's SamplingParams (None: greedy), taken when the step is prepared
     generators: list | None = None  # each row's generator, or None
-    forks: dict = field(default_factory=dict)  # row -> [(sample id, generator)] drawing their first token from it
     sampled: object = None  # the DeviceSample
     forward_time: float = 0.0
     traffic: object = None
