@@ -443,6 +443,25 @@ def test_the_one_day_workshop_gives_each_notebook_its_estimate_fits_a_day_and_ha
     assert (int(total[1]), int(total[2])) == tuple(sum(estimate[n][k] for n, *_ in listed) for k in (0, 1))
 
 
+def test_the_readmes_hours_are_the_kits_sums_and_its_day():
+    """README's hours: the stated times' sum, the estimates' sum (called estimates), and INSTRUCTOR's day."""
+    readme = " ".join((Path(__file__).parent.parent / "README.md").read_text().split())
+    kit = KIT.read_text()
+    estimate, stated = estimated_minutes(kit), sum(stated_minutes(p) for p in NOTEBOOKS)
+    words = {8: "eight", 9: "nine", 10: "ten", 11: "eleven", 12: "twelve"}
+    low, high = (sum(e[k] for e in estimate.values()) for k in (0, 1))
+    assert f"state about {words[round(stated / 60)]} hours of reading and exercises in all ({stated} minutes" in readme
+    assert f"plan on {words[round(low / 60)]} to {words[round(high / 60)]} ({low}-{high} minutes" in readme
+    assert "estimates -- estimates, not yet learners' measured times" in readme
+    day = " ".join(kit[kit.index("## A one-day workshop"):].split())
+    span, notebooks, hours = re.search(r"The day is (\S+): (\d+) minutes of notebooks, .*? -- ([\d.]+) hours in the room", day).groups()
+    home = re.search(r"-- (\d+-\d+) minutes, before", day)[1]
+    assert (f"one-day workshop, {span}: the eight notebooks of the capstone path at the low end of those estimates "
+            f"({notebooks} minutes, {hours} hours in the room with breaks, lunch aside), the other eight as homework "
+            f"({home} minutes, estimated)") in readme
+    assert len(DAY) == 8 == len(NOTEBOOKS) - 8
+
+
 def test_notebook_07s_table_names_every_engine_it_benchmarks():
     from cbteach.bench import ALL_ENGINES
 
