@@ -355,30 +355,111 @@ def test_the_kits_run_time_total_is_its_tables_sum():
     assert (int(seconds), float(minutes), int(count)) == (total, round(total / 60, 2), len(NOTEBOOKS))
 
 
-def test_the_one_day_workshop_adds_up_to_a_day_at_the_notebooks_stated_times():
+DAY = ("00", "01", "02", "03", "05", "06", "06b", "12")  # the capstone path: every piece notebook 12 assembles
+
+
+def estimated_minutes(kit: str) -> dict:
+    """The timing table's "reading + exercise time" column: (low, high) minutes per notebook, an estimate."""
+    rows = re.findall(r"^\| `([^`]+)` \| [^|]* \| [^|]* \| (\d+)(?:-(\d+))? min \|$", kit, re.M)
+    return {name: (int(low), int(high or low)) for name, low, high in rows}
+
+
+def when_time_is_short(kit: str, number: str) -> str:
+    """The "When time is short" paragraph of notebook ``number``'s section of the kit."""
+    head = re.search(rf"^### {number} · .*$", kit, re.M)
+    section = kit[head.end():head.end() + re.search(r"\n##", kit[head.end():]).start()]
+    return section[section.index("When time is short:"):]
+
+
+def test_the_one_day_workshop_gives_each_notebook_its_estimate_fits_a_day_and_has_checkpoints_and_homework():
     kit = KIT.read_text()
     day = kit[kit.index("## A one-day workshop"):]
+    estimate = estimated_minutes(kit)
+    assert set(estimate) == {p.stem for p in NOTEBOOKS}, "the timing table has one reading + exercise estimate per notebook"
+    assert "No learner was timed" in day and "measured" not in day, "the day's minutes are estimates and say so"
+
+    # the day: slots back to back, each notebook's at least the low end of its estimate, which its row quotes
     rows = re.findall(r"^\| (\d\d):(\d\d)-(\d\d):(\d\d) \| (\d+) \| ([^|]*) \|", day, re.M)
-    stated = {p.stem: stated_minutes(p) for p in NOTEBOOKS}
-    clock, room, kinds = None, [], {"notebooks": 0, "breaks": 0, "other": 0}
+    clock, room, kinds, pauses, slots = None, {}, {"notebooks": 0, "breaks": 0, "lunch": 0, "other": 0}, [], []
     for h0, m0, h1, m1, minutes, what in rows:
         start, end = int(h0) * 60 + int(m0), int(h1) * 60 + int(m1)
         assert clock in (None, start) and end - start == int(minutes), f"the slot {h0}:{m0}-{h1}:{m1} does not add up"
         clock = end
-        names = [n for n in re.findall(r"`([^`]+)`", what) if n in stated]
+        names = [n for n in re.findall(r"`([^`]+)`", what) if n in estimate]
+        assert len(names) <= 1, f"one notebook a slot: {what}"
         if names:
-            assert int(minutes) == sum(stated[n] for n in names), f"{names}: the slot is not the notebook's stated time"
-            room += names
-        kinds["notebooks" if names else "breaks" if re.search(r"break|lunch", what) else "other"] += int(minutes)
-    day_minutes = clock - (int(rows[0][0]) * 60 + int(rows[0][1]))
-    home = [n for n in re.findall(r"`([^`]+)`", day[day.index("At home"):]) if n in stated]
-    assert sorted(room + home) == sorted(stated), "every notebook is in the room or at home, once"
-    assert room == [p.stem for p in NOTEBOOKS if p.stem.split("_")[0] in ("00", "01", "02", "03", "05", "06", "06b", "12")]
-    said = re.search(r"The day is (\d+) hours: (\d+) minutes of notebooks, (\d+) of breaks and lunch, (\d+) of opening", day)
-    assert [int(x) for x in said.groups()] == [day_minutes / 60, kinds["notebooks"], kinds["breaks"], kinds["other"]]
-    assert 6 * 60 <= day_minutes <= 8 * 60, "a day in a room, breaks included"
-    at_home = int(re.search(r"(\d+) minutes at their stated times", day).group(1))
-    assert at_home == sum(stated[n] for n in home)
+            room[names[0]] = room.get(names[0], 0) + int(minutes)
+            quoted = re.search(r"\(estimate (\d+)(?:-(\d+))?\)", what)
+            assert quoted and (int(quoted[1]), int(quoted[2] or quoted[1])) == estimate[names[0]], f"{names[0]}: its row quotes its estimate"
+            slots.append((start, names[0]))
+        kind = "notebooks" if names else "lunch" if "lunch" in what else "breaks" if "break" in what else "other"
+        kinds[kind] += int(minutes)
+        if kind in ("lunch", "breaks"):
+            pauses.append(start)
+    assert list(room) == [p.stem for p in NOTEBOOKS if p.stem.split("_")[0] in DAY], "the capstone path, in order"
+    for name, minutes in room.items():
+        assert minutes >= estimate[name][0], f"{name}: {minutes} minutes, below the low end of its estimate {estimate[name]}"
+    assert len(pauses) == 3, "lunch and two breaks"
+    said = re.search(r"The day is (\d\d:\d\d)-(\d\d:\d\d): (\d+) minutes of notebooks, (\d+) of breaks and (\d+) of "
+                     r"opening and close -- ([\d.]+) hours in\s+the room -- and (\d+) of lunch", day)
+    assert said[1] == f"{rows[0][0]}:{rows[0][1]}" and said[2] == f"{rows[-1][2]}:{rows[-1][3]}"
+    assert [int(x) for x in said.groups()[2:5]] + [int(said[7])] == [kinds[k] for k in ("notebooks", "breaks", "other", "lunch")]
+    in_room = kinds["notebooks"] + kinds["breaks"] + kinds["other"]
+    assert float(said[6]) == in_room / 60 and 6 * 60 <= in_room <= 7 * 60, "a day in a room: 6-7 hours with breaks, lunch aside"
+    high = re.search(r"At the high end\s+the same notebooks need (\d+) minutes, (\d+) more than their slots", day)
+    top = sum(estimate[n][1] for n in room)
+    assert (int(high[1]), int(high[2])) == (top, top - kinds["notebooks"])
+
+    # a checkpoint before each break, lunch and notebook 12; each names its block's notebooks, and a learner
+    # who fell behind moves on, takes home sections its notebook's "When time is short" skips, and takes
+    # the course's piece (marked) for a piece of notebook 12 written in that block
+    table = day[day.index("**Checkpoints**"):day.index("At home")]
+    checks = re.findall(r"^\| (\d\d):(\d\d), before [^|]* \| ([^|]*) \| ([^|]*) \|$", table, re.M)
+    twelve = next(start for start, name in slots if name.startswith("12_"))
+    assert [int(h) * 60 + int(m) for h, m, *_ in checks] == sorted(pauses + [twelve])
+    previous = 0
+    for h, m, have, behind in checks:
+        at = int(h) * 60 + int(m)
+        block = [name.split("_")[0] for start, name in slots if previous <= start < at]
+        previous = at
+        assert block and all(re.search(rf"\b{n}\b", have + behind) for n in block), f"{h}:{m}: names {block}"
+        assert behind.startswith("moves on") and "homework:" in behind
+        if {"05", "06", "06b"} & set(block):
+            assert "as the course's" in behind and "marked" in behind, f"{h}:{m}: the unwritten piece runs as the course's"
+        taken = re.findall(r"(\d\db?)'s sections? (\b\d+\b(?!'s)(?:(?:, | and )\b\d+\b(?!'s))*)", behind)
+        assert {n for n, _ in taken} == set(block), f"{h}:{m}: homework from each notebook of the block"
+        for number, sections in taken:
+            short = when_time_is_short(kit, number)
+            for s in re.findall(r"\d+", sections):
+                assert re.search(rf"\b{s}\b", short), f"{number}'s section {s} is not in its When time is short"
+
+    # the homework: every other notebook, once, in order, each at its estimate, with the total
+    home = day[day.index("At home"):]
+    listed = re.findall(r"`([^`]+)` \((\d+)(?:-(\d+))?[;)]", home)
+    assert sorted([n for n, *_ in listed] + list(room)) == sorted(estimate), "every notebook is in the room or at home, once"
+    for name, low, high in listed:
+        assert (int(low), int(high or low)) == estimate[name], f"{name}: the homework quotes its estimate"
+    total = re.search(r"-- (\d+)-(\d+) minutes, before", home)
+    assert (int(total[1]), int(total[2])) == tuple(sum(estimate[n][k] for n, *_ in listed) for k in (0, 1))
+
+
+def test_the_readmes_hours_are_the_kits_sums_and_its_day():
+    """README's hours: the stated times' sum, the estimates' sum (called estimates), and INSTRUCTOR's day."""
+    readme = " ".join((Path(__file__).parent.parent / "README.md").read_text().split())
+    kit = KIT.read_text()
+    estimate, stated = estimated_minutes(kit), sum(stated_minutes(p) for p in NOTEBOOKS)
+    words = {8: "eight", 9: "nine", 10: "ten", 11: "eleven", 12: "twelve"}
+    low, high = (sum(e[k] for e in estimate.values()) for k in (0, 1))
+    assert f"state about {words[round(stated / 60)]} hours of reading and exercises in all ({stated} minutes" in readme
+    assert f"plan on {words[round(low / 60)]} to {words[round(high / 60)]} ({low}-{high} minutes" in readme
+    assert "estimates -- estimates, not yet learners' measured times" in readme
+    day = " ".join(kit[kit.index("## A one-day workshop"):].split())
+    span, notebooks, hours = re.search(r"The day is (\S+): (\d+) minutes of notebooks, .*? -- ([\d.]+) hours in the room", day).groups()
+    home = re.search(r"-- (\d+-\d+) minutes, before", day)[1]
+    assert (f"one-day workshop, {span}: the eight notebooks of the capstone path at the low end of those estimates "
+            f"({notebooks} minutes, {hours} hours in the room with breaks, lunch aside), the other eight as homework "
+            f"({home} minutes, estimated)") in readme
+    assert len(DAY) == 8 == len(NOTEBOOKS) - 8
 
 
 def test_notebook_07s_table_names_every_engine_it_benchmarks():
