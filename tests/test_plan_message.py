@@ -263,6 +263,15 @@ def test_randomised_engines_with_failures_against_generate(case):
     assert usage["num_used_blocks"] == 0, f"case {case}: blocks leaked"
 
 
+def test_a_row_run_alone_after_a_failed_step_reads_a_shared_block_only_once_its_row_has_filled_it():
+    """Case 41 of the randomised test (found with CBTEACH_FUZZ_CASES=42): in one step a resumed request
+    recomputes prompt blocks that two samples of its own request, admitted in the same step, hit in the
+    prefix cache, and another request's token makes the model raise. Run one row at a time, a sample's
+    row came before the row that fills those blocks and read them unwritten -- wrong tokens for an
+    innocent request. Every block the failed step was to fill now counts as unwritten until its row ran."""
+    test_randomised_engines_with_failures_against_generate(41)
+
+
 def test_the_v1_scheduler_has_no_v0_branch():
     """V0's rules live in scheduler_v0.py: no code of V1's module (docstrings aside) mentions them."""
     import ast

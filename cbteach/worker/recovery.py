@@ -8,7 +8,9 @@ better to fail only the request the model fails on, so the worker here:
   (:mod:`cbteach.worker.sampler`);
 * when the forward pass itself raises, runs each row of the step alone (:func:`recover`) -- paged K/V
   are written in place, so running a row again rewrites the same values -- and fails the rows the
-  model still fails on;
+  model still fails on. Rows of one step may share blocks (a prefix-cache hit on blocks another row of
+  the same step fills): run alone, a row may come before the row that fills them, so every block the
+  step was to fill counts as unwritten until the row that fills it has run;
 * remembers the blocks a failed row was to fill as **unwritten** (:func:`mark_written`). Another
   request may read them as its cached prefix -- admitted on them, perhaps planned a step ahead (async
   scheduling) before the failure was known. Such a row computes them again itself, from the first
@@ -29,6 +31,8 @@ from .step import Step
 def recover(runner, step, err: Exception) -> RunnerOutput:
     """``step``'s forward pass raised ``err``: run each row alone; the ones the model fails on get an
     error, and the blocks they were to fill are unwritten."""
+    for rid, start, count in zip(step.req_ids, step.starts, step.counts):
+        runner.written(rid, start, count, ok=False)  # nothing this step wrote counts until its row has run
     parts = []
     for i, (rid, start, count) in enumerate(zip(step.req_ids, step.starts, step.counts)):
         if rid not in runner.requests:  # finished by a message sent since (async scheduling): nothing to give it
