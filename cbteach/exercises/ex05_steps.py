@@ -6,6 +6,8 @@ one step and be recognisable on another, so every step runs and the most telling
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..attention.metadata import build
@@ -13,17 +15,59 @@ from ..kv.pool import PagedKVPool
 from . import Fail, guard, is_int, raised
 from .ex05_mistakes import ATTENTION_MISTAKES, SLOT_MISTAKES, attend, slots
 
-# (what, block_size, [(num_computed_tokens, num_scheduled_tokens, block_table), ...]) of each step.
+
+class Seq(NamedTuple):
+    """One sequence of a hand-built step."""
+
+    computed: int  # num_computed_tokens: its tokens already in the cache
+    scheduled: int  # num_scheduled_tokens: its tokens fed this step
+    table: list  # its block table
+
+
+class Step(NamedTuple):
+    """A hand-built step: what it shows, its block size, its sequences."""
+
+    what: str
+    block_size: int
+    seqs: list
+
+    def args(self) -> tuple:
+        """A slot mapping's arguments for this step: block tables, computed tokens, scheduled tokens, block size."""
+        return ([list(s.table) for s in self.seqs], [s.computed for s in self.seqs],
+                [s.scheduled for s in self.seqs], self.block_size)
+
+
+class Heads(NamedTuple):
+    """Attention on one of :data:`STEPS`: its heads, head size and scaling."""
+
+    step: int  # the index of the step in STEPS
+    heads: int  # query heads
+    kv_heads: int
+    head_dim: int
+    scaling: float | None  # None: head_dim ** -0.5
+
+
 STEPS = [
-    ("three decodes, one of them the first token of a new block", 4, [(5, 1, [7, 2]), (2, 1, [4]), (8, 1, [1, 9, 3])]),
-    ("a prompt, a chunk that continues a prompt across a block boundary, a decode", 4,
-     [(0, 6, [3, 8]), (5, 4, [6, 0, 10]), (3, 1, [11])]),
-    ("blocks of two: a chunk, a prompt, a decode", 2, [(3, 2, [5, 1, 4]), (0, 3, [0, 2]), (4, 1, [3, 6, 7])]),
-    ("blocks of one token", 1, [(1, 2, [4, 0, 2]), (0, 2, [1, 3])]),
-    ("blocks of 16: a long chunk, a decode, a short prompt", 16, [(20, 12, [2, 0]), (31, 1, [1, 3]), (0, 5, [4])]),
+    Step(what="three decodes, one of them the first token of a new block", block_size=4, seqs=[
+        Seq(computed=5, scheduled=1, table=[7, 2]), Seq(computed=2, scheduled=1, table=[4]),
+        Seq(computed=8, scheduled=1, table=[1, 9, 3])]),
+    Step(what="a prompt, a chunk that continues a prompt across a block boundary, a decode", block_size=4, seqs=[
+        Seq(computed=0, scheduled=6, table=[3, 8]), Seq(computed=5, scheduled=4, table=[6, 0, 10]),
+        Seq(computed=3, scheduled=1, table=[11])]),
+    Step(what="blocks of two: a chunk, a prompt, a decode", block_size=2, seqs=[
+        Seq(computed=3, scheduled=2, table=[5, 1, 4]), Seq(computed=0, scheduled=3, table=[0, 2]),
+        Seq(computed=4, scheduled=1, table=[3, 6, 7])]),
+    Step(what="blocks of one token", block_size=1, seqs=[
+        Seq(computed=1, scheduled=2, table=[4, 0, 2]), Seq(computed=0, scheduled=2, table=[1, 3])]),
+    Step(what="blocks of 16: a long chunk, a decode, a short prompt", block_size=16, seqs=[
+        Seq(computed=20, scheduled=12, table=[2, 0]), Seq(computed=31, scheduled=1, table=[1, 3]),
+        Seq(computed=0, scheduled=5, table=[4])]),
 ]
-# Attention on those steps: (step index, query heads, KV heads, head_dim, scaling or None for head_dim ** -0.5).
-HEADS = [(0, 2, 2, 8, None), (1, 4, 2, 8, None), (2, 4, 1, 8, 0.6), (1, 6, 3, 4, 0.35), (4, 4, 2, 8, None)]
+HEADS = [Heads(step=0, heads=2, kv_heads=2, head_dim=8, scaling=None),
+         Heads(step=1, heads=4, kv_heads=2, head_dim=8, scaling=None),
+         Heads(step=2, heads=4, kv_heads=1, head_dim=8, scaling=0.6),
+         Heads(step=1, heads=6, kv_heads=3, head_dim=4, scaling=0.35),
+         Heads(step=4, heads=4, kv_heads=2, head_dim=8, scaling=None)]
 
 
 def _first_named(failures: list) -> None:
@@ -33,10 +77,10 @@ def _first_named(failures: list) -> None:
         raise next((f for f in failures if f.named), failures[0])
 
 
-def _case_text(case) -> str:
-    what, bs, seqs = case
-    return (f"({what}; block_size {bs}, block_tables {[t for _, _, t in seqs]}, num_computed_tokens "
-            f"{[c for c, _, _ in seqs]}, num_scheduled_tokens {[n for _, n, _ in seqs]})")
+def _case_text(case: Step) -> str:
+    tables, computed, scheduled, bs = case.args()
+    return (f"({case.what}; block_size {bs}, block_tables {tables}, num_computed_tokens {computed}, "
+            f"num_scheduled_tokens {scheduled})")
 
 
 def _kind(c: int, n: int) -> str:
@@ -67,9 +111,8 @@ def _as_slots(got, total: int) -> list[int]:
     return [int(x) for x in got]
 
 
-def _diagnose_slots(got, case) -> tuple[str, bool]:
-    _, bs, seqs = case
-    args = ([t for _, _, t in seqs], [c for c, _, _ in seqs], [n for _, n, _ in seqs], bs)
+def _diagnose_slots(got, case: Step) -> tuple[str, bool]:
+    args = case.args()
     for name, hint in SLOT_MISTAKES.items():
         try:
             if slots(*args, mistake=name) == got:
@@ -81,7 +124,7 @@ def _diagnose_slots(got, case) -> tuple[str, bool]:
         return ("the right slots in the wrong order: packed order is sequence 0's tokens first, in position "
                 "order, then sequence 1's, ..."), True
     wrong, start = [], 0
-    for c, n, _ in seqs:
+    for c, n, _ in case.seqs:
         if got[start:start + n] != right[start:start + n]:
             wrong.append(_kind(c, n))
         start += n
@@ -89,14 +132,14 @@ def _diagnose_slots(got, case) -> tuple[str, bool]:
             ". A token at position p lies in block p // block_size of its table, at offset p % block_size"), False
 
 
-def _padded(case):
+def _padded(case: Step) -> Step:
     """The step with every block table lengthened by blocks nobody owns: a slot mapping that reads past
     the end of a table runs on it, and what it returns can be compared with the known mistakes."""
-    what, bs, seqs = case
-    used = {b for _, _, t in seqs for b in t}
+    used = {b for s in case.seqs for b in s.table}
     spare = iter(b for b in range(100, 1000) if b not in used)
-    width = max(len(t) for _, _, t in seqs) + 2
-    return what, bs, [(c, n, list(t) + [next(spare) for _ in range(width - len(t))]) for c, n, t in seqs]
+    width = max(len(s.table) for s in case.seqs) + 2
+    return case._replace(seqs=[s._replace(table=list(s.table) + [next(spare) for _ in range(width - len(s.table))])
+                               for s in case.seqs])
 
 
 def _crashed_slots(slot_mapping, case, err) -> Fail:
@@ -106,8 +149,7 @@ def _crashed_slots(slot_mapping, case, err) -> Fail:
     if not isinstance(err, IndexError):
         return Fail(said)
     padded = _padded(case)
-    _, bs, seqs = padded
-    args = ([list(t) for _, _, t in seqs], [c for c, _, _ in seqs], [n for _, n, _ in seqs], bs)
+    args = padded.args()
     try:
         got = _as_slots(slot_mapping(*args), sum(args[2]))
         hint, named = _diagnose_slots(got, padded) if got != slots(*args) else ("", False)
@@ -127,8 +169,7 @@ def check_slot_mapping_cases(slot_mapping) -> None:
         raise Fail(refused, named=True)
     failures = []
     for case in STEPS:
-        _, bs, seqs = case
-        args = ([list(t) for _, _, t in seqs], [c for c, _, _ in seqs], [n for _, n, _ in seqs], bs)
+        args = case.args()
         try:
             got = slot_mapping(*args)
         except Exception as err:  # the learner's code
@@ -143,18 +184,16 @@ def check_slot_mapping_cases(slot_mapping) -> None:
 
 # -- paged attention -------------------------------------------------------------------------------
 
-def _step(case, heads, kv_heads, head_dim, seed):
+def _step(case: Step, heads, kv_heads, head_dim, seed):
     """A hand-built step: its metadata (on a pool full of random K/V -- history and stale slots alike)
     and random queries, keys and values."""
-    _, bs, seqs = case
+    tables, computed, scheduled, bs = case.args()
     g = torch.Generator().manual_seed(seed)
-    num_blocks = 1 + max(b for _, _, t in seqs for b in t)
+    num_blocks = 1 + max(b for t in tables for b in t)
     pool = PagedKVPool(num_layers=2, num_blocks=num_blocks, block_size=bs, num_kv_heads=kv_heads, head_dim=head_dim)
     for t in pool.k + pool.v:
         t.copy_(torch.randn(t.shape, generator=g))
-    computed, scheduled = [c for c, _, _ in seqs], [n for _, n, _ in seqs]
-    meta = build([1] * sum(scheduled), computed, scheduled, "cpu", block_tables=[t for _, _, t in seqs],
-                 block_size=bs)
+    meta = build([1] * sum(scheduled), computed, scheduled, "cpu", block_tables=tables, block_size=bs)
     meta.pool = pool
     T = sum(scheduled)
     q = torch.randn(1, heads, T, head_dim, generator=g)

@@ -4,57 +4,83 @@ that gives both answers is named -- else what its symptom says (NaN, rounding), 
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..attention.metadata import build
 from ..kv.pool import PagedKVPool
 from . import ex05b_mistakes as mistakes
 
-# (name, what the step is, its hint if it is the first to fail -- a mistake's own where one names it, spec). A spec:
-# the sequences [(num_computed_tokens, num_scheduled_tokens)], block_size, tile_n, heads, kv_heads, how the blocks
-# lie ("in order" / "shuffled"), what stale slots hold ("random" / "nan") and how keys are drawn.
+class Seq(NamedTuple):
+    """One sequence of a step."""
+
+    computed: int  # num_computed_tokens: its keys already in the pool
+    scheduled: int  # num_scheduled_tokens: its queries this step
+
+
+class Step(NamedTuple):
+    """A hand-built step. ``spec``: :func:`make_step`'s arguments -- the sequences, block_size, tile_n, heads,
+    kv_heads, how the blocks lie ("in order" / "shuffled"), what stale slots hold ("random" / "nan") and how keys
+    are drawn."""
+
+    name: str
+    what: str  # what the step is
+    hint: str  # the hint if it is the first to fail -- a mistake's own where one names it
+    spec: dict
+
+
 STEPS = [
-    ("basic", "one decode over one full block, one head", (
+    Step(name="basic", what="one decode over one full block, one head", hint=(
         "even the simplest step is wrong -- one decode, one full block of 4 keys, one head, one tile: check "
         "the loads (the pointer of a key: its block, its slot in the block, its KV head, the column), the "
         "scores (q times k transposed, times scale) and what you return: (acc, total) before dividing"),
-     dict(seqs=[(3, 1)], block_size=4, tile_n=4, heads=1, kv_heads=1, blocks="in order", stale="random")),
-    ("not_rescaled", "one decode over three blocks, tiles of 4, scores rising tile by tile", (
+         spec=dict(seqs=[Seq(computed=3, scheduled=1)], block_size=4, tile_n=4, heads=1, kv_heads=1,
+                   blocks="in order", stale="random")),
+    Step(name="not_rescaled", what="one decode over three blocks, tiles of 4, scores rising tile by tile", hint=(
         "the running max grew from one tile to the next, and what was summed under the old max was kept "
         "as it was: when m changes, the running sum and the output so far must both be rescaled, by "
         "exp(m_old - m_new)"),
-     dict(seqs=[(11, 1)], block_size=4, tile_n=4, heads=1, kv_heads=1, blocks="in order", stale="random",
-          keys="rising")),
-    ("overflow", "one decode over three blocks whose scores reach the hundreds", (
+         spec=dict(seqs=[Seq(computed=11, scheduled=1)], block_size=4, tile_n=4, heads=1, kv_heads=1,
+                   blocks="in order", stale="random", keys="rising")),
+    Step(name="overflow", what="one decode over three blocks whose scores reach the hundreds", hint=(
         "scores here reach the hundreds, and exp of a score above about 88 overflows float32: the online softmax "
         "keeps every exp(score - m) at most 1 -- check what your loop subtracts before exp, and its rescale"),
-     dict(seqs=[(11, 1)], block_size=4, tile_n=4, heads=1, kv_heads=1, blocks="in order", stale="random",
-          keys="large")),
-    ("logical_as_physical", "the same decode, its blocks out of order in the pool", (
+         spec=dict(seqs=[Seq(computed=11, scheduled=1)], block_size=4, tile_n=4, heads=1, kv_heads=1,
+                   blocks="in order", stale="random", keys="large")),
+    Step(name="logical_as_physical", what="the same decode, its blocks out of order in the pool", hint=(
         "the sequence's blocks lie out of order in the pool here, and your loop read logical block b as if "
         "it were pool block b: the block table says which pool block holds each logical block"),
-     dict(seqs=[(11, 1)], block_size=4, tile_n=4, heads=1, kv_heads=1, blocks="shuffled", stale="random")),
-    ("past_the_length", "a decode whose last block is partly filled, stale slots after it", (
+         spec=dict(seqs=[Seq(computed=11, scheduled=1)], block_size=4, tile_n=4, heads=1, kv_heads=1,
+                   blocks="shuffled", stale="random")),
+    Step(name="past_the_length", what="a decode whose last block is partly filled, stale slots after it", hint=(
         "this sequence's last block is only partly filled; the slots after its length hold stale K/V of "
         "earlier requests (here NaN), and your loop read them: a key at a position >= seq_len is not the "
         "sequence's, whatever a load finds there -- mask the loads, not only the scores"),
-     dict(seqs=[(9, 1)], block_size=4, tile_n=4, heads=1, kv_heads=1, blocks="shuffled", stale="nan")),
-    ("tile_spans_blocks", "blocks of 3 tokens, tiles of 8 keys", mistakes.MISTAKES["one_block_per_tile"],
-     dict(seqs=[(12, 1)], block_size=3, tile_n=8, heads=1, kv_heads=1, blocks="shuffled", stale="nan")),
-    ("no_causal_mask", "a prefill chunk of 6 after 3 cached tokens, across a block boundary",
-     mistakes.MISTAKES["no_causal"],
-     dict(seqs=[(3, 6)], block_size=4, tile_n=4, heads=1, kv_heads=1, blocks="shuffled", stale="nan")),
-    ("max_before_masking", "a chunk where a key after the first query scores far above the rest",
-     mistakes.MISTAKES["max_before_masking"],
-     dict(seqs=[(2, 5)], block_size=4, tile_n=4, heads=1, kv_heads=1, blocks="shuffled", stale="nan",
-          keys="spike")),
-    ("wrong_kv_head", "grouped-query attention: 4 query heads on 2 KV heads", mistakes.MISTAKES["kv_head_is_head"],
-     dict(seqs=[(5, 1), (2, 3)], block_size=4, tile_n=4, heads=4, kv_heads=2, blocks="shuffled", stale="nan")),
-    ("mixed", "decodes, chunks and a prompt together, blocks of 3, tiles of 8, 6 heads on 2 KV heads", (
-        "every step with one thing at a time passes, but a step with all of them together does not: look at "
-        "what changes between sequences of one step -- each has its own length, queries and block table"),
-     dict(seqs=[(7, 1), (0, 9), (13, 4), (20, 1)], block_size=3, tile_n=8, heads=6, kv_heads=2,
-          blocks="shuffled", stale="nan")),
+         spec=dict(seqs=[Seq(computed=9, scheduled=1)], block_size=4, tile_n=4, heads=1, kv_heads=1,
+                   blocks="shuffled", stale="nan")),
+    Step(name="tile_spans_blocks", what="blocks of 3 tokens, tiles of 8 keys",
+         hint=mistakes.MISTAKES["one_block_per_tile"],
+         spec=dict(seqs=[Seq(computed=12, scheduled=1)], block_size=3, tile_n=8, heads=1, kv_heads=1,
+                   blocks="shuffled", stale="nan")),
+    Step(name="no_causal_mask", what="a prefill chunk of 6 after 3 cached tokens, across a block boundary",
+         hint=mistakes.MISTAKES["no_causal"],
+         spec=dict(seqs=[Seq(computed=3, scheduled=6)], block_size=4, tile_n=4, heads=1, kv_heads=1,
+                   blocks="shuffled", stale="nan")),
+    Step(name="max_before_masking", what="a chunk where a key after the first query scores far above the rest",
+         hint=mistakes.MISTAKES["max_before_masking"],
+         spec=dict(seqs=[Seq(computed=2, scheduled=5)], block_size=4, tile_n=4, heads=1, kv_heads=1,
+                   blocks="shuffled", stale="nan", keys="spike")),
+    Step(name="wrong_kv_head", what="grouped-query attention: 4 query heads on 2 KV heads",
+         hint=mistakes.MISTAKES["kv_head_is_head"],
+         spec=dict(seqs=[Seq(computed=5, scheduled=1), Seq(computed=2, scheduled=3)], block_size=4, tile_n=4,
+                   heads=4, kv_heads=2, blocks="shuffled", stale="nan")),
+    Step(name="mixed", what="decodes, chunks and a prompt together, blocks of 3, tiles of 8, 6 heads on 2 KV heads",
+         hint=("every step with one thing at a time passes, but a step with all of them together does not: look at "
+               "what changes between sequences of one step -- each has its own length, queries and block table"),
+         spec=dict(seqs=[Seq(computed=7, scheduled=1), Seq(computed=0, scheduled=9), Seq(computed=13, scheduled=4),
+                         Seq(computed=20, scheduled=1)], block_size=3, tile_n=8, heads=6, kv_heads=2,
+                   blocks="shuffled", stale="nan")),
 ]
 HEAD_DIM = 8
 

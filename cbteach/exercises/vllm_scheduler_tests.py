@@ -24,6 +24,7 @@ course's engine does not have.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..core.request import RequestStatus
 from ..engine.scheduler import Scheduler
@@ -100,13 +101,32 @@ def test_stop_via_update_from_output(cls):
            [EOS_TOKEN_ID, 10, 11])
 
 
-SPEC_CASES = {  # "mirror some of those in test_rejection_sampler.py": spec tokens, output tokens, expected stats
-    "perfect match": ([[1, 2, 3]], [[1, 2, 3, 4]], (1, 3, 3, [1, 1, 1])),
-    "early mismatch": ([[1, 2, 3]], [[1, 5]], (1, 3, 1, [1, 0, 0])),
-    "multiple sequences": ([[1, 2], [3]], [[1, 2, 5], [3, 4]], (2, 3, 3, [2, 1])),
-    "single token sequence": ([[1]], [[1, 2]], (1, 1, 1, [1])),
-    "empty sequence": ([[]], [[5]], (0, 0, 0, [0])),
-    "multiple mismatches": ([[1, 2, 3], [4, 5, 6]], [[1, 2, 7], [4, 8]], (2, 6, 3, [2, 1, 0])),
+class SpecStats(NamedTuple):
+    """What vLLM's spec-decoding stats should count after the verify step."""
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_accepted_tokens_per_pos: list
+
+
+def _spec(*, spec_tokens, output_tokens, **expected) -> dict:
+    return {"spec_tokens": spec_tokens, "output_tokens": output_tokens, "expected": SpecStats(**expected)}
+
+
+SPEC_CASES = {  # "mirror some of those in test_rejection_sampler.py"
+    "perfect match": _spec(spec_tokens=[[1, 2, 3]], output_tokens=[[1, 2, 3, 4]], num_drafts=1, num_draft_tokens=3,
+                           num_accepted_tokens=3, num_accepted_tokens_per_pos=[1, 1, 1]),
+    "early mismatch": _spec(spec_tokens=[[1, 2, 3]], output_tokens=[[1, 5]], num_drafts=1, num_draft_tokens=3,
+                            num_accepted_tokens=1, num_accepted_tokens_per_pos=[1, 0, 0]),
+    "multiple sequences": _spec(spec_tokens=[[1, 2], [3]], output_tokens=[[1, 2, 5], [3, 4]], num_drafts=2,
+                                num_draft_tokens=3, num_accepted_tokens=3, num_accepted_tokens_per_pos=[2, 1]),
+    "single token sequence": _spec(spec_tokens=[[1]], output_tokens=[[1, 2]], num_drafts=1, num_draft_tokens=1,
+                                   num_accepted_tokens=1, num_accepted_tokens_per_pos=[1]),
+    "empty sequence": _spec(spec_tokens=[[]], output_tokens=[[5]], num_drafts=0, num_draft_tokens=0,
+                            num_accepted_tokens=0, num_accepted_tokens_per_pos=[0]),
+    "multiple mismatches": _spec(spec_tokens=[[1, 2, 3], [4, 5, 6]], output_tokens=[[1, 2, 7], [4, 8]], num_drafts=2,
+                                 num_draft_tokens=6, num_accepted_tokens=3, num_accepted_tokens_per_pos=[2, 1, 0]),
 }
 
 
@@ -214,8 +234,8 @@ TESTS = {"test_schedule[prefix caching off]": (test_schedule, {"enable_prefix_ca
          "test_schedule[prefix caching on]": (test_schedule, {"enable_prefix_caching": True}),
          "test_schedule_order[chunked prefill]": (test_schedule_order, {}),
          "test_stop_via_update_from_output": (test_stop_via_update_from_output, {})}
-TESTS.update({f"test_schedule_spec_decoding_stats[{k}]": (test_schedule_spec_decoding_stats, dict(
-    zip(("spec_tokens", "output_tokens", "expected"), case))) for k, case in SPEC_CASES.items()})
+TESTS.update({f"test_schedule_spec_decoding_stats[{k}]": (test_schedule_spec_decoding_stats, case)
+              for k, case in SPEC_CASES.items()})
 TESTS.update({f.__name__: (f, {}) for f in (test_no_spec_tokens_scheduled_for_prefill_chunks,
                                              test_spec_decode_padding_skipped_for_diffusion, test_memory_leak)})
 TESTS.update({f.__name__: (f, {}) for f in vllm_priority_tests.TESTS})
