@@ -195,7 +195,8 @@ def check_accept(accept) -> bool:
     for _ in range(NUM_RANDOM_ACCEPT_CASES):  # small alphabets: guesses are often right, as with a good proposer
         k = g.randint(0, 6)
         targets = [g.randrange(3) for _ in range(k + 1)]
-        cases.append(AcceptCase(drafts=[t if g.random() < 0.7 else g.randrange(3) for t in targets[:k]], targets=targets))
+        drafts = [t if g.random() < 0.7 else g.randrange(3) for t in targets[:k]]
+        cases.append(AcceptCase(drafts=drafts, targets=targets))
     for drafts, targets in cases:
         try:
             got = accept(list(drafts), list(targets))

@@ -34,7 +34,8 @@ class Handover(NamedTuple):
     link_bytes_per_s: float
 
 
-SHAPES = {"gqa": Shape(layers=2, heads=4, kv_heads=2, hidden=64), "mqa": Shape(layers=3, heads=4, kv_heads=1, hidden=32),
+SHAPES = {"gqa": Shape(layers=2, heads=4, kv_heads=2, hidden=64),
+          "mqa": Shape(layers=3, heads=4, kv_heads=1, hidden=32),
           "mha": Shape(layers=1, heads=2, kv_heads=2, hidden=32)}
 CASES = [Handover(shape="gqa", prompt_len=16, block_size=16, kv_dtype=None, link_bytes_per_s=10e9),
          Handover(shape="gqa", prompt_len=17, block_size=16, kv_dtype=None, link_bytes_per_s=10e9),
