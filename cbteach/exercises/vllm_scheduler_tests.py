@@ -238,7 +238,7 @@ TESTS.update({f"test_schedule_spec_decoding_stats[{k}]": (test_schedule_spec_dec
               for k, case in SPEC_CASES.items()})
 TESTS.update({f.__name__: (f, {}) for f in (test_no_spec_tokens_scheduled_for_prefill_chunks,
                                              test_spec_decode_padding_skipped_for_diffusion, test_memory_leak)})
-TESTS.update({f.__name__: (f, {}) for f in vllm_priority_tests.TESTS})
+TESTS.update(vllm_priority_tests.TESTS)  # name -> (test, its arguments besides cls)
 
 
 @dataclass
