@@ -58,19 +58,20 @@ def test_schedule_order(cls):
            "with chunked prefill, long requests will be chunked")
 
 
-def _stop_case(cls, spec, sampled, **request_kwargs):
-    """One case of ``test_stop_via_update_from_output``: two requests running, one step's update."""
+def _stop_case(cls, *, spec_token_ids, sampled_token_ids, **request_kwargs):
+    """One case of ``test_stop_via_update_from_output``: the requests running with their guesses, one step's update."""
     h = Harness(cls)
-    requests = h.create_requests(num_requests=len(sampled), **request_kwargs)
-    output = h.running_after_schedule(requests, {r.request_id: g for r, g in zip(requests, spec)})
-    h.update(output, {r.request_id: s for r, s in zip(requests, sampled)})
+    requests = h.create_requests(num_requests=len(sampled_token_ids), **request_kwargs)
+    output = h.running_after_schedule(requests, {r.request_id: g for r, g in zip(requests, spec_token_ids)})
+    h.update(output, {r.request_id: s for r, s in zip(requests, sampled_token_ids)})
     return h, requests
 
 
 def test_stop_via_update_from_output(cls):
     stopped = ("requests[0].status == RequestStatus.FINISHED_STOPPED", RequestStatus.FINISHED)
     # Test case 1: Stop on EOS token
-    h, requests = _stop_case(cls, [[], [10]], [[EOS_TOKEN_ID], [10, 11]], max_tokens=10)
+    h, requests = _stop_case(cls, spec_token_ids=[[], [10]], sampled_token_ids=[[EOS_TOKEN_ID], [10, 11]],
+                             max_tokens=10)
     expect("len(scheduler.running) == 1", len(h.scheduler.running), 1)
     expect("scheduler.running[0].request_id == requests[1].request_id", h.ids(h.scheduler.running), ["1"])
     expect(stopped[0], (requests[0].status, requests[0].finish_reason), (stopped[1], "eos"), "finish_reason 'eos'")
@@ -78,7 +79,8 @@ def test_stop_via_update_from_output(cls):
     expect("list(requests[0].output_token_ids) == [EOS_TOKEN_ID]", requests[0].output_ids, [EOS_TOKEN_ID])
     expect("list(requests[1].output_token_ids) == [10, 11]", requests[1].output_ids, [10, 11])
     # Test case 2: Stop on custom stop token
-    h, requests = _stop_case(cls, [[10, 42], [13]], [[10, 42, 12], [13, 14]], max_tokens=10, stop_token_ids=[42, 43])
+    h, requests = _stop_case(cls, spec_token_ids=[[10, 42], [13]], sampled_token_ids=[[10, 42, 12], [13, 14]],
+                             max_tokens=10, stop_token_ids=[42, 43])
     expect("len(scheduler.running) == 1", len(h.scheduler.running), 1)
     expect("scheduler.running[0].request_id == requests[1].request_id", h.ids(h.scheduler.running), ["1"])
     expect("requests[0].stop_reason == 42", (requests[0].finish_reason, requests[0].output_ids[-1:]), ("stop", [42]),
@@ -86,7 +88,7 @@ def test_stop_via_update_from_output(cls):
     expect("list(requests[0].output_token_ids) == [10, 42]", requests[0].output_ids, [10, 42])
     expect("list(requests[1].output_token_ids) == [13, 14]", requests[1].output_ids, [13, 14])
     # Test case 3: Stop on max tokens
-    h, requests = _stop_case(cls, [[10, 11], []], [[10, 11, 12], [13]], max_tokens=2)
+    h, requests = _stop_case(cls, spec_token_ids=[[10, 11], []], sampled_token_ids=[[10, 11, 12], [13]], max_tokens=2)
     expect("len(scheduler.running) == 1", len(h.scheduler.running), 1)
     expect("scheduler.running[0].request_id == requests[1].request_id", h.ids(h.scheduler.running), ["1"])
     expect("requests[0].status == RequestStatus.FINISHED_LENGTH_CAPPED", requests[0].finish_reason, "length",
@@ -94,7 +96,8 @@ def test_stop_via_update_from_output(cls):
     expect("list(requests[0].output_token_ids) == [10, 11]  # Truncated to max_tokens", requests[0].output_ids, [10, 11])
     expect("list(requests[1].output_token_ids) == [13]", requests[1].output_ids, [13])
     # Test case 4: Ignore EOS flag
-    h, requests = _stop_case(cls, [[EOS_TOKEN_ID, 10]], [[EOS_TOKEN_ID, 10, 11]], max_tokens=10, ignore_eos=True)
+    h, requests = _stop_case(cls, spec_token_ids=[[EOS_TOKEN_ID, 10]], sampled_token_ids=[[EOS_TOKEN_ID, 10, 11]],
+                             max_tokens=10, ignore_eos=True)
     expect("len(scheduler.running) == 1", len(h.scheduler.running), 1)
     expect("not requests[0].is_finished()", not requests[0].status.is_finished)
     expect("list(requests[0].output_token_ids) == [EOS_TOKEN_ID, 10, 11]", requests[0].output_ids,
