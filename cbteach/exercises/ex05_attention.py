@@ -18,7 +18,7 @@ from ..attention.metadata import build
 from ..core.request import Request
 from ..engine.engine import Engine
 from ..kv.pool import PagedKVPool
-from . import Fail, generated, guard, is_int, raised, report, self_check, uncallable
+from . import Fail, first_mistake, generated, guard, is_int, raised, report, self_check, uncallable
 from .ex05_mistakes import ATTENTION_MISTAKES, SLOT_MISTAKES, attend, slots
 
 MAX_NEW_TOKENS = 16  # per request, in the engine runs
@@ -121,12 +121,9 @@ def _as_slots(got, total: int) -> list[int]:
 
 def _diagnose_slots(got, case: Step) -> tuple[str, bool]:
     args = case.args()
-    for name, hint in SLOT_MISTAKES.items():
-        try:
-            if slots(*args, mistake=name) == got:
-                return hint, True
-        except IndexError:
-            continue
+    hint = first_mistake(SLOT_MISTAKES, lambda name: slots(*args, mistake=name) == got, skip=IndexError)
+    if hint:
+        return hint, True
     right = slots(*args)
     if sorted(right) == sorted(got):
         return ("the right slots in the wrong order: packed order is sequence 0's tokens first, in position "
@@ -249,12 +246,10 @@ def _close(a, b) -> bool:
 
 
 def _diagnose(out, meta, q, k, v, layer, scaling) -> tuple[str, bool]:
-    for name, hint in ATTENTION_MISTAKES.items():
-        try:
-            if _close(out, attend(q, k, v, _fresh(meta), layer, scaling, mistake=name)):
-                return hint, True
-        except (IndexError, RuntimeError):  # this mistake would not even run on this step
-            continue
+    gives = lambda name: _close(out, attend(q, k, v, _fresh(meta), layer, scaling, mistake=name))  # noqa: E731
+    hint = first_mistake(ATTENTION_MISTAKES, gives, skip=(IndexError, RuntimeError))  # or would not even run here
+    if hint:
+        return hint, True
     right = attend(q, k, v, _fresh(meta), layer, scaling)
     wrong = [_kind(c, n) for i, (c, n) in enumerate(zip(meta.num_computed_tokens, meta.num_scheduled_tokens))
              if not _close(out[:, :, int(meta.query_start_loc[i]):int(meta.query_start_loc[i + 1])],

@@ -19,7 +19,7 @@ import torch
 from ..attention.metadata import build
 from ..attention.paged import reference_attention
 from ..kv.pool import PagedKVPool
-from . import Fail, ex05b_mistakes as mistakes, generated, raised, report, self_check, uncallable
+from . import Fail, ex05b_mistakes as mistakes, first_mistake, generated, raised, report, self_check, uncallable
 
 __all__ = ["HEAD_DIM", "STEPS", "Fail", "check_attend_blocks", "make_step", "meta_rows", "run_engine", "run_steps",
            "scaled"]
@@ -177,11 +177,11 @@ def diagnose(run, spec: dict, got, want, tol: float, hint: str, device: str = "c
     query, pool, meta = make_step(**spec, device=device)
     again = make_step(**{**spec, "stale": "random"}, seed=1, device=device)
     got_again = run(*again)
-    for name, said in mistakes.MISTAKES.items():
-        if not _close(got, mistakes.loop(query, pool, meta, spec["tile_n"], name, block_q), tol):
-            continue
-        if got_again is None or _close(got_again, mistakes.loop(*again, spec["tile_n"], name, block_q), tol):
-            return said
+    said = first_mistake(mistakes.MISTAKES, lambda name: (
+        _close(got, mistakes.loop(query, pool, meta, spec["tile_n"], name, block_q), tol)
+        and (got_again is None or _close(got_again, mistakes.loop(*again, spec["tile_n"], name, block_q), tol))))
+    if said:
+        return said
     if not torch.isfinite(got).all():
         stale = spec.get("stale", "nan") == "nan"
         return mistakes.NAN + ("; or from a stale slot: here every slot no sequence owns holds NaN" if stale else "")

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from ..parallel.shard import Layout
 from ..sim.cost import ring_all_reduce_bytes
-from . import guard, report, self_check
+from . import first_mistake, guard, report, self_check
 
 
 class Shape(NamedTuple):
@@ -103,10 +103,8 @@ def _same(a, b) -> bool:
 
 
 def _bytes_hint(answers, cases) -> str:
-    for wrong, hint in _MISTAKES:
-        if all(_same(got, wrong(t, *args)) for got, (args, t) in zip(answers, cases)):
-            return hint
-    return _GENERIC
+    gives = lambda wrong: all(_same(got, wrong(t, *args)) for got, (args, t) in zip(answers, cases))  # noqa: E731
+    return first_mistake(_MISTAKES, gives) or _GENERIC
 
 
 @self_check
