@@ -16,7 +16,7 @@ from ..worker import model_runner
 from ..engine.engine import Engine
 from ..core.request import Request
 from ..engine.speculative import accept as engine_accept
-from . import is_int, raised, report, self_check, uncallable
+from . import first_mistake, is_int, raised, report, self_check, uncallable
 
 # ---------------------------------------------------------------- prefix reuse ----------------
 
@@ -78,22 +78,28 @@ def _model(prompts, bs, *, last_rule=True, full_blocks=True, earlier="all", chai
     return out
 
 
+# Typical mistakes: the engine's rule with one part switched off (:func:`_model`'s keywords; several: any of them),
+# and the hint when the learner's answers are that rule's.
+PREFIX_MISTAKES = [
+    ([dict(last_rule=False)], "the prompt's last token is always computed, even when the whole prompt is cached: its "
+                              "logits give the first new token -- so the lookup stops one token short of the prompt"),
+    ([dict(full_blocks=False, last_rule=False), dict(full_blocks=False)],
+     "you counted every shared token; only *full* blocks are cached -- a shared prefix is reused in whole blocks of "
+     "{bs}, rounded down"),
+    ([dict(earlier="previous"), dict(earlier="first")],
+     "the cache keeps the full blocks of *every* earlier request, not only one of them"),
+    ([dict(chained=False)], "a block is found by a hash of its tokens *and of everything before it*: after the first "
+                            "block that differs, nothing more can be reused, even if later blocks hold the same tokens"),
+    ([dict(ceil=True)], "a partly filled block is never cached: round down to whole blocks, not up"),
+]
+
+
 def _prefix_hint(prompts, bs, got) -> str:
     if got[0] != 0:
         return "the first request finds an empty cache: nothing can be reused before anything was computed"
-    if got == _model(prompts, bs, last_rule=False):
-        return ("the prompt's last token is always computed, even when the whole prompt is cached: its logits "
-                "give the first new token -- so the lookup stops one token short of the prompt")
-    if got == _model(prompts, bs, full_blocks=False, last_rule=False) or got == _model(prompts, bs, full_blocks=False):
-        return ("you counted every shared token; only *full* blocks are cached -- a shared prefix is reused in "
-                f"whole blocks of {bs}, rounded down")
-    if got == _model(prompts, bs, earlier="previous") or got == _model(prompts, bs, earlier="first"):
-        return "the cache keeps the full blocks of *every* earlier request, not only one of them"
-    if got == _model(prompts, bs, chained=False):
-        return ("a block is found by a hash of its tokens *and of everything before it*: after the first block "
-                "that differs, nothing more can be reused, even if later blocks hold the same tokens")
-    if got == _model(prompts, bs, ceil=True):
-        return "a partly filled block is never cached: round down to whole blocks, not up"
+    hint = first_mistake(PREFIX_MISTAKES, lambda rules: any(got == _model(prompts, bs, **r) for r in rules))
+    if hint:
+        return hint.format(bs=bs)
     if any(g % bs for g in got):
         return f"reuse always comes in whole blocks, so every answer is a multiple of the block size ({bs})"
     return ("for each request, walk its prompt (less its last token) block by block and stop at the first "
