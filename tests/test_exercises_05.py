@@ -228,7 +228,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from cbteach.attention.metadata import build  # noqa: E402
 from cbteach.attention.paged import default_attention, reference_attention  # noqa: E402
-from cbteach.exercises import ex05_attention, ex05_mistakes, ex05_steps  # noqa: E402
+from cbteach.exercises import ex05_attention, ex05_mistakes  # noqa: E402
 
 
 def slot_mapping(block_tables, num_computed_tokens, num_scheduled_tokens, block_size):
@@ -338,7 +338,7 @@ class RightOnlyOnTheHandBuiltSteps:
 
     def __call__(self, q, k, v, meta, layer, scaling):
         self.calls += 1
-        late = self.calls > len(ex05_steps.HEADS)
+        late = self.calls > len(ex05_attention.HEADS)
         return attention(q, k, v, meta, layer, scaling, diagonal=1 if late else 0)
 
 
@@ -414,7 +414,7 @@ def test_ex05_wrong_slot_mappings_fail_with_their_hint(model, capsys, wrong, hin
     assert not ex05_attention.check_slot_mapping(wrong, model)
     out = capsys.readouterr().out
     assert out.startswith("✗") and hint in out, out
-    for _, bs, seqs in ex05_steps.STEPS:  # the right slots are never shown
+    for _, bs, seqs in ex05_attention.STEPS:  # the right slots are never shown
         right = slot_mapping([t for _, _, t in seqs], [c for c, _, _ in seqs], [n for _, n, _ in seqs], bs)
         assert str(right) not in out and str(right)[1:-1] not in out
 
@@ -470,16 +470,16 @@ def test_ex05_attention_checks_the_slot_mapping_first_and_wants_functions(model,
 def test_ex05_hand_built_steps_are_real_steps():
     """Each table holds exactly the blocks its tokens need, no block has two owners, and the check's
     reference slots and attention are the engine's."""
-    for _, bs, seqs in ex05_steps.STEPS:
+    for _, bs, seqs in ex05_attention.STEPS:
         assert all(len(t) == math.ceil((c + n) / bs) for c, n, t in seqs)
         blocks = [b for _, _, t in seqs for b in t]
         assert len(blocks) == len(set(blocks))
         tables, computed, scheduled = [t for _, _, t in seqs], [c for c, _, _ in seqs], [n for _, n, _ in seqs]
         meta = build([1] * sum(scheduled), computed, scheduled, "cpu", block_tables=tables, block_size=bs)
         assert meta.slot_mapping.tolist() == ex05_mistakes.slots(tables, computed, scheduled, bs)
-    for n, (index, heads, kv_heads, head_dim, scaling) in enumerate(ex05_steps.HEADS):
-        meta, q, k, v = ex05_steps._step(ex05_steps.STEPS[index], heads, kv_heads, head_dim, seed=n)
-        mine, engine = ex05_steps._fresh(meta), ex05_steps._fresh(meta)
+    for n, (index, heads, kv_heads, head_dim, scaling) in enumerate(ex05_attention.HEADS):
+        meta, q, k, v = ex05_attention._step(ex05_attention.STEPS[index], heads, kv_heads, head_dim, seed=n)
+        mine, engine = ex05_attention._fresh(meta), ex05_attention._fresh(meta)
         expected = default_attention(q, k, v, engine, 1, scaling)
         assert torch.allclose(ex05_mistakes.attend(q, k, v, mine, 1, scaling), expected, atol=1e-5)
 
@@ -488,11 +488,11 @@ def test_ex05_every_mistake_changes_some_hand_built_step():
     """A mistake that gave the right output on every step could never be caught by them."""
     for name in ex05_mistakes.ATTENTION_MISTAKES:
         differs = False
-        for n, (index, heads, kv_heads, head_dim, scaling) in enumerate(ex05_steps.HEADS):
-            meta, q, k, v = ex05_steps._step(ex05_steps.STEPS[index], heads, kv_heads, head_dim, seed=n)
-            right = ex05_mistakes.attend(q, k, v, ex05_steps._fresh(meta), 1, scaling)
+        for n, (index, heads, kv_heads, head_dim, scaling) in enumerate(ex05_attention.HEADS):
+            meta, q, k, v = ex05_attention._step(ex05_attention.STEPS[index], heads, kv_heads, head_dim, seed=n)
+            right = ex05_mistakes.attend(q, k, v, ex05_attention._fresh(meta), 1, scaling)
             try:
-                wrong = ex05_mistakes.attend(q, k, v, ex05_steps._fresh(meta), 1, scaling, mistake=name)
+                wrong = ex05_mistakes.attend(q, k, v, ex05_attention._fresh(meta), 1, scaling, mistake=name)
             except (IndexError, RuntimeError):
                 differs = True
                 continue
@@ -555,7 +555,7 @@ def test_ex05_the_slot_mapping_delegating_only_in_the_engine_is_refused_before_i
 
     def late(*a):
         calls.append(1)
-        return slot_mapping(*a) if len(calls) <= len(ex05_steps.STEPS) else ex05_mistakes.slots(*a)
+        return slot_mapping(*a) if len(calls) <= len(ex05_attention.STEPS) else ex05_mistakes.slots(*a)
     assert not ex05_attention.check_slot_mapping(late, model)
     out = capsys.readouterr().out
     assert not calls and "calls the course's own answer" in out, out

@@ -76,7 +76,7 @@ def test_the_handout_count_is_the_notebooks():
 
 
 def test_the_instructor_kit_counts_05b_s_steps_and_says_90_minutes_in_one_meaning():
-    from cbteach.exercises.ex05b_steps import STEPS
+    from cbteach.exercises.ex05b import STEPS
 
     kit = (ROOT / "notebooks" / "INSTRUCTOR.md").read_text(encoding="utf-8")
     words = {8: "eight", 9: "nine", 10: "ten", 11: "eleven", 12: "twelve"}

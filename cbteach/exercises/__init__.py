@@ -48,6 +48,19 @@ def raised(err: BaseException) -> str:
     return f"{said} (line {line.lineno} of your code{code})"
 
 
+def first_mistake(mistakes, gives, skip=()) -> str | None:
+    """The hint of the first typical mistake that gives the learner's answer. ``mistakes``: the table, mistake ->
+    hint (a dict) or (mistake, hint) pairs; ``gives(mistake)`` recomputes the case with that mistake and says
+    whether it is what the learner got. A mistake that raises one of ``skip`` there cannot be it."""
+    for mistake, hint in (mistakes.items() if isinstance(mistakes, dict) else mistakes):
+        try:
+            if gives(mistake):
+                return hint
+        except skip:
+            continue
+    return None
+
+
 def self_check(check):
     """Make ``check`` return ``False`` with a hint, never raise, whatever the learner passed to it."""
     @functools.wraps(check)

@@ -34,17 +34,28 @@ import linecache
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from ..engine.scheduler import Scheduler
 from . import guard, where
 
-# piece -> (notebook number, the names it is made of, serve's option, Engine's keyword)
+
+class Piece(NamedTuple):
+    notebook: str  # the notebook's number
+    names: tuple  # the names the piece is made of
+    option: str  # serve's option
+    engine_kwarg: str  # Engine's keyword
+
+
 PIECES = {
-    "kv_manager": ("05", ("MyKVManager",), "--kv-manager", "kv_manager"),
-    "slot_mapping": ("05", ("my_slot_mapping",), "--slot-mapping", "slot_mapping"),
-    "attention": ("05", ("my_attention",), "--attention", "attention"),
-    "scheduler": ("06", ("MyScheduler", "MyUpdate"), "--scheduler", "scheduler_cls"),
-    "update_batch": ("06b", ("update_batch",), "--update-batch", "update_batch"),  # the worker's side (06b)
+    "kv_manager": Piece(notebook="05", names=("MyKVManager",), option="--kv-manager", engine_kwarg="kv_manager"),
+    "slot_mapping": Piece(notebook="05", names=("my_slot_mapping",), option="--slot-mapping",
+                          engine_kwarg="slot_mapping"),
+    "attention": Piece(notebook="05", names=("my_attention",), option="--attention", engine_kwarg="attention"),
+    "scheduler": Piece(notebook="06", names=("MyScheduler", "MyUpdate"), option="--scheduler",
+                       engine_kwarg="scheduler_cls"),
+    "update_batch": Piece(notebook="06b", names=("update_batch",), option="--update-batch",  # the worker's side
+                          engine_kwarg="update_batch"),
 }
 ENGINE_CLASS = "MyEngineScheduler"  # MyScheduler's schedule with MyUpdate's update_from_output
 
@@ -69,7 +80,7 @@ class Pieces:
 
     def engine_kwargs(self) -> dict:
         """The pieces as ``Engine(...)`` keywords (those written so far)."""
-        return {PIECES[k][3]: v for k, v in self.objects.items() if v is not None}
+        return {PIECES[k].engine_kwarg: v for k, v in self.objects.items() if v is not None}
 
     def report(self) -> str:
         """Every piece: its name, and the folder and file it came from -- and, in lines that cannot be
@@ -135,8 +146,8 @@ def _read(folder=None, use_course_solutions: bool = False, use_course_for=(), fa
         theirs = dict(zip(*where.cells(course_path)[1:])) if path is not None and course_path is not None else {}
         for i, s in enumerate(solutions):
             twin = next((c for c in theirs if where.defined(c) == where.defined(s)), None)
-            asked = where.defined(s) & {n for p in use_course_for for n in PIECES[p][1]}  # yours does not pass yet
-            failing = next((p for p in failed or {} if where.defined(s) & set(PIECES[p][1])), None)
+            asked = where.defined(s) & {n for p in use_course_for for n in PIECES[p].names}  # yours does not pass yet
+            failing = next((p for p in failed or {} if where.defined(s) & set(PIECES[p].names)), None)
             if twin is not None and (asked or failing or where.normal(s) == where.normal(stub(twin))):  # the course's
                 solutions[i] = twin
                 why = (f"yours fails its own check: {failed[failing]}" if failing else
@@ -156,7 +167,7 @@ def _read(folder=None, use_course_solutions: bool = False, use_course_for=(), fa
     filled = {p: next(filled[n] for n in names if n in filled) for p, (_, names, _, _) in PIECES.items()
               if filled.keys() & set(names)}
     if "scheduler" in course | set(filled):  # the tournament's table marks it (tournament_core.run_entry)
-        source += f"\n\n{PIECES['scheduler'][1][0]}.course_solution = True  # the course's, not yours\n"
+        source += f"\n\n{PIECES['scheduler'].names[0]}.course_solution = True  # the course's, not yours\n"
     return source, found, course, folders, filled
 
 
@@ -201,7 +212,7 @@ def _assemble(read_with: dict, failed=None) -> Pieces:
     objects = {}
     for piece, (_, names, _, _) in PIECES.items():
         got = [namespace.get(n) for n in names]
-        missing = found[PIECES[piece][0]] is None  # its notebook was found nowhere: not written
+        missing = found[PIECES[piece].notebook] is None  # its notebook was found nowhere: not written
         objects[piece] = None if missing or any(_is_stub(o) for o in got) else got[0]
     if objects["scheduler"] is not None:
         objects["scheduler"] = namespace[ENGINE_CLASS]
@@ -287,7 +298,7 @@ def _run_check(piece, obj, model, tok, slot_mapping, prefix_caching=True) -> boo
 
 def _options(argv: list[str]) -> dict:
     """serve's ``--OPTION VALUE`` / ``--OPTION=VALUE`` pairs for the pieces and the model."""
-    wanted = {spec[2]: piece for piece, spec in PIECES.items()} | {"--model": "model"}
+    wanted = {spec.option: piece for piece, spec in PIECES.items()} | {"--model": "model"}
     found, i = {}, 0
     while i < len(argv):
         name, eq, value = argv[i].partition("=")
@@ -324,7 +335,8 @@ def refuse_broken_pieces(argv) -> dict:
         ok, said = check_piece(piece, loaded[piece], model, tok, slot_mapping=loaded.get("slot_mapping"),
                                prefix_caching="--prefix-caching" in argv)
         if not ok:
-            raise ValueError(f"{PIECES[piece][2]} {specs[piece]} failed its check (notebook {PIECES[piece][0]}), so "
-                             f"the server does not start: {said}")
-        print(f"{PIECES[piece][2]} {specs[piece]}: passed its check (notebook {PIECES[piece][0]})", file=sys.stderr)
-    return {PIECES[p][3]: obj for p, obj in loaded.items()}
+            raise ValueError(f"{PIECES[piece].option} {specs[piece]} failed its check (notebook "
+                             f"{PIECES[piece].notebook}), so the server does not start: {said}")
+        print(f"{PIECES[piece].option} {specs[piece]}: passed its check (notebook {PIECES[piece].notebook})",
+              file=sys.stderr)
+    return {PIECES[p].engine_kwarg: obj for p, obj in loaded.items()}

@@ -7,6 +7,7 @@ cache: the prompt once, then one position per decode step.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 
@@ -138,16 +139,25 @@ def _case(input_ids, n, eos_id) -> str:
     return f"greedy_decode(model, <{input_ids.shape[1]}-token prompt>, max_new_tokens={n}, eos_id={eos_id})"
 
 
-def _cases(model, input_ids, max_new_tokens, eos_id):
+class Case(NamedTuple):
+    """``greedy_decode``'s arguments besides the model."""
+
+    input_ids: torch.Tensor
+    max_new_tokens: int
+    eos_id: int | None
+
+
+def _cases(model, input_ids, max_new_tokens, eos_id) -> list[Case]:
     """The notebook's case, a prefill-only case, a case without EOS, and one that stops on a token the
     model really produces (picked live, so every model, even a random one, gets an EOS case)."""
-    cases = [(input_ids, max_new_tokens, eos_id), (input_ids, 1, eos_id)]
+    cases = [Case(input_ids=input_ids, max_new_tokens=max_new_tokens, eos_id=eos_id),
+             Case(input_ids=input_ids, max_new_tokens=1, eos_id=eos_id)]
     base, _ = generate_with_work(model, input_ids, 12, eos_id)
     if base[-1] != eos_id and max_new_tokens != 12:
-        cases.append((input_ids, 12, eos_id))
+        cases.append(Case(input_ids=input_ids, max_new_tokens=12, eos_id=eos_id))
     firsts = [j for j, t in enumerate(base) if t not in base[:j] and t != eos_id]
     if firsts:
-        cases.append((input_ids, len(base), base[firsts[-1]]))
+        cases.append(Case(input_ids=input_ids, max_new_tokens=len(base), eos_id=base[firsts[-1]]))
     return cases
 
 

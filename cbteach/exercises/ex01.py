@@ -6,6 +6,8 @@ A wave on a GPT-2 (learned positions) catches position ids that do not count fro
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..core.request import Request
@@ -144,17 +146,26 @@ def positions_model(device="cpu"):
 RAGGED = [[11, 12, 13, 14, 15, 16, 17], [21, 22], [31, 32, 33, 34]]
 
 
+class Wave(NamedTuple):
+    what: str
+    model: object
+    prompts: list
+    max_new_tokens: int
+    eos_id: int | None  # the token that ends a request
+
+
 def _cases(model, prompts, n, eos_id):
     """The notebook's wave; a one-token wave (the prefill alone); a ragged wave on a model with learned
     positions, stopping on a token (picked live) that every request makes, at different steps: some
     requests wait at the barrier, and the wave ends before ``max_new_tokens``."""
-    cases = [("the notebook's wave", model, prompts, n, eos_id),
-             ("a one-token wave", model, prompts[:2], 1, eos_id)]
+    cases = [Wave(what="the notebook's wave", model=model, prompts=prompts, max_new_tokens=n, eos_id=eos_id),
+             Wave(what="a one-token wave", model=model, prompts=prompts[:2], max_new_tokens=1, eos_id=eos_id)]
     gpt = positions_model(model.device)
     firsts = [reference(gpt, p, 12, None) for p in RAGGED]
     ends = {t: [f.index(t) for f in firsts] for t in set(firsts[0]) if all(t in f for f in firsts)}
     stop = max(ends, key=lambda t: (max(ends[t]) - min(ends[t]), -t)) if ends else firsts[1][-1]
-    cases.append(("a ragged wave on a GPT-2 model (learned positions)", gpt, RAGGED, 12, stop))
+    cases.append(Wave(what="a ragged wave on a GPT-2 model (learned positions)", model=gpt, prompts=RAGGED,
+                      max_new_tokens=12, eos_id=stop))
     return cases
 
 
@@ -165,7 +176,7 @@ def check_static_wave(static_wave, model, prompts, max_new_tokens: int, eos_id: 
     if uncallable(static_wave, "static_wave"):
         return False
     cases = _cases(model, prompts, max_new_tokens, eos_id)
-    for where, m, ps, n, eos in cases:
+    for where, m, ps, n, eos in cases:  # see Wave
         want = [reference(m, p, n, eos) for p in ps]
         got, calls, used_generate = run_barred(static_wave, m, ([list(p) for p in ps], n, eos), "static_wave", _pass)
         if used_generate:

@@ -4,15 +4,23 @@ compares it with the real engine's on forced output lengths, and on cases chosen
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 from ..engine.engine import Engine
 from ..core.request import Request
 from . import is_int, raised, report, self_check, uncallable
 
-# (answer lengths, max_batch_size): one wave, one slot, more slots than requests, a long request
-# first (short ones refill around it), a long request last (FCFS cannot pull it forward), a mix.
-CASES = [([5], 1), ([7, 3, 5], 1), ([2, 2, 2], 8), ([10, 1, 1, 1, 1, 1, 1], 2), ([1, 1, 1, 1, 1, 9], 2),
-         ([4, 8, 2, 6, 3, 7, 1, 5], 3)]
+
+class Case(NamedTuple):
+    lengths: list  # new tokens of each request, in arrival order
+    max_batch_size: int
+
+
+# One wave, one slot, more slots than requests, a long request first (short ones refill around it), a long
+# request last (FCFS cannot pull it forward), a mix.
+CASES = [Case(lengths=[5], max_batch_size=1), Case(lengths=[7, 3, 5], max_batch_size=1),
+         Case(lengths=[2, 2, 2], max_batch_size=8), Case(lengths=[10, 1, 1, 1, 1, 1, 1], max_batch_size=2),
+         Case(lengths=[1, 1, 1, 1, 1, 9], max_batch_size=2), Case(lengths=[4, 8, 2, 6, 3, 7, 1, 5], max_batch_size=3)]
 
 
 def engine_steps(model, lengths, batch_size: int) -> int:
@@ -58,7 +66,7 @@ def check_fcfs_simulator(simulate, model, lengths=None, batch_size=None) -> bool
     it, the lengths are forced); the notebook's workload first."""
     if uncallable(simulate, "simulate"):
         return False
-    cases = ([(list(lengths), batch_size)] if lengths is not None else []) + CASES
+    cases = ([Case(lengths=list(lengths), max_batch_size=batch_size)] if lengths is not None else []) + CASES
     for case_lengths, b in cases:
         expected = engine_steps(model, case_lengths, b)
         try:

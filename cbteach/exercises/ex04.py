@@ -6,6 +6,8 @@ be greedy ``model.generate``'s.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from transformers import DynamicCache
 
@@ -134,7 +136,13 @@ def _plug(engine, gather, scatter):
     kv.forward_kwargs, kv.after_forward = forward_kwargs, after_forward
 
 
-WORKLOAD = [("CYNIC, n.", 12), ("EXECUTIVE, n.", 5), ("HAG, n.", 9), ("ABSURDITY, n.", 4)]
+class Prompt(NamedTuple):
+    text: str
+    max_new_tokens: int  # EOS ignored
+
+
+WORKLOAD = [Prompt(text="CYNIC, n.", max_new_tokens=12), Prompt(text="EXECUTIVE, n.", max_new_tokens=5),
+            Prompt(text="HAG, n.", max_new_tokens=9), Prompt(text="ABSURDITY, n.", max_new_tokens=4)]
 
 
 @self_check

@@ -7,6 +7,7 @@ the engine's own manager's token for token, block count for block count, preempt
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import NamedTuple
 
 from ..engine.engine import Engine
 from ..kv.plugged import PluggedKVManager
@@ -14,12 +15,22 @@ from ..bench.memory_experiments import plug
 from ..core.request import Request
 from . import Fail, guard, is_int, raised, report, self_check
 
-# (block_size, num_blocks, max_batch_size, [(prompt tokens, new tokens), ...]): several blocks each and
-# blocks reused after a finish; prompts shorter than a block; one-token blocks; a pool so small it preempts.
-CASES = [(4, 32, 2, [(5, 7), (3, 10), (9, 4), (2, 6)]),
-         (8, 16, 3, [(3, 2), (6, 12), (2, 9), (4, 3)]),
-         (1, 40, 2, [(3, 6), (4, 5), (2, 8)]),
-         (4, 7, 3, [(6, 12), (5, 14), (7, 10), (3, 8)])]
+class Case(NamedTuple):
+    """A workload for the KV manager: the paged engine's pool, and requests of forced lengths."""
+
+    block_size: int
+    num_blocks: int
+    max_batch_size: int
+    prompt_lens: tuple  # prompt tokens of each request
+    max_new_tokens: tuple  # new tokens of each request (EOS ignored)
+
+
+# Several blocks each and blocks reused after a finish; prompts shorter than a block; one-token blocks; a pool so
+# small it preempts.
+CASES = [Case(block_size=4, num_blocks=32, max_batch_size=2, prompt_lens=(5, 3, 9, 2), max_new_tokens=(7, 10, 4, 6)),
+         Case(block_size=8, num_blocks=16, max_batch_size=3, prompt_lens=(3, 6, 2, 4), max_new_tokens=(2, 12, 9, 3)),
+         Case(block_size=1, num_blocks=40, max_batch_size=2, prompt_lens=(3, 4, 2), max_new_tokens=(6, 5, 8)),
+         Case(block_size=4, num_blocks=7, max_batch_size=3, prompt_lens=(6, 5, 7, 3), max_new_tokens=(12, 14, 10, 8))]
 
 
 class Watched(PluggedKVManager):
@@ -39,18 +50,18 @@ class Watched(PluggedKVManager):
 def serve(model, case, manager_class=None) -> dict:
     """Run one case on a paged engine -- its own manager, or ``manager_class`` plugged in -- and keep
     the outputs, each step's blocks per sequence, and the preemptions."""
-    block_size, num_blocks, batch, shape = case
-    engine = Engine(model, None, max_batch_size=batch, kv="paged", block_size=block_size, num_blocks=num_blocks,
-                    watermark=0)
+    engine = Engine(model, None, max_batch_size=case.max_batch_size, kv="paged", block_size=case.block_size,
+                    num_blocks=case.num_blocks, watermark=0)
     watched = None
     if manager_class is not None:
-        watched = Watched(manager_class(num_blocks, block_size), num_blocks, block_size)
+        watched = Watched(manager_class(case.num_blocks, case.block_size), case.num_blocks, case.block_size)
         plug(engine, watched)
-    reqs = [Request([1 + i % 5] * p, n, request_id=f"r{i}", ignore_eos=True) for i, (p, n) in enumerate(shape)]
+    reqs = [Request([1 + i % 5] * p, n, request_id=f"r{i}", ignore_eos=True)
+            for i, (p, n) in enumerate(zip(case.prompt_lens, case.max_new_tokens))]
     done = engine.run(reqs)
     return {"outputs": [c.output_ids for c in done], "preemptions": sum(len(r.preempted) for r in engine.records),
             "blocks": [{rid: len(t) for rid, t in r.kv_usage["block_tables"].items()} for r in engine.records],
-            "free_at_end": len(watched.mine.free_blocks) if watched else num_blocks}
+            "free_at_end": len(watched.mine.free_blocks) if watched else case.num_blocks}
 
 
 def _check_init(manager_class) -> str | None:
@@ -89,14 +100,13 @@ def check_kv_manager(manager_class, model) -> bool:
         return report(False, "", problem)
     steps = preemptions = 0
     for case in CASES:
-        block_size, num_blocks, batch, shape = case
-        where = f"(block_size {block_size}, {num_blocks} blocks, {len(shape)} requests)"
+        where = f"(block_size {case.block_size}, {case.num_blocks} blocks, {len(case.prompt_lens)} requests)"
         expected = serve(model, case)
         try:
             got = serve(model, case, manager_class)
         except (Fail, ValueError) as err:  # ValueError: a method or free_blocks missing
             return report(False, "", f"{where}: {err}")
-        if got["free_at_end"] != num_blocks:
+        if got["free_at_end"] != case.num_blocks:
             return report(False, "", f"{where}: when every request had finished, not every block was back in the "
                                      "free list")
         if got["preemptions"] != expected["preemptions"] or got["blocks"] != expected["blocks"]:

@@ -1,7 +1,9 @@
 """Notebook 05b: the paged-attention kernel's inner loop in Triton, run by the course's launcher.
 
-The learner's ``my_attend_blocks`` runs on hand-built steps, each adding one difficulty (:mod:`.ex05b_steps`);
-the first that fails names the mistake, then the real engine runs on it and its tokens must equal
+The learner's ``my_attend_blocks`` runs on hand-built steps (:data:`STEPS`), each adding one difficulty; the
+first that fails names the mistake (:func:`diagnose`: the loop is run again on the step with finite stale slots,
+and the typical wrong loop of :mod:`.ex05b_mistakes` that gives both answers is named -- else what its symptom
+says, NaN or rounding, else the step's own hint). Then the real engine runs on it and its tokens must equal
 ``model.generate``'s. A loop that is the course's, or names cbteach, is refused.
 """
 from __future__ import annotations
@@ -10,12 +12,14 @@ import ast
 import inspect
 import textwrap
 import types
+from typing import NamedTuple
 
 import torch
 
+from ..attention.metadata import build
 from ..attention.paged import reference_attention
-from . import Fail, generated, raised, report, self_check, uncallable
-from .ex05b_steps import HEAD_DIM, STEPS, diagnose, make_step, meta_rows, scaled
+from ..kv.pool import PagedKVPool
+from . import Fail, ex05b_mistakes as mistakes, first_mistake, generated, raised, report, self_check, uncallable
 
 __all__ = ["HEAD_DIM", "STEPS", "Fail", "check_attend_blocks", "make_step", "meta_rows", "run_engine", "run_steps",
            "scaled"]
@@ -23,6 +27,167 @@ __all__ = ["HEAD_DIM", "STEPS", "Fail", "check_attend_blocks", "make_step", "met
 NOT_INSTALLED = 'Triton is not installed here: pip install "cbteach[kernels]" (Colab has it), then restart the kernel'
 GPU_SCALE = 4  # compiled for a GPU the steps are this much larger: tl.dot wants tiles of 16 or more
 TOLERANCE = {"cpu": 1e-4, "cuda": 2e-2}  # the interpreter computes exactly; a GPU's fp32 tl.dot may use TF32
+
+
+class Seq(NamedTuple):
+    """One sequence of a step."""
+
+    computed: int  # num_computed_tokens: its keys already in the pool
+    scheduled: int  # num_scheduled_tokens: its queries this step
+
+
+class Step(NamedTuple):
+    """A hand-built step. ``spec``: :func:`make_step`'s arguments -- the sequences, block_size, tile_n, heads,
+    kv_heads, how the blocks lie ("in order" / "shuffled"), what stale slots hold ("random" / "nan") and how keys
+    are drawn."""
+
+    name: str
+    what: str  # what the step is
+    hint: str  # the hint if it is the first to fail -- a mistake's own where one names it
+    spec: dict
+
+
+STEPS = [
+    Step(name="basic", what="one decode over one full block, one head", hint=(
+        "even the simplest step is wrong -- one decode, one full block of 4 keys, one head, one tile: check "
+        "the loads (the pointer of a key: its block, its slot in the block, its KV head, the column), the "
+        "scores (q times k transposed, times scale) and what you return: (acc, total) before dividing"),
+         spec=dict(seqs=[Seq(computed=3, scheduled=1)], block_size=4, tile_n=4, heads=1, kv_heads=1,
+                   blocks="in order", stale="random")),
+    Step(name="not_rescaled", what="one decode over three blocks, tiles of 4, scores rising tile by tile", hint=(
+        "the running max grew from one tile to the next, and what was summed under the old max was kept "
+        "as it was: when m changes, the running sum and the output so far must both be rescaled, by "
+        "exp(m_old - m_new)"),
+         spec=dict(seqs=[Seq(computed=11, scheduled=1)], block_size=4, tile_n=4, heads=1, kv_heads=1,
+                   blocks="in order", stale="random", keys="rising")),
+    Step(name="overflow", what="one decode over three blocks whose scores reach the hundreds", hint=(
+        "scores here reach the hundreds, and exp of a score above about 88 overflows float32: the online softmax "
+        "keeps every exp(score - m) at most 1 -- check what your loop subtracts before exp, and its rescale"),
+         spec=dict(seqs=[Seq(computed=11, scheduled=1)], block_size=4, tile_n=4, heads=1, kv_heads=1,
+                   blocks="in order", stale="random", keys="large")),
+    Step(name="logical_as_physical", what="the same decode, its blocks out of order in the pool", hint=(
+        "the sequence's blocks lie out of order in the pool here, and your loop read logical block b as if "
+        "it were pool block b: the block table says which pool block holds each logical block"),
+         spec=dict(seqs=[Seq(computed=11, scheduled=1)], block_size=4, tile_n=4, heads=1, kv_heads=1,
+                   blocks="shuffled", stale="random")),
+    Step(name="past_the_length", what="a decode whose last block is partly filled, stale slots after it", hint=(
+        "this sequence's last block is only partly filled; the slots after its length hold stale K/V of "
+        "earlier requests (here NaN), and your loop read them: a key at a position >= seq_len is not the "
+        "sequence's, whatever a load finds there -- mask the loads, not only the scores"),
+         spec=dict(seqs=[Seq(computed=9, scheduled=1)], block_size=4, tile_n=4, heads=1, kv_heads=1,
+                   blocks="shuffled", stale="nan")),
+    Step(name="tile_spans_blocks", what="blocks of 3 tokens, tiles of 8 keys",
+         hint=mistakes.MISTAKES["one_block_per_tile"],
+         spec=dict(seqs=[Seq(computed=12, scheduled=1)], block_size=3, tile_n=8, heads=1, kv_heads=1,
+                   blocks="shuffled", stale="nan")),
+    Step(name="no_causal_mask", what="a prefill chunk of 6 after 3 cached tokens, across a block boundary",
+         hint=mistakes.MISTAKES["no_causal"],
+         spec=dict(seqs=[Seq(computed=3, scheduled=6)], block_size=4, tile_n=4, heads=1, kv_heads=1,
+                   blocks="shuffled", stale="nan")),
+    Step(name="max_before_masking", what="a chunk where a key after the first query scores far above the rest",
+         hint=mistakes.MISTAKES["max_before_masking"],
+         spec=dict(seqs=[Seq(computed=2, scheduled=5)], block_size=4, tile_n=4, heads=1, kv_heads=1,
+                   blocks="shuffled", stale="nan", keys="spike")),
+    Step(name="wrong_kv_head", what="grouped-query attention: 4 query heads on 2 KV heads",
+         hint=mistakes.MISTAKES["kv_head_is_head"],
+         spec=dict(seqs=[Seq(computed=5, scheduled=1), Seq(computed=2, scheduled=3)], block_size=4, tile_n=4,
+                   heads=4, kv_heads=2, blocks="shuffled", stale="nan")),
+    Step(name="mixed", what="decodes, chunks and a prompt together, blocks of 3, tiles of 8, 6 heads on 2 KV heads",
+         hint=("every step with one thing at a time passes, but a step with all of them together does not: look at "
+               "what changes between sequences of one step -- each has its own length, queries and block table"),
+         spec=dict(seqs=[Seq(computed=7, scheduled=1), Seq(computed=0, scheduled=9), Seq(computed=13, scheduled=4),
+                         Seq(computed=20, scheduled=1)], block_size=3, tile_n=8, heads=6, kv_heads=2,
+                   blocks="shuffled", stale="nan")),
+]
+HEAD_DIM = 8
+
+
+def make_step(seqs, block_size, heads, kv_heads, blocks="shuffled", stale="nan", keys="random", seed=0,
+              device="cpu", **_):
+    """A hand-built packed step ``(query, pool, meta)``; tables padded with a stale block and spare blocks after the
+    last, so a loop reading past a sequence reads stale K/V, never outside the tensors (the interpreter would crash)."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-(c + n) // block_size) for c, n in seqs]
+    used = sum(need)
+    num_blocks = 2 * used + 3  # as many blocks again hold other (stale) K/V, and spares after the last
+    pool = PagedKVPool(num_layers=1, num_blocks=num_blocks, block_size=block_size, num_kv_heads=kv_heads,
+                       head_dim=HEAD_DIM)
+    for t in (pool.k[0], pool.v[0]):
+        t.copy_(torch.full_like(t, float("nan")) if stale == "nan" else torch.randn(t.shape, generator=g))
+    order = list(range(used))
+    if blocks == "shuffled":  # scattered over twice the blocks, none where its own number would put it
+        order = torch.randperm(2 * used, generator=g).tolist()
+        order = [b for j, b in enumerate(order) if b != j][:used]
+    tables, taken, spare = [], 0, num_blocks - 1
+    for k in need:
+        # padded with a stale block, as engines pad, and at least block_size wide: a loop that swaps block
+        # and slot reads table entries up to block_size - 1, and the interpreter would read past the tensor
+        tables.append(order[taken:taken + k] + [spare] * max(3, block_size - k))
+        taken += k
+    query = torch.randn(1, heads, sum(n for _, n in seqs), HEAD_DIM, generator=g)
+    for i, (c, n) in enumerate(seqs):
+        pos = torch.arange(c + n)
+        slots = torch.tensor(tables[i])[pos // block_size] * block_size + pos % block_size
+        k = torch.randn(c + n, kv_heads, HEAD_DIM, generator=g)
+        if keys == "rising":  # each block's keys point further along the query: the max grows tile by tile
+            k = 0.5 * k + (pos // block_size + 1).float()[:, None, None] * query[0, :, -1].mean(0)
+        elif keys == "large":  # every key along the last query: scores around 120, and exp(120) overflows float32
+            along = query[0, :, -1].mean(0)
+            k = 0.5 * k + along * (120.0 * HEAD_DIM ** 0.5 / (along @ along))
+        elif keys == "spike":  # the last key scores 400 against the chunk's first query, who may not see it
+            first = query[0, ::heads // kv_heads, int(meta_rows(seqs)[i])]  # [kv_heads, D]
+            k[-1] = first * (400.0 * HEAD_DIM ** 0.5 / (first * first).sum(-1, keepdim=True))
+        pool.k[0].view(-1, kv_heads, HEAD_DIM)[slots] = k
+        pool.v[0].view(-1, kv_heads, HEAD_DIM)[slots] = torch.randn(c + n, kv_heads, HEAD_DIM, generator=g)
+    if device != "cpu":
+        for t in (pool.k, pool.v):
+            t[0] = t[0].to(device)
+        query = query.to(device)
+    meta = build([1] * query.shape[2], [c for c, _ in seqs], [n for _, n in seqs], device, block_tables=tables,
+                 block_size=block_size)
+    meta.pool = pool
+    return query, pool, meta
+
+
+def meta_rows(seqs) -> list[int]:
+    """The packed row of each sequence's first query."""
+    rows, start = [], 0
+    for _, n in seqs:
+        rows.append(start)
+        start += n
+    return rows
+
+
+def scaled(spec: dict, k: int) -> dict:
+    """``spec`` with lengths, blocks and tiles ``k`` times larger: compiled for a GPU, ``tl.dot`` wants
+    tiles of 16 or more. Lengths scale with the blocks, so a full block stays full and a partial one
+    partial; a decode stays one token."""
+    seqs = [((c + n) * k - (1 if n == 1 else n * k), 1 if n == 1 else n * k) for c, n in spec["seqs"]]
+    return {**spec, "seqs": seqs, "block_size": spec["block_size"] * k, "tile_n": spec["tile_n"] * k}
+
+
+def _close(a, b, tol: float) -> bool:
+    return a is not None and b is not None and torch.allclose(a, b, rtol=tol, atol=tol / 10, equal_nan=True)
+
+
+def diagnose(run, spec: dict, got, want, tol: float, hint: str, device: str = "cpu", block_q: int | None = None) -> str:
+    """The hint for a loop whose answer ``got`` on the step ``spec`` differs from ``want`` (``hint``: the
+    step's own, the last resort). ``run(query, pool, meta)`` runs the loop on another step (None if it
+    fails there): here the same kind of step with finite stale slots."""
+    query, pool, meta = make_step(**spec, device=device)
+    again = make_step(**{**spec, "stale": "random"}, seed=1, device=device)
+    got_again = run(*again)
+    said = first_mistake(mistakes.MISTAKES, lambda name: (
+        _close(got, mistakes.loop(query, pool, meta, spec["tile_n"], name, block_q), tol)
+        and (got_again is None or _close(got_again, mistakes.loop(*again, spec["tile_n"], name, block_q), tol))))
+    if said:
+        return said
+    if not torch.isfinite(got).all():
+        stale = spec.get("stale", "nan") == "nan"
+        return mistakes.NAN + ("; or from a stale slot: here every slot no sequence owns holds NaN" if stale else "")
+    if torch.allclose(got, want, rtol=100 * tol, atol=10 * tol):
+        return mistakes.ROUNDING
+    return hint
 
 
 def _course():

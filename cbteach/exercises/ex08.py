@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+from typing import NamedTuple
 from unittest import mock
 
 
@@ -15,7 +16,7 @@ from ..worker import model_runner
 from ..engine.engine import Engine
 from ..core.request import Request
 from ..engine.speculative import accept as engine_accept
-from . import is_int, raised, report, self_check, uncallable
+from . import first_mistake, is_int, raised, report, self_check, uncallable
 
 # ---------------------------------------------------------------- prefix reuse ----------------
 
@@ -27,18 +28,27 @@ def _ids(seed: int, n: int) -> list[int]:
 
 _S = _ids(1, 10)  # a shared "system prompt" of 10 tokens
 _L = _ids(2, 13)
-# (what the case is about, prompts in arrival order, block_size)
+
+
+class PrefixCase(NamedTuple):
+    what: str  # what the case is about
+    prompts: list  # in arrival order
+    block_size: int
+
+
 PREFIX_CASES = [
-    ("two prompts sharing 10 tokens, blocks of 4", [_S + _ids(3, 3), _S + _ids(4, 2)], 4),
-    ("the same 16-token prompt twice, blocks of 4", [_ids(5, 16), _ids(5, 16)], 4),
-    ("the same 17-token prompt twice, blocks of 4", [_ids(6, 17), _ids(6, 17)], 4),
-    ("a prompt that matches the first one, not the previous one",
-     [_S + _ids(7, 4), _ids(8, 9), _S + _ids(9, 3)], 4),
-    ("equal tokens after a first block that differs", [_ids(10, 4) + _S, _ids(11, 4) + _S], 4),
-    ("a prompt shorter than one block", [_ids(12, 3), _ids(12, 3)], 4),
-    ("a prompt that extends an earlier one", [_L, _L + _ids(13, 6)], 4),
-    ("a prompt that is the start of an earlier one", [_L, _L[:9], _L[:8]], 4),
-    ("the same prompts, blocks of 2", [_S + _ids(3, 3), _S + _ids(4, 2), _S[:5]], 2),
+    PrefixCase(what="two prompts sharing 10 tokens, blocks of 4", prompts=[_S + _ids(3, 3), _S + _ids(4, 2)],
+               block_size=4),
+    PrefixCase(what="the same 16-token prompt twice, blocks of 4", prompts=[_ids(5, 16), _ids(5, 16)], block_size=4),
+    PrefixCase(what="the same 17-token prompt twice, blocks of 4", prompts=[_ids(6, 17), _ids(6, 17)], block_size=4),
+    PrefixCase(what="a prompt that matches the first one, not the previous one",
+               prompts=[_S + _ids(7, 4), _ids(8, 9), _S + _ids(9, 3)], block_size=4),
+    PrefixCase(what="equal tokens after a first block that differs", prompts=[_ids(10, 4) + _S, _ids(11, 4) + _S],
+               block_size=4),
+    PrefixCase(what="a prompt shorter than one block", prompts=[_ids(12, 3), _ids(12, 3)], block_size=4),
+    PrefixCase(what="a prompt that extends an earlier one", prompts=[_L, _L + _ids(13, 6)], block_size=4),
+    PrefixCase(what="a prompt that is the start of an earlier one", prompts=[_L, _L[:9], _L[:8]], block_size=4),
+    PrefixCase(what="the same prompts, blocks of 2", prompts=[_S + _ids(3, 3), _S + _ids(4, 2), _S[:5]], block_size=2),
 ]
 
 
@@ -68,22 +78,28 @@ def _model(prompts, bs, *, last_rule=True, full_blocks=True, earlier="all", chai
     return out
 
 
+# Typical mistakes: the engine's rule with one part switched off (:func:`_model`'s keywords; several: any of them),
+# and the hint when the learner's answers are that rule's.
+PREFIX_MISTAKES = [
+    ([dict(last_rule=False)], "the prompt's last token is always computed, even when the whole prompt is cached: its "
+                              "logits give the first new token -- so the lookup stops one token short of the prompt"),
+    ([dict(full_blocks=False, last_rule=False), dict(full_blocks=False)],
+     "you counted every shared token; only *full* blocks are cached -- a shared prefix is reused in whole blocks of "
+     "{bs}, rounded down"),
+    ([dict(earlier="previous"), dict(earlier="first")],
+     "the cache keeps the full blocks of *every* earlier request, not only one of them"),
+    ([dict(chained=False)], "a block is found by a hash of its tokens *and of everything before it*: after the first "
+                            "block that differs, nothing more can be reused, even if later blocks hold the same tokens"),
+    ([dict(ceil=True)], "a partly filled block is never cached: round down to whole blocks, not up"),
+]
+
+
 def _prefix_hint(prompts, bs, got) -> str:
     if got[0] != 0:
         return "the first request finds an empty cache: nothing can be reused before anything was computed"
-    if got == _model(prompts, bs, last_rule=False):
-        return ("the prompt's last token is always computed, even when the whole prompt is cached: its logits "
-                "give the first new token -- so the lookup stops one token short of the prompt")
-    if got == _model(prompts, bs, full_blocks=False, last_rule=False) or got == _model(prompts, bs, full_blocks=False):
-        return ("you counted every shared token; only *full* blocks are cached -- a shared prefix is reused in "
-                f"whole blocks of {bs}, rounded down")
-    if got == _model(prompts, bs, earlier="previous") or got == _model(prompts, bs, earlier="first"):
-        return "the cache keeps the full blocks of *every* earlier request, not only one of them"
-    if got == _model(prompts, bs, chained=False):
-        return ("a block is found by a hash of its tokens *and of everything before it*: after the first block "
-                "that differs, nothing more can be reused, even if later blocks hold the same tokens")
-    if got == _model(prompts, bs, ceil=True):
-        return "a partly filled block is never cached: round down to whole blocks, not up"
+    hint = first_mistake(PREFIX_MISTAKES, lambda rules: any(got == _model(prompts, bs, **r) for r in rules))
+    if hint:
+        return hint.format(bs=bs)
     if any(g % bs for g in got):
         return f"reuse always comes in whole blocks, so every answer is a multiple of the block size ({bs})"
     return ("for each request, walk its prompt (less its last token) block by block and stop at the first "
@@ -96,7 +112,8 @@ def check_prefix_reuse(predict, model, prompts=None, block_size=None) -> bool:
     at a time in order; the notebook's case first, then :data:`PREFIX_CASES`."""
     if uncallable(predict, "predict"):
         return False
-    cases = ([("the notebook's prompts", [list(p) for p in prompts], block_size)] if prompts is not None else [])
+    cases = ([PrefixCase(what="the notebook's prompts", prompts=[list(p) for p in prompts], block_size=block_size)]
+             if prompts is not None else [])
     cases += PREFIX_CASES
     for what, case, bs in cases:
         try:
@@ -123,14 +140,19 @@ def check_prefix_reuse(predict, model, prompts=None, block_size=None) -> bool:
 
 # ---------------------------------------------------------------- acceptance rule -------------
 
+class AcceptCase(NamedTuple):
+    drafts: list  # the guessed tokens
+    targets: list  # the model's prediction after the last real token and after each guess
+
+
 ACCEPT_CASES = [
-    ([5, 6, 7], [5, 6, 7, 8]),  # every guess right: the bonus token too
-    ([5, 9, 7], [5, 6, 7, 8]),  # second guess wrong (the third would have matched: irrelevant)
-    ([9, 6, 7], [5, 6, 7, 8]),  # first guess wrong
-    ([4], [4, 2]),
-    ([3], [1, 2]),
-    ([], [4]),  # nothing guessed: a plain decode
-    ([1, 1, 1, 1, 1], [1, 1, 2, 1, 1, 1]),
+    AcceptCase(drafts=[5, 6, 7], targets=[5, 6, 7, 8]),  # every guess right: the bonus token too
+    AcceptCase(drafts=[5, 9, 7], targets=[5, 6, 7, 8]),  # second guess wrong (the third would have matched: irrelevant)
+    AcceptCase(drafts=[9, 6, 7], targets=[5, 6, 7, 8]),  # first guess wrong
+    AcceptCase(drafts=[4], targets=[4, 2]),
+    AcceptCase(drafts=[3], targets=[1, 2]),
+    AcceptCase(drafts=[], targets=[4]),  # nothing guessed: a plain decode
+    AcceptCase(drafts=[1, 1, 1, 1, 1], targets=[1, 1, 2, 1, 1, 1]),
 ]
 NUM_RANDOM_ACCEPT_CASES = 200  # more, drawn from a seeded generator
 
@@ -179,7 +201,8 @@ def check_accept(accept) -> bool:
     for _ in range(NUM_RANDOM_ACCEPT_CASES):  # small alphabets: guesses are often right, as with a good proposer
         k = g.randint(0, 6)
         targets = [g.randrange(3) for _ in range(k + 1)]
-        cases.append(([t if g.random() < 0.7 else g.randrange(3) for t in targets[:k]], targets))
+        drafts = [t if g.random() < 0.7 else g.randrange(3) for t in targets[:k]]
+        cases.append(AcceptCase(drafts=drafts, targets=targets))
     for drafts, targets in cases:
         try:
             got = accept(list(drafts), list(targets))

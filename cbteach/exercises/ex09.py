@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+from typing import NamedTuple
 
 import torch
 
@@ -14,20 +15,43 @@ from ..serving.disagg import DisaggregatedServer
 from ..core.request import Request
 from . import report, self_check, uncallable
 
-# Small model shapes: (layers, query heads, KV heads, hidden size); head_dim = hidden / query heads.
-SHAPES = {"gqa": (2, 4, 2, 64), "mqa": (3, 4, 1, 32), "mha": (1, 2, 2, 32)}
-# (shape or None for the notebook's model, prompt tokens, block size, kv_dtype, link bytes/s)
-CASES = [("gqa", 16, 16, None, 10e9), ("gqa", 17, 16, None, 10e9), ("mqa", 9, 8, None, 25e9),
-         ("gqa", 5, 4, "int8", 1e9), ("mqa", 9, 8, "int8", 25e9), ("mha", 30, 16, "int8", 64e9)]
+class Shape(NamedTuple):
+    """A small model's shape; head_dim = hidden / heads."""
+
+    layers: int
+    heads: int  # query heads
+    kv_heads: int
+    hidden: int
+
+
+class Handover(NamedTuple):
+    """One handover to check: the model, the prompt, the pool and the link."""
+
+    shape: str | None  # a key of SHAPES, or None for the notebook's model
+    prompt_len: int  # prompt tokens
+    block_size: int
+    kv_dtype: str | None
+    link_bytes_per_s: float
+
+
+SHAPES = {"gqa": Shape(layers=2, heads=4, kv_heads=2, hidden=64),
+          "mqa": Shape(layers=3, heads=4, kv_heads=1, hidden=32),
+          "mha": Shape(layers=1, heads=2, kv_heads=2, hidden=32)}
+CASES = [Handover(shape="gqa", prompt_len=16, block_size=16, kv_dtype=None, link_bytes_per_s=10e9),
+         Handover(shape="gqa", prompt_len=17, block_size=16, kv_dtype=None, link_bytes_per_s=10e9),
+         Handover(shape="mqa", prompt_len=9, block_size=8, kv_dtype=None, link_bytes_per_s=25e9),
+         Handover(shape="gqa", prompt_len=5, block_size=4, kv_dtype="int8", link_bytes_per_s=1e9),
+         Handover(shape="mqa", prompt_len=9, block_size=8, kv_dtype="int8", link_bytes_per_s=25e9),
+         Handover(shape="mha", prompt_len=30, block_size=16, kv_dtype="int8", link_bytes_per_s=64e9)]
 
 
 @functools.lru_cache(maxsize=None)
 def small_model(shape: str):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    layers, heads, kv_heads, hidden = SHAPES[shape]
-    cfg = LlamaConfig(vocab_size=97, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+    s = SHAPES[shape]
+    cfg = LlamaConfig(vocab_size=97, hidden_size=s.hidden, intermediate_size=2 * s.hidden, num_hidden_layers=s.layers,
+                      num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, max_position_embeddings=256,
                       eos_token_id=5, bos_token_id=1, pad_token_id=5)
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).eval()
@@ -83,13 +107,14 @@ def check_handover(handover, model, prompt_len: int | None = None) -> bool:
     notebook's prompt first (fp32 and int8), then :data:`CASES`."""
     if uncallable(handover, "handover"):
         return False
-    cases = [(None, prompt_len, 16, None, 10e9), (None, prompt_len, 16, "int8", 10e9)] if prompt_len else []
+    cases = [Handover(shape=None, prompt_len=prompt_len, block_size=16, kv_dtype=dtype, link_bytes_per_s=10e9)
+             for dtype in (None, "int8")] if prompt_len else []
     cases += CASES
-    for shape, n, bs, kv_dtype, link in cases:
+    for shape, n, bs, kv_dtype, link in cases:  # see Handover
         m = model if shape is None else small_model(shape)
         where = (f"prompt_len={n}, block_size={bs}, kv_dtype={kv_dtype!r}, link {link:.0e} B/s, "
                  + ("the notebook's model" if shape is None else f"a small model ({shape}: layers, heads, kv "
-                                                                  f"heads, hidden = {SHAPES[shape]})"))
+                                                                  f"heads, hidden = {tuple(SHAPES[shape])})"))
         try:
             got = handover(n, m.config, bs, kv_dtype, link)
             if got is None:
@@ -114,6 +139,6 @@ def check_handover(handover, model, prompt_len: int | None = None) -> bool:
                 hint = "seconds = bytes / link_bytes_per_s (the handover is modelled as bandwidth only, no latency)"
             return report(False, "", f"the bytes are right for {where}, but {seconds!r} s is not the link time. "
                                      f"Hint: {hint}")
-    shapes = len({c[0] for c in cases})
+    shapes = len({c.shape for c in cases})
     return report(True, f"bytes and link time match the disaggregated server's .transfers on all {len(cases)} "
                         f"handovers (fp32 and int8 pools, {shapes} model shapes)", "")

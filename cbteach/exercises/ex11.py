@@ -4,10 +4,19 @@ num_tokens, finish_reason)``, compared with the same server's whole (not streame
 from __future__ import annotations
 
 import json
+from typing import NamedTuple
 
 from . import is_int, report, self_check
 
-CASES = [("CYNIC, n.", 12, None), ("BORE, n.", 40, [","]), ("ALONE, adj.", 150, None)]
+
+class Case(NamedTuple):
+    prompt: str
+    max_tokens: int
+    stop: list | None  # stop strings
+
+
+CASES = [Case(prompt="CYNIC, n.", max_tokens=12, stop=None), Case(prompt="BORE, n.", max_tokens=40, stop=[","]),
+         Case(prompt="ALONE, adj.", max_tokens=150, stop=None)]
 TIMEOUT_S = 60
 
 

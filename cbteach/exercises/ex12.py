@@ -61,7 +61,7 @@ def _plugged(engine, pieces: Pieces) -> str | None:
         return "your engine does not use your KV manager: pass kv_manager= (the class, MyKVManager)"
     for piece in ("attention", "slot_mapping"):
         if want.get(piece) is not None and getattr(engine.kv, piece) is not want[piece]:
-            return f"your engine does not use your {piece.replace('_', ' ')}: pass {PIECES[piece][3]}="
+            return f"your engine does not use your {piece.replace('_', ' ')}: pass {PIECES[piece].engine_kwarg}="
     runner = getattr(engine.executor, "runner", None)
     if want.get("update_batch") is not None and getattr(runner, "update_batch", None) is not want["update_batch"]:
         return "your engine's worker does not run your update_batch: pass update_batch= (the function itself)"
@@ -148,14 +148,14 @@ def _check_my_engine(my_engine, pieces, model, tok=None) -> bool:
     if not isinstance(pieces, Pieces):
         return report(False, "", "pass the pieces capstone.pieces_from_notebooks() found")
     missing = [p for p, o in pieces.objects.items() if o is None]
-    lost = sorted({PIECES[p][0] for p in missing if pieces.where.get(PIECES[p][0], "") is None})
+    lost = sorted({PIECES[p].notebook for p in missing if pieces.where.get(PIECES[p].notebook, "") is None})
     if lost:
         return report(False, "", f"not done yet: notebook {' and '.join(lost)} was not found, so its pieces count as "
                                  "not written -- bring it beside this notebook (on Colab: upload it, or mount Drive) "
                                  "and run the cell that reads your pieces again; its lines say where it looked")
     if missing:
         return report(False, "", f"not done yet: no {', '.join(missing)} in notebooks "
-                                 f"{' and '.join(sorted({PIECES[p][0] for p in missing}))} -- write them there, save, "
+                                 f"{' and '.join(sorted({PIECES[p].notebook for p in missing}))} -- write them there, save, "
                                  "and run the cell that reads your pieces again")
     stood = {}  # catch-up: a piece of yours that fails its own check -> what it said (the course's stands in)
     while True:
@@ -174,7 +174,7 @@ def _check_my_engine(my_engine, pieces, model, tok=None) -> bool:
         piece, said = _blame(pieces, model, tok)
         if piece is None or piece in stood or not stand_in(pieces, {piece: said}) or piece not in pieces.course:
             if piece is not None:
-                said = (f"your {piece.replace('_', ' ')} (notebook {PIECES[piece][0]}) fails its own check: {said}. "
+                said = (f"your {piece.replace('_', ' ')} (notebook {PIECES[piece].notebook}) fails its own check: {said}. "
                         f"To go on meanwhile with the course's {piece} (marked as the course's): "
                         f"capstone.pieces_from_notebooks(use_course_for=[\"{piece}\"])")
             return report(False, "", f"{what}. {said}")

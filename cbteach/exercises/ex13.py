@@ -8,13 +8,26 @@ from __future__ import annotations
 
 import inspect
 import numbers
+from typing import NamedTuple
 
 from ..parallel.shard import Layout
 from ..sim.cost import ring_all_reduce_bytes
-from . import guard, report, self_check
+from . import first_mistake, guard, report, self_check
 
-# (num_heads, num_kv_heads, world_size): bierce and the course's tiny models, and real shapes.
-SHAPES = [(6, 2, 2), (4, 2, 2), (4, 1, 2), (8, 2, 4), (8, 8, 4), (32, 8, 8), (64, 8, 16), (32, 8, 2)]
+
+class Shape(NamedTuple):
+    """Attention heads split over ranks."""
+
+    num_heads: int
+    num_kv_heads: int
+    world_size: int
+
+
+# bierce and the course's tiny models, and real shapes.
+SHAPES = [Shape(num_heads=6, num_kv_heads=2, world_size=2), Shape(num_heads=4, num_kv_heads=2, world_size=2),
+          Shape(num_heads=4, num_kv_heads=1, world_size=2), Shape(num_heads=8, num_kv_heads=2, world_size=4),
+          Shape(num_heads=8, num_kv_heads=8, world_size=4), Shape(num_heads=32, num_kv_heads=8, world_size=8),
+          Shape(num_heads=64, num_kv_heads=8, world_size=16), Shape(num_heads=32, num_kv_heads=8, world_size=2)]
 
 
 def _kv_hint(got, truth, rank, heads, kv, world) -> str:
@@ -90,10 +103,8 @@ def _same(a, b) -> bool:
 
 
 def _bytes_hint(answers, cases) -> str:
-    for wrong, hint in _MISTAKES:
-        if all(_same(got, wrong(t, *args)) for got, (args, t) in zip(answers, cases)):
-            return hint
-    return _GENERIC
+    gives = lambda wrong: all(_same(got, wrong(t, *args)) for got, (args, t) in zip(answers, cases))  # noqa: E731
+    return first_mistake(_MISTAKES, gives) or _GENERIC
 
 
 @self_check
@@ -114,7 +125,7 @@ def check_tp(kv_heads_of_rank, all_reduce_bytes, comm_log, *, num_layers: int, h
 
 def _check(kv_heads_of_rank, all_reduce_bytes, comm_log, num_layers, hidden_size, dtype_bytes, world_size) -> bool:
     wrong = None
-    for heads, kv, world in SHAPES:
+    for heads, kv, world in SHAPES:  # see Shape
         layout = Layout(arch="llama", world_size=world, num_heads=heads, num_kv_heads=kv, head_dim=8,
                         hidden_size=8 * heads, intermediate_size=16 * world, num_layers=1)
         for rank in range(world):

@@ -1,9 +1,11 @@
 """Run a learner's scheduler inside the real engine and watch it: notebook 06's checks and the tournament.
 
 A :class:`Workload` runs on a step clock (the same on every machine), with the learner's class subclassed
-once more by :func:`watched`, which checks every rule where it can be broken (:mod:`.rules`,
-:mod:`.watchers`): ``rules_="exercise"`` vLLM V1's as notebook 06 teaches them, ``"safety"`` only what keeps
-any engine correct.
+once more by :func:`watched`, which checks every rule where it can be broken (:mod:`.rules`, and the watchers
+around the waiting queue -- changed while walked? --, the running list -- a request skipped after a removal? --
+and the KV manager -- this step's grants, refusals and frees): ``rules_="exercise"`` vLLM V1's as notebook 06
+teaches them, ``"safety"`` only what keeps any engine correct. The watchers count one ``schedule``'s calls: past
+:data:`MAX_CALLS` it never ends.
 """
 from __future__ import annotations
 
@@ -16,9 +18,8 @@ from ..core.request import Request
 from ..core.sampling import SamplingParams
 from ..engine.engine import Engine
 from ..engine.scheduler import Scheduler
-from . import raised, rules, update_rules, watchers
+from . import raised, rules, update_rules
 from .rules import NotDone, SchedulerMistake, hint
-from .watchers import KVWatch, QueueWatch, RunningWatch
 
 __all__ = ["NotDone", "SchedulerMistake", "Workload", "Run", "run", "drive", "watched", "with_eos", "hint"]
 
@@ -135,6 +136,121 @@ def drive(eng: Engine, max_steps: int, stage: int | None = None) -> tuple[list, 
     return records, None
 
 
+# -- the watchers ------------------------------------------------------------------------------------
+
+MAX_CALLS = 100_000  # calls on the queue, the running list and the KV manager in one step: far beyond any honest step
+_calls = [None]  # calls so far in the schedule() running now (None: none is running)
+
+
+def counting(on: bool) -> None:
+    """Start (or stop) counting the calls of one ``schedule``."""
+    _calls[0] = 0 if on else None
+
+
+def tick() -> None:
+    """One more call on a watched object in this ``schedule``; past :data:`MAX_CALLS`, it never ends."""
+    if _calls[0] is None:
+        return
+    _calls[0] += 1
+    if _calls[0] > MAX_CALLS:
+        raise SchedulerMistake("schedule() did not return: a loop that never ends? (a retry loop must change "
+                               "something each time round -- preempt someone -- or stop)")
+
+
+class QueueWatch:
+    """The policy's waiting queue, unchanged, but it knows when it is changed while being walked."""
+
+    def __init__(self, queue, strict: bool = True):
+        self.queue, self.version, self.strict = queue, 0, strict  # strict: the exercise's rule, not only safety
+
+    def __getattr__(self, name):
+        if name in ("add", "remove", "readd_preempted"):  # the queue is about to change
+            self.version += 1
+        return getattr(self.queue, name)
+
+    def __len__(self):
+        tick()
+        return len(self.queue)
+
+    def __contains__(self, seq):
+        tick()
+        return seq in self.queue
+
+    def __iter__(self):
+        version = self.version
+        for seq in list(self.queue):
+            if self.strict and self.version != version:  # a plain list iterator would now skip a request
+                raise SchedulerMistake(hint("walked_waiting", None))
+            yield seq
+
+
+class RunningWatch(list):
+    """The running list, unchanged, but it knows when a loop over it skips a request: removing one at or
+    before the loop's position shifts the rest left, and a plain list iterator steps over the next."""
+
+    def __init__(self, items=(), strict: bool = True):
+        super().__init__(items)
+        self.cursors: list = []  # [position, skipped] of each live loop
+        self.strict = strict  # the exercise's rule (no request skipped), not only the count
+
+    def __len__(self):
+        tick()
+        return super().__len__()
+
+    def __contains__(self, seq):
+        tick()
+        return super().__contains__(seq)
+
+    def __iter__(self):
+        cursor = [0, False]
+        self.cursors.append(cursor)
+        try:
+            while True:
+                if cursor[1] and self.strict:
+                    raise SchedulerMistake(hint("walked_running", None))
+                if cursor[0] >= len(self):
+                    return
+                cursor[0] += 1
+                yield self[cursor[0] - 1]
+        finally:
+            self.cursors.remove(cursor)
+
+    def remove(self, seq):
+        i = next(j for j in range(len(self)) if self[j] is seq)
+        super().pop(i)
+        for cursor in self.cursors:  # the request that moved into a visited position is never visited
+            cursor[1] = cursor[1] or (i < cursor[0] and cursor[0] - 1 < len(self))
+
+
+class KVWatch:
+    """The KV manager, unchanged, but it remembers this step's grants and what each free saw."""
+
+    def __init__(self, manager):
+        self.manager = manager
+        self.begin_step()
+
+    def __getattr__(self, name):
+        return getattr(self.manager, name)
+
+    def begin_step(self):
+        self.granted, self.refused, self.frees = {}, set(), {}
+
+    def allocate_slots(self, seq, num_new_tokens, *args, **kwargs):
+        tick()
+        cached = kwargs.get("new_computed_blocks", args[0] if args else ())
+        start = seq.num_computed_tokens + len(cached) * self.manager.block_size  # an admission's cached prefix
+        got = self.manager.allocate_slots(seq, num_new_tokens, *args, **kwargs)
+        if got is None:
+            self.refused.add(id(seq))
+        else:
+            self.granted[id(seq)] = (start, num_new_tokens)
+        return got
+
+    def free(self, seq):
+        self.frees[id(seq)] = (len(seq.output_ids), seq.finish_reason)
+        return self.manager.free(seq)
+
+
 def watched(cls: type, stage: int | None = None, rules_: str = "exercise", eos_ids=None) -> type:
     """A subclass of the learner's ``cls`` that checks every rule where it can be broken
     (``rules_``: ``"exercise"`` or ``"safety"``, see the module); ``eos_ids`` replaces the model's."""
@@ -163,11 +279,11 @@ def watched(cls: type, stage: int | None = None, rules_: str = "exercise", eos_i
             self.kv_manager.begin_step()
             self.made = None
             before = list(self.running)
-            watchers.counting(True)
+            counting(True)
             try:
                 out = super().schedule(now)
             finally:
-                watchers.counting(False)
+                counting(False)
             rules.check_plan(self, out, self.made, before, stage, exercise)
             self.outputs_before = [len(s.output_ids) for s in self.made.plan.seqs]
             return out

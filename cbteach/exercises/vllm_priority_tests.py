@@ -22,22 +22,6 @@ def _order_case(cls, priorities, arrival_times, want):
     expect(f"scheduled_req_ids == {want}", [r.req_id for r in output.scheduled_new_reqs], want)
 
 
-def test_priority_scheduling_basic_ordering(cls):
-    _order_case(cls, [2, 0, 1], [1.0, 2.0, 3.0], ["1", "2", "0"])
-
-
-def test_priority_scheduling_arrival_time_tiebreaker(cls):
-    _order_case(cls, [1, 1, 1], [3.0, 1.0, 2.0], ["1", "2", "0"])
-
-
-def test_priority_scheduling_mixed_priority_and_arrival(cls):
-    _order_case(cls, [2, 1, 1, 0], [1.0, 3.0, 2.0, 4.0], ["3", "2", "1", "0"])
-
-
-def test_priority_scheduling_fcfs_fallback(cls):
-    _order_case(cls, [1, 1, 1, 1], [4.0, 1.0, 3.0, 2.0], ["1", "3", "2", "0"])
-
-
 def test_priority_scheduling_preemption(cls):
     """Under KV block pressure the lowest-priority *running* request is preempted, not the highest."""
     h = _priority(cls, max_num_seqs=3, max_num_batched_tokens=200, num_blocks=6, block_size=16)  # 5 usable blocks
@@ -84,23 +68,6 @@ def _one_slot_case(cls, priorities, arrival_times, first, waiting_ids, max_num_s
     expect(f"len(scheduler.waiting) == {len(waiting_ids)}", len(h.scheduler.waiting), len(waiting_ids))
     expect(f"waiting_req_ids == {waiting_ids}", [r.request_id for r in h.scheduler.waiting], waiting_ids,
            "iterating the waiting queue gives the policy's order")
-
-
-def test_priority_scheduling_preemption_victim_selection(cls):
-    _one_slot_case(cls, [3, 2, 0], [1.0, 2.0, 3.0], ["2"], ["1", "0"])
-
-
-def test_priority_scheduling_equal_priority_preemption(cls):
-    _one_slot_case(cls, [2, 2, 2], [3.0, 1.0, 2.0], ["1"], ["2", "0"])
-
-
-def test_priority_scheduling_waiting_queue_order(cls):
-    _one_slot_case(cls, [3, 1, 2, 0], [1.0, 2.0, 3.0, 4.0], ["3"], ["1", "2", "0"])
-
-
-def test_priority_scheduling_with_limited_slots(cls):
-    _one_slot_case(cls, [3, 1, 2, 0], [1.0, 2.0, 3.0, 4.0], ["3", "1"], ["2", "0"], max_num_seqs=2,
-                   max_num_batched_tokens=1000)
 
 
 def test_priority_scheduling_heap_property(cls):
@@ -162,10 +129,27 @@ def test_priority_scheduling_preemption_and_resumption_when_out_of_kv(cls):
            "resumed tokens include 30 prompt tokens and 2 decoded tokens")
 
 
-TESTS = [test_priority_scheduling_basic_ordering, test_priority_scheduling_arrival_time_tiebreaker,
-         test_priority_scheduling_mixed_priority_and_arrival, test_priority_scheduling_preemption,
-         test_priority_scheduling_no_preemption_when_space_available,
-         test_priority_scheduling_preemption_victim_selection, test_priority_scheduling_equal_priority_preemption,
-         test_priority_scheduling_waiting_queue_order, test_priority_scheduling_fcfs_fallback,
-         test_priority_scheduling_with_limited_slots, test_priority_scheduling_heap_property,
-         test_priority_scheduling_preemption_and_resumption_when_out_of_kv]
+# vLLM's tests in its order, name -> (the test, its arguments besides cls). Many differ only in their requests: the
+# priorities and arrival times of the requests made, the ids scheduled first and (one slot) those left waiting.
+TESTS = {f"test_priority_scheduling_{name}": case for name, case in {
+    "basic_ordering": (_order_case, dict(priorities=[2, 0, 1], arrival_times=[1.0, 2.0, 3.0], want=["1", "2", "0"])),
+    "arrival_time_tiebreaker": (_order_case, dict(priorities=[1, 1, 1], arrival_times=[3.0, 1.0, 2.0],
+                                                  want=["1", "2", "0"])),
+    "mixed_priority_and_arrival": (_order_case, dict(priorities=[2, 1, 1, 0], arrival_times=[1.0, 3.0, 2.0, 4.0],
+                                                     want=["3", "2", "1", "0"])),
+    "preemption": (test_priority_scheduling_preemption, {}),
+    "no_preemption_when_space_available": (test_priority_scheduling_no_preemption_when_space_available, {}),
+    "preemption_victim_selection": (_one_slot_case, dict(priorities=[3, 2, 0], arrival_times=[1.0, 2.0, 3.0],
+                                                         first=["2"], waiting_ids=["1", "0"])),
+    "equal_priority_preemption": (_one_slot_case, dict(priorities=[2, 2, 2], arrival_times=[3.0, 1.0, 2.0],
+                                                       first=["1"], waiting_ids=["2", "0"])),
+    "waiting_queue_order": (_one_slot_case, dict(priorities=[3, 1, 2, 0], arrival_times=[1.0, 2.0, 3.0, 4.0],
+                                                 first=["3"], waiting_ids=["1", "2", "0"])),
+    "fcfs_fallback": (_order_case, dict(priorities=[1, 1, 1, 1], arrival_times=[4.0, 1.0, 3.0, 2.0],
+                                        want=["1", "3", "2", "0"])),
+    "with_limited_slots": (_one_slot_case, dict(priorities=[3, 1, 2, 0], arrival_times=[1.0, 2.0, 3.0, 4.0],
+                                                first=["3", "1"], waiting_ids=["2", "0"], max_num_seqs=2,
+                                                max_num_batched_tokens=1000)),
+    "heap_property": (test_priority_scheduling_heap_property, {}),
+    "preemption_and_resumption_when_out_of_kv": (test_priority_scheduling_preemption_and_resumption_when_out_of_kv, {}),
+}.items()}

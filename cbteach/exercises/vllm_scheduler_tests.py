@@ -24,6 +24,7 @@ course's engine does not have.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..core.request import RequestStatus
 from ..engine.scheduler import Scheduler
@@ -57,19 +58,20 @@ def test_schedule_order(cls):
            "with chunked prefill, long requests will be chunked")
 
 
-def _stop_case(cls, spec, sampled, **request_kwargs):
-    """One case of ``test_stop_via_update_from_output``: two requests running, one step's update."""
+def _stop_case(cls, *, spec_token_ids, sampled_token_ids, **request_kwargs):
+    """One case of ``test_stop_via_update_from_output``: the requests running with their guesses, one step's update."""
     h = Harness(cls)
-    requests = h.create_requests(num_requests=len(sampled), **request_kwargs)
-    output = h.running_after_schedule(requests, {r.request_id: g for r, g in zip(requests, spec)})
-    h.update(output, {r.request_id: s for r, s in zip(requests, sampled)})
+    requests = h.create_requests(num_requests=len(sampled_token_ids), **request_kwargs)
+    output = h.running_after_schedule(requests, {r.request_id: g for r, g in zip(requests, spec_token_ids)})
+    h.update(output, {r.request_id: s for r, s in zip(requests, sampled_token_ids)})
     return h, requests
 
 
 def test_stop_via_update_from_output(cls):
     stopped = ("requests[0].status == RequestStatus.FINISHED_STOPPED", RequestStatus.FINISHED)
     # Test case 1: Stop on EOS token
-    h, requests = _stop_case(cls, [[], [10]], [[EOS_TOKEN_ID], [10, 11]], max_tokens=10)
+    h, requests = _stop_case(cls, spec_token_ids=[[], [10]], sampled_token_ids=[[EOS_TOKEN_ID], [10, 11]],
+                             max_tokens=10)
     expect("len(scheduler.running) == 1", len(h.scheduler.running), 1)
     expect("scheduler.running[0].request_id == requests[1].request_id", h.ids(h.scheduler.running), ["1"])
     expect(stopped[0], (requests[0].status, requests[0].finish_reason), (stopped[1], "eos"), "finish_reason 'eos'")
@@ -77,7 +79,8 @@ def test_stop_via_update_from_output(cls):
     expect("list(requests[0].output_token_ids) == [EOS_TOKEN_ID]", requests[0].output_ids, [EOS_TOKEN_ID])
     expect("list(requests[1].output_token_ids) == [10, 11]", requests[1].output_ids, [10, 11])
     # Test case 2: Stop on custom stop token
-    h, requests = _stop_case(cls, [[10, 42], [13]], [[10, 42, 12], [13, 14]], max_tokens=10, stop_token_ids=[42, 43])
+    h, requests = _stop_case(cls, spec_token_ids=[[10, 42], [13]], sampled_token_ids=[[10, 42, 12], [13, 14]],
+                             max_tokens=10, stop_token_ids=[42, 43])
     expect("len(scheduler.running) == 1", len(h.scheduler.running), 1)
     expect("scheduler.running[0].request_id == requests[1].request_id", h.ids(h.scheduler.running), ["1"])
     expect("requests[0].stop_reason == 42", (requests[0].finish_reason, requests[0].output_ids[-1:]), ("stop", [42]),
@@ -85,7 +88,7 @@ def test_stop_via_update_from_output(cls):
     expect("list(requests[0].output_token_ids) == [10, 42]", requests[0].output_ids, [10, 42])
     expect("list(requests[1].output_token_ids) == [13, 14]", requests[1].output_ids, [13, 14])
     # Test case 3: Stop on max tokens
-    h, requests = _stop_case(cls, [[10, 11], []], [[10, 11, 12], [13]], max_tokens=2)
+    h, requests = _stop_case(cls, spec_token_ids=[[10, 11], []], sampled_token_ids=[[10, 11, 12], [13]], max_tokens=2)
     expect("len(scheduler.running) == 1", len(h.scheduler.running), 1)
     expect("scheduler.running[0].request_id == requests[1].request_id", h.ids(h.scheduler.running), ["1"])
     expect("requests[0].status == RequestStatus.FINISHED_LENGTH_CAPPED", requests[0].finish_reason, "length",
@@ -93,20 +96,40 @@ def test_stop_via_update_from_output(cls):
     expect("list(requests[0].output_token_ids) == [10, 11]  # Truncated to max_tokens", requests[0].output_ids, [10, 11])
     expect("list(requests[1].output_token_ids) == [13]", requests[1].output_ids, [13])
     # Test case 4: Ignore EOS flag
-    h, requests = _stop_case(cls, [[EOS_TOKEN_ID, 10]], [[EOS_TOKEN_ID, 10, 11]], max_tokens=10, ignore_eos=True)
+    h, requests = _stop_case(cls, spec_token_ids=[[EOS_TOKEN_ID, 10]], sampled_token_ids=[[EOS_TOKEN_ID, 10, 11]],
+                             max_tokens=10, ignore_eos=True)
     expect("len(scheduler.running) == 1", len(h.scheduler.running), 1)
     expect("not requests[0].is_finished()", not requests[0].status.is_finished)
     expect("list(requests[0].output_token_ids) == [EOS_TOKEN_ID, 10, 11]", requests[0].output_ids,
            [EOS_TOKEN_ID, 10, 11])
 
 
-SPEC_CASES = {  # "mirror some of those in test_rejection_sampler.py": spec tokens, output tokens, expected stats
-    "perfect match": ([[1, 2, 3]], [[1, 2, 3, 4]], (1, 3, 3, [1, 1, 1])),
-    "early mismatch": ([[1, 2, 3]], [[1, 5]], (1, 3, 1, [1, 0, 0])),
-    "multiple sequences": ([[1, 2], [3]], [[1, 2, 5], [3, 4]], (2, 3, 3, [2, 1])),
-    "single token sequence": ([[1]], [[1, 2]], (1, 1, 1, [1])),
-    "empty sequence": ([[]], [[5]], (0, 0, 0, [0])),
-    "multiple mismatches": ([[1, 2, 3], [4, 5, 6]], [[1, 2, 7], [4, 8]], (2, 6, 3, [2, 1, 0])),
+class SpecStats(NamedTuple):
+    """What vLLM's spec-decoding stats should count after the verify step."""
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_accepted_tokens_per_pos: list
+
+
+def _spec(*, spec_tokens, output_tokens, **expected) -> dict:
+    return {"spec_tokens": spec_tokens, "output_tokens": output_tokens, "expected": SpecStats(**expected)}
+
+
+SPEC_CASES = {  # "mirror some of those in test_rejection_sampler.py"
+    "perfect match": _spec(spec_tokens=[[1, 2, 3]], output_tokens=[[1, 2, 3, 4]], num_drafts=1, num_draft_tokens=3,
+                           num_accepted_tokens=3, num_accepted_tokens_per_pos=[1, 1, 1]),
+    "early mismatch": _spec(spec_tokens=[[1, 2, 3]], output_tokens=[[1, 5]], num_drafts=1, num_draft_tokens=3,
+                            num_accepted_tokens=1, num_accepted_tokens_per_pos=[1, 0, 0]),
+    "multiple sequences": _spec(spec_tokens=[[1, 2], [3]], output_tokens=[[1, 2, 5], [3, 4]], num_drafts=2,
+                                num_draft_tokens=3, num_accepted_tokens=3, num_accepted_tokens_per_pos=[2, 1]),
+    "single token sequence": _spec(spec_tokens=[[1]], output_tokens=[[1, 2]], num_drafts=1, num_draft_tokens=1,
+                                   num_accepted_tokens=1, num_accepted_tokens_per_pos=[1]),
+    "empty sequence": _spec(spec_tokens=[[]], output_tokens=[[5]], num_drafts=0, num_draft_tokens=0,
+                            num_accepted_tokens=0, num_accepted_tokens_per_pos=[0]),
+    "multiple mismatches": _spec(spec_tokens=[[1, 2, 3], [4, 5, 6]], output_tokens=[[1, 2, 7], [4, 8]], num_drafts=2,
+                                 num_draft_tokens=6, num_accepted_tokens=3, num_accepted_tokens_per_pos=[2, 1, 0]),
 }
 
 
@@ -214,11 +237,11 @@ TESTS = {"test_schedule[prefix caching off]": (test_schedule, {"enable_prefix_ca
          "test_schedule[prefix caching on]": (test_schedule, {"enable_prefix_caching": True}),
          "test_schedule_order[chunked prefill]": (test_schedule_order, {}),
          "test_stop_via_update_from_output": (test_stop_via_update_from_output, {})}
-TESTS.update({f"test_schedule_spec_decoding_stats[{k}]": (test_schedule_spec_decoding_stats, dict(
-    zip(("spec_tokens", "output_tokens", "expected"), case))) for k, case in SPEC_CASES.items()})
+TESTS.update({f"test_schedule_spec_decoding_stats[{k}]": (test_schedule_spec_decoding_stats, case)
+              for k, case in SPEC_CASES.items()})
 TESTS.update({f.__name__: (f, {}) for f in (test_no_spec_tokens_scheduled_for_prefill_chunks,
                                              test_spec_decode_padding_skipped_for_diffusion, test_memory_leak)})
-TESTS.update({f.__name__: (f, {}) for f in vllm_priority_tests.TESTS})
+TESTS.update(vllm_priority_tests.TESTS)  # name -> (test, its arguments besides cls)
 
 
 @dataclass
