@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..core.outputs import RunnerOutput
+from . import recovery
 
 
 class AsyncModelRunner:
@@ -104,7 +105,7 @@ class AsyncModelRunner:
         try:
             t0, t1 = future.result()
         except Exception as err:  # noqa: BLE001  (isolate: find whose tokens failed)
-            output = self.runner.recover(step, err)  # (errors that stop the engine re-raise from here)
+            output = recovery.recover(self.runner, step, err)  # (errors that stop the engine re-raise from here)
             output.forward_span = (launched, time.perf_counter())
             tokens = [(s or [0])[-1] for s in output.sampled]  # the next step reads them as if one pass had sampled them
             self.prev = (torch.tensor(tokens, device=self.runner.device), {rid: i for i, rid in enumerate(step.req_ids)})

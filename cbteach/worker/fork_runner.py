@@ -117,6 +117,20 @@ class ForkingModelRunner(ModelRunner):
         return ForkRunnerOutput(**vars(out), fork_tokens=fork_tokens if any(fork_tokens) else None)
 
 
+    def row_alone(self, step: Step, i: int) -> Step:
+        """As the runner's, with the samples drawing their first tokens from that row."""
+        one = super().row_alone(step, i)
+        if i in getattr(step, "forks", {}):
+            one.forks = {0: step.forks[i]}
+        return one
+
+    def join_outputs(self, req_ids: list, parts: list) -> ForkRunnerOutput:
+        """As the runner's, with each row's samples' first tokens."""
+        out = super().join_outputs(req_ids, parts)
+        fork_tokens = [(getattr(p, "fork_tokens", None) or [None])[0] for p in parts]
+        return ForkRunnerOutput(**vars(out), fork_tokens=fork_tokens if any(fork_tokens) else None)
+
+
 class SwappingForkingModelRunner(SwappingModelRunner, ForkingModelRunner):
     """Both of V0's: swap-outs, then copies on write, then the batch; swap-ins last."""
 

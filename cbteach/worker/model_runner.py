@@ -74,7 +74,7 @@ class ModelRunner:
         except (EngineRuleError, EngineDeadError):
             raise
         except Exception as err:  # noqa: BLE001  (the model failed on someone's tokens: find whose)
-            return self.recover(step, err)
+            return recovery.recover(self, step, err)
         self.sample(step)
         return self.finish(step)
 
@@ -98,7 +98,8 @@ class ModelRunner:
         starts = b.num_computed_tokens[:B].tolist()
         if self.unwritten_blocks:  # a cached prefix whose K/V were never written is computed again
             for i, rid in enumerate(req_ids):
-                starts[i], counts[i] = self._redo_from(self.requests[rid].block_ids, starts[i], counts[i])
+                starts[i], counts[i] = recovery.redo_from(self.unwritten_blocks, self.requests[rid].block_ids, starts[i],
+                                                          counts[i], self.block_size)
         known = b.num_tokens[:B]
         samples = (np.add(starts, counts) >= known).tolist()
         # Token ids: one gather from the rows (guesses were written after the known tokens).
@@ -190,9 +191,13 @@ class ModelRunner:
         return RunnerOutput(sampled=sampled, req_ids=list(step.req_ids), forward_time=step.forward_time,
                             traffic=step.traffic, errors=errors if failed else None)
 
-    def recover(self, step: Step, err: Exception) -> RunnerOutput:
-        """The forward pass raised: each row is run alone (:func:`cbteach.worker.recovery.recover`)."""
-        return recovery.recover(self, step, err)
+    def row_alone(self, step: Step, i: int) -> Step:
+        """Row ``i`` of a step whose forward pass raised, as a step of its own."""
+        return recovery.alone(self, step, i)
+
+    def join_outputs(self, req_ids: list, parts: list) -> RunnerOutput:
+        """The rows of such a step, run alone, as one output again."""
+        return recovery.join(req_ids, parts)
 
     # -- internals ---------------------------------------------------------------------------------
     def _append_all(self, req_ids: list, sampled: list) -> None:
@@ -214,9 +219,6 @@ class ModelRunner:
                 b.append_token_ids(row, tokens)
         if rows:
             b.append_one_each(rows, toks)
-
-    def _redo_from(self, block_ids: list[int], start: int, count: int) -> tuple[int, int]:
-        return recovery.redo_from(self.unwritten_blocks, block_ids, start, count, self.block_size)
 
     def written(self, rid, start: int, count: int, ok: bool) -> None:
         """After a row ran: its blocks hold its K/V (``ok``), or never will (:mod:`cbteach.worker.recovery`)."""

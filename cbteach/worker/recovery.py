@@ -41,7 +41,7 @@ def recover(runner, step, err: Exception) -> RunnerOutput:
         try:
             if len(step.rows) == 1:
                 raise err
-            one = alone(runner, step, i)
+            one = runner.row_alone(step, i)
             runner.forward(one)
             runner.sample(one)
             parts.append(runner.finish(one))
@@ -51,14 +51,15 @@ def recover(runner, step, err: Exception) -> RunnerOutput:
             runner.written(rid, start, count, ok=False)
             message = f"the model failed on this request's tokens: {type(e).__name__}: {e}"
             parts.append(RunnerOutput(sampled=[None], req_ids=[rid], errors=[message]))
-    out = RunnerOutput(
-        sampled=[p.sampled[0] for p in parts], req_ids=list(step.req_ids),
+    return runner.join_outputs(step.req_ids, parts)
+
+
+def join(req_ids: list, parts: list) -> RunnerOutput:
+    """One output for the step from its rows' own, one row each, in the step's order."""
+    return RunnerOutput(
+        sampled=[p.sampled[0] for p in parts], req_ids=list(req_ids),
         forward_time=sum(p.forward_time for p in parts), traffic=next((p.traffic for p in parts if p.traffic), None),
         errors=[p.error(0) for p in parts])
-    forking = next((type(p) for p in parts if hasattr(p, "fork_tokens")), None)  # (cbteach.worker.fork_runner's rows)
-    if forking is not None:
-        out = forking(**vars(out), fork_tokens=[(getattr(p, "fork_tokens", None) or [None])[0] for p in parts])
-    return out
 
 
 def alone(runner, step, i: int) -> Step:
@@ -74,8 +75,6 @@ def alone(runner, step, i: int) -> Step:
     ids = np.asarray(known + [0] * (n - len(known)) + list(drafts), dtype=np.int64)  # (0: a token that never came)
     one = Step(step.msg, [step.rows[i]], [rid], [start], [count], [drafts], [step.samples[i]], input_ids=ids,
                params=[step.params[i]], generators=[step.generators[i]])
-    if i in getattr(step, "forks", {}):  # samples drawing their first tokens from this row (cbteach.worker.fork_runner)
-        one.forks = {0: step.forks[i]}
     runner.build_inputs(one, [state.block_ids])
     return one
 
