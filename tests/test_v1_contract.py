@@ -45,7 +45,7 @@ def test_rejected_guesses_are_taken_back_after_the_step():
     model = tiny_model("gpt2")
     prompt = [7, 8, 9, 10]
     truth = reference(model, prompt, 6)
-    eng = Engine(model, max_batch_size=2, kv="paged", block_size=2)
+    eng = Engine(model, max_batch_size=2, kv="paged", block_size=2, speculative="ngram")  # (its runner checks guesses)
     rid = eng.add_request(Request(prompt, 6, ignore_eos=True))
     eng.step()  # the prompt, and the first token
     seq = eng.sequences[rid]

@@ -230,11 +230,11 @@ def test_async_steps_read_the_last_steps_tokens_on_the_device():
     pipeline = eng.executor.pipeline
     feed, pending = pipeline.feed, []
 
-    def watched(step):
+    def watched(step, step_pending):
         prev = pipeline.prev
-        fed = [(at, rid) for at, rid, _ in step.pending if prev is not None and rid in prev[1]]
+        fed = [(at, rid) for at, rid in step_pending if prev is not None and rid in prev[1]]
         pending.append((len(step.counts), len(fed)))
-        feed(step)
+        feed(step, step_pending)
 
     pipeline.feed = watched
     reqs = _requests(17, n=5, max_new=12)

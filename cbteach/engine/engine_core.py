@@ -97,7 +97,8 @@ class EngineCore:
         self.executor = make_executor(model, model_view(model, self.kv.attn_implementation), self.info, self.kv,
                                       self.config, update_batch=update_batch,
                                       swaps=isinstance(self.scheduler, V0Scheduler),
-                                      forks=self.config.parallel_sampling == "fork")
+                                      forks=self.config.parallel_sampling == "fork",
+                                      spec=self.proposer is not None)
         self.keep_records = self.config.keep_records
         self.records: list[StepRecord] = []
         self.completions: dict[object, Completion] = {}

@@ -27,7 +27,7 @@ import torch
 from ..core.model_view import model_view
 from ..core.modelinfo import max_positions
 from ..core.validation import check_positive_int
-from ..worker.sampler import accept  # noqa: F401  (the verification runs in the worker; re-exported here)
+from ..worker.spec_runner import accept  # noqa: F401  (the verification runs in the worker; re-exported here)
 
 
 class NgramProposer:

@@ -19,25 +19,21 @@ worker -- model runner, persistent batch, sampler -- in :mod:`cbteach.worker`, l
 from __future__ import annotations
 
 from ..worker.async_runner import AsyncModelRunner
-from ..worker.model_runner import ModelRunner
-from ..worker.swap_runner import SwappingModelRunner
+from ..worker.variants import runner_cls
 from .uniproc import UniProcExecutor
 
 __all__ = ["make_executor", "UniProcExecutor"]
 
 
-def make_executor(model, view, info, kv_cache, config, update_batch=None, swaps: bool = False, forks: bool = False):
+def make_executor(model, view, info, kv_cache, config, update_batch=None, swaps: bool = False, forks: bool = False,
+                  spec: bool = False):
     """The executor for ``config``: ``view`` is the engine's own view of ``model`` (one process);
     ``update_batch`` a learner's own message-to-batch function (notebook 06), one process only;
     ``swaps``: the scheduler sends V0's swaps (:mod:`cbteach.worker.swap_runner` carries them out);
-    ``forks``: parallel sampling by fork (:mod:`cbteach.worker.fork_runner`)."""
+    ``forks``: parallel sampling by fork (:mod:`cbteach.worker.fork_runner`); ``spec``: the scheduler sends
+    speculative guesses (:mod:`cbteach.worker.spec_runner`)."""
     if config.tensor_parallel_size == 1:
-        runner_cls = SwappingModelRunner if swaps else ModelRunner
-        if forks:
-            from ..worker.fork_runner import runner_cls as forking_runner_cls  # (imported only where it is used)
-
-            runner_cls = forking_runner_cls(swaps, forks)
-        runner = runner_cls(view, kv_cache, device=info.device, accepts_logits_to_keep=info.accepts_logits_to_keep,
+        runner = runner_cls(swaps, forks, spec)(view, kv_cache, device=info.device, accepts_logits_to_keep=info.accepts_logits_to_keep,
                             max_num_reqs=config.scheduler.max_batch_size, max_model_len=info.max_positions,
                             update_batch=update_batch)
         return UniProcExecutor(runner, AsyncModelRunner(runner) if config.async_scheduling else None)
@@ -46,4 +42,4 @@ def make_executor(model, view, info, kv_cache, config, update_batch=None, swaps:
                          "runs the engine's own: use tensor_parallel_size=1 to run yours")
     from .multiproc import MultiprocExecutor  # its workers start here: errors before any process starts
 
-    return MultiprocExecutor(model, info, kv_cache, config, swaps=swaps, forks=forks)
+    return MultiprocExecutor(model, info, kv_cache, config, swaps=swaps, forks=forks, spec=spec)

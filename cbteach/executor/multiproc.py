@@ -42,7 +42,7 @@ class MultiprocExecutor:
     """Runs each message on ``tensor_parallel_size`` ranks; rank 0 answers. See the module."""
 
     def __init__(self, model, info, kv_cache, config, *, tensor_parallel_size=None, swaps: bool = False,
-                 forks: bool = False):
+                 forks: bool = False, spec: bool = False):
         pc = parallel_config(config, tensor_parallel_size)
         self.layout, backend = check_config(model, info, kv_cache, config, pc)
         self.parallel = pc
@@ -69,7 +69,7 @@ class MultiprocExecutor:
                                accepts_logits_to_keep=info.accepts_logits_to_keep,
                                max_num_reqs=getattr(scheduler, "max_batch_size", 8), max_model_len=info.max_positions,
                                seed=seed, timeout_s=pc.step_timeout, async_scheduling=self.async_scheduling, swaps=swaps,
-                               forks=forks)
+                               forks=forks, spec=spec)
 
         if torchrun.launched_by_torchrun(n):  # this process is rank 0; torchrun started the others
             self.group = torchrun.TorchrunGroup(setup(0), step_timeout=pc.step_timeout)

@@ -80,7 +80,7 @@ def _public(setup: WorkerSetup) -> dict:
     """What the other ranks need from rank 0 (they shard their own copy of the model)."""
     return {k: getattr(setup, k) for k in ("num_blocks", "block_size", "bucket_shapes", "kv_dtype", "backend",
                                            "num_threads", "accepts_logits_to_keep", "max_num_reqs", "max_model_len",
-                                           "seed", "timeout_s", "swaps", "forks")}
+                                           "seed", "timeout_s", "swaps", "forks", "spec")}
 
 
 def serve_rank(model) -> bool:

@@ -12,7 +12,7 @@ from typing import NamedTuple
 from unittest import mock
 
 
-from ..worker import model_runner
+from ..worker import spec_runner
 from ..engine.engine import Engine
 from ..core.request import Request
 from ..engine.speculative import accept as engine_accept
@@ -221,7 +221,7 @@ def check_accept(accept) -> bool:
     model = loop_model()
     plain = [c.output_ids for c in Engine(model, None, max_batch_size=4, kv="paged").run(_loop_requests())]
     engine = Engine(model, None, max_batch_size=4, kv="paged", speculative="ngram", num_speculative_tokens=3)
-    with mock.patch.object(model_runner, "accept", accept):
+    with mock.patch.object(spec_runner, "accept", accept):
         spec = [c.output_ids for c in engine.run(_loop_requests())]
     if spec != plain:
         return report(False, "", "inside the engine your rule changed the generated tokens; speculation must give "

@@ -33,6 +33,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from ..core.outputs import RunnerOutput
@@ -54,15 +55,15 @@ class AsyncModelRunner:
         launch this one (if it schedules any tokens); the output of the step in flight before, or ``None``."""
         done = self._wait() if getattr(msg, "block_copies", None) else None  # (copies inside the pool: not beside a forward)
         self.runner.update_states(msg)
-        step = self.runner.prepare_inputs(msg) if msg.total_num_scheduled_tokens else None
+        step, pending = self._prepare(msg) if msg.total_num_scheduled_tokens else (None, [])
         if done is None:
             done = self._wait()
         if step is not None:
             if self.recovered:  # N failed for someone: blocks it was to fill may be read by N+1 -- read again
-                first, step = step, self.runner.prepare_inputs(msg)
+                first, (step, pending) = step, self._prepare(msg)
                 if hasattr(first, "forks"):
                     step.forks = first.forks  # (a prompt's forked samples: made once, when first prepared)
-            self.feed(step)
+            self.feed(step, pending)
             self.flight = (step, self.device.submit(self._forward, step), time.perf_counter())
             time.sleep(0)  # give up the interpreter lock: the device thread starts now, not at our next wait
         return done() if done is not None else None
@@ -89,9 +90,26 @@ class AsyncModelRunner:
         self.prev = (step.sampled.tokens, {rid: i for i, rid in enumerate(step.req_ids) if step.samples[i]})
         return t0, t1
 
-    def feed(self, step) -> None:
+    def _prepare(self, msg) -> tuple:
+        """The step's inputs, and its *pending* tokens: fed positions past what the host knows -- the
+        token the step in flight samples for the request, or, if that step failed for it, none. Each is
+        fed as 0 until :meth:`feed`; returns ``(step, [(packed position, request id)])``."""
+        step = self.runner.prepare_inputs(msg)
+        known = self.runner.input_batch.num_tokens[step.rows]
+        if not np.any(np.add(step.starts, step.counts) > known):
+            return step, []
+        pending, at = [], 0
+        for rid, start, count, end in zip(step.req_ids, step.starts, step.counts, known.tolist()):
+            pending += [(at + p - start, rid) for p in range(max(start, end), start + count)]
+            at += count
+        where = [a for a, _ in pending]
+        step.input_ids[where] = 0
+        step.meta.input_ids[0, torch.tensor(where, device=step.meta.input_ids.device)] = 0
+        return step, pending
+
+    def feed(self, step, pending: list) -> None:
         """A step's pending tokens -- sampled by the step before, not on the host yet -- read from the device."""
-        fed = [(at, self.prev[1][rid]) for at, rid, _ in step.pending if self.prev is not None and rid in self.prev[1]]
+        fed = [(at, self.prev[1][rid]) for at, rid in pending if self.prev is not None and rid in self.prev[1]]
         if fed:
             at, src = torch.tensor(fed, device=step.meta.input_ids.device).T
             step.meta.input_ids[0, at] = self.prev[0][src]

@@ -29,7 +29,6 @@ from ..core.sampling import make_generator, sample
 from .input_batch import CachedRequestState
 from .model_runner import ModelRunner
 from .step import Step
-from .swap_runner import SwappingModelRunner
 
 
 @dataclass
@@ -67,8 +66,7 @@ class ForkingModelRunner(ModelRunner):
         if not scheduled:
             return
         b = self.input_batch
-        step.params = [b.sampling_params[r] if s and not d else None
-                       for r, s, d in zip(step.rows, step.samples, step.drafts)]
+        step.params = [b.sampling_params[r] if s else None for r, s in zip(step.rows, step.samples)]
         step.generators = [b.generators.get(r) for r in step.rows]
         for i, rid in enumerate(step.req_ids):
             for sample_id, index in scheduled.get(rid, ()) if step.samples[i] else ():
@@ -90,7 +88,7 @@ class ForkingModelRunner(ModelRunner):
         if not forks:
             return
         out = step.sampled
-        rows = step.logits if step.last is None else step.logits[step.last]
+        rows = step.logits
         ok = out.finite.tolist()  # a draw from non-finite logits would fail anyway
         for i, picks in forks.items():
             drawn = {}
@@ -109,7 +107,7 @@ class ForkingModelRunner(ModelRunner):
         """As the runner's, with each sampled prompt's samples' first tokens, which join their states."""
         out = super().finish(step)
         drawn = getattr(step, "fork_tokens", {})
-        fork_tokens = [drawn.get(i) if out.sampled[i] is not None and not step.drafts[i] else None
+        fork_tokens = [drawn.get(i) if out.sampled[i] is not None else None
                        for i in range(len(step.rows))]
         for forks in filter(None, fork_tokens):
             for sample_id, token in forks.items():
@@ -129,14 +127,3 @@ class ForkingModelRunner(ModelRunner):
         out = super().join_outputs(req_ids, parts)
         fork_tokens = [(getattr(p, "fork_tokens", None) or [None])[0] for p in parts]
         return ForkRunnerOutput(**vars(out), fork_tokens=fork_tokens if any(fork_tokens) else None)
-
-
-class SwappingForkingModelRunner(SwappingModelRunner, ForkingModelRunner):
-    """Both of V0's: swap-outs, then copies on write, then the batch; swap-ins last."""
-
-
-def runner_cls(swaps: bool, forks: bool) -> type:
-    """The model runner for a scheduler that sends V0's swaps (``swaps``) and forks (``forks``)."""
-    if forks:
-        return SwappingForkingModelRunner if swaps else ForkingModelRunner
-    return SwappingModelRunner if swaps else ModelRunner

@@ -8,7 +8,7 @@ needs to run a request it keeps twice, as vLLM V1's GPU model runner does:
   request does, also while the request is preempted or simply not scheduled this step;
 * a **row** of the :class:`InputBatch` per request scheduled this step, in preallocated arrays (they
   grow by doubling, below):
-  ``token_ids[row]`` (prompt, then output, then any speculative guesses), ``num_tokens``,
+  ``token_ids[row]`` (prompt, then output), ``num_tokens``,
   ``num_computed_tokens``, the block table (:mod:`cbteach.worker.block_table`) and the sampling
   parameters. A step's inputs are read from these arrays -- the block tables are a slice, the token
   ids one gather -- not rebuilt from lists.
@@ -73,7 +73,7 @@ class InputBatch:
         self._holes: list[int] = []  # rows emptied since the last condense, lowest first
         self.token_ids = torch.zeros((rows, min(width, max_model_len or width)), dtype=torch.long)
         self.token_ids_np = self.token_ids.numpy()  # the same memory
-        self.num_tokens = np.zeros(rows, dtype=np.int64)  # known tokens (prompt + output), no guesses
+        self.num_tokens = np.zeros(rows, dtype=np.int64)  # known tokens (prompt + output)
         self.num_prompt_tokens = np.zeros(rows, dtype=np.int64)
         self.num_computed_tokens = np.zeros(rows, dtype=np.int64)
         self.block_table = BlockTable(rows)
@@ -157,12 +157,12 @@ class InputBatch:
         self.token_ids_np[rows, ends] = tokens
         self.num_tokens[rows] = ends + 1
 
-    def write_guesses(self, row: int, draft_ids: list[int]) -> None:
-        """Speculative guesses go after the known tokens, where a step reads them, without counting
-        as known (V1 writes them into ``token_ids_cpu`` the same way)."""
+    def write_after_known(self, row: int, token_ids: list[int]) -> None:
+        """Tokens after ``row``'s known ones, where a step's gather reads them, not counted as known
+        (a speculating runner's guesses)."""
         n = int(self.num_tokens[row])
-        self._fit_width(n + len(draft_ids))
-        self.token_ids_np[row, n:n + len(draft_ids)] = draft_ids
+        self._fit_width(n + len(token_ids))
+        self.token_ids_np[row, n:n + len(token_ids)] = token_ids
 
     def token_row(self, row: int) -> list[int]:
         """``row``'s known tokens, as a list (for reading; steps gather from the tensor)."""

@@ -33,14 +33,16 @@ import torch
 from ..core.outputs import RunnerOutput
 from ..errors import EngineDeadError, EngineRuleError
 from .input_batch import CachedRequestState, InputBatch
-from .sampler import NOT_FINITE, accept, sample_on_device
-from .step import Step, pending_tokens
+from .sampler import NOT_FINITE, sample_on_device
+from .step import Step
 from . import recovery, states
 
 
 class ModelRunner:
     """Runs each step's message on ``model`` (one process: the engine's own view of the user's model,
     :func:`~cbteach.core.model_view.model_view`; a tensor-parallel rank: its shard) over ``kv_cache``'s pool."""
+
+    step_cls = Step  # what prepare_inputs builds
 
     def __init__(self, model, kv_cache, *, device, accepts_logits_to_keep: bool, max_num_reqs: int,
                  max_model_len: int | None = None, update_batch=None):
@@ -79,12 +81,8 @@ class ModelRunner:
         return self.finish(step)
 
     def update_states(self, msg) -> None:
-        """The message changes the worker: the batch (V1's ``_update_states``:
-        :func:`~cbteach.worker.states.update_batch`), then speculative guesses after the known tokens."""
+        """The message changes the batch (V1's ``_update_states``: :func:`~cbteach.worker.states.update_batch`)."""
         self.update_batch(self, msg)
-        batch = self.input_batch
-        for rid, drafts in msg.scheduled_spec_decode_tokens.items():
-            batch.write_guesses(batch.req_id_to_index[rid], drafts)
 
     # -- a step ---------------------------------------------------------------------------------------
     def prepare_inputs(self, msg) -> Step:
@@ -93,22 +91,18 @@ class ModelRunner:
         B = b.num_reqs
         req_ids = b.req_ids[:B]
         counts = [msg.num_scheduled_tokens[rid] for rid in req_ids]
-        spec = msg.scheduled_spec_decode_tokens
-        drafts = [spec.get(rid, []) for rid in req_ids] if spec else [[]] * B
         starts = b.num_computed_tokens[:B].tolist()
         if self.unwritten_blocks:  # a cached prefix whose K/V were never written is computed again
             for i, rid in enumerate(req_ids):
                 starts[i], counts[i] = recovery.redo_from(self.unwritten_blocks, self.requests[rid].block_ids, starts[i],
                                                           counts[i], self.block_size)
-        known = b.num_tokens[:B]
-        samples = (np.add(starts, counts) >= known).tolist()
-        # Token ids: one gather from the rows (guesses were written after the known tokens).
+        samples = (np.add(starts, counts) >= b.num_tokens[:B]).tolist()
+        # Token ids: one gather from the rows -- row i's tokens starts[i] .. starts[i] + counts[i] - 1.
         T = sum(counts)
         first = np.arange(B) * b.token_ids.shape[1] + starts
         idx = first if T == B else np.repeat(first - np.cumsum([0, *counts[:-1]]), counts) + np.arange(T)
-        input_ids = b.token_ids_np.reshape(-1)[idx]
-        pending = pending_tokens(req_ids, starts, counts, known + [len(d) for d in drafts] if spec else known, input_ids)
-        step = Step(msg, list(range(B)), req_ids, starts, counts, drafts, samples, input_ids=input_ids, pending=pending)
+        step = self.step_cls(msg, list(range(B)), req_ids, starts, counts, samples,
+                             input_ids=b.token_ids_np.reshape(-1)[idx])
         self.build_inputs(step, b.block_table.table[:B], b.block_table.num_blocks[:B])
         self._sampling_inputs(step)
         return step
@@ -119,20 +113,13 @@ class ModelRunner:
         meta = self.kv_cache.build_metadata(step.input_ids, step.starts, step.counts, self.device,
                                             block_tables=block_tables if self.block_size else None,
                                             num_blocks=num_blocks, request_ids=step.req_ids)
-        step.meta, step.kwargs = meta, self.kv_cache.forward_kwargs(meta)
-        keep = meta.logits_indices
-        if any(step.drafts):  # a speculating row needs the logits of its last 1 + guesses tokens
-            packed_ends = np.cumsum(step.counts).tolist()
-            keep = torch.tensor([e - k for e, d in zip(packed_ends, step.drafts) for k in range(len(d) + 1, 0, -1)],
-                                device=self.device)
-            step.last = torch.tensor(np.cumsum([len(d) + 1 for d in step.drafts]) - 1, device=self.device)
+        step.meta, step.kwargs, step.keep = meta, self.kv_cache.forward_kwargs(meta), meta.logits_indices
         if self.accepts_logits_to_keep:
-            step.kwargs["logits_to_keep"] = keep
-        step.keep = keep
+            step.kwargs["logits_to_keep"] = step.keep
 
     @torch.inference_mode()
     def forward(self, step: Step) -> None:
-        """The model, once (what async scheduling runs in its worker thread)."""
+        """The model, once."""
         meta = step.meta
         t0 = time.perf_counter()
         out = self.model(input_ids=meta.input_ids, position_ids=meta.positions, **step.kwargs)
@@ -141,55 +128,40 @@ class ModelRunner:
         step.logits = out.logits[0] if self.accepts_logits_to_keep else out.logits[0, step.keep]
 
     def _sampling_inputs(self, step: Step) -> None:
-        """What sampling reads, taken from the rows now (under async scheduling the next message may
-        change the rows while this step samples): each row's parameters and generator."""
+        """What sampling reads, taken from the rows when the step is prepared (a later message may
+        change the rows before it samples): each row's parameters and generator."""
         b = self.input_batch
         if b.all_greedy:  # the course's case: one max over the vocabulary
             step.params = step.generators = [None] * len(step.rows)
             return
-        step.params = [b.sampling_params[r] if s and not d else None
-                       for r, s, d in zip(step.rows, step.samples, step.drafts)]
+        step.params = [b.sampling_params[r] if s else None for r, s in zip(step.rows, step.samples)]
         step.generators = [b.generators.get(r) for r in step.rows]
 
     @torch.inference_mode()
     def sample(self, step: Step) -> None:
         """Tokens for the rows that sample, on the device (reading only the step: see ``_sampling_inputs``)."""
-        step.sampled = sample_on_device(step.logits, step.last, step.params, step.generators)
+        step.sampled = sample_on_device(step.logits, step.params, step.generators)
 
     def finish(self, step: Step) -> RunnerOutput:
         """The sampled tokens come to the host, join the batch's rows and the requests' states, and go to
         the scheduler as a :class:`RunnerOutput`."""
-        tokens, finite, targets, targets_finite = step.sampled.to_host()
-        n = len(step.rows)
-        if targets is None and not step.sampled.errors and all(finite):
-            # the common step: no guesses, nothing failed
-            sampled = [[t] if s else None for t, s in zip(tokens, step.samples)]
-            if self.unwritten_blocks:
-                for i, rid in enumerate(step.req_ids):
-                    self.written(rid, step.starts[i], step.counts[i], ok=True)
-            self._append_all(step.req_ids, sampled)
-            return RunnerOutput(sampled=sampled, req_ids=list(step.req_ids), forward_time=step.forward_time,
-                                traffic=step.traffic)
-        sampled, errors = [None] * n, [None] * n
-        first = 0
-        for i, (rid, drafts) in enumerate(zip(step.req_ids, step.drafts)):
-            if drafts:  # greedy verification of the guesses (only greedy requests guess)
-                block = slice(first, first + len(drafts) + 1)
-                if all(targets_finite[block]):
-                    sampled[i] = accept(drafts, targets[block])
-                else:
-                    errors[i] = NOT_FINITE
-            elif step.samples[i]:
-                errors[i] = step.sampled.errors.get(i) or (None if finite[i] else NOT_FINITE)
-                if errors[i] is None:
-                    sampled[i] = [tokens[i]]
-            first += len(drafts) + 1
+        sampled, errors = self.sampled_tokens(step)
         failed = [i for i, e in enumerate(errors) if e is not None]
-        for i in failed if not self.unwritten_blocks else range(n):
+        for i in range(len(errors)) if self.unwritten_blocks else failed:
             self.written(step.req_ids[i], step.starts[i], step.counts[i], ok=errors[i] is None)
         self._append_all(step.req_ids, sampled)
         return RunnerOutput(sampled=sampled, req_ids=list(step.req_ids), forward_time=step.forward_time,
                             traffic=step.traffic, errors=errors if failed else None)
+
+    def sampled_tokens(self, step: Step) -> tuple[list, list]:
+        """Each row's new tokens (``None``: it samples nothing, or failed) and error (``None``: none), on
+        the host: the step's one device -> host copy."""
+        tokens, finite = step.sampled.to_host()
+        errors = [None] * len(tokens)
+        if step.sampled.errors or not all(finite):
+            errors = [(step.sampled.errors.get(i) or (None if f else NOT_FINITE)) if s else None
+                      for i, (s, f) in enumerate(zip(step.samples, finite))]
+        return [[t] if s and e is None else None for t, s, e in zip(tokens, step.samples, errors)], errors
 
     def row_alone(self, step: Step, i: int) -> Step:
         """Row ``i`` of a step whose forward pass raised, as a step of its own."""

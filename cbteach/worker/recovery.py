@@ -66,15 +66,16 @@ def alone(runner, step, i: int) -> Step:
     """Row ``i`` of ``step`` as a step of its own, read from the request's state and the step -- not from
     the batch's rows, which the next message may have changed already (async scheduling). A row before
     it that failed leaves blocks unwritten that this one may read: it computes them again."""
-    rid, drafts, state = step.req_ids[i], step.drafts[i], runner.requests[step.req_ids[i]]
+    state = runner.requests[step.req_ids[i]]
     start, count = step.starts[i], step.counts[i]
     if runner.unwritten_blocks and runner.block_size is not None:
         start, count = redo_from(runner.unwritten_blocks, state.block_ids, start, count, runner.block_size)
-    n = count - len(drafts)
-    known = (state.prompt_token_ids + state.output_token_ids)[start:start + n]
-    ids = np.asarray(known + [0] * (n - len(known)) + list(drafts), dtype=np.int64)  # (0: a token that never came)
-    one = Step(step.msg, [step.rows[i]], [rid], [start], [count], [drafts], [step.samples[i]], input_ids=ids,
-               params=[step.params[i]], generators=[step.generators[i]])
+    # Each position's token: the request's, where known by now; else what the step fed there (tokens
+    # fed after the known ones; 0 for one a failed step in flight never gave).
+    known, fed, at = state.prompt_token_ids + state.output_token_ids, step.input_ids, sum(step.counts[:i]) - step.starts[i]
+    ids = np.asarray([known[p] if p < len(known) else fed[at + p] for p in range(start, start + count)], dtype=np.int64)
+    one = step.row(i, input_ids=ids)
+    one.starts, one.counts = [start], [count]
     runner.build_inputs(one, [state.block_ids])
     return one
 

@@ -32,7 +32,7 @@ from ..kv.paged import PagedKVCache
 from ..parallel.procs import recv, send
 from ..parallel.shard import Layout, add_all_reduce_hooks, load_shard
 from .async_runner import AsyncModelRunner
-from .fork_runner import runner_cls
+from .variants import runner_cls
 
 DRAIN = "drain"  # the message that finishes a rank's step in flight (async scheduling)
 
@@ -62,6 +62,7 @@ class WorkerSetup:
     async_scheduling: bool = False  # keep one step in flight (cbteach.worker.async_runner)
     swaps: bool = False  # the scheduler sends V0's swaps (cbteach.worker.swap_runner)
     forks: bool = False  # parallel sampling by fork: copies on write, forked samples (cbteach.worker.fork_runner)
+    spec: bool = False  # the scheduler sends speculative guesses (cbteach.worker.spec_runner)
 
 
 class CommCounter:
@@ -98,7 +99,7 @@ class Worker:
                                head_dim=setup.layout.head_dim, num_blocks=setup.num_blocks, dtype=dtype,
                                device=self.device)
         torch.manual_seed(setup.seed)
-        self.runner = runner_cls(setup.swaps, setup.forks)(self.model, self.kv, device=self.device,
+        self.runner = runner_cls(setup.swaps, setup.forks, setup.spec)(self.model, self.kv, device=self.device,
                                   accepts_logits_to_keep=setup.accepts_logits_to_keep,
                                   max_num_reqs=setup.max_num_reqs, max_model_len=setup.max_model_len)
         self.pipeline = AsyncModelRunner(self.runner) if setup.async_scheduling else None
