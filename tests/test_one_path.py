@@ -67,16 +67,17 @@ def test_the_default_step_runs_no_fork_module(measured):
     assert traced & fork_modules == set(), "the default engine's step runs fork's code"
 
 
-def test_the_default_engine_imports_no_fork_module():
-    """Fork's modules are imported only where fork is used: building and stepping the default engine, in a
-    fresh interpreter, loads none of them."""
+def test_the_default_engine_imports_no_fork_or_speculative_module():
+    """Fork's and speculative decoding's modules are imported only where they are used: building and
+    stepping the default engine, in a fresh interpreter, loads none of them."""
     code = ("import sys\nfrom cbteach import Engine, Request, load_model\nmodel, tok = load_model()\n"
             "with Engine(model, tok, max_batch_size=4, kv='paged') as eng:\n"
             "    eng.run([Request('The engine', 3), Request('Ink', 2)])\n"
-            "print(sorted(m for m in sys.modules if m.startswith('cbteach') and 'fork' in m.rsplit('.', 1)[-1]))\n")
+            "print(sorted(m for m in sys.modules if m.startswith('cbteach') and\n"
+            "             any(w in m.rsplit('.', 1)[-1] for w in ('fork', 'spec'))))\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().splitlines()[-1] == "[]", f"the default engine imported fork's modules: {out.stdout}"
+    assert out.stdout.strip().splitlines()[-1] == "[]", f"the default engine imported a variant's modules: {out.stdout}"
 
 
 @pytest.mark.xfail(strict=True, reason="issue 53's targets for the one path are not met yet")

@@ -19,19 +19,13 @@ def test_accept_keeps_agreeing_guesses_and_the_models_own_token():
 
 
 def test_accepted_guesses_are_counted_when_a_stop_cuts_the_step_short():
-    from types import SimpleNamespace
+    from cbteach.engine.speculative import num_accepted
 
-    from cbteach.engine.speculative import count_speculation
-
-    stats = {"drafted": 0, "accepted": 0, "verify_steps": 0}
-    fed = [4, 5, 6, 7]  # the last known token and three guesses
-    steps = [SimpleNamespace(num_draft_tokens=3, token_ids=fed, new_token_ids=new) for new in
-             ([5, 6, 7, 9],  # all three kept + the model's own token
-              [5, 6],  # the second guess (6) was EOS: the step stops there, both guesses kept
-              [5, 8],  # the second guess rejected, the model's 8 instead
-              [9])]  # the first guess rejected
-    count_speculation(stats, SimpleNamespace(seqs=steps))
-    assert stats == {"drafted": 12, "accepted": 3 + 2 + 1 + 0, "verify_steps": 4}
+    guesses = [5, 6, 7]  # three guesses after the last known token
+    assert num_accepted([5, 6, 7, 9], guesses) == 3  # all three kept + the model's own token
+    assert num_accepted([5, 6], guesses) == 2  # the second guess (6) was EOS: the step stops there, both kept
+    assert num_accepted([5, 8], guesses) == 1  # the second guess rejected, the model's 8 instead
+    assert num_accepted([9], guesses) == 0  # the first guess rejected
 
 
 def test_ngram_proposer_looks_up_the_latest_earlier_occurrence():

@@ -11,6 +11,8 @@ Every token is compared with per-prompt ``model.generate`` or with the same requ
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -45,12 +47,14 @@ def test_rejected_guesses_are_taken_back_after_the_step():
     model = tiny_model("gpt2")
     prompt = [7, 8, 9, 10]
     truth = reference(model, prompt, 6)
-    eng = Engine(model, max_batch_size=2, kv="paged", block_size=2, speculative="ngram")  # (its runner checks guesses)
+    eng = Engine(model, max_batch_size=2, kv="paged", block_size=2, speculative="ngram")
     rid = eng.add_request(Request(prompt, 6, ignore_eos=True))
     eng.step()  # the prompt, and the first token
     seq = eng.sequences[rid]
-    seq.draft_ids = [truth[1], (truth[2] + 1) % 97, truth[3]]  # right, wrong, (right but after a wrong one)
+    guesses = [truth[1], (truth[2] + 1) % 97, truth[3]]  # right, wrong, (right but after a wrong one)
+    eng.scheduler.proposer = SimpleNamespace(k=3, propose=lambda token_ids, k: list(guesses))
     plan = eng.scheduler.schedule(eng.now())
+    assert seq.draft_ids == guesses
     assert plan.num_scheduled_tokens == {rid: 4} and plan.scheduled_spec_decode_tokens == {rid: seq.draft_ids}
     assert seq.num_computed_tokens == 5 + 3  # V1 counts the guesses at planning...
     eng.scheduler.update_from_output(plan, eng.executor.execute_model(plan), eng.now())

@@ -173,13 +173,16 @@ class Sequence:
         """Known tokens plus the ones a step in flight will give it (async scheduling; else the same)."""
         return len(self.prompt_ids) + len(self.output_ids) + self.num_placeholders
 
+    def decodes_from(self, start: int) -> bool:
+        """Whether feeding from position ``start`` is a decode: it has sampled a token and everything
+        before that token is computed, so it feeds that one token (plus any guesses). Anything else -- a
+        prompt, a chunk of one, recomputing after a preemption -- is a prefill."""
+        return bool(self.output_ids or self.num_placeholders) and start == self.num_tokens_with_placeholders - 1
+
     @property
     def is_decoding(self) -> bool:
-        """It has sampled a token and everything before that token is computed: next it feeds that
-        one token (plus any guesses). Anything else -- a prompt, a chunk of one, recomputing after a
-        preemption -- is a prefill."""
-        return bool(self.output_ids or self.num_placeholders) and \
-            self.num_computed_tokens == self.num_tokens_with_placeholders - 1
+        """Its next step is a decode (:meth:`decodes_from` its ``num_computed_tokens``)."""
+        return self.decodes_from(self.num_computed_tokens)
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, prompt={len(self.prompt_ids)}, out={len(self.output_ids)}, "

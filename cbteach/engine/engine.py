@@ -67,6 +67,12 @@ class Engine(EngineCore):
         self.kv.check_fits(len(prompt_ids) + request.max_new_tokens, rid)
         return prompt_ids
 
+    @property
+    def spec_stats(self) -> dict:
+        """Speculative decoding's guesses so far: ``drafted`` (fed), ``accepted`` (kept) and
+        ``verify_steps`` (request-steps that checked guesses); all 0 when the engine does not speculate."""
+        return getattr(self.scheduler, "spec_stats", None) or {"drafted": 0, "accepted": 0, "verify_steps": 0}
+
     def add_request(self, request: Request):
         """Validate and queue a request; returns its ``request_id``. Bad input raises ``ValueError``.
         An explicit ``arrival_time`` is a time on the engine's clock (:meth:`now`); ``None`` means now."""
@@ -80,7 +86,7 @@ class Engine(EngineCore):
         """Take in a sequence whose K/V were computed elsewhere (a disaggregated prefill engine's
         handover): ``kv_blocks`` (per layer, host copies of its blocks) wait in host memory until
         ``seq.ready_time``, then come back like a swapped-out request's."""
-        if self.kv.kind != "paged" or self._stepper is not None or self.config.tensor_parallel_size > 1:
+        if self.kv.kind != "paged" or self.stepper is not None or self.config.tensor_parallel_size > 1:
             raise ValueError("receive() needs kv='paged' (handed-over K/V arrive as blocks), no async_scheduling and "
                              "one process")
         if not callable(getattr(self.scheduler, "add_swapped", None)):
@@ -105,7 +111,7 @@ class Engine(EngineCore):
         ships them from there (:meth:`copy_kv_out`). Paged only."""
         if self.config.tensor_parallel_size > 1:
             raise ValueError("on_release() needs the K/V in this process; with tensor_parallel_size > 1 the ranks hold them")
-        if self.kv.kind != "paged" or self._stepper is not None:
+        if self.kv.kind != "paged" or self.stepper is not None:
             raise ValueError("on_release() needs kv='paged' and no async_scheduling (blocks are copied out as they "
                              "are freed, which must not overlap a forward pass)")
         self.kv.manager.before_free = callback
@@ -157,8 +163,8 @@ class Engine(EngineCore):
         if not live:
             raise ValueError(f"request {request_id!r} is already {seqs[0].status.value}; only a queued, running or "
                              "swapped-out request can be aborted")
-        if self._stepper is not None:
-            self._stepper.drain()  # the step in flight ends first: nobody is aborted half-way through one
+        if self.stepper is not None:
+            self.stepper.drain()  # the step in flight ends first: nobody is aborted half-way through one
         held_on_host = any(s.status is RequestStatus.SWAPPED for s in live)
         for seq in live:
             group = self.groups.get(seq.request.request_id, [seq])
@@ -179,8 +185,8 @@ class Engine(EngineCore):
         if seqs[0] is None or not all(s.status.is_finished for s in seqs):
             raise ValueError(f"request {request_id!r} is not a finished request of this engine; only a finished "
                              "or aborted request can be released")
-        if self._stepper is not None:  # async: a step in flight may still run its last (wasted) decode, whose
-            self._stepper.drain_if_scheduled([s.request_id for s in seqs])  # token must not reach a new request
+        if self.stepper is not None:  # async: a step in flight may still run its last (wasted) decode, whose
+            self.stepper.drain_if_scheduled([s.request_id for s in seqs])  # token must not reach a new request
         for s in seqs:                                                      # that takes the same id (vLLM PR 27987)
             self.sequences.pop(s.request_id, None)
         self.groups.pop(request_id, None)
@@ -195,8 +201,8 @@ class Engine(EngineCore):
             if not seq.status.is_finished:
                 self.abort(seq.request_id)
         self._closed = True
-        if self._stepper is not None:
-            self._stepper.close()
+        if self.stepper is not None:
+            self.stepper.close()
         self.executor.close()
         self.kv.close()
 

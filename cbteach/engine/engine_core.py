@@ -8,15 +8,16 @@ adds the request API on top. One :meth:`EngineCore.step` is one forward pass, in
 
 1. ``plan = scheduler.schedule(now)`` (:mod:`cbteach.engine.scheduler`) -- a message;
 2. ``output = executor.execute_model(plan)`` (:mod:`cbteach.executor`: the worker's model runner,
-   :mod:`cbteach.worker.model_runner`, in this process or on every tensor-parallel rank);
+   :mod:`cbteach.worker.model_runner`);
 3. ``scheduler.update_from_output(plan, output, now)`` (:mod:`cbteach.engine.update`).
 
 The engine steps while the scheduler :meth:`~cbteach.engine.scheduler.Scheduler.has_requests`: after
 the last request finishes, one more message (nothing scheduled) tells the worker who finished, so it
 holds nothing when the engine is idle -- V1's engine core does the same.
 
-With ``async_scheduling=True`` step N+1 is planned while step N's forward runs
-(:mod:`cbteach.engine.async_scheduling`); the tokens are the same.
+Which scheduler, KV cache, runner and step loop the core runs depends on its options
+(:mod:`cbteach.engine.assemble`); the step below is the same for all of them but one: async
+scheduling runs a step loop of its own (:mod:`cbteach.engine.async_scheduling`).
 """
 from __future__ import annotations
 
@@ -26,38 +27,11 @@ from dataclasses import dataclass
 
 from ..core import modelinfo
 from ..core.config import EngineConfig
-from ..core.model_view import model_view
 from ..core.records import StepRecord, fill_record, new_record
 from ..core.request import Completion, Sequence
 from ..errors import EngineClosedError, EngineDeadError
-from ..kv.caches import make_kv_cache
-from ..executor import make_executor
-from . import async_scheduling
+from .assemble import build_parts
 from .fingerprint import ModelWatch
-from .plug import RuleGuard, plug_pieces
-from .scheduler import Scheduler
-from .scheduler_v0 import V0Scheduler, uses_v0_rules
-from .speculative import count_speculation, make_proposer, propose_for
-
-
-def pick_scheduler_cls(config, scheduler_cls):
-    """vLLM V1's :class:`Scheduler`, or :class:`V0Scheduler` when an option asks for a rule only V0 has;
-    a scheduler of your own must be a subclass of the one the options need. ``parallel_sampling="fork"``
-    adds fork's rules to it (:func:`cbteach.engine.fork.forking`)."""
-    need = V0Scheduler if uses_v0_rules(config) else Scheduler
-    cls = need if scheduler_cls is None else scheduler_cls
-    if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
-        raise ValueError(f"scheduler_cls must be a subclass of cbteach.engine.scheduler.Scheduler, got {cls!r}")
-    if not issubclass(cls, need):
-        raise ValueError(f"preemption='swap', admission='whole_prompt', watermark and preempt_to_admit are vLLM V0's "
-                         f"rules (current V1 has the middle two in its own form), which {cls.__name__} "
-                         "does not have: subclass "
-                         "cbteach.engine.scheduler_v0.V0Scheduler to use them")
-    if config.parallel_sampling == "fork":
-        from .fork import forking  # (imported only where it is used)
-
-        cls = forking(cls)
-    return cls
 
 
 @dataclass
@@ -81,24 +55,9 @@ class EngineCore:
         self.config = EngineConfig.from_options(max_batch_size=max_batch_size, kv=kv, keep_records=keep_records,
                                                 **options)
         self.info = modelinfo.describe(model, tokenizer)  # refuses models the engine cannot run exactly
-        self.proposer = make_proposer(self.config.speculative, self.config.num_speculative_tokens,
-                                      vocab_size=self.info.vocab_size)
         self.model = model  # never changed: the runner runs the engine's own view of it
         self.tokenizer = tokenizer
-        self.kv = make_kv_cache(self.info, self.config, pieces=attention is not None or slot_mapping is not None)
-        plug_pieces(self.kv, kv_manager=kv_manager, attention=attention, slot_mapping=slot_mapping)
-        if kv_manager is not None and self.config.cache.prefix_caching and \
-                getattr(self.kv.manager, "prefix_cache", None) is None:
-            raise ValueError("prefix_caching=True needs a KV manager that caches prefixes; the plugged-in kv_manager "
-                             f"({getattr(kv_manager, '__name__', type(kv_manager).__name__)}) does not, and the run "
-                             "would silently go without: drop prefix_caching or the kv_manager")
-        self.scheduler = pick_scheduler_cls(self.config, scheduler_cls)(
-            self.config.scheduler, self.kv.manager, eos_ids=self.info.eos_ids)
-        self.executor = make_executor(model, model_view(model, self.kv.attn_implementation), self.info, self.kv,
-                                      self.config, update_batch=update_batch,
-                                      swaps=isinstance(self.scheduler, V0Scheduler),
-                                      forks=self.config.parallel_sampling == "fork",
-                                      spec=self.proposer is not None)
+        build_parts(self, model, tokenizer, scheduler_cls, kv_manager, attention, slot_mapping, update_batch)
         self.keep_records = self.config.keep_records
         self.records: list[StepRecord] = []
         self.completions: dict[object, Completion] = {}
@@ -107,19 +66,12 @@ class EngineCore:
         self._num_steps = 0
         self._last_idle = True  # whether the last step did nothing at all (see wait_for_arrival)
         self._last_start = math.inf  # the engine time the last step was planned at (none yet)
-        self.spec_stats = {"drafted": 0, "accepted": 0, "verify_steps": 0}  # speculative decoding
         self.forward_seconds = 0.0  # the model's forward passes, all steps together (the rest is host work)
         self._t0 = time.perf_counter()
         self.clock = clock  # None: wall time; a VirtualClock: simulated time (cbteach.core.clock)
         self._model_watch = ModelWatch(model, tokenizer)  # (cbteach.engine.fingerprint)
         self._closed = False
         self._dead: EngineDeadError | None = None  # what stopped the engine (a worker process died)
-        self.rules = RuleGuard(self.scheduler, self.kv) if scheduler_cls not in (None, Scheduler, V0Scheduler) else None
-        try:
-            self._stepper = async_scheduling.AsyncStepper(self) if self.config.async_scheduling else None
-        except Exception:
-            self.executor.close()  # worker processes started for nothing
-            raise
 
     def now(self) -> float:
         """Seconds on the engine's clock (since the engine was created)."""
@@ -133,7 +85,7 @@ class EngineCore:
         return self._num_steps
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or (self._stepper is not None and self._stepper.in_flight)
+        return self.scheduler.has_unfinished() or (self.stepper is not None and self.stepper.in_flight)
 
     def has_requests(self) -> bool:
         """Something to step for: unfinished requests, or finished ones the worker has not been told of."""
@@ -144,8 +96,7 @@ class EngineCore:
         return self.kv.usage()
 
     def step(self) -> StepRecord:
-        """Run one forward pass over everything scheduled and return what happened (with async
-        scheduling: finish the step in flight, having launched the next one)."""
+        """Run one forward pass over everything scheduled and return what happened."""
         self._check_open()
         return self._step()
 
@@ -157,11 +108,9 @@ class EngineCore:
             raise
 
     def _step_once(self) -> StepRecord:
-        if self._stepper is not None:
-            return self._stepper.step()
+        if self.stepper is not None:  # a step loop of its own (async scheduling)
+            return self.stepper.step()
         start, t0 = self.now(), time.perf_counter()
-        if self.proposer is not None:
-            propose_for(self.scheduler.running, self.proposer)
         plan = self.scheduler.schedule(start)  # 1. who runs, how many tokens each: a message
         step = self.begin_step(plan, start)
         t1 = time.perf_counter()
@@ -177,15 +126,14 @@ class EngineCore:
             self.executor.execute_model(plan)  # nothing to run, but the worker forgets who finished, moves blocks
         return self.end_record(step.record)
 
-    # -- the parts of a step (the async stepper calls them in its own order) ---------------------------
+    # -- the parts of a step (a step loop of its own calls them in its own order) -----------------------
     def begin_step(self, plan, start: float) -> PlannedStep:
         """A planned step: its message, the scheduled sequences and their kinds as planned, its record."""
         if self.rules is not None:
             self.rules.after_schedule(plan, start)
         starts = plan.num_computed_tokens_of()
         seqs = [self.scheduler.requests[rid] for rid in plan.num_scheduled_tokens]
-        kinds = ["decode" if (s.output_ids or s.num_placeholders) and starts[s.request_id] ==
-                 s.num_tokens_with_placeholders - 1 else "prefill" for s in seqs]
+        kinds = ["decode" if s.decodes_from(starts[s.request_id]) else "prefill" for s in seqs]
         return PlannedStep(plan, seqs, kinds, new_record(self._num_steps, self.kv.kind, start, plan))
 
     def advance_clock(self, plan, measured: float) -> None:
@@ -210,8 +158,6 @@ class EngineCore:
             self._complete(seq, now)
         fill_record(step.record, step, output, before, finished, fed=self.keep_records)
         self.forward_seconds += output.forward_time
-        if self.proposer is not None:
-            count_speculation(self.spec_stats, step.record)
 
     def end_record(self, record: StepRecord) -> StepRecord:
         """Close a step's record: numbered and kept unless nothing happened (an idle wait)."""
@@ -244,9 +190,8 @@ class EngineCore:
             else:
                 time.sleep(nxt - now)
         elif self.has_unfinished() and self._last_idle:  # (after a step that only preempted, step again)
-            raise RuntimeError(f"the scheduler made no progress with {len(self.scheduler.running)} running, "
-                               f"{len(self.scheduler.waiting)} waiting and {len(getattr(self.scheduler, 'swapped', ()))} "
-                               "swapped-out requests; please report this")
+            raise RuntimeError(f"the scheduler made no progress with {len(self.scheduler.running)} running and "
+                               f"{len(self.scheduler.waiting)} waiting requests; please report this")
 
     def sample_ids(self, request_id) -> list:
         """The sequence ids of a request: ``[request_id]``, or ``[(request_id, i) ...]`` for ``n > 1``."""

@@ -28,6 +28,7 @@ from ..core.model_view import model_view
 from ..core.modelinfo import max_positions
 from ..core.validation import check_positive_int
 from ..worker.spec_runner import accept  # noqa: F401  (the verification runs in the worker; re-exported here)
+from .scheduler import Scheduler
 
 
 class NgramProposer:
@@ -103,14 +104,44 @@ def propose_for(running, proposer) -> None:
             seq.draft_ids = proposer.propose(seq.token_ids(0, seq.num_tokens), k)[:k]
 
 
-def count_speculation(stats: dict, record) -> None:
-    """Add one step's guesses and acceptances to ``stats`` (``drafted``, ``accepted``, ``verify_steps``)."""
-    for s in record.seqs:
-        if s.num_draft_tokens:
-            stats["drafted"] += s.num_draft_tokens
-            # Guesses kept = the new tokens' common start with the guesses fed (the model's own token
-            # after them differs from the guess there, or follows the last one; a stop may cut it off).
-            guesses = s.token_ids[len(s.token_ids) - s.num_draft_tokens:]
-            stats["accepted"] += next((j for j, (a, b) in enumerate(zip(s.new_token_ids, guesses)) if a != b),
-                                      min(len(s.new_token_ids), len(guesses)))
-            stats["verify_steps"] += 1
+def num_accepted(new_token_ids: list[int], guesses: list[int]) -> int:
+    """Guesses kept by a verify step that appended ``new_token_ids``: their common start with the guesses
+    fed (the model's own token after them differs from the guess there, or follows the last one; a stop
+    may cut the step short)."""
+    return next((j for j, (a, b) in enumerate(zip(new_token_ids, guesses)) if a != b),
+                min(len(new_token_ids), len(guesses)))
+
+
+class SpeculatingScheduler(Scheduler):
+    """A scheduler whose running requests guess before each step (see the module). The guesses ride in
+    the scheduler's own planning -- V1 threads them through its scheduler the same way
+    (``num_tokens_with_spec``, ``scheduled_spec_decode_tokens``) -- so any scheduler can carry them;
+    this adds who guesses (``proposer``) and the count of guesses fed and kept (``spec_stats``)."""
+
+    proposer = None  # an NgramProposer or a DraftModelProposer (set by speculating())
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.spec_stats = {"drafted": 0, "accepted": 0, "verify_steps": 0}
+
+    def schedule(self, now: float):
+        """Guesses first, then the scheduler's own plan."""
+        propose_for(self.running, self.proposer)
+        return super().schedule(now)
+
+    def update_from_output(self, scheduler_output, output, now: float) -> list:
+        """As the scheduler's own, counting each verify step's guesses, fed and kept."""
+        guessed = [(self.requests[rid], len(self.requests[rid].output_ids), guesses)
+                   for rid, guesses in scheduler_output.scheduled_spec_decode_tokens.items() if rid in self.requests]
+        finished = super().update_from_output(scheduler_output, output, now)
+        for seq, before, guesses in guessed:
+            self.spec_stats["drafted"] += len(guesses)
+            self.spec_stats["accepted"] += num_accepted(seq.output_ids[before:], guesses)
+            self.spec_stats["verify_steps"] += 1
+        return finished
+
+
+def speculating(scheduler_cls: type, proposer) -> type:
+    """``scheduler_cls`` whose requests guess with ``proposer`` (:class:`SpeculatingScheduler`'s rules
+    first: its ``schedule`` proposes, then runs ``scheduler_cls``'s)."""
+    return type(f"Speculating{scheduler_cls.__name__}", (SpeculatingScheduler, scheduler_cls), {"proposer": proposer})
