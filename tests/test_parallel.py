@@ -321,3 +321,21 @@ def test_async_scheduling_with_tensor_parallelism_equals_one_process():
     for p, o, s in zip(PROMPTS, outs, single):
         assert o.output_ids == s.output_ids == reference(model, p, 10, EOS), p
     assert usage["num_used_blocks"] == 0
+
+
+@pytest.mark.timeout(180)
+def test_speculative_decoding_with_tensor_parallelism_equals_generate():
+    """Every rank builds the speculative runner (the message carries the guesses; a rank without it would
+    feed them and keep the wrong logits): prompts that repeat themselves, so prompt lookup guesses and
+    some guesses are kept, and the tokens are generate's."""
+    model = tiny_model("llama")
+    prompts = [[1, 2, 3, 4, 1, 2, 3, 4], [9, 8, 7, 9, 8, 7], [3] * 13, [11, 12]]
+    eng = tp_engine(model, max_batch_size=4, block_size=4, num_blocks=24, speculative="ngram")
+    try:
+        outs = eng.run([Request(p, 10, request_id=i) for i, p in enumerate(prompts)])
+        stats = eng.spec_stats
+    finally:
+        close(eng)
+    for p, o in zip(prompts, outs):
+        assert o.output_ids == reference(model, p, 10, EOS), p
+    assert stats["accepted"] > 0 and stats["verify_steps"] > 0
