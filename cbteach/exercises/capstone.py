@@ -1,24 +1,6 @@
 """Your engine: the pieces you wrote in notebooks 05, 06 and 06b, read from those notebooks and assembled
 (notebook 12).
 
-piece               ``Engine(...)`` keyword      notebook     ``serve`` option
-==================  ==========================  ===========  ================================
-``MyKVManager``     ``kv_manager=``              05           ``--kv-manager MODULE:CLASS``
-``my_slot_mapping`` ``slot_mapping=``            05           ``--slot-mapping MODULE:FUNCTION``
-``my_attention``    ``attention=``               05           ``--attention MODULE:FUNCTION``
-``MyScheduler`` +   ``scheduler_cls=``           06           ``--scheduler MODULE:CLASS``
-``MyUpdate``
-``update_batch``    ``update_batch=``            06b          ``--update-batch MODULE:FUNCTION``
-==================  ==========================  ===========  ================================
-
-:func:`pieces_from_notebooks` reads them from the notebooks themselves -- the cells tagged
-``solution``, where the learner typed them (in the course copy they hold the solutions), after the
-imports of the cells before them -- and :func:`write_module` writes them into one ``.py`` file that
-``python -m cbteach serve`` can import. :func:`refuse_broken_pieces` is what ``serve`` calls first
-when piece options are given: each piece runs its own notebook's check, and one that fails stops
-the server before it starts, with the check's hint (a piece that breaks a rule later, mid-run, stops
-its engine with :class:`~cbteach.errors.EngineRuleError`).
-=======
 :data:`PIECES` names each piece, its notebook, ``serve``'s option and ``Engine``'s keyword.
 :func:`pieces_from_notebooks` reads the solution cells (where the learner typed them), a piece not written
 yet -- or, with :func:`stand_in`, one that fails its check -- replaced by the course's and marked so;
