@@ -1,15 +1,14 @@
 """Notebook 05b: the paged-attention kernel's inner loop in Triton, run by the course's launcher.
 
-The learner's ``my_attend_blocks`` runs on hand-built steps (:data:`STEPS`), each adding one difficulty; the
-first that fails names the mistake (:func:`diagnose`: the loop is run again on the step with finite stale slots,
-and the typical wrong loop of :mod:`.ex05b_mistakes` that gives both answers is named -- else what its symptom
-says, NaN or rounding, else the step's own hint). Then the real engine runs on it and its tokens must equal
-``model.generate``'s. A loop that is the course's, or names cbteach, is refused.
+The learner's ``my_attend_blocks`` runs on hand-built steps (:data:`STEPS`), each adding one difficulty; the first
+that fails is named by :func:`diagnose`. Then the real engine runs on it, its tokens equal to ``model.generate``'s.
+A loop that is the course's, or names cbteach, is refused.
 """
 from __future__ import annotations
 
 import ast
 import inspect
+import itertools
 import textwrap
 import types
 from typing import NamedTuple
@@ -104,8 +103,8 @@ HEAD_DIM = 8
 
 def make_step(seqs, block_size, heads, kv_heads, blocks="shuffled", stale="nan", keys="random", seed=0,
               device="cpu", **_):
-    """A hand-built packed step ``(query, pool, meta)``; tables padded with a stale block and spare blocks after the
-    last, so a loop reading past a sequence reads stale K/V, never outside the tensors (the interpreter would crash)."""
+    """A hand-built packed step ``(query, pool, meta)``; a loop reading past a sequence reads stale K/V, never
+    outside the tensors (the interpreter would crash)."""
     g = torch.Generator().manual_seed(seed)
     need = [-(-(c + n) // block_size) for c, n in seqs]
     used = sum(need)
@@ -151,17 +150,12 @@ def make_step(seqs, block_size, heads, kv_heads, blocks="shuffled", stale="nan",
 
 def meta_rows(seqs) -> list[int]:
     """The packed row of each sequence's first query."""
-    rows, start = [], 0
-    for _, n in seqs:
-        rows.append(start)
-        start += n
-    return rows
+    return list(itertools.accumulate((n for _, n in seqs[:-1]), initial=0))
 
 
 def scaled(spec: dict, k: int) -> dict:
-    """``spec`` with lengths, blocks and tiles ``k`` times larger: compiled for a GPU, ``tl.dot`` wants
-    tiles of 16 or more. Lengths scale with the blocks, so a full block stays full and a partial one
-    partial; a decode stays one token."""
+    """``spec`` with lengths, blocks and tiles ``k`` times larger (a GPU's ``tl.dot`` wants tiles of 16 or more);
+    a full block stays full, a partial one partial, a decode one token."""
     seqs = [((c + n) * k - (1 if n == 1 else n * k), 1 if n == 1 else n * k) for c, n in spec["seqs"]]
     return {**spec, "seqs": seqs, "block_size": spec["block_size"] * k, "tile_n": spec["tile_n"] * k}
 
@@ -171,9 +165,9 @@ def _close(a, b, tol: float) -> bool:
 
 
 def diagnose(run, spec: dict, got, want, tol: float, hint: str, device: str = "cpu", block_q: int | None = None) -> str:
-    """The hint for a loop whose answer ``got`` on the step ``spec`` differs from ``want`` (``hint``: the
-    step's own, the last resort). ``run(query, pool, meta)`` runs the loop on another step (None if it
-    fails there): here the same kind of step with finite stale slots."""
+    """The hint for a loop whose answer ``got`` on the step ``spec`` differs from ``want``: the typical wrong loop
+    of :mod:`.ex05b_mistakes` that gives it here and (``run(query, pool, meta)``) on the step with finite stale
+    slots, else the symptom (NaN, rounding), else ``hint``, the step's own."""
     query, pool, meta = make_step(**spec, device=device)
     again = make_step(**{**spec, "stale": "random"}, seed=1, device=device)
     got_again = run(*again)
@@ -234,8 +228,8 @@ def _attempt(course, inner, query, pool, meta, tile_n: int):
 
 
 def run_steps(inner, scale: int | None = None) -> int:
-    """Run ``inner`` on every hand-built step in order; :class:`Fail` with the first failure's hint. ``scale``: the
-    steps' sizes times this (default 1 in the interpreter, :data:`GPU_SCALE` on a GPU, with a wider tolerance)."""
+    """Run ``inner`` on every hand-built step in order (sizes times ``scale``, default :data:`GPU_SCALE` on a GPU);
+    :class:`Fail` with the first failure's hint."""
     course = _course()
     scale = scale or (1 if course.INTERPRETED else GPU_SCALE)
     device = "cpu" if course.INTERPRETED else "cuda"
@@ -264,9 +258,8 @@ def engine_prompts(tok=None) -> list[list[int]]:
 
 
 def run_engine(model, tok, inner, max_new_tokens: int = 4) -> tuple[int, int]:
-    """Serve three prompts on a paged engine whose attention is the kernel with ``inner`` as its loop:
-    blocks of 4, a token budget of 6 (prompts cut into chunks beside decodes), a pool that preempts.
-    Every request's tokens must equal per-prompt ``model.generate``'s."""
+    """Serve three prompts (in chunks beside decodes, a pool that preempts) on the kernel with ``inner`` as its
+    loop; every request's tokens must equal ``model.generate``'s."""
     from ..core.request import Request
     from ..engine.engine import Engine
 
