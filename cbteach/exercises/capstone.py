@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..engine.scheduler import Scheduler
-from . import guard, where
+from . import guard, is_stub, where
 
 
 class Piece(NamedTuple):
@@ -117,11 +117,9 @@ def _read(folder=None, use_course_solutions: bool = False, use_course_for=(), fa
         except FileNotFoundError:  # no course notebooks: no course cells to stand in
             course_path = None
         source_path = path if path is not None else course_path
-        if source_path is None:
-            bodies += [f"class {name}:\n    pass\n" for piece, (n, names, _, _) in PIECES.items() if n == number
-                       for name in names if name.startswith("My")]
-            bodies += [f"def {name}(*args):\n    ...\n" for piece, (n, names, _, _) in PIECES.items() if n == number
-                       for name in names if not name.startswith("My")]
+        if source_path is None:  # no cell at all: empty classes and functions
+            bodies += [f"class {name}:\n    pass\n" if name.startswith("My") else f"def {name}(*args):\n    ...\n"
+                       for n, names, _, _ in PIECES.values() if n == number for name in names]
             continue
         more, solutions, _ = where.cells(source_path, stubbed=path is None)
         imports += [i for i in more if i not in imports]
@@ -195,26 +193,11 @@ def _assemble(read_with: dict, failed=None) -> Pieces:
     for piece, (_, names, _, _) in PIECES.items():
         got = [namespace.get(n) for n in names]
         missing = found[PIECES[piece].notebook] is None  # its notebook was found nowhere: not written
-        objects[piece] = None if missing or any(_is_stub(o) for o in got) else got[0]
+        objects[piece] = None if missing or any(is_stub(o) for o in got) else got[0]
     if objects["scheduler"] is not None:
         objects["scheduler"] = namespace[ENGINE_CLASS]
     course = {p for p in course | set(filled) if objects[p] is not None}
     return Pieces(objects, source, found, course, searched, {p: w for p, w in filled.items() if p in course}, read_with)
-
-
-def _stub():
-    ...  # what the student copy's stub of a function compiles to
-
-
-def _is_stub(obj) -> bool:
-    """Not written yet: missing, ``...``, or the student copy's stub (functions whose body is ``...``)."""
-    if obj is None or obj is Ellipsis:
-        return True
-    if isinstance(obj, type):
-        own = [f for f in vars(obj).values() if callable(f) and hasattr(f, "__code__")]
-        return bool(own) and all(_is_stub(f) for f in own)
-    code = getattr(obj, "__code__", None)
-    return code is not None and code.co_code == _stub.__code__.co_code and code.co_consts == _stub.__code__.co_consts
 
 
 def write_module(path, pieces=None) -> Path:

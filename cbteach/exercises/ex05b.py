@@ -6,10 +6,7 @@ A loop that is the course's, or names cbteach, is refused.
 """
 from __future__ import annotations
 
-import ast
-import inspect
 import itertools
-import textwrap
 import types
 from typing import NamedTuple
 
@@ -18,7 +15,8 @@ import torch
 from ..attention.metadata import build
 from ..attention.paged import reference_attention
 from ..kv.pool import PagedKVPool
-from . import Fail, ex05b_mistakes as mistakes, first_mistake, generated, raised, report, self_check, uncallable
+from . import (Fail, ex05b_mistakes as mistakes, first_mistake, generated, is_stub, raised, report, self_check,
+               uncallable)
 
 __all__ = ["HEAD_DIM", "STEPS", "Fail", "check_attend_blocks", "make_step", "meta_rows", "run_engine", "run_steps",
            "scaled"]
@@ -190,18 +188,6 @@ def _course():
     return triton_unified
 
 
-def written(fn) -> bool:
-    """False for the student copy's stub: a body of only ``...``, ``pass`` or a docstring."""
-    raw = getattr(fn, "fn", fn)
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(raw)))
-    except (OSError, TypeError, SyntaxError):
-        return True  # no source to look at: let the run decide
-    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.FunctionDef) else []
-    return not all(isinstance(s, ast.Pass) or (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))
-                   for s in body)
-
-
 def delegates(fn) -> bool:
     """Whether the loop is the course's own, or reaches for it (or anything else of cbteach's) by name."""
     course = _course()
@@ -290,7 +276,7 @@ def check_attend_blocks(inner, model=None, tok=None) -> bool:
         return report(False, "", NOT_INSTALLED)
     if uncallable(inner, "my_attend_blocks"):
         return False
-    if not written(inner):
+    if is_stub(inner):
         return report(False, "", "my_attend_blocks is still the stub: write its loop below the cell's "
                                  "@triton.jit line (replace the ...), then run this cell again")
     if delegates(inner):
