@@ -18,9 +18,6 @@ from ..kv.pool import PagedKVPool
 from . import (Fail, ex05b_mistakes as mistakes, first_mistake, generated, is_stub, raised, report, self_check,
                uncallable)
 
-__all__ = ["HEAD_DIM", "STEPS", "Fail", "check_attend_blocks", "make_step", "meta_rows", "run_engine", "run_steps",
-           "scaled"]
-
 NOT_INSTALLED = 'Triton is not installed here: pip install "cbteach[kernels]" (Colab has it), then restart the kernel'
 GPU_SCALE = 4  # compiled for a GPU the steps are this much larger: tl.dot wants tiles of 16 or more
 TOLERANCE = {"cpu": 1e-4, "cuda": 2e-2}  # the interpreter computes exactly; a GPU's fp32 tl.dot may use TF32

@@ -18,7 +18,8 @@ from ..engine.engine import Engine
 from ..engine.scheduler import Scheduler
 from ..serving.metrics import summarize
 from . import generated_all
-from .scheduler_check import SchedulerMistake, drive, watched
+from .rules import SchedulerMistake
+from .scheduler_check import drive, watched
 
 BASELINE = "the engine's own (vLLM V1)"
 
