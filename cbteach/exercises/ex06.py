@@ -10,7 +10,6 @@ import collections
 import dataclasses
 import weakref
 
-
 from ..engine.scheduler import Scheduler
 from ..viz.schedule import first_difference, plan_of
 from . import bierce, generated_all, guard, report, self_check
