@@ -31,9 +31,7 @@ class Seq(NamedTuple):
 
 
 class Step(NamedTuple):
-    """A hand-built step. ``spec``: :func:`make_step`'s arguments -- the sequences, block_size, tile_n, heads,
-    kv_heads, how the blocks lie ("in order" / "shuffled"), what stale slots hold ("random" / "nan") and how keys
-    are drawn."""
+    """A hand-built step. ``spec``: :func:`make_step`'s arguments (:func:`_spec`)."""
 
     name: str
     what: str  # what the step is
@@ -41,57 +39,49 @@ class Step(NamedTuple):
     spec: dict
 
 
+def _spec(*seqs, **kw) -> dict:
+    """A step's sequences ``(computed, scheduled)``; blocks of 4, tiles of 4 keys, one head, blocks shuffled, stale
+    slots NaN and random keys unless ``kw`` says otherwise (``blocks="in order"``, ``stale="random"``, ``keys=``)."""
+    return dict(seqs=[Seq(*q) for q in seqs], block_size=4, tile_n=4, heads=1, kv_heads=1, blocks="shuffled",
+                stale="nan") | kw
+
+
 STEPS = [
     Step(name="basic", what="one decode over one full block, one head", hint=(
         "even the simplest step is wrong -- one decode, one full block of 4 keys, one head, one tile: check "
         "the loads (the pointer of a key: its block, its slot in the block, its KV head, the column), the "
         "scores (q times k transposed, times scale) and what you return: (acc, total) before dividing"),
-         spec=dict(seqs=[Seq(computed=3, scheduled=1)], block_size=4, tile_n=4, heads=1, kv_heads=1,
-                   blocks="in order", stale="random")),
+         spec=_spec((3, 1), blocks="in order", stale="random")),
     Step(name="not_rescaled", what="one decode over three blocks, tiles of 4, scores rising tile by tile", hint=(
         "the running max grew from one tile to the next, and what was summed under the old max was kept "
         "as it was: when m changes, the running sum and the output so far must both be rescaled, by "
         "exp(m_old - m_new)"),
-         spec=dict(seqs=[Seq(computed=11, scheduled=1)], block_size=4, tile_n=4, heads=1, kv_heads=1,
-                   blocks="in order", stale="random", keys="rising")),
+         spec=_spec((11, 1), blocks="in order", stale="random", keys="rising")),
     Step(name="overflow", what="one decode over three blocks whose scores reach the hundreds", hint=(
         "scores here reach the hundreds, and exp of a score above about 88 overflows float32: the online softmax "
         "keeps every exp(score - m) at most 1 -- check what your loop subtracts before exp, and its rescale"),
-         spec=dict(seqs=[Seq(computed=11, scheduled=1)], block_size=4, tile_n=4, heads=1, kv_heads=1,
-                   blocks="in order", stale="random", keys="large")),
+         spec=_spec((11, 1), blocks="in order", stale="random", keys="large")),
     Step(name="logical_as_physical", what="the same decode, its blocks out of order in the pool", hint=(
         "the sequence's blocks lie out of order in the pool here, and your loop read logical block b as if "
         "it were pool block b: the block table says which pool block holds each logical block"),
-         spec=dict(seqs=[Seq(computed=11, scheduled=1)], block_size=4, tile_n=4, heads=1, kv_heads=1,
-                   blocks="shuffled", stale="random")),
+         spec=_spec((11, 1), stale="random")),
     Step(name="past_the_length", what="a decode whose last block is partly filled, stale slots after it", hint=(
         "this sequence's last block is only partly filled; the slots after its length hold stale K/V of "
         "earlier requests (here NaN), and your loop read them: a key at a position >= seq_len is not the "
         "sequence's, whatever a load finds there -- mask the loads, not only the scores"),
-         spec=dict(seqs=[Seq(computed=9, scheduled=1)], block_size=4, tile_n=4, heads=1, kv_heads=1,
-                   blocks="shuffled", stale="nan")),
+         spec=_spec((9, 1))),
     Step(name="tile_spans_blocks", what="blocks of 3 tokens, tiles of 8 keys",
-         hint=mistakes.MISTAKES["one_block_per_tile"],
-         spec=dict(seqs=[Seq(computed=12, scheduled=1)], block_size=3, tile_n=8, heads=1, kv_heads=1,
-                   blocks="shuffled", stale="nan")),
+         hint=mistakes.MISTAKES["one_block_per_tile"], spec=_spec((12, 1), block_size=3, tile_n=8)),
     Step(name="no_causal_mask", what="a prefill chunk of 6 after 3 cached tokens, across a block boundary",
-         hint=mistakes.MISTAKES["no_causal"],
-         spec=dict(seqs=[Seq(computed=3, scheduled=6)], block_size=4, tile_n=4, heads=1, kv_heads=1,
-                   blocks="shuffled", stale="nan")),
+         hint=mistakes.MISTAKES["no_causal"], spec=_spec((3, 6))),
     Step(name="max_before_masking", what="a chunk where a key after the first query scores far above the rest",
-         hint=mistakes.MISTAKES["max_before_masking"],
-         spec=dict(seqs=[Seq(computed=2, scheduled=5)], block_size=4, tile_n=4, heads=1, kv_heads=1,
-                   blocks="shuffled", stale="nan", keys="spike")),
+         hint=mistakes.MISTAKES["max_before_masking"], spec=_spec((2, 5), keys="spike")),
     Step(name="wrong_kv_head", what="grouped-query attention: 4 query heads on 2 KV heads",
-         hint=mistakes.MISTAKES["kv_head_is_head"],
-         spec=dict(seqs=[Seq(computed=5, scheduled=1), Seq(computed=2, scheduled=3)], block_size=4, tile_n=4,
-                   heads=4, kv_heads=2, blocks="shuffled", stale="nan")),
+         hint=mistakes.MISTAKES["kv_head_is_head"], spec=_spec((5, 1), (2, 3), heads=4, kv_heads=2)),
     Step(name="mixed", what="decodes, chunks and a prompt together, blocks of 3, tiles of 8, 6 heads on 2 KV heads",
          hint=("every step with one thing at a time passes, but a step with all of them together does not: look at "
                "what changes between sequences of one step -- each has its own length, queries and block table"),
-         spec=dict(seqs=[Seq(computed=7, scheduled=1), Seq(computed=0, scheduled=9), Seq(computed=13, scheduled=4),
-                         Seq(computed=20, scheduled=1)], block_size=3, tile_n=8, heads=6, kv_heads=2,
-                   blocks="shuffled", stale="nan")),
+         spec=_spec((7, 1), (0, 9), (13, 4), (20, 1), block_size=3, tile_n=8, heads=6, kv_heads=2)),
 ]
 HEAD_DIM = 8
 
