@@ -1,24 +1,6 @@
 """Your engine: the pieces you wrote in notebooks 05, 06 and 06b, read from those notebooks and assembled
 (notebook 12).
 
-piece               ``Engine(...)`` keyword      notebook     ``serve`` option
-==================  ==========================  ===========  ================================
-``MyKVManager``     ``kv_manager=``              05           ``--kv-manager MODULE:CLASS``
-``my_slot_mapping`` ``slot_mapping=``            05           ``--slot-mapping MODULE:FUNCTION``
-``my_attention``    ``attention=``               05           ``--attention MODULE:FUNCTION``
-``MyScheduler`` +   ``scheduler_cls=``           06           ``--scheduler MODULE:CLASS``
-``MyUpdate``
-``update_batch``    ``update_batch=``            06b          ``--update-batch MODULE:FUNCTION``
-==================  ==========================  ===========  ================================
-
-:func:`pieces_from_notebooks` reads them from the notebooks themselves -- the cells tagged
-``solution``, where the learner typed them (in the course copy they hold the solutions), after the
-imports of the cells before them -- and :func:`write_module` writes them into one ``.py`` file that
-``python -m cbteach serve`` can import. :func:`refuse_broken_pieces` is what ``serve`` calls first
-when piece options are given: each piece runs its own notebook's check, and one that fails stops
-the server before it starts, with the check's hint (a piece that breaks a rule later, mid-run, stops
-its engine with :class:`~cbteach.errors.EngineRuleError`).
-=======
 :data:`PIECES` names each piece, its notebook, ``serve``'s option and ``Engine``'s keyword.
 :func:`pieces_from_notebooks` reads the solution cells (where the learner typed them), a piece not written
 yet -- or, with :func:`stand_in`, one that fails its check -- replaced by the course's and marked so;
@@ -37,7 +19,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..engine.scheduler import Scheduler
-from . import guard, where
+from . import guard, is_stub, where
 
 
 class Piece(NamedTuple):
@@ -135,11 +117,9 @@ def _read(folder=None, use_course_solutions: bool = False, use_course_for=(), fa
         except FileNotFoundError:  # no course notebooks: no course cells to stand in
             course_path = None
         source_path = path if path is not None else course_path
-        if source_path is None:
-            bodies += [f"class {name}:\n    pass\n" for piece, (n, names, _, _) in PIECES.items() if n == number
-                       for name in names if name.startswith("My")]
-            bodies += [f"def {name}(*args):\n    ...\n" for piece, (n, names, _, _) in PIECES.items() if n == number
-                       for name in names if not name.startswith("My")]
+        if source_path is None:  # no cell at all: empty classes and functions
+            bodies += [f"class {name}:\n    pass\n" if name.startswith("My") else f"def {name}(*args):\n    ...\n"
+                       for n, names, _, _ in PIECES.values() if n == number for name in names]
             continue
         more, solutions, _ = where.cells(source_path, stubbed=path is None)
         imports += [i for i in more if i not in imports]
@@ -213,26 +193,11 @@ def _assemble(read_with: dict, failed=None) -> Pieces:
     for piece, (_, names, _, _) in PIECES.items():
         got = [namespace.get(n) for n in names]
         missing = found[PIECES[piece].notebook] is None  # its notebook was found nowhere: not written
-        objects[piece] = None if missing or any(_is_stub(o) for o in got) else got[0]
+        objects[piece] = None if missing or any(is_stub(o) for o in got) else got[0]
     if objects["scheduler"] is not None:
         objects["scheduler"] = namespace[ENGINE_CLASS]
     course = {p for p in course | set(filled) if objects[p] is not None}
     return Pieces(objects, source, found, course, searched, {p: w for p, w in filled.items() if p in course}, read_with)
-
-
-def _stub():
-    ...  # what the student copy's stub of a function compiles to
-
-
-def _is_stub(obj) -> bool:
-    """Not written yet: missing, ``...``, or the student copy's stub (functions whose body is ``...``)."""
-    if obj is None or obj is Ellipsis:
-        return True
-    if isinstance(obj, type):
-        own = [f for f in vars(obj).values() if callable(f) and hasattr(f, "__code__")]
-        return bool(own) and all(_is_stub(f) for f in own)
-    code = getattr(obj, "__code__", None)
-    return code is not None and code.co_code == _stub.__code__.co_code and code.co_consts == _stub.__code__.co_consts
 
 
 def write_module(path, pieces=None) -> Path:

@@ -1,14 +1,12 @@
 """Notebook 05's second exercise: the slot mapping and paged attention, with the engine's plug-point signatures.
 
-Each runs first on steps built by hand (:data:`STEPS`), each shaped so a mistake shows -- block tables out of order
-and padded, partly filled blocks, a pool full of random stale K/V. A wrong answer is named by recomputing the step
-with each known mistake (:mod:`.ex05_mistakes`); a mistake may crash on one step and be recognisable on another, so
-every step runs and the most telling failure is reported. Then each runs in the real engine (prefill chunks beside
-decodes, preemption, reused blocks, one KV head): every token must equal per-prompt ``model.generate``'s. Hints
-name the idea; no check prints a slot or an output.
+Each runs on hand-built steps (:data:`STEPS`: tables out of order, partly filled blocks, stale K/V), a wrong answer
+named by the mistake of :mod:`.ex05_mistakes` that recomputes it (every step runs: a mistake may crash on one and
+show on another); then in the real engine, every token equal to ``model.generate``'s. No check prints a value.
 """
 from __future__ import annotations
 
+import copy
 import numbers
 from typing import NamedTuple
 
@@ -39,8 +37,7 @@ class Step(NamedTuple):
     block_size: int
     seqs: list
 
-    def args(self) -> tuple:
-        """A slot mapping's arguments for this step: block tables, computed tokens, scheduled tokens, block size."""
+    def args(self) -> tuple:  # a slot mapping's arguments
         return ([list(s.table) for s in self.seqs], [s.computed for s in self.seqs],
                 [s.scheduled for s in self.seqs], self.block_size)
 
@@ -79,8 +76,7 @@ HEADS = [Heads(step=0, heads=2, kv_heads=2, head_dim=8, scaling=None),
 
 
 def _first_named(failures: list) -> None:
-    """Raise the most telling failure of a check's cases: one that names a known mistake, else the first.
-    (A mistake can crash on one step -- an index past a block table -- and be recognisable on another.)"""
+    """Raise the most telling failure: one that names a known mistake, else the first."""
     if failures:
         raise next((f for f in failures if f.named), failures[0])
 
@@ -138,8 +134,7 @@ def _diagnose_slots(got, case: Step) -> tuple[str, bool]:
 
 
 def _padded(case: Step) -> Step:
-    """The step with every block table lengthened by blocks nobody owns: a slot mapping that reads past
-    the end of a table runs on it, and what it returns can be compared with the known mistakes."""
+    """The step with every block table lengthened by blocks nobody owns: a mapping that reads past a table runs."""
     used = {b for s in case.seqs for b in s.table}
     spare = iter(b for b in range(100, 1000) if b not in used)
     width = max(len(s.table) for s in case.seqs) + 2
@@ -148,8 +143,7 @@ def _padded(case: Step) -> Step:
 
 
 def _crashed_slots(slot_mapping, case, err) -> Fail:
-    """The failure for a slot mapping that raised on ``case``: an index past a block table is named by
-    running it again on the padded step (:func:`_padded`) and recognising the mistake there."""
+    """The failure for a slot mapping that raised on ``case``; an index past a table is named on :func:`_padded`."""
     said = f"your slot mapping raised {raised(err)}\n  on the step {_case_text(case)}"
     if not isinstance(err, IndexError):
         return Fail(said)
@@ -190,8 +184,7 @@ def check_slot_mapping_cases(slot_mapping) -> None:
 # -- paged attention -------------------------------------------------------------------------------
 
 def _step(case: Step, heads, kv_heads, head_dim, seed):
-    """A hand-built step: its metadata (on a pool full of random K/V -- history and stale slots alike)
-    and random queries, keys and values."""
+    """A hand-built step's metadata, on a pool full of random K/V, and random queries, keys and values."""
     tables, computed, scheduled, bs = case.args()
     g = torch.Generator().manual_seed(seed)
     num_blocks = 1 + max(b for t in tables for b in t)
@@ -206,15 +199,7 @@ def _step(case: Step, heads, kv_heads, head_dim, seed):
     return meta, q, k, v
 
 
-def _fresh(meta):
-    """The same step on a copy of its pool (each run writes into its own)."""
-    m = type(meta)(**vars(meta))
-    old = meta.pool
-    m.pool = PagedKVPool(num_layers=len(old.k), num_blocks=old.k[0].shape[0], block_size=old.k[0].shape[1],
-                         num_kv_heads=old.k[0].shape[2], head_dim=old.k[0].shape[3])
-    for dst, src in zip(m.pool.k + m.pool.v, old.k + old.v):
-        dst.copy_(src)
-    return m
+_fresh = copy.deepcopy  # the same step on a copy of its pool (each run writes into its own)
 
 
 def _check_writes(meta, before, k, v, layer) -> None:
@@ -308,9 +293,8 @@ class Run(NamedTuple):
 
 
 def engine_runs(model, prompts, max_new_tokens: int = MAX_NEW_TOKENS) -> list[Run]:
-    """What the check serves; the notebook's model first.
-    The token budget is under the longest prompt, so prompts are cut into chunks that run beside other
-    requests' decodes; the small pool holds two requests, so four preempt each other and reuse blocks."""
+    """What the check serves: prompt chunks beside decodes, a pool of two requests' room (preemption, reused
+    blocks), and a small model with one KV head."""
     from .ex09 import small_model
 
     longest = max(len(p) for p in prompts)

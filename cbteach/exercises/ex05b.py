@@ -1,16 +1,12 @@
 """Notebook 05b: the paged-attention kernel's inner loop in Triton, run by the course's launcher.
 
-The learner's ``my_attend_blocks`` runs on hand-built steps (:data:`STEPS`), each adding one difficulty; the
-first that fails names the mistake (:func:`diagnose`: the loop is run again on the step with finite stale slots,
-and the typical wrong loop of :mod:`.ex05b_mistakes` that gives both answers is named -- else what its symptom
-says, NaN or rounding, else the step's own hint). Then the real engine runs on it and its tokens must equal
-``model.generate``'s. A loop that is the course's, or names cbteach, is refused.
+The learner's ``my_attend_blocks`` runs on hand-built steps (:data:`STEPS`), each adding one difficulty; the first
+that fails is named by :func:`diagnose`. Then the real engine runs on it, its tokens equal to ``model.generate``'s.
+A loop that is the course's, or names cbteach, is refused.
 """
 from __future__ import annotations
 
-import ast
-import inspect
-import textwrap
+import itertools
 import types
 from typing import NamedTuple
 
@@ -19,10 +15,8 @@ import torch
 from ..attention.metadata import build
 from ..attention.paged import reference_attention
 from ..kv.pool import PagedKVPool
-from . import Fail, ex05b_mistakes as mistakes, first_mistake, generated, raised, report, self_check, uncallable
-
-__all__ = ["HEAD_DIM", "STEPS", "Fail", "check_attend_blocks", "make_step", "meta_rows", "run_engine", "run_steps",
-           "scaled"]
+from . import (Fail, ex05b_mistakes as mistakes, first_mistake, generated, is_stub, raised, report, self_check,
+               uncallable)
 
 NOT_INSTALLED = 'Triton is not installed here: pip install "cbteach[kernels]" (Colab has it), then restart the kernel'
 GPU_SCALE = 4  # compiled for a GPU the steps are this much larger: tl.dot wants tiles of 16 or more
@@ -37,9 +31,7 @@ class Seq(NamedTuple):
 
 
 class Step(NamedTuple):
-    """A hand-built step. ``spec``: :func:`make_step`'s arguments -- the sequences, block_size, tile_n, heads,
-    kv_heads, how the blocks lie ("in order" / "shuffled"), what stale slots hold ("random" / "nan") and how keys
-    are drawn."""
+    """A hand-built step. ``spec``: :func:`make_step`'s arguments (:func:`_spec`)."""
 
     name: str
     what: str  # what the step is
@@ -47,65 +39,57 @@ class Step(NamedTuple):
     spec: dict
 
 
+def _spec(*seqs, **kw) -> dict:
+    """A step's sequences ``(computed, scheduled)``; blocks of 4, tiles of 4 keys, one head, blocks shuffled, stale
+    slots NaN and random keys unless ``kw`` says otherwise (``blocks="in order"``, ``stale="random"``, ``keys=``)."""
+    return dict(seqs=[Seq(*q) for q in seqs], block_size=4, tile_n=4, heads=1, kv_heads=1, blocks="shuffled",
+                stale="nan") | kw
+
+
 STEPS = [
     Step(name="basic", what="one decode over one full block, one head", hint=(
         "even the simplest step is wrong -- one decode, one full block of 4 keys, one head, one tile: check "
         "the loads (the pointer of a key: its block, its slot in the block, its KV head, the column), the "
         "scores (q times k transposed, times scale) and what you return: (acc, total) before dividing"),
-         spec=dict(seqs=[Seq(computed=3, scheduled=1)], block_size=4, tile_n=4, heads=1, kv_heads=1,
-                   blocks="in order", stale="random")),
+         spec=_spec((3, 1), blocks="in order", stale="random")),
     Step(name="not_rescaled", what="one decode over three blocks, tiles of 4, scores rising tile by tile", hint=(
         "the running max grew from one tile to the next, and what was summed under the old max was kept "
         "as it was: when m changes, the running sum and the output so far must both be rescaled, by "
         "exp(m_old - m_new)"),
-         spec=dict(seqs=[Seq(computed=11, scheduled=1)], block_size=4, tile_n=4, heads=1, kv_heads=1,
-                   blocks="in order", stale="random", keys="rising")),
+         spec=_spec((11, 1), blocks="in order", stale="random", keys="rising")),
     Step(name="overflow", what="one decode over three blocks whose scores reach the hundreds", hint=(
         "scores here reach the hundreds, and exp of a score above about 88 overflows float32: the online softmax "
         "keeps every exp(score - m) at most 1 -- check what your loop subtracts before exp, and its rescale"),
-         spec=dict(seqs=[Seq(computed=11, scheduled=1)], block_size=4, tile_n=4, heads=1, kv_heads=1,
-                   blocks="in order", stale="random", keys="large")),
+         spec=_spec((11, 1), blocks="in order", stale="random", keys="large")),
     Step(name="logical_as_physical", what="the same decode, its blocks out of order in the pool", hint=(
         "the sequence's blocks lie out of order in the pool here, and your loop read logical block b as if "
         "it were pool block b: the block table says which pool block holds each logical block"),
-         spec=dict(seqs=[Seq(computed=11, scheduled=1)], block_size=4, tile_n=4, heads=1, kv_heads=1,
-                   blocks="shuffled", stale="random")),
+         spec=_spec((11, 1), stale="random")),
     Step(name="past_the_length", what="a decode whose last block is partly filled, stale slots after it", hint=(
         "this sequence's last block is only partly filled; the slots after its length hold stale K/V of "
         "earlier requests (here NaN), and your loop read them: a key at a position >= seq_len is not the "
         "sequence's, whatever a load finds there -- mask the loads, not only the scores"),
-         spec=dict(seqs=[Seq(computed=9, scheduled=1)], block_size=4, tile_n=4, heads=1, kv_heads=1,
-                   blocks="shuffled", stale="nan")),
+         spec=_spec((9, 1))),
     Step(name="tile_spans_blocks", what="blocks of 3 tokens, tiles of 8 keys",
-         hint=mistakes.MISTAKES["one_block_per_tile"],
-         spec=dict(seqs=[Seq(computed=12, scheduled=1)], block_size=3, tile_n=8, heads=1, kv_heads=1,
-                   blocks="shuffled", stale="nan")),
+         hint=mistakes.MISTAKES["one_block_per_tile"], spec=_spec((12, 1), block_size=3, tile_n=8)),
     Step(name="no_causal_mask", what="a prefill chunk of 6 after 3 cached tokens, across a block boundary",
-         hint=mistakes.MISTAKES["no_causal"],
-         spec=dict(seqs=[Seq(computed=3, scheduled=6)], block_size=4, tile_n=4, heads=1, kv_heads=1,
-                   blocks="shuffled", stale="nan")),
+         hint=mistakes.MISTAKES["no_causal"], spec=_spec((3, 6))),
     Step(name="max_before_masking", what="a chunk where a key after the first query scores far above the rest",
-         hint=mistakes.MISTAKES["max_before_masking"],
-         spec=dict(seqs=[Seq(computed=2, scheduled=5)], block_size=4, tile_n=4, heads=1, kv_heads=1,
-                   blocks="shuffled", stale="nan", keys="spike")),
+         hint=mistakes.MISTAKES["max_before_masking"], spec=_spec((2, 5), keys="spike")),
     Step(name="wrong_kv_head", what="grouped-query attention: 4 query heads on 2 KV heads",
-         hint=mistakes.MISTAKES["kv_head_is_head"],
-         spec=dict(seqs=[Seq(computed=5, scheduled=1), Seq(computed=2, scheduled=3)], block_size=4, tile_n=4,
-                   heads=4, kv_heads=2, blocks="shuffled", stale="nan")),
+         hint=mistakes.MISTAKES["kv_head_is_head"], spec=_spec((5, 1), (2, 3), heads=4, kv_heads=2)),
     Step(name="mixed", what="decodes, chunks and a prompt together, blocks of 3, tiles of 8, 6 heads on 2 KV heads",
          hint=("every step with one thing at a time passes, but a step with all of them together does not: look at "
                "what changes between sequences of one step -- each has its own length, queries and block table"),
-         spec=dict(seqs=[Seq(computed=7, scheduled=1), Seq(computed=0, scheduled=9), Seq(computed=13, scheduled=4),
-                         Seq(computed=20, scheduled=1)], block_size=3, tile_n=8, heads=6, kv_heads=2,
-                   blocks="shuffled", stale="nan")),
+         spec=_spec((7, 1), (0, 9), (13, 4), (20, 1), block_size=3, tile_n=8, heads=6, kv_heads=2)),
 ]
 HEAD_DIM = 8
 
 
 def make_step(seqs, block_size, heads, kv_heads, blocks="shuffled", stale="nan", keys="random", seed=0,
               device="cpu", **_):
-    """A hand-built packed step ``(query, pool, meta)``; tables padded with a stale block and spare blocks after the
-    last, so a loop reading past a sequence reads stale K/V, never outside the tensors (the interpreter would crash)."""
+    """A hand-built packed step ``(query, pool, meta)``; a loop reading past a sequence reads stale K/V, never
+    outside the tensors (the interpreter would crash)."""
     g = torch.Generator().manual_seed(seed)
     need = [-(-(c + n) // block_size) for c, n in seqs]
     used = sum(need)
@@ -151,17 +135,12 @@ def make_step(seqs, block_size, heads, kv_heads, blocks="shuffled", stale="nan",
 
 def meta_rows(seqs) -> list[int]:
     """The packed row of each sequence's first query."""
-    rows, start = [], 0
-    for _, n in seqs:
-        rows.append(start)
-        start += n
-    return rows
+    return list(itertools.accumulate((n for _, n in seqs[:-1]), initial=0))
 
 
 def scaled(spec: dict, k: int) -> dict:
-    """``spec`` with lengths, blocks and tiles ``k`` times larger: compiled for a GPU, ``tl.dot`` wants
-    tiles of 16 or more. Lengths scale with the blocks, so a full block stays full and a partial one
-    partial; a decode stays one token."""
+    """``spec`` with lengths, blocks and tiles ``k`` times larger (a GPU's ``tl.dot`` wants tiles of 16 or more);
+    a full block stays full, a partial one partial, a decode one token."""
     seqs = [((c + n) * k - (1 if n == 1 else n * k), 1 if n == 1 else n * k) for c, n in spec["seqs"]]
     return {**spec, "seqs": seqs, "block_size": spec["block_size"] * k, "tile_n": spec["tile_n"] * k}
 
@@ -171,9 +150,9 @@ def _close(a, b, tol: float) -> bool:
 
 
 def diagnose(run, spec: dict, got, want, tol: float, hint: str, device: str = "cpu", block_q: int | None = None) -> str:
-    """The hint for a loop whose answer ``got`` on the step ``spec`` differs from ``want`` (``hint``: the
-    step's own, the last resort). ``run(query, pool, meta)`` runs the loop on another step (None if it
-    fails there): here the same kind of step with finite stale slots."""
+    """The hint for a loop whose answer ``got`` on the step ``spec`` differs from ``want``: the typical wrong loop
+    of :mod:`.ex05b_mistakes` that gives it here and (``run(query, pool, meta)``) on the step with finite stale
+    slots, else the symptom (NaN, rounding), else ``hint``, the step's own."""
     query, pool, meta = make_step(**spec, device=device)
     again = make_step(**{**spec, "stale": "random"}, seed=1, device=device)
     got_again = run(*again)
@@ -194,18 +173,6 @@ def _course():
     from ..attention import triton_unified  # raises ImportError without Triton
 
     return triton_unified
-
-
-def written(fn) -> bool:
-    """False for the student copy's stub: a body of only ``...``, ``pass`` or a docstring."""
-    raw = getattr(fn, "fn", fn)
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(raw)))
-    except (OSError, TypeError, SyntaxError):
-        return True  # no source to look at: let the run decide
-    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.FunctionDef) else []
-    return not all(isinstance(s, ast.Pass) or (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))
-                   for s in body)
 
 
 def delegates(fn) -> bool:
@@ -234,8 +201,8 @@ def _attempt(course, inner, query, pool, meta, tile_n: int):
 
 
 def run_steps(inner, scale: int | None = None) -> int:
-    """Run ``inner`` on every hand-built step in order; :class:`Fail` with the first failure's hint. ``scale``: the
-    steps' sizes times this (default 1 in the interpreter, :data:`GPU_SCALE` on a GPU, with a wider tolerance)."""
+    """Run ``inner`` on every hand-built step in order (sizes times ``scale``, default :data:`GPU_SCALE` on a GPU);
+    :class:`Fail` with the first failure's hint."""
     course = _course()
     scale = scale or (1 if course.INTERPRETED else GPU_SCALE)
     device = "cpu" if course.INTERPRETED else "cuda"
@@ -264,9 +231,8 @@ def engine_prompts(tok=None) -> list[list[int]]:
 
 
 def run_engine(model, tok, inner, max_new_tokens: int = 4) -> tuple[int, int]:
-    """Serve three prompts on a paged engine whose attention is the kernel with ``inner`` as its loop:
-    blocks of 4, a token budget of 6 (prompts cut into chunks beside decodes), a pool that preempts.
-    Every request's tokens must equal per-prompt ``model.generate``'s."""
+    """Serve three prompts (in chunks beside decodes, a pool that preempts) on the kernel with ``inner`` as its
+    loop; every request's tokens must equal ``model.generate``'s."""
     from ..core.request import Request
     from ..engine.engine import Engine
 
@@ -297,7 +263,7 @@ def check_attend_blocks(inner, model=None, tok=None) -> bool:
         return report(False, "", NOT_INSTALLED)
     if uncallable(inner, "my_attend_blocks"):
         return False
-    if not written(inner):
+    if is_stub(inner):
         return report(False, "", "my_attend_blocks is still the stub: write its loop below the cell's "
                                  "@triton.jit line (replace the ...), then run this cell again")
     if delegates(inner):

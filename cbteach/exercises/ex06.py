@@ -10,12 +10,11 @@ import collections
 import dataclasses
 import weakref
 
-
 from ..engine.scheduler import Scheduler
 from ..viz.schedule import first_difference, plan_of
 from . import bierce, generated_all, guard, report, self_check
-from .rules import ROOM_STAGE, SchedulerMistake
-from .scheduler_check import NotDone, Workload, hint, run, watched, with_eos
+from .rules import ROOM_STAGE, NotDone, SchedulerMistake, hint
+from .scheduler_check import Workload, run, watched, with_eos
 
 W = Workload
 ID8 = ("kite", "ash", "moss", "bee", "elm", "fox", "dew", "gnu")  # arrival order is not alphabetical order

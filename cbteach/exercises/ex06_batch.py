@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-
 from ..core.clock import VirtualClock
 from ..core.request import Request
 from ..core.sampling import SamplingParams

@@ -11,7 +11,6 @@ import random
 from typing import NamedTuple
 from unittest import mock
 
-
 from ..worker import spec_runner
 from ..engine.engine import Engine
 from ..core.request import Request

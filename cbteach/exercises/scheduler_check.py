@@ -19,9 +19,8 @@ from ..core.sampling import SamplingParams
 from ..engine.engine import Engine
 from ..engine.scheduler import Scheduler
 from . import raised, rules, update_rules
-from .rules import NotDone, SchedulerMistake, hint
+from .rules import SchedulerMistake, hint
 
-__all__ = ["NotDone", "SchedulerMistake", "Workload", "Run", "run", "drive", "watched", "with_eos", "hint"]
 
 @dataclass(frozen=True)
 class Workload:

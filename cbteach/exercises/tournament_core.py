@@ -7,20 +7,19 @@ policy is free; the safety rules (:mod:`.rules`) are not, nor are every block ba
 """
 from __future__ import annotations
 
-import copy
 import importlib.util
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
 
 from ..core.clock import VirtualClock
 from ..core.request import Request
 from ..engine.engine import Engine
 from ..engine.scheduler import Scheduler
 from ..serving.metrics import summarize
-from .scheduler_check import SchedulerMistake, drive, watched
+from . import generated_all
+from .rules import SchedulerMistake
+from .scheduler_check import drive, watched
 
 BASELINE = "the engine's own (vLLM V1)"
 
@@ -94,18 +93,7 @@ class Entry:
         return f"{self.name} (the course's)" if self.course else self.name
 
 
-def generate_outputs(model, requests) -> dict:
-    """Per-prompt greedy ``model.generate`` with EOS off (the trace's outputs have fixed lengths)."""
-    config = copy.deepcopy(model.generation_config)
-    config.eos_token_id, config.do_sample = [], False  # [] stops nowhere (None would fall back to the model's EOS)
-    config.pad_token_id = config.pad_token_id if config.pad_token_id is not None else 0
-    outs = {}
-    for r in requests:
-        ids = torch.tensor([r.prompt], device=model.device)
-        config.max_new_tokens = r.max_new_tokens
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
-        outs[r.request_id] = out[0, ids.shape[1]:].tolist()
-    return outs
+generate_outputs = generated_all  # per-prompt greedy model.generate, EOS off (the trace ignores it)
 
 
 def load_schedulers(folder) -> dict:

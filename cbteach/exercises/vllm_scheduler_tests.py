@@ -261,7 +261,14 @@ class Report:
                          "stages are the check of yours)")
         if self.delegated:
             lines.append(f"  !! {self.delegated}: these results are the engine's")
-        lines += [f"  ✗ {name}: {why}" for name, why in self.failed.items()]
+        stubbed: dict = {}  # a method not written yet stops every test that calls it: one line for them all
+        for name, why in self.failed.items():
+            if "not done yet" in why:
+                stubbed.setdefault(why, []).append(name)
+            else:
+                lines.append(f"  ✗ {name}: {why}")
+        lines += [f"  ✗ {names[0]}{f' and {len(names) - 1} more' if len(names) > 1 else ''}: {why}"
+                  for why, names in stubbed.items()]
         return "\n".join(lines)
 
 
