@@ -41,12 +41,12 @@ def test_greedy_is_deterministic(bierce):
 def test_stops_by_itself_with_skewed_lengths(bierce):
     model, tok = bierce
     lengths, stopped = [], 0
-    for prompt in headword_prompts(50):
+    for prompt in headword_prompts(20):
         ids = tok(prompt, return_tensors="pt")
         out = model.generate(**ids, do_sample=False, max_new_tokens=400)[0, ids["input_ids"].shape[1]:]
         lengths.append(len(out))
         stopped += int(out[-1] == tok.eos_token_id)
-    assert stopped >= 45, f"only {stopped}/50 ended with EOS"
+    assert stopped >= 18, f"only {stopped}/20 ended with EOS"
     assert max(lengths) >= 10 * min(lengths), lengths
 
 

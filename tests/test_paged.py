@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from cbteach import Engine, Request
 from cbteach.kv.manager import BlockAllocator, PoolExhausted
 from cbteach.kv.memory import accounting, summary
-from conftest import ARCHS, EOS, VOCAB, drain, reference, step_until, tiny_model
+from conftest import EOS, VOCAB, drain, reference, step_until, tiny_model
 
 workloads = st.lists(
     st.tuples(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=64), st.integers(1, 128)),
@@ -53,8 +53,10 @@ def run_checked(eng, reqs):
     return [eng.completions[r.request_id] for r in reqs]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("block_size", [1, 4, 16])
+# Each architecture with two of the three block sizes, each block size with two architectures (a Latin
+# square less its diagonal: six runs, not nine -- the block size's arithmetic does not depend on the model).
+@pytest.mark.parametrize("arch,block_size", [("llama", 1), ("llama", 4), ("qwen2", 4), ("qwen2", 16),
+                                             ("gpt2", 16), ("gpt2", 1)])
 @given(work=workloads, batch=st.integers(1, 8))
 @settings(max_examples=4, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 def test_paged_matches_generate(arch, block_size, work, batch):

@@ -479,7 +479,9 @@ def test_capacity_holds_over_a_run_four_times_longer():
 
     a = parser().parse_args(["capacity"])
     notebook = Deployment("llama-3-8b", "a100-80gb", prompt_lens=(128, 1024), output_lens=(32, 512))
-    for dep, ttft, tpot, bisections in [(deployment(a), a.ttft, a.tpot, 4), (notebook, 0.5, 0.03, 3),
+    # (The notebook's searches as it runs them; the CLI's deployment with two bisections, not its four:
+    # the property holds for whatever rate a search settles on, and the confirming runs are the cost.)
+    for dep, ttft, tpot, bisections in [(deployment(a), a.ttft, a.tpot, 2), (notebook, 0.5, 0.03, 3),
                                         (notebook, 2.0, 0.08, 3)]:
         cap = max_rate(dep, ttft, tpot, bisections=bisections)
         assert cap.rate > 0 and cap.steady["requests"] >= 4 * cap.first["requests"]
