@@ -10,13 +10,11 @@ every process that runs one (the engine's, or each tensor-parallel rank's). One 
     prepare N+1    the message changes the batch and N+1's inputs are read from its rows, while N's
                    forward pass and sampling run on the device thread; a decode of the token N is
                    sampling is *pending* (fed as 0 for now)
-    queue N+1      on the device thread, behind N: as soon as N has sampled, N+1's pending tokens are
-                   copied from N's device tensor into its input ids (V1's ``prev_sampled_token_ids``)
-                   and its forward pass starts -- the device does not wait for this thread, as a GPU
-                   runs the kernels queued on its stream
     wait for N     N's tokens exist on the device; a forward that raised is run again one request at
-                   a time (cbteach's recovery) -- N+1, queued behind it, does not run, and is prepared
-                   again (N may have left blocks unwritten that N+1 reads) and queued again
+                   a time (cbteach's recovery), and then N+1 is prepared again (N may have left blocks
+                   unwritten that N+1 reads)
+    launch N+1     the pending tokens are copied from N's device tensor into N+1's input ids (V1's
+                   ``prev_sampled_token_ids``), and the forward pass and the sampling start
     finish N       N's tokens come to the host and join the rows and the states, while N+1's forward
                    pass runs; N's output is returned
 
@@ -50,25 +48,24 @@ class AsyncModelRunner:
         self.device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cbteach-forward")
         self.flight = None  # the step on the device: (Step, future, launch time)
         self.prev = None  # the last step's sampled tokens on the device, and {request id: index} (V1's prev_sampled_token_ids)
-        self.broken = False  # a step on the device raised: the steps queued behind it do not run
         self.recovered = False  # the last step waited for failed and was run again a request at a time
 
     def execute_model(self, msg) -> RunnerOutput | None:
-        """Apply ``msg`` and prepare its step while the step in flight runs, queue it on the device behind
-        that one, then wait for that one; the output of the step in flight before, or ``None``."""
+        """Apply ``msg`` and prepare its step while the step in flight runs, then wait for that one and
+        launch this one (if it schedules any tokens); the output of the step in flight before, or ``None``."""
         done = self._wait() if getattr(msg, "block_copies", None) else None  # (copies inside the pool: not beside a forward)
         self.runner.update_states(msg)
         step, pending = self._prepare(msg) if msg.total_num_scheduled_tokens else (None, [])
-        queued = self._launch(step, pending) if step is not None and done is None else None
         if done is None:
-            done = self._wait(behind=queued)
+            done = self._wait()
         if step is not None:
             if self.recovered:  # N failed for someone: blocks it was to fill may be read by N+1 -- read again
                 first, (step, pending) = step, self._prepare(msg)
                 if hasattr(first, "forks"):
                     step.forks = first.forks  # (a prompt's forked samples: made once, when first prepared)
-                queued = None
-            self.flight = queued or self._launch(step, pending)
+            self.feed(step, pending)
+            self.flight = (step, self.device.submit(self._forward, step), time.perf_counter())
+            time.sleep(0)  # give up the interpreter lock: the device thread starts now, not at our next wait
         return done() if done is not None else None
 
     def drain(self) -> RunnerOutput | None:
@@ -85,25 +82,11 @@ class AsyncModelRunner:
         return self.runner.generator_state(req_id)
 
     # -- internals ---------------------------------------------------------------------------
-    def _launch(self, step, pending: list) -> tuple:
-        """Queue ``step`` on the device thread, behind the step in flight: it runs as soon as that one has
-        sampled, without waiting for this thread (its pending tokens are read from that step's tokens)."""
-        flight = (step, self.device.submit(self._forward, step, pending), time.perf_counter())
-        time.sleep(0)  # give up the interpreter lock: the device thread goes on now, not at our next wait
-        return flight
-
-    def _forward(self, step, pending: list):
-        if self.broken:  # the step before raised: this one is prepared again once that one is recovered
-            return None
-        try:
-            self.feed(step, pending)
-            t0 = time.perf_counter()
-            self.runner.forward(step)
-            t1 = time.perf_counter()
-            self.runner.sample(step)
-        except BaseException:
-            self.broken = True
-            raise
+    def _forward(self, step):
+        t0 = time.perf_counter()
+        self.runner.forward(step)
+        t1 = time.perf_counter()
+        self.runner.sample(step)
         self.prev = (step.sampled.tokens, {rid: i for i, rid in enumerate(step.req_ids) if step.samples[i]})
         return t0, t1
 
@@ -131,9 +114,8 @@ class AsyncModelRunner:
             at, src = torch.tensor(fed, device=step.meta.input_ids.device).T
             step.meta.input_ids[0, at] = self.prev[0][src]
 
-    def _wait(self, behind=None):
-        """Wait for the step in flight; a function that finishes it (its tokens to the host), or ``None``.
-        ``behind``: the step queued behind it, which does not run if this one raised."""
+    def _wait(self):
+        """Wait for the step in flight; a function that finishes it (its tokens to the host), or ``None``."""
         self.recovered = False
         if self.flight is None:
             return None
@@ -141,9 +123,6 @@ class AsyncModelRunner:
         try:
             t0, t1 = future.result()
         except Exception as err:  # noqa: BLE001  (isolate: find whose tokens failed)
-            if behind is not None:
-                behind[1].result()  # (it saw the failure and did not run)
-            self.broken = False
             output = recovery.recover(self.runner, step, err)  # (errors that stop the engine re-raise from here)
             output.forward_span = (launched, time.perf_counter())
             tokens = [(s or [0])[-1] for s in output.sampled]  # the next step reads them as if one pass had sampled them
