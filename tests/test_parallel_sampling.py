@@ -46,6 +46,19 @@ def test_greedy_samples_each_equal_generate(arch, kv, mode):
     assert [s.request_id for s in got[0].samples] == [("a", 0), ("a", 1), ("a", 2)]
 
 
+def test_forked_samples_that_guess_each_equal_generate():
+    """Fork and speculative decoding together: the runner and its step carry both (the forks of a prompt,
+    each row's guesses), and every greedy sample of a repetitive prompt guesses and equals generate."""
+    model = tiny_model("llama")
+    prompts = [[5, 6, 7, 5, 6, 7, 5], [9, 8, 9, 8, 9], [3, 4] * 4]
+    eng = Engine(model, max_batch_size=6, kv="paged", block_size=2, parallel_sampling="fork", speculative="ngram")
+    got = eng.run([Request(p, 8, ignore_eos=True, sampling_params=SamplingParams(n=2)) for p in prompts])
+    for p, c in zip(prompts, got):
+        assert [s.output_ids for s in c.samples] == [reference(model, p, 8, eos_id=None)] * 2, p
+    assert eng.spec_stats["accepted"] > 0
+    _no_leak(eng)
+
+
 @pytest.mark.parametrize("block_size,prompt", [(4, PROMPT), (4, PROMPT[:4]), (1, PROMPT), (16, PROMPT)])
 @pytest.mark.parametrize("kv", ["paged", "concat"])
 @pytest.mark.parametrize("mode", MODES)

@@ -53,16 +53,14 @@ class AsyncModelRunner:
     def execute_model(self, msg) -> RunnerOutput | None:
         """Apply ``msg`` and prepare its step while the step in flight runs, then wait for that one and
         launch this one (if it schedules any tokens); the output of the step in flight before, or ``None``."""
-        done = self._wait() if getattr(msg, "block_copies", None) else None  # (copies inside the pool: not beside a forward)
+        done = self._wait() if self.runner.changes_pool_first(msg) else None  # (not beside a forward pass)
         self.runner.update_states(msg)
         step, pending = self._prepare(msg) if msg.total_num_scheduled_tokens else (None, [])
         if done is None:
             done = self._wait()
         if step is not None:
             if self.recovered:  # N failed for someone: blocks it was to fill may be read by N+1 -- read again
-                first, (step, pending) = step, self._prepare(msg)
-                if hasattr(first, "forks"):
-                    step.forks = first.forks  # (a prompt's forked samples: made once, when first prepared)
+                step, pending = self._prepare(msg, first=step)
             self.feed(step, pending)
             self.flight = (step, self.device.submit(self._forward, step), time.perf_counter())
             time.sleep(0)  # give up the interpreter lock: the device thread starts now, not at our next wait
@@ -90,11 +88,12 @@ class AsyncModelRunner:
         self.prev = (step.sampled.tokens, {rid: i for i, rid in enumerate(step.req_ids) if step.samples[i]})
         return t0, t1
 
-    def _prepare(self, msg) -> tuple:
-        """The step's inputs, and its *pending* tokens: fed positions past what the host knows -- the
-        token the step in flight samples for the request, or, if that step failed for it, none. Each is
-        fed as 0 until :meth:`feed`; returns ``(step, [(packed position, request id)])``."""
-        step = self.runner.prepare_inputs(msg)
+    def _prepare(self, msg, first=None) -> tuple:
+        """The step's inputs (prepared again after ``first``, if given), and its *pending* tokens: fed
+        positions past what the host knows -- the token the step in flight samples for the request, or,
+        if that step failed for it, none. Each is fed as 0 until :meth:`feed`; returns ``(step, [(packed
+        position, request id)])``."""
+        step = self.runner.prepare_inputs(msg) if first is None else self.runner.prepare_again(msg, first)
         known = self.runner.input_batch.num_tokens[step.rows]
         if not np.any(np.add(step.starts, step.counts) > known):
             return step, []

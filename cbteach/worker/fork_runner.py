@@ -20,7 +20,7 @@ tensor-parallel rank too -- carries them out:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,8 +39,31 @@ class ForkRunnerOutput(RunnerOutput):
     fork_tokens: list | None = None
 
 
+@dataclass
+class ForkStep(Step):
+    """A step whose prompts may end with samples forking from them."""
+
+    forks: dict = field(default_factory=dict)  # row -> [(sample id, generator)]: the samples forking from its prompt
+    fork_tokens: dict = field(default_factory=dict)  # row -> {sample id: first token}, once sampled
+
+    def row(self, i: int, **changes) -> ForkStep:
+        return super().row(i, forks={0: self.forks[i]} if i in self.forks else {}, fork_tokens={}, **changes)
+
+
 class ForkingModelRunner(ModelRunner):
     """A :class:`ModelRunner` that copies blocks on write and samples the forks (see the module)."""
+
+    step_cls = ForkStep
+
+    def changes_pool_first(self, msg) -> bool:
+        """The message's copies on write are made inside the pool before the batch changes."""
+        return bool(msg.block_copies)
+
+    def prepare_again(self, msg, first: ForkStep) -> ForkStep:
+        """As the runner's, keeping the forked samples ``first`` made (once: their states exist now)."""
+        step = super().prepare_again(msg, first)
+        step.forks = first.forks
+        return step
 
     def update_states(self, msg) -> None:
         """The message's copies on write first, then the batch as V1 changes it."""
@@ -56,7 +79,7 @@ class ForkingModelRunner(ModelRunner):
             if src in self.unwritten_blocks:
                 self.unwritten_blocks.add(dst)
 
-    def _sampling_inputs(self, step: Step) -> None:
+    def _sampling_inputs(self, step: ForkStep) -> None:
         """As the runner's, and a prompt's forked samples: ``step.forks`` is ``{row: [(sample id,
         generator)]}``, a state and a generator each made here once (a sample already known is not
         forked again). A prompt's samples read its parameters, so a greedy batch keeps them too."""
@@ -79,18 +102,17 @@ class ForkingModelRunner(ModelRunner):
                     step.forks.setdefault(i, []).append((sample_id, self.requests[sample_id].generator))
 
     @torch.inference_mode()
-    def sample(self, step: Step) -> None:
+    def sample(self, step: ForkStep) -> None:
         """The batch's tokens, then each forking sample's first token from its prompt's row
         (``step.fork_tokens``: ``{row: {sample id: token}}``)."""
         super().sample(step)
         step.fork_tokens = {}
-        forks = getattr(step, "forks", None)
-        if not forks:
+        if not step.forks:
             return
         out = step.sampled
         rows = step.logits
         ok = out.finite.tolist()  # a draw from non-finite logits would fail anyway
-        for i, picks in forks.items():
+        for i, picks in step.forks.items():
             drawn = {}
             for sample_id, generator in picks:
                 if not ok[i]:
@@ -103,24 +125,14 @@ class ForkingModelRunner(ModelRunner):
                     out.tokens[i] = 0
             step.fork_tokens[i] = drawn
 
-    def finish(self, step: Step) -> ForkRunnerOutput:
+    def finish(self, step: ForkStep) -> ForkRunnerOutput:
         """As the runner's, with each sampled prompt's samples' first tokens, which join their states."""
         out = super().finish(step)
-        drawn = getattr(step, "fork_tokens", {})
-        fork_tokens = [drawn.get(i) if out.sampled[i] is not None else None
-                       for i in range(len(step.rows))]
+        fork_tokens = [step.fork_tokens.get(i) if out.sampled[i] is not None else None for i in range(len(step.rows))]
         for forks in filter(None, fork_tokens):
             for sample_id, token in forks.items():
                 self.requests[sample_id].output_token_ids.append(token)
         return ForkRunnerOutput(**vars(out), fork_tokens=fork_tokens if any(fork_tokens) else None)
-
-
-    def row_alone(self, step: Step, i: int) -> Step:
-        """As the runner's, with the samples drawing their first tokens from that row."""
-        one = super().row_alone(step, i)
-        if i in getattr(step, "forks", {}):
-            one.forks = {0: step.forks[i]}
-        return one
 
     def join_outputs(self, req_ids: list, parts: list) -> ForkRunnerOutput:
         """As the runner's, with each row's samples' first tokens."""

@@ -19,9 +19,8 @@ step is four calls, the way vLLM V1's GPU model runner splits it (``vllm/v1/work
 4. :meth:`ModelRunner.finish` -- the tokens come to the host, join the rows and the states, and go back
    to the scheduler as a :class:`~cbteach.core.outputs.RunnerOutput`, in the batch's row order.
 
-Beside this path: async scheduling's order of these calls (:mod:`cbteach.worker.async_runner`), and what
-happens when the forward pass raises -- cbteach's rule, not V1's: one request's failure is its own
-(:mod:`cbteach.worker.recovery`).
+Beside this path: async scheduling's order of these calls (:mod:`cbteach.worker.async_runner`); when the
+forward pass raises, cbteach's rule, not V1's: one request's failure is its own (:mod:`cbteach.worker.recovery`).
 """
 from __future__ import annotations
 
@@ -84,7 +83,15 @@ class ModelRunner:
         """The message changes the batch (V1's ``_update_states``: :func:`~cbteach.worker.states.update_batch`)."""
         self.update_batch(self, msg)
 
+    def changes_pool_first(self, msg) -> bool:
+        """Whether ``msg`` writes inside the KV pool before its step (never here): a step in flight ends first."""
+        return False
+
     # -- a step ---------------------------------------------------------------------------------------
+    def prepare_again(self, msg, first: Step) -> Step:
+        """``msg``'s step prepared again after the one before ``first`` failed, keeping what ``first`` made once."""
+        return self.prepare_inputs(msg)
+
     def prepare_inputs(self, msg) -> Step:
         """The step's inputs, read from the batch's rows."""
         b = self.input_batch

@@ -52,8 +52,8 @@ class SpeculativeModelRunner(ModelRunner):
     step_cls = SpecStep
 
     def update_states(self, msg) -> None:
-        """As the runner's, then each guessing row's guesses after its known tokens (V1 writes them into
-        ``token_ids_cpu`` the same way), where the step's gather reads them."""
+        """As the runner's, then each guessing row's guesses after its known tokens, where the step's gather
+        reads them (V1 writes them into ``token_ids_cpu`` the same way: ``vllm/v1/worker/gpu_input_batch.py``)."""
         super().update_states(msg)
         b = self.input_batch
         for rid, drafts in msg.scheduled_spec_decode_tokens.items():

@@ -4,7 +4,10 @@ swaps (:mod:`cbteach.worker.swap_runner`) and forks (:mod:`cbteach.worker.fork_r
 in a module of its own, imported only when an engine asks for it."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .model_runner import ModelRunner
+from .step import Step
 
 
 def runner_cls(swaps: bool = False, forks: bool = False, spec: bool = False) -> type:
@@ -23,4 +26,7 @@ def runner_cls(swaps: bool = False, forks: bool = False, spec: bool = False) -> 
         bases.append(ForkingModelRunner)
     if len(bases) < 2:
         return bases[0] if bases else ModelRunner
-    return type("".join(b.__name__.removesuffix("ModelRunner") for b in bases) + "ModelRunner", tuple(bases), {})
+    name = "".join(b.__name__.removesuffix("ModelRunner") for b in bases)
+    steps = tuple(b.step_cls for b in bases if b.step_cls is not Step)  # each variant's fields on one step
+    attrs = {"step_cls": dataclass(type(name + "Step", steps, {}))} if len(steps) > 1 else {}
+    return type(name + "ModelRunner", tuple(bases), attrs)
