@@ -66,7 +66,7 @@ class ReservingKVManager(KVCacheManager):
 
     num_admittable_tokens = num_allocatable_tokens  # no watermark: the reservation is the safety margin
 
-    def allocate_slots(self, seq, num_new_tokens: int) -> list[int] | None:
+    def allocate_slots(self, seq, num_new_tokens: int, new_computed_blocks=(), num_lookahead_tokens: int = 0):
         if seq.block_table:  # room was reserved at admission
             return [] if seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) else None
         need = self.reservation(seq)

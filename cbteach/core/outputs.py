@@ -5,7 +5,7 @@ The worker's model runner fills one :class:`RunnerOutput` per step; the schedule
 the order of ``req_ids`` -- the worker's batch rows, the order it packed them in, which need not be
 the order the scheduler planned them: find a request's results through ``req_id_to_index``, as V1's
 ``update_from_output`` does. It holds token ids, counts and error texts -- nothing that needs the
-model's device (under tensor parallelism only the output rank sends it).
+model's device.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 class RunnerOutput:
     """One step's results, per planned sequence ``i``:
 
-    * ``sampled[i]`` -- its new token ids (one; more after speculative decoding: the accepted
-      guesses and one of its own), or ``None`` for a prefill chunk that stopped short of its end;
+    * ``sampled[i]`` -- its new token ids (one, or more when tokens fed on trust were accepted), or
+      ``None`` for a prefill chunk that stopped short of its end;
     * ``errors[i]`` -- ``None``, or what went wrong for this sequence alone (a sampling error, a model
       error on its tokens): the scheduler ends it with ``finish_reason="error"``, its neighbours go on.
     """
@@ -28,7 +28,7 @@ class RunnerOutput:
     forward_time: float = 0.0
     traffic: object = None  # the KV cache's KVTraffic for this step
     errors: list | None = None
-    comm: dict | None = None  # tensor parallelism: {"all_reduces", "all_reduce_bytes", "num_tokens", "world_size"}
+    comm: dict | None = None  # a sharded model's collectives: {"all_reduces", "all_reduce_bytes", "num_tokens", "world_size"}
     forward_span: tuple | None = None  # (start, end) of the forward pass on time.perf_counter(), if kept
 
     def __post_init__(self):

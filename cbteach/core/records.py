@@ -28,8 +28,8 @@ class SeqStep:
     num_scheduled_tokens: int  # tokens fed this step
     token_ids: list[int]  # the tokens fed (empty when the engine keeps no records: Engine(keep_records=False))
     sampled: int | None = None  # last token produced by this step (None for a partial prefill chunk)
-    new_token_ids: list[int] = field(default_factory=list)  # every token it produced (several after speculation)
-    num_draft_tokens: int = 0  # speculative guesses fed (and checked) in this step
+    new_token_ids: list[int] = field(default_factory=list)  # every token it produced (several: accepted drafts)
+    num_draft_tokens: int = 0  # draft tokens fed (and checked) in this step
     finish_reason: str | None = None  # "eos" or "length" if the sequence finished on this step
 
     @property
@@ -59,7 +59,7 @@ class StepRecord:
     num_all_reduces: int = 0  # tensor parallelism: all-reduces in this step's forward pass
     all_reduce_bytes: int = 0  # ... and the bytes each rank sent into them
     # When the host and the model worked on this step: "schedule", "forward" and "update" -> (start, end)
-    # in time.perf_counter() seconds (with async scheduling, one step's work overlaps the next one's).
+    # in time.perf_counter() seconds (a step loop that overlaps steps overlaps these too).
     timings: dict = field(default_factory=dict)
 
     # -- derived views ---------------------------------------------------------------------
@@ -144,7 +144,7 @@ def fill_record(record: StepRecord, step, out, num_outputs_before: list[int], fi
     plan = step.plan
     starts = plan.num_computed_tokens_of()
     # What each sequence got is what was appended to it: a token the runner sampled for a sequence that
-    # had already stopped or failed (async scheduling: it was in the step in flight) was dropped.
+    # had already stopped or failed (its step was in flight) was dropped.
     ended = {id(s) for s in finished}
     guesses = plan.scheduled_spec_decode_tokens
     record.seqs = []
@@ -166,6 +166,6 @@ def fill_record(record: StepRecord, step, out, num_outputs_before: list[int], fi
 
 def _fed(seq, start: int, n: int, drafts) -> list[int]:
     """The token ids a sequence fed: its tokens ``start .. start + n - 1`` -- all known by now, but for a
-    token an async step in flight was to give it and did not (it failed): fed as 0 -- then its guesses."""
+    token a step in flight was to give it and did not (it failed): fed as 0 -- then its drafts."""
     known = max(start, min(start + n, seq.num_tokens))
     return seq.token_ids(start, known) + [0] * (start + n - known) + list(drafts)

@@ -130,7 +130,7 @@ class Sequence:
     finish_reason: str | None = None  # "eos", "stop", "length", "aborted" or "error" once finished
     error: str | None = None  # finish_reason "error": what went wrong for this request alone
     num_preemptions: int = 0
-    num_placeholders: int = 0  # async scheduling: tokens a step in flight will give it, not appended yet
+    num_placeholders: int = 0  # tokens a step in flight will give it, not appended yet (V1's num_output_placeholders)
     # -- KV: its room in the cache (paged) -----------------------------------------------------------
     block_table: list[int] = field(default_factory=list)
     num_cached_prompt_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
@@ -170,7 +170,7 @@ class Sequence:
 
     @property
     def num_tokens_with_placeholders(self) -> int:
-        """Known tokens plus the ones a step in flight will give it (async scheduling; else the same)."""
+        """Known tokens plus the ones a step in flight will give it (none when steps never overlap)."""
         return len(self.prompt_ids) + len(self.output_ids) + self.num_placeholders
 
     def decodes_from(self, start: int) -> bool:

@@ -1,9 +1,9 @@
 """The engine core: the step loop -- schedule, execute, update -- and nothing about taking requests in.
 
 vLLM V1 splits its engine the same way: ``EngineCore`` (``vllm/v1/engine/core.py``) owns the
-scheduler, the KV cache and the model executor and runs ``step()`` in a busy loop; ``LLMEngine`` and
-``AsyncLLM`` around it take requests in and hand outputs back (and, when serving, the core runs in a
-process of its own). Here :class:`EngineCore` is that loop and :class:`~cbteach.engine.engine.Engine`
+scheduler, the KV cache and the model executor and runs ``step()`` in a busy loop; the ``LLMEngine``
+around it takes requests in and hands outputs back (and, when serving, the core runs in a process of
+its own). Here :class:`EngineCore` is that loop and :class:`~cbteach.engine.engine.Engine`
 adds the request API on top. One :meth:`EngineCore.step` is one forward pass, in three calls:
 
 1. ``plan = scheduler.schedule(now)`` (:mod:`cbteach.engine.scheduler`) -- a message;
@@ -15,9 +15,8 @@ The engine steps while the scheduler :meth:`~cbteach.engine.scheduler.Scheduler.
 the last request finishes, one more message (nothing scheduled) tells the worker who finished, so it
 holds nothing when the engine is idle -- V1's engine core does the same.
 
-Which scheduler, KV cache, runner and step loop the core runs depends on its options
-(:mod:`cbteach.engine.assemble`); the step below is the same for all of them but one: async
-scheduling runs a step loop of its own (:mod:`cbteach.engine.async_scheduling`).
+Which scheduler, KV cache and runner the core runs depends on its options
+(:mod:`cbteach.engine.assemble`); a variant that needs a step loop of its own sets ``stepper``.
 """
 from __future__ import annotations
 
@@ -108,7 +107,7 @@ class EngineCore:
             raise
 
     def _step_once(self) -> StepRecord:
-        if self.stepper is not None:  # a step loop of its own (async scheduling)
+        if self.stepper is not None:  # a variant's step loop of its own
             return self.stepper.step()
         start, t0 = self.now(), time.perf_counter()
         plan = self.scheduler.schedule(start)  # 1. who runs, how many tokens each: a message
@@ -149,7 +148,7 @@ class EngineCore:
         now = self.now()
         before = [len(s.output_ids) for s in step.seqs]
         finished = self.scheduler.update_from_output(step.plan, output, now)  # 3. state moves
-        for seq in [*step.seqs, *finished]:  # (a learner's update may free a request without forget())
+        for seq in [*step.seqs, *finished]:  # (an update written elsewhere may free one without forget())
             if seq.status.is_finished and seq.request_id in self.scheduler.requests:
                 self.scheduler.forget(seq)
         if self.rules is not None:

@@ -12,8 +12,8 @@ There is no "prefill phase" and "decode phase" (vLLM V1's design note): every se
 ``num_computed_tokens`` catching up with its ``num_tokens``. Planning follows V1's ``schedule()``:
 
 1. **Running sequences first**, in the running list's order. Each asks for what it lacks -- one
-   token for a decode (plus any speculative guesses), the rest of its prompt for a prefill -- cut to
-   the **token budget** left: a long prompt is prefilled in chunks (Sarathi-Serve).
+   token for a decode, the rest of its prompt for a prefill -- cut to the **token budget** left: a
+   long prompt is prefilled in chunks (Sarathi-Serve).
 2. **Ask the KV manager for room** for exactly that chunk (``allocate_slots``). When it refuses,
    **preempt** the policy's victim (:mod:`cbteach.engine.policies`) -- its blocks are freed and it
    is recomputed later from its prompt plus what it generated -- and ask again, until the sequence
@@ -22,21 +22,19 @@ There is no "prefill phase" and "decode phase" (vLLM V1's design note): every se
 4. **Admissions**, in the waiting queue's order, while a slot (``max_batch_size``) and budget are
    left: the prefix cache is asked which of the prompt's blocks are already computed
    (``get_computed_blocks``), and the request is let in when ``allocate_slots`` gives room for the
-   chunk it feeds now (V1's rule before ``scheduler_reserve_full_isl``; current V1 by default also
-   requires its whole sequence to fit, close to this engine's ``admission="whole_prompt"``: README,
-   "Which V1"); the first refusal ends admissions (nobody overtakes it).
+   chunk it feeds now (V1's rule before ``scheduler_reserve_full_isl``: README, "Which V1"); the
+   first refusal ends admissions (nobody overtakes it).
 5. **The message** (:meth:`Scheduler.make_output`): the scheduler's working notes (a
    :class:`~cbteach.core.scheduler_output.StepPlan` of live sequences) become plain data -- a request
    the worker has not seen in full, one it holds as a diff.
 6. **The plan counts as computed** (:meth:`Scheduler.update_after_schedule`, V1's
    ``_update_after_schedule``): every scheduled request's ``num_computed_tokens`` moves on by its
    scheduled tokens at the end of ``schedule()``, before the forward pass runs -- which is what lets
-   the next step be planned while this one computes (async scheduling). Speculative guesses that
-   the model rejects are taken back after the step.
+   the next step be planned while this one computes.
 
-vLLM V0's rules -- swap preemption, whole-prompt admission with a watermark, preempting to admit an
-urgent request -- are not here: they live in :class:`~cbteach.engine.scheduler_v0.V0Scheduler` (the
-middle two are also current V1's, in its own form: see there).
+Two features V1 threads through this loop are threaded here as V1 does, in two lines of
+:meth:`Scheduler.schedule_running`: tokens a step in flight will give a request (V1's
+``num_output_placeholders``) and the guesses fed after its known tokens (V1's ``spec_token_ids``).
 
 Writing a scheduler is overriding :meth:`Scheduler.schedule` with the public pieces below
 (``allocate_or_preempt``, ``preempt``, ``admit``, :meth:`StepPlan.add`, ``make_output``,
@@ -130,7 +128,7 @@ class Scheduler(UpdateFromOutput):
     def update_after_schedule(self, output: SchedulerOutput) -> None:
         """The planned tokens count as computed from now on (vLLM V1's ``_update_after_schedule``):
         each scheduled request's ``num_computed_tokens`` moves on by its ``num_scheduled_tokens``
-        (guesses included; the ones the model rejects are taken back after the step). The message
+        (guesses included; those the model rejects are taken back after the step). The message
         keeps the counts from before, which is where the model runner starts each request."""
         for rid, n in output.num_scheduled_tokens.items():
             self.requests[rid].num_computed_tokens += n
@@ -143,8 +141,8 @@ class Scheduler(UpdateFromOutput):
             if seq.status is not RequestStatus.RUNNING:  # preempted a moment ago to make room
                 continue
             if len(seq.output_ids) + seq.num_placeholders >= seq.request.max_new_tokens:
-                continue  # async scheduling: the step in flight gives it its last token
-            # What it lacks: the rest of its prompt, or one token -- plus speculative guesses.
+                continue  # the step in flight gives it its last token (V1 skips it too)
+            # What it lacks: the rest of its prompt, or one token -- plus any guesses (V1's spec tokens).
             n = min(seq.num_tokens_with_placeholders + len(seq.draft_ids) - seq.num_computed_tokens, budget)
             if n <= 0:  # nothing to feed now (V1's running loop skips such a request)
                 continue
@@ -173,11 +171,9 @@ class Scheduler(UpdateFromOutput):
             budget -= n
 
     def allocate_admission(self, seq: Sequence, n: int, cached: list, lookahead: int = 0):
-        """``allocate_slots`` for an admission, with its prefix-cache hits ``cached`` (and ``lookahead``:
-        V0's whole-prompt reservation). Empty extras are not passed: a learner's two-argument
-        ``allocate_slots`` works wherever they are empty."""
-        extra = {k: v for k, v in (("new_computed_blocks", cached), ("num_lookahead_tokens", lookahead)) if v}
-        return self.kv_manager.allocate_slots(seq, n, **extra)
+        """``allocate_slots`` for an admission: its prefix-cache hits ``cached`` are taken with the room
+        for ``n`` tokens (and ``lookahead`` more). A subclass may refuse first (a rule of its own)."""
+        return self.kv_manager.allocate_slots(seq, n, new_computed_blocks=cached, num_lookahead_tokens=lookahead)
 
     # -- the pieces a scheduler is built from ------------------------------------------------------
     def allocate_or_preempt(self, seq: Sequence, n: int, out: StepPlan) -> tuple[bool, int]:

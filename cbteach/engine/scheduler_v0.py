@@ -190,7 +190,7 @@ class V0Scheduler(Scheduler):
     # -- internals ---------------------------------------------------------------------------
     def _admittable(self, seq: Sequence, cached: list) -> float:
         """The room an admission of ``seq`` with prefix-cache hits ``cached`` may use (hits that others
-        hold cost nothing). ``cached`` is passed only when not empty, as :meth:`allocate_admission` does."""
+        hold cost nothing). ``cached`` is passed only when not empty (a manager without prefix caching takes ``seq`` alone)."""
         if cached:
             return self.kv_manager.num_admittable_tokens(seq, new_computed_blocks=cached)
         return self.kv_manager.num_admittable_tokens(seq)

@@ -4,11 +4,11 @@ The scheduler already counted the planned tokens as computed when it planned the
 (:meth:`~cbteach.engine.scheduler.Scheduler.update_after_schedule`). What is left happens here, and
 only here, for each planned sequence ``i``:
 
-1. **speculative guesses the model rejected are taken back** -- ``num_computed_tokens`` goes down
-   by them (V1's ``update_from_output`` does only this: the blocks stay with the request); cbteach
-   also gives blocks that held only rejected guesses back to the pool (``trim``);
-2. **sampled tokens are appended** (``output.sampled[i]``: one token, several after speculative
-   decoding, or ``None`` for a prefill chunk that stopped short of its prompt's end -- it gets
+1. **guesses the model rejected are taken back** (V1 threads speculative decoding through here):
+   ``num_computed_tokens`` goes down by them, and blocks that held only rejected guesses go back
+   to the pool (``trim``; V1 keeps them with the request);
+2. **sampled tokens are appended** (``output.sampled[i]``: one token, several when guesses were
+   accepted, or ``None`` for a prefill chunk that stopped short of its prompt's end -- it gets
    nothing, and nothing is appended);
 3. **stop checks** after every appended token: EOS (unless ``ignore_eos``), one of the request's
    ``stop_token_ids``, or ``max_new_tokens`` reached (:func:`~cbteach.core.sampling.stop_reason`).
@@ -78,7 +78,7 @@ class UpdateFromOutput:
 
     def _finish(self, seq: Sequence, finished: list) -> None:
         """``seq`` stopped: it leaves the batch, and its blocks go back -- after its last token is recorded.
-        (With async scheduling a request preempted while its step was in flight may stop while waiting.)"""
+        (A request preempted while its step was in flight may stop while waiting.)"""
         seq.status = RequestStatus.FINISHED
         if seq in self.running:
             self.running.remove(seq)

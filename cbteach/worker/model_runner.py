@@ -19,8 +19,8 @@ step is four calls, the way vLLM V1's GPU model runner splits it (``vllm/v1/work
 4. :meth:`ModelRunner.finish` -- the tokens come to the host, join the rows and the states, and go back
    to the scheduler as a :class:`~cbteach.core.outputs.RunnerOutput`, in the batch's row order.
 
-Beside this path: async scheduling's order of these calls (:mod:`cbteach.worker.async_runner`); when the
-forward pass raises, cbteach's rule, not V1's: one request's failure is its own (:mod:`cbteach.worker.recovery`).
+When the forward pass raises, cbteach's rule, not V1's: one request's failure is its own
+(:mod:`cbteach.worker.recovery`).
 """
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ from . import recovery, states
 
 
 class ModelRunner:
-    """Runs each step's message on ``model`` (one process: the engine's own view of the user's model,
-    :func:`~cbteach.core.model_view.model_view`; a tensor-parallel rank: its shard) over ``kv_cache``'s pool."""
+    """Runs each step's message on ``model`` (the engine's own view of the user's model,
+    :func:`~cbteach.core.model_view.model_view`) over ``kv_cache``'s pool."""
 
     step_cls = Step  # what prepare_inputs builds
 
@@ -51,13 +51,13 @@ class ModelRunner:
         self.requests: dict[object, CachedRequestState] = {}  # every request it was told of and not yet finished
         self.input_batch = InputBatch(max_num_reqs, max_model_len)
         self.unwritten_blocks: set[int] = set()
-        self.update_batch = update_batch or states.update_batch  # a learner's own (notebook 06), or V1's
+        self.update_batch = update_batch or states.update_batch  # V1's, or one written in notebook 06b
 
     def close(self) -> None:
-        """Nothing to release in one process (a tensor-parallel rank's process ends instead)."""
+        """Nothing to release here (the engine's ``close`` lets go of the pool)."""
 
     def generator_state(self, req_id) -> bytes | None:
-        """A seeded request's random stream, as bytes (a disaggregated handover carries it along)."""
+        """A seeded request's random stream, as bytes (for a request moved to another engine)."""
         state = self.requests.get(req_id)
         if state is None or state.generator is None:
             return None
@@ -100,9 +100,7 @@ class ModelRunner:
         counts = [msg.num_scheduled_tokens[rid] for rid in req_ids]
         starts = b.num_computed_tokens[:B].tolist()
         if self.unwritten_blocks:  # a cached prefix whose K/V were never written is computed again
-            for i, rid in enumerate(req_ids):
-                starts[i], counts[i] = recovery.redo_from(self.unwritten_blocks, self.requests[rid].block_ids, starts[i],
-                                                          counts[i], self.block_size)
+            recovery.redo_rows(self, req_ids, starts, counts)
         samples = (np.add(starts, counts) >= b.num_tokens[:B]).tolist()
         # Token ids: one gather from the rows -- row i's tokens starts[i] .. starts[i] + counts[i] - 1.
         T = sum(counts)
@@ -154,8 +152,8 @@ class ModelRunner:
         the scheduler as a :class:`RunnerOutput`."""
         sampled, errors = self.sampled_tokens(step)
         failed = [i for i, e in enumerate(errors) if e is not None]
-        for i in range(len(errors)) if self.unwritten_blocks else failed:
-            self.written(step.req_ids[i], step.starts[i], step.counts[i], ok=errors[i] is None)
+        if failed or self.unwritten_blocks:  # which blocks hold their K/V now (see recovery)
+            recovery.note_rows(self, step, errors)
         self._append_all(step.req_ids, sampled)
         return RunnerOutput(sampled=sampled, req_ids=list(step.req_ids), forward_time=step.forward_time,
                             traffic=step.traffic, errors=errors if failed else None)
@@ -198,10 +196,3 @@ class ModelRunner:
                 b.append_token_ids(row, tokens)
         if rows:
             b.append_one_each(rows, toks)
-
-    def written(self, rid, start: int, count: int, ok: bool) -> None:
-        """After a row ran: its blocks hold its K/V (``ok``), or never will (:mod:`cbteach.worker.recovery`)."""
-        if self.block_size is not None and (not ok or self.unwritten_blocks):
-            state = self.requests.get(rid)
-            recovery.mark_written(self.unwritten_blocks, [] if state is None else state.block_ids, start, count, ok,
-                                  self.block_size)

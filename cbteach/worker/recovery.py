@@ -32,7 +32,7 @@ def recover(runner, step, err: Exception) -> RunnerOutput:
     """``step``'s forward pass raised ``err``: run each row alone; the ones the model fails on get an
     error, and the blocks they were to fill are unwritten."""
     for rid, start, count in zip(step.req_ids, step.starts, step.counts):
-        runner.written(rid, start, count, ok=False)  # nothing this step wrote counts until its row has run
+        written(runner, rid, start, count, ok=False)  # nothing this step wrote counts until its row has run
     parts = []
     for i, (rid, start, count) in enumerate(zip(step.req_ids, step.starts, step.counts)):
         if rid not in runner.requests:  # finished by a message sent since (async scheduling): nothing to give it
@@ -48,7 +48,7 @@ def recover(runner, step, err: Exception) -> RunnerOutput:
         except (EngineRuleError, EngineDeadError):
             raise
         except Exception as e:  # noqa: BLE001  (the model failed on this row's tokens)
-            runner.written(rid, start, count, ok=False)
+            written(runner, rid, start, count, ok=False)
             message = f"the model failed on this request's tokens: {type(e).__name__}: {e}"
             parts.append(RunnerOutput(sampled=[None], req_ids=[rid], errors=[message]))
     return runner.join_outputs(step.req_ids, parts)
@@ -78,6 +78,28 @@ def alone(runner, step, i: int) -> Step:
     one.starts, one.counts = [start], [count]
     runner.build_inputs(one, [state.block_ids])
     return one
+
+
+def redo_rows(runner, req_ids: list, starts: list, counts: list) -> None:
+    """A step's rows (``starts``/``counts``, changed in place) begin at the first unwritten block they read."""
+    for i, rid in enumerate(req_ids):
+        starts[i], counts[i] = redo_from(runner.unwritten_blocks, runner.requests[rid].block_ids, starts[i], counts[i],
+                                         runner.block_size)
+
+
+def note_rows(runner, step, errors: list) -> None:
+    """After a step's rows ran: the blocks of each row without an error hold its K/V, the others never will."""
+    rows = range(len(errors)) if runner.unwritten_blocks else [i for i, e in enumerate(errors) if e is not None]
+    for i in rows:
+        written(runner, step.req_ids[i], step.starts[i], step.counts[i], ok=errors[i] is None)
+
+
+def written(runner, rid, start: int, count: int, ok: bool) -> None:
+    """After a row ran: its blocks hold its K/V (``ok``), or never will."""
+    if runner.block_size is not None and (not ok or runner.unwritten_blocks):
+        state = runner.requests.get(rid)
+        mark_written(runner.unwritten_blocks, [] if state is None else state.block_ids, start, count, ok,
+                     runner.block_size)
 
 
 def redo_from(unwritten: set, block_ids: list[int], start: int, count: int, block_size: int) -> tuple[int, int]:

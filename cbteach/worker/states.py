@@ -13,15 +13,12 @@ The worker never reads the scheduler's objects. Each step's
 3. **new requests** get a state: prompt, sampling parameters, a generator (seeded ones), block ids,
    where they start (past a prefix-cache hit);
 4. **cached requests** get where they start now and their new blocks, appended -- or, resumed after a
-   preemption (or, cbteach's, a table changed by a copy on write or a trim), their whole table;
+   preemption (or, cbteach's, a table changed other than by appending), their whole table;
    a request resumed that missed the step before also gets its token ids. Those with a row are
    changed in place; the others are added;
 5. **add, then condense**: new and returning requests take the lowest free rows, the last rows move
    into the holes left, and rows ``0 .. num_reqs - 1`` are this step's batch, in packed order.
 
-Around it the runner writes speculative guesses after each row's known tokens
-(:meth:`ModelRunner.update_states`), and V0's runners (:mod:`cbteach.worker.swap_runner`,
-:mod:`cbteach.worker.fork_runner`) move blocks, before anyone writes into them and after.
 Notebook 06 asks you to write :func:`update_batch` yourself and runs the engine on yours
 (``Engine(..., update_batch=...)``).
 """
