@@ -45,7 +45,7 @@ VARIANT = re.compile(
 READ_ORDER = [
     ("1 the message", ["core/scheduler_output.py", "core/outputs.py"], "`v1/core/sched/output.py`, `v1/outputs.py`"),
     ("2 a request", ["core/request.py", "core/sampling.py"], "`v1/request.py`, `vllm/sampling_params.py`"),
-    ("3 the scheduler", ["engine/scheduler.py", "engine/policies.py", "engine/update.py"],
+    ("3 the scheduler", ["engine/scheduler.py", "engine/policies.py"],
      "`v1/core/sched/scheduler.py`, `request_queue.py`"),
     ("4 the KV manager", ["kv/manager.py", "kv/pool.py", "kv/paged.py"],
      "`v1/core/kv_cache_manager.py`, `block_pool.py`"),

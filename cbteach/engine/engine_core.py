@@ -9,7 +9,7 @@ adds the request API on top. One :meth:`EngineCore.step` is one forward pass, in
 1. ``plan = scheduler.schedule(now)`` (:mod:`cbteach.engine.scheduler`) -- a message;
 2. ``output = executor.execute_model(plan)`` (:mod:`cbteach.executor`: the worker's model runner,
    :mod:`cbteach.worker.model_runner`);
-3. ``scheduler.update_from_output(plan, output, now)`` (:mod:`cbteach.engine.update`).
+3. ``scheduler.update_from_output(plan, output, now)`` (the scheduler's too).
 
 The engine steps while the scheduler :meth:`~cbteach.engine.scheduler.Scheduler.has_requests`: after
 the last request finishes, one more message (nothing scheduled) tells the worker who finished, so it

@@ -5,8 +5,7 @@ scheduler decides once per step, so a sequence that finished on step ``t`` leave
 request takes its slot on step ``t + 1``. The step is split the way vLLM V1 splits it
 (``vllm/v1/core/sched/scheduler.py``): :meth:`Scheduler.schedule` plans it and sends the model runner
 a message, a :class:`~cbteach.core.scheduler_output.SchedulerOutput`; the runner executes it;
-:meth:`~cbteach.engine.update.UpdateFromOutput.update_from_output` (:mod:`cbteach.engine.update`)
-turns the step's output into request state.
+:meth:`Scheduler.update_from_output` turns the step's output into request state.
 
 There is no "prefill phase" and "decode phase" (vLLM V1's design note): every sequence has
 ``num_computed_tokens`` catching up with its ``num_tokens``. Planning follows V1's ``schedule()``:
@@ -32,6 +31,18 @@ There is no "prefill phase" and "decode phase" (vLLM V1's design note): every se
    scheduled tokens at the end of ``schedule()``, before the forward pass runs -- which is what lets
    the next step be planned while this one computes.
 
+After the forward pass, :meth:`Scheduler.update_from_output` (V1's) does the rest, for each planned
+sequence: guesses the model rejected are taken back (``num_computed_tokens`` goes down by them; blocks
+that held only rejected guesses go back to the pool, ``trim`` -- V1 keeps them with the request);
+sampled tokens are appended (``output.sampled[i]``: one, several when guesses were accepted, or
+``None`` for a prefill chunk that stopped short of its prompt's end); after every token, the stop
+checks -- EOS (unless ``ignore_eos``), a ``stop_token_ids`` entry, ``max_new_tokens``
+(:func:`~cbteach.core.sampling.stop_reason`; stop *strings* are text, checked by the server's
+detokenizer as V1's front end does); a finished sequence leaves ``running`` and its blocks are freed
+-- *after* its last token is recorded (forgetting this is the leak every engine has had once). A
+failure that belongs to one sequence alone (``output.errors[i]``) ends it with
+``finish_reason="error"``; the others are updated as usual.
+
 Two features V1 threads through this loop are threaded here as V1 does, in two lines of
 :meth:`Scheduler.schedule_running`: tokens a step in flight will give a request (V1's
 ``num_output_placeholders``) and the guesses fed after its known tokens (V1's ``spec_token_ids``).
@@ -45,15 +56,16 @@ from __future__ import annotations
 import math
 
 from ..core.config import SchedulerConfig
+from ..core.outputs import RunnerOutput
 from ..core.request import RequestStatus, Sequence
+from ..core.sampling import stop_reason
 from ..core.scheduler_output import SchedulerOutput, StepPlan, make_scheduler_output
 from .policies import make_queue
-from .update import UpdateFromOutput
 
 __all__ = ["Scheduler", "SchedulerOutput", "StepPlan"]
 
 
-class Scheduler(UpdateFromOutput):
+class Scheduler:
     """A waiting queue (the policy's) and the running batch; see the module."""
 
     def __init__(self, config: SchedulerConfig, kv_manager, eos_ids=frozenset()):
@@ -174,6 +186,73 @@ class Scheduler(UpdateFromOutput):
         """``allocate_slots`` for an admission: its prefix-cache hits ``cached`` are taken with the room
         for ``n`` tokens (and ``lookahead`` more). A subclass may refuse first (a rule of its own)."""
         return self.kv_manager.allocate_slots(seq, n, new_computed_blocks=cached, num_lookahead_tokens=lookahead)
+
+    # -- after the forward pass: the output becomes request state ---------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput, output: RunnerOutput, now: float) -> list[Sequence]:
+        """Turn one step's ``output`` into request state (see the module). ``output``'s lists are in the
+        order the worker packed the requests; each is found by its id (``output.req_id_to_index``, as
+        V1's ``update_from_output`` does). Returns the sequences that finished on this step."""
+        finished = []
+        start = scheduler_output.num_computed_tokens_of()
+        index = output.req_id_to_index
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
+            seq = self.requests.get(rid)
+            if seq is None or seq.status.is_finished:  # stopped or aborted while this step was in flight: dropped (V1)
+                continue
+            i = index[rid]
+            tokens = output.sampled[i]
+            if output.error(i) is not None:
+                self._fail(seq, output.error(i), finished, computed_before=start[rid])
+                continue
+            drafts = scheduler_output.num_draft_tokens(rid)
+            if drafts:  # V1: the rejected guesses' K/V are forgotten; what they wrote will be overwritten
+                seq.num_computed_tokens -= drafts - (len(tokens) - 1)
+                self.kv_manager.trim(seq)  # cbteach's: blocks that held only rejected guesses go back (V1 keeps them)
+            seq.draft_ids = []
+            for token in tokens or ():  # None: a prefill chunk that did not reach the end of the known tokens
+                if self._append(seq, token, now):  # a stop inside accepted guesses drops the guesses after it
+                    seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
+                    break
+            # Only now are accepted guesses among the sequence's tokens: the prefix cache hashes a
+            # block's tokens, so it must see them to make blocks they filled findable.
+            self.kv_manager.on_computed(seq)
+            if seq.finish_reason:
+                self._finish(seq, finished)
+        return finished
+
+    def _append(self, seq: Sequence, token: int, now: float) -> bool:
+        """Append a sampled token to ``seq``'s output; True when it stops the sequence."""
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.output_ids.append(token)
+        seq.token_times.append(now)
+        params = seq.request.sampling_params
+        seq.finish_reason = stop_reason(seq.output_ids, seq.request.max_new_tokens, self.eos_ids,
+                                        seq.request.ignore_eos, params.stop_token_ids)
+        return seq.finish_reason is not None
+
+    def _finish(self, seq: Sequence, finished: list) -> None:
+        """``seq`` stopped: it leaves the batch, and its blocks go back -- after its last token is recorded.
+        (A request preempted while its step was in flight may stop while waiting.)"""
+        seq.status = RequestStatus.FINISHED
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv_manager.free(seq)
+        self.forget(seq)
+        finished.append(seq)
+
+    def _fail(self, seq: Sequence, message: str, finished: list, computed_before: int) -> None:
+        """The step failed for ``seq`` alone: it ends with ``finish_reason="error"`` (its blocks freed).
+        Its count of computed tokens goes back to ``computed_before`` (the step's start) first: the
+        blocks this step was to fill were made findable when they were allocated, their K/V may never
+        have been written, and ``free`` drops from the prefix cache every block past the computed
+        tokens -- no later prompt may reuse them."""
+        seq.num_computed_tokens = min(seq.num_computed_tokens, computed_before)
+        seq.finish_reason, seq.error = "error", message
+        seq.draft_ids = []
+        self._finish(seq, finished)
 
     # -- the pieces a scheduler is built from ------------------------------------------------------
     def allocate_or_preempt(self, seq: Sequence, n: int, out: StepPlan) -> tuple[bool, int]:
