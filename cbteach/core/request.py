@@ -135,11 +135,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_cached_prompt_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     ready_time: float = 0.0  # swapped-in K/V usable from this time on (a disaggregated handover's arrival)
-    # -- speculative decoding ----------------------------------------------------------------------
-    draft_ids: list[int] = field(default_factory=list)  # guesses for the next step
-    # -- parallel sampling (n > 1): one prompt, several samples sharing its KV blocks -----------------
-    sample_index: int | None = None  # which sample of its request (None: the request has one)
-    forks: list = field(default_factory=list)  # samples waiting for this one's prefill, to share its blocks
+    draft_ids: list[int] = field(default_factory=list)  # tokens to feed on trust next step (V1's spec_token_ids)
+    sample_index: int | None = None  # which sample of its request, n > 1 (None: the request has one)
     completion: object = None  # its own Completion once finished (the request's gathers every sample's)
     # -- timing, on the engine's clock ---------------------------------------------------------------
     arrival_time: float = 0.0
@@ -154,8 +151,8 @@ class Sequence:
 
     @property
     def num_slots(self) -> int:
-        """Batch slots it needs: its own, and one per sample that will fork from it."""
-        return 1 + len(self.forks)
+        """Batch slots its admission takes: its own (a sequence that others wait on takes theirs too)."""
+        return 1
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens ``start..end-1`` of prompt + output, without building the whole list every step."""

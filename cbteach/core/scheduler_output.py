@@ -8,8 +8,8 @@ samples itself. That is vLLM V1's boundary (``vllm/v1/core/sched/output.py``; th
 ``_update_states`` in ``vllm/v1/worker/gpu_model_runner.py``): V1 caches each request's data in every
 worker so that the message need not send it again ("we only send the diff to minimize the
 communication cost", ``output.py``). The same split is what lets the next step be
-planned while this one runs -- the worker, not the scheduler, holds the tokens the step in flight
-will give -- and one message go to every tensor-parallel worker (each runs it and samples for itself).
+planned while this one runs: the worker, not the scheduler, holds the tokens the step in flight
+will give.
 
 The message is plain data -- ids, ints, lists, frozen dataclasses; no ``Sequence``, no generator, no
 tensor -- and it pickles. To keep it small it sends each request's data once:

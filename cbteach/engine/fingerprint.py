@@ -3,7 +3,7 @@
 An engine reads a model once: its dtype and device (the KV pool is made to match), its modules (the
 engine's own view of the model copies the module tree, :mod:`cbteach.core.model_view`), its EOS ids
 (the stop rule), and it computes with the weights as they are. If any of that changes under it --
-``model.to(torch.float16)``, ``resize_token_embeddings``, an adapter swapped in, a new EOS id, an
+``model.to(torch.float16)``, ``resize_token_embeddings``, an adapter put in, a new EOS id, an
 optimizer step -- an engine that went on would be silently wrong: a float32 pool for float16 keys,
 a view still calling the old embedding, the old stop rule, or (for weights updated in place) a
 request whose first tokens came from other weights than its last.

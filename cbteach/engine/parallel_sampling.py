@@ -19,15 +19,30 @@ Either way sample ``i`` gives what a request with ``seed + i`` gives alone, and 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from ..core.request import Sequence
+
+
+@dataclass(eq=False)
+class ForkingSequence(Sequence):
+    """A sequence of a request sampled by fork: the samples waiting in its ``forks`` share its blocks once
+    its prefill ends, so its admission takes a batch slot for each of them too."""
+
+    forks: list = field(default_factory=list)  # samples waiting for this one's prefill, to share its blocks
+
+    @property
+    def num_slots(self) -> int:
+        return 1 + len(self.forks)
 
 
 def make_samples(request, prompt_ids: list[int], arrival_time: float, claimed: bool, mode: str) -> list[Sequence]:
     """The sequences of ``request``: one, or one per sample; in fork mode the first holds the others
     in its ``forks``. Returns them all; :func:`queued` says which go to the waiting queue."""
     n = request.sampling_params.n
-    seqs = [Sequence(request=request, prompt_ids=prompt_ids, arrival_time=arrival_time, claimed=claimed,
-                     sample_index=None if n == 1 else i)
+    cls = ForkingSequence if mode == "fork" else Sequence
+    seqs = [cls(request=request, prompt_ids=prompt_ids, arrival_time=arrival_time, claimed=claimed,
+                sample_index=None if n == 1 else i)
             for i in range(n)]
     if n > 1 and mode == "fork":
         seqs[0].forks = seqs[1:]
@@ -43,6 +58,9 @@ def abort_sample(scheduler, seq: Sequence, group: list[Sequence]) -> None:
     """Abort one sample and only it (vLLM's rule: aborting the request id aborts them all). In fork
     mode a sample still computing the prompt hands the samples waiting on it to the next of them,
     which computes the prompt instead; a sample still waiting to fork just stops waiting."""
+    if not isinstance(seq, ForkingSequence):
+        scheduler.abort(seq)
+        return
     waiting_on_it, seq.forks = seq.forks, []
     if waiting_on_it:
         heir = waiting_on_it[0]

@@ -10,8 +10,7 @@ Two are built in, named as vLLM names them (``--scheduling-policy fcfs|priority`
 
 * :class:`FCFSQueue` -- first come, first served, by arrival time. A preempted request goes back
   to the *front* (it came first). The victim is the last of the running list -- the most recently
-  admitted or swapped back in, usually the one with the least work to lose (vLLM V1 takes the
-  same one).
+  admitted, usually the one with the least work to lose (vLLM V1 takes the same one).
 * :class:`PriorityQueue` -- by ``Request.priority`` (smaller = more urgent, vLLM's convention),
   ties by arrival time. The victim is the least urgent running request, the latest to arrive
   among equals (as in vLLM V1). A preempted request goes back to its place by the same key, so it
@@ -95,7 +94,7 @@ class FCFSQueue(WaitingQueue):
         self._items.insert(0, seq)
 
     def pick_victim(self, running: list[Sequence]) -> Sequence:
-        return running[-1]  # the most recently admitted (or swapped back in)
+        return running[-1]  # the most recently admitted
 
 
 class PriorityQueue(WaitingQueue):

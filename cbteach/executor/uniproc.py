@@ -22,7 +22,7 @@ class UniProcExecutor:
         return self.pipeline.drain() if self.pipeline is not None else None
 
     def generator_state(self, req_id) -> bytes | None:
-        """A seeded request's random stream, as bytes (a disaggregated handover carries it along)."""
+        """A seeded request's random stream, as bytes (for a request moved to another engine)."""
         return self.runner.generator_state(req_id)
 
     def close(self) -> None:

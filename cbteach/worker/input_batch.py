@@ -159,7 +159,7 @@ class InputBatch:
 
     def write_after_known(self, row: int, token_ids: list[int]) -> None:
         """Tokens after ``row``'s known ones, where a step's gather reads them, not counted as known
-        (a speculating runner's guesses)."""
+        (tokens fed on trust, checked by the step)."""
         n = int(self.num_tokens[row])
         self._fit_width(n + len(token_ids))
         self.token_ids_np[row, n:n + len(token_ids)] = token_ids

@@ -1,9 +1,8 @@
 """Sampling in the worker: one step's logits become tokens, first on the device, then on the host.
 
-Every rank samples (vLLM V1's workers each run the sampler, with the same seeded generators, on the
-same logits, which the all-reduces leave equal on every rank), so the tokens need not be sent
-anywhere -- each rank's batch appends its own, and only the output rank tells the scheduler.
-Sampling has two halves, so that the next step can start between them:
+The worker samples (vLLM V1's workers each run the sampler), so the tokens need not be sent anywhere:
+its batch appends its own, and the output tells the scheduler. Sampling has two halves, so that the
+next step can start between them:
 
 * :func:`sample_on_device` -- the tokens each row feeds next, as a tensor on the model's device
   (greedy rows: one ``max`` over the vocabulary; others: a draw with the request's generator), with a
