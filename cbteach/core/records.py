@@ -127,10 +127,8 @@ class StepRecord:
 
 
 def new_record(step: int, kv_kind: str, start_time: float, plan) -> StepRecord:
-    """A step's record as planned: who was admitted, preempted or swapped in (``plan``: its
-    :class:`~cbteach.core.scheduler_output.SchedulerOutput`)."""
-    return StepRecord(step=step, kv_kind=kv_kind, start_time=start_time, admitted=list(plan.admitted_req_ids),
-                      preempted=list(plan.preempted_req_ids), swapped_in=list(plan.swapped_in_req_ids))
+    """A step's record as planned: ``plan.record_fields()`` (who was admitted, who preempted...)."""
+    return StepRecord(step=step, kv_kind=kv_kind, start_time=start_time, **plan.record_fields())
 
 
 def fill_record(record: StepRecord, step, out, num_outputs_before: list[int], finished: list,

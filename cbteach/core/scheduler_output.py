@@ -37,9 +37,9 @@ it; the commits read are in README's "Which V1"): in :class:`NewRequestData`, ``
 seeded params), ``output_token_ids`` and ``generator_state`` (a request handed over from another
 engine, with what it generated and its random stream); in :class:`CachedRequestData`,
 ``replaced_req_ids`` (a table changed other than by appending: a copy on write or a trim of rejected
-guesses' blocks; V1 appends unless a request is resumed). ``admitted_req_ids`` and
-``swapped_in_req_ids`` are for the engine's step record, and so, here, is ``preempted_req_ids`` (V1
-has it too, for its V2 model runner); the worker ignores them.
+guesses' blocks; V1 appends unless a request is resumed). ``admitted_req_ids`` is for the engine's
+step record (:meth:`SchedulerOutput.record_fields`), and so, here, is ``preempted_req_ids`` (V1 has it
+too, for its V2 model runner); the worker ignores them.
 While it plans, the scheduler keeps working notes with live sequences -- :class:`StepPlan`, V1's local
 lists in ``schedule()`` -- and turns them into the message at the end (:func:`make_scheduler_output`,
 through :meth:`~cbteach.engine.scheduler.Scheduler.make_output`).
@@ -97,7 +97,6 @@ class SchedulerOutput:
     finished_req_ids: frozenset = frozenset()
     admitted_req_ids: list = field(default_factory=list)  # for the step record
     preempted_req_ids: list = field(default_factory=list)
-    swapped_in_req_ids: list = field(default_factory=list)
 
     @property
     def req_ids(self) -> list:
@@ -115,6 +114,9 @@ class SchedulerOutput:
         start = {r.req_id: r.num_computed_tokens for r in self.scheduled_new_reqs}
         start.update(zip(self.scheduled_cached_reqs.req_ids, self.scheduled_cached_reqs.num_computed_tokens))
         return start
+
+    def record_fields(self) -> dict:  # what the engine's step record takes from the message
+        return {"admitted": list(self.admitted_req_ids), "preempted": list(self.preempted_req_ids)}
 
     def num_draft_tokens(self, req_id) -> int:
         """Speculative guesses fed for ``req_id`` this step."""

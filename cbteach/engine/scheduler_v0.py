@@ -47,6 +47,10 @@ class V0SchedulerOutput(SchedulerOutput):
     blocks_to_swap_in: dict = field(default_factory=dict)  # request id -> blocks its host copy is written into
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy on write (src, dst), before the forward
     scheduled_forks: dict = field(default_factory=dict)  # request id -> [(sample id, sample index)] forking from it
+    swapped_in_req_ids: list = field(default_factory=list)  # for the step record
+
+    def record_fields(self) -> dict:
+        return {**super().record_fields(), "swapped_in": list(self.swapped_in_req_ids)}
 
     @property
     def is_empty(self) -> bool:
