@@ -11,7 +11,7 @@ adds the request API on top. One :meth:`EngineCore.step` is one forward pass, in
    :mod:`cbteach.worker.model_runner`);
 3. ``scheduler.update_from_output(plan, output, now)`` (the scheduler's too).
 
-The engine steps while the scheduler :meth:`~cbteach.engine.scheduler.Scheduler.has_requests`: after
+The engine steps while :meth:`~EngineCore.has_requests` says so: after
 the last request finishes, one more message (nothing scheduled) tells the worker who finished, so it
 holds nothing when the engine is idle -- V1's engine core does the same.
 

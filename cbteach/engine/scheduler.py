@@ -95,11 +95,6 @@ class Scheduler:
         """Requests finished or aborted that the worker has not been told of yet (V1's name)."""
         return bool(self.finished_req_ids)
 
-    def has_requests(self) -> bool:
-        """Something to step for: unfinished requests, or finished ones the worker still holds -- after
-        the last step the engine sends one more message, so the worker ends holding nothing (V1's rule)."""
-        return self.has_unfinished() or self.has_finished_requests()
-
     def num_slots_taken(self) -> int:
         """Batch slots in use: one per running sequence."""
         return len(self.running)
