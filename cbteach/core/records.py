@@ -56,8 +56,8 @@ class StepRecord:
     kv_bytes_read: int = 0  # paged: K/V that attention read through the block tables (concat: 0)
     kv_copy_time: float = 0.0
     kv_usage: dict | None = None  # paged cache: pool state after the step (block tables, fill)
-    num_all_reduces: int = 0  # tensor parallelism: all-reduces in this step's forward pass
-    all_reduce_bytes: int = 0  # ... and the bytes each rank sent into them
+    num_all_reduces: int = 0  # a model sharded over processes: all-reduces in this step's forward pass
+    all_reduce_bytes: int = 0  # ... and the bytes each process sent into them
     # When the host and the model worked on this step: "schedule", "forward" and "update" -> (start, end)
     # in time.perf_counter() seconds (a step loop that overlaps steps overlaps these too).
     timings: dict = field(default_factory=dict)
