@@ -36,7 +36,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
-    n: int = 1  # parallel samples of one prompt (sample i draws from seed + i): Engine(parallel_sampling=...)
+    n: int = 1  # samples of one prompt (sample i draws from seed + i; the engine option says how they share blocks)
     stop_token_ids: tuple = ()  # more ids that end the request (finish_reason "stop"), even with ignore_eos
 
     def __post_init__(self):
