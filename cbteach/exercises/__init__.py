@@ -31,10 +31,15 @@ def report(ok: bool, good: str, bad: str) -> bool:
     return ok
 
 
+def fail(hint: str) -> bool:
+    """Print ``hint``, what is wrong with the learner's answer; False."""
+    return report(False, "", hint)
+
+
 def uncallable(fn, name: str) -> bool:
     """Say so, and True, when ``fn`` is not a function (the learner passed its result, or nothing)."""
-    return not callable(fn) and not report(False, "", f"pass your function itself ({name}, not {name}(...)); got "
-                                                      f"{type(fn).__name__}")
+    return not callable(fn) and not fail(f"pass your function itself ({name}, not {name}(...)); got "
+                                         f"{type(fn).__name__}")
 
 
 def raised(err: BaseException) -> str:
@@ -71,7 +76,7 @@ def self_check(check):
         try:
             return check(*args, **kwargs)
         except Exception as err:  # the learner's code, or an answer of a kind the check could not use
-            return report(False, "", f"the check stopped with {raised(err)}\n  Run your code on a "
+            return fail(f"the check stopped with {raised(err)}\n  Run your code on a "
                           "small case by hand and look at what it returns (its type, length and values).")
     return wrapper
 

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import is_int, report, self_check, uncallable
+from . import fail, is_int, report, self_check, uncallable
 
 CACHE_KWARGS = ("cache", "past_key_values")  # transformers 5 renamed past_key_values to cache
 
@@ -175,36 +175,34 @@ def check_greedy_decode(greedy_decode, model, input_ids, max_new_tokens: int, eo
         got, calls, used_generate = run_barred(greedy_decode, model, (ids.clone(), n, eos), "greedy_decode")
         where = _case(ids, n, eos)
         if used_generate:
-            return report(False, "", "write the loop yourself: your function called model.generate")
+            return fail("write the loop yourself: your function called model.generate")
         hint = _work_hint([c[:2] for c in calls])
         if isinstance(got, Exception):
             why = f" (before that, {hint})" if hint else ""
-            return report(False, "", f"{where} raised {type(got).__name__}: {got}{why}")
+            return fail(f"{where} raised {type(got).__name__}: {got}{why}")
         if got is None and not calls:
-            return report(False, "", "not done yet: greedy_decode returned None -- write it in the cell above")
+            return fail("not done yet: greedy_decode returned None -- write it in the cell above")
         ids_got = _as_ids(got)
         if ids_got is None:
-            return report(False, "", f"{where} returned {type(got).__name__ if got is not None else 'None'}; "
-                                     "it should return the new token ids, a list of ints")
+            return fail(f"{where} returned {type(got).__name__ if got is not None else 'None'}; "
+                        "it should return the new token ids, a list of ints")
         if not calls:
-            return report(False, "", "the check saw no forward pass; call the model itself, model(input_ids=..., "
-                                     "cache=..., use_cache=True), not model.forward")
+            return fail("the check saw no forward pass; call the model itself, model(input_ids=..., "
+                        "cache=..., use_cache=True), not model.forward")
         if not all(on_device for _, _, on_device in calls):
-            return report(False, "", "a forward pass got its input on another device; make every tensor with "
-                                     "device=model.device")
+            return fail("a forward pass got its input on another device; make every tensor with device=model.device")
         if hint:
-            return report(False, "", f"{where}: {hint}")
+            return fail(f"{where}: {hint}")
         if ids_got != expected:
-            return report(False, "", f"{where} gave other tokens than model.generate "
-                                     f"({_token_hint(ids_got, expected, prompt, n, eos)})")
+            return fail(f"{where} gave other tokens than model.generate "
+                        f"({_token_hint(ids_got, expected, prompt, n, eos)})")
         fed, ref_fed = sum(c[0] for c in calls), sum(c[0] for c in ref_calls)
         if len(calls) == len(ref_calls) + 1 and fed == ref_fed + 1:
-            return report(False, "", f"{where}: right tokens, but one forward pass too many: the token chosen in "
-                                     "the last step is returned, it needs no forward pass of its own")
+            return fail(f"{where}: right tokens, but one forward pass too many: the token chosen in "
+                        "the last step is returned, it needs no forward pass of its own")
         if fed != ref_fed:
-            return report(False, "", f"{where}: right tokens, but your loop fed the model {fed} positions in "
-                                     f"{len(calls)} forward passes, and generate with its cache fed "
-                                     f"{'fewer' if fed > ref_fed else 'more'}")
+            return fail(f"{where}: right tokens, but your loop fed the model {fed} positions in {len(calls)} forward "
+                        f"passes, and generate with its cache fed {'fewer' if fed > ref_fed else 'more'}")
         n_new = len(expected) if n_new is None else n_new
     _, no_cache = generate_with_work(model, input_ids, max_new_tokens, eos_id, use_cache=False)
     p = input_ids.shape[1]

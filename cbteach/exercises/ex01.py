@@ -12,7 +12,7 @@ import torch
 
 from ..core.request import Request
 from ..engine.static import static_batching
-from . import is_int, report, self_check, uncallable
+from . import fail, is_int, report, self_check, uncallable
 from .ex00 import run_barred
 
 
@@ -180,31 +180,31 @@ def check_static_wave(static_wave, model, prompts, max_new_tokens: int, eos_id: 
         want = [reference(m, p, n, eos) for p in ps]
         got, calls, used_generate = run_barred(static_wave, m, ([list(p) for p in ps], n, eos), "static_wave", _pass)
         if used_generate:
-            return report(False, "", "write the wave yourself: your function called model.generate")
+            return fail("write the wave yourself: your function called model.generate")
         if isinstance(got, Exception):
             hint = _pass_hint(calls, ps) if calls else None
             why = f" (before that, {hint})" if hint else ""
-            return report(False, "", f"{where}: static_wave raised {type(got).__name__}: {got}{why}")
+            return fail(f"{where}: static_wave raised {type(got).__name__}: {got}{why}")
         if got is None:
-            return report(False, "", "not done yet: static_wave returned None -- write it in the cell above")
+            return fail("not done yet: static_wave returned None -- write it in the cell above")
         outputs = _as_outputs(got, len(ps))
         if outputs is None:
-            return report(False, "", f"{where}: static_wave returned {type(got).__name__}; return one list of new "
-                                     f"token ids (ints) per prompt, {len(ps)} lists in the prompts' order")
+            return fail(f"{where}: static_wave returned {type(got).__name__}; return one list of new "
+                        f"token ids (ints) per prompt, {len(ps)} lists in the prompts' order")
         if not calls:
-            return report(False, "", "the check saw no forward pass: call the model itself, model(input_ids=...)")
+            return fail("the check saw no forward pass: call the model itself, model(input_ids=...)")
         hint = _pass_hint(calls, ps, outputs, want)
         if hint:
-            return report(False, "", f"{where}: {hint}")
+            return fail(f"{where}: {hint}")
         wrong = [i for i, (g, w) in enumerate(zip(outputs, want)) if g != w]
         if wrong:
             i = wrong[0]
-            return report(False, "", f"{where}: request {i}'s tokens are not what generate gives it alone "
-                                     f"({_token_hint(outputs[i], want[i], calls)})")
+            return fail(f"{where}: request {i}'s tokens are not what generate gives it alone "
+                        f"({_token_hint(outputs[i], want[i], calls)})")
         engine = engine_passes(m, ps, n, eos)
         mine = [(c["rows"], c["fed"]) for c in calls]
         if mine != engine:  # right tokens in other passes than the real static batcher's
-            return report(False, "", f"{where}: right tokens, but not in the static batcher's passes (one padded "
-                                     "prefill of every row, then one pass per step, every row fed one token)")
+            return fail(f"{where}: right tokens, but not in the static batcher's passes (one padded "
+                        "prefill of every row, then one pass per step, every row fed one token)")
     return report(True, f"your wave gives generate's tokens in all {len(cases)} cases, in the static batcher's "
                         "passes: one padded prefill, then one step per token until the longest request is done", "")

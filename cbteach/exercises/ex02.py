@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 from ..engine.engine import Engine
 from ..core.request import Request
-from . import is_int, raised, report, self_check, uncallable
+from . import fail, is_int, raised, report, self_check, uncallable
 
 
 class Case(NamedTuple):
@@ -72,14 +72,14 @@ def check_fcfs_simulator(simulate, model, lengths=None, batch_size=None) -> bool
         try:
             got = simulate(list(case_lengths), b)
         except Exception as err:  # the learner's code: say what failed, and on which input
-            return report(False, "", f"simulate({case_lengths}, {b}) raised {raised(err)}")
+            return fail(f"simulate({case_lengths}, {b}) raised {raised(err)}")
         if got is None:
-            return report(False, "", "not done yet: your simulator returned None -- write it in the cell above")
+            return fail("not done yet: your simulator returned None -- write it in the cell above")
         if not is_int(got):
-            return report(False, "", f"simulate({case_lengths}, {b}) returned {got!r}; it should return a whole "
-                                     "number of steps (an int)")
+            return fail(f"simulate({case_lengths}, {b}) returned {got!r}; it should return a whole "
+                        "number of steps (an int)")
         if got != expected:
             shown = case_lengths if len(case_lengths) <= 12 else f"{case_lengths[:12]}... ({len(case_lengths)} requests)"
-            return report(False, "", f"simulate({shown}, {b}) = {got}, but the engine took {'more' if expected > got else 'fewer'} steps "
-                                     f"({_hint(model, case_lengths, b, got, expected)})")
+            return fail(f"simulate({shown}, {b}) = {got}, but the engine took {'more' if expected > got else 'fewer'} steps "
+                        f"({_hint(model, case_lengths, b, got, expected)})")
     return report(True, f"your simulator matches the engine's step count on all {len(cases)} workloads", "")

@@ -15,7 +15,7 @@ from ..attention.packing import additive_mask, block_diagonal_causal_mask
 from ..engine.engine import Engine
 from ..core.request import Request
 from ..kv.concat import KVTraffic, layer_kv
-from . import generated, raised, report, self_check, uncallable
+from . import fail, generated, raised, report, self_check, uncallable
 
 HEADS, DIM = 2, 3
 
@@ -157,19 +157,19 @@ def check_gather_scatter(gather, scatter, model, tokenizer) -> bool:
         except Exception as err:  # the learner's code
             hint = f"it raised {raised(err)}"
         if hint:
-            return report(False, "", f"{name}, on a step with sequences of 3, 0 and 2 cached tokens: {hint}")
+            return fail(f"{name}, on a step with sequences of 3, 0 and 2 cached tokens: {hint}")
     engine = Engine(model, tokenizer, max_batch_size=2, kv="concat")
     _plug(engine, gather, scatter)
     reqs = [Request(p, n, request_id=p.split(",")[0], ignore_eos=True) for p, n in WORKLOAD]
     try:
         out = engine.run(reqs)
     except Exception as err:  # the learner's functions, called by the engine
-        return report(False, "", f"inside the engine, a step failed with {raised(err)} -- on some "
-                                 "step a sequence's cache did not hold exactly its tokens so far")
+        return fail(f"inside the engine, a step failed with {raised(err)} -- on some "
+                    "step a sequence's cache did not hold exactly its tokens so far")
     fused = sum(r.is_fused for r in engine.records)
     for c, (p, n) in zip(out, WORKLOAD):
         if c.output_ids != generated(model, tokenizer(p)["input_ids"], n, stop_at_eos=False):
-            return report(False, "", f"inside the engine, {c.request_id}'s tokens are not what generate gives it "
-                                     "alone: a key or value reached the wrong sequence or position on some step")
+            return fail(f"inside the engine, {c.request_id}'s tokens are not what generate gives it "
+                        "alone: a key or value reached the wrong sequence or position on some step")
     return report(True, f"your gather and scatter ran inside the engine for {len(engine.records)} steps ({fused} "
                         f"fused) and every request got generate's tokens", "")

@@ -16,7 +16,7 @@ from ..attention.metadata import build
 from ..core.request import Request
 from ..engine.engine import Engine
 from ..kv.pool import PagedKVPool
-from . import Fail, first_mistake, generated, guard, is_int, raised, report, self_check, uncallable
+from . import Fail, fail, first_mistake, generated, guard, is_int, raised, report, self_check, uncallable
 from .ex05_mistakes import ATTENTION_MISTAKES, SLOT_MISTAKES, attend, slots
 
 MAX_NEW_TOKENS = 16  # per request, in the engine runs
@@ -324,10 +324,9 @@ def _in_engine(model, prompts, attention, slot_mapping, max_new_tokens: int = MA
             if c.output_ids != exp:
                 j = next((j for j, (a, b) in enumerate(zip(c.output_ids, exp)) if a != b),
                          min(len(exp), len(c.output_ids)))  # or where the shorter one ends
-                raise Fail(f"in the real engine ({what}): request {c.request_id}'s tokens differ from "
-                           f"generate's from new token {j} on. The hand-built steps passed, so look at what "
-                           "changes over a run: blocks reused after a request finished or was preempted, "
-                           "longer contexts, other shapes")
+                raise Fail(f"in the real engine ({what}): request {c.request_id}'s tokens differ from generate's from "
+                           f"new token {j} on. The hand-built steps passed, so look at what changes over a run: blocks "
+                           "reused after a request finished or was preempted, longer contexts, other shapes")
         steps += len(ps)
         tokens += sum(len(e) for e in expected)
     return steps, tokens
@@ -352,7 +351,7 @@ def check_slot_mapping(slot_mapping, model, tok=None, prompts=None) -> bool:
         check_slot_mapping_cases(slot_mapping)
         served, tokens = _in_engine(model, _prompts(tok, prompts), None, slot_mapping)
     except Fail as err:
-        return report(False, "", str(err))
+        return fail(str(err))
     return report(True, f"your slot mapping is right on {len(STEPS)} hand-built steps, and the real engine wrote "
                         f"every K/V where it said: {served} requests, {tokens} tokens, each equal to generate's", "")
 
@@ -365,14 +364,14 @@ def check_paged_attention(attention, model, tok=None, prompts=None, slot_mapping
     if uncallable(attention, "my_attention"):
         return False
     if slot_mapping is not None and not callable(slot_mapping):
-        return report(False, "", "slot_mapping= takes your slot-mapping function itself (or None)")
+        return fail("slot_mapping= takes your slot-mapping function itself (or None)")
     try:
         if slot_mapping is not None:
             check_slot_mapping_cases(slot_mapping)
         check_attention_cases(attention)
         served, tokens = _in_engine(model, _prompts(tok, prompts), attention, slot_mapping)
     except Fail as err:
-        return report(False, "", str(err))
+        return fail(str(err))
     pieces = "your attention and your slot mapping" if slot_mapping is not None else "your attention"
     return report(True, f"{pieces}: right on {len(HEADS)} hand-built steps (mixed prefill chunks and decodes, "
                         f"grouped-query heads, stale slots), and the real engine ran on them: {served} requests, "

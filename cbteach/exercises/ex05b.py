@@ -15,7 +15,7 @@ import torch
 from ..attention.metadata import build
 from ..attention.paged import reference_attention
 from ..kv.pool import PagedKVPool
-from . import (Fail, ex05b_mistakes as mistakes, first_mistake, generated, is_stub, raised, report, self_check,
+from . import (Fail, ex05b_mistakes as mistakes, fail, first_mistake, generated, is_stub, raised, report, self_check,
                uncallable)
 
 NOT_INSTALLED = 'Triton is not installed here: pip install "cbteach[kernels]" (Colab has it), then restart the kernel'
@@ -260,20 +260,20 @@ def check_attend_blocks(inner, model=None, tok=None) -> bool:
     try:
         _course()
     except ImportError:
-        return report(False, "", NOT_INSTALLED)
+        return fail(NOT_INSTALLED)
     if uncallable(inner, "my_attend_blocks"):
         return False
     if is_stub(inner):
-        return report(False, "", "my_attend_blocks is still the stub: write its loop below the cell's "
-                                 "@triton.jit line (replace the ...), then run this cell again")
+        return fail("my_attend_blocks is still the stub: write its loop below the cell's "
+                    "@triton.jit line (replace the ...), then run this cell again")
     if delegates(inner):
-        return report(False, "", "your loop calls the course's own (cbteach's attend_blocks or another piece of "
-                                 "cbteach): write the loop yourself")
+        return fail("your loop calls the course's own (cbteach's attend_blocks or another piece of "
+                    "cbteach): write the loop yourself")
     try:
         steps = run_steps(inner)
         served = run_engine(model, tok, inner) if model is not None else None
     except Fail as err:
-        return report(False, "", str(err))
+        return fail(str(err))
     engine = (f", and the real engine ran on it: {served[0]} requests, {served[1]} tokens, each equal to "
               "generate's") if served else ""
     return report(True, f"your loop equals the reference attention on {steps} hand-built steps{engine}", "")

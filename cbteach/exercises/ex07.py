@@ -13,7 +13,7 @@ import statistics
 from ..engine.engine import Engine
 from ..core.request import Request
 from ..engine.static import static_batching
-from . import report, self_check, uncallable
+from . import fail, report, self_check, uncallable
 
 COLD = 6.0     # a first run costs this many times a warm one (allocation, lazy imports, caches)
 DRIFT = 0.08   # each run costs this much more than the one before it, whichever engine ran (a machine slowing)
@@ -164,15 +164,14 @@ def check_benchmark(benchmark, model) -> bool:
         truth_same = not stale
         got = benchmark(dict(runs), repeat, clock)
         if got is None or got is Ellipsis:
-            return report(False, "", "not done yet: benchmark returned nothing; it should return (medians, "
-                                     "same_tokens)")
+            return fail("not done yet: benchmark returned nothing; it should return (medians, same_tokens)")
         truthy = isinstance(got, tuple) and len(got) == 2 and type(got[1]).__name__ in ("bool", "bool_")
         if not (truthy and isinstance(got[0], dict)):  # (a NumPy bool is a bool too)
-            return report(False, "", f"benchmark should return a pair (dict of medians, bool); got {got!r:.80}")
+            return fail(f"benchmark should return a pair (dict of medians, bool); got {got!r:.80}")
         got = (got[0], bool(got[1]))
         hint = _diagnose(clock.events, list(runs), repeat, got, truth_same)
         if hint:
             which = f"{len(runs)} engines{', one with a stale-state bug' if stale else ''}, repeat={repeat}"
-            return report(False, "", f"on the check's workload ({which}): {hint}")
+            return fail(f"on the check's workload ({which}): {hint}")
     return report(True, f"your harness warms up, interleaves, takes medians and compares every run's tokens "
                         f"({len(cases)} workloads, engines run for real)", "")

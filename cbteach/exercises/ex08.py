@@ -15,7 +15,7 @@ from ..worker import spec_runner
 from ..engine.engine import Engine
 from ..core.request import Request
 from ..engine.speculative import accept as engine_accept
-from . import first_mistake, is_int, raised, report, self_check, uncallable
+from . import fail, first_mistake, is_int, raised, report, self_check, uncallable
 
 # ---------------------------------------------------------------- prefix reuse ----------------
 
@@ -118,22 +118,21 @@ def check_prefix_reuse(predict, model, prompts=None, block_size=None) -> bool:
         try:
             got = predict([list(p) for p in case], bs)
         except Exception as err:  # the learner's code: say what failed, and on which case
-            return report(False, "", f"predict raised {raised(err)} (case: {what})")
+            return fail(f"predict raised {raised(err)} (case: {what})")
         if got is None:
-            return report(False, "", "not done yet: predict_reuse returned None -- write it in the cell above")
+            return fail("not done yet: predict_reuse returned None -- write it in the cell above")
         try:
             got = list(got)
         except TypeError:
-            return report(False, "", f"predict should return a list with one number per prompt, got {got!r}")
+            return fail(f"predict should return a list with one number per prompt, got {got!r}")
         if len(got) != len(case) or not all(is_int(g) for g in got):
-            return report(False, "", f"predict should return {len(case)} ints, one per prompt; got {got!r} "
-                                     f"(case: {what})")
+            return fail(f"predict should return {len(case)} ints, one per prompt; got {got!r} (case: {what})")
         expected = engine_cached_tokens(model, case, bs)
         if got != expected:
             i = next(i for i, (g, e) in enumerate(zip(got, expected)) if g != e)
             more = "more" if got[i] > expected[i] else "fewer"
-            return report(False, "", f"case {what!r}: for request {i} you predicted {got[i]} cached tokens, "
-                                     f"{more} than the engine reused. Hint: {_prefix_hint(case, bs, got)}")
+            return fail(f"case {what!r}: for request {i} you predicted {got[i]} cached tokens, "
+                        f"{more} than the engine reused. Hint: {_prefix_hint(case, bs, got)}")
     return report(True, f"your predictions match the engine's num_cached_prompt_tokens on all {len(cases)} cases", "")
 
 
@@ -206,16 +205,15 @@ def check_accept(accept) -> bool:
         try:
             got = accept(list(drafts), list(targets))
         except Exception as err:  # the learner's code
-            return report(False, "", f"accept({drafts}, {targets}) raised {raised(err)}")
+            return fail(f"accept({drafts}, {targets}) raised {raised(err)}")
         if got is None:
-            return report(False, "", "not done yet: accept returned None -- write it in the cell above")
+            return fail("not done yet: accept returned None -- write it in the cell above")
         if not isinstance(got, (list, tuple)) or not all(is_int(t) for t in got):
-            return report(False, "", f"accept({drafts}, {targets}) returned {got!r}; it should return a list of "
-                                     "token ids (ints)")
+            return fail(f"accept({drafts}, {targets}) returned {got!r}; it should return a list of token ids (ints)")
         got = [int(t) for t in got]
         if got != engine_accept(drafts, targets):
-            return report(False, "", f"accept({drafts}, {targets}) returned {got}, which is not what the engine "
-                                     f"keeps. Hint: {_accept_hint(drafts, targets, got)}")
+            return fail(f"accept({drafts}, {targets}) returned {got}, which is not what the engine "
+                        f"keeps. Hint: {_accept_hint(drafts, targets, got)}")
     # In the engine: a speculative run with the learner's rule must equal a run without speculation.
     model = loop_model()
     plain = [c.output_ids for c in Engine(model, None, max_batch_size=4, kv="paged").run(_loop_requests())]
@@ -223,8 +221,8 @@ def check_accept(accept) -> bool:
     with mock.patch.object(spec_runner, "accept", accept):
         spec = [c.output_ids for c in engine.run(_loop_requests())]
     if spec != plain:
-        return report(False, "", "inside the engine your rule changed the generated tokens; speculation must give "
-                                 "exactly what plain greedy decoding gives")
+        return fail("inside the engine your rule changed the generated tokens; speculation must give "
+                    "exactly what plain greedy decoding gives")
     s = engine.spec_stats
     return report(True, f"your rule matches the engine's on {len(cases)} cases, and inside the engine it kept the "
                         f"output exact ({s['accepted']} of {s['drafted']} guesses accepted in "

@@ -13,7 +13,7 @@ import torch
 
 from ..serving.disagg import DisaggregatedServer
 from ..core.request import Request
-from . import report, self_check, uncallable
+from . import fail, report, self_check, uncallable
 
 class Shape(NamedTuple):
     """A small model's shape; head_dim = hidden / heads."""
@@ -118,18 +118,18 @@ def check_handover(handover, model, prompt_len: int | None = None) -> bool:
         try:
             got = handover(n, m.config, bs, kv_dtype, link)
             if got is None:
-                return report(False, "", "not done yet: handover returned None -- write it in the cell above")
+                return fail("not done yet: handover returned None -- write it in the cell above")
             nbytes, seconds = got
         except Exception as err:  # the learner's code, or a result that is not a pair
-            return report(False, "", f"handover(...) failed or did not return (bytes, seconds) for {where}: "
-                                     f"{type(err).__name__}: {err}")
+            return fail(f"handover(...) failed or did not return (bytes, seconds) for {where}: "
+                        f"{type(err).__name__}: {err}")
         if not all(isinstance(x, numbers.Real) and not isinstance(x, bool) for x in (nbytes, seconds)):
-            return report(False, "", f"handover should return two numbers (bytes, seconds); got {got!r}")
+            return fail(f"handover should return two numbers (bytes, seconds); got {got!r}")
         exp_bytes, exp_seconds = measured_handover(m, n, bs, kv_dtype, link)
         if nbytes != exp_bytes:
             more = "more" if nbytes > exp_bytes else "fewer"
-            return report(False, "", f"for {where} you said {nbytes:,} bytes, {more} than the server moved. "
-                                     f"Hint: {_bytes_hint(nbytes, n, m.config, bs, kv_dtype)}")
+            return fail(f"for {where} you said {nbytes:,} bytes, {more} than the server moved. "
+                        f"Hint: {_bytes_hint(nbytes, n, m.config, bs, kv_dtype)}")
         if not math.isclose(seconds, exp_seconds, rel_tol=1e-9, abs_tol=1e-15):
             if math.isclose(seconds, 8 * exp_seconds, rel_tol=1e-9):
                 hint = "link_bytes_per_s is already in bytes per second: no factor 8"
@@ -137,8 +137,7 @@ def check_handover(handover, model, prompt_len: int | None = None) -> bool:
                 hint = "the division is upside down: seconds = bytes / (bytes per second)"
             else:
                 hint = "seconds = bytes / link_bytes_per_s (the handover is modelled as bandwidth only, no latency)"
-            return report(False, "", f"the bytes are right for {where}, but {seconds!r} s is not the link time. "
-                                     f"Hint: {hint}")
+            return fail(f"the bytes are right for {where}, but {seconds!r} s is not the link time. Hint: {hint}")
     shapes = len({c.shape for c in cases})
     return report(True, f"bytes and link time match the disaggregated server's .transfers on all {len(cases)} "
                         f"handovers (fp32 and int8 pools, {shapes} model shapes)", "")

@@ -9,7 +9,7 @@ import math
 from ..engine.engine import Engine
 from ..core.request import Request
 from ..engine.static import static_batching
-from . import is_int, report, self_check
+from . import fail, is_int, report, self_check
 
 # The main run: five requests served two at a time by a paged engine with tiny blocks.
 IDS = ("A", "B", "C", "D", "E")
@@ -190,8 +190,8 @@ def check_schedule(model, *, static_steps, continuous_steps, running, num_comput
             report(True, f"{name} = {got!r}: {GOOD[name]}", "")
             continue
         ok = False
-        report(False, "", f"{name}: {problem}" if problem else f"{name} = {got!r} is not what the engine did -- "
-                                                               f"{HINTS[name](got, m)}")
+        fail(f"{name}: {problem}" if problem else f"{name} = {got!r} is not what the engine did -- "
+                                                  f"{HINTS[name](got, m)}")
     if ok:
         print("All six match the engines: you can read a schedule before it runs.")
     return ok

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import NamedTuple
 
-from . import is_int, report, self_check
+from . import fail, is_int, report, self_check
 
 
 class Case(NamedTuple):
@@ -58,7 +58,7 @@ def _hint(events, got, want) -> str:
 def check_stream_summary(summarize_stream, base_url: str, api_key: str | None = None) -> bool:
     """Compare ``summarize_stream`` on real streams with the server's whole answers."""
     if not callable(summarize_stream):
-        return report(False, "", "pass your function itself (summarize_stream, not summarize_stream(...))")
+        return fail("pass your function itself (summarize_stream, not summarize_stream(...))")
     for prompt, max_tokens, stop in CASES:
         events = stream_events(base_url, prompt, max_tokens, stop, api_key)
         whole = stream_events(base_url, prompt, max_tokens, stop, api_key, stream=False)
@@ -66,12 +66,11 @@ def check_stream_summary(summarize_stream, base_url: str, api_key: str | None = 
                 whole["choices"][0]["finish_reason"])
         got = summarize_stream([json.loads(json.dumps(e)) for e in events])  # a copy: the learner may consume it
         if not isinstance(got, tuple) or len(got) != 3:
-            return report(False, "", f"return a tuple (text, num_tokens, finish_reason); got {type(got).__name__} "
-                          f"{got!r:.60}")
+            return fail(f"return a tuple (text, num_tokens, finish_reason); got {type(got).__name__} {got!r:.60}")
         if not isinstance(got[0], str) or not is_int(got[1]):
-            return report(False, "", "text should be a str and num_tokens an int")
+            return fail("text should be a str and num_tokens an int")
         if tuple(got) != want:
             where = f"the answer to {prompt!r} (max_tokens={max_tokens}{', stop=' + repr(stop) if stop else ''})"
-            return report(False, "", f"on {where}: {_hint(events, got, want)}")
+            return fail(f"on {where}: {_hint(events, got, want)}")
     return report(True, f"all {len(CASES)} streams read right: text, tokens and finish reason match the whole "
                   "answers", "")

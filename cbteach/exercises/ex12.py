@@ -19,7 +19,7 @@ from ..core.clock import VirtualClock
 from ..engine.engine import Engine
 from ..serving.metrics import summarize
 from ..viz.schedule import first_difference
-from . import generated_all, guard, report, self_check
+from . import fail, generated_all, guard, report, self_check
 from .capstone import PIECES, Pieces, check_piece, serve_options, stand_in
 
 OPTIONS = dict(max_batch_size=4, block_size=4, num_blocks=32, token_budget=8)  # it preempts and chunks
@@ -143,25 +143,25 @@ def check_my_engine(my_engine, pieces, model, tok=None) -> bool:
 @self_check
 def _check_my_engine(my_engine, pieces, model, tok=None) -> bool:
     if my_engine is None or my_engine is Ellipsis or not callable(my_engine):
-        return report(False, "", "not done yet: write my_engine(model, tok, **options), returning an Engine with your "
-                                 "pieces plugged in")
+        return fail("not done yet: write my_engine(model, tok, **options), returning an Engine with your "
+                    "pieces plugged in")
     if not isinstance(pieces, Pieces):
-        return report(False, "", "pass the pieces capstone.pieces_from_notebooks() found")
+        return fail("pass the pieces capstone.pieces_from_notebooks() found")
     missing = [p for p, o in pieces.objects.items() if o is None]
     lost = sorted({PIECES[p].notebook for p in missing if pieces.where.get(PIECES[p].notebook, "") is None})
     if lost:
-        return report(False, "", f"not done yet: notebook {' and '.join(lost)} was not found, so its pieces count as "
-                                 "not written -- bring it beside this notebook (on Colab: upload it, or mount Drive) "
-                                 "and run the cell that reads your pieces again; its lines say where it looked")
+        return fail(f"not done yet: notebook {' and '.join(lost)} was not found, so its pieces count as "
+                    "not written -- bring it beside this notebook (on Colab: upload it, or mount Drive) "
+                    "and run the cell that reads your pieces again; its lines say where it looked")
     if missing:
-        return report(False, "", f"not done yet: no {', '.join(missing)} in notebooks "
-                                 f"{' and '.join(sorted({PIECES[p].notebook for p in missing}))} -- write them there, save, "
-                                 "and run the cell that reads your pieces again")
+        return fail(f"not done yet: no {', '.join(missing)} in notebooks "
+                    f"{' and '.join(sorted({PIECES[p].notebook for p in missing}))} -- write them there, save, "
+                    "and run the cell that reads your pieces again")
     stood = {}  # catch-up: a piece of yours that fails its own check -> what it said (the course's stands in)
     while True:
         got = compare(my_engine, pieces, model, tok)
         if got["plugged"] is not None or "refused" in got:
-            return report(False, "", got["plugged"] or got["refused"])
+            return fail(got["plugged"] or got["refused"])
         if "error" in got:
             what = f"your engine stopped: {got['error']}"
         elif not (got["generate"] and got["tokens"] and got["blocks"] and got["diverges_at"] is None):
@@ -177,7 +177,7 @@ def _check_my_engine(my_engine, pieces, model, tok=None) -> bool:
                 said = (f"your {piece.replace('_', ' ')} (notebook {PIECES[piece].notebook}) fails its own check: {said}. "
                         f"To go on meanwhile with the course's {piece} (marked as the course's): "
                         f"capstone.pieces_from_notebooks(use_course_for=[\"{piece}\"])")
-            return report(False, "", f"{what}. {said}")
+            return fail(f"{what}. {said}")
         stood[piece] = said
     course = [p for p in PIECES if p in pieces.course]
     whose = ("your engine -- your KV manager, slot mapping, attention, scheduler, update and batch update --"

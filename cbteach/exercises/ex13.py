@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from ..parallel.shard import Layout
 from ..sim.cost import ring_all_reduce_bytes
-from . import first_mistake, guard, report, self_check
+from . import fail, first_mistake, guard, report, self_check
 
 
 class Shape(NamedTuple):
@@ -113,13 +113,13 @@ def check_tp(kv_heads_of_rank, all_reduce_bytes, comm_log, *, num_layers: int, h
     """``kv_heads_of_rank`` on :data:`SHAPES` against the real layout, ``all_reduce_bytes`` at 2, 4 and 8 ranks on
     ``comm_log``'s tensors (a real run's) and on :data:`SECOND_SHAPE`; a line each, ``True`` when both are right."""
     if not callable(kv_heads_of_rank) or not callable(all_reduce_bytes):
-        return report(False, "", "pass your two functions (not their results): check_tp(kv_heads_of_rank, "
-                                 "all_reduce_bytes, runner.comm_log, ...)")
+        return fail("pass your two functions (not their results): check_tp(kv_heads_of_rank, "
+                    "all_reduce_bytes, runner.comm_log, ...)")
     if not comm_log:
-        return report(False, "", "comm_log is empty: pass the runner's comm_log after the tensor-parallel run")
+        return fail("comm_log is empty: pass the runner's comm_log after the tensor-parallel run")
     refused = guard.refusal("tp", kv_heads_of_rank) or guard.refusal("tp", all_reduce_bytes)
     if refused:
-        return report(False, "", refused)
+        return fail(refused)
     return _check(kv_heads_of_rank, all_reduce_bytes, comm_log, num_layers, hidden_size, dtype_bytes, world_size)
 
 
@@ -131,8 +131,8 @@ def _check(kv_heads_of_rank, all_reduce_bytes, comm_log, num_layers, hidden_size
         for rank in range(world):
             truth, got = list(layout.kv_heads(rank)), kv_heads_of_rank(rank, world, heads, kv)
             if got is None or isinstance(got, (str, float)):
-                return report(False, "", f"kv_heads_of_rank returned {got!r}: return the list of KV head indices "
-                                         "the rank holds, e.g. [0] or [2, 3]")
+                return fail(f"kv_heads_of_rank returned {got!r}: return the list of KV head indices "
+                            "the rank holds, e.g. [0] or [2, 3]")
             got = list(got) if not isinstance(got, int) else [got]
             if got != truth:
                 wrong = (f"kv_heads_of_rank({rank}, world_size={world}, num_heads={heads}, num_kv_heads={kv}) "
@@ -148,21 +148,21 @@ def _check(kv_heads_of_rank, all_reduce_bytes, comm_log, num_layers, hidden_size
     except (TypeError, ValueError):
         arity = 5
     if arity != 5:
-        return report(False, "", f"all_reduce_bytes takes {arity} arguments: it needs five -- num_layers, num_tokens, "
-                                 "hidden_size, dtype_bytes and world_size (what one rank sends depends on the ranks)")
+        return fail(f"all_reduce_bytes takes {arity} arguments: it needs five -- num_layers, num_tokens, "
+                    "hidden_size, dtype_bytes and world_size (what one rank sends depends on the ranks)")
     cases = _cases(comm_log, num_layers, hidden_size, dtype_bytes, world_size)
     answers = []
     for args, _ in cases:
         got = all_reduce_bytes(*args)
         if not isinstance(got, numbers.Real) or isinstance(got, bool):
-            return report(False, "", f"all_reduce_bytes returned {got!r}: return a number of bytes")
+            return fail(f"all_reduce_bytes returned {got!r}: return a number of bytes")
         answers.append(float(got))
     wrong = [(args, got) for got, (args, t) in zip(answers, cases) if not _same(got, t)]
     if wrong:
         (L, T, h, b, n), got = wrong[0]
-        return report(False, "", f"all_reduce_bytes(num_layers={L}, num_tokens={T}, hidden_size={h}, dtype_bytes={b}, "
-                                 f"world_size={n}) returned {got:g}, not what one rank sends ({len(wrong)} of "
-                                 f"{len(cases)} cases wrong): " + _bytes_hint(answers, cases)) and ok
+        return fail(f"all_reduce_bytes(num_layers={L}, num_tokens={T}, hidden_size={h}, dtype_bytes={b}, "
+                    f"world_size={n}) returned {got:g}, not what one rank sends ({len(wrong)} of "
+                    f"{len(cases)} cases wrong): " + _bytes_hint(answers, cases)) and ok
     report(True, f"all_reduce_bytes matches the ring's bytes per rank at {', '.join(map(str, WORLD_SIZES))} ranks, on "
                  f"the tensors the two ranks really all-reduced and on a second model shape", "")
     return ok

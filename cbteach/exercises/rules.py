@@ -44,8 +44,7 @@ HINTS = {
                       "request after it was skipped: walk a copy (list(self.running)), skipping those preempted",
     "not_a_plan": "schedule() returned a {}; it must return the step's message, the SchedulerOutput that "
                   "self.make_output(plan) builds from your plan",
-    "plan_none": "not done yet: schedule() returned None -- it must return the step's message, "
-                 "self.make_output(plan)",
+    "plan_none": "not done yet: schedule() returned None -- it must return the step's message, self.make_output(plan)",
     "no_message": "schedule() did not return the message made from its plan: end with output = "
                   "self.make_output(plan), then self.update_after_schedule(output), then return output -- the model "
                   "runner reads only that message, never your plan",

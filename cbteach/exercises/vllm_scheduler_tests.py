@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 from ..core.request import RequestStatus
 from ..engine.scheduler import Scheduler
-from . import guard, raised, report, self_check, vllm_priority_tests
+from . import fail, guard, raised, self_check, vllm_priority_tests
 from .vllm_harness import EOS_TOKEN_ID, VLLM_COMMIT, VLLM_FILE, Harness, VLLMAssertion, expect
 
 
@@ -299,11 +299,11 @@ def check_vllm_tests(scheduler_cls, update_cls=None) -> bool:
     """Print how many of vLLM's ported tests ``scheduler_cls`` (and ``update_cls``) pass, each failure
     with vLLM's assertion; True when every one passes."""
     if scheduler_cls is None:
-        return report(False, "", "not done yet: write your scheduler class, then run this check")
+        return fail("not done yet: write your scheduler class, then run this check")
     for cls in (scheduler_cls, update_cls):
         if cls is not None and not (isinstance(cls, type) and issubclass(cls, Scheduler)):
-            return report(False, "", f"pass your classes themselves, subclasses of Scheduler (got {type(cls).__name__}): "
-                                     "not done yet?")
+            return fail(f"pass your classes themselves, subclasses of Scheduler (got {type(cls).__name__}): "
+                        "not done yet?")
     result = run(scheduler_cls, update_cls)
     print(result)
     return not result.failed and not result.delegated

@@ -108,9 +108,8 @@ def course_text(pieces: list[str], why: str) -> str:
     """The loud lines printed when pieces are the course's own solutions."""
     bar = "!" * 100
     return (f"{bar}\n!! NOT YOUR CODE: {', '.join(pieces)} {'is' if len(pieces) == 1 else 'are'} the COURSE'S OWN "
-            f"SOLUTION{'' if len(pieces) == 1 else 'S'} ({why}).\n!! Every check, the server and the tournament "
-            "below run the course's answers for them, not yours.\n"
-            f"{bar}")
+            f"SOLUTION{'' if len(pieces) == 1 else 'S'} ({why}).\n!! Every check, the server and the tournament below "
+            f"run the course's answers for them, not yours.\n{bar}")
 
 
 # -- reading the pieces out of a notebook ---------------------------------------------------------------
