@@ -31,6 +31,11 @@ def report(ok: bool, good: str, bad: str) -> bool:
     return ok
 
 
+def passed(good: str) -> bool:
+    """Print ``good``, what the learner's right answer shows; True."""
+    return report(True, good, "")
+
+
 def fail(hint: str) -> bool:
     """Print ``hint``, what is wrong with the learner's answer; False."""
     return report(False, "", hint)

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import fail, is_int, report, self_check, uncallable
+from . import fail, is_int, passed, self_check, uncallable
 
 CACHE_KWARGS = ("cache", "past_key_values")  # transformers 5 renamed past_key_values to cache
 
@@ -100,12 +100,10 @@ def _work_hint(calls) -> str | None:
     """What the pattern of forward passes says about how the cache was used (None: nothing wrong)."""
     later = calls[1:]
     if any(fed > 1 and cached == 0 for fed, cached in later):
-        return ("you ran the whole sequence through the model again at every step: that recomputes every "
-                "earlier token's keys and values (and its MLP); keep the cache the model returns, pass it back, "
-                "and feed only the newest token")
+        return ("you ran the whole sequence through the model again at every step, recomputing every earlier "
+                "token's keys and values: pass back the cache the model returns, and feed only the newest token")
     if any(fed > 1 and cached > 0 for fed, cached in later):
-        return ("you fed earlier tokens again together with the cache: their keys and values are already in it, "
-                "so each decode step should feed only the token chosen in the step before")
+        return "you fed earlier tokens again together with the cache: feed only the token chosen in the step before"
     if any(fed == 1 and cached == 0 for fed, cached in later):
         return ("a decode step fed the new token without the cache, so the model saw it with no context; pass "
                 "the cache from the previous step's output (out.cache) back in as cache=")
@@ -125,12 +123,10 @@ def _token_hint(got, expected, prompt, n, eos_id) -> str:
     if len(got) > len(expected) and got[:len(expected)] == expected:
         return f"you made {len(got)} tokens; max_new_tokens={n} counts every new token, the prefill's included"
     if len(got) < len(expected) and expected[:len(got)] == got:
-        return (f"you stopped after {len(got)} tokens; go on until max_new_tokens={n} tokens or until you "
-                "append eos_id")
+        return f"you stopped after {len(got)} tokens; go on until max_new_tokens={n} tokens or until you append eos_id"
     k = next(i for i, (a, b) in enumerate(zip(got + [None], expected + [None])) if a != b)
     if k == 0:
-        return ("the first new token already differs: it is the argmax of the prefill's logits at the last "
-                "prompt position, logits[0, -1]")
+        return "the first new token already differs: it is the argmax of the prefill's logits at the last position"
     return (f"tokens 0-{k - 1} agree but token {k} differs: at each step take the argmax at the last position, "
             "and feed back the token you just chose, with the cache")
 
@@ -206,6 +202,6 @@ def check_greedy_decode(greedy_decode, model, input_ids, max_new_tokens: int, eo
         n_new = len(expected) if n_new is None else n_new
     _, no_cache = generate_with_work(model, input_ids, max_new_tokens, eos_id, use_cache=False)
     p = input_ids.shape[1]
-    return report(True, f"same tokens as model.generate in all {len(cases)} cases, and the same work: for the "
-                        f"notebook's prompt your loop fed {p} + {n_new - 1} = {p + n_new - 1} positions "
-                        f"(P + N - 1); without a cache generate fed {sum(c[0] for c in no_cache)}", "")
+    return passed(f"same tokens as model.generate in all {len(cases)} cases, and the same work: for the "
+                  f"notebook's prompt your loop fed {p} + {n_new - 1} = {p + n_new - 1} positions "
+                  f"(P + N - 1); without a cache generate fed {sum(c[0] for c in no_cache)}")

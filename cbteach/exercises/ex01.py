@@ -12,7 +12,7 @@ import torch
 
 from ..core.request import Request
 from ..engine.static import static_batching
-from . import fail, is_int, report, self_check, uncallable
+from . import fail, is_int, passed, self_check, uncallable
 from .ex00 import run_barred
 
 
@@ -69,24 +69,19 @@ def _pass_hint(calls, prompts, outputs=None, want=None):
     n, width = len(prompts), max(len(p) for p in prompts)
     first, later = calls[0], calls[1:]
     if first["rows"] != n:
-        return ("the prefill ran the prompts in separate passes: a static batch runs all of a wave's prompts "
-                "in one padded rectangle, one row per request")
+        return "the prefill ran the prompts in separate passes: a static batch runs them in one padded rectangle"
     if first["fed"] != width:
-        return ("the prefill rectangle has the wrong width: it must hold every prompt whole, and any column more "
-                "is padding computed for nothing")
+        return "the prefill rectangle has the wrong width: it must hold every prompt whole, and no column more"
     if first["mask"] is None:
         return "the prefill got no attention mask: the short prompts attended to their pads"
     if any(row[-1] == 0 for row in first["mask"]):
-        return ("a row ends in padding: pad on the left, so every row's last column is a real token and its next "
-                "token is read from the same place")
+        return "a row ends in padding: pad on the left, so every row's last column is a real token"
     if any(c["fed"] > 1 for c in later):
-        return ("a decode pass fed more than one token per row: with the cache, each step feeds only the token "
-                "each row chose in the step before")
+        return "a decode pass fed more than one token per row: with the cache, feed only the token each row chose"
     if any(c["cached"] == 0 for c in later):
         return "a decode pass got no cache: pass back the cache the previous pass returned"
     if any(c["rows"] != n for c in later):
-        return ("a decode pass had fewer rows than the wave: a static batch keeps every row until its barrier, "
-                "finished ones included (reusing their slots is notebook 02's idea)")
+        return "a decode pass had fewer rows than the wave: a static batch keeps every row, finished ones included"
     if any(c["mask_width"] is None for c in later):
         return "a decode pass got no attention mask: the pads are still in the cache, and must stay masked"
     if any(c["mask_width"] != c["cached"] + c["fed"] for c in later):
@@ -100,28 +95,24 @@ def _pass_hint(calls, prompts, outputs=None, want=None):
                     "each request's first new token -- do not run its prompt's last token again")
         return "one forward pass too many: the token chosen on the last step needs no pass of its own"
     if len(calls) > steps:
-        return ("the wave kept stepping after every request was done: it ends when its longest request finishes "
-                "(EOS or max_new_tokens), not later")
+        return "the wave kept stepping after every request was done: it ends when its longest request finishes"
     return None
 
 
 def _token_hint(got, want, calls) -> str:
     if len(got) > len(want) and got[:len(want)] == want:
-        return ("it goes on after its request finished: a finished row stays in the batch, but what it computes "
-                "is thrown away -- stop appending to its output")
+        return "it goes on after its request finished: what a finished row computes is thrown away"
     if len(got) == len(want) - 1 and got == want[:-1]:
         return "it ends one token early: generate keeps the EOS token, and max_new_tokens counts every new token"
     if len(got) < len(want) and want[:len(got)] == got and got:
-        return ("it stops before its request is done: only a request's own EOS or max_new_tokens ends it -- "
-                "another request finishing does not (the others wait at the barrier)")
+        return "it stops before its request is done: only its own stop ends it -- the others wait at the barrier"
     if not got:
         return "it has no tokens; even max_new_tokens=1 makes one: the prefill's argmax is the first new token"
     if not all(c["positions"] for c in calls):
         return ("position_ids were not passed on every pass: a model with learned positions then numbers the "
                 "pads' columns too; count each row's positions from its first real token")
     if got[:1] != want[:1]:
-        return ("its first token already differs: it is the argmax at the last column of the prefill's logits, and "
-                "with left padding that column is the prompt's last real token")
+        return "its first token already differs: it is the argmax at the last column of the prefill's logits"
     return ("its later tokens differ: check the position id each row gets on each decode step (it counts on from "
             "the row's own last real position) and the token each row is fed")
 
@@ -206,5 +197,5 @@ def check_static_wave(static_wave, model, prompts, max_new_tokens: int, eos_id: 
         if mine != engine:  # right tokens in other passes than the real static batcher's
             return fail(f"{where}: right tokens, but not in the static batcher's passes (one padded "
                         "prefill of every row, then one pass per step, every row fed one token)")
-    return report(True, f"your wave gives generate's tokens in all {len(cases)} cases, in the static batcher's "
-                        "passes: one padded prefill, then one step per token until the longest request is done", "")
+    return passed(f"your wave gives generate's tokens in all {len(cases)} cases, in the static batcher's "
+                  "passes: one padded prefill, then one step per token until the longest request is done")

@@ -10,7 +10,7 @@ import torch
 from ..attention.packing import block_diagonal_causal_mask, pack, per_sequence_causal_mask
 from ..viz.mask import key_groups
 from ..viz.style import seq_letter
-from . import fail, is_int, report, self_check
+from . import fail, is_int, passed, self_check
 
 def _lengths(cached, new):
     cached, new = [int(c) for c in cached], [int(n) for n in new]
@@ -29,11 +29,7 @@ def key_labels(cached, new) -> list[str]:
 
 
 def _as_list(answer):
-    if isinstance(answer, torch.Tensor):
-        answer = answer.tolist()
-    elif hasattr(answer, "tolist"):  # numpy
-        answer = answer.tolist()
-    return answer
+    return answer.tolist() if hasattr(answer, "tolist") else answer  # a tensor, a NumPy array
 
 
 @self_check
@@ -52,8 +48,7 @@ def check_position_ids(cached, new, answer) -> bool:
         return fail(f"the packed row has {sum(new)} tokens (sum of new = {new}), so it needs "
                     f"{len(expected)} position ids; you gave {len(got)}")
     if got == expected:
-        return report(True, f"position_ids = {expected}: each sequence counts on from what it already has "
-                            "in the cache", "")
+        return passed(f"position_ids = {expected}: each sequence counts on from what it already has in the cache")
     hints = []
     if got == list(range(len(expected))):
         hints.append("you numbered the packed row as one long sequence; every sequence has its own positions")
@@ -126,7 +121,7 @@ def check_mask(cached, new, answer) -> bool:
                     f"sum(new) = {k}): shape ({q}, {k}), got {tuple(got.shape)}{hint}")
     got = got.to(torch.bool)
     if torch.equal(got, expected):
-        return report(True, f"all {q} x {k} entries match block_diagonal_causal_mask({cached}, {new})", "")
+        return passed(f"all {q} x {k} entries match block_diagonal_causal_mask({cached}, {new})")
     hints = []
     if torch.equal(got, torch.ones(q, k, dtype=torch.bool).tril(k - q)):
         hints.append("that is a plain causal mask over the packed row: it lets sequences see each other")

@@ -15,7 +15,7 @@ from ..attention.packing import additive_mask, block_diagonal_causal_mask
 from ..engine.engine import Engine
 from ..core.request import Request
 from ..kv.concat import KVTraffic, layer_kv
-from . import fail, generated, raised, report, self_check, uncallable
+from . import fail, generated, passed, raised, self_check, uncallable
 
 HEADS, DIM = 2, 3
 
@@ -49,17 +49,14 @@ def _gather_hint(gather) -> str | None:
     k, v = _pair(got, "gather's result")
     want = [(0, s, p) for s, c in enumerate(cached) for p in range(c)]
     if k.dim() != 4 or k.shape[:2] != (1, HEADS) or k.shape[3] != DIM:
-        return ("the packed keys have the wrong shape: sequences are joined along the token axis; the batch, "
-                "head and head-dim axes stay as they are")
+        return "the packed keys have the wrong shape: sequences are joined along the token axis, the others stay"
     got_k = _labels(k)
     if got_k == [(1, s, p) for _, s, p in want]:
         return "keys and values are swapped"
     if sorted(got_k) != sorted(want):
-        return ("the packed keys are not the cached keys, each once: every cached key of every sequence goes in, "
-                "and a sequence with nothing cached adds nothing")
+        return "the packed keys are not the cached keys, each once: every cached key of every sequence goes in"
     if got_k != want:
-        return ("the packed keys are in another order than the step's sequences: the mask of notebook 03 expects "
-                "each sequence's cached keys as one run, sequences in the step's order")
+        return "the packed keys are in another order than the step's sequences (the order notebook 03's mask expects)"
     if _labels(v) != [(1, s, p) for _, s, p in want]:
         return "the values are not packed like the keys"
     if gather([None, None]) is not None:
@@ -93,8 +90,7 @@ def _scatter_hint(scatter) -> str | None:
             return ("a sequence's new keys came from the cached part of the packed cache: in the concat layout "
                     "every sequence's cached keys come first, and all the new keys after them")
         if have[:c] == want[:c] and any(seq != s for _, seq, _ in have[c:]):
-            return ("a sequence got another sequence's new keys: cut the new part into pieces of each "
-                    "sequence's own number of new tokens, in the step's order")
+            return "a sequence got another sequence's new keys: cut the new part by each one's number of new tokens"
         if have[:c] == want[:c] and len(have) != c + n:
             return "a sequence got the wrong number of new keys: each gets exactly the tokens it fed this step"
         return "a sequence's updated cache is not its old keys followed by its new ones"
@@ -171,5 +167,5 @@ def check_gather_scatter(gather, scatter, model, tokenizer) -> bool:
         if c.output_ids != generated(model, tokenizer(p)["input_ids"], n, stop_at_eos=False):
             return fail(f"inside the engine, {c.request_id}'s tokens are not what generate gives it "
                         "alone: a key or value reached the wrong sequence or position on some step")
-    return report(True, f"your gather and scatter ran inside the engine for {len(engine.records)} steps ({fused} "
-                        f"fused) and every request got generate's tokens", "")
+    return passed(f"your gather and scatter ran inside the engine for {len(engine.records)} steps ({fused} "
+                  f"fused) and every request got generate's tokens")

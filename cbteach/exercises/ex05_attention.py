@@ -16,7 +16,7 @@ from ..attention.metadata import build
 from ..core.request import Request
 from ..engine.engine import Engine
 from ..kv.pool import PagedKVPool
-from . import Fail, fail, first_mistake, generated, guard, is_int, raised, report, self_check, uncallable
+from . import Fail, fail, first_mistake, generated, guard, is_int, passed, raised, self_check, uncallable
 from .ex05_mistakes import ATTENTION_MISTAKES, SLOT_MISTAKES, attend, slots
 
 MAX_NEW_TOKENS = 16  # per request, in the engine runs
@@ -352,8 +352,8 @@ def check_slot_mapping(slot_mapping, model, tok=None, prompts=None) -> bool:
         served, tokens = _in_engine(model, _prompts(tok, prompts), None, slot_mapping)
     except Fail as err:
         return fail(str(err))
-    return report(True, f"your slot mapping is right on {len(STEPS)} hand-built steps, and the real engine wrote "
-                        f"every K/V where it said: {served} requests, {tokens} tokens, each equal to generate's", "")
+    return passed(f"your slot mapping is right on {len(STEPS)} hand-built steps, and the real engine wrote "
+                  f"every K/V where it said: {served} requests, {tokens} tokens, each equal to generate's")
 
 
 @self_check
@@ -373,6 +373,6 @@ def check_paged_attention(attention, model, tok=None, prompts=None, slot_mapping
     except Fail as err:
         return fail(str(err))
     pieces = "your attention and your slot mapping" if slot_mapping is not None else "your attention"
-    return report(True, f"{pieces}: right on {len(HEADS)} hand-built steps (mixed prefill chunks and decodes, "
-                        f"grouped-query heads, stale slots), and the real engine ran on them: {served} requests, "
-                        f"{tokens} tokens, each equal to generate's", "")
+    return passed(f"{pieces}: right on {len(HEADS)} hand-built steps (mixed prefill chunks and decodes, "
+                  f"grouped-query heads, stale slots), and the real engine ran on them: {served} requests, "
+                  f"{tokens} tokens, each equal to generate's")

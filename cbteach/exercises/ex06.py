@@ -12,7 +12,7 @@ import weakref
 
 from ..engine.scheduler import Scheduler
 from ..viz.schedule import first_difference, plan_of
-from . import bierce, fail, generated_all, guard, report, self_check
+from . import bierce, fail, generated_all, guard, passed, self_check
 from .rules import ROOM_STAGE, NotDone, SchedulerMistake, hint
 from .scheduler_check import Workload, run, watched, with_eos
 
@@ -234,5 +234,5 @@ def check_stage(stage, scheduler_cls, model=None, *, prefix_caching: bool = True
     what = ("your update appended, stopped and freed as the engine's does -- same steps, tokens, finish reasons and "
             "token times" if stage == 5 else "your scheduler planned every step as the engine's does -- same "
             "requests, tokens, admissions and preemptions -- with the same outputs")
-    return report(True, f"stage {stage} ({STAGE_NAMES[stage]}): on all {len(workloads)} workloads {what}, "
-                        f"and no KV block left behind{extra}", "")
+    return passed(f"stage {stage} ({STAGE_NAMES[stage]}): on all {len(workloads)} workloads {what}, "
+                  f"and no KV block left behind{extra}")

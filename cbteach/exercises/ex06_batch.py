@@ -7,6 +7,7 @@ compared with the message (:mod:`.batch_rules`), and at the end the tokens with 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, field
 
@@ -15,7 +16,7 @@ from ..core.request import Request
 from ..core.sampling import SamplingParams
 from ..engine.engine import Engine
 from ..worker import states
-from . import Fail, bierce, fail, generated_all, guard, raised, report, self_check
+from . import Fail, bierce, fail, generated_all, guard, passed, raised, self_check
 from .batch_rules import Expect, Held, state_hint
 
 @dataclass(frozen=True)
@@ -114,10 +115,8 @@ def run_workload(model, w: Workload, fn=None) -> tuple[Engine, list, Fail | None
     except Fail as err:
         said = err
     finally:
-        try:
+        with contextlib.suppress(Exception):  # a run stopped half-way by a wrong batch
             eng.close()
-        except Exception:  # noqa: BLE001 -- a run stopped half-way by a wrong batch
-            pass
     return eng, seen, said
 
 
@@ -155,7 +154,7 @@ def check_update_batch(update_batch, model=None) -> bool:
         said = _check_workload(model, w, update_batch)
         if said is not None:
             return fail(said)
-    return report(True, f"on all {len(WORKLOADS)} workloads your update_batch left the worker's batch as every "
-                        "message said -- finished requests forgotten, rows of the scheduled requests only, blocks "
-                        "appended or replaced, prefix hits and forked samples kept -- and every token came out as "
-                        "model.generate's (the seeded samples: as the engine's own run)", "")
+    return passed(f"on all {len(WORKLOADS)} workloads your update_batch left the worker's batch as every "
+                  "message said -- finished requests forgotten, rows of the scheduled requests only, blocks "
+                  "appended or replaced, prefix hits and forked samples kept -- and every token came out as "
+                  "model.generate's (the seeded samples: as the engine's own run)")

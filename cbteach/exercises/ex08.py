@@ -15,7 +15,7 @@ from ..worker import spec_runner
 from ..engine.engine import Engine
 from ..core.request import Request
 from ..engine.speculative import accept as engine_accept
-from . import fail, first_mistake, is_int, raised, report, self_check, uncallable
+from . import fail, first_mistake, is_int, passed, raised, self_check, uncallable
 
 # ---------------------------------------------------------------- prefix reuse ----------------
 
@@ -101,8 +101,7 @@ def _prefix_hint(prompts, bs, got) -> str:
         return hint.format(bs=bs)
     if any(g % bs for g in got):
         return f"reuse always comes in whole blocks, so every answer is a multiple of the block size ({bs})"
-    return ("for each request, walk its prompt (less its last token) block by block and stop at the first "
-            "block no earlier request computed")
+    return "walk each prompt (less its last token) block by block, and stop at the first block no earlier one computed"
 
 
 @self_check
@@ -133,7 +132,7 @@ def check_prefix_reuse(predict, model, prompts=None, block_size=None) -> bool:
             more = "more" if got[i] > expected[i] else "fewer"
             return fail(f"case {what!r}: for request {i} you predicted {got[i]} cached tokens, "
                         f"{more} than the engine reused. Hint: {_prefix_hint(case, bs, got)}")
-    return report(True, f"your predictions match the engine's num_cached_prompt_tokens on all {len(cases)} cases", "")
+    return passed(f"your predictions match the engine's num_cached_prompt_tokens on all {len(cases)} cases")
 
 
 # ---------------------------------------------------------------- acceptance rule -------------
@@ -162,14 +161,12 @@ def _accept_hint(drafts, targets, got) -> str:
         return ("when every guess was right, the verify pass also made a prediction after the last guess, and "
                 "it is as real as the others: your rule throws away the bonus token that comes free")
     if j < len(drafts) and got == list(drafts[:j + 1]):
-        return ("at the first mismatch your rule keeps the wrong guess: greedy decoding would have produced the "
-                "model's own token there")
+        return "at the first mismatch your rule keeps the wrong guess, not the model's own token"
     if j < len(drafts) and got == list(targets[:j]):
         return ("a verify step always yields at least one token more than it accepts -- even when the first "
                 "guess is wrong, the pass computed the model's own next token")
     if len(got) > j + 1 and got[:j + 1] == list(targets[:j + 1]):
-        return ("stop at the first mismatch: every later prediction was made after a wrong guess, so it is not "
-                "what the model would say after the right token")
+        return "stop at the first mismatch: every later prediction was made after a wrong guess"
     if not drafts:
         return "with no guesses the step is a plain decode: it yields exactly one token, the model's own"
     return ("a verify step keeps the model's tokens for as long as the guesses agree with them, and no further: "
@@ -224,6 +221,5 @@ def check_accept(accept) -> bool:
         return fail("inside the engine your rule changed the generated tokens; speculation must give "
                     "exactly what plain greedy decoding gives")
     s = engine.spec_stats
-    return report(True, f"your rule matches the engine's on {len(cases)} cases, and inside the engine it kept the "
-                        f"output exact ({s['accepted']} of {s['drafted']} guesses accepted in "
-                        f"{s['verify_steps']} verify steps)", "")
+    return passed(f"your rule matches the engine's on {len(cases)} cases, and inside the engine it kept the output "
+                  f"exact ({s['accepted']} of {s['drafted']} guesses accepted in {s['verify_steps']} verify steps)")

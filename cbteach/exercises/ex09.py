@@ -13,7 +13,7 @@ import torch
 
 from ..serving.disagg import DisaggregatedServer
 from ..core.request import Request
-from . import fail, report, self_check, uncallable
+from . import fail, passed, self_check, uncallable
 
 class Shape(NamedTuple):
     """A small model's shape; head_dim = hidden / heads."""
@@ -87,8 +87,7 @@ def _bytes_hint(got, prompt_len, config, bs, kv_dtype) -> str:
     if got * layers == expected and layers > 1:
         return "every layer has its own keys and values"
     if kv_heads != heads and got * kv_heads == expected * heads:
-        return ("with grouped-query attention only the KV heads are cached (config.num_key_value_heads), "
-                "not the query heads")
+        return "with grouped-query attention only the KV heads are cached (config.num_key_value_heads)"
     if kv_dtype == "int8":
         if got == slots(prompt_len) * 2 * layers * kv_heads * d:
             return ("int8 values are 1 byte each, but every (token, head) also stores one float32 scale, for K "
@@ -139,5 +138,5 @@ def check_handover(handover, model, prompt_len: int | None = None) -> bool:
                 hint = "seconds = bytes / link_bytes_per_s (the handover is modelled as bandwidth only, no latency)"
             return fail(f"the bytes are right for {where}, but {seconds!r} s is not the link time. Hint: {hint}")
     shapes = len({c.shape for c in cases})
-    return report(True, f"bytes and link time match the disaggregated server's .transfers on all {len(cases)} "
-                        f"handovers (fp32 and int8 pools, {shapes} model shapes)", "")
+    return passed(f"bytes and link time match the disaggregated server's .transfers on all {len(cases)} "
+                  f"handovers (fp32 and int8 pools, {shapes} model shapes)")

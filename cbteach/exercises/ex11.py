@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import NamedTuple
 
-from . import fail, is_int, report, self_check
+from . import fail, is_int, passed, self_check
 
 
 class Case(NamedTuple):
@@ -48,10 +48,8 @@ def _hint(events, got, want) -> str:
             return "that counts the prompt's tokens too: the answer's are the completion's"
         return "count the answer's tokens from the usage the stream ends with (stream_options include_usage)"
     if reason != w_reason:
-        return ("the finish_reason is set in the last chunk that has a choice -- the usage chunk after it has none; "
-                "it is one of 'stop' and 'length'")
-    return ("join the delta's content of every chunk, in order; a chunk without content (the closing one) adds "
-            "nothing")
+        return "the finish_reason is set in the last chunk that has a choice (the usage chunk after it has none)"
+    return "join the delta's content of every chunk, in order; a chunk without content (the closing one) adds nothing"
 
 
 @self_check
@@ -72,5 +70,4 @@ def check_stream_summary(summarize_stream, base_url: str, api_key: str | None = 
         if tuple(got) != want:
             where = f"the answer to {prompt!r} (max_tokens={max_tokens}{', stop=' + repr(stop) if stop else ''})"
             return fail(f"on {where}: {_hint(events, got, want)}")
-    return report(True, f"all {len(CASES)} streams read right: text, tokens and finish reason match the whole "
-                  "answers", "")
+    return passed(f"all {len(CASES)} streams read right: text, tokens and finish reason match the whole answers")

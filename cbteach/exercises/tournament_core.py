@@ -104,10 +104,7 @@ def load_schedulers(folder) -> dict:
     files = sorted(p for p in folder.glob("*.py") if not p.name.startswith("_"))
     if not files:
         raise ValueError(f"{folder} holds no .py file: each entrant is a file that defines MyScheduler")
-    found = {}
-    for path in files:
-        found[path.stem] = load_scheduler(path)
-    return found
+    return {path.stem: load_scheduler(path) for path in files}
 
 
 def load_scheduler(path: Path):

@@ -40,10 +40,8 @@ def search_folders() -> list[Path]:
     folders = [Path.cwd(), *([Path.cwd() / notebook.parent] if notebook is not None else []), Path(COLAB_UPLOADS)]
     if drive.is_dir():
         folders += [drive / "Colab Notebooks", drive]
-        try:
+        with contextlib.suppress(OSError):  # Drive can refuse a listing; the folders above are still searched
             folders += sorted(p for p in drive.iterdir() if p.is_dir() and p.name != "Colab Notebooks")
-        except OSError:  # Drive can refuse a listing; the folders above are still searched
-            pass
     out: dict = {}
     for folder in folders:
         with contextlib.suppress(OSError):
