@@ -39,22 +39,18 @@ def _static_steps(lengths, b):
 def _hint(model, lengths, b, got, expected) -> str:
     n = len(lengths)
     if got == _static_steps(lengths, b) and b < n:
-        return ("that is static batching's count (each wave waits for its longest request); here a slot is "
-                "refilled as soon as its request finishes")
+        return "that is static batching's count; here a slot is refilled as soon as its request finishes"
     if got == max(math.ceil(sum(lengths) / b), max(lengths)):
-        return ("that is the lower bound, a perfect packing; FCFS admits requests in order, so a long request "
-                "that comes late cannot start early")
+        return "that is the lower bound, a perfect packing; FCFS cannot start a long request that comes late early"
     if got == math.ceil(sum(lengths) / b):
         return "that is sum / slots, which ignores that one request alone can take longer than that"
     if got in (expected + 1, expected - 1):
-        return ("off by one: the prefill step already produces the first new token, so a request with L new "
-                "tokens holds its slot for exactly L steps")
+        return "off by one: the prefill step already makes the first token, so L new tokens hold a slot L steps"
     if b < n and got == engine_steps(model, [x + 1 for x in lengths], b) - 1:
-        return ("you left a slot empty for one step after each finish; the engine frees the slot during the step "
-                "the request finishes, and the next request prefills in it on the very next step")
+        return ("you left a slot empty for one step after each finish; the next request prefills in it on the very "
+                "next step")
     if b < n and got == max(sum(lengths[s::b]) for s in range(b)):
-        return ("you gave request i to slot i % slots; the engine gives the next request in the queue to "
-                "whichever slot frees first")
+        return "you gave request i to slot i % slots; the next request in the queue takes whichever slot frees first"
     if got == sum(lengths):
         return "that is the total number of new tokens: with one slot it is right, with more they run side by side"
     return "follow the slots step by step: who is admitted when, and when does each finish?"

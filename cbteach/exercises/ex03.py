@@ -87,8 +87,7 @@ def _kinds(cached, new, got, expected) -> list[str]:
         elif kp == q_pos[i]:
             kind = "a query is kept from its own key: a token attends to itself too"
         elif part == "cached":
-            kind = ("a query is kept from an earlier key of its own sequence that sits in the cache: the cached "
-                    "keys are that sequence's past, and it may see all of it")
+            kind = "a query is kept from an earlier key of its own sequence that sits in the cache: its past"
         else:
             kind = "a query is kept from an earlier key of its own sequence computed in this same step"
         if kind not in kinds:
@@ -126,8 +125,7 @@ def check_mask(cached, new, answer) -> bool:
     if torch.equal(got, torch.ones(q, k, dtype=torch.bool).tril(k - q)):
         hints.append("that is a plain causal mask over the packed row: it lets sequences see each other")
     if torch.equal(got, per_sequence_causal_mask(cached, new)):
-        hints.append("that is the per-sequence layout ([A all | B all]); the concat cache puts every cached key "
-                     "first ([A cached | B cached | A new | B new])")
+        hints.append("that is the per-sequence layout ([A all | B all]); the concat cache puts every cached key first")
     if not hints:
         hints = _kinds(cached, new, got, expected)
     return fail("the mask is not the block-diagonal causal mask" + "".join(f"\nhint: {h}" for h in hints))

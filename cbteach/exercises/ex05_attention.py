@@ -105,13 +105,11 @@ def _as_slots(got, total: int) -> list[int]:
     except TypeError:
         raise Fail(f"return a list of pool slots, one int per scheduled token; got {type(got).__name__}") from None
     if got and all(isinstance(x, (list, tuple)) for x in got):
-        raise Fail("return one flat list in packed order -- sequence 0's tokens, then sequence 1's, ... -- "
-                    "not a list per sequence")
+        raise Fail("return one flat list in packed order (sequence 0's tokens, then 1's, ...), not a list per sequence")
     if not all(is_int(x) for x in got):
         raise Fail("a slot is a whole number (an int): block id times block_size plus an offset")
     if len(got) != total:
-        raise Fail(f"you returned {len(got)} slots for {total} scheduled tokens: one slot per token fed this "
-                    "step -- a decode feeds one, a prompt or a chunk of it feeds several")
+        raise Fail(f"you returned {len(got)} slots for {total} scheduled tokens: one slot per token fed this step")
     return [int(x) for x in got]
 
 
@@ -216,8 +214,7 @@ def _check_writes(meta, before, k, v, layer) -> None:
             raise Fail("you wrote this step's K/V into another layer's pool: every layer has its own -- write "
                         "into the layer your function was called for")
         raise Fail("after your function ran, the pool at meta.slot_mapping does not hold this step's keys and "
-                    "values: write them there (meta.pool.write) -- the next steps read them from the pool, and "
-                    "so does this step's own attention")
+                    "values: write them there (meta.pool.write) before reading the context")
     keep = torch.ones(flat(pool.k[0]).shape[0], dtype=torch.bool)
     keep[idx] = False
     for i, (a, b) in enumerate(zip(pool.k + pool.v, before.k + before.v)):
@@ -240,8 +237,7 @@ def _diagnose(out, meta, q, k, v, layer, scaling) -> tuple[str, bool]:
              if not _close(out[:, :, int(meta.query_start_loc[i]):int(meta.query_start_loc[i + 1])],
                            right[:, :, int(meta.query_start_loc[i]):int(meta.query_start_loc[i + 1])])]
     return ("the output is wrong for " + ", ".join(wrong) + ". Each sequence's queries attend to its own "
-            "context only -- positions 0 .. its length - 1, read through its block table -- each query up to "
-            "its own position"), False
+            "context only, read through its block table, each query up to its own position"), False
 
 
 def check_attention_cases(attention) -> None:
@@ -325,8 +321,7 @@ def _in_engine(model, prompts, attention, slot_mapping, max_new_tokens: int = MA
                 j = next((j for j, (a, b) in enumerate(zip(c.output_ids, exp)) if a != b),
                          min(len(exp), len(c.output_ids)))  # or where the shorter one ends
                 raise Fail(f"in the real engine ({what}): request {c.request_id}'s tokens differ from generate's from "
-                           f"new token {j} on. The hand-built steps passed, so look at what changes over a run: blocks "
-                           "reused after a request finished or was preempted, longer contexts, other shapes")
+                           f"new token {j} on: look at what a run adds -- reused blocks, longer contexts, other shapes")
         steps += len(ps)
         tokens += sum(len(e) for e in expected)
     return steps, tokens

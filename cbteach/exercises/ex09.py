@@ -75,8 +75,7 @@ def _bytes_hint(got, prompt_len, config, bs, kv_dtype) -> str:
     per_token = 2 * layers * kv_heads * (d + 4 if kv_dtype == "int8" else 4 * d)
     expected = slots(prompt_len) * per_token
     if got == prompt_len * per_token:
-        return (f"the K/V go over in whole blocks: the last block travels whole even if it is only partly "
-                f"filled (block_size {bs})")
+        return f"the K/V go over in whole blocks: the last one travels whole even if partly filled (block_size {bs})"
     if got in (slots(prompt_len + 1) * per_token, (prompt_len + 1) * per_token):
         return ("the prefill engine computed the prompt's K/V only: the first new token was sampled but never "
                 "fed through the model, so it has no K/V yet")

@@ -19,7 +19,7 @@ UPDATE_HINTS = {
                          "output.sampled[i] is None -- nothing is appended for it, and it has no first token yet",
     "first_token_time": "a request's first_token_time is wrong: it is set once, to `now`, in the step that appends its "
                         "first token",
-    "token_times": "every appended token needs its time: seq.token_times gets `now` for each (TTFT and ITL read it)",
+    "token_times": "every appended token needs its time: seq.token_times gets `now` for each (TTFT, ITL read them)",
     "token_missing": "a token the step sampled for a request was not appended to seq.output_ids",
     "tokens_wrong": "the tokens appended are not the ones the step sampled (output.sampled[i], in order)",
     "eos_not_recorded": "a request that stopped at EOS did not keep its EOS token: append the token first, then "
