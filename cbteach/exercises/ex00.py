@@ -18,11 +18,9 @@ CACHE_KWARGS = ("cache", "past_key_values")  # transformers 5 renamed past_key_v
 
 def _cached(cache) -> int:
     """How many positions a cache object already holds (0 for none, or an empty one)."""
-    if cache is None:
-        return 0
     try:
         return int(cache.get_seq_length())
-    except (AttributeError, TypeError):
+    except (AttributeError, TypeError):  # None: no cache
         return 0
 
 
