@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import fail, is_int, passed, self_check, uncallable
+from . import Fail, fail, is_int, need_function, passed, self_check
 
 CACHE_KWARGS = ("cache", "past_key_values")  # transformers 5 renamed past_key_values to cache
 
@@ -48,7 +48,7 @@ def recorded(model, record=lambda ids, cached, kwargs, model: (int(ids.shape[-1]
 
 def run_barred(fn, model, args: tuple, name: str, record=None):
     """``fn(model, *args)`` with its forward passes recorded (:func:`recorded`) and ``model.generate`` barred:
-    (what it returned or raised, the passes, whether it called generate)."""
+    (what it returned or raised, the passes); :class:`Fail` if it called generate."""
     barred = []
 
     def no_generate(*_, **__):
@@ -66,7 +66,9 @@ def run_barred(fn, model, args: tuple, name: str, record=None):
                 got = err
     finally:
         model.__dict__.pop("generate", None)  # the learner's code may have deleted it already
-    return got, calls, bool(barred)
+    if barred:
+        raise Fail(f"write {name} yourself: it called model.generate")
+    return got, calls
 
 
 def generate_with_work(model, input_ids, max_new_tokens: int, eos_id: int, use_cache: bool = True):
@@ -159,17 +161,14 @@ def _cases(model, input_ids, max_new_tokens, eos_id) -> list[Case]:
 def check_greedy_decode(greedy_decode, model, input_ids, max_new_tokens: int, eos_id: int) -> bool:
     """``greedy_decode(model, input_ids, max_new_tokens, eos_id)`` -> greedy ``model.generate``'s new tokens, fed
     as ``generate`` feeds with its cache; the notebook's case (``input_ids``: ``[1, P]``) first, then a few more."""
-    if uncallable(greedy_decode, "greedy_decode"):
-        return False
+    need_function(greedy_decode, "greedy_decode")
     prompt = input_ids[0].tolist()
     cases = _cases(model, input_ids, max_new_tokens, eos_id)
     n_new = None  # new tokens of the notebook's case (the first)
     for ids, n, eos in cases:
         expected, ref_calls = generate_with_work(model, ids, n, eos)
-        got, calls, used_generate = run_barred(greedy_decode, model, (ids.clone(), n, eos), "greedy_decode")
+        got, calls = run_barred(greedy_decode, model, (ids.clone(), n, eos), "greedy_decode")
         where = _case(ids, n, eos)
-        if used_generate:
-            return fail("write the loop yourself: your function called model.generate")
         hint = _work_hint([c[:2] for c in calls])
         if isinstance(got, Exception):
             why = f" (before that, {hint})" if hint else ""

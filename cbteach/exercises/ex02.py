@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 from ..engine.engine import Engine
 from ..core.request import Request
-from . import fail, is_int, passed, raised, self_check, uncallable
+from . import fail, is_int, need_function, passed, raised, self_check
 
 
 class Case(NamedTuple):
@@ -60,8 +60,7 @@ def _hint(model, lengths, b, got, expected) -> str:
 def check_fcfs_simulator(simulate, model, lengths=None, batch_size=None) -> bool:
     """``simulate(lengths, batch_size)`` -> the engine's step count (on ``model``: the count does not depend on
     it, the lengths are forced); the notebook's workload first."""
-    if uncallable(simulate, "simulate"):
-        return False
+    need_function(simulate, "simulate")
     cases = ([Case(lengths=list(lengths), max_batch_size=batch_size)] if lengths is not None else []) + CASES
     for case_lengths, b in cases:
         expected = engine_steps(model, case_lengths, b)

@@ -15,7 +15,7 @@ from ..attention.packing import additive_mask, block_diagonal_causal_mask
 from ..engine.engine import Engine
 from ..core.request import Request
 from ..kv.concat import KVTraffic, layer_kv
-from . import fail, generated, passed, raised, self_check, uncallable
+from . import fail, generated, need_function, passed, raised, self_check
 
 HEADS, DIM = 2, 3
 
@@ -145,8 +145,8 @@ WORKLOAD = [Prompt(text="CYNIC, n.", max_new_tokens=12), Prompt(text="EXECUTIVE,
 def check_gather_scatter(gather, scatter, model, tokenizer) -> bool:
     """``gather(caches)`` and ``scatter(packed_keys, packed_values, caches, num_scheduled)``: labelled cases
     first, then inside a real concat engine, compared with ``model.generate`` prompt by prompt."""
-    if uncallable(gather, "gather") or uncallable(scatter, "scatter"):
-        return False
+    need_function(gather, "gather")
+    need_function(scatter, "scatter")
     for name, hint_of in (("gather", _gather_hint), ("scatter", _scatter_hint)):
         try:
             hint = hint_of(gather if name == "gather" else scatter)

@@ -16,7 +16,7 @@ from ..attention.metadata import build
 from ..core.request import Request
 from ..engine.engine import Engine
 from ..kv.pool import PagedKVPool
-from . import Fail, fail, first_mistake, generated, guard, is_int, passed, raised, self_check, uncallable
+from . import Fail, fail, first_mistake, generated, guard, is_int, need_function, passed, raised, self_check
 from .ex05_mistakes import ATTENTION_MISTAKES, SLOT_MISTAKES, attend, slots
 
 MAX_NEW_TOKENS = 16  # per request, in the engine runs
@@ -340,13 +340,9 @@ def _prompts(tok, prompts):
 def check_slot_mapping(slot_mapping, model, tok=None, prompts=None) -> bool:
     """``slot_mapping(block_tables, num_computed_tokens, num_scheduled_tokens, block_size)``: every
     scheduled token's pool slot, in packed order. Hand-built steps first, then the real engine."""
-    if uncallable(slot_mapping, "my_slot_mapping"):
-        return False
-    try:
-        check_slot_mapping_cases(slot_mapping)
-        served, tokens = _in_engine(model, _prompts(tok, prompts), None, slot_mapping)
-    except Fail as err:
-        return fail(str(err))
+    need_function(slot_mapping, "my_slot_mapping")
+    check_slot_mapping_cases(slot_mapping)
+    served, tokens = _in_engine(model, _prompts(tok, prompts), None, slot_mapping)
     return passed(f"your slot mapping is right on {len(STEPS)} hand-built steps, and the real engine wrote "
                   f"every K/V where it said: {served} requests, {tokens} tokens, each equal to generate's")
 
@@ -356,17 +352,13 @@ def check_paged_attention(attention, model, tok=None, prompts=None, slot_mapping
     """``attention(query, key, value, meta, layer, scaling)``: write this step's K/V at ``meta.slot_mapping``,
     read each sequence's context through its block table, attend causally; ``[1, heads, T, head_dim]``.
     With ``slot_mapping`` the engine runs on both of your pieces."""
-    if uncallable(attention, "my_attention"):
-        return False
+    need_function(attention, "my_attention")
     if slot_mapping is not None and not callable(slot_mapping):
         return fail("slot_mapping= takes your slot-mapping function itself (or None)")
-    try:
-        if slot_mapping is not None:
-            check_slot_mapping_cases(slot_mapping)
-        check_attention_cases(attention)
-        served, tokens = _in_engine(model, _prompts(tok, prompts), attention, slot_mapping)
-    except Fail as err:
-        return fail(str(err))
+    if slot_mapping is not None:
+        check_slot_mapping_cases(slot_mapping)
+    check_attention_cases(attention)
+    served, tokens = _in_engine(model, _prompts(tok, prompts), attention, slot_mapping)
     pieces = "your attention and your slot mapping" if slot_mapping is not None else "your attention"
     return passed(f"{pieces}: right on {len(HEADS)} hand-built steps (mixed prefill chunks and decodes, "
                   f"grouped-query heads, stale slots), and the real engine ran on them: {served} requests, "

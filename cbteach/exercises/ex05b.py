@@ -15,8 +15,8 @@ import torch
 from ..attention.metadata import build
 from ..attention.paged import reference_attention
 from ..kv.pool import PagedKVPool
-from . import (Fail, ex05b_mistakes as mistakes, fail, first_mistake, generated, is_stub, passed, raised, self_check,
-               uncallable)
+from . import (Fail, ex05b_mistakes as mistakes, fail, first_mistake, generated, is_stub, need_function, passed, raised,
+               self_check)
 
 NOT_INSTALLED = 'Triton is not installed here: pip install "cbteach[kernels]" (Colab has it), then restart the kernel'
 GPU_SCALE = 4  # compiled for a GPU the steps are this much larger: tl.dot wants tiles of 16 or more
@@ -254,19 +254,15 @@ def check_attend_blocks(inner, model=None, tok=None) -> bool:
         _course()
     except ImportError:
         return fail(NOT_INSTALLED)
-    if uncallable(inner, "my_attend_blocks"):
-        return False
+    need_function(inner, "my_attend_blocks")
     if is_stub(inner):
         return fail("my_attend_blocks is still the stub: write its loop below the cell's "
                     "@triton.jit line (replace the ...), then run this cell again")
     if delegates(inner):
         return fail("your loop calls the course's own (cbteach's attend_blocks or another piece of "
                     "cbteach): write the loop yourself")
-    try:
-        steps = run_steps(inner)
-        served = run_engine(model, tok, inner) if model is not None else None
-    except Fail as err:
-        return fail(str(err))
+    steps = run_steps(inner)
+    served = run_engine(model, tok, inner) if model is not None else None
     engine = (f", and the real engine ran on it: {served[0]} requests, {served[1]} tokens, each equal to "
               "generate's") if served else ""
     return passed(f"your loop equals the reference attention on {steps} hand-built steps{engine}")

@@ -16,7 +16,7 @@ from ..core.request import Request
 from ..core.sampling import SamplingParams
 from ..engine.engine import Engine
 from ..worker import states
-from . import Fail, bierce, fail, generated_all, guard, passed, raised, self_check
+from . import Fail, bierce, fail, generated_all, guard, need_function, passed, raised, self_check
 from .batch_rules import Expect, Held, state_hint
 
 @dataclass(frozen=True)
@@ -144,8 +144,7 @@ def check_update_batch(update_batch, model=None) -> bool:
     workload of :data:`WORKLOADS`, on ``model`` (None: the course's bierce); see the module."""
     if update_batch is None or update_batch is Ellipsis:
         return fail("not done yet: write update_batch(runner, scheduler_output), then run this check")
-    if not callable(update_batch):
-        return fail(f"pass your function itself, update_batch (got a {type(update_batch).__name__})")
+    need_function(update_batch, "update_batch")
     refused = guard.refusal("update_batch", update_batch)
     if refused:
         return fail(refused)

@@ -13,7 +13,7 @@ import statistics
 from ..engine.engine import Engine
 from ..core.request import Request
 from ..engine.static import static_batching
-from . import fail, passed, self_check, uncallable
+from . import fail, need_function, passed, self_check
 
 COLD = 6.0     # a first run costs this many times a warm one (allocation, lazy imports, caches)
 DRIFT = 0.08   # each run costs this much more than the one before it, whichever engine ran (a machine slowing)
@@ -153,8 +153,7 @@ def check_benchmark(benchmark, model) -> bool:
     """``benchmark(runs, repeat, clock)`` should warm up, time interleaved repeats one by one with
     ``clock``, and return ``({name: median seconds}, same_tokens)``. ``model``: the notebook's model;
     every engine the check times runs it for real."""
-    if uncallable(benchmark, "benchmark"):
-        return False
+    need_function(benchmark, "benchmark")
     cases = [(r, stale) for stale in (False, True) for r in REPEATS]
     for repeat, stale in cases:
         clock = Clock()

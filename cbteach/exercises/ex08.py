@@ -15,7 +15,7 @@ from ..worker import spec_runner
 from ..engine.engine import Engine
 from ..core.request import Request
 from ..engine.speculative import accept as engine_accept
-from . import fail, first_mistake, is_int, passed, raised, self_check, uncallable
+from . import fail, first_mistake, is_int, need_function, passed, raised, self_check
 
 # ---------------------------------------------------------------- prefix reuse ----------------
 
@@ -83,12 +83,11 @@ PREFIX_MISTAKES = [
     ([dict(last_rule=False)], "the prompt's last token is always computed, even when the whole prompt is cached: its "
                               "logits give the first new token -- so the lookup stops one token short of the prompt"),
     ([dict(full_blocks=False, last_rule=False), dict(full_blocks=False)],
-     "you counted every shared token; only *full* blocks are cached -- a shared prefix is reused in whole blocks of "
-     "{bs}, rounded down"),
+     "you counted every shared token; only *full* blocks are cached: whole blocks of {bs}, rounded down"),
     ([dict(earlier="previous"), dict(earlier="first")],
      "the cache keeps the full blocks of *every* earlier request, not only one of them"),
     ([dict(chained=False)], "a block is found by a hash of its tokens *and of everything before it*: after the first "
-                            "block that differs, nothing more can be reused, even if later blocks hold the same tokens"),
+                            "block that differs, nothing more can be reused"),
     ([dict(ceil=True)], "a partly filled block is never cached: round down to whole blocks, not up"),
 ]
 
@@ -108,8 +107,7 @@ def _prefix_hint(prompts, bs, got) -> str:
 def check_prefix_reuse(predict, model, prompts=None, block_size=None) -> bool:
     """``predict(prompts, block_size)`` -> the prompt tokens the prefix cache supplies to each prompt, served one
     at a time in order; the notebook's case first, then :data:`PREFIX_CASES`."""
-    if uncallable(predict, "predict"):
-        return False
+    need_function(predict, "predict")
     cases = ([PrefixCase(what="the notebook's prompts", prompts=[list(p) for p in prompts], block_size=block_size)]
              if prompts is not None else [])
     cases += PREFIX_CASES
@@ -158,13 +156,11 @@ def _accept_hint(drafts, targets, got) -> str:
     """The misconception a wrong answer shows -- never which index to read or what to return."""
     j = next((i for i, (d, t) in enumerate(zip(drafts, targets)) if d != t), len(drafts))  # first mismatch
     if j == len(drafts) and got == targets[:j]:
-        return ("when every guess was right, the verify pass also made a prediction after the last guess, and "
-                "it is as real as the others: your rule throws away the bonus token that comes free")
+        return "when every guess was right, your rule throws away the bonus token: the prediction after the last guess"
     if j < len(drafts) and got == list(drafts[:j + 1]):
         return "at the first mismatch your rule keeps the wrong guess, not the model's own token"
     if j < len(drafts) and got == list(targets[:j]):
-        return ("a verify step always yields at least one token more than it accepts -- even when the first "
-                "guess is wrong, the pass computed the model's own next token")
+        return "a verify step always yields at least one token more than it accepts: the model's own next token"
     if len(got) > j + 1 and got[:j + 1] == list(targets[:j + 1]):
         return "stop at the first mismatch: every later prediction was made after a wrong guess"
     if not drafts:
@@ -189,8 +185,7 @@ def _loop_requests():
 def check_accept(accept) -> bool:
     """``accept(drafts, targets)`` -> the tokens a verify step yields (``targets`` has one more entry
     than ``drafts``: the model's prediction after the last real token and after each guess)."""
-    if uncallable(accept, "accept"):
-        return False
+    need_function(accept, "accept")
     g = random.Random(0)
     cases = list(ACCEPT_CASES)
     for _ in range(NUM_RANDOM_ACCEPT_CASES):  # small alphabets: guesses are often right, as with a good proposer

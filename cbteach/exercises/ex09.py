@@ -13,7 +13,7 @@ import torch
 
 from ..serving.disagg import DisaggregatedServer
 from ..core.request import Request
-from . import fail, passed, self_check, uncallable
+from . import fail, need_function, passed, self_check
 
 class Shape(NamedTuple):
     """A small model's shape; head_dim = hidden / heads."""
@@ -103,8 +103,7 @@ def _bytes_hint(got, prompt_len, config, bs, kv_dtype) -> str:
 def check_handover(handover, model, prompt_len: int | None = None) -> bool:
     """``handover(prompt_len, config, block_size, kv_dtype, link_bytes_per_s)`` -> ``(bytes, seconds)``; the
     notebook's prompt first (fp32 and int8), then :data:`CASES`."""
-    if uncallable(handover, "handover"):
-        return False
+    need_function(handover, "handover")
     cases = [Handover(shape=None, prompt_len=prompt_len, block_size=16, kv_dtype=dtype, link_bytes_per_s=10e9)
              for dtype in (None, "int8")] if prompt_len else []
     cases += CASES

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import NamedTuple
 
-from . import fail, is_int, passed, self_check
+from . import fail, is_int, need_function, passed, self_check
 
 
 class Case(NamedTuple):
@@ -55,8 +55,7 @@ def _hint(events, got, want) -> str:
 @self_check
 def check_stream_summary(summarize_stream, base_url: str, api_key: str | None = None) -> bool:
     """Compare ``summarize_stream`` on real streams with the server's whole answers."""
-    if not callable(summarize_stream):
-        return fail("pass your function itself (summarize_stream, not summarize_stream(...))")
+    need_function(summarize_stream, "summarize_stream")
     for prompt, max_tokens, stop in CASES:
         events = stream_events(base_url, prompt, max_tokens, stop, api_key)
         whole = stream_events(base_url, prompt, max_tokens, stop, api_key, stream=False)

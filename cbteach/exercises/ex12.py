@@ -51,11 +51,9 @@ def _plugged(engine, pieces: Pieces) -> str | None:
     if not isinstance(engine, Engine):
         return f"my_engine must return a cbteach Engine, got {type(engine).__name__}"
     if want.get("scheduler") is not None and not isinstance(engine.scheduler, want["scheduler"]):
-        return "your engine does not run your scheduler: pass scheduler_cls= (MyScheduler's schedule with MyUpdate's " \
-               "update, the class capstone gives you)"
+        return "your engine does not run your scheduler: pass scheduler_cls= (the class capstone gives you)"
     if engine.kv.kind != "paged":
-        return "your engine has no paged KV cache: pass kv='paged' -- the KV manager, the attention and the slot " \
-               "mapping are the paged cache's pieces"
+        return "your engine has no paged KV cache: pass kv='paged' (your KV manager, attention, slot mapping need it)"
     manager = engine.kv.manager
     if want.get("kv_manager") is not None and not isinstance(getattr(manager, "mine", manager), want["kv_manager"]):
         return "your engine does not use your KV manager: pass kv_manager= (the class, MyKVManager)"

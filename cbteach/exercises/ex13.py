@@ -35,8 +35,7 @@ def _kv_hint(got, rank, kv, world) -> str:
         return ("with fewer KV heads than ranks a KV head cannot be split: it is replicated, so every rank holds "
                 "one. Which one do this rank's query heads read?")
     if len(got) == kv and kv > 1:
-        return ("each rank keeps only the KV heads its own query heads read -- that is why a rank's KV pool is "
-                "smaller than the whole model's")
+        return "each rank keeps only the KV heads its own query heads read: its KV pool is smaller than the model's"
     if kv < world and got == [rank % kv]:
         return ("the copies of one KV head sit on consecutive ranks, not round robin: the ranks whose query heads "
                 "read KV head 0 come first, then those that read KV head 1")
