@@ -41,7 +41,7 @@ def _hint(model, lengths, b, got, expected) -> str:
     if got == _static_steps(lengths, b) and b < n:
         return "that is static batching's count; here a slot is refilled as soon as its request finishes"
     if got == max(math.ceil(sum(lengths) / b), max(lengths)):
-        return "that is the lower bound, a perfect packing; FCFS cannot start a long request that comes late early"
+        return "that is the lower bound, a perfect packing; FCFS cannot start early a long request that comes late"
     if got == math.ceil(sum(lengths) / b):
         return "that is sum / slots, which ignores that one request alone can take longer than that"
     if got in (expected + 1, expected - 1):

@@ -236,6 +236,7 @@ def benchmark(my_engine, model, tok=None, rounds: int = 3) -> dict:
             done = builds[name]().run(course_requests(model, tok))
             if i >= 0:
                 runs[name].append(summarize(done))
+
     def spread(values):
         return dict(median=statistics.median(values), min=min(values), max=max(values)) if values else None
 
