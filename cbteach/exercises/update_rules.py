@@ -131,10 +131,8 @@ def _check_tokens(sched, seq, got, before: int) -> None:
 def _check_finished(sched, seq, finished) -> None:
     if seq in sched.running:
         raise _update_mistake("left_running")
-    if seq.block_table:
-        raise _update_mistake("not_freed")
     freed = sched.kv_manager.frees.get(id(seq))
-    if freed is None:
+    if seq.block_table or freed is None:
         raise _update_mistake("not_freed")
     if freed[0] < len(seq.output_ids) or freed[1] is None:
         raise _update_mistake("freed_early")
