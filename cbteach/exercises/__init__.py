@@ -31,10 +31,20 @@ def report(ok: bool, good: str, bad: str) -> bool:
     return ok
 
 
-def uncallable(fn, name: str) -> bool:
-    """Say so, and True, when ``fn`` is not a function (the learner passed its result, or nothing)."""
-    return not callable(fn) and not report(False, "", f"pass your function itself ({name}, not {name}(...)); got "
-                                                      f"{type(fn).__name__}")
+def passed(good: str) -> bool:
+    """Print ``good``, what the learner's right answer shows; True."""
+    return report(True, good, "")
+
+
+def fail(hint: str) -> bool:
+    """Print ``hint``, what is wrong with the learner's answer; False."""
+    return report(False, "", hint)
+
+
+def need_function(fn, name: str) -> None:
+    """Raise :class:`Fail` when ``fn`` is not a function (the learner passed its result, or nothing)."""
+    if not callable(fn):
+        raise Fail(f"pass your function itself ({name}, not {name}(...)); got {type(fn).__name__}")
 
 
 def raised(err: BaseException) -> str:
@@ -65,13 +75,16 @@ def first_mistake(mistakes, gives, skip=()) -> str | None:
 
 
 def self_check(check):
-    """Make ``check`` return ``False`` with a hint, never raise, whatever the learner passed to it."""
+    """Make ``check`` return ``False`` with a hint, never raise, whatever the learner passed to it (a
+    :class:`Fail` raised inside it: its message is the hint)."""
     @functools.wraps(check)
     def wrapper(*args, **kwargs):
         try:
             return check(*args, **kwargs)
+        except Fail as err:
+            return fail(str(err))
         except Exception as err:  # the learner's code, or an answer of a kind the check could not use
-            return report(False, "", f"the check stopped with {raised(err)}\n  Run your code on a "
+            return fail(f"the check stopped with {raised(err)}\n  Run your code on a "
                           "small case by hand and look at what it returns (its type, length and values).")
     return wrapper
 

@@ -11,57 +11,47 @@ import torch
 HINTS = {
     "nothing": "not done yet: your update_batch changed nothing -- the message's new requests have no state in "
                "runner.requests and no row in the batch",
-    "finished_state": "a request in scheduler_output.finished_req_ids still has its state in runner.requests: the worker "
-                      "forgets a finished request -- its state and its row",
-    "finished_row": "a request in scheduler_output.finished_req_ids still has a row in the batch: the worker forgets a "
-                    "finished request -- its row as well as its state (batch.remove_request(req_id))",
-    "state_dropped": "a request that has not finished lost its state (runner.requests): a request preempted or left out "
-                     "of this step loses only its row -- its state stays, it will be back",
+    "finished_state": "a finished request (scheduler_output.finished_req_ids) still has its state in runner.requests",
+    "finished_row": "a request in scheduler_output.finished_req_ids still has a row in the batch: "
+                    "batch.remove_request(req_id)",
+    "state_dropped": "a request that has not finished lost its state (runner.requests): a request preempted or left "
+                     "out of this step loses only its row",
     "new_no_state": "a new request (scheduler_output.scheduled_new_reqs) has no state in runner.requests: each gets a "
                     "CachedRequestState",
     "stranger": "runner.requests holds a request the worker was never told of",
-    "unscheduled_row": "a request not scheduled in this step still has a row: the batch is this step's requests only -- "
-                       "the rows of requests missing from scheduler_output.num_scheduled_tokens leave it "
-                       "(their states stay)",
+    "unscheduled_row": "a request not scheduled in this step still has a row: the batch is this step's requests only "
+                       "(scheduler_output.num_scheduled_tokens)",
     "missing_row": "a request scheduled in this step has no row: {who} is added to the batch (batch.add_request(state))",
-    "holes": "rows were left empty in the batch: after requests leave, rows 0 .. num_reqs - 1 must be this step's "
-             "requests -- the last rows move into the holes (batch.condense(), once everything is added)",
+    "holes": "rows were left empty in the batch: the last rows move into the holes (batch.condense(), after adding)",
     "twice": "a request has two rows: batch.add_request was called for a request that still had its row -- a cached "
-             "request that kept its row is changed in place, only one without a row (resumed, or left out of the "
-             "step before) is added",
+             "request that kept its row is changed in place",
     "index": "batch.req_ids and batch.req_id_to_index disagree: change rows only through the batch's methods",
-    "prefix": "a new request starts at 0, but the message says it starts past the prompt blocks another request "
-              "already computed (a prefix-cache hit): its num_computed_tokens is the message's",
-    "computed": "a running request's row still starts where it started in the step before: its num_computed_tokens "
-                "comes with every message (cached.num_computed_tokens[i]), and a request that keeps its row is "
-                "changed in place (batch.num_computed_tokens[row])",
+    "prefix": "a new request starts at 0, but the message says it starts past its prefix-cache hit: its "
+              "num_computed_tokens is the message's",
+    "computed": "a running request's row still starts where it started in the step before: set "
+                "batch.num_computed_tokens[row] to the message's cached.num_computed_tokens[i]",
     "computed_state": "a request's state (runner.requests) does not start where the message says: the state's "
                       "num_computed_tokens is the message's too, not only its row's",
-    "computed_cached": "a cached request does not start where the message says: cached.num_computed_tokens[i] is "
-                       "where it starts now -- in its state and in its row",
+    "computed_cached": "a cached request does not start at cached.num_computed_tokens[i], in its state and its row",
     "computed_other": "a request's num_computed_tokens is not the message's",
     "appended": "{which} request's block table was appended to: {why}, and cached.new_block_ids[i] is its whole table",
-    "replaced": "a running request's block table was replaced by cached.new_block_ids[i]: for a running request those "
-                "are only the blocks allocated since the last step, and they go after its others (only a resumed "
-                "request, or one whose table a copy on write changed, gets a whole new table)",
+    "replaced": "a running request's block table was replaced by cached.new_block_ids[i]: for a running request "
+                "those are only the blocks allocated since the last step, and they go after its others",
     "wrong_row": "a request's {what} went into another request's row: a cached request's row is "
                  "batch.req_id_to_index[req_id], not its place i in the message's lists",
     "not_appended": "a running request's row is missing the blocks allocated to it since the last step: "
                     "cached.new_block_ids[i] go after its others (batch.block_table.append_row(new_block_ids, row))",
     "blocks_state": "a request's state (its block_ids) and its row's block table disagree: both follow the message",
     "blocks_other": "a request's block table is not the one the message gives it",
-    "all_tokens": "a resumed request's tokens are wrong: cached.all_token_ids[req_id] holds its prompt and its output "
-                  "-- the output is what comes after the prompt",
+    "all_tokens": "a resumed request's tokens are wrong: cached.all_token_ids[req_id] is its prompt, then its output",
     "new_output": "a new request's row is missing tokens it already had: new.output_token_ids come after its prompt",
     "tokens": "a request's row does not hold its prompt then its output, as its state does",
     "tokens_state": "a request's state (prompt_token_ids + output_token_ids) is not its prompt then its output",
     "params": "a row's sampling parameters are not its request's",
-    "forked": "a forked sample (a new request the worker already holds a state for: runner.requests.get(new.req_id)) got "
-              "a fresh random stream: the stream of the state the worker holds drew the sample's first token, and a "
-              "fresh one draws that same number again -- keep the held state's generator",
+    "forked": "a forked sample (a new request the worker already holds a state for: runner.requests.get(new.req_id)) "
+              "got a fresh random stream, which draws its first token's number again: keep the held state's generator",
     "seeded": "a new seeded request's random stream is not new_generator(new) (its seed plus its sample index)",
-    "kept_generator": "a cached request's random stream was replaced: a cached request keeps its state, and the state "
-                      "its generator",
+    "kept_generator": "a cached request's random stream was replaced: a cached request keeps its state's generator",
     "row_generator": "a row's generator is not its request's state's generator",
 }
 WHY = {"resumed": ("a resumed", "its blocks were taken back when it was preempted (cached.resumed_req_ids)"),

@@ -294,9 +294,7 @@ def refuse_broken_pieces(argv) -> dict:
     print(f"checking {len(loaded)} piece(s) with their notebooks' checks before the server starts (seconds on "
           "bierce)...", file=sys.stderr)
     model, tok = load_model(options.get("model", "bierce"), device="cpu")
-    for piece in ("kv_manager", "slot_mapping", "attention", "scheduler", "update_batch"):
-        if piece not in loaded:
-            continue
+    for piece in (p for p in PIECES if p in loaded):  # in the notebooks' order
         ok, said = check_piece(piece, loaded[piece], model, tok, slot_mapping=loaded.get("slot_mapping"),
                                prefix_caching="--prefix-caching" in argv)
         if not ok:

@@ -11,18 +11,16 @@ from typing import NamedTuple
 
 import torch
 
-from . import is_int, report, self_check, uncallable
+from . import Fail, fail, is_int, need_function, passed, self_check
 
 CACHE_KWARGS = ("cache", "past_key_values")  # transformers 5 renamed past_key_values to cache
 
 
 def _cached(cache) -> int:
     """How many positions a cache object already holds (0 for none, or an empty one)."""
-    if cache is None:
-        return 0
     try:
         return int(cache.get_seq_length())
-    except (AttributeError, TypeError):
+    except (AttributeError, TypeError):  # None: no cache
         return 0
 
 
@@ -50,7 +48,7 @@ def recorded(model, record=lambda ids, cached, kwargs, model: (int(ids.shape[-1]
 
 def run_barred(fn, model, args: tuple, name: str, record=None):
     """``fn(model, *args)`` with its forward passes recorded (:func:`recorded`) and ``model.generate`` barred:
-    (what it returned or raised, the passes, whether it called generate)."""
+    (what it returned or raised, the passes); :class:`Fail` if it called generate."""
     barred = []
 
     def no_generate(*_, **__):
@@ -68,7 +66,9 @@ def run_barred(fn, model, args: tuple, name: str, record=None):
                 got = err
     finally:
         model.__dict__.pop("generate", None)  # the learner's code may have deleted it already
-    return got, calls, bool(barred)
+    if barred:
+        raise Fail(f"write {name} yourself: it called model.generate")
+    return got, calls
 
 
 def generate_with_work(model, input_ids, max_new_tokens: int, eos_id: int, use_cache: bool = True):
@@ -100,12 +100,10 @@ def _work_hint(calls) -> str | None:
     """What the pattern of forward passes says about how the cache was used (None: nothing wrong)."""
     later = calls[1:]
     if any(fed > 1 and cached == 0 for fed, cached in later):
-        return ("you ran the whole sequence through the model again at every step: that recomputes every "
-                "earlier token's keys and values (and its MLP); keep the cache the model returns, pass it back, "
-                "and feed only the newest token")
+        return ("you ran the whole sequence through the model again at every step, recomputing every earlier "
+                "token's keys and values: pass back the cache the model returns, and feed only the newest token")
     if any(fed > 1 and cached > 0 for fed, cached in later):
-        return ("you fed earlier tokens again together with the cache: their keys and values are already in it, "
-                "so each decode step should feed only the token chosen in the step before")
+        return "you fed earlier tokens again together with the cache: feed only the token chosen in the step before"
     if any(fed == 1 and cached == 0 for fed, cached in later):
         return ("a decode step fed the new token without the cache, so the model saw it with no context; pass "
                 "the cache from the previous step's output (out.cache) back in as cache=")
@@ -125,12 +123,10 @@ def _token_hint(got, expected, prompt, n, eos_id) -> str:
     if len(got) > len(expected) and got[:len(expected)] == expected:
         return f"you made {len(got)} tokens; max_new_tokens={n} counts every new token, the prefill's included"
     if len(got) < len(expected) and expected[:len(got)] == got:
-        return (f"you stopped after {len(got)} tokens; go on until max_new_tokens={n} tokens or until you "
-                "append eos_id")
+        return f"you stopped after {len(got)} tokens; go on until max_new_tokens={n} tokens or until you append eos_id"
     k = next(i for i, (a, b) in enumerate(zip(got + [None], expected + [None])) if a != b)
     if k == 0:
-        return ("the first new token already differs: it is the argmax of the prefill's logits at the last "
-                "prompt position, logits[0, -1]")
+        return "the first new token already differs: it is the argmax of the prefill's logits at the last position"
     return (f"tokens 0-{k - 1} agree but token {k} differs: at each step take the argmax at the last position, "
             "and feed back the token you just chose, with the cache")
 
@@ -165,49 +161,44 @@ def _cases(model, input_ids, max_new_tokens, eos_id) -> list[Case]:
 def check_greedy_decode(greedy_decode, model, input_ids, max_new_tokens: int, eos_id: int) -> bool:
     """``greedy_decode(model, input_ids, max_new_tokens, eos_id)`` -> greedy ``model.generate``'s new tokens, fed
     as ``generate`` feeds with its cache; the notebook's case (``input_ids``: ``[1, P]``) first, then a few more."""
-    if uncallable(greedy_decode, "greedy_decode"):
-        return False
+    need_function(greedy_decode, "greedy_decode")
     prompt = input_ids[0].tolist()
     cases = _cases(model, input_ids, max_new_tokens, eos_id)
     n_new = None  # new tokens of the notebook's case (the first)
     for ids, n, eos in cases:
         expected, ref_calls = generate_with_work(model, ids, n, eos)
-        got, calls, used_generate = run_barred(greedy_decode, model, (ids.clone(), n, eos), "greedy_decode")
+        got, calls = run_barred(greedy_decode, model, (ids.clone(), n, eos), "greedy_decode")
         where = _case(ids, n, eos)
-        if used_generate:
-            return report(False, "", "write the loop yourself: your function called model.generate")
         hint = _work_hint([c[:2] for c in calls])
         if isinstance(got, Exception):
             why = f" (before that, {hint})" if hint else ""
-            return report(False, "", f"{where} raised {type(got).__name__}: {got}{why}")
+            return fail(f"{where} raised {type(got).__name__}: {got}{why}")
         if got is None and not calls:
-            return report(False, "", "not done yet: greedy_decode returned None -- write it in the cell above")
+            return fail("not done yet: greedy_decode returned None -- write it in the cell above")
         ids_got = _as_ids(got)
         if ids_got is None:
-            return report(False, "", f"{where} returned {type(got).__name__ if got is not None else 'None'}; "
-                                     "it should return the new token ids, a list of ints")
+            return fail(f"{where} returned {type(got).__name__ if got is not None else 'None'}; "
+                        "it should return the new token ids, a list of ints")
         if not calls:
-            return report(False, "", "the check saw no forward pass; call the model itself, model(input_ids=..., "
-                                     "cache=..., use_cache=True), not model.forward")
+            return fail("the check saw no forward pass; call the model itself, model(input_ids=..., "
+                        "cache=..., use_cache=True), not model.forward")
         if not all(on_device for _, _, on_device in calls):
-            return report(False, "", "a forward pass got its input on another device; make every tensor with "
-                                     "device=model.device")
+            return fail("a forward pass got its input on another device; make every tensor with device=model.device")
         if hint:
-            return report(False, "", f"{where}: {hint}")
+            return fail(f"{where}: {hint}")
         if ids_got != expected:
-            return report(False, "", f"{where} gave other tokens than model.generate "
-                                     f"({_token_hint(ids_got, expected, prompt, n, eos)})")
+            return fail(f"{where} gave other tokens than model.generate "
+                        f"({_token_hint(ids_got, expected, prompt, n, eos)})")
         fed, ref_fed = sum(c[0] for c in calls), sum(c[0] for c in ref_calls)
         if len(calls) == len(ref_calls) + 1 and fed == ref_fed + 1:
-            return report(False, "", f"{where}: right tokens, but one forward pass too many: the token chosen in "
-                                     "the last step is returned, it needs no forward pass of its own")
+            return fail(f"{where}: right tokens, but one forward pass too many: the token chosen in "
+                        "the last step is returned, it needs no forward pass of its own")
         if fed != ref_fed:
-            return report(False, "", f"{where}: right tokens, but your loop fed the model {fed} positions in "
-                                     f"{len(calls)} forward passes, and generate with its cache fed "
-                                     f"{'fewer' if fed > ref_fed else 'more'}")
+            return fail(f"{where}: right tokens, but your loop fed the model {fed} positions in {len(calls)} forward "
+                        f"passes, and generate with its cache fed {'fewer' if fed > ref_fed else 'more'}")
         n_new = len(expected) if n_new is None else n_new
     _, no_cache = generate_with_work(model, input_ids, max_new_tokens, eos_id, use_cache=False)
     p = input_ids.shape[1]
-    return report(True, f"same tokens as model.generate in all {len(cases)} cases, and the same work: for the "
-                        f"notebook's prompt your loop fed {p} + {n_new - 1} = {p + n_new - 1} positions "
-                        f"(P + N - 1); without a cache generate fed {sum(c[0] for c in no_cache)}", "")
+    return passed(f"same tokens as model.generate in all {len(cases)} cases, and the same work: for the "
+                  f"notebook's prompt your loop fed {p} + {n_new - 1} = {p + n_new - 1} positions "
+                  f"(P + N - 1); without a cache generate fed {sum(c[0] for c in no_cache)}")

@@ -12,7 +12,7 @@ import torch
 
 from ..core.request import Request
 from ..engine.static import static_batching
-from . import is_int, report, self_check, uncallable
+from . import fail, is_int, need_function, passed, self_check
 from .ex00 import run_barred
 
 
@@ -69,24 +69,19 @@ def _pass_hint(calls, prompts, outputs=None, want=None):
     n, width = len(prompts), max(len(p) for p in prompts)
     first, later = calls[0], calls[1:]
     if first["rows"] != n:
-        return ("the prefill ran the prompts in separate passes: a static batch runs all of a wave's prompts "
-                "in one padded rectangle, one row per request")
+        return "the prefill ran the prompts in separate passes: a static batch runs them in one padded rectangle"
     if first["fed"] != width:
-        return ("the prefill rectangle has the wrong width: it must hold every prompt whole, and any column more "
-                "is padding computed for nothing")
+        return "the prefill rectangle has the wrong width: it must hold every prompt whole, and no column more"
     if first["mask"] is None:
         return "the prefill got no attention mask: the short prompts attended to their pads"
     if any(row[-1] == 0 for row in first["mask"]):
-        return ("a row ends in padding: pad on the left, so every row's last column is a real token and its next "
-                "token is read from the same place")
+        return "a row ends in padding: pad on the left, so every row's last column is a real token"
     if any(c["fed"] > 1 for c in later):
-        return ("a decode pass fed more than one token per row: with the cache, each step feeds only the token "
-                "each row chose in the step before")
+        return "a decode pass fed more than one token per row: with the cache, feed only the token each row chose"
     if any(c["cached"] == 0 for c in later):
         return "a decode pass got no cache: pass back the cache the previous pass returned"
     if any(c["rows"] != n for c in later):
-        return ("a decode pass had fewer rows than the wave: a static batch keeps every row until its barrier, "
-                "finished ones included (reusing their slots is notebook 02's idea)")
+        return "a decode pass had fewer rows than the wave: a static batch keeps every row, finished ones included"
     if any(c["mask_width"] is None for c in later):
         return "a decode pass got no attention mask: the pads are still in the cache, and must stay masked"
     if any(c["mask_width"] != c["cached"] + c["fed"] for c in later):
@@ -100,28 +95,24 @@ def _pass_hint(calls, prompts, outputs=None, want=None):
                     "each request's first new token -- do not run its prompt's last token again")
         return "one forward pass too many: the token chosen on the last step needs no pass of its own"
     if len(calls) > steps:
-        return ("the wave kept stepping after every request was done: it ends when its longest request finishes "
-                "(EOS or max_new_tokens), not later")
+        return "the wave kept stepping after every request was done: it ends when its longest request finishes"
     return None
 
 
 def _token_hint(got, want, calls) -> str:
     if len(got) > len(want) and got[:len(want)] == want:
-        return ("it goes on after its request finished: a finished row stays in the batch, but what it computes "
-                "is thrown away -- stop appending to its output")
+        return "it goes on after its request finished: what a finished row computes is thrown away"
     if len(got) == len(want) - 1 and got == want[:-1]:
         return "it ends one token early: generate keeps the EOS token, and max_new_tokens counts every new token"
     if len(got) < len(want) and want[:len(got)] == got and got:
-        return ("it stops before its request is done: only a request's own EOS or max_new_tokens ends it -- "
-                "another request finishing does not (the others wait at the barrier)")
+        return "it stops before its request is done: only its own stop ends it -- the others wait at the barrier"
     if not got:
         return "it has no tokens; even max_new_tokens=1 makes one: the prefill's argmax is the first new token"
     if not all(c["positions"] for c in calls):
         return ("position_ids were not passed on every pass: a model with learned positions then numbers the "
                 "pads' columns too; count each row's positions from its first real token")
     if got[:1] != want[:1]:
-        return ("its first token already differs: it is the argmax at the last column of the prefill's logits, and "
-                "with left padding that column is the prompt's last real token")
+        return "its first token already differs: it is the argmax at the last column of the prefill's logits"
     return ("its later tokens differ: check the position id each row gets on each decode step (it counts on from "
             "the row's own last real position) and the token each row is fed")
 
@@ -173,38 +164,35 @@ def _cases(model, prompts, n, eos_id):
 def check_static_wave(static_wave, model, prompts, max_new_tokens: int, eos_id: int) -> bool:
     """``static_wave(model, prompts, max_new_tokens, eos_id)`` -> each prompt's greedy tokens, in the static
     batcher's passes; the notebook's wave first, then :func:`_cases`'s."""
-    if uncallable(static_wave, "static_wave"):
-        return False
+    need_function(static_wave, "static_wave")
     cases = _cases(model, prompts, max_new_tokens, eos_id)
     for where, m, ps, n, eos in cases:  # see Wave
         want = [reference(m, p, n, eos) for p in ps]
-        got, calls, used_generate = run_barred(static_wave, m, ([list(p) for p in ps], n, eos), "static_wave", _pass)
-        if used_generate:
-            return report(False, "", "write the wave yourself: your function called model.generate")
+        got, calls = run_barred(static_wave, m, ([list(p) for p in ps], n, eos), "static_wave", _pass)
         if isinstance(got, Exception):
             hint = _pass_hint(calls, ps) if calls else None
             why = f" (before that, {hint})" if hint else ""
-            return report(False, "", f"{where}: static_wave raised {type(got).__name__}: {got}{why}")
+            return fail(f"{where}: static_wave raised {type(got).__name__}: {got}{why}")
         if got is None:
-            return report(False, "", "not done yet: static_wave returned None -- write it in the cell above")
+            return fail("not done yet: static_wave returned None -- write it in the cell above")
         outputs = _as_outputs(got, len(ps))
         if outputs is None:
-            return report(False, "", f"{where}: static_wave returned {type(got).__name__}; return one list of new "
-                                     f"token ids (ints) per prompt, {len(ps)} lists in the prompts' order")
+            return fail(f"{where}: static_wave returned {type(got).__name__}; return one list of new "
+                        f"token ids (ints) per prompt, {len(ps)} lists in the prompts' order")
         if not calls:
-            return report(False, "", "the check saw no forward pass: call the model itself, model(input_ids=...)")
+            return fail("the check saw no forward pass: call the model itself, model(input_ids=...)")
         hint = _pass_hint(calls, ps, outputs, want)
         if hint:
-            return report(False, "", f"{where}: {hint}")
+            return fail(f"{where}: {hint}")
         wrong = [i for i, (g, w) in enumerate(zip(outputs, want)) if g != w]
         if wrong:
             i = wrong[0]
-            return report(False, "", f"{where}: request {i}'s tokens are not what generate gives it alone "
-                                     f"({_token_hint(outputs[i], want[i], calls)})")
+            return fail(f"{where}: request {i}'s tokens are not what generate gives it alone "
+                        f"({_token_hint(outputs[i], want[i], calls)})")
         engine = engine_passes(m, ps, n, eos)
         mine = [(c["rows"], c["fed"]) for c in calls]
         if mine != engine:  # right tokens in other passes than the real static batcher's
-            return report(False, "", f"{where}: right tokens, but not in the static batcher's passes (one padded "
-                                     "prefill of every row, then one pass per step, every row fed one token)")
-    return report(True, f"your wave gives generate's tokens in all {len(cases)} cases, in the static batcher's "
-                        "passes: one padded prefill, then one step per token until the longest request is done", "")
+            return fail(f"{where}: right tokens, but not in the static batcher's passes (one padded "
+                        "prefill of every row, then one pass per step, every row fed one token)")
+    return passed(f"your wave gives generate's tokens in all {len(cases)} cases, in the static batcher's "
+                  "passes: one padded prefill, then one step per token until the longest request is done")

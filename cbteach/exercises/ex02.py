@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 from ..engine.engine import Engine
 from ..core.request import Request
-from . import is_int, raised, report, self_check, uncallable
+from . import fail, is_int, need_function, passed, raised, self_check
 
 
 class Case(NamedTuple):
@@ -39,22 +39,18 @@ def _static_steps(lengths, b):
 def _hint(model, lengths, b, got, expected) -> str:
     n = len(lengths)
     if got == _static_steps(lengths, b) and b < n:
-        return ("that is static batching's count (each wave waits for its longest request); here a slot is "
-                "refilled as soon as its request finishes")
+        return "that is static batching's count; here a slot is refilled as soon as its request finishes"
     if got == max(math.ceil(sum(lengths) / b), max(lengths)):
-        return ("that is the lower bound, a perfect packing; FCFS admits requests in order, so a long request "
-                "that comes late cannot start early")
+        return "that is the lower bound, a perfect packing; FCFS cannot start early a long request that comes late"
     if got == math.ceil(sum(lengths) / b):
         return "that is sum / slots, which ignores that one request alone can take longer than that"
     if got in (expected + 1, expected - 1):
-        return ("off by one: the prefill step already produces the first new token, so a request with L new "
-                "tokens holds its slot for exactly L steps")
+        return "off by one: the prefill step already makes the first token, so L new tokens hold a slot L steps"
     if b < n and got == engine_steps(model, [x + 1 for x in lengths], b) - 1:
-        return ("you left a slot empty for one step after each finish; the engine frees the slot during the step "
-                "the request finishes, and the next request prefills in it on the very next step")
+        return ("you left a slot empty for one step after each finish; the next request prefills in it on the very "
+                "next step")
     if b < n and got == max(sum(lengths[s::b]) for s in range(b)):
-        return ("you gave request i to slot i % slots; the engine gives the next request in the queue to "
-                "whichever slot frees first")
+        return "you gave request i to slot i % slots; the next request in the queue takes whichever slot frees first"
     if got == sum(lengths):
         return "that is the total number of new tokens: with one slot it is right, with more they run side by side"
     return "follow the slots step by step: who is admitted when, and when does each finish?"
@@ -64,22 +60,21 @@ def _hint(model, lengths, b, got, expected) -> str:
 def check_fcfs_simulator(simulate, model, lengths=None, batch_size=None) -> bool:
     """``simulate(lengths, batch_size)`` -> the engine's step count (on ``model``: the count does not depend on
     it, the lengths are forced); the notebook's workload first."""
-    if uncallable(simulate, "simulate"):
-        return False
+    need_function(simulate, "simulate")
     cases = ([Case(lengths=list(lengths), max_batch_size=batch_size)] if lengths is not None else []) + CASES
     for case_lengths, b in cases:
         expected = engine_steps(model, case_lengths, b)
         try:
             got = simulate(list(case_lengths), b)
         except Exception as err:  # the learner's code: say what failed, and on which input
-            return report(False, "", f"simulate({case_lengths}, {b}) raised {raised(err)}")
+            return fail(f"simulate({case_lengths}, {b}) raised {raised(err)}")
         if got is None:
-            return report(False, "", "not done yet: your simulator returned None -- write it in the cell above")
+            return fail("not done yet: your simulator returned None -- write it in the cell above")
         if not is_int(got):
-            return report(False, "", f"simulate({case_lengths}, {b}) returned {got!r}; it should return a whole "
-                                     "number of steps (an int)")
+            return fail(f"simulate({case_lengths}, {b}) returned {got!r}; it should return a whole "
+                        "number of steps (an int)")
         if got != expected:
             shown = case_lengths if len(case_lengths) <= 12 else f"{case_lengths[:12]}... ({len(case_lengths)} requests)"
-            return report(False, "", f"simulate({shown}, {b}) = {got}, but the engine took {'more' if expected > got else 'fewer'} steps "
-                                     f"({_hint(model, case_lengths, b, got, expected)})")
-    return report(True, f"your simulator matches the engine's step count on all {len(cases)} workloads", "")
+            return fail(f"simulate({shown}, {b}) = {got}, but the engine took {'more' if expected > got else 'fewer'} steps "
+                        f"({_hint(model, case_lengths, b, got, expected)})")
+    return passed(f"your simulator matches the engine's step count on all {len(cases)} workloads")

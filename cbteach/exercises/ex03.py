@@ -10,7 +10,7 @@ import torch
 from ..attention.packing import block_diagonal_causal_mask, pack, per_sequence_causal_mask
 from ..viz.mask import key_groups
 from ..viz.style import seq_letter
-from . import is_int, report, self_check
+from . import fail, is_int, passed, self_check
 
 def _lengths(cached, new):
     cached, new = [int(c) for c in cached], [int(n) for n in new]
@@ -29,11 +29,7 @@ def key_labels(cached, new) -> list[str]:
 
 
 def _as_list(answer):
-    if isinstance(answer, torch.Tensor):
-        answer = answer.tolist()
-    elif hasattr(answer, "tolist"):  # numpy
-        answer = answer.tolist()
-    return answer
+    return answer.tolist() if hasattr(answer, "tolist") else answer  # a tensor, a NumPy array
 
 
 @self_check
@@ -41,19 +37,18 @@ def check_position_ids(cached, new, answer) -> bool:
     """``answer``: the ``position_ids`` of the packed row (a list, or a ``[1, T]`` / ``[T]`` tensor)."""
     cached, new = _lengths(cached, new)
     if answer is None or answer is Ellipsis:
-        return report(False, "", "not done yet: write position_ids in the cell above, then run this check")
+        return fail("not done yet: write position_ids in the cell above, then run this check")
     expected = pack([[0] * n for n in new], cached).position_ids[0].tolist()
     got = _as_list(answer)
     if isinstance(got, list) and len(got) == 1 and isinstance(got[0], list):
         got = got[0]  # a [1, T] answer, like pack() returns
     if not isinstance(got, list) or not all(is_int(x) for x in got):
-        return report(False, "", f"answer should be a list of {len(expected)} integers, got {answer!r}")
+        return fail(f"answer should be a list of {len(expected)} integers, got {answer!r}")
     if len(got) != len(expected):
-        return report(False, "", f"the packed row has {sum(new)} tokens (sum of new = {new}), so it needs "
-                                 f"{len(expected)} position ids; you gave {len(got)}")
+        return fail(f"the packed row has {sum(new)} tokens (sum of new = {new}), so it needs "
+                    f"{len(expected)} position ids; you gave {len(got)}")
     if got == expected:
-        return report(True, f"position_ids = {expected}: each sequence counts on from what it already has "
-                            "in the cache", "")
+        return passed(f"position_ids = {expected}: each sequence counts on from what it already has in the cache")
     hints = []
     if got == list(range(len(expected))):
         hints.append("you numbered the packed row as one long sequence; every sequence has its own positions")
@@ -72,7 +67,7 @@ def check_position_ids(cached, new, answer) -> bool:
             else:
                 hints.append(f"{who}'s positions start too {'high' if mine[0] > right[0] else 'low'}: where does "
                              "its first new token sit in its own sequence?")
-    return report(False, "", "some position ids are wrong" + "".join(f"\nhint: {h}" for h in hints))
+    return fail("some position ids are wrong" + "".join(f"\nhint: {h}" for h in hints))
 
 
 def _kinds(cached, new, got, expected) -> list[str]:
@@ -92,8 +87,7 @@ def _kinds(cached, new, got, expected) -> list[str]:
         elif kp == q_pos[i]:
             kind = "a query is kept from its own key: a token attends to itself too"
         elif part == "cached":
-            kind = ("a query is kept from an earlier key of its own sequence that sits in the cache: the cached "
-                    "keys are that sequence's past, and it may see all of it")
+            kind = "a query is kept from an earlier key of its own sequence that sits in the cache: its past"
         else:
             kind = "a query is kept from an earlier key of its own sequence computed in this same step"
         if kind not in kinds:
@@ -106,34 +100,32 @@ def check_mask(cached, new, answer) -> bool:
     """``answer``: the boolean ``[queries, keys]`` mask of the concat layout, True = may attend."""
     cached, new = _lengths(cached, new)
     if answer is None or answer is Ellipsis:
-        return report(False, "", "not done yet: write mask in the cell above, then run this check")
+        return fail("not done yet: write mask in the cell above, then run this check")
     expected = block_diagonal_causal_mask(cached, new)
     q, k = expected.shape
     try:
         got = torch.as_tensor(_as_list(answer))
     except (TypeError, ValueError):
-        return report(False, "", f"answer should be a boolean tensor (or nested lists) of shape ({q}, {k})")
+        return fail(f"answer should be a boolean tensor (or nested lists) of shape ({q}, {k})")
     if got.dtype.is_floating_point:
-        return report(False, "", "give the boolean mask (True = may attend); additive_mask() makes the "
-                                 "0 / -inf form the model receives out of it")
+        return fail("give the boolean mask (True = may attend); additive_mask() makes the "
+                    "0 / -inf form the model receives out of it")
     if got.dim() == 4 and got.shape[:2] == (1, 1):
         got = got[0, 0]
     if tuple(got.shape) != (q, k):
         hint = ""
         if got.dim() == 2 and got.shape[0] == q and got.shape[1] == sum(new):
             hint = f" -- the keys include the {sum(cached)} cached ones, not only this step's {sum(new)}"
-        return report(False, "", f"the mask should have one row per query (sum(new) = {q}) and one column per "
-                                 f"key (sum(cached) + sum(new) = {k}): shape ({q}, {k}), "
-                                 f"got {tuple(got.shape)}{hint}")
+        return fail(f"the mask should have one row per query (sum(new) = {q}) and one column per key (sum(cached) + "
+                    f"sum(new) = {k}): shape ({q}, {k}), got {tuple(got.shape)}{hint}")
     got = got.to(torch.bool)
     if torch.equal(got, expected):
-        return report(True, f"all {q} x {k} entries match block_diagonal_causal_mask({cached}, {new})", "")
+        return passed(f"all {q} x {k} entries match block_diagonal_causal_mask({cached}, {new})")
     hints = []
     if torch.equal(got, torch.ones(q, k, dtype=torch.bool).tril(k - q)):
         hints.append("that is a plain causal mask over the packed row: it lets sequences see each other")
     if torch.equal(got, per_sequence_causal_mask(cached, new)):
-        hints.append("that is the per-sequence layout ([A all | B all]); the concat cache puts every cached key "
-                     "first ([A cached | B cached | A new | B new])")
+        hints.append("that is the per-sequence layout ([A all | B all]); the concat cache puts every cached key first")
     if not hints:
         hints = _kinds(cached, new, got, expected)
-    return report(False, "", "the mask is not the block-diagonal causal mask" + "".join(f"\nhint: {h}" for h in hints))
+    return fail("the mask is not the block-diagonal causal mask" + "".join(f"\nhint: {h}" for h in hints))

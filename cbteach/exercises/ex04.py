@@ -15,7 +15,7 @@ from ..attention.packing import additive_mask, block_diagonal_causal_mask
 from ..engine.engine import Engine
 from ..core.request import Request
 from ..kv.concat import KVTraffic, layer_kv
-from . import generated, raised, report, self_check, uncallable
+from . import fail, generated, need_function, passed, raised, self_check
 
 HEADS, DIM = 2, 3
 
@@ -49,17 +49,14 @@ def _gather_hint(gather) -> str | None:
     k, v = _pair(got, "gather's result")
     want = [(0, s, p) for s, c in enumerate(cached) for p in range(c)]
     if k.dim() != 4 or k.shape[:2] != (1, HEADS) or k.shape[3] != DIM:
-        return ("the packed keys have the wrong shape: sequences are joined along the token axis; the batch, "
-                "head and head-dim axes stay as they are")
+        return "the packed keys have the wrong shape: sequences are joined along the token axis, the others stay"
     got_k = _labels(k)
     if got_k == [(1, s, p) for _, s, p in want]:
         return "keys and values are swapped"
     if sorted(got_k) != sorted(want):
-        return ("the packed keys are not the cached keys, each once: every cached key of every sequence goes in, "
-                "and a sequence with nothing cached adds nothing")
+        return "the packed keys are not the cached keys, each once: every cached key of every sequence goes in"
     if got_k != want:
-        return ("the packed keys are in another order than the step's sequences: the mask of notebook 03 expects "
-                "each sequence's cached keys as one run, sequences in the step's order")
+        return "the packed keys are in another order than the step's sequences (the order notebook 03's mask expects)"
     if _labels(v) != [(1, s, p) for _, s, p in want]:
         return "the values are not packed like the keys"
     if gather([None, None]) is not None:
@@ -93,8 +90,7 @@ def _scatter_hint(scatter) -> str | None:
             return ("a sequence's new keys came from the cached part of the packed cache: in the concat layout "
                     "every sequence's cached keys come first, and all the new keys after them")
         if have[:c] == want[:c] and any(seq != s for _, seq, _ in have[c:]):
-            return ("a sequence got another sequence's new keys: cut the new part into pieces of each "
-                    "sequence's own number of new tokens, in the step's order")
+            return "a sequence got another sequence's new keys: cut the new part by each one's number of new tokens"
         if have[:c] == want[:c] and len(have) != c + n:
             return "a sequence got the wrong number of new keys: each gets exactly the tokens it fed this step"
         return "a sequence's updated cache is not its old keys followed by its new ones"
@@ -149,27 +145,27 @@ WORKLOAD = [Prompt(text="CYNIC, n.", max_new_tokens=12), Prompt(text="EXECUTIVE,
 def check_gather_scatter(gather, scatter, model, tokenizer) -> bool:
     """``gather(caches)`` and ``scatter(packed_keys, packed_values, caches, num_scheduled)``: labelled cases
     first, then inside a real concat engine, compared with ``model.generate`` prompt by prompt."""
-    if uncallable(gather, "gather") or uncallable(scatter, "scatter"):
-        return False
+    need_function(gather, "gather")
+    need_function(scatter, "scatter")
     for name, hint_of in (("gather", _gather_hint), ("scatter", _scatter_hint)):
         try:
             hint = hint_of(gather if name == "gather" else scatter)
         except Exception as err:  # the learner's code
             hint = f"it raised {raised(err)}"
         if hint:
-            return report(False, "", f"{name}, on a step with sequences of 3, 0 and 2 cached tokens: {hint}")
+            return fail(f"{name}, on a step with sequences of 3, 0 and 2 cached tokens: {hint}")
     engine = Engine(model, tokenizer, max_batch_size=2, kv="concat")
     _plug(engine, gather, scatter)
     reqs = [Request(p, n, request_id=p.split(",")[0], ignore_eos=True) for p, n in WORKLOAD]
     try:
         out = engine.run(reqs)
     except Exception as err:  # the learner's functions, called by the engine
-        return report(False, "", f"inside the engine, a step failed with {raised(err)} -- on some "
-                                 "step a sequence's cache did not hold exactly its tokens so far")
+        return fail(f"inside the engine, a step failed with {raised(err)} -- on some "
+                    "step a sequence's cache did not hold exactly its tokens so far")
     fused = sum(r.is_fused for r in engine.records)
     for c, (p, n) in zip(out, WORKLOAD):
         if c.output_ids != generated(model, tokenizer(p)["input_ids"], n, stop_at_eos=False):
-            return report(False, "", f"inside the engine, {c.request_id}'s tokens are not what generate gives it "
-                                     "alone: a key or value reached the wrong sequence or position on some step")
-    return report(True, f"your gather and scatter ran inside the engine for {len(engine.records)} steps ({fused} "
-                        f"fused) and every request got generate's tokens", "")
+            return fail(f"inside the engine, {c.request_id}'s tokens are not what generate gives it "
+                        "alone: a key or value reached the wrong sequence or position on some step")
+    return passed(f"your gather and scatter ran inside the engine for {len(engine.records)} steps ({fused} "
+                  f"fused) and every request got generate's tokens")

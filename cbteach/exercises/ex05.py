@@ -13,7 +13,7 @@ from ..engine.engine import Engine
 from ..kv.plugged import PluggedKVManager
 from ..bench.memory_experiments import plug
 from ..core.request import Request
-from . import Fail, guard, is_int, raised, report, self_check
+from . import Fail, fail, guard, is_int, passed, raised, self_check
 
 class Case(NamedTuple):
     """A workload for the KV manager: the paged engine's pool, and requests of forced lengths."""
@@ -93,11 +93,10 @@ def check_kv_manager(manager_class, model) -> bool:
     """``manager_class(num_blocks, block_size)``: a KV manager with ``free_blocks``, ``allocate_slots(seq, n)``
     (return the blocks added, or None with nothing changed) and ``free(seq)``. ``model``: the notebook's."""
     if not isinstance(manager_class, type):
-        return report(False, "", f"pass your class itself (MyKVManager, not MyKVManager(...)); got "
-                                 f"{type(manager_class).__name__}")
+        return fail(f"pass your class itself (MyKVManager, not MyKVManager(...)); got {type(manager_class).__name__}")
     problem = guard.refusal("kv_manager", manager_class) or _check_init(manager_class)
     if problem:
-        return report(False, "", problem)
+        return fail(problem)
     steps = preemptions = 0
     for case in CASES:
         where = f"(block_size {case.block_size}, {case.num_blocks} blocks, {len(case.prompt_lens)} requests)"
@@ -105,19 +104,17 @@ def check_kv_manager(manager_class, model) -> bool:
         try:
             got = serve(model, case, manager_class)
         except (Fail, ValueError) as err:  # ValueError: a method or free_blocks missing
-            return report(False, "", f"{where}: {err}")
+            return fail(f"{where}: {err}")
         if got["free_at_end"] != case.num_blocks:
-            return report(False, "", f"{where}: when every request had finished, not every block was back in the "
-                                     "free list")
+            return fail(f"{where}: when every request had finished, not every block was back in the free list")
         if got["preemptions"] != expected["preemptions"] or got["blocks"] != expected["blocks"]:
-            return report(False, "", f"{where}: the engine ran differently with your manager (blocks per sequence "
-                                     "or preemptions differ from its own manager's): check when allocate_slots "
-                                     "refuses room")
+            return fail(f"{where}: the engine ran differently with your manager (blocks per sequence or preemptions "
+                        "differ from its own manager's): check when allocate_slots refuses room")
         if got["outputs"] != expected["outputs"]:
-            return report(False, "", f"{where}: the generated tokens changed: a sequence read K/V that was not its "
-                                     "own -- check the order of blocks in each block table")
+            return fail(f"{where}: the generated tokens changed: a sequence read K/V that was not its "
+                        "own -- check the order of blocks in each block table")
         steps += len(expected["blocks"])
         preemptions += expected["preemptions"]
-    return report(True, f"the real engine ran on your KV manager: {len(CASES)} workloads, {steps} steps, "
-                        f"{preemptions} preemptions, the same tokens and the same blocks per sequence at every step "
-                        "as with its own manager, and every block back in the free list at the end", "")
+    return passed(f"the real engine ran on your KV manager: {len(CASES)} workloads, {steps} steps, "
+                  f"{preemptions} preemptions, the same tokens and the same blocks per sequence at every step "
+                  "as with its own manager, and every block back in the free list at the end")

@@ -16,7 +16,7 @@ from ..attention.metadata import build
 from ..core.request import Request
 from ..engine.engine import Engine
 from ..kv.pool import PagedKVPool
-from . import Fail, first_mistake, generated, guard, is_int, raised, report, self_check, uncallable
+from . import Fail, fail, first_mistake, generated, guard, is_int, need_function, passed, raised, self_check
 from .ex05_mistakes import ATTENTION_MISTAKES, SLOT_MISTAKES, attend, slots
 
 MAX_NEW_TOKENS = 16  # per request, in the engine runs
@@ -105,13 +105,11 @@ def _as_slots(got, total: int) -> list[int]:
     except TypeError:
         raise Fail(f"return a list of pool slots, one int per scheduled token; got {type(got).__name__}") from None
     if got and all(isinstance(x, (list, tuple)) for x in got):
-        raise Fail("return one flat list in packed order -- sequence 0's tokens, then sequence 1's, ... -- "
-                    "not a list per sequence")
+        raise Fail("return one flat list in packed order (sequence 0's tokens, then 1's, ...), not a list per sequence")
     if not all(is_int(x) for x in got):
         raise Fail("a slot is a whole number (an int): block id times block_size plus an offset")
     if len(got) != total:
-        raise Fail(f"you returned {len(got)} slots for {total} scheduled tokens: one slot per token fed this "
-                    "step -- a decode feeds one, a prompt or a chunk of it feeds several")
+        raise Fail(f"you returned {len(got)} slots for {total} scheduled tokens: one slot per token fed this step")
     return [int(x) for x in got]
 
 
@@ -216,8 +214,7 @@ def _check_writes(meta, before, k, v, layer) -> None:
             raise Fail("you wrote this step's K/V into another layer's pool: every layer has its own -- write "
                         "into the layer your function was called for")
         raise Fail("after your function ran, the pool at meta.slot_mapping does not hold this step's keys and "
-                    "values: write them there (meta.pool.write) -- the next steps read them from the pool, and "
-                    "so does this step's own attention")
+                    "values: write them there (meta.pool.write) before reading the context")
     keep = torch.ones(flat(pool.k[0]).shape[0], dtype=torch.bool)
     keep[idx] = False
     for i, (a, b) in enumerate(zip(pool.k + pool.v, before.k + before.v)):
@@ -240,8 +237,7 @@ def _diagnose(out, meta, q, k, v, layer, scaling) -> tuple[str, bool]:
              if not _close(out[:, :, int(meta.query_start_loc[i]):int(meta.query_start_loc[i + 1])],
                            right[:, :, int(meta.query_start_loc[i]):int(meta.query_start_loc[i + 1])])]
     return ("the output is wrong for " + ", ".join(wrong) + ". Each sequence's queries attend to its own "
-            "context only -- positions 0 .. its length - 1, read through its block table -- each query up to "
-            "its own position"), False
+            "context only, read through its block table, each query up to its own position"), False
 
 
 def check_attention_cases(attention) -> None:
@@ -324,10 +320,8 @@ def _in_engine(model, prompts, attention, slot_mapping, max_new_tokens: int = MA
             if c.output_ids != exp:
                 j = next((j for j, (a, b) in enumerate(zip(c.output_ids, exp)) if a != b),
                          min(len(exp), len(c.output_ids)))  # or where the shorter one ends
-                raise Fail(f"in the real engine ({what}): request {c.request_id}'s tokens differ from "
-                           f"generate's from new token {j} on. The hand-built steps passed, so look at what "
-                           "changes over a run: blocks reused after a request finished or was preempted, "
-                           "longer contexts, other shapes")
+                raise Fail(f"in the real engine ({what}): request {c.request_id}'s tokens differ from generate's from "
+                           f"new token {j} on: look at what a run adds -- reused blocks, longer contexts, other shapes")
         steps += len(ps)
         tokens += sum(len(e) for e in expected)
     return steps, tokens
@@ -346,15 +340,11 @@ def _prompts(tok, prompts):
 def check_slot_mapping(slot_mapping, model, tok=None, prompts=None) -> bool:
     """``slot_mapping(block_tables, num_computed_tokens, num_scheduled_tokens, block_size)``: every
     scheduled token's pool slot, in packed order. Hand-built steps first, then the real engine."""
-    if uncallable(slot_mapping, "my_slot_mapping"):
-        return False
-    try:
-        check_slot_mapping_cases(slot_mapping)
-        served, tokens = _in_engine(model, _prompts(tok, prompts), None, slot_mapping)
-    except Fail as err:
-        return report(False, "", str(err))
-    return report(True, f"your slot mapping is right on {len(STEPS)} hand-built steps, and the real engine wrote "
-                        f"every K/V where it said: {served} requests, {tokens} tokens, each equal to generate's", "")
+    need_function(slot_mapping, "my_slot_mapping")
+    check_slot_mapping_cases(slot_mapping)
+    served, tokens = _in_engine(model, _prompts(tok, prompts), None, slot_mapping)
+    return passed(f"your slot mapping is right on {len(STEPS)} hand-built steps, and the real engine wrote "
+                  f"every K/V where it said: {served} requests, {tokens} tokens, each equal to generate's")
 
 
 @self_check
@@ -362,18 +352,14 @@ def check_paged_attention(attention, model, tok=None, prompts=None, slot_mapping
     """``attention(query, key, value, meta, layer, scaling)``: write this step's K/V at ``meta.slot_mapping``,
     read each sequence's context through its block table, attend causally; ``[1, heads, T, head_dim]``.
     With ``slot_mapping`` the engine runs on both of your pieces."""
-    if uncallable(attention, "my_attention"):
-        return False
+    need_function(attention, "my_attention")
     if slot_mapping is not None and not callable(slot_mapping):
-        return report(False, "", "slot_mapping= takes your slot-mapping function itself (or None)")
-    try:
-        if slot_mapping is not None:
-            check_slot_mapping_cases(slot_mapping)
-        check_attention_cases(attention)
-        served, tokens = _in_engine(model, _prompts(tok, prompts), attention, slot_mapping)
-    except Fail as err:
-        return report(False, "", str(err))
+        return fail("slot_mapping= takes your slot-mapping function itself (or None)")
+    if slot_mapping is not None:
+        check_slot_mapping_cases(slot_mapping)
+    check_attention_cases(attention)
+    served, tokens = _in_engine(model, _prompts(tok, prompts), attention, slot_mapping)
     pieces = "your attention and your slot mapping" if slot_mapping is not None else "your attention"
-    return report(True, f"{pieces}: right on {len(HEADS)} hand-built steps (mixed prefill chunks and decodes, "
-                        f"grouped-query heads, stale slots), and the real engine ran on them: {served} requests, "
-                        f"{tokens} tokens, each equal to generate's", "")
+    return passed(f"{pieces}: right on {len(HEADS)} hand-built steps (mixed prefill chunks and decodes, "
+                  f"grouped-query heads, stale slots), and the real engine ran on them: {served} requests, "
+                  f"{tokens} tokens, each equal to generate's")

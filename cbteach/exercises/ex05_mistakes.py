@@ -12,9 +12,8 @@ import torch.nn.functional as F
 _SWAPPED = ("block and offset are swapped: a position's block is its index in the block table, "
             "position // block_size; the offset inside that block is the remainder, position % block_size")
 
-_BOUNDARY = ("the block index is off by one at a block boundary: tokens went into the block next to their own. "
-             "Position p is in block p // block_size of the table, rounded down (positions 0 .. block_size - 1 are "
-             "block 0, the table's first entry), at offset p % block_size")
+_BOUNDARY = ("the block index is off by one at a block boundary: position p is in block p // block_size of the "
+             "table, rounded down (positions 0 .. block_size - 1 are block 0), at offset p % block_size")
 _TABLE_ZERO = ("every sequence was mapped through sequence 0's block table: sequence i's tokens live in the blocks "
                "of its own table, block_tables[i] -- walk the tables together with the sequences")
 
@@ -27,8 +26,7 @@ SLOT_MISTAKES = {
     "no_offset": "every token of a block got the block's first slot: add the token's offset inside its block",
     "from_zero": ("this step's tokens come after the num_computed_tokens already in the cache: a sequence's "
                   "first new token is at position num_computed_tokens, not 0"),
-    "plus_one": ("positions count from 0: a sequence's first new token is at position num_computed_tokens "
-                 "exactly (the token before it, at num_computed_tokens - 1, is already in the cache)"),
+    "plus_one": "positions count from 0: a sequence's first new token is at position num_computed_tokens exactly",
     "packed_index": ("positions are counted inside each sequence (from its num_computed_tokens on), not along "
                      "the packed row of the whole step"),
     "block_up": _BOUNDARY,
@@ -70,9 +68,8 @@ def slots(block_tables, num_computed_tokens, num_scheduled_tokens, block_size, m
 
 _CAUSAL = ("a query sees the keys up to its own position, itself included: query j of a sequence that had "
            "c tokens computed is at position c + j")
-_STALE = ("a sequence owns only positions 0 .. c + n - 1 of its blocks: the rest of its last block -- and the "
-          "padding of its block-table row (block 0, someone else's) -- hold stale K/V or none yet. A decode's "
-          "single query would attend to all of it: read only the context's own slots")
+_STALE = ("a sequence owns only positions 0 .. c + n - 1 of its blocks: the rest of its last block, and the "
+          "padding of its block-table row, hold stale K/V. Read only the context's own slots")
 
 _OTHER_ROW = ("a sequence read its context through another sequence's block table: sequence i's keys and values "
               "are in the blocks of its own row, meta.block_tables[i] (not row 0, not the layer's number)")
@@ -88,9 +85,8 @@ ATTENTION_MISTAKES = {
     "causal_plus": _CAUSAL + " (your queries see one key past their own position)",
     "causal_zero": ("a chunk that continues a prompt starts after the c tokens already computed: its query j is "
                     "at position c + j and sees every earlier key of the sequence, the cached ones too"),
-    "is_causal": ("SDPA's is_causal=True lines its mask up top-left: query j sees keys 0 .. j, which is right only "
-                  "when a sequence has as many keys as queries. A chunk after c computed tokens has c keys more "
-                  "than queries -- each query must see the cached ones too: build the mask yourself"),
+    "is_causal": ("SDPA's is_causal=True lines its mask up top-left: query j sees keys 0 .. j, wrong for a chunk "
+                  "after c computed tokens (c keys more than queries): build the mask yourself"),
     "no_mask": ("a prompt or a chunk of one feeds several queries at once: each may see only the keys up to its "
                 "own position, not the later tokens of its own chunk (a causal mask)"),
     "gqa_tile": ("grouped-query heads: the query heads that share a KV head are consecutive -- with g query heads "
@@ -101,13 +97,11 @@ ATTENTION_MISTAKES = {
                      "the context: round the number of blocks up, or better, read positions 0 .. c + n - 1"),
     "softmax_axis": ("the softmax went over the wrong axis: each query's weights over the keys it sees must sum to 1 "
                      "-- normalise along the keys (the last axis of q @ k^T), not along the queries"),
-    "only_new": ("each query attended to this step's tokens only: its sequence's context also holds the c tokens "
-                 "computed in earlier steps, in the pool -- read positions 0 .. c + n - 1 through the block table, "
-                 "not only this step's slots"),
+    "only_new": ("each query attended to this step's tokens only: its context also holds the c tokens computed "
+                 "in earlier steps -- read positions 0 .. c + n - 1 through the block table"),
     "table_zero": _OTHER_ROW,
     "table_layer": _OTHER_ROW,
-    "no_scale": ("use the scaling the layer passes you (scaling=): not every model scales scores by "
-                 "1 / sqrt(head_dim)"),
+    "no_scale": "use the scaling the layer passes you (scaling=): not every model scales scores by 1 / sqrt(head_dim)",
 }
 
 

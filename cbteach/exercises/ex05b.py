@@ -15,8 +15,8 @@ import torch
 from ..attention.metadata import build
 from ..attention.paged import reference_attention
 from ..kv.pool import PagedKVPool
-from . import (Fail, ex05b_mistakes as mistakes, first_mistake, generated, is_stub, raised, report, self_check,
-               uncallable)
+from . import (Fail, ex05b_mistakes as mistakes, fail, first_mistake, generated, is_stub, need_function, passed, raised,
+               self_check)
 
 NOT_INSTALLED = 'Triton is not installed here: pip install "cbteach[kernels]" (Colab has it), then restart the kernel'
 GPU_SCALE = 4  # compiled for a GPU the steps are this much larger: tl.dot wants tiles of 16 or more
@@ -48,28 +48,21 @@ def _spec(*seqs, **kw) -> dict:
 
 STEPS = [
     Step(name="basic", what="one decode over one full block, one head", hint=(
-        "even the simplest step is wrong -- one decode, one full block of 4 keys, one head, one tile: check "
-        "the loads (the pointer of a key: its block, its slot in the block, its KV head, the column), the "
-        "scores (q times k transposed, times scale) and what you return: (acc, total) before dividing"),
+        "even the simplest step is wrong: check the loads (a key's block, its slot, its KV head, the column), "
+        "the scores (q times k transposed, times scale) and what you return: (acc, total) before dividing"),
          spec=_spec((3, 1), blocks="in order", stale="random")),
     Step(name="not_rescaled", what="one decode over three blocks, tiles of 4, scores rising tile by tile", hint=(
-        "the running max grew from one tile to the next, and what was summed under the old max was kept "
-        "as it was: when m changes, the running sum and the output so far must both be rescaled, by "
-        "exp(m_old - m_new)"),
+        "the running max grew from one tile to the next: when m changes, the running sum and the output so far "
+        "must both be rescaled, by exp(m_old - m_new)"),
          spec=_spec((11, 1), blocks="in order", stale="random", keys="rising")),
     Step(name="overflow", what="one decode over three blocks whose scores reach the hundreds", hint=(
         "scores here reach the hundreds, and exp of a score above about 88 overflows float32: the online softmax "
         "keeps every exp(score - m) at most 1 -- check what your loop subtracts before exp, and its rescale"),
          spec=_spec((11, 1), blocks="in order", stale="random", keys="large")),
-    Step(name="logical_as_physical", what="the same decode, its blocks out of order in the pool", hint=(
-        "the sequence's blocks lie out of order in the pool here, and your loop read logical block b as if "
-        "it were pool block b: the block table says which pool block holds each logical block"),
-         spec=_spec((11, 1), stale="random")),
-    Step(name="past_the_length", what="a decode whose last block is partly filled, stale slots after it", hint=(
-        "this sequence's last block is only partly filled; the slots after its length hold stale K/V of "
-        "earlier requests (here NaN), and your loop read them: a key at a position >= seq_len is not the "
-        "sequence's, whatever a load finds there -- mask the loads, not only the scores"),
-         spec=_spec((9, 1))),
+    Step(name="logical_as_physical", what="the same decode, its blocks out of order in the pool",
+         hint=mistakes.MISTAKES["logical_as_physical"], spec=_spec((11, 1), stale="random")),
+    Step(name="past_the_length", what="a decode whose last block is partly filled, stale slots after it",
+         hint=mistakes.MISTAKES["loads_unmasked"], spec=_spec((9, 1))),
     Step(name="tile_spans_blocks", what="blocks of 3 tokens, tiles of 8 keys",
          hint=mistakes.MISTAKES["one_block_per_tile"], spec=_spec((12, 1), block_size=3, tile_n=8)),
     Step(name="no_causal_mask", what="a prefill chunk of 6 after 3 cached tokens, across a block boundary",
@@ -260,20 +253,16 @@ def check_attend_blocks(inner, model=None, tok=None) -> bool:
     try:
         _course()
     except ImportError:
-        return report(False, "", NOT_INSTALLED)
-    if uncallable(inner, "my_attend_blocks"):
-        return False
+        return fail(NOT_INSTALLED)
+    need_function(inner, "my_attend_blocks")
     if is_stub(inner):
-        return report(False, "", "my_attend_blocks is still the stub: write its loop below the cell's "
-                                 "@triton.jit line (replace the ...), then run this cell again")
+        return fail("my_attend_blocks is still the stub: write its loop below the cell's "
+                    "@triton.jit line (replace the ...), then run this cell again")
     if delegates(inner):
-        return report(False, "", "your loop calls the course's own (cbteach's attend_blocks or another piece of "
-                                 "cbteach): write the loop yourself")
-    try:
-        steps = run_steps(inner)
-        served = run_engine(model, tok, inner) if model is not None else None
-    except Fail as err:
-        return report(False, "", str(err))
+        return fail("your loop calls the course's own (cbteach's attend_blocks or another piece of "
+                    "cbteach): write the loop yourself")
+    steps = run_steps(inner)
+    served = run_engine(model, tok, inner) if model is not None else None
     engine = (f", and the real engine ran on it: {served[0]} requests, {served[1]} tokens, each equal to "
               "generate's") if served else ""
-    return report(True, f"your loop equals the reference attention on {steps} hand-built steps{engine}", "")
+    return passed(f"your loop equals the reference attention on {steps} hand-built steps{engine}")

@@ -30,30 +30,24 @@ MISTAKES = {
     "scale_twice": "the scores were multiplied by scale twice: once, q . k times scale",
     "scale_divided": ("the scores were divided by scale: scale is already 1 / sqrt(head_dim) -- attention's softmax is "
                       "over q . k times scale"),
-    "loads_unmasked": ("the slots past the sequence's length hold stale K/V of earlier requests (here NaN), and your "
-                       "loop loaded them: a NaN loaded is a NaN summed, whatever the score mask does -- mask the loads "
-                       "(mask=..., other=0.0), not only the scores"),
+    "loads_unmasked": ("the slots past the sequence's length hold stale K/V (here NaN), and your loop loaded them: a "
+                       "NaN loaded is a NaN summed -- mask the loads (mask=..., other=0.0), not only the scores"),
     "masked_with_zero": ("masked scores were set to 0, not -inf: exp(0 - m) is not 0, so every key a query may not "
-                         "see -- past the length, or after the query -- still got weight. A masked score must give "
-                         "exp(score - m) = 0"),
-    "no_causal": ("a prefill chunk: its queries saw keys after their own positions. Query j of a chunk sits at position "
-                  "seq_len - num_queries + j (q_pos) and may see keys 0 .. q_pos only; earlier chunks are all in its "
-                  "past"),
+                         "see still got weight"),
+    "no_causal": ("a prefill chunk: its queries saw keys after their own positions. Query j of a chunk sits at "
+                  "q_pos = seq_len - num_queries + j and may see keys 0 .. q_pos only"),
     "causal_strict": ("a query did not see its own key: the causal mask lets the query at position q_pos see the keys "
                       "0 .. q_pos, itself included"),
     "max_before_masking": ("a key this query may not see scores far above the others, and your running max took it "
-                           "in: the max must be taken over the scores that survive the masks, or every kept "
-                           "exp(score - max) underflows to 0"),
+                           "in: the max must be taken over the scores that survive the masks"),
     "kv_head_is_head": ("a query head read the wrong KV head: here 4 query heads share 2 KV heads, consecutive query "
                         "heads sharing one (GROUP = heads // kv_heads query heads per KV head)"),
     "kv_head_modulo": ("a query head read the wrong KV head: here 4 query heads share 2 KV heads, consecutive query heads "
                        "sharing one (GROUP = heads // kv_heads query heads per KV head), not every GROUP-th"),
     "no_running_max": ("scores here reach the hundreds, and exp of a score above about 88 overflows float32 to inf: "
-                       "your loop took exp of the scores as they are. Subtracting the running max first (section 3) "
-                       "keeps every exp at most 1"),
-    "rescale_inverted": ("NaN from the rescale: your factor grows when the max grows -- on the first tile m is -inf, so "
-                         "it is exp(+inf) = inf, and inf times the empty sum 0 is NaN. What was summed under the old "
-                         "max must shrink when the max grows (section 3)"),
+                       "subtract the running max before exp (section 3)"),
+    "rescale_inverted": ("NaN from the rescale: your factor grows when the max grows (exp(+inf) = inf on the first "
+                         "tile, times the empty sum 0): it must shrink when the max grows (section 3)"),
     "sum_not_rescaled": ("the running max grew from one tile to the next, and the running sum kept what was summed "
                          "under the old max as it was: when m changes, the sum must be rescaled too"),
     "acc_not_rescaled": ("the running max grew from one tile to the next, and the output so far kept what was summed "
@@ -65,9 +59,8 @@ MISTAKES = {
 }
 ROUNDING = ("close to the reference, but not within float32's rounding: some part of your loop computes in lower "
             "precision (float16, bfloat16, or tl.dot's default TF32 -- pass input_precision=\"ieee\")")
-NAN = ("your output has NaN (or inf) where the reference has none, and every slot of this step is a real key: the NaN "
-       "comes from the arithmetic -- exp of a large number, inf - inf, 0 * inf. Look at the first tile, where m is "
-       "still -inf, and at what the masks put in the scores")
+NAN = ("your output has NaN (or inf) where the reference has none: exp of a large number, inf - inf, 0 * inf? Look "
+       "at the first tile, where m is still -inf, and at what the masks put in the scores")
 
 
 def _pow2(n: int) -> int:

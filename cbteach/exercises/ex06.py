@@ -12,7 +12,7 @@ import weakref
 
 from ..engine.scheduler import Scheduler
 from ..viz.schedule import first_difference, plan_of
-from . import bierce, generated_all, guard, report, self_check
+from . import bierce, fail, generated_all, guard, passed, self_check
 from .rules import ROOM_STAGE, NotDone, SchedulerMistake, hint
 from .scheduler_check import Workload, run, watched, with_eos
 
@@ -216,7 +216,7 @@ def check_stage(stage, scheduler_cls, model=None, *, prefix_caching: bool = True
     refused = _refuse(stage, scheduler_cls) or guard.refusal("scheduler", scheduler_cls, ("update_from_output",)
                                                              if stage == 5 else ("schedule",))
     if refused:
-        return report(False, "", refused)
+        return fail(refused)
     if stage == 5:  # the update alone: the engine's own schedule plans every step
         scheduler_cls = type(scheduler_cls.__name__, (scheduler_cls,), {"schedule": Scheduler.schedule})
     model = bierce() if model is None else model
@@ -227,12 +227,12 @@ def check_stage(stage, scheduler_cls, model=None, *, prefix_caching: bool = True
         except SchedulerMistake as err:
             hint_ = str(err)
         if hint_ is not None:
-            return report(False, "", f"stage {stage} ({STAGE_NAMES[stage]}): {hint_}")
+            return fail(f"stage {stage} ({STAGE_NAMES[stage]}): {hint_}")
     extra = ""
     if stage == 3 and _never_fits(model):
         extra = "; a request that could never fit was refused by the engine at add time (ValueError), never queued"
     what = ("your update appended, stopped and freed as the engine's does -- same steps, tokens, finish reasons and "
             "token times" if stage == 5 else "your scheduler planned every step as the engine's does -- same "
             "requests, tokens, admissions and preemptions -- with the same outputs")
-    return report(True, f"stage {stage} ({STAGE_NAMES[stage]}): on all {len(workloads)} workloads {what}, "
-                        f"and no KV block left behind{extra}", "")
+    return passed(f"stage {stage} ({STAGE_NAMES[stage]}): on all {len(workloads)} workloads {what}, "
+                  f"and no KV block left behind{extra}")

@@ -7,6 +7,7 @@ compared with the message (:mod:`.batch_rules`), and at the end the tokens with 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, field
 
@@ -15,7 +16,7 @@ from ..core.request import Request
 from ..core.sampling import SamplingParams
 from ..engine.engine import Engine
 from ..worker import states
-from . import Fail, bierce, generated_all, guard, raised, report, self_check
+from . import Fail, bierce, fail, generated_all, guard, need_function, passed, raised, self_check
 from .batch_rules import Expect, Held, state_hint
 
 @dataclass(frozen=True)
@@ -114,10 +115,8 @@ def run_workload(model, w: Workload, fn=None) -> tuple[Engine, list, Fail | None
     except Fail as err:
         said = err
     finally:
-        try:
+        with contextlib.suppress(Exception):  # a run stopped half-way by a wrong batch
             eng.close()
-        except Exception:  # noqa: BLE001 -- a run stopped half-way by a wrong batch
-            pass
     return eng, seen, said
 
 
@@ -144,18 +143,17 @@ def check_update_batch(update_batch, model=None) -> bool:
     """Run the engine with ``update_batch(runner, scheduler_output)`` as its worker's update on every
     workload of :data:`WORKLOADS`, on ``model`` (None: the course's bierce); see the module."""
     if update_batch is None or update_batch is Ellipsis:
-        return report(False, "", "not done yet: write update_batch(runner, scheduler_output), then run this check")
-    if not callable(update_batch):
-        return report(False, "", f"pass your function itself, update_batch (got a {type(update_batch).__name__})")
+        return fail("not done yet: write update_batch(runner, scheduler_output), then run this check")
+    need_function(update_batch, "update_batch")
     refused = guard.refusal("update_batch", update_batch)
     if refused:
-        return report(False, "", refused)
+        return fail(refused)
     model = bierce() if model is None else model
     for w in WORKLOADS:
         said = _check_workload(model, w, update_batch)
         if said is not None:
-            return report(False, "", said)
-    return report(True, f"on all {len(WORKLOADS)} workloads your update_batch left the worker's batch as every "
-                        "message said -- finished requests forgotten, rows of the scheduled requests only, blocks "
-                        "appended or replaced, prefix hits and forked samples kept -- and every token came out as "
-                        "model.generate's (the seeded samples: as the engine's own run)", "")
+            return fail(said)
+    return passed(f"on all {len(WORKLOADS)} workloads your update_batch left the worker's batch as every "
+                  "message said -- finished requests forgotten, rows of the scheduled requests only, blocks "
+                  "appended or replaced, prefix hits and forked samples kept -- and every token came out as "
+                  "model.generate's (the seeded samples: as the engine's own run)")

@@ -13,7 +13,7 @@ import statistics
 from ..engine.engine import Engine
 from ..core.request import Request
 from ..engine.static import static_batching
-from . import report, self_check, uncallable
+from . import fail, need_function, passed, self_check
 
 COLD = 6.0     # a first run costs this many times a warm one (allocation, lazy imports, caches)
 DRIFT = 0.08   # each run costs this much more than the one before it, whichever engine ran (a machine slowing)
@@ -116,11 +116,10 @@ def _diagnose(events, names, repeat, got, truth_same) -> str | None:
     timed = _timed_flags(events)
     for name in names:  # the first run of each engine must not be timed
         if timed[first_runs[name]]:
-            return ("an engine's first run pays one-off costs (allocation, caches, lazy imports) that a server "
-                    "pays once: warm every engine up with one untimed run before timing any")
+            return "an engine's first run pays one-off costs: warm every engine up with one untimed run first"
     if not durations:
-        return ("no single run was timed on its own: one clock reading around several runs gives their total "
-                "(or mean), and one slow run hides in it; read the clock right before and right after each run")
+        return ("no single run was timed on its own: one slow run hides in a total; read the clock right before and "
+                "right after each run")
     if any(len(durations.get(name, [])) != repeat for name in names):
         return "each engine should be timed exactly repeat times (warm-up not counted), each run on its own"
     rounds = [order[r * len(names):(r + 1) * len(names)] for r in range(repeat)]
@@ -137,16 +136,15 @@ def _diagnose(events, names, repeat, got, truth_same) -> str | None:
             if math.isclose(mine, statistics.fmean(durations[name]), rel_tol=1e-6):
                 return "one slow run (a hiccup) pulls the mean along: report the median of the timed runs"
             if math.isclose(mine, min(durations[name]), rel_tol=1e-6):
-                return ("the fastest run is the luckiest one, not the typical one; and a harness that keeps the "
-                        "minimum rewards noise: report the median")
+                return "the fastest run is the luckiest one, not the typical one: report the median"
             if math.isclose(mine, sum(durations[name]), rel_tol=1e-6):
                 return "that is the total of the timed runs; report the median of them, one run's worth"
             return f"medians[{name!r}] is not the median of the runs your harness timed"
     if same is not truth_same:
         if truth_same:
             return "every engine produced the same tokens here, yet your harness says they differ"
-        return ("an engine that is fast but gives other tokens is not faster, it is wrong -- and a bug can show on "
-                "a later run only (state left over from the previous run): compare the tokens of every run")
+        return ("a fast engine that gives other tokens is wrong, and a bug can show on a later run only (state left "
+                "over): compare the tokens of every run")
     return None
 
 
@@ -155,8 +153,7 @@ def check_benchmark(benchmark, model) -> bool:
     """``benchmark(runs, repeat, clock)`` should warm up, time interleaved repeats one by one with
     ``clock``, and return ``({name: median seconds}, same_tokens)``. ``model``: the notebook's model;
     every engine the check times runs it for real."""
-    if uncallable(benchmark, "benchmark"):
-        return False
+    need_function(benchmark, "benchmark")
     cases = [(r, stale) for stale in (False, True) for r in REPEATS]
     for repeat, stale in cases:
         clock = Clock()
@@ -164,15 +161,14 @@ def check_benchmark(benchmark, model) -> bool:
         truth_same = not stale
         got = benchmark(dict(runs), repeat, clock)
         if got is None or got is Ellipsis:
-            return report(False, "", "not done yet: benchmark returned nothing; it should return (medians, "
-                                     "same_tokens)")
+            return fail("not done yet: benchmark returned nothing; it should return (medians, same_tokens)")
         truthy = isinstance(got, tuple) and len(got) == 2 and type(got[1]).__name__ in ("bool", "bool_")
         if not (truthy and isinstance(got[0], dict)):  # (a NumPy bool is a bool too)
-            return report(False, "", f"benchmark should return a pair (dict of medians, bool); got {got!r:.80}")
+            return fail(f"benchmark should return a pair (dict of medians, bool); got {got!r:.80}")
         got = (got[0], bool(got[1]))
         hint = _diagnose(clock.events, list(runs), repeat, got, truth_same)
         if hint:
             which = f"{len(runs)} engines{', one with a stale-state bug' if stale else ''}, repeat={repeat}"
-            return report(False, "", f"on the check's workload ({which}): {hint}")
-    return report(True, f"your harness warms up, interleaves, takes medians and compares every run's tokens "
-                        f"({len(cases)} workloads, engines run for real)", "")
+            return fail(f"on the check's workload ({which}): {hint}")
+    return passed(f"your harness warms up, interleaves, takes medians and compares every run's tokens "
+                  f"({len(cases)} workloads, engines run for real)")

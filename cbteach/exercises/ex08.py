@@ -15,7 +15,7 @@ from ..worker import spec_runner
 from ..engine.engine import Engine
 from ..core.request import Request
 from ..engine.speculative import accept as engine_accept
-from . import first_mistake, is_int, raised, report, self_check, uncallable
+from . import fail, first_mistake, is_int, need_function, passed, raised, self_check
 
 # ---------------------------------------------------------------- prefix reuse ----------------
 
@@ -83,12 +83,11 @@ PREFIX_MISTAKES = [
     ([dict(last_rule=False)], "the prompt's last token is always computed, even when the whole prompt is cached: its "
                               "logits give the first new token -- so the lookup stops one token short of the prompt"),
     ([dict(full_blocks=False, last_rule=False), dict(full_blocks=False)],
-     "you counted every shared token; only *full* blocks are cached -- a shared prefix is reused in whole blocks of "
-     "{bs}, rounded down"),
+     "you counted every shared token; only *full* blocks are cached: whole blocks of {bs}, rounded down"),
     ([dict(earlier="previous"), dict(earlier="first")],
      "the cache keeps the full blocks of *every* earlier request, not only one of them"),
     ([dict(chained=False)], "a block is found by a hash of its tokens *and of everything before it*: after the first "
-                            "block that differs, nothing more can be reused, even if later blocks hold the same tokens"),
+                            "block that differs, nothing more can be reused"),
     ([dict(ceil=True)], "a partly filled block is never cached: round down to whole blocks, not up"),
 ]
 
@@ -101,16 +100,14 @@ def _prefix_hint(prompts, bs, got) -> str:
         return hint.format(bs=bs)
     if any(g % bs for g in got):
         return f"reuse always comes in whole blocks, so every answer is a multiple of the block size ({bs})"
-    return ("for each request, walk its prompt (less its last token) block by block and stop at the first "
-            "block no earlier request computed")
+    return "walk each prompt (less its last token) block by block, and stop at the first block no earlier one computed"
 
 
 @self_check
 def check_prefix_reuse(predict, model, prompts=None, block_size=None) -> bool:
     """``predict(prompts, block_size)`` -> the prompt tokens the prefix cache supplies to each prompt, served one
     at a time in order; the notebook's case first, then :data:`PREFIX_CASES`."""
-    if uncallable(predict, "predict"):
-        return False
+    need_function(predict, "predict")
     cases = ([PrefixCase(what="the notebook's prompts", prompts=[list(p) for p in prompts], block_size=block_size)]
              if prompts is not None else [])
     cases += PREFIX_CASES
@@ -118,23 +115,22 @@ def check_prefix_reuse(predict, model, prompts=None, block_size=None) -> bool:
         try:
             got = predict([list(p) for p in case], bs)
         except Exception as err:  # the learner's code: say what failed, and on which case
-            return report(False, "", f"predict raised {raised(err)} (case: {what})")
+            return fail(f"predict raised {raised(err)} (case: {what})")
         if got is None:
-            return report(False, "", "not done yet: predict_reuse returned None -- write it in the cell above")
+            return fail("not done yet: predict_reuse returned None -- write it in the cell above")
         try:
             got = list(got)
         except TypeError:
-            return report(False, "", f"predict should return a list with one number per prompt, got {got!r}")
+            return fail(f"predict should return a list with one number per prompt, got {got!r}")
         if len(got) != len(case) or not all(is_int(g) for g in got):
-            return report(False, "", f"predict should return {len(case)} ints, one per prompt; got {got!r} "
-                                     f"(case: {what})")
+            return fail(f"predict should return {len(case)} ints, one per prompt; got {got!r} (case: {what})")
         expected = engine_cached_tokens(model, case, bs)
         if got != expected:
             i = next(i for i, (g, e) in enumerate(zip(got, expected)) if g != e)
             more = "more" if got[i] > expected[i] else "fewer"
-            return report(False, "", f"case {what!r}: for request {i} you predicted {got[i]} cached tokens, "
-                                     f"{more} than the engine reused. Hint: {_prefix_hint(case, bs, got)}")
-    return report(True, f"your predictions match the engine's num_cached_prompt_tokens on all {len(cases)} cases", "")
+            return fail(f"case {what!r}: for request {i} you predicted {got[i]} cached tokens, "
+                        f"{more} than the engine reused. Hint: {_prefix_hint(case, bs, got)}")
+    return passed(f"your predictions match the engine's num_cached_prompt_tokens on all {len(cases)} cases")
 
 
 # ---------------------------------------------------------------- acceptance rule -------------
@@ -160,17 +156,13 @@ def _accept_hint(drafts, targets, got) -> str:
     """The misconception a wrong answer shows -- never which index to read or what to return."""
     j = next((i for i, (d, t) in enumerate(zip(drafts, targets)) if d != t), len(drafts))  # first mismatch
     if j == len(drafts) and got == targets[:j]:
-        return ("when every guess was right, the verify pass also made a prediction after the last guess, and "
-                "it is as real as the others: your rule throws away the bonus token that comes free")
+        return "when every guess was right, your rule throws away the bonus token: the prediction after the last guess"
     if j < len(drafts) and got == list(drafts[:j + 1]):
-        return ("at the first mismatch your rule keeps the wrong guess: greedy decoding would have produced the "
-                "model's own token there")
+        return "at the first mismatch your rule keeps the wrong guess, not the model's own token"
     if j < len(drafts) and got == list(targets[:j]):
-        return ("a verify step always yields at least one token more than it accepts -- even when the first "
-                "guess is wrong, the pass computed the model's own next token")
+        return "a verify step always yields at least one token more than it accepts: the model's own next token"
     if len(got) > j + 1 and got[:j + 1] == list(targets[:j + 1]):
-        return ("stop at the first mismatch: every later prediction was made after a wrong guess, so it is not "
-                "what the model would say after the right token")
+        return "stop at the first mismatch: every later prediction was made after a wrong guess"
     if not drafts:
         return "with no guesses the step is a plain decode: it yields exactly one token, the model's own"
     return ("a verify step keeps the model's tokens for as long as the guesses agree with them, and no further: "
@@ -193,8 +185,7 @@ def _loop_requests():
 def check_accept(accept) -> bool:
     """``accept(drafts, targets)`` -> the tokens a verify step yields (``targets`` has one more entry
     than ``drafts``: the model's prediction after the last real token and after each guess)."""
-    if uncallable(accept, "accept"):
-        return False
+    need_function(accept, "accept")
     g = random.Random(0)
     cases = list(ACCEPT_CASES)
     for _ in range(NUM_RANDOM_ACCEPT_CASES):  # small alphabets: guesses are often right, as with a good proposer
@@ -206,16 +197,15 @@ def check_accept(accept) -> bool:
         try:
             got = accept(list(drafts), list(targets))
         except Exception as err:  # the learner's code
-            return report(False, "", f"accept({drafts}, {targets}) raised {raised(err)}")
+            return fail(f"accept({drafts}, {targets}) raised {raised(err)}")
         if got is None:
-            return report(False, "", "not done yet: accept returned None -- write it in the cell above")
+            return fail("not done yet: accept returned None -- write it in the cell above")
         if not isinstance(got, (list, tuple)) or not all(is_int(t) for t in got):
-            return report(False, "", f"accept({drafts}, {targets}) returned {got!r}; it should return a list of "
-                                     "token ids (ints)")
+            return fail(f"accept({drafts}, {targets}) returned {got!r}; it should return a list of token ids (ints)")
         got = [int(t) for t in got]
         if got != engine_accept(drafts, targets):
-            return report(False, "", f"accept({drafts}, {targets}) returned {got}, which is not what the engine "
-                                     f"keeps. Hint: {_accept_hint(drafts, targets, got)}")
+            return fail(f"accept({drafts}, {targets}) returned {got}, which is not what the engine "
+                        f"keeps. Hint: {_accept_hint(drafts, targets, got)}")
     # In the engine: a speculative run with the learner's rule must equal a run without speculation.
     model = loop_model()
     plain = [c.output_ids for c in Engine(model, None, max_batch_size=4, kv="paged").run(_loop_requests())]
@@ -223,9 +213,8 @@ def check_accept(accept) -> bool:
     with mock.patch.object(spec_runner, "accept", accept):
         spec = [c.output_ids for c in engine.run(_loop_requests())]
     if spec != plain:
-        return report(False, "", "inside the engine your rule changed the generated tokens; speculation must give "
-                                 "exactly what plain greedy decoding gives")
+        return fail("inside the engine your rule changed the generated tokens; speculation must give "
+                    "exactly what plain greedy decoding gives")
     s = engine.spec_stats
-    return report(True, f"your rule matches the engine's on {len(cases)} cases, and inside the engine it kept the "
-                        f"output exact ({s['accepted']} of {s['drafted']} guesses accepted in "
-                        f"{s['verify_steps']} verify steps)", "")
+    return passed(f"your rule matches the engine's on {len(cases)} cases, and inside the engine it kept the output "
+                  f"exact ({s['accepted']} of {s['drafted']} guesses accepted in {s['verify_steps']} verify steps)")

@@ -13,7 +13,7 @@ import torch
 
 from ..serving.disagg import DisaggregatedServer
 from ..core.request import Request
-from . import report, self_check, uncallable
+from . import fail, need_function, passed, self_check
 
 class Shape(NamedTuple):
     """A small model's shape; head_dim = hidden / heads."""
@@ -75,8 +75,7 @@ def _bytes_hint(got, prompt_len, config, bs, kv_dtype) -> str:
     per_token = 2 * layers * kv_heads * (d + 4 if kv_dtype == "int8" else 4 * d)
     expected = slots(prompt_len) * per_token
     if got == prompt_len * per_token:
-        return (f"the K/V go over in whole blocks: the last block travels whole even if it is only partly "
-                f"filled (block_size {bs})")
+        return f"the K/V go over in whole blocks: the last one travels whole even if partly filled (block_size {bs})"
     if got in (slots(prompt_len + 1) * per_token, (prompt_len + 1) * per_token):
         return ("the prefill engine computed the prompt's K/V only: the first new token was sampled but never "
                 "fed through the model, so it has no K/V yet")
@@ -87,8 +86,7 @@ def _bytes_hint(got, prompt_len, config, bs, kv_dtype) -> str:
     if got * layers == expected and layers > 1:
         return "every layer has its own keys and values"
     if kv_heads != heads and got * kv_heads == expected * heads:
-        return ("with grouped-query attention only the KV heads are cached (config.num_key_value_heads), "
-                "not the query heads")
+        return "with grouped-query attention only the KV heads are cached (config.num_key_value_heads)"
     if kv_dtype == "int8":
         if got == slots(prompt_len) * 2 * layers * kv_heads * d:
             return ("int8 values are 1 byte each, but every (token, head) also stores one float32 scale, for K "
@@ -105,8 +103,7 @@ def _bytes_hint(got, prompt_len, config, bs, kv_dtype) -> str:
 def check_handover(handover, model, prompt_len: int | None = None) -> bool:
     """``handover(prompt_len, config, block_size, kv_dtype, link_bytes_per_s)`` -> ``(bytes, seconds)``; the
     notebook's prompt first (fp32 and int8), then :data:`CASES`."""
-    if uncallable(handover, "handover"):
-        return False
+    need_function(handover, "handover")
     cases = [Handover(shape=None, prompt_len=prompt_len, block_size=16, kv_dtype=dtype, link_bytes_per_s=10e9)
              for dtype in (None, "int8")] if prompt_len else []
     cases += CASES
@@ -118,18 +115,18 @@ def check_handover(handover, model, prompt_len: int | None = None) -> bool:
         try:
             got = handover(n, m.config, bs, kv_dtype, link)
             if got is None:
-                return report(False, "", "not done yet: handover returned None -- write it in the cell above")
+                return fail("not done yet: handover returned None -- write it in the cell above")
             nbytes, seconds = got
         except Exception as err:  # the learner's code, or a result that is not a pair
-            return report(False, "", f"handover(...) failed or did not return (bytes, seconds) for {where}: "
-                                     f"{type(err).__name__}: {err}")
+            return fail(f"handover(...) failed or did not return (bytes, seconds) for {where}: "
+                        f"{type(err).__name__}: {err}")
         if not all(isinstance(x, numbers.Real) and not isinstance(x, bool) for x in (nbytes, seconds)):
-            return report(False, "", f"handover should return two numbers (bytes, seconds); got {got!r}")
+            return fail(f"handover should return two numbers (bytes, seconds); got {got!r}")
         exp_bytes, exp_seconds = measured_handover(m, n, bs, kv_dtype, link)
         if nbytes != exp_bytes:
             more = "more" if nbytes > exp_bytes else "fewer"
-            return report(False, "", f"for {where} you said {nbytes:,} bytes, {more} than the server moved. "
-                                     f"Hint: {_bytes_hint(nbytes, n, m.config, bs, kv_dtype)}")
+            return fail(f"for {where} you said {nbytes:,} bytes, {more} than the server moved. "
+                        f"Hint: {_bytes_hint(nbytes, n, m.config, bs, kv_dtype)}")
         if not math.isclose(seconds, exp_seconds, rel_tol=1e-9, abs_tol=1e-15):
             if math.isclose(seconds, 8 * exp_seconds, rel_tol=1e-9):
                 hint = "link_bytes_per_s is already in bytes per second: no factor 8"
@@ -137,8 +134,7 @@ def check_handover(handover, model, prompt_len: int | None = None) -> bool:
                 hint = "the division is upside down: seconds = bytes / (bytes per second)"
             else:
                 hint = "seconds = bytes / link_bytes_per_s (the handover is modelled as bandwidth only, no latency)"
-            return report(False, "", f"the bytes are right for {where}, but {seconds!r} s is not the link time. "
-                                     f"Hint: {hint}")
+            return fail(f"the bytes are right for {where}, but {seconds!r} s is not the link time. Hint: {hint}")
     shapes = len({c.shape for c in cases})
-    return report(True, f"bytes and link time match the disaggregated server's .transfers on all {len(cases)} "
-                        f"handovers (fp32 and int8 pools, {shapes} model shapes)", "")
+    return passed(f"bytes and link time match the disaggregated server's .transfers on all {len(cases)} "
+                  f"handovers (fp32 and int8 pools, {shapes} model shapes)")

@@ -9,7 +9,7 @@ import math
 from ..engine.engine import Engine
 from ..core.request import Request
 from ..engine.static import static_batching
-from . import is_int, report, self_check
+from . import fail, is_int, passed, self_check
 
 # The main run: five requests served two at a time by a paged engine with tiny blocks.
 IDS = ("A", "B", "C", "D", "E")
@@ -65,13 +65,11 @@ def measure(model) -> dict:
 def _static_hint(got, m) -> str:
     waves = [OUTPUT_LENS[i:i + BATCH_SIZE] for i in range(0, len(OUTPUT_LENS), BATCH_SIZE)]
     if got == sum(OUTPUT_LENS):
-        return ("that serves one request at a time; a wave's requests run side by side, so a wave costs its "
-                "longest answer")
+        return "that serves one request at a time; a wave's requests run side by side"
     if got == len(waves) * max(OUTPUT_LENS):
         return "each wave waits for its own longest request, not for the longest of the whole workload"
     if got in (m["static_steps"] + len(waves), m["static_steps"] - len(waves)):
-        return ("a wave's prefill step already produces each request's first token, so a wave whose longest "
-                "answer has L tokens runs exactly L steps")
+        return "a wave's prefill step already makes each first token: a wave whose longest answer is L runs L steps"
     if got == m["continuous_steps"]:
         return "static batching cannot refill a slot mid-wave: the next wave starts only when the whole wave is done"
     return "split the requests, in order, into waves of max_batch_size and add up each wave's longest answer"
@@ -82,11 +80,9 @@ def _continuous_hint(got, m) -> str:
     if got == m["static_steps"]:
         return "continuous batching has no waves: a slot freed on step t takes the next request on step t + 1"
     if got == bound:
-        return ("that is the lower bound, a perfect packing; first come, first served cannot start a later request "
-                "early, and at the end slots drain while the last requests finish")
+        return "that is the lower bound, a perfect packing: at the end, slots drain while the last requests finish"
     if got in (m["continuous_steps"] + 1, m["continuous_steps"] - 1):
-        return ("off by one: a request with L new tokens holds its slot for exactly L steps (its prefill step makes "
-                "the first token), and a slot freed on step t is refilled on step t + 1")
+        return "off by one: a request with L new tokens holds its slot for L steps, and a freed slot is refilled next"
     if got == sum(OUTPUT_LENS):
         return "that is one request at a time; every step runs as many requests as there are free slots"
     return "follow the slots step by step, as in notebook 02's exercise: who is admitted when, and when each finishes"
@@ -105,20 +101,17 @@ def _running_hint(got, m) -> str:
     if missing:
         return (f"{missing} request(s) that run on that step are missing: a freed slot is refilled on the very "
                 "next step while requests wait")
-    return ("the requests are right, but not every kind is: a request's first step is its prefill (the whole "
-            "prompt at once: no token budget in this run), and every later step is a decode of one token")
+    return "the requests are right, but not every kind is: a request's first step is its prefill, later ones decodes"
 
 
 def _computed_hint(got, m) -> str:
     c, p = m["num_computed_tokens"], PROMPT_LENS[IDS.index(FOCUS)]
     if got == c + m["_focus_scheduled"]:
-        return ("num_computed_tokens counts the tokens whose K/V are in the cache *before* the step; the token "
-                "fed on this step is cached only by it")
+        return "num_computed_tokens counts the tokens cached *before* the step, not the one fed on it"
     if got in (c - p, c - p + 1):
         return "it counts the prompt's tokens too: every token of the sequence already in the cache"
     if got == c - 1:
-        return ("too low by one: the prefill step caches the whole prompt, and each decode step since then "
-                "cached one more token")
+        return "too low by one: the prefill caches the whole prompt, and each decode since then one more token"
     return ("num_computed_tokens is what the cache already holds before the step: what did the prefill step "
             f"cache for {FOCUS}, and what did each step after it add?")
 
@@ -126,8 +119,7 @@ def _computed_hint(got, m) -> str:
 def _blocks_hint(got, m) -> str:
     c, n = m["num_computed_tokens"], m["_focus_scheduled"]
     if got == math.ceil(c / BLOCK_SIZE):
-        return ("before the forward pass the scheduler also makes room for the token fed on this step: your "
-                "count covers only what was cached before it")
+        return "the scheduler also makes room for the token fed on this step, before the forward pass"
     if got == (c + n) // BLOCK_SIZE:
         return "a partly filled block is still a whole block of the table: round up"
     if got in (c, c + n):
@@ -138,11 +130,9 @@ def _blocks_hint(got, m) -> str:
 
 def _prefill_hint(got, m) -> str:
     if got == math.ceil(LONG_PROMPT / TOKEN_BUDGET):
-        return ("decodes are scheduled first: X's decode takes one token of the budget on every step, and Y's "
-                "chunk gets what is left")
+        return "decodes are scheduled first: X's decode takes one token of the budget every step, Y's chunk the rest"
     if got == 1:
-        return ("the prompt is longer than the token budget, so it is fed in chunks over several steps "
-                "(chunked prefill)")
+        return "the prompt is longer than the token budget, so it is fed in chunks over several steps"
     if got in (m["prefill_steps"] + 1, m["prefill_steps"] - 1):
         return "off by one: each step feeds what the budget leaves after the decode, the last chunk only what remains"
     return ("a running decode is scheduled before a waiting prompt's chunk, and the chunk gets only what the "
@@ -187,11 +177,11 @@ def check_schedule(model, *, static_steps, continuous_steps, running, num_comput
         got = answers[name]
         problem = _malformed(name, got)
         if problem is None and got == m[name]:
-            report(True, f"{name} = {got!r}: {GOOD[name]}", "")
+            passed(f"{name} = {got!r}: {GOOD[name]}")
             continue
         ok = False
-        report(False, "", f"{name}: {problem}" if problem else f"{name} = {got!r} is not what the engine did -- "
-                                                               f"{HINTS[name](got, m)}")
+        fail(f"{name}: {problem}" if problem else f"{name} = {got!r} is not what the engine did -- "
+                                                  f"{HINTS[name](got, m)}")
     if ok:
         print("All six match the engines: you can read a schedule before it runs.")
     return ok

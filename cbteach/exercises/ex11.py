@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import NamedTuple
 
-from . import is_int, report, self_check
+from . import fail, is_int, need_function, passed, self_check
 
 
 class Case(NamedTuple):
@@ -48,17 +48,14 @@ def _hint(events, got, want) -> str:
             return "that counts the prompt's tokens too: the answer's are the completion's"
         return "count the answer's tokens from the usage the stream ends with (stream_options include_usage)"
     if reason != w_reason:
-        return ("the finish_reason is set in the last chunk that has a choice -- the usage chunk after it has none; "
-                "it is one of 'stop' and 'length'")
-    return ("join the delta's content of every chunk, in order; a chunk without content (the closing one) adds "
-            "nothing")
+        return "the finish_reason is set in the last chunk that has a choice (the usage chunk after it has none)"
+    return "join the delta's content of every chunk, in order; a chunk without content (the closing one) adds nothing"
 
 
 @self_check
 def check_stream_summary(summarize_stream, base_url: str, api_key: str | None = None) -> bool:
     """Compare ``summarize_stream`` on real streams with the server's whole answers."""
-    if not callable(summarize_stream):
-        return report(False, "", "pass your function itself (summarize_stream, not summarize_stream(...))")
+    need_function(summarize_stream, "summarize_stream")
     for prompt, max_tokens, stop in CASES:
         events = stream_events(base_url, prompt, max_tokens, stop, api_key)
         whole = stream_events(base_url, prompt, max_tokens, stop, api_key, stream=False)
@@ -66,12 +63,10 @@ def check_stream_summary(summarize_stream, base_url: str, api_key: str | None = 
                 whole["choices"][0]["finish_reason"])
         got = summarize_stream([json.loads(json.dumps(e)) for e in events])  # a copy: the learner may consume it
         if not isinstance(got, tuple) or len(got) != 3:
-            return report(False, "", f"return a tuple (text, num_tokens, finish_reason); got {type(got).__name__} "
-                          f"{got!r:.60}")
+            return fail(f"return a tuple (text, num_tokens, finish_reason); got {type(got).__name__} {got!r:.60}")
         if not isinstance(got[0], str) or not is_int(got[1]):
-            return report(False, "", "text should be a str and num_tokens an int")
+            return fail("text should be a str and num_tokens an int")
         if tuple(got) != want:
             where = f"the answer to {prompt!r} (max_tokens={max_tokens}{', stop=' + repr(stop) if stop else ''})"
-            return report(False, "", f"on {where}: {_hint(events, got, want)}")
-    return report(True, f"all {len(CASES)} streams read right: text, tokens and finish reason match the whole "
-                  "answers", "")
+            return fail(f"on {where}: {_hint(events, got, want)}")
+    return passed(f"all {len(CASES)} streams read right: text, tokens and finish reason match the whole answers")

@@ -19,7 +19,7 @@ from ..core.clock import VirtualClock
 from ..engine.engine import Engine
 from ..serving.metrics import summarize
 from ..viz.schedule import first_difference
-from . import generated_all, guard, report, self_check
+from . import fail, generated_all, guard, passed, report, self_check
 from .capstone import PIECES, Pieces, check_piece, serve_options, stand_in
 
 OPTIONS = dict(max_batch_size=4, block_size=4, num_blocks=32, token_budget=8)  # it preempts and chunks
@@ -51,11 +51,9 @@ def _plugged(engine, pieces: Pieces) -> str | None:
     if not isinstance(engine, Engine):
         return f"my_engine must return a cbteach Engine, got {type(engine).__name__}"
     if want.get("scheduler") is not None and not isinstance(engine.scheduler, want["scheduler"]):
-        return "your engine does not run your scheduler: pass scheduler_cls= (MyScheduler's schedule with MyUpdate's " \
-               "update, the class capstone gives you)"
+        return "your engine does not run your scheduler: pass scheduler_cls= (the class capstone gives you)"
     if engine.kv.kind != "paged":
-        return "your engine has no paged KV cache: pass kv='paged' -- the KV manager, the attention and the slot " \
-               "mapping are the paged cache's pieces"
+        return "your engine has no paged KV cache: pass kv='paged' (your KV manager, attention, slot mapping need it)"
     manager = engine.kv.manager
     if want.get("kv_manager") is not None and not isinstance(getattr(manager, "mine", manager), want["kv_manager"]):
         return "your engine does not use your KV manager: pass kv_manager= (the class, MyKVManager)"
@@ -113,7 +111,7 @@ def _build_hint(err: Exception) -> str:
 
 def _blame(pieces: Pieces, model, tok) -> tuple[str | None, str]:
     """Run each piece's own check: the first one that fails, with its hint (None: every piece passes)."""
-    for piece in ("kv_manager", "slot_mapping", "attention", "scheduler", "update_batch"):
+    for piece in PIECES:  # in the notebooks' order
         obj = pieces.objects.get(piece)
         if obj is None or piece in pieces.course:  # the course's passes its check
             continue
@@ -143,25 +141,25 @@ def check_my_engine(my_engine, pieces, model, tok=None) -> bool:
 @self_check
 def _check_my_engine(my_engine, pieces, model, tok=None) -> bool:
     if my_engine is None or my_engine is Ellipsis or not callable(my_engine):
-        return report(False, "", "not done yet: write my_engine(model, tok, **options), returning an Engine with your "
-                                 "pieces plugged in")
+        return fail("not done yet: write my_engine(model, tok, **options), returning an Engine with your "
+                    "pieces plugged in")
     if not isinstance(pieces, Pieces):
-        return report(False, "", "pass the pieces capstone.pieces_from_notebooks() found")
+        return fail("pass the pieces capstone.pieces_from_notebooks() found")
     missing = [p for p, o in pieces.objects.items() if o is None]
     lost = sorted({PIECES[p].notebook for p in missing if pieces.where.get(PIECES[p].notebook, "") is None})
     if lost:
-        return report(False, "", f"not done yet: notebook {' and '.join(lost)} was not found, so its pieces count as "
-                                 "not written -- bring it beside this notebook (on Colab: upload it, or mount Drive) "
-                                 "and run the cell that reads your pieces again; its lines say where it looked")
+        return fail(f"not done yet: notebook {' and '.join(lost)} was not found, so its pieces count as "
+                    "not written -- bring it beside this notebook (on Colab: upload it, or mount Drive) "
+                    "and run the cell that reads your pieces again; its lines say where it looked")
     if missing:
-        return report(False, "", f"not done yet: no {', '.join(missing)} in notebooks "
-                                 f"{' and '.join(sorted({PIECES[p].notebook for p in missing}))} -- write them there, save, "
-                                 "and run the cell that reads your pieces again")
+        return fail(f"not done yet: no {', '.join(missing)} in notebooks "
+                    f"{' and '.join(sorted({PIECES[p].notebook for p in missing}))} -- write them there, save, "
+                    "and run the cell that reads your pieces again")
     stood = {}  # catch-up: a piece of yours that fails its own check -> what it said (the course's stands in)
     while True:
         got = compare(my_engine, pieces, model, tok)
         if got["plugged"] is not None or "refused" in got:
-            return report(False, "", got["plugged"] or got["refused"])
+            return fail(got["plugged"] or got["refused"])
         if "error" in got:
             what = f"your engine stopped: {got['error']}"
         elif not (got["generate"] and got["tokens"] and got["blocks"] and got["diverges_at"] is None):
@@ -174,21 +172,20 @@ def _check_my_engine(my_engine, pieces, model, tok=None) -> bool:
         piece, said = _blame(pieces, model, tok)
         if piece is None or piece in stood or not stand_in(pieces, {piece: said}) or piece not in pieces.course:
             if piece is not None:
-                said = (f"your {piece.replace('_', ' ')} (notebook {PIECES[piece].notebook}) fails its own check: {said}. "
-                        f"To go on meanwhile with the course's {piece} (marked as the course's): "
+                said = (f"your {piece.replace('_', ' ')} (notebook {PIECES[piece].notebook}) fails its own check: "
+                        f"{said}. To go on meanwhile with the course's {piece} (marked as the course's): "
                         f"capstone.pieces_from_notebooks(use_course_for=[\"{piece}\"])")
-            return report(False, "", f"{what}. {said}")
+            return fail(f"{what}. {said}")
         stood[piece] = said
     course = [p for p in PIECES if p in pieces.course]
     whose = ("your engine -- your KV manager, slot mapping, attention, scheduler, update and batch update --"
-             if not course else f"the engine of these pieces -- yours: {', '.join(pieces.yours) or 'none'}; NOT YOURS: "
-             f"the course's own solution for {', '.join(course)} --")
-    return report(True, f"{whose} served "
-                        f"{got['num_requests']} requests ({got['num_tokens']} tokens, {got['preemptions']} preemptions, "
-                        f"{got['chunks']} prefill chunks) step for step as the engine's own pieces do, every token equal "
-                        f"to model.generate's, every KV block back" + "".join(
-                            f"; the course's {p} stood in for yours, which fails its own check ({said})"
-                            for p, said in stood.items()), "")
+             if not course else f"the engine of these pieces -- yours: {', '.join(pieces.yours) or 'none'}; "
+             f"NOT YOURS: the course's own solution for {', '.join(course)} --")
+    stood_in = "".join(f"; the course's {p} stood in for yours, which fails its own check ({said})"
+                       for p, said in stood.items())
+    return passed(f"{whose} served {got['num_requests']} requests ({got['num_tokens']} tokens, {got['preemptions']} "
+                  f"preemptions, {got['chunks']} prefill chunks) step for step as the engine's own pieces do, every "
+                  f"token equal to model.generate's, every KV block back{stood_in}")
 
 
 def side_by_side(my_engine, model, tok=None) -> tuple:
@@ -239,14 +236,12 @@ def benchmark(my_engine, model, tok=None, rounds: int = 3) -> dict:
             done = builds[name]().run(course_requests(model, tok))
             if i >= 0:
                 runs[name].append(summarize(done))
-    results = {}
-    for name, summaries in runs.items():
-        results[name] = {"runs": summaries}
-        for key in METRICS:
-            values = [s[key] for s in summaries if s[key] is not None]
-            results[name][key] = dict(median=statistics.median(values), min=min(values), max=max(values)) if values \
-                else None
-    return results
+
+    def spread(values):
+        return dict(median=statistics.median(values), min=min(values), max=max(values)) if values else None
+
+    return {name: {"runs": got, **{key: spread([s[key] for s in got if s[key] is not None]) for key in METRICS}}
+            for name, got in runs.items()}
 
 
 def submit(url: str, source: str, name: str, api_key: str, timeout: float = 300.0) -> dict:

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from ..parallel.shard import Layout
 from ..sim.cost import ring_all_reduce_bytes
-from . import first_mistake, guard, report, self_check
+from . import fail, first_mistake, guard, passed, report, self_check
 
 
 class Shape(NamedTuple):
@@ -30,13 +30,12 @@ SHAPES = [Shape(num_heads=6, num_kv_heads=2, world_size=2), Shape(num_heads=4, n
           Shape(num_heads=64, num_kv_heads=8, world_size=16), Shape(num_heads=32, num_kv_heads=8, world_size=2)]
 
 
-def _kv_hint(got, truth, rank, heads, kv, world) -> str:
+def _kv_hint(got, rank, kv, world) -> str:
     if kv < world and not got:
         return ("with fewer KV heads than ranks a KV head cannot be split: it is replicated, so every rank holds "
                 "one. Which one do this rank's query heads read?")
     if len(got) == kv and kv > 1:
-        return ("each rank keeps only the KV heads its own query heads read -- that is why a rank's KV pool is "
-                "smaller than the whole model's")
+        return "each rank keeps only the KV heads its own query heads read: its KV pool is smaller than the model's"
     if kv < world and got == [rank % kv]:
         return ("the copies of one KV head sit on consecutive ranks, not round robin: the ranks whose query heads "
                 "read KV head 0 come first, then those that read KV head 1")
@@ -52,9 +51,8 @@ WORLD_SIZES = (2, 4, 8)
 # is the first whose formula gives the learner's numbers on every case checked.
 _MISTAKES = [
     (lambda t, L, T, h, b, N: t * N / (2 * (N - 1)),
-     "that is the size of the all-reduced tensors, not what one rank sends: a ring all-reduce over N ranks sends "
-     "each rank's share twice around the ring -- a reduce-scatter then an all-gather, N - 1 chunks of 1/N of the "
-     "tensor each"),
+     "that is the size of the all-reduced tensors, not what one rank sends: a ring all-reduce over N ranks is a "
+     "reduce-scatter then an all-gather, each rank sending N - 1 chunks of 1/N of the tensor in each"),
     (lambda t, L, T, h, b, N: 2 * t,
      "count what one rank sends, not what it sends and receives: in a ring every chunk a rank sends is one its "
      "neighbour receives"),
@@ -62,40 +60,27 @@ _MISTAKES = [
      "a ring all-reduce splits the tensor into N chunks: a rank sends 2 (N - 1) chunks of 1/N of the tensor, not "
      "2 (N - 1) whole tensors"),
     (lambda t, L, T, h, b, N: t / 2,
-     "half of it: a Megatron layer has two row-parallel products (attention's output projection, the MLP's down "
-     "projection) each followed by its own all-reduce -- and each all-reduce is a reduce-scatter *and* an "
-     "all-gather"),
+     "half of it: a Megatron layer has two row-parallel products (attention's output, the MLP's down projection), "
+     "each all-reduced -- and each all-reduce is a reduce-scatter *and* an all-gather"),
     (lambda t, L, T, h, b, N: 1.5 * t,
-     "a Megatron layer all-reduces twice, not three times: after attention's output projection and after the MLP's "
-     "down projection (the QKV and gate/up projections are column-parallel: no all-reduce after them)"),
-    (lambda t, L, T, h, b, N: t / L,
-     "every layer all-reduces: multiply by the number of layers"),
-    (lambda t, L, T, h, b, N: t / b,
-     "count bytes, not elements: every element of the hidden states is dtype_bytes bytes"),
+     "a Megatron layer all-reduces twice, not three times: after attention's output and the MLP's down projection"),
+    (lambda t, L, T, h, b, N: t / L, "every layer all-reduces: multiply by the number of layers"),
+    (lambda t, L, T, h, b, N: t / b, "count bytes, not elements: an element is dtype_bytes bytes"),
     (lambda t, L, T, h, b, N: t / N,
      "each rank's partial output is already full width ([tokens, hidden_size]): the all-reduce sums full hidden "
      "states, not a rank's slice of them"),
-    (lambda t, L, T, h, b, N: t / T,
-     "the all-reduced tensor is the step's hidden states: one row per token in the packed batch"),
+    (lambda t, L, T, h, b, N: t / T, "the all-reduced tensor is the step's hidden states: one row per token"),
 ]
 _GENERIC = ("one step all-reduces a [tokens, hidden_size] tensor twice in every layer, and a ring all-reduce over "
             "world_size ranks sends 2 (world_size - 1) / world_size of a tensor from each rank")
 
 
-def _cases(comm_log, num_layers, hidden_size, dtype_bytes, world_size):
+def _cases(comm_log, num_layers, hidden_size, dtype_bytes):
     """(arguments, truth) for every case: the real run's steps at 2, 4 and 8 ranks, then the second shape."""
-    cases = []
-    for step in comm_log[:4]:
-        payload, tokens = step["all_reduce_bytes"], step["num_tokens"]  # what the hooks counted: the tensors' bytes
-        for n in WORLD_SIZES:
-            cases.append(((num_layers, tokens, hidden_size, dtype_bytes, n), ring_all_reduce_bytes(payload, n)))
-    s = SECOND_SHAPE
-    for tokens in s["tokens"]:
-        payload = 2 * s["num_layers"] * tokens * s["hidden_size"] * s["dtype_bytes"]
-        for n in WORLD_SIZES:
-            cases.append(((s["num_layers"], tokens, s["hidden_size"], s["dtype_bytes"], n),
-                          ring_all_reduce_bytes(payload, n)))
-    return cases
+    L, h, b = SECOND_SHAPE["num_layers"], SECOND_SHAPE["hidden_size"], SECOND_SHAPE["dtype_bytes"]
+    steps = [(num_layers, s["num_tokens"], hidden_size, dtype_bytes, s["all_reduce_bytes"])  # the tensors' bytes
+             for s in comm_log[:4]] + [(L, T, h, b, 2 * L * T * h * b) for T in SECOND_SHAPE["tokens"]]
+    return [((L, T, h, b, n), ring_all_reduce_bytes(payload, n)) for L, T, h, b, payload in steps for n in WORLD_SIZES]
 
 
 def _same(a, b) -> bool:
@@ -113,17 +98,13 @@ def check_tp(kv_heads_of_rank, all_reduce_bytes, comm_log, *, num_layers: int, h
     """``kv_heads_of_rank`` on :data:`SHAPES` against the real layout, ``all_reduce_bytes`` at 2, 4 and 8 ranks on
     ``comm_log``'s tensors (a real run's) and on :data:`SECOND_SHAPE`; a line each, ``True`` when both are right."""
     if not callable(kv_heads_of_rank) or not callable(all_reduce_bytes):
-        return report(False, "", "pass your two functions (not their results): check_tp(kv_heads_of_rank, "
-                                 "all_reduce_bytes, runner.comm_log, ...)")
+        return fail("pass your two functions (not their results): check_tp(kv_heads_of_rank, "
+                    "all_reduce_bytes, runner.comm_log, ...)")
     if not comm_log:
-        return report(False, "", "comm_log is empty: pass the runner's comm_log after the tensor-parallel run")
+        return fail("comm_log is empty: pass the runner's comm_log after the tensor-parallel run")
     refused = guard.refusal("tp", kv_heads_of_rank) or guard.refusal("tp", all_reduce_bytes)
     if refused:
-        return report(False, "", refused)
-    return _check(kv_heads_of_rank, all_reduce_bytes, comm_log, num_layers, hidden_size, dtype_bytes, world_size)
-
-
-def _check(kv_heads_of_rank, all_reduce_bytes, comm_log, num_layers, hidden_size, dtype_bytes, world_size) -> bool:
+        return fail(refused)
     wrong = None
     for heads, kv, world in SHAPES:  # see Shape
         layout = Layout(arch="llama", world_size=world, num_heads=heads, num_kv_heads=kv, head_dim=8,
@@ -131,12 +112,12 @@ def _check(kv_heads_of_rank, all_reduce_bytes, comm_log, num_layers, hidden_size
         for rank in range(world):
             truth, got = list(layout.kv_heads(rank)), kv_heads_of_rank(rank, world, heads, kv)
             if got is None or isinstance(got, (str, float)):
-                return report(False, "", f"kv_heads_of_rank returned {got!r}: return the list of KV head indices "
-                                         "the rank holds, e.g. [0] or [2, 3]")
+                return fail(f"kv_heads_of_rank returned {got!r}: return the list of KV head indices "
+                            "the rank holds, e.g. [0] or [2, 3]")
             got = list(got) if not isinstance(got, int) else [got]
             if got != truth:
                 wrong = (f"kv_heads_of_rank({rank}, world_size={world}, num_heads={heads}, num_kv_heads={kv}) "
-                         f"returned {got}: " + _kv_hint(got, truth, rank, heads, kv, world))
+                         f"returned {got}: " + _kv_hint(got, rank, kv, world))
                 break
         if wrong:
             break
@@ -148,21 +129,21 @@ def _check(kv_heads_of_rank, all_reduce_bytes, comm_log, num_layers, hidden_size
     except (TypeError, ValueError):
         arity = 5
     if arity != 5:
-        return report(False, "", f"all_reduce_bytes takes {arity} arguments: it needs five -- num_layers, num_tokens, "
-                                 "hidden_size, dtype_bytes and world_size (what one rank sends depends on the ranks)")
-    cases = _cases(comm_log, num_layers, hidden_size, dtype_bytes, world_size)
+        return fail(f"all_reduce_bytes takes {arity} arguments: it needs five -- num_layers, num_tokens, "
+                    "hidden_size, dtype_bytes and world_size (what one rank sends depends on the ranks)")
+    cases = _cases(comm_log, num_layers, hidden_size, dtype_bytes)
     answers = []
     for args, _ in cases:
         got = all_reduce_bytes(*args)
         if not isinstance(got, numbers.Real) or isinstance(got, bool):
-            return report(False, "", f"all_reduce_bytes returned {got!r}: return a number of bytes")
+            return fail(f"all_reduce_bytes returned {got!r}: return a number of bytes")
         answers.append(float(got))
     wrong = [(args, got) for got, (args, t) in zip(answers, cases) if not _same(got, t)]
     if wrong:
         (L, T, h, b, n), got = wrong[0]
-        return report(False, "", f"all_reduce_bytes(num_layers={L}, num_tokens={T}, hidden_size={h}, dtype_bytes={b}, "
-                                 f"world_size={n}) returned {got:g}, not what one rank sends ({len(wrong)} of "
-                                 f"{len(cases)} cases wrong): " + _bytes_hint(answers, cases)) and ok
-    report(True, f"all_reduce_bytes matches the ring's bytes per rank at {', '.join(map(str, WORLD_SIZES))} ranks, on "
-                 f"the tensors the two ranks really all-reduced and on a second model shape", "")
+        return fail(f"all_reduce_bytes(num_layers={L}, num_tokens={T}, hidden_size={h}, dtype_bytes={b}, "
+                    f"world_size={n}) returned {got:g}, not what one rank sends ({len(wrong)} of "
+                    f"{len(cases)} cases wrong): " + _bytes_hint(answers, cases)) and ok
+    passed(f"all_reduce_bytes matches the ring's bytes per rank at {', '.join(map(str, WORLD_SIZES))} ranks, on "
+           f"the tensors the two ranks really all-reduced and on a second model shape")
     return ok

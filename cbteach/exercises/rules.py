@@ -42,16 +42,13 @@ HINTS = {
                       "after each admitted one was skipped: walk a copy (a list made before the loop)",
     "walked_running": "your loop walked self.running itself while preempt() removed a request from it, so the "
                       "request after it was skipped: walk a copy (list(self.running)), skipping those preempted",
-    "not_a_plan": "schedule() returned a {}; it must return the step's message, the SchedulerOutput that "
-                  "self.make_output(plan) builds from your plan",
-    "plan_none": "not done yet: schedule() returned None -- it must return the step's message, "
-                 "self.make_output(plan)",
+    "not_a_plan": "schedule() returned a {}; it must return the SchedulerOutput that self.make_output(plan) builds",
+    "plan_none": "not done yet: schedule() returned None -- it must return the step's message, self.make_output(plan)",
     "no_message": "schedule() did not return the message made from its plan: end with output = "
                   "self.make_output(plan), then self.update_after_schedule(output), then return output -- the model "
                   "runner reads only that message, never your plan",
-    "no_update_after_schedule": "the planned tokens were not counted as computed: after output = "
-                                "self.make_output(plan) comes self.update_after_schedule(output), then return output "
-                                "(vLLM V1's _update_after_schedule)",
+    "no_update_after_schedule": "the planned tokens were not counted as computed: call "
+                                "self.update_after_schedule(output) before return output (as vLLM V1 does)",
     "no_room": "a chunk was planned without KV room: every planned chunk first gets room from "
                "self.kv_manager.allocate_slots(seq, n), for exactly those n tokens, before plan.add(seq, n)",
     "no_room1": " (here the pool has room for everyone, so allocate_slots never refuses)",
@@ -65,8 +62,7 @@ HINTS = {
                       "starts past them (seq.num_computed_tokens = num_cached_tokens); without, it starts where it is",
     "admitted_unplanned": "a request was admitted but not planned: admit() moves it into the batch, "
                           "plan.add(seq, n) plans its chunk -- an admission needs both",
-    "twice_admitted": "a request admitted in this step was planned a second time, as a running one: running "
-                      "requests come first, admissions after them get what is left",
+    "twice_admitted": "a request admitted in this step was planned again as a running one: running requests come first",
     "twice": "a request was added to the plan twice in one step",
     "no_tokens": "a request was planned for no tokens: plan only what feeds at least one token",
     "no_tokens_budget": "a request was planned for no tokens while a token of budget was left: a chunk is cut to "
@@ -76,25 +72,19 @@ HINTS = {
     "not_running1": "the plan holds a request that is not running (never admitted): admit() moves a request into "
                     "the batch but does not plan it -- plan.add(seq, n) does, after admit",
     "over_lacks": "a request was given more tokens than it lacks (num_tokens - num_computed_tokens)",
-    "budget": "the chunk exceeds the token budget: the step's plan feeds more tokens than token_budget; cut a "
-              "prefill to the budget that is left (chunked prefill)",
+    "budget": "the chunk exceeds the token budget: cut a prefill to the budget that is left (chunked prefill)",
     "batch": "more requests run than max_batch_size allows",
-    "waiting_first": "a waiting request was planned before a running one: running requests come first, admissions "
-                     "get what is left",
+    "waiting_first": "a waiting request was planned before a running one: running requests come first",
     "running_order": "running requests were not planned in the running list's order (self.running)",
     "skipped_refused": "a running request was refused KV room and nobody was preempted: when allocate_slots "
                        "returns None, preempt the policy's victim and ask again",
     "skipped": "a running request was skipped while budget was left: every running request gets what it lacks"
                "{}, before anyone is admitted",
-    "held_victim": "a request taken out of the batch still holds its KV blocks: preempting frees them -- "
-                   "self.preempt(seq, plan) frees the blocks, queues the request again and returns its planned tokens",
+    "held_victim": "a request taken out of the batch still holds its KV blocks: self.preempt(seq, plan) frees them",
     "held_waiting": "a waiting request holds KV blocks after the step: only running requests hold room",
-    "left_unpreempted": "a request left the batch without self.preempt(seq, plan): preempt is what frees its blocks, "
-                        "queues it again and records it in plan.preempted",
-    "not_started": "a request is in self.running without admit(): self.admit(seq, plan) moves it from the queue into "
-                   "the batch",
-    "before_arrival": "a request was admitted before it arrived: only requests whose arrival_time is at or before "
-                      "`now` may be admitted",
+    "left_unpreempted": "a request left the batch without self.preempt(seq, plan), which records it in plan.preempted",
+    "not_started": "a request is in self.running without self.admit(seq, plan), which moves it into the batch",
+    "before_arrival": "a request was admitted before it arrived: its arrival_time must be at or before `now`",
     "after_preempt": "admitted in a step that preempted: when this step had to preempt, room is short -- a newcomer "
                      "admitted now would only be preempted again (vLLM V1 admits nobody)",
     "past_batch": "admitted past max_batch_size: every slot of the batch was already taken",
@@ -103,8 +93,7 @@ HINTS = {
                 "order) that is refused room ends the admissions of the step",
     "out_of_order": "admitted out of the policy's order: walk self.waiting in its own order (it is the policy), "
                     "skipping only requests that have not arrived yet",
-    "victim_not_running": "preempt() was given a request that is not running: only a running request holds KV "
-                          "blocks to give back",
+    "victim_not_running": "preempt() was given a request that is not running: only a running one holds KV blocks",
     "wrong_victim": "the victim is not the policy's: when room is refused, the request to preempt is the one "
                     "self.waiting.pick_victim(self.running) names, whoever asked",
 }

@@ -310,7 +310,7 @@ def watched(cls: type, stage: int | None = None, rules_: str = "exercise", eos_i
                     raise SchedulerMistake(f"{update_rules.UPDATE_HINTS['none_token']} ({err})") from None
                 raise
             if own_update:
-                update_rules.check_update(self, self.made, output, finished, stage)
+                update_rules.check_update(self, self.made, output, finished)
             return finished
 
     Watched.__name__ = Watched.__qualname__ = cls.__name__

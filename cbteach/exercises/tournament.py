@@ -46,8 +46,7 @@ def cli(argv=None) -> int:
     p.add_argument("--port", type=_port, default=8100, help="with --serve: the port (0..65535)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
-    if a.requests < 1 or not (a.rate > 0 and a.ttft_slo > 0 and a.tpot_slo > 0) or math.inf in (a.rate, a.ttft_slo,
-                                                                                                   a.tpot_slo):
+    if a.requests < 1 or not all(0 < x < math.inf for x in (a.rate, a.ttft_slo, a.tpot_slo)):
         raise ValueError("--requests must be >= 1 and --rate, --ttft-slo, --tpot-slo finite numbers > 0")
     from ..bench.cli import unwritable
 

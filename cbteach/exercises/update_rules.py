@@ -11,17 +11,15 @@ from ..core.sampling import stop_reason
 from .rules import NotDone, SchedulerMistake, includes
 
 UPDATE_HINTS = {
-    "update_none": "not done yet: update_from_output() returned None -- it must return the list of the sequences "
-                   "that finished in this step",
+    "update_none": "not done yet: update_from_output() returned None -- it must return the sequences that finished",
     "not_a_list": "update_from_output() returned a {}; it must return a list of the sequences that finished",
     "none_token": "the update tripped over a prefill chunk that stopped short of its prompt's end: its "
-                  "output.sampled[i] is None -- it got no token this step, so skip it",
+                  "output.sampled[i] is None -- skip it",
     "short_chunk_token": "a prefill chunk that stopped short of its prompt's end was given a token: its "
                          "output.sampled[i] is None -- nothing is appended for it, and it has no first token yet",
     "first_token_time": "a request's first_token_time is wrong: it is set once, to `now`, in the step that appends its "
-                        "first token -- not in a step that only fed a chunk of its prompt",
-    "token_times": "every appended token needs its time: seq.token_times gets `now` for each token appended (the "
-                   "latency metrics, TTFT and ITL, are read from them)",
+                        "first token",
+    "token_times": "every appended token needs its time: seq.token_times gets `now` for each (TTFT, ITL read them)",
     "token_missing": "a token the step sampled for a request was not appended to seq.output_ids",
     "tokens_wrong": "the tokens appended are not the ones the step sampled (output.sampled[i], in order)",
     "eos_not_recorded": "a request that stopped at EOS did not keep its EOS token: append the token first, then "
@@ -31,33 +29,25 @@ UPDATE_HINTS = {
     "missed_stop": "a request went on past one of its stop_token_ids: after each appended token check the stop "
                    "(stop_reason takes the request's sampling_params.stop_token_ids)",
     "missed_length": "a request went past max_new_tokens: after each appended token check the stop (stop_reason)",
-    "early_stop": "a request stopped although no stop rule held: EOS stops a request only without ignore_eos, "
-                  "max_new_tokens counts output tokens (stop_reason says which rule holds, or None)",
+    "early_stop": "a request stopped although no stop rule held: EOS stops a request only without ignore_eos "
+                  "(stop_reason says which rule holds, or None)",
     "wrong_reason": "finish_reason does not name the rule that stopped the request (stop_reason returns it)",
-    "after_stop": "tokens were appended after the one that stopped the request: a stop inside accepted "
-                  "speculative guesses drops the guesses after it",
+    "after_stop": "tokens were appended after the one that stopped the request: a stop drops the guesses after it",
     "left_running": "a finished request was left in self.running: a request that stops leaves the batch "
                     "(self.running.remove(seq)), or it would be planned again",
     "status": "a finished request's status is not RequestStatus.FINISHED",
-    "not_freed": "a finished request still holds its KV blocks: free them when it stops "
-                 "(self.kv_manager.free(seq)) -- the leak every engine has had once",
-    "freed_early": "a finished request's blocks were freed before its last token was recorded: append the token "
-                   "and check the stop first, free after",
-    "not_returned": "a request that finished in this step is missing from the list update_from_output returned: the "
-                    "engine completes only the sequences it is given back",
+    "not_freed": "a finished request still holds its KV blocks: free them when it stops (self.kv_manager.free(seq))",
+    "freed_early": "a finished request's blocks were freed before its last token was recorded: append it, then free",
+    "not_returned": "a request that finished in this step is missing from the list update_from_output returned",
     "returned_unfinished": "the list update_from_output returned holds a request that has not finished",
-    "drafts_not_taken_back": "after a step with speculative guesses, num_computed_tokens still counts the guesses "
-                             "the model rejected: take them back (scheduler_output.num_draft_tokens(req_id) of them were fed, "
-                             "len(tokens) - 1 were accepted)",
-    "drafts_over": "num_computed_tokens went down by more than the rejected guesses: only guesses the model "
-                   "rejected are taken back",
+    "drafts_not_taken_back": "num_computed_tokens still counts the guesses the model rejected: take them back "
+                             "(scheduler_output.num_draft_tokens(req_id) were fed, len(tokens) - 1 accepted)",
+    "drafts_over": "num_computed_tokens went down by more than the rejected guesses: take back only those",
     "moved": "num_computed_tokens of a request changed in update_from_output although it fed no speculative "
              "guesses: schedule() already counted the planned tokens as computed (update_after_schedule, "
              "vLLM V1); the update only takes rejected guesses back",
-    "not_trimmed": "blocks that held only rejected guesses were kept: give them back with "
-                   "self.kv_manager.trim(seq) once num_computed_tokens is taken back",
-    "drafts_kept": "seq.draft_ids still holds this step's guesses after the update: clear them (the next step's "
-                   "guesses are proposed afresh)",
+    "not_trimmed": "blocks that held only rejected guesses were kept: give them back with self.kv_manager.trim(seq)",
+    "drafts_kept": "seq.draft_ids still holds this step's guesses after the update: clear them",
 }
 
 
@@ -71,7 +61,7 @@ def _stop_rule(sched, seq, outputs: list) -> str | None:
                        getattr(params, "stop_token_ids", ()))
 
 
-def check_update(sched, made, output, finished, stage) -> None:
+def check_update(sched, made, output, finished) -> None:
     """What must hold after ``update_from_output(scheduler_output, output, now)`` returned ``finished``
     (``made``: the step's message and the plan it was made from, :class:`~cbteach.exercises.rules.Made`)."""
     if finished is None:
@@ -141,10 +131,8 @@ def _check_tokens(sched, seq, got, before: int) -> None:
 def _check_finished(sched, seq, finished) -> None:
     if seq in sched.running:
         raise _update_mistake("left_running")
-    if seq.block_table:
-        raise _update_mistake("not_freed")
     freed = sched.kv_manager.frees.get(id(seq))
-    if freed is None:
+    if seq.block_table or freed is None:
         raise _update_mistake("not_freed")
     if freed[0] < len(seq.output_ids) or freed[1] is None:
         raise _update_mistake("freed_early")

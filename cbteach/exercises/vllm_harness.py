@@ -109,19 +109,15 @@ class Harness:
     def running_after_schedule(self, seqs, spec: dict) -> SchedulerOutput:
         """``test_stop_via_update_from_output``'s set-up: every request running, its last token and guesses
     ``spec[id]`` scheduled (counted as computed, with their room, as cbteach's ``update_after_schedule`` does)."""
-        ids, starts, counts = [], [], {}
-        for seq in seqs:
-            seq.status = RequestStatus.RUNNING
+        ids, starts, counts = [s.request_id for s in seqs], [s.num_tokens - 1 for s in seqs], {}
+        for seq, start in zip(seqs, starts):
+            seq.status, seq.draft_ids = RequestStatus.RUNNING, list(spec.get(seq.request_id, []))
             self.scheduler.requests[seq.request_id] = seq
             self.scheduler.running.append(seq)
-            guesses = list(spec.get(seq.request_id, []))
-            seq.draft_ids = guesses
-            seq.num_computed_tokens = seq.num_tokens - 1
-            self.kv.allocate_slots(seq, 1 + len(guesses))
-            ids.append(seq.request_id)
-            starts.append(seq.num_computed_tokens)
-            counts[seq.request_id] = 1 + len(guesses)
-            seq.num_computed_tokens += 1 + len(guesses)
+            counts[seq.request_id] = n = 1 + len(seq.draft_ids)
+            seq.num_computed_tokens = start
+            self.kv.allocate_slots(seq, n)
+            seq.num_computed_tokens += n
         cached = CachedRequestData(req_ids=ids, new_block_ids=[[] for _ in ids], num_computed_tokens=starts,
                                    num_output_tokens=[len(s.output_ids) for s in seqs])
         return SchedulerOutput(scheduled_cached_reqs=cached, num_scheduled_tokens=counts,

@@ -6,7 +6,7 @@ Ported (25, each parametrization counted): ``test_schedule`` (prefix caching off
 ``test_schedule_order`` (chunked prefill on), ``test_stop_via_update_from_output``,
 ``test_schedule_spec_decoding_stats`` (6 cases), ``test_no_spec_tokens_scheduled_for_prefill_chunks``,
 ``test_spec_decode_padding_skipped_for_diffusion``, ``test_memory_leak``, and twelve priority tests
-(:mod:`.vllm_priority_tests`).
+(:data:`PRIORITY_TESTS`).
 
 Left out, and why: ``test_add_requests``, ``test_finish_request``, ``test_get_num_unfinished_requests`` --
 bookkeeping a learner inherits; ``test_schedule_order`` without chunked prefill,
@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 from ..core.request import RequestStatus
 from ..engine.scheduler import Scheduler
-from . import guard, raised, report, self_check, vllm_priority_tests
+from . import fail, guard, raised, self_check
 from .vllm_harness import EOS_TOKEN_ID, VLLM_COMMIT, VLLM_FILE, Harness, VLLMAssertion, expect
 
 
@@ -59,11 +59,15 @@ def test_schedule_order(cls):
 
 
 def _stop_case(cls, *, spec_token_ids, sampled_token_ids, **request_kwargs):
-    """One case of ``test_stop_via_update_from_output``: the requests running with their guesses, one step's update."""
+    """One case of ``test_stop_via_update_from_output``: the requests running with their guesses, one step's update,
+    and the assertions every case makes first (one request left running: the second)."""
     h = Harness(cls)
     requests = h.create_requests(num_requests=len(sampled_token_ids), **request_kwargs)
     output = h.running_after_schedule(requests, {r.request_id: g for r, g in zip(requests, spec_token_ids)})
     h.update(output, {r.request_id: s for r, s in zip(requests, sampled_token_ids)})
+    expect("len(scheduler.running) == 1", len(h.scheduler.running), 1)
+    if len(requests) > 1:  # every case but the last
+        expect("scheduler.running[0].request_id == requests[1].request_id", h.ids(h.scheduler.running), ["1"])
     return h, requests
 
 
@@ -72,8 +76,6 @@ def test_stop_via_update_from_output(cls):
     # Test case 1: Stop on EOS token
     h, requests = _stop_case(cls, spec_token_ids=[[], [10]], sampled_token_ids=[[EOS_TOKEN_ID], [10, 11]],
                              max_tokens=10)
-    expect("len(scheduler.running) == 1", len(h.scheduler.running), 1)
-    expect("scheduler.running[0].request_id == requests[1].request_id", h.ids(h.scheduler.running), ["1"])
     expect(stopped[0], (requests[0].status, requests[0].finish_reason), (stopped[1], "eos"), "finish_reason 'eos'")
     expect("requests[0].request_id in scheduler.finished_req_ids", "0" in h.scheduler.finished_req_ids)
     expect("list(requests[0].output_token_ids) == [EOS_TOKEN_ID]", requests[0].output_ids, [EOS_TOKEN_ID])
@@ -81,16 +83,12 @@ def test_stop_via_update_from_output(cls):
     # Test case 2: Stop on custom stop token
     h, requests = _stop_case(cls, spec_token_ids=[[10, 42], [13]], sampled_token_ids=[[10, 42, 12], [13, 14]],
                              max_tokens=10, stop_token_ids=[42, 43])
-    expect("len(scheduler.running) == 1", len(h.scheduler.running), 1)
-    expect("scheduler.running[0].request_id == requests[1].request_id", h.ids(h.scheduler.running), ["1"])
     expect("requests[0].stop_reason == 42", (requests[0].finish_reason, requests[0].output_ids[-1:]), ("stop", [42]),
            "finish_reason 'stop', at token 42")
     expect("list(requests[0].output_token_ids) == [10, 42]", requests[0].output_ids, [10, 42])
     expect("list(requests[1].output_token_ids) == [13, 14]", requests[1].output_ids, [13, 14])
     # Test case 3: Stop on max tokens
     h, requests = _stop_case(cls, spec_token_ids=[[10, 11], []], sampled_token_ids=[[10, 11, 12], [13]], max_tokens=2)
-    expect("len(scheduler.running) == 1", len(h.scheduler.running), 1)
-    expect("scheduler.running[0].request_id == requests[1].request_id", h.ids(h.scheduler.running), ["1"])
     expect("requests[0].status == RequestStatus.FINISHED_LENGTH_CAPPED", requests[0].finish_reason, "length",
            "finish_reason")
     expect("list(requests[0].output_token_ids) == [10, 11]  # Truncated to max_tokens", requests[0].output_ids, [10, 11])
@@ -98,7 +96,6 @@ def test_stop_via_update_from_output(cls):
     # Test case 4: Ignore EOS flag
     h, requests = _stop_case(cls, spec_token_ids=[[EOS_TOKEN_ID, 10]], sampled_token_ids=[[EOS_TOKEN_ID, 10, 11]],
                              max_tokens=10, ignore_eos=True)
-    expect("len(scheduler.running) == 1", len(h.scheduler.running), 1)
     expect("not requests[0].is_finished()", not requests[0].status.is_finished)
     expect("list(requests[0].output_token_ids) == [EOS_TOKEN_ID, 10, 11]", requests[0].output_ids,
            [EOS_TOKEN_ID, 10, 11])
@@ -233,6 +230,156 @@ def test_memory_leak(cls):
            h.num_blocks - 1, "every block back")
 
 
+# -- the priority tests, on a scheduler made as create_scheduler_with_priority makes one (a smaller number is more
+# urgent, ties go to the earlier arrival); the preemption-and-resumption test runs without its KV and EC connectors
+
+def _priority(cls, **kwargs) -> Harness:
+    return Harness(cls, policy="priority", **kwargs)
+
+
+def _order_case(cls, priorities, arrival_times, want):
+    h = _priority(cls)
+    requests = h.create_requests(len(priorities), priorities=priorities, arrival_times=arrival_times)
+    h.add_request(*requests)
+    output = h.schedule()
+    expect(f"len(output.scheduled_new_reqs) == {len(want)}", len(output.scheduled_new_reqs), len(want),
+           "should schedule all requests since they fit in budget")
+    expect(f"scheduled_req_ids == {want}", [r.req_id for r in output.scheduled_new_reqs], want)
+
+
+def test_priority_scheduling_preemption(cls):
+    """Under KV block pressure the lowest-priority *running* request is preempted, not the highest."""
+    h = _priority(cls, max_num_seqs=3, max_num_batched_tokens=200, num_blocks=6, block_size=16)  # 5 usable blocks
+    (lo1,) = h.create_requests(1, num_tokens=32, priorities=[5], arrival_times=[1.0], req_ids=["lo1"])
+    h.add_request(lo1)
+    output = h.schedule()
+    expect("len(output.scheduled_new_reqs) == 1", len(output.scheduled_new_reqs), 1)
+    h.update(output, {"lo1": [100]})  # lo1 now has 33 tokens
+    (hi1,) = h.create_requests(1, num_tokens=32, priorities=[0], arrival_times=[2.0], req_ids=["hi1"])
+    h.add_request(hi1)
+    output = h.schedule()  # lo1 gets its 3rd block, hi1 is admitted: 5 used, 0 free
+    expect('any(r.req_id == "hi1" for r in output.scheduled_new_reqs)',
+           any(r.req_id == "hi1" for r in output.scheduled_new_reqs))
+    expect("len(scheduler.running) == 2", len(h.scheduler.running), 2)
+    h.update(output, {"lo1": [101], "hi1": [100]})
+    h.schedule()  # hi1 needs a 3rd block, none is free: max(running, key=(priority, arrival_time)) is lo1
+    expect("lo1_req.status == RequestStatus.PREEMPTED", h.scheduler.requests["lo1"].status, RequestStatus.PREEMPTED,
+           "Expected low-priority 'lo1' to be preempted")
+    expect('any(req.request_id == "hi1" for req in scheduler.running)', "hi1" in h.ids(h.scheduler.running),
+           True, "High-priority 'hi1' should still be running")
+
+
+def test_priority_scheduling_no_preemption_when_space_available(cls):
+    h = _priority(cls, max_num_seqs=3, max_num_batched_tokens=200)
+    low = h.create_requests(2, num_tokens=30, priorities=[5, 5], arrival_times=[1.0, 2.0], req_ids=["lo1", "lo2"])
+    h.add_request(*low)
+    output = h.schedule()
+    h.update(output, {"lo1": [100], "lo2": [100]})
+    (high,) = h.create_requests(1, num_tokens=30, priorities=[0], arrival_times=[3.0], req_ids=["hi1"])
+    h.add_request(high)
+    output = h.schedule()  # should not preempt since there's space
+    expect("len(output.scheduled_new_reqs) == 1", len(output.scheduled_new_reqs), 1)
+    expect("len(scheduler.running) == 3  # All three requests running", len(h.scheduler.running), 3)
+    expect("len(scheduler.waiting) == 0  # No requests waiting", len(h.scheduler.waiting), 0)
+
+
+def _one_slot_case(cls, priorities, arrival_times, first, waiting_ids, max_num_seqs=1, max_num_batched_tokens=8192):
+    h = _priority(cls, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    requests = h.create_requests(len(priorities), priorities=priorities, arrival_times=arrival_times)
+    h.add_request(*requests)
+    output = h.schedule()
+    expect(f"len(output.scheduled_new_reqs) == {len(first)}", len(output.scheduled_new_reqs), len(first))
+    expect(f"scheduled request ids == {first}", sorted(r.req_id for r in output.scheduled_new_reqs), sorted(first))
+    expect(f"len(scheduler.waiting) == {len(waiting_ids)}", len(h.scheduler.waiting), len(waiting_ids))
+    expect(f"waiting_req_ids == {waiting_ids}", [r.request_id for r in h.scheduler.waiting], waiting_ids,
+           "iterating the waiting queue gives the policy's order")
+
+
+def test_priority_scheduling_heap_property(cls):
+    priorities = [5, 1, 8, 3, 2, 7, 4, 6]
+    h = _priority(cls, max_num_seqs=1)
+    requests = h.create_requests(len(priorities), priorities=priorities,
+                                 arrival_times=[float(i) for i in range(len(priorities))])
+    h.add_request(*requests)
+    scheduled = []
+    for _ in range(4 * len(priorities)):  # `while scheduler.waiting:`, bounded
+        if not len(h.scheduler.waiting):
+            break
+        output = h.schedule()
+        if output.scheduled_new_reqs:
+            req = output.scheduled_new_reqs[0]
+            scheduled.append(requests[int(req.req_id)].request.priority)
+            h.update(output, {req.req_id: [100]})
+            h.finish_requests(h.scheduler.requests[req.req_id])  # to make room for the next one
+    expect("scheduled_priorities == expected_priorities", scheduled, sorted(priorities), "lowest value first")
+
+
+def test_priority_scheduling_preemption_and_resumption_when_out_of_kv(cls):
+    h = _priority(cls, max_num_seqs=2, max_num_batched_tokens=200, num_blocks=5, block_size=16)  # 64 tokens
+    (low,) = h.create_requests(1, num_tokens=30, priorities=[1], arrival_times=[0.0], starting_idx=0)
+    h.add_request(low)
+    output = h.schedule()  # 1st schedule
+    expect("len(output.scheduled_new_reqs) == 1", len(output.scheduled_new_reqs), 1)
+    expect("len(scheduler.running) == 1", len(h.scheduler.running), 1)
+    h.update(output, {low.request_id: [100]})
+    (high,) = h.create_requests(1, num_tokens=32, priorities=[0], arrival_times=[1.0], starting_idx=1)
+    h.add_request(high)
+    output = h.schedule()  # 2nd schedule: the KV cache is full
+    expect("scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 0", h.kv.num_free_blocks, 0)
+    expect("len(output.scheduled_new_reqs) == 1", len(output.scheduled_new_reqs), 1)
+    expect("output.scheduled_cached_reqs.num_reqs == 1", len(output.scheduled_cached_reqs.req_ids), 1)
+    expect("len(scheduler.running) == 2", len(h.scheduler.running), 2)
+    h.update(output, {low.request_id: [100], high.request_id: [100]})
+    output = h.schedule()  # 3rd schedule: low needs 32 tokens, high 33 -- 5 blocks, and 4 fit
+    expect("len(output.scheduled_new_reqs) == 0", len(output.scheduled_new_reqs), 0)
+    expect("output.scheduled_cached_reqs.req_ids[0] == request_high.request_id",
+           output.scheduled_cached_reqs.req_ids[:1], [high.request_id])
+    expect("scheduler.requests[request_low.request_id].status == RequestStatus.PREEMPTED", low.status,
+           RequestStatus.PREEMPTED)
+    expect("output.scheduled_cached_reqs.num_reqs == 1", len(output.scheduled_cached_reqs.req_ids), 1)
+    expect("len(scheduler.waiting) == 1", len(h.scheduler.waiting), 1)
+    expect("len(scheduler.running) == 1", len(h.scheduler.running), 1)
+    h.update(output, {low.request_id: [], high.request_id: [100]})
+    h.finish_requests(high)  # to make room for the preempted request to resume
+    output = h.schedule()  # 4th schedule: the resumption
+    expect("len(scheduler.waiting) == 0", len(h.scheduler.waiting), 0)
+    expect("len(scheduler.running) == 1", len(h.scheduler.running), 1)
+    expect("len(output.scheduled_new_reqs) == 0", len(output.scheduled_new_reqs), 0)
+    expect("scheduled_cached_reqs.req_ids[0] == request_low.request_id", output.scheduled_cached_reqs.req_ids[:1],
+           [low.request_id])
+    expect("request_low.request_id in scheduled_cached_reqs.resumed_req_ids",
+           low.request_id in output.scheduled_cached_reqs.resumed_req_ids)
+    expect("len(scheduled_cached_reqs.all_token_ids[request_low.request_id]) == 32",
+           len(output.scheduled_cached_reqs.all_token_ids.get(low.request_id, ())), 32,
+           "resumed tokens include 30 prompt tokens and 2 decoded tokens")
+
+
+# vLLM's tests in its order, name -> (the test, its arguments besides cls). Many differ only in their requests: the
+# priorities and arrival times of the requests made, the ids scheduled first and (one slot) those left waiting.
+PRIORITY_TESTS = {f"test_priority_scheduling_{name}": case for name, case in {
+    "basic_ordering": (_order_case, dict(priorities=[2, 0, 1], arrival_times=[1.0, 2.0, 3.0], want=["1", "2", "0"])),
+    "arrival_time_tiebreaker": (_order_case, dict(priorities=[1, 1, 1], arrival_times=[3.0, 1.0, 2.0],
+                                                  want=["1", "2", "0"])),
+    "mixed_priority_and_arrival": (_order_case, dict(priorities=[2, 1, 1, 0], arrival_times=[1.0, 3.0, 2.0, 4.0],
+                                                     want=["3", "2", "1", "0"])),
+    "preemption": (test_priority_scheduling_preemption, {}),
+    "no_preemption_when_space_available": (test_priority_scheduling_no_preemption_when_space_available, {}),
+    "preemption_victim_selection": (_one_slot_case, dict(priorities=[3, 2, 0], arrival_times=[1.0, 2.0, 3.0],
+                                                         first=["2"], waiting_ids=["1", "0"])),
+    "equal_priority_preemption": (_one_slot_case, dict(priorities=[2, 2, 2], arrival_times=[3.0, 1.0, 2.0],
+                                                       first=["1"], waiting_ids=["2", "0"])),
+    "waiting_queue_order": (_one_slot_case, dict(priorities=[3, 1, 2, 0], arrival_times=[1.0, 2.0, 3.0, 4.0],
+                                                 first=["3"], waiting_ids=["1", "2", "0"])),
+    "fcfs_fallback": (_order_case, dict(priorities=[1, 1, 1, 1], arrival_times=[4.0, 1.0, 3.0, 2.0],
+                                        want=["1", "3", "2", "0"])),
+    "with_limited_slots": (_one_slot_case, dict(priorities=[3, 1, 2, 0], arrival_times=[1.0, 2.0, 3.0, 4.0],
+                                                first=["3", "1"], waiting_ids=["2", "0"], max_num_seqs=2,
+                                                max_num_batched_tokens=1000)),
+    "heap_property": (test_priority_scheduling_heap_property, {}),
+    "preemption_and_resumption_when_out_of_kv": (test_priority_scheduling_preemption_and_resumption_when_out_of_kv, {}),
+}.items()}
+
+
 TESTS = {"test_schedule[prefix caching off]": (test_schedule, {"enable_prefix_caching": False}),
          "test_schedule[prefix caching on]": (test_schedule, {"enable_prefix_caching": True}),
          "test_schedule_order[chunked prefill]": (test_schedule_order, {}),
@@ -241,7 +388,7 @@ TESTS.update({f"test_schedule_spec_decoding_stats[{k}]": (test_schedule_spec_dec
               for k, case in SPEC_CASES.items()})
 TESTS.update({f.__name__: (f, {}) for f in (test_no_spec_tokens_scheduled_for_prefill_chunks,
                                              test_spec_decode_padding_skipped_for_diffusion, test_memory_leak)})
-TESTS.update(vllm_priority_tests.TESTS)  # name -> (test, its arguments besides cls)
+TESTS.update(PRIORITY_TESTS)  # name -> (test, its arguments besides cls)
 
 
 @dataclass
@@ -299,11 +446,11 @@ def check_vllm_tests(scheduler_cls, update_cls=None) -> bool:
     """Print how many of vLLM's ported tests ``scheduler_cls`` (and ``update_cls``) pass, each failure
     with vLLM's assertion; True when every one passes."""
     if scheduler_cls is None:
-        return report(False, "", "not done yet: write your scheduler class, then run this check")
+        return fail("not done yet: write your scheduler class, then run this check")
     for cls in (scheduler_cls, update_cls):
         if cls is not None and not (isinstance(cls, type) and issubclass(cls, Scheduler)):
-            return report(False, "", f"pass your classes themselves, subclasses of Scheduler (got {type(cls).__name__}): "
-                                     "not done yet?")
+            return fail(f"pass your classes themselves, subclasses of Scheduler (got {type(cls).__name__}): "
+                        "not done yet?")
     result = run(scheduler_cls, update_cls)
     print(result)
     return not result.failed and not result.delegated

@@ -40,10 +40,8 @@ def search_folders() -> list[Path]:
     folders = [Path.cwd(), *([Path.cwd() / notebook.parent] if notebook is not None else []), Path(COLAB_UPLOADS)]
     if drive.is_dir():
         folders += [drive / "Colab Notebooks", drive]
-        try:
+        with contextlib.suppress(OSError):  # Drive can refuse a listing; the folders above are still searched
             folders += sorted(p for p in drive.iterdir() if p.is_dir() and p.name != "Colab Notebooks")
-        except OSError:  # Drive can refuse a listing; the folders above are still searched
-            pass
     out: dict = {}
     for folder in folders:
         with contextlib.suppress(OSError):
@@ -108,9 +106,8 @@ def course_text(pieces: list[str], why: str) -> str:
     """The loud lines printed when pieces are the course's own solutions."""
     bar = "!" * 100
     return (f"{bar}\n!! NOT YOUR CODE: {', '.join(pieces)} {'is' if len(pieces) == 1 else 'are'} the COURSE'S OWN "
-            f"SOLUTION{'' if len(pieces) == 1 else 'S'} ({why}).\n!! Every check, the server and the tournament "
-            "below run the course's answers for them, not yours.\n"
-            f"{bar}")
+            f"SOLUTION{'' if len(pieces) == 1 else 'S'} ({why}).\n!! Every check, the server and the tournament below "
+            f"run the course's answers for them, not yours.\n{bar}")
 
 
 # -- reading the pieces out of a notebook ---------------------------------------------------------------
