@@ -26,8 +26,8 @@ class ForkingKVCacheManager(KVCacheManager):
 
     copy_on_write = True  # fork() shares blocks and allocate_slots() copies a shared one before writing
 
-    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.0, prefix_caching: bool = False):
-        super().__init__(num_blocks, block_size, watermark=watermark, prefix_caching=prefix_caching)
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False):
+        super().__init__(num_blocks, block_size, prefix_caching=prefix_caching)
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) for the pool to copy before the forward
         self.num_cow_copies = 0  # blocks copied on write so far
 

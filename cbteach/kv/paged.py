@@ -51,15 +51,13 @@ class PagedKVCache(HostCopies):
     attn_implementation = paged_attention.NAME  # the engine's model view calls paged attention
 
     def __init__(self, config: CacheConfig, *, num_layers, num_kv_heads, head_dim, num_blocks,
-                 dtype=torch.float32, device="cpu", allocate_pool: bool = True, fork: bool = False):
+                 dtype=torch.float32, device="cpu", allocate_pool: bool = True, manager_cls=KVCacheManager):
+        """``manager_cls``: the KV manager's class (or a function taking its arguments), called with
+        ``(num_blocks, block_size, prefix_caching=...)``; :func:`cbteach.kv.caches.make_kv_cache` picks it."""
         if not isinstance(config, CacheConfig):
             raise ValueError(f"PagedKVCache takes a CacheConfig, got {type(config).__name__}")
         self.config = config
-        manager_cls = KVCacheManager
-        if fork:  # parallel_sampling="fork" (V0's): samples share blocks with copy on write
-            from .fork import ForkingKVCacheManager as manager_cls  # (imported only where it is used)
-        self.manager = manager_cls(num_blocks, config.block_size, watermark=config.watermark,
-                                   prefix_caching=config.prefix_caching)
+        self.manager = manager_cls(num_blocks, config.block_size, prefix_caching=config.prefix_caching)
         # allocate_pool=False: the K/V live elsewhere (tensor-parallel ranks); this keeps the bookkeeping
         self.pool = _pool_class(config.kv_dtype)(num_layers=num_layers, num_blocks=num_blocks,
                                                  block_size=config.block_size, num_kv_heads=num_kv_heads,
@@ -77,7 +75,7 @@ class PagedKVCache(HostCopies):
 
     @classmethod
     def for_model(cls, info, config: CacheConfig, max_batch_size: int = 8, allocate_pool: bool = True,
-                  fork: bool = False) -> PagedKVCache:
+                  manager_cls=KVCacheManager) -> PagedKVCache:
         """A pool for the model ``info`` describes, sized as ``config`` says (see
         :meth:`CacheConfig.pool_num_blocks`)."""
         pool_cls = _pool_class(config.kv_dtype)
@@ -86,7 +84,7 @@ class PagedKVCache(HostCopies):
         num_blocks = config.pool_num_blocks(info.max_positions, max_batch_size, config.block_size * per_token)
         return cls(config, num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
                    num_blocks=num_blocks, dtype=info.dtype, device=info.device, allocate_pool=allocate_pool,
-                   fork=fork)
+                   manager_cls=manager_cls)
 
     def slots(self, seq, start: int, end: int) -> torch.Tensor:
         """Pool slots of the sequence's tokens ``start..end-1``: ``block_table[p // B] * B + p % B``.
