@@ -129,7 +129,9 @@ class Engine(EngineCore):
 
     def copy_kv_out(self, seq: Sequence) -> tuple[list, int]:
         """Host copies of the blocks holding ``seq``'s computed tokens, and their bytes (paged only)."""
-        return self.kv.copy_out(seq)
+        from ..kv.swap import host_copy  # (imported only where it is used)
+
+        return host_copy(self.kv, seq)
 
     def run(self, requests, progress: bool = False) -> list[Completion]:
         """Add ``requests``, step until all are done, and return their completions in request order

@@ -25,14 +25,26 @@ def manager_class(config):
     return cls
 
 
-def make_kv_cache(info, config, pieces: bool = False):
-    """The KV cache ``config`` asks for, sized for the model ``info`` describes (``pieces``: one that runs
-    a learner's attention and slot mapping, :mod:`cbteach.kv.plugged_cache`)."""
+def paged_cache_class(pieces: bool = False, swaps: bool = False) -> type:
+    """The paged cache class: :class:`~cbteach.kv.paged.PagedKVCache`, running a learner's attention
+    and slot mapping (``pieces``, :mod:`cbteach.kv.plugged_cache`), holding host copies of blocks for
+    a scheduler with V0's swaps (``swaps``, :mod:`cbteach.kv.swap`)."""
+    cls = PluggedPagedKVCache if pieces else PagedKVCache
+    if swaps:
+        from .swap import with_host_copies  # (imported only where it is used)
+
+        cls = with_host_copies(cls)
+    return cls
+
+
+def make_kv_cache(info, config, pieces: bool = False, swaps: bool = False):
+    """The KV cache ``config`` asks for, sized for the model ``info`` describes (``pieces`` and
+    ``swaps``: see :func:`paged_cache_class`)."""
     cache = config.cache
     if cache.kind == "paged":  # with tensor parallelism the ranks hold the K/V: here only the block bookkeeping
-        return (PluggedPagedKVCache if pieces else PagedKVCache).for_model(info, cache, max_batch_size=config.scheduler.max_batch_size,
-                                      allocate_pool=config.tensor_parallel_size == 1,
-                                      manager_cls=manager_class(config))
+        return paged_cache_class(pieces, swaps).for_model(info, cache, max_batch_size=config.scheduler.max_batch_size,
+                                                          allocate_pool=config.tensor_parallel_size == 1,
+                                                          manager_cls=manager_class(config))
     # valid paged-pool options are accepted and ignored, so one call can switch kv= back and forth
     return ConcatKVCache(info.num_layers, cache_kwarg=info.cache_kwarg, attn_implementation=info.attn_implementation,
                          dtype=info.dtype)

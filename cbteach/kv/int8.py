@@ -83,17 +83,6 @@ class Int8KVPool(PagedKVPool):
         return (dequantize(k.view(-1, *k.shape[2:])[slots], ks.view(-1, ks.shape[2])[slots], self.out_dtype),
                 dequantize(v.view(-1, *v.shape[2:])[slots], vs.view(-1, vs.shape[2])[slots], self.out_dtype))
 
-    def copy_out(self, blocks):
-        idx = torch.tensor(blocks, dtype=torch.long, device=self.k[0].device)
-        return [tuple(t[idx].to("cpu") for t in group)
-                for group in zip(self.k, self.v, self.k_scale, self.v_scale)]
-
-    def copy_in(self, blocks, data) -> None:
-        idx = torch.tensor(blocks, dtype=torch.long, device=self.k[0].device)
-        for group, saved in zip(zip(self.k, self.v, self.k_scale, self.v_scale), data):
-            for t, h in zip(group, saved):
-                t[idx] = h.to(t.device)
-
 
 class Int8BlockKVPool(Int8KVPool):
     """int8 K and V with one float32 scale per (block, head), grown as the block fills.

@@ -29,7 +29,6 @@ from .concat import KVTraffic
 from .int8 import Int8BlockKVPool, Int8KVPool
 from .manager import KVCacheManager, PoolExhausted  # noqa: F401  (PoolExhausted: re-exported)
 from .pool import PagedKVPool
-from .swap import HostCopies
 from ..core.config import CacheConfig
 
 
@@ -39,12 +38,11 @@ def _pool_class(kv_dtype):
     return {None: PagedKVPool, "int8": Int8KVPool, "int8_block": Int8BlockKVPool}[kv_dtype]
 
 
-class PagedKVCache(HostCopies):
+class PagedKVCache:
     """The engine's view of the paged cache: the manager that hands out blocks, and the pool.
 
     Built from a validated :class:`~cbteach.core.config.CacheConfig` (``kind="paged"``); it
-    implements :class:`cbteach.kv.interface.KVCache` (and, through :class:`~cbteach.kv.swap.HostCopies`,
-    copies blocks to host memory and back).
+    implements :class:`cbteach.kv.interface.KVCache`.
     """
 
     kind = "paged"
@@ -63,7 +61,6 @@ class PagedKVCache(HostCopies):
                                                  block_size=config.block_size, num_kv_heads=num_kv_heads,
                                                  head_dim=head_dim, dtype=dtype, device=device) if allocate_pool else None
         self.last_traffic = KVTraffic()
-        super().__init__()
         # Padding attention shapes to powers of two pays on CUDA, where a new shape costs a one-off setup;
         # on a CPU the padding would only cost compute.
         self.bucket_shapes = (torch.device(device).type == "cuda" if config.bucket_shapes is None
@@ -124,7 +121,6 @@ class PagedKVCache(HostCopies):
     def close(self) -> None:
         """Let go of the pool's memory (:meth:`cbteach.Engine.close`)."""
         self.pool = None
-        super().close()
 
     # -- the manager's side -----------------------------------------------------------------
     def check_fits(self, num_tokens: int, request_id) -> None:
@@ -134,5 +130,4 @@ class PagedKVCache(HostCopies):
         """Blocks, tokens stored and utilisation now, plus the pool's bytes."""
         pool = self.pool
         return {**self.manager.usage(), "pool_bytes": pool.nbytes if pool is not None else 0,
-                "kv_bytes_per_token": pool.bytes_per_token if pool is not None else 0,
-                "num_swapped": len(self.swap_space)}
+                "kv_bytes_per_token": pool.bytes_per_token if pool is not None else 0}

@@ -42,18 +42,6 @@ class PagedKVPool:
         shape = (block_tables.shape[0], -1, *self.k[layer].shape[2:])
         return (self.k[layer].index_select(0, flat).view(shape), self.v[layer].index_select(0, flat).view(shape))
 
-    def copy_out(self, blocks: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """K and V of ``blocks`` in every layer, copied to host memory (swap-out)."""
-        idx = torch.tensor(blocks, dtype=torch.long, device=self.k[0].device)
-        return [(k[idx].to("cpu"), v[idx].to("cpu")) for k, v in zip(self.k, self.v)]
-
-    def copy_in(self, blocks: list[int], data: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Write host copies back into ``blocks`` (swap-in); the blocks need not be the old ones."""
-        idx = torch.tensor(blocks, dtype=torch.long, device=self.k[0].device)
-        for k, v, (hk, hv) in zip(self.k, self.v, data):
-            k[idx] = hk.to(k.device)
-            v[idx] = hv.to(v.device)
-
     def block_tensors(self) -> list[list[torch.Tensor]]:
         """Every per-layer tensor whose first axis is the block (an int8 pool adds its scales)."""
         return [self.k, self.v]
