@@ -18,6 +18,8 @@ boundary.
 """
 from __future__ import annotations
 
+import torch
+
 from .manager import KVCacheManager
 
 
@@ -65,6 +67,19 @@ class ForkingKVCacheManager(KVCacheManager):
 
     def usage(self) -> dict:
         return {**super().usage(), "num_cow_copies": self.num_cow_copies}
+
+
+def copy_blocks(pool, pairs: list[tuple[int, int]]) -> None:
+    """Copy whole blocks inside a paged ``pool``, every layer: ``dst`` becomes a copy of ``src`` -- every
+    tensor the pool keeps per block (``pool.block_tensors()``: K and V, and an int8 pool's scales)."""
+    if not pairs:
+        return
+    device = pool.k[0].device
+    src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=device)
+    dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=device)
+    for tensors in pool.block_tensors():
+        for t in tensors:
+            t[dst] = t[src]
 
 
 def can_fork(manager) -> bool:

@@ -101,10 +101,6 @@ class PagedKVCache:
         meta.pool = self.pool
         return meta
 
-    def copy_blocks(self, copies: list) -> None:
-        """Copy-on-write copies ``(src, dst)`` a step's message asks for, made before its forward pass."""
-        self.pool.copy_blocks(list(copies))
-
     def forward_kwargs(self, meta) -> dict:
         return {paged_attention.STEP_KWARG: meta, "use_cache": False}  # the pool is the cache
 

@@ -46,17 +46,6 @@ class PagedKVPool:
         """Every per-layer tensor whose first axis is the block (an int8 pool adds its scales)."""
         return [self.k, self.v]
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy whole blocks inside the pool, every layer: ``dst`` becomes a copy of ``src`` (copy on write)."""
-        if not pairs:
-            return
-        device = self.k[0].device
-        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=device)
-        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=device)
-        for tensors in self.block_tensors():
-            for t in tensors:
-                t[dst] = t[src]
-
     def read_slots(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather single slots: ``[n]`` slot ids give K and V of ``[n, kv_heads, D]``."""
         k, v = self.k[layer], self.v[layer]
