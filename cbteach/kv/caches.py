@@ -8,6 +8,18 @@ from .concat import ConcatKVCache
 from .manager import KVCacheManager
 from .paged import PagedKVCache
 from .plugged_cache import PluggedPagedKVCache
+from .pool import PagedKVPool
+
+
+def pool_class(kv_dtype) -> type:
+    """The pool that stores K/V as ``kv_dtype``: the model's dtype (``None``), or int8
+    (:mod:`cbteach.kv.int8`) with a scale per token and head (``"int8"``) or per block and head
+    (``"int8_block"``)."""
+    if kv_dtype is None:
+        return PagedKVPool
+    from .int8 import Int8BlockKVPool, Int8KVPool  # (imported only where it is used)
+
+    return {"int8": Int8KVPool, "int8_block": Int8BlockKVPool}[kv_dtype]
 
 
 def manager_class(config):
@@ -44,7 +56,8 @@ def make_kv_cache(info, config, pieces: bool = False, swaps: bool = False):
     if cache.kind == "paged":  # with tensor parallelism the ranks hold the K/V: here only the block bookkeeping
         return paged_cache_class(pieces, swaps).for_model(info, cache, max_batch_size=config.scheduler.max_batch_size,
                                                           allocate_pool=config.tensor_parallel_size == 1,
-                                                          manager_cls=manager_class(config))
+                                                          manager_cls=manager_class(config),
+                                                          pool_cls=pool_class(cache.kv_dtype))
     # valid paged-pool options are accepted and ignored, so one call can switch kv= back and forth
     return ConcatKVCache(info.num_layers, cache_kwarg=info.cache_kwarg, attn_implementation=info.attn_implementation,
                          dtype=info.dtype)

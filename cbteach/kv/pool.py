@@ -4,8 +4,7 @@ Per layer, one key tensor and one value tensor of shape ``[num_blocks, block_siz
 head_dim]``, allocated once. A block holds the K/V of ``block_size`` consecutive tokens of *one*
 sequence; block-major layout makes a block one contiguous chunk of memory, and a token's **slot**
 is ``block_id * block_size + offset``. The pool is written at a slot mapping and read through
-block tables; who owns which block is the KV manager's business (:mod:`cbteach.kv.manager`), and
-the int8 pools (:mod:`cbteach.kv.int8`) store the same blocks in 8 bits.
+block tables; who owns which block is the KV manager's business (:mod:`cbteach.kv.manager`).
 """
 from __future__ import annotations
 
@@ -15,11 +14,18 @@ import torch
 class PagedKVPool:
     """The memory: K and V blocks for every layer. Knows slots and blocks, not sequences."""
 
+    kv_dtype = None  # what it stores K/V as (CacheConfig.kv_dtype): None, the model's dtype
+
     def __init__(self, *, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.float32,
                  device="cpu"):
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_token_for(num_layers, num_kv_heads, head_dim, block_size=None, dtype=torch.float32) -> int:
+        """K and V of one token in every layer, for a pool of this shape (sizing a pool before it exists)."""
+        return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
 
     @property
     def bytes_per_token(self) -> int:
@@ -43,7 +49,7 @@ class PagedKVPool:
         return (self.k[layer].index_select(0, flat).view(shape), self.v[layer].index_select(0, flat).view(shape))
 
     def block_tensors(self) -> list[list[torch.Tensor]]:
-        """Every per-layer tensor whose first axis is the block (an int8 pool adds its scales)."""
+        """Every per-layer tensor whose first axis is the block (a pool that keeps more per block adds it)."""
         return [self.k, self.v]
 
     def read_slots(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
