@@ -128,7 +128,8 @@ def test_kv_memory_bytes_counts_block_scales():
 
 def test_the_int8_pools_are_imported_only_for_int8_and_a_cache_refuses_a_pool_of_another_dtype():
     """The default path's paged cache names no int8 pool: kv/caches.py picks the pool for ``kv_dtype``,
-    and a cache built by hand with a pool that stores another dtype is refused, not silently fp32."""
+    and a cache built by hand with a pool that stores another dtype is refused, not silently fp32. The
+    default engine imports none of the KV variants' modules (int8, V0's host copies and watermark)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -147,8 +148,8 @@ def test_the_int8_pools_are_imported_only_for_int8_and_a_cache_refuses_a_pool_of
         PagedKVCache(CacheConfig(kind="paged", block_size=4), pool_cls=Int8KVPool, **shape)
     code = ("import sys\nfrom cbteach import Engine, Request\nfrom conftest import tiny_model\n"
             "Engine(tiny_model('gpt2'), max_batch_size=2, kv='paged', block_size=4).run([Request([1, 2, 3], 2)])\n"
-            "print('cbteach.kv.int8' in sys.modules)\n")
+            "print(sorted(m for m in ('cbteach.kv.int8', 'cbteach.kv.swap', 'cbteach.kv.watermark') if m in sys.modules))\n")
     root = Path(__file__).resolve().parent
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().splitlines()[-1] == "False", "the default engine imported the int8 pools"
+    assert out.stdout.strip().splitlines()[-1] == "[]", f"the default engine imported a KV variant: {out.stdout}"
