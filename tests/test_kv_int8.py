@@ -124,3 +124,32 @@ def test_kv_memory_bytes_counts_block_scales():
     model = tiny_model("llama")  # 2 layers, 2 KV heads of 16 dims: a block of 8 = 2*2*2*(16*8+4) = 1056 bytes
     eng = Engine(model, max_batch_size=2, kv="paged", block_size=8, kv_memory_bytes=1056 * 10, kv_dtype="int8_block")
     assert eng.kv.num_blocks == 10 and eng.kv_usage()["pool_bytes"] == 1056 * 10
+
+
+def test_the_int8_pools_are_imported_only_for_int8_and_a_cache_refuses_a_pool_of_another_dtype():
+    """The default path's paged cache names no int8 pool: kv/caches.py picks the pool for ``kv_dtype``,
+    and a cache built by hand with a pool that stores another dtype is refused, not silently fp32. The
+    default engine imports none of the KV variants' modules (int8, V0's host copies and watermark)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from cbteach.core.config import CacheConfig
+    from cbteach.kv.caches import pool_class
+    from cbteach.kv.int8 import Int8BlockKVPool, Int8KVPool
+    from cbteach.kv.paged import PagedKVCache
+    from cbteach.kv.pool import PagedKVPool
+
+    assert (pool_class(None), pool_class("int8"), pool_class("int8_block")) == (PagedKVPool, Int8KVPool, Int8BlockKVPool)
+    shape = dict(num_layers=1, num_kv_heads=1, head_dim=4, num_blocks=2)
+    with pytest.raises(ValueError, match="kv_dtype='int8' needs a pool that stores it"):
+        PagedKVCache(CacheConfig(kind="paged", block_size=4, kv_dtype="int8"), **shape)
+    with pytest.raises(ValueError, match="kv_dtype=None needs a pool that stores it"):
+        PagedKVCache(CacheConfig(kind="paged", block_size=4), pool_cls=Int8KVPool, **shape)
+    code = ("import sys\nfrom cbteach import Engine, Request\nfrom conftest import tiny_model\n"
+            "Engine(tiny_model('gpt2'), max_batch_size=2, kv='paged', block_size=4).run([Request([1, 2, 3], 2)])\n"
+            "print(sorted(m for m in ('cbteach.kv.int8', 'cbteach.kv.swap', 'cbteach.kv.watermark') if m in sys.modules))\n")
+    root = Path(__file__).resolve().parent
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]", f"the default engine imported a KV variant: {out.stdout}"

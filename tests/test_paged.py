@@ -182,3 +182,29 @@ def test_the_written_out_attention_a_gpu_runs_gives_generates_tokens(arch, monke
 
     outs = Engine(model, kv="paged", max_batch_size=3, block_size=4, attention=reference_on_the_pool).run(reqs)
     assert [o.output_ids for o in outs] == [reference(model, r.prompt, 9) for r in reqs]
+
+
+def test_the_watermark_is_a_mixin_built_only_when_set():
+    """V0's watermark lives in kv/watermark.py: the default manager keeps no room back; an engine with
+    ``watermark`` builds a manager whose admissions leave that share of the pool free, and refuses up
+    front a request that could not fit beside it."""
+    from cbteach.core.request import Sequence
+    from cbteach.kv.manager import KVCacheManager
+    from cbteach.kv.watermark import Watermark, keeping_watermark
+
+    model = paged_model("gpt2")
+    plain = Engine(model, max_batch_size=2, kv="paged", block_size=4, num_blocks=8)
+    assert type(plain.kv.manager) is KVCacheManager and not hasattr(plain.kv.manager, "watermark_blocks")
+    eng = Engine(model, max_batch_size=2, kv="paged", block_size=4, num_blocks=8, admission="whole_prompt",
+                 watermark=0.25)
+    m = eng.kv.manager
+    assert isinstance(m, Watermark) and isinstance(m, KVCacheManager) and m.watermark_blocks == 2
+    assert type(m) is keeping_watermark(KVCacheManager)
+    s = Sequence(request=Request([1, 2, 3], 2), prompt_ids=[1, 2, 3], arrival_time=0.0)
+    assert m.num_admittable_tokens(s) == m.num_allocatable_tokens(s) - 2 * 4 == 6 * 4
+    assert plain.kv.manager.num_admittable_tokens(s) == 8 * 4
+    with pytest.raises(ValueError, match="watermark of 2"):
+        eng.add_request(Request([1] * 26, 2))  # 7 blocks: fits the pool, not beside the watermark
+    plain.add_request(Request([1] * 26, 2))
+    reqs = [Request([1 + i] * 5, 6) for i in range(3)]
+    assert [c.output_ids for c in eng.run(reqs)] == [reference(model, r.prompt, 6) for r in reqs]

@@ -33,7 +33,7 @@ class ReservingKVManager(KVCacheManager):
     per request, reserved at admission. ``num_blocks`` one-slot blocks, no watermark."""
 
     def __init__(self, num_blocks: int):
-        super().__init__(num_blocks, block_size=1, watermark=0)
+        super().__init__(num_blocks, block_size=1)
 
     @staticmethod
     def reservation(seq) -> int:

@@ -56,16 +56,17 @@ def build_parts(core, model, tokenizer, scheduler_cls, kv_manager, attention, sl
         from .speculative import make_proposer  # (imported only where it is used)
 
         proposer = make_proposer(config.speculative, config.num_speculative_tokens, vocab_size=info.vocab_size)
-    core.kv = make_kv_cache(info, config, pieces=attention is not None or slot_mapping is not None)
+    sched_cls = pick_scheduler_cls(config, scheduler_cls, proposer)
+    swaps = issubclass(sched_cls, V0Scheduler)  # V0's rules: the cache holds swapped-out blocks in host memory
+    core.kv = make_kv_cache(info, config, pieces=attention is not None or slot_mapping is not None, swaps=swaps)
     plug_pieces(core.kv, kv_manager=kv_manager, attention=attention, slot_mapping=slot_mapping)
     if kv_manager is not None and config.cache.prefix_caching and getattr(core.kv.manager, "prefix_cache", None) is None:
         raise ValueError("prefix_caching=True needs a KV manager that caches prefixes; the plugged-in kv_manager "
                          f"({getattr(kv_manager, '__name__', type(kv_manager).__name__)}) does not, and the run "
                          "would silently go without: drop prefix_caching or the kv_manager")
-    core.scheduler = pick_scheduler_cls(config, scheduler_cls, proposer)(config.scheduler, core.kv.manager,
-                                                                         eos_ids=info.eos_ids)
+    core.scheduler = sched_cls(config.scheduler, core.kv.manager, eos_ids=info.eos_ids)
     core.executor = make_executor(model, model_view(model, core.kv.attn_implementation), info, core.kv, config,
-                                  update_batch=update_batch, swaps=isinstance(core.scheduler, V0Scheduler),
+                                  update_batch=update_batch, swaps=swaps,
                                   forks=config.parallel_sampling == "fork", spec=proposer is not None)
     core.rules = RuleGuard(core.scheduler, core.kv) if scheduler_cls not in (None, Scheduler, V0Scheduler) else None
     core.stepper = None

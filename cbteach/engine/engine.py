@@ -20,6 +20,8 @@ since the engine was made, or simulated: :mod:`cbteach.core.clock`). An ``arriva
 """
 from __future__ import annotations
 
+import functools
+
 from ..core.request import Completion, Request, RequestStatus, Sequence
 from ..core.validation import as_request_list, validate_request
 from . import parallel_sampling
@@ -108,17 +110,28 @@ class Engine(EngineCore):
     def on_release(self, callback) -> None:
         """Call ``callback(seq)`` just before a sequence's KV blocks are given back (it finished, was
         aborted or preempted), while its K/V are still in the pool: a disaggregated prefill engine
-        ships them from there (:meth:`copy_kv_out`). Paged only."""
+        ships them from there (:meth:`copy_kv_out`). Paged only. The KV manager's ``free`` is wrapped,
+        on this engine's manager only (a second call replaces the first callback): the manager V1's
+        path reads has no such hook."""
         if self.config.tensor_parallel_size > 1:
             raise ValueError("on_release() needs the K/V in this process; with tensor_parallel_size > 1 the ranks hold them")
         if self.kv.kind != "paged" or self.stepper is not None:
             raise ValueError("on_release() needs kv='paged' and no async_scheduling (blocks are copied out as they "
                              "are freed, which must not overlap a forward pass)")
-        self.kv.manager.before_free = callback
+        manager = self.kv.manager
+        free = functools.partial(type(manager).free, manager)  # the class's own
+
+        def free_after_callback(seq):
+            callback(seq)
+            free(seq)
+
+        manager.free = free_after_callback
 
     def copy_kv_out(self, seq: Sequence) -> tuple[list, int]:
         """Host copies of the blocks holding ``seq``'s computed tokens, and their bytes (paged only)."""
-        return self.kv.copy_out(seq)
+        from ..kv.swap import host_copy  # (imported only where it is used)
+
+        return host_copy(self.kv, seq)
 
     def run(self, requests, progress: bool = False) -> list[Completion]:
         """Add ``requests``, step until all are done, and return their completions in request order

@@ -1,19 +1,63 @@
-"""The KV cache an engine asks for: the one place that picks between the two kinds."""
+"""The KV cache an engine asks for: the one place that picks between the two kinds, and the parts of
+a paged one -- each variant's part imported only when the options ask for it."""
 from __future__ import annotations
 
+import functools
+
 from .concat import ConcatKVCache
+from .manager import KVCacheManager
 from .paged import PagedKVCache
 from .plugged_cache import PluggedPagedKVCache
+from .pool import PagedKVPool
 
 
-def make_kv_cache(info, config, pieces: bool = False):
-    """The KV cache ``config`` asks for, sized for the model ``info`` describes (``pieces``: one that runs
-    a learner's attention and slot mapping, :mod:`cbteach.kv.plugged_cache`)."""
+def pool_class(kv_dtype) -> type:
+    """The pool that stores K/V as ``kv_dtype``: the model's dtype (``None``), or int8
+    (:mod:`cbteach.kv.int8`) with a scale per token and head (``"int8"``) or per block and head
+    (``"int8_block"``)."""
+    if kv_dtype is None:
+        return PagedKVPool
+    from .int8 import Int8BlockKVPool, Int8KVPool  # (imported only where it is used)
+
+    return {"int8": Int8KVPool, "int8_block": Int8BlockKVPool}[kv_dtype]
+
+
+def manager_class(config):
+    """The KV manager ``config`` (an :class:`~cbteach.core.config.EngineConfig`) asks for: V1's
+    :class:`~cbteach.kv.manager.KVCacheManager`, with fork's copy on write (:mod:`cbteach.kv.fork`)
+    for ``parallel_sampling="fork"`` and an admission watermark (:mod:`cbteach.kv.watermark`) when
+    ``watermark`` is not 0. Returns something called like the class."""
+    cls = KVCacheManager
+    if config.parallel_sampling == "fork":
+        from .fork import ForkingKVCacheManager as cls  # (imported only where it is used)
+    if config.cache.watermark:
+        from .watermark import keeping_watermark
+
+        return functools.partial(keeping_watermark(cls), watermark=config.cache.watermark)
+    return cls
+
+
+def paged_cache_class(pieces: bool = False, swaps: bool = False) -> type:
+    """The paged cache class: :class:`~cbteach.kv.paged.PagedKVCache`, running a learner's attention
+    and slot mapping (``pieces``, :mod:`cbteach.kv.plugged_cache`), holding host copies of blocks for
+    a scheduler with V0's swaps (``swaps``, :mod:`cbteach.kv.swap`)."""
+    cls = PluggedPagedKVCache if pieces else PagedKVCache
+    if swaps:
+        from .swap import with_host_copies  # (imported only where it is used)
+
+        cls = with_host_copies(cls)
+    return cls
+
+
+def make_kv_cache(info, config, pieces: bool = False, swaps: bool = False):
+    """The KV cache ``config`` asks for, sized for the model ``info`` describes (``pieces`` and
+    ``swaps``: see :func:`paged_cache_class`)."""
     cache = config.cache
     if cache.kind == "paged":  # with tensor parallelism the ranks hold the K/V: here only the block bookkeeping
-        return (PluggedPagedKVCache if pieces else PagedKVCache).for_model(info, cache, max_batch_size=config.scheduler.max_batch_size,
-                                      allocate_pool=config.tensor_parallel_size == 1,
-                                      fork=config.parallel_sampling == "fork")
+        return paged_cache_class(pieces, swaps).for_model(info, cache, max_batch_size=config.scheduler.max_batch_size,
+                                                          allocate_pool=config.tensor_parallel_size == 1,
+                                                          manager_cls=manager_class(config),
+                                                          pool_cls=pool_class(cache.kv_dtype))
     # valid paged-pool options are accepted and ignored, so one call can switch kv= back and forth
     return ConcatKVCache(info.num_layers, cache_kwarg=info.cache_kwarg, attn_implementation=info.attn_implementation,
                          dtype=info.dtype)

@@ -151,9 +151,6 @@ class ConcatKVCache:
         meta.request_ids = list(request_ids)
         return meta
 
-    def copy_blocks(self, copies: list) -> None:
-        """No blocks, nothing to copy: a fork shares the parent's tensors (see :meth:`_fork`)."""
-
     def forward_kwargs(self, meta) -> dict:
         """Gather the in-flight caches and build the mask; returns extra kwargs for the forward pass."""
         t0 = time.perf_counter()

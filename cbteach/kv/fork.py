@@ -18,6 +18,8 @@ boundary.
 """
 from __future__ import annotations
 
+import torch
+
 from .manager import KVCacheManager
 
 
@@ -26,8 +28,8 @@ class ForkingKVCacheManager(KVCacheManager):
 
     copy_on_write = True  # fork() shares blocks and allocate_slots() copies a shared one before writing
 
-    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.0, prefix_caching: bool = False):
-        super().__init__(num_blocks, block_size, watermark=watermark, prefix_caching=prefix_caching)
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False):
+        super().__init__(num_blocks, block_size, prefix_caching=prefix_caching)
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) for the pool to copy before the forward
         self.num_cow_copies = 0  # blocks copied on write so far
 
@@ -65,6 +67,19 @@ class ForkingKVCacheManager(KVCacheManager):
 
     def usage(self) -> dict:
         return {**super().usage(), "num_cow_copies": self.num_cow_copies}
+
+
+def copy_blocks(pool, pairs: list[tuple[int, int]]) -> None:
+    """Copy whole blocks inside a paged ``pool``, every layer: ``dst`` becomes a copy of ``src`` -- every
+    tensor the pool keeps per block (``pool.block_tensors()``: K and V, and an int8 pool's scales)."""
+    if not pairs:
+        return
+    device = pool.k[0].device
+    src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=device)
+    dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=device)
+    for tensors in pool.block_tensors():
+        for t in tensors:
+            t[dst] = t[src]
 
 
 def can_fork(manager) -> bool:

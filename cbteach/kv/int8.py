@@ -41,6 +41,8 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> tor
 class Int8KVPool(PagedKVPool):
     """K and V as int8 ``[num_blocks, block_size, kv_heads, head_dim]`` plus float32 scales per (token, head)."""
 
+    kv_dtype = "int8"
+
     def __init__(self, *, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.float32,
                  device="cpu"):
         super().__init__(num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
@@ -51,8 +53,9 @@ class Int8KVPool(PagedKVPool):
         self.v_scale = [torch.zeros(scale_shape, device=device) for _ in range(num_layers)]
 
     @staticmethod
-    def bytes_per_token_for(num_layers, num_kv_heads, head_dim, block_size=None) -> int:
-        """K and V of one token in every layer (``block_size`` does not matter: scales are per token)."""
+    def bytes_per_token_for(num_layers, num_kv_heads, head_dim, block_size=None, dtype=None) -> int:
+        """K and V of one token in every layer (``block_size`` and the model's ``dtype`` do not matter:
+        scales are per token, values int8)."""
         return 2 * num_layers * num_kv_heads * (head_dim + 4)
 
     @property
@@ -83,17 +86,6 @@ class Int8KVPool(PagedKVPool):
         return (dequantize(k.view(-1, *k.shape[2:])[slots], ks.view(-1, ks.shape[2])[slots], self.out_dtype),
                 dequantize(v.view(-1, *v.shape[2:])[slots], vs.view(-1, vs.shape[2])[slots], self.out_dtype))
 
-    def copy_out(self, blocks):
-        idx = torch.tensor(blocks, dtype=torch.long, device=self.k[0].device)
-        return [tuple(t[idx].to("cpu") for t in group)
-                for group in zip(self.k, self.v, self.k_scale, self.v_scale)]
-
-    def copy_in(self, blocks, data) -> None:
-        idx = torch.tensor(blocks, dtype=torch.long, device=self.k[0].device)
-        for group, saved in zip(zip(self.k, self.v, self.k_scale, self.v_scale), data):
-            for t, h in zip(group, saved):
-                t[idx] = h.to(t.device)
-
 
 class Int8BlockKVPool(Int8KVPool):
     """int8 K and V with one float32 scale per (block, head), grown as the block fills.
@@ -105,6 +97,8 @@ class Int8BlockKVPool(Int8KVPool):
     forgotten): tokens of a sequence are written in order, and cached prefix blocks are never
     written again, so offset 0 means a new owner."""
 
+    kv_dtype = "int8_block"
+
     def __init__(self, *, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.float32,
                  device="cpu"):
         super().__init__(num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
@@ -114,7 +108,7 @@ class Int8BlockKVPool(Int8KVPool):
         self.v_scale = [torch.zeros(num_blocks, num_kv_heads, device=device) for _ in range(num_layers)]
 
     @staticmethod
-    def bytes_per_token_for(num_layers, num_kv_heads, head_dim, block_size=16) -> float:
+    def bytes_per_token_for(num_layers, num_kv_heads, head_dim, block_size=16, dtype=None) -> float:
         return 2 * num_layers * num_kv_heads * (head_dim + 4 / block_size)
 
     @property

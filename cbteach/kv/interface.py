@@ -95,9 +95,6 @@ class KVCache(Protocol):
         worker's own rows: their block tables (paged: lists, or the batch's block-table tensor with
         ``num_blocks`` per row) or their ids (concat)."""
 
-    def copy_blocks(self, copies: list) -> None:
-        """Copy-on-write ``(src, dst)`` block copies a step's message asks for, before its forward pass."""
-
     def forward_kwargs(self, meta) -> dict:
         """Extra arguments for the model's forward pass (past K/V and a mask, or the metadata)."""
 

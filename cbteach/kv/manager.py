@@ -10,9 +10,8 @@ tensors):
 * :mod:`cbteach.kv.paged`'s **pool** is the memory the blocks name, written at a slot mapping and
   read through block tables by the attention function.
 
-Keeping them apart means a change to how K/V are *stored* (int8, swapped to the CPU, handed to
-another engine) touches the pool, and a change to *who gets room* (prefix sharing, watermarks)
-touches the manager -- never attention, never the scheduler's loop.
+Keeping them apart means a change to how K/V are *stored* touches the pool, and a change to *who
+gets room* (prefix sharing, say) touches the manager -- never attention, never the scheduler's loop.
 """
 from __future__ import annotations
 
@@ -20,7 +19,6 @@ import math
 from collections import OrderedDict
 
 from .prefix_cache import PrefixCache
-from ..core.config import check_watermark
 from ..core.validation import check_positive_int
 
 
@@ -72,25 +70,16 @@ class BlockAllocator:
 class KVCacheManager:
     """Block tables and allocation for a pool of ``num_blocks`` blocks of ``block_size`` tokens."""
 
-    copy_on_write = False  # no fork here: :class:`cbteach.kv.fork.ForkingKVCacheManager` adds it
-
-    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.0, prefix_caching: bool = False):
-        """``watermark``: the fraction of blocks an admission must leave free (vLLM V0's block manager
-        keeps 1%, so that a request let in now does not force a preemption on the very next step; later
-        V1 versions have the option too, 0 by default). V0's scheduler reads it through
-        :meth:`num_admittable_tokens`.
-        ``prefix_caching``: reuse full blocks of earlier requests with the same prefix
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False):
+        """``prefix_caching``: reuse full blocks of earlier requests with the same prefix
         (:mod:`cbteach.kv.prefix_cache`)."""
         check_positive_int("block_size", block_size)
         check_positive_int("num_blocks", num_blocks)
-        check_watermark(watermark)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.watermark_blocks = int(watermark * num_blocks)
         self.allocator = BlockAllocator(num_blocks)
         self.prefix_cache = PrefixCache(block_size) if prefix_caching else None
         self.seqs: dict[object, object] = {}  # sequences holding blocks, by request id
-        self.before_free = None  # optional callback(seq), called before a sequence's blocks are released
 
     @property
     def num_free_blocks(self) -> int:
@@ -110,8 +99,9 @@ class KVCacheManager:
         return max(0, room - seq.num_computed_tokens)
 
     def num_admittable_tokens(self, seq, new_computed_blocks=()) -> int:
-        """Like :meth:`num_allocatable_tokens`, less the watermark: the room an admission may use."""
-        return self.num_allocatable_tokens(seq, new_computed_blocks) - self.watermark_blocks * self.block_size
+        """The room an admission may use: here all of :meth:`num_allocatable_tokens` (a manager that
+        keeps some room back from admissions answers less)."""
+        return self.num_allocatable_tokens(seq, new_computed_blocks)
 
     def num_freeable_tokens(self, seqs) -> int:
         """The room that freeing every sequence in ``seqs`` would make: their blocks held by no one else.
@@ -138,7 +128,7 @@ class KVCacheManager:
 
         ``new_computed_blocks``: an admission's prefix-cache hits (:meth:`get_computed_blocks`), taken
         only now, with the rest, so a refusal leaves the cache's LRU order as it was.
-        ``num_lookahead_tokens``: room for tokens beyond this step's (V0's whole-prompt reservation).
+        ``num_lookahead_tokens``: room for tokens beyond this step's, taken now too.
         With prefix caching, the blocks this step fills become findable at once (V1's ``cache_blocks``):
         an identical prompt admitted later in the *same* step shares them -- its attention reads them
         in the same forward pass, layer by layer, after this step's K/V are written.
@@ -176,8 +166,6 @@ class KVCacheManager:
         """Give back every block of ``seq`` (finished, aborted or preempted). A block made findable at
         allocation whose K/V this sequence will now never compute (it was preempted in the step that
         planned them) is forgotten by the prefix cache first."""
-        if self.before_free is not None:
-            self.before_free(seq)  # last look at its blocks (a disaggregated prefill hands them over)
         if self.prefix_cache is not None:
             done = seq.num_computed_tokens // self.block_size
             for block in seq.block_table[done:]:
@@ -189,7 +177,7 @@ class KVCacheManager:
         self.seqs.pop(seq.request_id, None)
 
     def trim(self, seq) -> None:
-        """Give back the blocks past ``seq``'s computed tokens (they held rejected speculative guesses)."""
+        """Give back the blocks past ``seq``'s computed tokens: room taken for tokens the update did not keep."""
         keep = self.blocks_needed(seq.num_computed_tokens)
         for block in reversed(seq.block_table[keep:]):
             self.allocator.release(block)
@@ -220,9 +208,8 @@ class KVCacheManager:
     def check_fits(self, num_tokens: int, request_id) -> None:
         """Refuse a request that could never fit, even alone in the pool (its last token is never stored)."""
         need = self.blocks_needed(num_tokens - 1)
-        if need + self.watermark_blocks > self.num_blocks:
-            wm = f" (plus a watermark of {self.watermark_blocks} kept free at admission)" if self.watermark_blocks else ""
-            raise ValueError(f"request {request_id!r} needs up to {need} KV blocks of {self.block_size} tokens{wm} "
+        if need > self.num_blocks:
+            raise ValueError(f"request {request_id!r} needs up to {need} KV blocks of {self.block_size} tokens "
                              f"but the pool has only {self.num_blocks}: shorten it (its prompt or its max tokens), "
                              "or give the pool more blocks (num_blocks)")
 

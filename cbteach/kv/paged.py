@@ -26,46 +26,38 @@ import torch
 from ..attention import metadata as attn_metadata
 from ..attention import paged as paged_attention
 from .concat import KVTraffic
-from .int8 import Int8BlockKVPool, Int8KVPool
 from .manager import KVCacheManager, PoolExhausted  # noqa: F401  (PoolExhausted: re-exported)
 from .pool import PagedKVPool
-from .swap import HostCopies
 from ..core.config import CacheConfig
 
 
-def _pool_class(kv_dtype):
-    """The pool that stores K/V: the model's dtype (``None``) or int8 (:mod:`cbteach.kv.int8`) with a
-    scale per token and head (``"int8"``) or per block and head (``"int8_block"``)."""
-    return {None: PagedKVPool, "int8": Int8KVPool, "int8_block": Int8BlockKVPool}[kv_dtype]
-
-
-class PagedKVCache(HostCopies):
+class PagedKVCache:
     """The engine's view of the paged cache: the manager that hands out blocks, and the pool.
 
     Built from a validated :class:`~cbteach.core.config.CacheConfig` (``kind="paged"``); it
-    implements :class:`cbteach.kv.interface.KVCache` (and, through :class:`~cbteach.kv.swap.HostCopies`,
-    copies blocks to host memory and back).
+    implements :class:`cbteach.kv.interface.KVCache`.
     """
 
     kind = "paged"
     attn_implementation = paged_attention.NAME  # the engine's model view calls paged attention
 
     def __init__(self, config: CacheConfig, *, num_layers, num_kv_heads, head_dim, num_blocks,
-                 dtype=torch.float32, device="cpu", allocate_pool: bool = True, fork: bool = False):
+                 dtype=torch.float32, device="cpu", allocate_pool: bool = True, manager_cls=KVCacheManager,
+                 pool_cls=PagedKVPool):
+        """``manager_cls``: the KV manager's class (or a function taking its arguments), called with
+        ``(num_blocks, block_size, prefix_caching=...)``; ``pool_cls``: the pool's, which must store
+        ``config.kv_dtype``. :mod:`cbteach.kv.caches` picks both for an engine's options."""
         if not isinstance(config, CacheConfig):
             raise ValueError(f"PagedKVCache takes a CacheConfig, got {type(config).__name__}")
+        if pool_cls.kv_dtype != config.kv_dtype:
+            raise ValueError(f"kv_dtype={config.kv_dtype!r} needs a pool that stores it, not {pool_cls.__name__} "
+                             f"(kv_dtype={pool_cls.kv_dtype!r}): cbteach.kv.caches.pool_class picks it")
         self.config = config
-        manager_cls = KVCacheManager
-        if fork:  # parallel_sampling="fork" (V0's): samples share blocks with copy on write
-            from .fork import ForkingKVCacheManager as manager_cls  # (imported only where it is used)
-        self.manager = manager_cls(num_blocks, config.block_size, watermark=config.watermark,
-                                   prefix_caching=config.prefix_caching)
-        # allocate_pool=False: the K/V live elsewhere (tensor-parallel ranks); this keeps the bookkeeping
-        self.pool = _pool_class(config.kv_dtype)(num_layers=num_layers, num_blocks=num_blocks,
-                                                 block_size=config.block_size, num_kv_heads=num_kv_heads,
-                                                 head_dim=head_dim, dtype=dtype, device=device) if allocate_pool else None
+        self.manager = manager_cls(num_blocks, config.block_size, prefix_caching=config.prefix_caching)
+        # allocate_pool=False: the K/V live in other processes (each holds its share); this keeps the bookkeeping
+        self.pool = pool_cls(num_layers=num_layers, num_blocks=num_blocks, block_size=config.block_size,
+                             num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device=device) if allocate_pool else None
         self.last_traffic = KVTraffic()
-        super().__init__()
         # Padding attention shapes to powers of two pays on CUDA, where a new shape costs a one-off setup;
         # on a CPU the padding would only cost compute.
         self.bucket_shapes = (torch.device(device).type == "cuda" if config.bucket_shapes is None
@@ -77,16 +69,15 @@ class PagedKVCache(HostCopies):
 
     @classmethod
     def for_model(cls, info, config: CacheConfig, max_batch_size: int = 8, allocate_pool: bool = True,
-                  fork: bool = False) -> PagedKVCache:
+                  manager_cls=KVCacheManager, pool_cls=PagedKVPool) -> PagedKVCache:
         """A pool for the model ``info`` describes, sized as ``config`` says (see
         :meth:`CacheConfig.pool_num_blocks`)."""
-        pool_cls = _pool_class(config.kv_dtype)
-        per_token = info.kv_bytes_per_token if pool_cls is PagedKVPool else pool_cls.bytes_per_token_for(
-            info.num_layers, info.num_kv_heads, info.head_dim, block_size=config.block_size)
+        per_token = pool_cls.bytes_per_token_for(info.num_layers, info.num_kv_heads, info.head_dim,
+                                                 block_size=config.block_size, dtype=info.dtype)
         num_blocks = config.pool_num_blocks(info.max_positions, max_batch_size, config.block_size * per_token)
         return cls(config, num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
                    num_blocks=num_blocks, dtype=info.dtype, device=info.device, allocate_pool=allocate_pool,
-                   fork=fork)
+                   manager_cls=manager_cls, pool_cls=pool_cls)
 
     def slots(self, seq, start: int, end: int) -> torch.Tensor:
         """Pool slots of the sequence's tokens ``start..end-1``: ``block_table[p // B] * B + p % B``.
@@ -106,10 +97,6 @@ class PagedKVCache(HostCopies):
         meta.pool = self.pool
         return meta
 
-    def copy_blocks(self, copies: list) -> None:
-        """Copy-on-write copies ``(src, dst)`` a step's message asks for, made before its forward pass."""
-        self.pool.copy_blocks(list(copies))
-
     def forward_kwargs(self, meta) -> dict:
         return {paged_attention.STEP_KWARG: meta, "use_cache": False}  # the pool is the cache
 
@@ -126,7 +113,6 @@ class PagedKVCache(HostCopies):
     def close(self) -> None:
         """Let go of the pool's memory (:meth:`cbteach.Engine.close`)."""
         self.pool = None
-        super().close()
 
     # -- the manager's side -----------------------------------------------------------------
     def check_fits(self, num_tokens: int, request_id) -> None:
@@ -136,5 +122,4 @@ class PagedKVCache(HostCopies):
         """Blocks, tokens stored and utilisation now, plus the pool's bytes."""
         pool = self.pool
         return {**self.manager.usage(), "pool_bytes": pool.nbytes if pool is not None else 0,
-                "kv_bytes_per_token": pool.bytes_per_token if pool is not None else 0,
-                "num_swapped": len(self.swap_space)}
+                "kv_bytes_per_token": pool.bytes_per_token if pool is not None else 0}

@@ -63,7 +63,7 @@ class PluggedKVManager(KVCacheManager):
     Error: type[Exception] = EngineRuleError
 
     def __init__(self, mine, num_blocks: int, block_size: int):
-        super().__init__(num_blocks, block_size, watermark=0)
+        super().__init__(num_blocks, block_size)
         for name in ("allocate_slots", "free"):
             if not callable(getattr(mine, name, None)):
                 raise ValueError(f"a KV manager needs a method {name}(seq, ...); {type(mine).__name__} has none")
@@ -118,8 +118,6 @@ class PluggedKVManager(KVCacheManager):
     def free(self, seq) -> None:
         before = list(seq.block_table)
         call = f"free({seq.request_id}) with blocks {before}"
-        if self.before_free is not None:
-            self.before_free(seq)
         self.call_mine(call, "free", seq)
         if not isinstance(seq.block_table, list):
             raise self.Error(f"after {call}, seq.block_table is {seq.block_table!r}: leave it an empty list, [] (a "

@@ -4,8 +4,7 @@ Per layer, one key tensor and one value tensor of shape ``[num_blocks, block_siz
 head_dim]``, allocated once. A block holds the K/V of ``block_size`` consecutive tokens of *one*
 sequence; block-major layout makes a block one contiguous chunk of memory, and a token's **slot**
 is ``block_id * block_size + offset``. The pool is written at a slot mapping and read through
-block tables; who owns which block is the KV manager's business (:mod:`cbteach.kv.manager`), and
-the int8 pools (:mod:`cbteach.kv.int8`) store the same blocks in 8 bits.
+block tables; who owns which block is the KV manager's business (:mod:`cbteach.kv.manager`).
 """
 from __future__ import annotations
 
@@ -15,11 +14,18 @@ import torch
 class PagedKVPool:
     """The memory: K and V blocks for every layer. Knows slots and blocks, not sequences."""
 
+    kv_dtype = None  # what it stores K/V as (CacheConfig.kv_dtype): None, the model's dtype
+
     def __init__(self, *, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.float32,
                  device="cpu"):
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_token_for(num_layers, num_kv_heads, head_dim, block_size=None, dtype=torch.float32) -> int:
+        """K and V of one token in every layer, for a pool of this shape (sizing a pool before it exists)."""
+        return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
 
     @property
     def bytes_per_token(self) -> int:
@@ -42,32 +48,9 @@ class PagedKVPool:
         shape = (block_tables.shape[0], -1, *self.k[layer].shape[2:])
         return (self.k[layer].index_select(0, flat).view(shape), self.v[layer].index_select(0, flat).view(shape))
 
-    def copy_out(self, blocks: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """K and V of ``blocks`` in every layer, copied to host memory (swap-out)."""
-        idx = torch.tensor(blocks, dtype=torch.long, device=self.k[0].device)
-        return [(k[idx].to("cpu"), v[idx].to("cpu")) for k, v in zip(self.k, self.v)]
-
-    def copy_in(self, blocks: list[int], data: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Write host copies back into ``blocks`` (swap-in); the blocks need not be the old ones."""
-        idx = torch.tensor(blocks, dtype=torch.long, device=self.k[0].device)
-        for k, v, (hk, hv) in zip(self.k, self.v, data):
-            k[idx] = hk.to(k.device)
-            v[idx] = hv.to(v.device)
-
     def block_tensors(self) -> list[list[torch.Tensor]]:
-        """Every per-layer tensor whose first axis is the block (an int8 pool adds its scales)."""
+        """Every per-layer tensor whose first axis is the block (a pool that keeps more per block adds it)."""
         return [self.k, self.v]
-
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy whole blocks inside the pool, every layer: ``dst`` becomes a copy of ``src`` (copy on write)."""
-        if not pairs:
-            return
-        device = self.k[0].device
-        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=device)
-        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=device)
-        for tensors in self.block_tensors():
-            for t in tensors:
-                t[dst] = t[src]
 
     def read_slots(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather single slots: ``[n]`` slot ids give K and V of ``[n, kv_heads, D]``."""

@@ -11,7 +11,7 @@ one machine in *simulated* time: each has a :class:`VirtualClock` that moves by 
 really took, and the two clocks run side by side as two GPUs would (whichever is behind steps
 next). A handover copies the prompt's blocks out of the prefill pool (bytes counted) and arrives
 in the decode engine ``bytes / link_bytes_per_s`` later, where it is taken in exactly like a
-swapped-out request coming back (:meth:`~cbteach.kv.paged.PagedKVCache.swap_in_blocks`): the decode
+swapped-out request coming back (:meth:`~cbteach.kv.swap.HostCopies.swap_in_blocks`): the decode
 engine's pool and manager do the work, attention is unchanged. Outputs are exact: the K/V moved are
 the K/V computed.
 """

@@ -26,6 +26,7 @@ import torch
 
 from ..core.outputs import RunnerOutput
 from ..core.sampling import make_generator, sample
+from ..kv.fork import copy_blocks as copy_pool_blocks
 from .input_batch import CachedRequestState
 from .model_runner import ModelRunner
 from .step import Step
@@ -74,7 +75,7 @@ class ForkingModelRunner(ModelRunner):
     def copy_blocks(self, copies: list) -> None:
         """Copies on write ``(src, dst)``, made before anyone writes; a copy takes over what its source
         holds, written or not."""
-        self.kv_cache.copy_blocks(list(copies))
+        copy_pool_blocks(self.kv_cache.pool, list(copies))
         for src, dst in copies:
             if src in self.unwritten_blocks:
                 self.unwritten_blocks.add(dst)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ..attention import paged as paged_attention
 from ..core.config import CacheConfig
 from ..kv.concat import KVTraffic
-from ..kv.paged import PagedKVCache
+from ..kv.caches import paged_cache_class, pool_class
 from ..parallel.procs import recv, send
 from ..parallel.shard import Layout, add_all_reduce_hooks, load_shard
 from .async_runner import AsyncModelRunner
@@ -95,9 +95,10 @@ class Worker:
         dtype = next(self.model.parameters()).dtype
         cache = CacheConfig(kind="paged", block_size=setup.block_size, bucket_shapes=setup.bucket_shapes,
                             kv_dtype=setup.kv_dtype)
-        self.kv = PagedKVCache(cache, num_layers=setup.layout.num_layers, num_kv_heads=setup.layout.kv_heads_per_rank,
-                               head_dim=setup.layout.head_dim, num_blocks=setup.num_blocks, dtype=dtype,
-                               device=self.device)
+        self.kv = paged_cache_class(swaps=setup.swaps)(
+            cache, num_layers=setup.layout.num_layers, num_kv_heads=setup.layout.kv_heads_per_rank,
+            head_dim=setup.layout.head_dim, num_blocks=setup.num_blocks, dtype=dtype, device=self.device,
+            pool_cls=pool_class(setup.kv_dtype))
         torch.manual_seed(setup.seed)
         self.runner = runner_cls(setup.swaps, setup.forks, setup.spec)(self.model, self.kv, device=self.device,
                                   accepts_logits_to_keep=setup.accepts_logits_to_keep,
