@@ -19,7 +19,7 @@ The worker never reads the scheduler's objects. Each step's
 5. **add, then condense**: new and returning requests take the lowest free rows, the last rows move
    into the holes left, and rows ``0 .. num_reqs - 1`` are this step's batch, in packed order.
 
-Notebook 06 asks you to write :func:`update_batch` yourself and runs the engine on yours
+Notebook 06b asks you to write :func:`update_batch` yourself and runs the engine on yours
 (``Engine(..., update_batch=...)``).
 """
 from __future__ import annotations
