@@ -101,15 +101,9 @@ class StepRecord:
 
     def __repr__(self) -> str:
         parts = [f"{s.request_id}:{s.kind[0]}{s.num_scheduled_tokens}" for s in self.seqs]
-        extra = ""
-        if self.admitted:
-            extra += f", admitted={self.admitted}"
-        if self.finished:
-            extra += f", finished={self.finished}"
-        if self.preempted:
-            extra += f", preempted={self.preempted}"
-        if self.swapped_in:
-            extra += f", swapped_in={self.swapped_in}"
+        lists = {"admitted": self.admitted, "finished": self.finished, "preempted": self.preempted,
+                 "swapped_in": self.swapped_in}
+        extra = "".join(f", {name}={ids}" for name, ids in lists.items() if ids)
         return f"StepRecord(step={self.step}, tokens={self.num_tokens} [{' '.join(parts)}]{extra})"
 
 
@@ -146,7 +140,6 @@ def fill_record(record: StepRecord, step, out, num_outputs_before: list[int], fi
 
 
 def _fed(seq, start: int, n: int, drafts) -> list[int]:
-    """The token ids a sequence fed: its tokens ``start .. start + n - 1`` (one never given, its step
-    failed: 0), then its guesses."""
+    """The ids ``seq`` fed: its tokens ``start .. start + n - 1`` (0 where a failed step gave none), then ``drafts``."""
     known = max(start, min(start + n, seq.num_tokens))
     return seq.token_ids(start, known) + [0] * (start + n - known) + list(drafts)

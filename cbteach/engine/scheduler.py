@@ -10,10 +10,10 @@ There is no prefill phase and no decode phase: each sequence's ``num_computed_to
 its ``num_tokens``. A step gives a running sequence what it lacks (one token to decode, the rest of its
 prompt to prefill) cut to the token budget, so a long prompt is prefilled in chunks (Sarathi-Serve).
 Before planning a chunk the scheduler asks the KV manager for room for exactly it; on refusal it
-preempts the policy's victim (:mod:`cbteach.engine.policies`: freed, recomputed later) and asks again.
-A step that preempted admits nobody; otherwise waiting requests are admitted in the policy's order
-until the first that does not fit. Notebook 06 writes :meth:`Scheduler.schedule` from the public
-pieces below.
+preempts the policy's victim (:mod:`cbteach.engine.policies`: freed, recomputed later) and asks again,
+unless the victim was the asker (that ends the running loop). A step that preempted admits nobody;
+otherwise waiting requests are admitted in the policy's order until the first that does not fit.
+Notebook 06 writes :meth:`Scheduler.schedule` from the public pieces below.
 """
 from __future__ import annotations
 
@@ -163,7 +163,7 @@ class Scheduler:
                 self.kv_manager.trim(seq)  # ours: their blocks go back (V1 keeps them with the request)
             seq.draft_ids = []
             for token in tokens or ():  # None: a prefill chunk that did not reach the end of the known tokens
-                if self._append(seq, token, now):  # a stop inside accepted guesses drops the guesses after it
+                if self._append(seq, token, now):  # a stop: tokens fed after it do not count as computed
                     seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
                     break
             self.kv_manager.on_computed(seq)  # the tokens are appended: their full blocks become findable
