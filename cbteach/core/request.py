@@ -15,7 +15,7 @@ _auto_ids = itertools.count()
 class Request:
     """One generation request: a prompt (a string, or token ids) and at most ``max_new_tokens`` to generate.
     ``ignore_eos`` (for benchmarks) generates past EOS; ``arrival_time`` is seconds after the engine
-    started. The engine checks a request when it is added (:mod:`cbteach.core.validation`)."""
+    started; an id is made up if none is given. The engine checks a request when it is added."""
 
     prompt: str | Seq[int]
     max_new_tokens: int

@@ -160,7 +160,7 @@ class Scheduler:
             drafts = scheduler_output.num_draft_tokens(rid)
             if drafts:  # V1's spec tokens: the rejected guesses are no longer computed
                 seq.num_computed_tokens -= drafts - (len(tokens) - 1)
-                self.kv_manager.trim(seq)  # ours: their blocks go back (V1 keeps them with the request)
+                self.kv_manager.trim(seq)  # ours: blocks that held only them go back (V1 keeps them)
             seq.draft_ids = []
             for token in tokens or ():  # None: a prefill chunk that did not reach the end of the known tokens
                 if self._append(seq, token, now):  # a stop: tokens fed after it do not count as computed
