@@ -1,17 +1,14 @@
 """Paged attention as a transformers attention function: the model code stays untouched.
 
-transformers lets attention layers call any function registered with ``AttentionInterface``. Only the
-engine's own view of the model (:mod:`cbteach.core.model_view`) is set to call ``"cbteach_paged"``, so
-``model.generate`` keeps working as it was. Each layer hands over its queries and this step's new K/V
-(RoPE applied) with the step's ``AttentionMetadata`` -- a forward keyword argument (``cbteach_step=``),
-so it travels with the call, no global state. Then: **write** the new K/V at their ``slot_mapping``
-slots, **read** each sequence's context through its block table, **attend** within its causal past.
-
-:func:`vectorised_attention` is what the engine runs: one call per attention group, each group's blocks
-gathered at once; :func:`reference_attention` (notebook 05) loops over the sequences and is tested
-equal. A real kernel (vLLM's) reads the blocks where they lie; a gather then
-``scaled_dot_product_attention`` computes the same numbers in stock PyTorch. No mask is built for us:
-transformers builds masks only for implementations that registered a mask function.
+Only the engine's own view of the model (:mod:`cbteach.core.model_view`) calls ``"cbteach_paged"``
+(registered with ``AttentionInterface``), so ``model.generate`` works as before. Each layer hands over its
+queries and this step's new K/V (RoPE applied) with the step's ``AttentionMetadata``, passed as a
+forward keyword argument (``cbteach_step=``): no global state. Then: **write** the new K/V at their
+``slot_mapping`` slots, **read** each sequence's context through its block table, **attend** within its
+causal past -- one call per attention group (:func:`vectorised_attention`; :func:`reference_attention`,
+notebook 05's loop over sequences, is tested equal). vLLM's kernel reads the blocks where they lie; a
+gather then ``scaled_dot_product_attention`` computes the same numbers in stock PyTorch. transformers
+builds no mask for us: we register no mask function.
 """
 from __future__ import annotations
 

@@ -1,13 +1,10 @@
 """An engine belongs to the model as it was when the engine was built: change the model, build a new engine.
 
-An engine reads a model once -- its dtype and device (the KV pool matches them), its module tree (the
-engine's view copies it), its EOS ids, its weights. After ``model.to(torch.float16)``, a resized
-embedding, an adapter, a new EOS id or an optimizer step, an engine that went on would be silently
-wrong. :func:`fingerprint` snapshots identities and version counters (no tensor is read), and
-:class:`ModelWatch` checks it at every ``run()``, ``stream()`` and ``step()`` -- the full walk only when
-a cheap comparison differs: torch's module/parameter registration hooks count what is set on a watched
-model, and each step compares that count, the first parameter's dtype and device, the in-place version
-counters and the EOS settings. (vLLM needs no such check: its engine loads the weights itself.)
+The engine reads a model's dtype, device, modules, EOS ids and weights once; after ``model.to(...)``, a
+resized embedding, an adapter or an optimizer step it would be silently wrong. :func:`fingerprint`
+snapshots identities and version counters (no tensor is read); :class:`ModelWatch` compares a cheap
+part of it every step (torch's registration hooks count modules and parameters set on the model) and
+the whole only when that differs. (vLLM needs no such check: its engine loads the weights itself.)
 """
 from __future__ import annotations
 
