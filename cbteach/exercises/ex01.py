@@ -158,7 +158,8 @@ def check_static_wave(static_wave, model, prompts, max_new_tokens: int, eos_id: 
         got, calls = run_barred(static_wave, m, ([list(p) for p in ps], n, eos), "static_wave", _pass)
         if isinstance(got, Exception):
             hint = _pass_hint(calls, ps) if calls else None
-            return fail(f"{where}: static_wave raised {type(got).__name__}: {got}" + (f" (before that, {hint})" if hint else ""))
+            why = f" (before that, {hint})" if hint else ""
+            return fail(f"{where}: static_wave raised {type(got).__name__}: {got}{why}")
         if got is None:
             return fail("not done yet: static_wave returned None -- write it in the cell above")
         outputs = _as_outputs(got, len(ps))

@@ -75,7 +75,7 @@ def _bytes(cfg, n, bs, kv_dtype, *, tokens=None, kv=2, one_layer=False, all_head
 
 # Typical mistakes: (:func:`_bytes`'s keywords, several: any of them; the hint when the learner's bytes are those).
 BYTES_MISTAKES = [
-    ([dict(tokens=lambda n, bs: n)], "the K/V go over in whole blocks: the last one travels whole even if partly filled"),
+    ([dict(tokens=lambda n, bs: n)], "the K/V go over in whole blocks: the last one whole even if partly filled"),
     ([dict(tokens=lambda n, bs: n + 1), dict(tokens=lambda n, bs: math.ceil((n + 1) / bs) * bs)],
      "the prefill computed the prompt's K/V only: the first new token was never fed, so it has no K/V yet"),
     ([dict(kv=1)], "keys *and* values are stored, for every token, in every layer"),
@@ -108,7 +108,7 @@ def check_handover(handover, model, prompt_len: int | None = None) -> bool:
             return fail(f"handover should return two numbers (bytes, seconds); got {got!r}")
         exp_bytes, exp_seconds = measured_handover(m, n, bs, kv_dtype, link)
         if nbytes != exp_bytes:
-            gives = lambda variants: any(nbytes == _bytes(m.config, n, bs, kv_dtype, **v) for v in variants)  # noqa: E731
+            gives = lambda keywords: any(nbytes == _bytes(m.config, n, bs, kv_dtype, **k) for k in keywords)  # noqa
             hint = first_mistake(BYTES_MISTAKES, gives) or ("bytes = whole blocks of the prompt × block_size × "
                                                             "2 (K, V) × layers × KV heads × bytes per head")
             return fail(f"for {where} you said {nbytes:,} bytes, {'more' if nbytes > exp_bytes else 'fewer'} than "
