@@ -50,7 +50,7 @@ def _gather_hint(gather) -> str | None:
         return "the packed keys have the wrong shape: sequences are joined along the token axis, the others stay"
     hints = [(_labels(k) == [(1, s, p) for _, s, p in want], "keys and values are swapped"),
              (sorted(_labels(k)) != sorted(want), "the packed keys are not every cached key of every sequence, once"),
-             (_labels(k) != want, "the packed keys are in another order than the step's sequences (notebook 03's mask)"),
+             (_labels(k) != want, "the packed keys are in another order than the step's sequences (03's mask)"),
              (v.shape != k.shape or _labels(v) != [(1, s, p) for _, s, p in want],
               "the values are not packed like the keys")]
     hint = next((hint for wrong, hint in hints if wrong), None)
