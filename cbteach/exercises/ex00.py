@@ -16,14 +16,6 @@ from . import Fail, fail, first_mistake, is_int, need_function, passed, self_che
 CACHE_KWARGS = ("cache", "past_key_values")  # transformers 5 renamed past_key_values to cache
 
 
-def _cached(cache) -> int:
-    """How many positions a cache object already holds (0 for none, or an empty one)."""
-    try:
-        return int(cache.get_seq_length())
-    except (AttributeError, TypeError):  # None: no cache
-        return 0
-
-
 @contextmanager
 def recorded(model, record=lambda ids, cached, kwargs, model: (int(ids.shape[-1]), cached, ids.device == model.device)):
     """The list of ``record(input_ids, positions already cached, kwargs, model)`` for every ``model(...)`` call
@@ -35,7 +27,8 @@ def recorded(model, record=lambda ids, cached, kwargs, model: (int(ids.shape[-1]
         if ids is None and kwargs.get("inputs_embeds") is not None:
             ids = kwargs["inputs_embeds"][..., 0]
         cache = next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
-        got = record(ids, _cached(cache), kwargs, model) if torch.is_tensor(ids) else None
+        cached = int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else 0  # positions it holds
+        got = record(ids, cached, kwargs, model) if torch.is_tensor(ids) else None
         if got is not None:
             calls.append(got)
 
