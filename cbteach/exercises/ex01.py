@@ -66,7 +66,8 @@ def _pass_hint(calls, prompts, outputs=None, want=None):
     steps = max(map(len, outputs)) if outputs else len(calls)  # the passes the learner's own outputs need
     hints = [
         (first["rows"] != len(prompts), "the prefill ran the prompts in separate passes, not one padded rectangle"),
-        (first["fed"] != max(map(len, prompts)), "the prefill rectangle has the wrong width: the longest prompt's"),
+        (first["fed"] != max(map(len, prompts)),
+         "the prefill rectangle has the wrong width: it holds the longest prompt whole, and no column more"),
         (first["mask"] is None, "the prefill got no attention mask: the short prompts attended to their pads"),
         (any(row[-1] == 0 for row in first["mask"] or []), "a row ends in padding: pad on the left"),
         (any(c["fed"] > 1 for c in later), "a decode pass fed more than one token per row: with the cache, feed only "
