@@ -110,7 +110,8 @@ def _diagnose(events, names, repeat, medians, same, truth_same) -> str | None:
     if any(name not in runs for name in names):
         return "some engine was never run: run every engine in runs"
     durations, _, order = _timed_runs(events)
-    if any(_timed_flags(events)[runs.index(name)] for name in names):
+    timed = _timed_flags(events)
+    if any(timed[runs.index(name)] for name in names):  # each engine's first run
         return "an engine's first run pays one-off costs: warm every engine up with one untimed run first"
     if not durations:
         return ("no single run was timed on its own: one slow run hides in a total; read the clock right before and "
