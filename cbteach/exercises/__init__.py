@@ -61,6 +61,18 @@ def raised(err: BaseException) -> str:
     return f"{said} (line {line.lineno} of your code{code})"
 
 
+def ask(fn, *args, shown: str):
+    """The learner's ``fn(*args)``; :class:`Fail` if it raised (``shown``: the call as the hint names it) or
+    returned None (the student copy's stub)."""
+    try:
+        got = fn(*args)
+    except Exception as err:  # the learner's code: say what failed, and on which input
+        raise Fail(f"{shown} raised {raised(err)}") from err
+    if got is None:
+        raise Fail(f"not done yet: {shown.partition('(')[0]} returned None -- write it in the cell above")
+    return got
+
+
 def first_mistake(mistakes, gives, skip=()) -> str | None:
     """The hint of the first typical mistake that gives the learner's answer. ``mistakes``: the table, mistake ->
     hint (a dict) or (mistake, hint) pairs; ``gives(mistake)`` recomputes the case with that mistake and says

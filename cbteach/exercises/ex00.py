@@ -11,17 +11,9 @@ from typing import NamedTuple
 
 import torch
 
-from . import Fail, fail, is_int, need_function, passed, self_check
+from . import Fail, fail, first_mistake, is_int, need_function, passed, self_check
 
 CACHE_KWARGS = ("cache", "past_key_values")  # transformers 5 renamed past_key_values to cache
-
-
-def _cached(cache) -> int:
-    """How many positions a cache object already holds (0 for none, or an empty one)."""
-    try:
-        return int(cache.get_seq_length())
-    except (AttributeError, TypeError):  # None: no cache
-        return 0
 
 
 @contextmanager
@@ -35,7 +27,8 @@ def recorded(model, record=lambda ids, cached, kwargs, model: (int(ids.shape[-1]
         if ids is None and kwargs.get("inputs_embeds") is not None:
             ids = kwargs["inputs_embeds"][..., 0]
         cache = next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
-        got = record(ids, _cached(cache), kwargs, model) if torch.is_tensor(ids) else None
+        cached = int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else 0  # positions it holds
+        got = record(ids, cached, kwargs, model) if torch.is_tensor(ids) else None
         if got is not None:
             calls.append(got)
 
@@ -83,62 +76,47 @@ def generate_with_work(model, input_ids, max_new_tokens: int, eos_id: int, use_c
 def _as_ids(got):
     """The learner's answer as a list of ints, or None if it is not a flat sequence of token ids."""
     if torch.is_tensor(got):
-        got = got.reshape(-1) if got.dim() <= 1 or got.shape[0] == 1 else None
+        got = got.reshape(-1).tolist() if got.dim() <= 1 or got.shape[0] == 1 else None
     if got is None or isinstance(got, (str, bytes, dict)) or not hasattr(got, "__iter__"):
         return None
-    out = []
-    for t in got:
-        if torch.is_tensor(t) and t.numel() == 1:
-            t = t.item()
-        if not is_int(t):
-            return None
-        out.append(int(t))
-    return out
+    got = [t.item() if torch.is_tensor(t) and t.numel() == 1 else t for t in got]
+    return [int(t) for t in got] if all(is_int(t) for t in got) else None
 
 
 def _work_hint(calls) -> str | None:
-    """What the pattern of forward passes says about how the cache was used (None: nothing wrong)."""
-    later = calls[1:]
-    if any(fed > 1 and cached == 0 for fed, cached in later):
-        return ("you ran the whole sequence through the model again at every step, recomputing every earlier "
-                "token's keys and values: pass back the cache the model returns, and feed only the newest token")
-    if any(fed > 1 and cached > 0 for fed, cached in later):
-        return "you fed earlier tokens again together with the cache: feed only the token chosen in the step before"
-    if any(fed == 1 and cached == 0 for fed, cached in later):
-        return ("a decode step fed the new token without the cache, so the model saw it with no context; pass "
-                "the cache from the previous step's output (out.cache) back in as cache=")
-    return None
+    """What the decode passes, ``(positions fed, positions cached)``, say about the cache's use (None: all right)."""
+    hints = [(lambda fed, cached: fed > 1 and cached == 0,
+              "you ran the whole sequence through the model again at every step, recomputing every earlier token's "
+              "keys and values: pass back the cache the model returns, and feed only the newest token"),
+             (lambda fed, cached: fed > 1 and cached > 0,
+              "you fed earlier tokens again together with the cache: feed only the token chosen in the step before"),
+             (lambda fed, cached: fed == 1 and cached == 0,
+              "a decode step fed the new token without the cache, so the model saw it with no context; pass the "
+              "cache from the previous step's output (out.cache) back in as cache=")]
+    return first_mistake(hints, lambda wrong: any(wrong(*c) for c in calls[1:]))
 
 
 def _token_hint(got, expected, prompt, n, eos_id) -> str:
     ended = len(expected) < n or (expected and expected[-1] == eos_id)
-    if got[:len(prompt)] == prompt and got[len(prompt):] == expected:
-        return "you returned the prompt too; return only the new tokens"
-    if ended and len(got) > len(expected) and got[:len(expected)] == expected:
-        return "you kept going after EOS: stop right after appending eos_id"
-    if ended and got == expected[:-1]:
-        return "you left out the EOS token; generate keeps it in its output: append it, then stop"
-    if not got:
-        return "you returned no tokens; even max_new_tokens=1 makes one (the prefill's argmax)"
-    if len(got) > len(expected) and got[:len(expected)] == expected:
-        return f"you made {len(got)} tokens; max_new_tokens={n} counts every new token, the prefill's included"
-    if len(got) < len(expected) and expected[:len(got)] == got:
-        return f"you stopped after {len(got)} tokens; go on until max_new_tokens={n} tokens or until you append eos_id"
+    longer = len(got) > len(expected) and got[:len(expected)] == expected
+    shorter = len(got) < len(expected) and expected[:len(got)] == got
+    hints = [(got[:len(prompt)] == prompt and got[len(prompt):] == expected,
+              "you returned the prompt too; return only the new tokens"),
+             (ended and longer, "you kept going after EOS: stop right after appending eos_id"),
+             (ended and got == expected[:-1], "you left out the EOS token; generate keeps it in its output: append "
+                                              "it, then stop"),
+             (not got, "you returned no tokens; even max_new_tokens=1 makes one (the prefill's argmax)"),
+             (longer, f"you made {len(got)} tokens; max_new_tokens={n} counts every new token, the prefill's included"),
+             (shorter, f"you stopped after {len(got)} tokens; go on until max_new_tokens={n} tokens or until you "
+                       "append eos_id"),
+             (got[:1] != expected[:1], "the first new token already differs: it is the argmax of the prefill's logits "
+                                       "at the last position")]
     k = next(i for i, (a, b) in enumerate(zip(got + [None], expected + [None])) if a != b)
-    if k == 0:
-        return "the first new token already differs: it is the argmax of the prefill's logits at the last position"
-    return (f"tokens 0-{k - 1} agree but token {k} differs: at each step take the argmax at the last position, "
-            "and feed back the token you just chose, with the cache")
-
-
-def _case(input_ids, n, eos_id) -> str:
-    return f"greedy_decode(model, <{input_ids.shape[1]}-token prompt>, max_new_tokens={n}, eos_id={eos_id})"
+    return next((hint for wrong, hint in hints if wrong), f"tokens 0-{k - 1} agree but token {k} differs: at each "
+                "step take the argmax at the last position, and feed back the token you just chose, with the cache")
 
 
 class Case(NamedTuple):
-    """``greedy_decode``'s arguments besides the model."""
-
-    input_ids: torch.Tensor
     max_new_tokens: int
     eos_id: int | None
 
@@ -146,15 +124,11 @@ class Case(NamedTuple):
 def _cases(model, input_ids, max_new_tokens, eos_id) -> list[Case]:
     """The notebook's case, a prefill-only case, a case without EOS, and one that stops on a token the
     model really produces (picked live, so every model, even a random one, gets an EOS case)."""
-    cases = [Case(input_ids=input_ids, max_new_tokens=max_new_tokens, eos_id=eos_id),
-             Case(input_ids=input_ids, max_new_tokens=1, eos_id=eos_id)]
     base, _ = generate_with_work(model, input_ids, 12, eos_id)
-    if base[-1] != eos_id and max_new_tokens != 12:
-        cases.append(Case(input_ids=input_ids, max_new_tokens=12, eos_id=eos_id))
-    firsts = [j for j, t in enumerate(base) if t not in base[:j] and t != eos_id]
-    if firsts:
-        cases.append(Case(input_ids=input_ids, max_new_tokens=len(base), eos_id=base[firsts[-1]]))
-    return cases
+    firsts = [t for j, t in enumerate(base) if t not in base[:j] and t != eos_id]  # each token where it first appears
+    return [Case(max_new_tokens, eos_id), Case(1, eos_id),
+            *([Case(12, eos_id)] if base[-1] != eos_id and max_new_tokens != 12 else []),
+            *([Case(len(base), firsts[-1])] if firsts else [])]
 
 
 @self_check
@@ -162,33 +136,26 @@ def check_greedy_decode(greedy_decode, model, input_ids, max_new_tokens: int, eo
     """``greedy_decode(model, input_ids, max_new_tokens, eos_id)`` -> greedy ``model.generate``'s new tokens, fed
     as ``generate`` feeds with its cache; the notebook's case (``input_ids``: ``[1, P]``) first, then a few more."""
     need_function(greedy_decode, "greedy_decode")
-    prompt = input_ids[0].tolist()
     cases = _cases(model, input_ids, max_new_tokens, eos_id)
-    n_new = None  # new tokens of the notebook's case (the first)
-    for ids, n, eos in cases:
-        expected, ref_calls = generate_with_work(model, ids, n, eos)
-        got, calls = run_barred(greedy_decode, model, (ids.clone(), n, eos), "greedy_decode")
-        where = _case(ids, n, eos)
-        hint = _work_hint([c[:2] for c in calls])
+    references = [generate_with_work(model, input_ids, n, eos) for n, eos in cases]  # (tokens, passes)
+    for (n, eos), (expected, ref_calls) in zip(cases, references):
+        got, calls = run_barred(greedy_decode, model, (input_ids.clone(), n, eos), "greedy_decode")
+        where = f"greedy_decode(model, <{input_ids.shape[1]}-token prompt>, max_new_tokens={n}, eos_id={eos})"
+        hint, ids = _work_hint([c[:2] for c in calls]), _as_ids(got)
         if isinstance(got, Exception):
-            why = f" (before that, {hint})" if hint else ""
-            return fail(f"{where} raised {type(got).__name__}: {got}{why}")
+            return fail(f"{where} raised {type(got).__name__}: {got}" + (f" (before that, {hint})" if hint else ""))
         if got is None and not calls:
             return fail("not done yet: greedy_decode returned None -- write it in the cell above")
-        ids_got = _as_ids(got)
-        if ids_got is None:
-            return fail(f"{where} returned {type(got).__name__ if got is not None else 'None'}; "
-                        "it should return the new token ids, a list of ints")
+        if ids is None:
+            return fail(f"{where} returned {type(got).__name__}; it should return the new token ids, a list of ints")
         if not calls:
             return fail("the check saw no forward pass; call the model itself, model(input_ids=..., "
                         "cache=..., use_cache=True), not model.forward")
         if not all(on_device for _, _, on_device in calls):
             return fail("a forward pass got its input on another device; make every tensor with device=model.device")
-        if hint:
-            return fail(f"{where}: {hint}")
-        if ids_got != expected:
-            return fail(f"{where} gave other tokens than model.generate "
-                        f"({_token_hint(ids_got, expected, prompt, n, eos)})")
+        if hint or ids != expected:
+            return fail(f"{where}: {hint}" if hint else f"{where} gave other tokens than model.generate "
+                        f"({_token_hint(ids, expected, input_ids[0].tolist(), n, eos)})")
         fed, ref_fed = sum(c[0] for c in calls), sum(c[0] for c in ref_calls)
         if len(calls) == len(ref_calls) + 1 and fed == ref_fed + 1:
             return fail(f"{where}: right tokens, but one forward pass too many: the token chosen in "
@@ -196,9 +163,8 @@ def check_greedy_decode(greedy_decode, model, input_ids, max_new_tokens: int, eo
         if fed != ref_fed:
             return fail(f"{where}: right tokens, but your loop fed the model {fed} positions in {len(calls)} forward "
                         f"passes, and generate with its cache fed {'fewer' if fed > ref_fed else 'more'}")
-        n_new = len(expected) if n_new is None else n_new
     _, no_cache = generate_with_work(model, input_ids, max_new_tokens, eos_id, use_cache=False)
-    p = input_ids.shape[1]
+    p, n_new = input_ids.shape[1], len(references[0][0])
     return passed(f"same tokens as model.generate in all {len(cases)} cases, and the same work: for the "
                   f"notebook's prompt your loop fed {p} + {n_new - 1} = {p + n_new - 1} positions "
                   f"(P + N - 1); without a cache generate fed {sum(c[0] for c in no_cache)}")

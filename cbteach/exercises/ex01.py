@@ -51,70 +51,58 @@ def engine_passes(model, prompts, max_new_tokens, eos_id) -> list[tuple[int, int
 
 
 def _as_outputs(got, n):
-    if got is None or not isinstance(got, (list, tuple)) or len(got) != n:
+    """The learner's answer as ``n`` lists of ints, or None if it is not that."""
+    if not isinstance(got, (list, tuple)) or len(got) != n:
         return None
-    out = []
-    for row in got:
-        if torch.is_tensor(row):
-            row = row.reshape(-1).tolist()
-        if not isinstance(row, (list, tuple)) or not all(is_int(t) for t in row):
-            return None
-        out.append([int(t) for t in row])
-    return out
+    rows = [row.reshape(-1).tolist() if torch.is_tensor(row) else row for row in got]
+    ok = all(isinstance(row, (list, tuple)) and all(is_int(t) for t in row) for row in rows)
+    return [[int(t) for t in row] for row in rows] if ok else None
 
 
 def _pass_hint(calls, prompts, outputs=None, want=None):
     """What the recorded passes say is wrong (None: nothing): their shapes, and their number against
     the learner's own outputs (a wave takes one pass per token of its longest answer)."""
-    n, width = len(prompts), max(len(p) for p in prompts)
     first, later = calls[0], calls[1:]
-    if first["rows"] != n:
-        return "the prefill ran the prompts in separate passes: a static batch runs them in one padded rectangle"
-    if first["fed"] != width:
-        return "the prefill rectangle has the wrong width: it must hold every prompt whole, and no column more"
-    if first["mask"] is None:
-        return "the prefill got no attention mask: the short prompts attended to their pads"
-    if any(row[-1] == 0 for row in first["mask"]):
-        return "a row ends in padding: pad on the left, so every row's last column is a real token"
-    if any(c["fed"] > 1 for c in later):
-        return "a decode pass fed more than one token per row: with the cache, feed only the token each row chose"
-    if any(c["cached"] == 0 for c in later):
-        return "a decode pass got no cache: pass back the cache the previous pass returned"
-    if any(c["rows"] != n for c in later):
-        return "a decode pass had fewer rows than the wave: a static batch keeps every row, finished ones included"
-    if any(c["mask_width"] is None for c in later):
-        return "a decode pass got no attention mask: the pads are still in the cache, and must stay masked"
-    if any(c["mask_width"] != c["cached"] + c["fed"] for c in later):
-        return "a decode pass's mask does not cover the cache plus the new token: it must grow with every step"
-    if outputs is None:
-        return None
-    steps = max(len(o) for o in outputs)  # the passes the learner's own outputs need: one per token of the longest
-    if len(calls) == steps + 1:
-        if any(o[:1] != w[:1] for o, w in zip(outputs, want)):
-            return ("one forward pass too many, and first tokens that differ: the prefill's logits already give "
-                    "each request's first new token -- do not run its prompt's last token again")
-        return "one forward pass too many: the token chosen on the last step needs no pass of its own"
-    if len(calls) > steps:
-        return "the wave kept stepping after every request was done: it ends when its longest request finishes"
-    return None
+    steps = max(map(len, outputs)) if outputs else len(calls)  # the passes the learner's own outputs need
+    hints = [
+        (first["rows"] != len(prompts), "the prefill ran the prompts in separate passes, not one padded rectangle"),
+        (first["fed"] != max(map(len, prompts)),
+         "the prefill rectangle has the wrong width: it holds the longest prompt whole, and no column more"),
+        (first["mask"] is None, "the prefill got no attention mask: the short prompts attended to their pads"),
+        (any(row[-1] == 0 for row in first["mask"] or []), "a row ends in padding: pad on the left"),
+        (any(c["fed"] > 1 for c in later), "a decode pass fed more than one token per row: with the cache, feed only "
+                                           "the token each row chose"),
+        (any(c["cached"] == 0 for c in later), "a decode pass got no cache: pass back the one the last pass returned"),
+        (any(c["rows"] != len(prompts) for c in later), "a decode pass dropped rows: a static batch keeps every row, "
+                                                        "finished ones included"),
+        (any(c["mask_width"] is None for c in later), "a decode pass got no attention mask: the pads are still in the "
+                                                      "cache"),
+        (any(c["mask_width"] != c["cached"] + c["fed"] for c in later),
+         "a decode pass's mask does not cover the cache plus the new token: it must grow with every step"),
+        (len(calls) == steps + 1 and any(o[:1] != w[:1] for o, w in zip(outputs or [], want or [])),
+         "one forward pass too many, and first tokens that differ: the prefill's logits already give each first "
+         "new token"),
+        (len(calls) == steps + 1, "one forward pass too many: the last step's token needs no pass of its own"),
+        (len(calls) > steps, "the wave kept stepping after its longest request was done"),
+    ]
+    return next((hint for wrong, hint in hints if wrong), None)
 
 
 def _token_hint(got, want, calls) -> str:
-    if len(got) > len(want) and got[:len(want)] == want:
-        return "it goes on after its request finished: what a finished row computes is thrown away"
-    if len(got) == len(want) - 1 and got == want[:-1]:
-        return "it ends one token early: generate keeps the EOS token, and max_new_tokens counts every new token"
-    if len(got) < len(want) and want[:len(got)] == got and got:
-        return "it stops before its request is done: only its own stop ends it -- the others wait at the barrier"
-    if not got:
-        return "it has no tokens; even max_new_tokens=1 makes one: the prefill's argmax is the first new token"
-    if not all(c["positions"] for c in calls):
-        return ("position_ids were not passed on every pass: a model with learned positions then numbers the "
-                "pads' columns too; count each row's positions from its first real token")
-    if got[:1] != want[:1]:
-        return "its first token already differs: it is the argmax at the last column of the prefill's logits"
-    return ("its later tokens differ: check the position id each row gets on each decode step (it counts on from "
-            "the row's own last real position) and the token each row is fed")
+    hints = [
+        (len(got) > len(want) and got[:len(want)] == want, "it goes on after its request finished: a finished row's "
+                                                           "tokens are thrown away"),
+        (got == want[:-1], "it ends one token early: generate keeps the EOS token, and max_new_tokens counts every "
+                           "new token"),
+        (got and want[:len(got)] == got, "it stops before its request is done: only its own stop ends it, the others "
+                                         "wait at the barrier"),
+        (not got, "it has no tokens; even max_new_tokens=1 makes one: the prefill's argmax"),
+        (not all(c["positions"] for c in calls), "position_ids were not passed on every pass: count each row's "
+                                                 "positions from its first real token, not from the pads"),
+        (got[:1] != want[:1], "its first token already differs: the argmax at the last column of the prefill's logits"),
+    ]
+    return next((hint for wrong, hint in hints if wrong), "its later tokens differ: check the position id each row "
+                "gets on each decode step, and the token each row is fed")
 
 
 def positions_model(device="cpu"):
@@ -184,14 +172,11 @@ def check_static_wave(static_wave, model, prompts, max_new_tokens: int, eos_id: 
         hint = _pass_hint(calls, ps, outputs, want)
         if hint:
             return fail(f"{where}: {hint}")
-        wrong = [i for i, (g, w) in enumerate(zip(outputs, want)) if g != w]
-        if wrong:
-            i = wrong[0]
+        i = next((i for i, (g, w) in enumerate(zip(outputs, want)) if g != w), None)
+        if i is not None:
             return fail(f"{where}: request {i}'s tokens are not what generate gives it alone "
                         f"({_token_hint(outputs[i], want[i], calls)})")
-        engine = engine_passes(m, ps, n, eos)
-        mine = [(c["rows"], c["fed"]) for c in calls]
-        if mine != engine:  # right tokens in other passes than the real static batcher's
+        if [(c["rows"], c["fed"]) for c in calls] != engine_passes(m, ps, n, eos):  # right tokens, other passes
             return fail(f"{where}: right tokens, but not in the static batcher's passes (one padded "
                         "prefill of every row, then one pass per step, every row fed one token)")
     return passed(f"your wave gives generate's tokens in all {len(cases)} cases, in the static batcher's "

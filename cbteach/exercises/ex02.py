@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 from ..engine.engine import Engine
 from ..core.request import Request
-from . import fail, is_int, need_function, passed, raised, self_check
+from . import ask, fail, first_mistake, is_int, need_function, passed, self_check
 
 
 class Case(NamedTuple):
@@ -32,28 +32,24 @@ def engine_steps(model, lengths, batch_size: int) -> int:
     return len(engine.records)
 
 
-def _static_steps(lengths, b):
-    return sum(max(lengths[i:i + b]) for i in range(0, len(lengths), b))
-
-
-def _hint(model, lengths, b, got, expected) -> str:
-    n = len(lengths)
-    if got == _static_steps(lengths, b) and b < n:
-        return "that is static batching's count; here a slot is refilled as soon as its request finishes"
-    if got == max(math.ceil(sum(lengths) / b), max(lengths)):
-        return "that is the lower bound, a perfect packing; FCFS cannot start early a long request that comes late"
-    if got == math.ceil(sum(lengths) / b):
-        return "that is sum / slots, which ignores that one request alone can take longer than that"
-    if got in (expected + 1, expected - 1):
-        return "off by one: the prefill step already makes the first token, so L new tokens hold a slot L steps"
-    if b < n and got == engine_steps(model, [x + 1 for x in lengths], b) - 1:
-        return ("you left a slot empty for one step after each finish; the next request prefills in it on the very "
-                "next step")
-    if b < n and got == max(sum(lengths[s::b]) for s in range(b)):
-        return "you gave request i to slot i % slots; the next request in the queue takes whichever slot frees first"
-    if got == sum(lengths):
-        return "that is the total number of new tokens: with one slot it is right, with more they run side by side"
-    return "follow the slots step by step: who is admitted when, and when does each finish?"
+# Typical mistakes: (the counts each gives, from the lengths ls, the slots b, the engine's count e and the model m;
+# the hint). A mistake that only shows with fewer slots than requests gives nothing otherwise.
+MISTAKES = [
+    (lambda ls, b, e, m: [sum(max(ls[i:i + b]) for i in range(0, len(ls), b))] if b < len(ls) else [],
+     "that is static batching's count; here a slot is refilled as soon as its request finishes"),
+    (lambda ls, b, e, m: [max(math.ceil(sum(ls) / b), max(ls))],
+     "that is the lower bound, a perfect packing; FCFS cannot start early a long request that comes late"),
+    (lambda ls, b, e, m: [math.ceil(sum(ls) / b)], "that is sum / slots: one request alone can take longer"),
+    (lambda ls, b, e, m: [e + 1, e - 1],
+     "off by one: the prefill step already makes the first token, so L new tokens hold a slot L steps"),
+    (lambda ls, b, e, m: [engine_steps(m, [x + 1 for x in ls], b) - 1] if b < len(ls) else [],
+     "you left a slot empty for one step after each finish; the next request prefills in it on the very next step"),
+    (lambda ls, b, e, m: [max(sum(ls[s::b]) for s in range(b))] if b < len(ls) else [],
+     "you gave request i to slot i % slots; the next request in the queue takes whichever slot frees first"),
+    (lambda ls, b, e, m: [sum(ls)],
+     "that is the total number of new tokens: with one slot it is right, with more they run side by side"),
+]
+GENERIC = "follow the slots step by step: who is admitted when, and when does each finish?"
 
 
 @self_check
@@ -62,19 +58,14 @@ def check_fcfs_simulator(simulate, model, lengths=None, batch_size=None) -> bool
     it, the lengths are forced); the notebook's workload first."""
     need_function(simulate, "simulate")
     cases = ([Case(lengths=list(lengths), max_batch_size=batch_size)] if lengths is not None else []) + CASES
-    for case_lengths, b in cases:
-        expected = engine_steps(model, case_lengths, b)
-        try:
-            got = simulate(list(case_lengths), b)
-        except Exception as err:  # the learner's code: say what failed, and on which input
-            return fail(f"simulate({case_lengths}, {b}) raised {raised(err)}")
-        if got is None:
-            return fail("not done yet: your simulator returned None -- write it in the cell above")
+    for ls, b in cases:
+        expected = engine_steps(model, ls, b)
+        shown = ls if len(ls) <= 12 else f"{ls[:12]}... ({len(ls)} requests)"
+        got = ask(simulate, list(ls), b, shown=f"simulate({shown}, {b})")
         if not is_int(got):
-            return fail(f"simulate({case_lengths}, {b}) returned {got!r}; it should return a whole "
-                        "number of steps (an int)")
+            return fail(f"simulate({shown}, {b}) returned {got!r}; it should return a whole number of steps (an int)")
         if got != expected:
-            shown = case_lengths if len(case_lengths) <= 12 else f"{case_lengths[:12]}... ({len(case_lengths)} requests)"
-            return fail(f"simulate({shown}, {b}) = {got}, but the engine took {'more' if expected > got else 'fewer'} steps "
-                        f"({_hint(model, case_lengths, b, got, expected)})")
+            hint = first_mistake(MISTAKES, lambda mistake: got in mistake(ls, b, expected, model))
+            more = "more" if expected > got else "fewer"
+            return fail(f"simulate({shown}, {b}) = {got}, but the engine took {more} steps ({hint or GENERIC})")
     return passed(f"your simulator matches the engine's step count on all {len(cases)} workloads")

@@ -80,19 +80,14 @@ def _kinds(cached, new, got, expected) -> list[str]:
     kinds = []
     for i, j in (got != expected).nonzero().tolist():
         ks, kp, part = keys[j]
-        if got[i, j] and ks != q_seq[i]:
-            kind = "a query sees a key of another sequence: sequences packed in one row must not see each other"
-        elif got[i, j]:
-            kind = "a query sees a later key of its own sequence: attention is causal, the future is hidden"
-        elif kp == q_pos[i]:
-            kind = "a query is kept from its own key: a token attends to itself too"
-        elif part == "cached":
-            kind = "a query is kept from an earlier key of its own sequence that sits in the cache: its past"
-        else:
-            kind = "a query is kept from an earlier key of its own sequence computed in this same step"
-        if kind not in kinds:
-            kinds.append(kind)
-    return kinds
+        kinds.append(next(kind for wrong, kind in [
+            (got[i, j] and ks != q_seq[i], "a query sees a key of another sequence: sequences packed in one row "
+                                           "must not see each other"),
+            (got[i, j], "a query sees a later key of its own sequence: attention is causal, the future is hidden"),
+            (kp == q_pos[i], "a query is kept from its own key: a token attends to itself too"),
+            (part == "cached", "a query is kept from an earlier key of its own sequence that sits in the cache"),
+            (True, "a query is kept from an earlier key of its own sequence computed in this same step")] if wrong))
+    return list(dict.fromkeys(kinds))  # each kind once, in order
 
 
 @self_check

@@ -1,8 +1,6 @@
-"""Notebook 04: the concatenating cache's ``gather`` and ``scatter``, run inside the engine.
-
-Both run first on labelled tensors (each key holds its sequence and position, so a misplaced one names its
-mistake), then in a real ``kv="concat"`` :class:`~cbteach.Engine` in place of the cache's own; the tokens must
-be greedy ``model.generate``'s.
+"""Notebook 04: the concatenating cache's ``gather`` and ``scatter``, first on labelled tensors (each key holds its
+sequence and position, so a misplaced one names its mistake), then inside a real ``kv="concat"``
+:class:`~cbteach.Engine` in place of the cache's own, whose tokens must be greedy ``model.generate``'s.
 """
 from __future__ import annotations
 
@@ -50,50 +48,42 @@ def _gather_hint(gather) -> str | None:
     want = [(0, s, p) for s, c in enumerate(cached) for p in range(c)]
     if k.dim() != 4 or k.shape[:2] != (1, HEADS) or k.shape[3] != DIM:
         return "the packed keys have the wrong shape: sequences are joined along the token axis, the others stay"
-    got_k = _labels(k)
-    if got_k == [(1, s, p) for _, s, p in want]:
-        return "keys and values are swapped"
-    if sorted(got_k) != sorted(want):
-        return "the packed keys are not the cached keys, each once: every cached key of every sequence goes in"
-    if got_k != want:
-        return "the packed keys are in another order than the step's sequences (the order notebook 03's mask expects)"
-    if _labels(v) != [(1, s, p) for _, s, p in want]:
-        return "the values are not packed like the keys"
-    if gather([None, None]) is not None:
+    hints = [(_labels(k) == [(1, s, p) for _, s, p in want], "keys and values are swapped"),
+             (sorted(_labels(k)) != sorted(want), "the packed keys are not every cached key of every sequence, once"),
+             (_labels(k) != want, "the packed keys are in another order than the step's sequences (03's mask)"),
+             (v.shape != k.shape or _labels(v) != [(1, s, p) for _, s, p in want],
+              "the values are not packed like the keys")]
+    hint = next((hint for wrong, hint in hints if wrong), None)
+    if hint is None and gather([None, None]) is not None:
         return "when no sequence has anything cached, return None (the model then gets an empty cache)"
-    return None
+    return hint
 
 
 def _scatter_hint(scatter) -> str | None:
     cached, new = [3, 0, 2], [1, 4, 1]
-    old = _caches(cached)
-    k_parts = [_labelled(s, 0, c, 0) for s, c in enumerate(cached) if c]
-    v_parts = [_labelled(s, 0, c, 1) for s, c in enumerate(cached) if c]
-    k_parts += [_labelled(s, c, n, 0) for s, (c, n) in enumerate(zip(cached, new))]
-    v_parts += [_labelled(s, c, n, 1) for s, (c, n) in enumerate(zip(cached, new))]
-    got = scatter(torch.cat(k_parts, dim=2), torch.cat(v_parts, dim=2), old, list(new))
+    packed = [torch.cat([_labelled(s, 0, c, kind) for s, c in enumerate(cached) if c]  # the cached keys, then the new
+                        + [_labelled(s, c, n, kind) for s, (c, n) in enumerate(zip(cached, new))], dim=2)
+              for kind in (0, 1)]
+    got = scatter(*packed, _caches(cached), list(new))
     if got is None:
         return "not done yet: scatter returned None -- write it in the cell above"
     if not isinstance(got, (list, tuple)) or len(got) != len(cached):
         return f"scatter should return one (keys, values) pair per sequence of the step, {len(cached)} here"
     for s, (c, n) in enumerate(zip(cached, new)):
         k, v = _pair(got[s], f"scatter's entry for sequence {s}")
-        want = [(0, s, p) for p in range(c + n)]
-        have = _labels(k) if k.dim() == 4 and k.shape[2] else []
+        want, have = [(0, s, p) for p in range(c + n)], _labels(k) if k.dim() == 4 and k.shape[2] else []
         if have == want and _labels(v) == [(1, s, p) for p in range(c + n)]:
             continue
-        if have == [(1, s, p) for p in range(c + n)]:
-            return "keys and values are swapped"
-        if have == want[c:]:
-            return "a sequence's cache lost its history: append its new keys after its old ones, do not replace them"
-        if have[:c] == want[:c] and any(kind == 0 and p < cached[seq] for kind, seq, p in have[c:]):
-            return ("a sequence's new keys came from the cached part of the packed cache: in the concat layout "
-                    "every sequence's cached keys come first, and all the new keys after them")
-        if have[:c] == want[:c] and any(seq != s for _, seq, _ in have[c:]):
-            return "a sequence got another sequence's new keys: cut the new part by each one's number of new tokens"
-        if have[:c] == want[:c] and len(have) != c + n:
-            return "a sequence got the wrong number of new keys: each gets exactly the tokens it fed this step"
-        return "a sequence's updated cache is not its old keys followed by its new ones"
+        kept = have[:c] == want[:c]  # its old keys are there
+        hints = [(have == [(1, s, p) for p in range(c + n)], "keys and values are swapped"),
+                 (have == want[c:], "a sequence's cache lost its history: append its new keys after its old ones"),
+                 (kept and any(kind == 0 and p < cached[seq] for kind, seq, p in have[c:]),
+                  "a sequence's new keys came from the cached part of the packed cache: in the concat layout every "
+                  "sequence's cached keys come first, and all the new keys after them"),
+                 (kept and any(seq != s for _, seq, _ in have[c:]),
+                  "a sequence got another sequence's new keys: cut the new part by each one's number of new tokens"),
+                 (kept and len(have) != c + n, "a sequence got the wrong number of new keys: the tokens it fed")]
+        return next((hint for wrong, hint in hints if wrong), "a sequence's cache is not its old keys, then its new")
     return None
 
 
@@ -147,9 +137,9 @@ def check_gather_scatter(gather, scatter, model, tokenizer) -> bool:
     first, then inside a real concat engine, compared with ``model.generate`` prompt by prompt."""
     need_function(gather, "gather")
     need_function(scatter, "scatter")
-    for name, hint_of in (("gather", _gather_hint), ("scatter", _scatter_hint)):
+    for name, fn, hint_of in (("gather", gather, _gather_hint), ("scatter", scatter, _scatter_hint)):
         try:
-            hint = hint_of(gather if name == "gather" else scatter)
+            hint = hint_of(fn)
         except Exception as err:  # the learner's code
             hint = f"it raised {raised(err)}"
         if hint:

@@ -1,8 +1,8 @@
 """Notebook 07: an honest benchmark harness, and a check that catches every shortcut.
 
-The harness times real engines on a :class:`Clock` the check controls -- it moves only while an engine runs,
-by costs the check sets (a cold first run, drift, a hiccup) -- so the check knows which runs were timed and
-what each took; one engine is right on its first run only. Each shortcut gets a hint naming it.
+The harness times real engines on a :class:`Clock` the check controls -- it moves only while an engine runs, by
+costs the check sets (a cold first run, drift, a hiccup) -- so the check knows which runs were timed and what each
+took; one engine is right on its first run only.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import statistics
 from ..engine.engine import Engine
 from ..core.request import Request
 from ..engine.static import static_batching
-from . import fail, need_function, passed, self_check
+from . import ask, fail, first_mistake, need_function, passed, self_check
 
 COLD = 6.0     # a first run costs this many times a warm one (allocation, lazy imports, caches)
 DRIFT = 0.08   # each run costs this much more than the one before it, whichever engine ran (a machine slowing)
@@ -48,32 +48,24 @@ def engine_runs(model, clock: Clock, repeat: int = 3, batch_size: int = 2, stale
     Costs on ``clock``: a cold first run, drift, and a hiccup on each engine's last run of ``repeat``."""
     calls = {}
 
-    def timed(name, outputs_of):
-        def run():
-            k = calls[name] = calls.get(name, 0) + 1
-            ran = sum(1 for e in clock.events if e[0] == "run")  # how long the machine has been busy
-            cost = COST[name] * (1 + DRIFT * ran) * (COLD if k == 1 else HICCUP if k == repeat + 1 else 1)
-            clock.run(name, cost)
-            return outputs_of(k)
-        return run
-
-    def static(_k):
-        return [list(c.output_ids) for c in static_batching(model, None, _requests(), batch_size)]
-
-    def paged(_k):
+    def outputs(name, k):
+        if name == "static":
+            return [list(c.output_ids) for c in static_batching(model, None, _requests(), batch_size)]
         engine = Engine(model, None, max_batch_size=batch_size, kv="paged", keep_records=False)
-        return [list(c.output_ids) for c in engine.run(_requests())]
-
-    def stale_paged(k):
-        out = paged(k)
-        if k > 1:  # the bug: a later run returns one request's tokens shifted by a leftover token
+        out = [list(c.output_ids) for c in engine.run(_requests())]
+        if name == "paged (stale state)" and k > 1:  # the bug: a later run shifts one request's tokens by a leftover
             out[-1] = [out[-1][0]] + out[-1][:-1]
         return out
 
-    runs = {"static": timed("static", static), "paged": timed("paged", paged)}
-    if stale:
-        runs["paged (stale state)"] = timed("paged (stale state)", stale_paged)
-    return runs
+    def timed(name):
+        def run():
+            k = calls[name] = calls.get(name, 0) + 1
+            ran = sum(1 for e in clock.events if e[0] == "run")  # how long the machine has been busy
+            clock.run(name, COST[name] * (1 + DRIFT * ran) * (COLD if k == 1 else HICCUP if k == repeat + 1 else 1))
+            return outputs(name, k)
+        return run
+
+    return {name: timed(name) for name in COST if stale or name != "paged (stale state)"}
 
 
 def _timed_flags(events) -> list[bool]:
@@ -104,42 +96,38 @@ def _timed_runs(events) -> tuple[dict, list, list]:
     return durations, untimed, order
 
 
-def _diagnose(events, names, repeat, got, truth_same) -> str | None:
+# What a harness reports instead of the median: (the statistic, its hint).
+STATISTICS = [(statistics.fmean, "one slow run (a hiccup) pulls the mean along: report the median of the timed runs"),
+              (min, "the fastest run is the luckiest one, not the typical one: report the median"),
+              (sum, "that is the total of the timed runs; report the median of them, one run's worth")]
+
+
+def _diagnose(events, names, repeat, medians, same, truth_same) -> str | None:
     """The first shortcut the clock's log or the answer shows, as a hint; None when all is right."""
     runs = [e[1] for e in events if e[0] == "run"]
     if not any(e[0] == "read" for e in events):
         return "your harness never read the clock it was given: time each run with clock(), not another timer"
-    durations, untimed, order = _timed_runs(events)
-    first_runs = {name: runs.index(name) for name in names if name in runs}
-    if len(first_runs) < len(names):
+    if any(name not in runs for name in names):
         return "some engine was never run: run every engine in runs"
+    durations, _, order = _timed_runs(events)
     timed = _timed_flags(events)
-    for name in names:  # the first run of each engine must not be timed
-        if timed[first_runs[name]]:
-            return "an engine's first run pays one-off costs: warm every engine up with one untimed run first"
+    if any(timed[runs.index(name)] for name in names):  # each engine's first run
+        return "an engine's first run pays one-off costs: warm every engine up with one untimed run first"
     if not durations:
         return ("no single run was timed on its own: one slow run hides in a total; read the clock right before and "
                 "right after each run")
     if any(len(durations.get(name, [])) != repeat for name in names):
         return "each engine should be timed exactly repeat times (warm-up not counted), each run on its own"
-    rounds = [order[r * len(names):(r + 1) * len(names)] for r in range(repeat)]
-    if any(sorted(r) != sorted(names) for r in rounds):
+    if any(sorted(order[r * len(names):(r + 1) * len(names)]) != sorted(names) for r in range(repeat)):
         return ("all of one engine's runs, then the next engine's: a machine that drifts (a hot CPU, another "
                 "job starting) then favours whichever engine ran first; run every engine once per round")
-    medians, same = got
     for name in names:
-        want = statistics.median(durations[name])
-        mine = medians.get(name) if isinstance(medians, dict) else None
+        mine = medians.get(name)
         if not isinstance(mine, numbers.Real) or isinstance(mine, bool) or not math.isfinite(mine):
             return f"medians[{name!r}] should be a number of seconds; got {mine!r}"
-        if not math.isclose(mine, want, rel_tol=1e-6):
-            if math.isclose(mine, statistics.fmean(durations[name]), rel_tol=1e-6):
-                return "one slow run (a hiccup) pulls the mean along: report the median of the timed runs"
-            if math.isclose(mine, min(durations[name]), rel_tol=1e-6):
-                return "the fastest run is the luckiest one, not the typical one: report the median"
-            if math.isclose(mine, sum(durations[name]), rel_tol=1e-6):
-                return "that is the total of the timed runs; report the median of them, one run's worth"
-            return f"medians[{name!r}] is not the median of the runs your harness timed"
+        if not math.isclose(mine, statistics.median(durations[name]), rel_tol=1e-6):
+            hint = first_mistake(STATISTICS, lambda stat: math.isclose(mine, stat(durations[name]), rel_tol=1e-6))
+            return hint or f"medians[{name!r}] is not the median of the runs your harness timed"
     if same is not truth_same:
         if truth_same:
             return "every engine produced the same tokens here, yet your harness says they differ"
@@ -158,15 +146,11 @@ def check_benchmark(benchmark, model) -> bool:
     for repeat, stale in cases:
         clock = Clock()
         runs = engine_runs(model, clock, repeat, stale=stale)
-        truth_same = not stale
-        got = benchmark(dict(runs), repeat, clock)
-        if got is None or got is Ellipsis:
-            return fail("not done yet: benchmark returned nothing; it should return (medians, same_tokens)")
-        truthy = isinstance(got, tuple) and len(got) == 2 and type(got[1]).__name__ in ("bool", "bool_")
-        if not (truthy and isinstance(got[0], dict)):  # (a NumPy bool is a bool too)
+        got = ask(benchmark, dict(runs), repeat, clock, shown="benchmark(runs, repeat, clock)")
+        if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], dict)
+                and type(got[1]).__name__ in ("bool", "bool_")):  # (a NumPy bool is a bool too)
             return fail(f"benchmark should return a pair (dict of medians, bool); got {got!r:.80}")
-        got = (got[0], bool(got[1]))
-        hint = _diagnose(clock.events, list(runs), repeat, got, truth_same)
+        hint = _diagnose(clock.events, list(runs), repeat, got[0], bool(got[1]), truth_same=not stale)
         if hint:
             which = f"{len(runs)} engines{', one with a stale-state bug' if stale else ''}, repeat={repeat}"
             return fail(f"on the check's workload ({which}): {hint}")

@@ -1,8 +1,5 @@
-"""Notebook 08: predict what the prefix cache reuses, and write speculative decoding's acceptance rule.
-
-:func:`check_prefix_reuse` compares the learner's predictions with the real engine's
-``num_cached_prompt_tokens``; :func:`check_accept` compares the rule with the engine's, then swaps it into a
-speculative run that must equal a plain one. Hints name the rule missed, never the values.
+"""Notebook 08: what the prefix cache reuses (against the engine's ``num_cached_prompt_tokens``), and speculative
+decoding's acceptance rule (against the engine's, then inside a speculative run that must equal a plain one).
 """
 from __future__ import annotations
 
@@ -15,10 +12,9 @@ from ..worker import spec_runner
 from ..engine.engine import Engine
 from ..core.request import Request
 from ..engine.speculative import accept as engine_accept
-from . import fail, first_mistake, is_int, need_function, passed, raised, self_check
+from . import ask, fail, first_mistake, is_int, need_function, passed, self_check
 
 # ---------------------------------------------------------------- prefix reuse ----------------
-
 
 def _ids(seed: int, n: int) -> list[int]:
     g = random.Random(seed)
@@ -32,21 +28,19 @@ _L = _ids(2, 13)
 class PrefixCase(NamedTuple):
     what: str  # what the case is about
     prompts: list  # in arrival order
-    block_size: int
+    block_size: int = 4
 
 
 PREFIX_CASES = [
-    PrefixCase(what="two prompts sharing 10 tokens, blocks of 4", prompts=[_S + _ids(3, 3), _S + _ids(4, 2)],
-               block_size=4),
-    PrefixCase(what="the same 16-token prompt twice, blocks of 4", prompts=[_ids(5, 16), _ids(5, 16)], block_size=4),
-    PrefixCase(what="the same 17-token prompt twice, blocks of 4", prompts=[_ids(6, 17), _ids(6, 17)], block_size=4),
+    PrefixCase(what="two prompts sharing 10 tokens, blocks of 4", prompts=[_S + _ids(3, 3), _S + _ids(4, 2)]),
+    PrefixCase(what="the same 16-token prompt twice, blocks of 4", prompts=[_ids(5, 16), _ids(5, 16)]),
+    PrefixCase(what="the same 17-token prompt twice, blocks of 4", prompts=[_ids(6, 17), _ids(6, 17)]),
     PrefixCase(what="a prompt that matches the first one, not the previous one",
-               prompts=[_S + _ids(7, 4), _ids(8, 9), _S + _ids(9, 3)], block_size=4),
-    PrefixCase(what="equal tokens after a first block that differs", prompts=[_ids(10, 4) + _S, _ids(11, 4) + _S],
-               block_size=4),
-    PrefixCase(what="a prompt shorter than one block", prompts=[_ids(12, 3), _ids(12, 3)], block_size=4),
-    PrefixCase(what="a prompt that extends an earlier one", prompts=[_L, _L + _ids(13, 6)], block_size=4),
-    PrefixCase(what="a prompt that is the start of an earlier one", prompts=[_L, _L[:9], _L[:8]], block_size=4),
+               prompts=[_S + _ids(7, 4), _ids(8, 9), _S + _ids(9, 3)]),
+    PrefixCase(what="equal tokens after a first block that differs", prompts=[_ids(10, 4) + _S, _ids(11, 4) + _S]),
+    PrefixCase(what="a prompt shorter than one block", prompts=[_ids(12, 3), _ids(12, 3)]),
+    PrefixCase(what="a prompt that extends an earlier one", prompts=[_L, _L + _ids(13, 6)]),
+    PrefixCase(what="a prompt that is the start of an earlier one", prompts=[_L, _L[:9], _L[:8]]),
     PrefixCase(what="the same prompts, blocks of 2", prompts=[_S + _ids(3, 3), _S + _ids(4, 2), _S[:5]], block_size=2),
 ]
 
@@ -108,28 +102,21 @@ def check_prefix_reuse(predict, model, prompts=None, block_size=None) -> bool:
     """``predict(prompts, block_size)`` -> the prompt tokens the prefix cache supplies to each prompt, served one
     at a time in order; the notebook's case first, then :data:`PREFIX_CASES`."""
     need_function(predict, "predict")
-    cases = ([PrefixCase(what="the notebook's prompts", prompts=[list(p) for p in prompts], block_size=block_size)]
-             if prompts is not None else [])
-    cases += PREFIX_CASES
+    cases = list(PREFIX_CASES)
+    if prompts is not None:
+        cases.insert(0, PrefixCase("the notebook's prompts", [list(p) for p in prompts], block_size))
     for what, case, bs in cases:
-        try:
-            got = predict([list(p) for p in case], bs)
-        except Exception as err:  # the learner's code: say what failed, and on which case
-            return fail(f"predict raised {raised(err)} (case: {what})")
-        if got is None:
-            return fail("not done yet: predict_reuse returned None -- write it in the cell above")
-        try:
-            got = list(got)
-        except TypeError:
-            return fail(f"predict should return a list with one number per prompt, got {got!r}")
-        if len(got) != len(case) or not all(is_int(g) for g in got):
-            return fail(f"predict should return {len(case)} ints, one per prompt; got {got!r} (case: {what})")
+        got = ask(predict, [list(p) for p in case], bs, shown=f"predict_reuse(...) (case: {what})")
+        got = list(got) if hasattr(got, "__iter__") else got
+        if not isinstance(got, list) or len(got) != len(case) or not all(is_int(g) for g in got):
+            return fail(f"predict should return a list of {len(case)} ints, one number per prompt; got {got!r} "
+                        f"(case: {what})")
         expected = engine_cached_tokens(model, case, bs)
         if got != expected:
             i = next(i for i, (g, e) in enumerate(zip(got, expected)) if g != e)
-            more = "more" if got[i] > expected[i] else "fewer"
             return fail(f"case {what!r}: for request {i} you predicted {got[i]} cached tokens, "
-                        f"{more} than the engine reused. Hint: {_prefix_hint(case, bs, got)}")
+                        f"{'more' if got[i] > expected[i] else 'fewer'} than the engine reused. "
+                        f"Hint: {_prefix_hint(case, bs, got)}")
     return passed(f"your predictions match the engine's num_cached_prompt_tokens on all {len(cases)} cases")
 
 
@@ -165,20 +152,24 @@ def _accept_hint(drafts, targets, got) -> str:
         return "stop at the first mismatch: every later prediction was made after a wrong guess"
     if not drafts:
         return "with no guesses the step is a plain decode: it yields exactly one token, the model's own"
-    return ("a verify step keeps the model's tokens for as long as the guesses agree with them, and no further: "
-            "follow section 6's picture on a small case by hand")
+    return "keep the model's tokens while the guesses agree with them, and no further: follow section 6's picture"
 
 
 def loop_model():
-    """A 2-layer random-weight Llama (vocabulary 97, :func:`cbteach.exercises.ex09.small_model`'s ``"gqa"``): its
-    greedy output falls into loops within a few tokens, so prompt lookup guesses right often."""
+    """:func:`cbteach.exercises.ex09.small_model`'s ``"gqa"`` Llama: its greedy output falls into loops within a few
+    tokens, so prompt lookup guesses right often."""
     from .ex09 import small_model
 
     return small_model("gqa")
 
 
-def _loop_requests():
-    return [Request(_ids(100 + i, 6), 24, request_id=i, ignore_eos=True) for i in range(4)]
+def _accept_cases() -> list[AcceptCase]:
+    """:data:`ACCEPT_CASES`, then random ones on small alphabets: guesses often right, as with a good proposer."""
+    g, cases = random.Random(0), list(ACCEPT_CASES)
+    for _ in range(NUM_RANDOM_ACCEPT_CASES):
+        targets = [g.randrange(3) for _ in range(g.randint(0, 6) + 1)]
+        cases.append(AcceptCase([t if g.random() < 0.7 else g.randrange(3) for t in targets[:-1]], targets))
+    return cases
 
 
 @self_check
@@ -186,32 +177,20 @@ def check_accept(accept) -> bool:
     """``accept(drafts, targets)`` -> the tokens a verify step yields (``targets`` has one more entry
     than ``drafts``: the model's prediction after the last real token and after each guess)."""
     need_function(accept, "accept")
-    g = random.Random(0)
-    cases = list(ACCEPT_CASES)
-    for _ in range(NUM_RANDOM_ACCEPT_CASES):  # small alphabets: guesses are often right, as with a good proposer
-        k = g.randint(0, 6)
-        targets = [g.randrange(3) for _ in range(k + 1)]
-        drafts = [t if g.random() < 0.7 else g.randrange(3) for t in targets[:k]]
-        cases.append(AcceptCase(drafts=drafts, targets=targets))
+    cases = _accept_cases()
     for drafts, targets in cases:
-        try:
-            got = accept(list(drafts), list(targets))
-        except Exception as err:  # the learner's code
-            return fail(f"accept({drafts}, {targets}) raised {raised(err)}")
-        if got is None:
-            return fail("not done yet: accept returned None -- write it in the cell above")
+        got = ask(accept, list(drafts), list(targets), shown=f"accept({drafts}, {targets})")
         if not isinstance(got, (list, tuple)) or not all(is_int(t) for t in got):
             return fail(f"accept({drafts}, {targets}) returned {got!r}; it should return a list of token ids (ints)")
-        got = [int(t) for t in got]
-        if got != engine_accept(drafts, targets):
-            return fail(f"accept({drafts}, {targets}) returned {got}, which is not what the engine "
-                        f"keeps. Hint: {_accept_hint(drafts, targets, got)}")
+        if [int(t) for t in got] != engine_accept(drafts, targets):
+            return fail(f"accept({drafts}, {targets}) returned {list(got)}, which is not what the engine "
+                        f"keeps. Hint: {_accept_hint(drafts, targets, [int(t) for t in got])}")
     # In the engine: a speculative run with the learner's rule must equal a run without speculation.
-    model = loop_model()
-    plain = [c.output_ids for c in Engine(model, None, max_batch_size=4, kv="paged").run(_loop_requests())]
-    engine = Engine(model, None, max_batch_size=4, kv="paged", speculative="ngram", num_speculative_tokens=3)
+    requests = lambda: [Request(_ids(100 + i, 6), 24, request_id=i, ignore_eos=True) for i in range(4)]  # noqa: E731
+    plain = [c.output_ids for c in Engine(loop_model(), None, max_batch_size=4, kv="paged").run(requests())]
+    engine = Engine(loop_model(), None, max_batch_size=4, kv="paged", speculative="ngram", num_speculative_tokens=3)
     with mock.patch.object(spec_runner, "accept", accept):
-        spec = [c.output_ids for c in engine.run(_loop_requests())]
+        spec = [c.output_ids for c in engine.run(requests())]
     if spec != plain:
         return fail("inside the engine your rule changed the generated tokens; speculation must give "
                     "exactly what plain greedy decoding gives")

@@ -1,6 +1,5 @@
-"""Notebook 09: what a disaggregated handover moves -- bytes of KV cache and seconds on the link -- compared
-with a real :class:`~cbteach.serving.disagg.DisaggregatedServer`'s ``.transfers`` on several model shapes and
-KV dtypes. Hints name the factor that is off.
+"""Notebook 09: what a disaggregated handover moves (bytes of KV cache, seconds on the link), against a real
+:class:`~cbteach.serving.disagg.DisaggregatedServer`'s ``.transfers`` on several model shapes and KV dtypes.
 """
 from __future__ import annotations
 
@@ -13,20 +12,17 @@ import torch
 
 from ..serving.disagg import DisaggregatedServer
 from ..core.request import Request
-from . import fail, need_function, passed, self_check
+from . import ask, fail, first_mistake, need_function, passed, self_check
+
 
 class Shape(NamedTuple):
-    """A small model's shape; head_dim = hidden / heads."""
-
     layers: int
     heads: int  # query heads
     kv_heads: int
-    hidden: int
+    hidden: int  # head_dim = hidden / heads
 
 
 class Handover(NamedTuple):
-    """One handover to check: the model, the prompt, the pool and the link."""
-
     shape: str | None  # a key of SHAPES, or None for the notebook's model
     prompt_len: int  # prompt tokens
     block_size: int
@@ -67,36 +63,29 @@ def measured_handover(model, prompt_len: int, block_size: int, kv_dtype=None, li
     return server.transfers["bytes"], server.transfers["seconds"]
 
 
-def _bytes_hint(got, prompt_len, config, bs, kv_dtype) -> str:
-    layers, heads = config.num_hidden_layers, config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    d = getattr(config, "head_dim", None) or config.hidden_size // heads
-    slots = lambda n: math.ceil(n / bs) * bs  # noqa: E731  n tokens take whole blocks
-    per_token = 2 * layers * kv_heads * (d + 4 if kv_dtype == "int8" else 4 * d)
-    expected = slots(prompt_len) * per_token
-    if got == prompt_len * per_token:
-        return f"the K/V go over in whole blocks: the last one travels whole even if partly filled (block_size {bs})"
-    if got in (slots(prompt_len + 1) * per_token, (prompt_len + 1) * per_token):
-        return ("the prefill engine computed the prompt's K/V only: the first new token was sampled but never "
-                "fed through the model, so it has no K/V yet")
-    if got * 2 == expected:
-        return "keys *and* values are stored, for every token" + (
-            " (and every layer has its own)" if layers == 2 else "") + (
-            "; fp32 takes 4 bytes per value" if kv_dtype != "int8" else "")
-    if got * layers == expected and layers > 1:
-        return "every layer has its own keys and values"
-    if kv_heads != heads and got * kv_heads == expected * heads:
-        return "with grouped-query attention only the KV heads are cached (config.num_key_value_heads)"
-    if kv_dtype == "int8":
-        if got == slots(prompt_len) * 2 * layers * kv_heads * d:
-            return ("int8 values are 1 byte each, but every (token, head) also stores one float32 scale, for K "
-                    "and for V (cbteach.kv.int8)")
-        if got == slots(prompt_len) * 2 * layers * kv_heads * 4 * d:
-            return "with kv_dtype='int8' each value takes 1 byte (plus a float32 scale per token and head)"
-    if got == 8 * expected:
-        return "count bytes, not bits"
-    return ("bytes = whole blocks of the prompt × block_size × bytes per token, and bytes per token = "
-            "2 (K, V) × layers × KV heads × bytes per head")
+def _bytes(cfg, n, bs, kv_dtype, *, tokens=None, kv=2, one_layer=False, all_heads=False, int8="int8", bits=1):
+    """The bytes one handover moves -- or, with one keyword changed, what a typical mistake computes."""
+    heads = cfg.num_attention_heads
+    kv_heads = heads if all_heads else getattr(cfg, "num_key_value_heads", None) or heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    per_head = {"int8": d + 4, "no scales": d, "fp32": 4 * d}[int8 if kv_dtype == "int8" else "fp32"]
+    n_slots = tokens(n, bs) if tokens else math.ceil(n / bs) * bs
+    return n_slots * kv * (1 if one_layer else cfg.num_hidden_layers) * kv_heads * per_head * bits
+
+
+# Typical mistakes: (:func:`_bytes`'s keywords, several: any of them; the hint when the learner's bytes are those).
+BYTES_MISTAKES = [
+    ([dict(tokens=lambda n, bs: n)], "the K/V go over in whole blocks: the last one whole even if partly filled"),
+    ([dict(tokens=lambda n, bs: n + 1), dict(tokens=lambda n, bs: math.ceil((n + 1) / bs) * bs)],
+     "the prefill computed the prompt's K/V only: the first new token was never fed, so it has no K/V yet"),
+    ([dict(kv=1)], "keys *and* values are stored, for every token, in every layer"),
+    ([dict(one_layer=True)], "every layer has its own keys and values"),
+    ([dict(all_heads=True)], "with grouped-query attention only the KV heads are cached (config.num_key_value_heads)"),
+    ([dict(int8="no scales")], "int8 values are 1 byte each, but every (token, head) also stores one float32 scale, "
+                               "for K and for V (cbteach.kv.int8)"),
+    ([dict(int8="fp32")], "with kv_dtype='int8' each value takes 1 byte (plus a float32 scale per token and head)"),
+    ([dict(bits=8)], "count bytes, not bits"),
+]
 
 
 @self_check
@@ -106,27 +95,24 @@ def check_handover(handover, model, prompt_len: int | None = None) -> bool:
     need_function(handover, "handover")
     cases = [Handover(shape=None, prompt_len=prompt_len, block_size=16, kv_dtype=dtype, link_bytes_per_s=10e9)
              for dtype in (None, "int8")] if prompt_len else []
-    cases += CASES
-    for shape, n, bs, kv_dtype, link in cases:  # see Handover
+    for shape, n, bs, kv_dtype, link in cases + CASES:
         m = model if shape is None else small_model(shape)
-        where = (f"prompt_len={n}, block_size={bs}, kv_dtype={kv_dtype!r}, link {link:.0e} B/s, "
-                 + ("the notebook's model" if shape is None else f"a small model ({shape}: layers, heads, kv "
-                                                                  f"heads, hidden = {tuple(SHAPES[shape])})"))
-        try:
-            got = handover(n, m.config, bs, kv_dtype, link)
-            if got is None:
-                return fail("not done yet: handover returned None -- write it in the cell above")
-            nbytes, seconds = got
-        except Exception as err:  # the learner's code, or a result that is not a pair
-            return fail(f"handover(...) failed or did not return (bytes, seconds) for {where}: "
-                        f"{type(err).__name__}: {err}")
-        if not all(isinstance(x, numbers.Real) and not isinstance(x, bool) for x in (nbytes, seconds)):
+        where = (f"prompt_len={n}, block_size={bs}, kv_dtype={kv_dtype!r}, link {link:.0e} B/s, " + (
+            "the notebook's model" if shape is None else f"a small model ({shape}: layers, heads, kv heads, hidden = "
+                                                         f"{tuple(SHAPES[shape])})"))
+        got = ask(handover, n, m.config, bs, kv_dtype, link, shown=f"handover(...) for {where}")
+        if not (isinstance(got, (tuple, list)) and len(got) == 2):
+            return fail(f"handover did not return (bytes, seconds) for {where}: got {got!r}")
+        nbytes, seconds = got
+        if not all(isinstance(x, numbers.Real) and not isinstance(x, bool) for x in got):
             return fail(f"handover should return two numbers (bytes, seconds); got {got!r}")
         exp_bytes, exp_seconds = measured_handover(m, n, bs, kv_dtype, link)
         if nbytes != exp_bytes:
-            more = "more" if nbytes > exp_bytes else "fewer"
-            return fail(f"for {where} you said {nbytes:,} bytes, {more} than the server moved. "
-                        f"Hint: {_bytes_hint(nbytes, n, m.config, bs, kv_dtype)}")
+            gives = lambda keywords: any(nbytes == _bytes(m.config, n, bs, kv_dtype, **k) for k in keywords)  # noqa
+            hint = first_mistake(BYTES_MISTAKES, gives) or ("bytes = whole blocks of the prompt × block_size × "
+                                                            "2 (K, V) × layers × KV heads × bytes per head")
+            return fail(f"for {where} you said {nbytes:,} bytes, {'more' if nbytes > exp_bytes else 'fewer'} than "
+                        f"the server moved. Hint: {hint}")
         if not math.isclose(seconds, exp_seconds, rel_tol=1e-9, abs_tol=1e-15):
             if math.isclose(seconds, 8 * exp_seconds, rel_tol=1e-9):
                 hint = "link_bytes_per_s is already in bytes per second: no factor 8"
@@ -135,6 +121,5 @@ def check_handover(handover, model, prompt_len: int | None = None) -> bool:
             else:
                 hint = "seconds = bytes / link_bytes_per_s (the handover is modelled as bandwidth only, no latency)"
             return fail(f"the bytes are right for {where}, but {seconds!r} s is not the link time. Hint: {hint}")
-    shapes = len({c.shape for c in cases})
-    return passed(f"bytes and link time match the disaggregated server's .transfers on all {len(cases)} "
-                  f"handovers (fp32 and int8 pools, {shapes} model shapes)")
+    return passed(f"bytes and link time match the disaggregated server's .transfers on all {len(cases + CASES)} "
+                  f"handovers (fp32 and int8 pools, {len({c.shape for c in cases + CASES})} model shapes)")

@@ -37,10 +37,9 @@ def stream_events(base_url: str, prompt: str, max_tokens: int, stop=None, api_ke
 
 
 def _hint(events, got, want) -> str:
-    text, n, reason = got
-    w_text, w_n, w_reason = want
+    (_, n, reason), (_, w_n, w_reason) = got, want
     if n != w_n:
-        if n == len(events) or n == len(events) - 1 or n == len(events) - 2:
+        if n in (len(events), len(events) - 1, len(events) - 2):
             return ("a chunk is not a token: the first chunk of a chat stream carries only the role, the closing one "
                     "only the finish_reason, and the last one only the usage. Where does the stream say how many "
                     "tokens the answer had?")
@@ -59,8 +58,8 @@ def check_stream_summary(summarize_stream, base_url: str, api_key: str | None = 
     for prompt, max_tokens, stop in CASES:
         events = stream_events(base_url, prompt, max_tokens, stop, api_key)
         whole = stream_events(base_url, prompt, max_tokens, stop, api_key, stream=False)
-        want = (whole["choices"][0]["message"]["content"], whole["usage"]["completion_tokens"],
-                whole["choices"][0]["finish_reason"])
+        choice = whole["choices"][0]
+        want = (choice["message"]["content"], whole["usage"]["completion_tokens"], choice["finish_reason"])
         got = summarize_stream([json.loads(json.dumps(e)) for e in events])  # a copy: the learner may consume it
         if not isinstance(got, tuple) or len(got) != 3:
             return fail(f"return a tuple (text, num_tokens, finish_reason); got {type(got).__name__} {got!r:.60}")

@@ -1,8 +1,8 @@
 """Notebook 13: what tensor parallelism keeps on each rank and sends between them.
 
-``kv_heads_of_rank`` is compared with :mod:`cbteach.parallel.shard`'s layout, ``all_reduce_bytes`` with the
-ring's bytes per rank on a real two-process run's all-reduces and a second shape; a wrong answer is named by
-the typical mistake whose formula gives it. An answer that is or calls what it is compared with is refused.
+``kv_heads_of_rank`` is compared with :mod:`cbteach.parallel.shard`'s layout, ``all_reduce_bytes`` with the ring's
+bytes per rank on a real two-process run's all-reduces and a second shape; a wrong answer is named by the typical
+mistake whose formula gives it. An answer that is or calls what it is compared with is refused.
 """
 from __future__ import annotations
 
@@ -12,12 +12,10 @@ from typing import NamedTuple
 
 from ..parallel.shard import Layout
 from ..sim.cost import ring_all_reduce_bytes
-from . import fail, first_mistake, guard, passed, report, self_check
+from . import Fail, fail, first_mistake, guard, passed, report, self_check
 
 
 class Shape(NamedTuple):
-    """Attention heads split over ranks."""
-
     num_heads: int
     num_kv_heads: int
     world_size: int
@@ -37,38 +35,27 @@ def _kv_hint(got, rank, kv, world) -> str:
     if len(got) == kv and kv > 1:
         return "each rank keeps only the KV heads its own query heads read: its KV pool is smaller than the model's"
     if kv < world and got == [rank % kv]:
-        return ("the copies of one KV head sit on consecutive ranks, not round robin: the ranks whose query heads "
-                "read KV head 0 come first, then those that read KV head 1")
-    return ("a rank holds exactly the KV heads its own query heads read: which query heads does this rank "
-            "compute, and which KV head does each of them read under grouped-query attention?")
+        return "the copies of one KV head sit on consecutive ranks, not round robin: KV head 0's readers come first"
+    return "a rank holds exactly the KV heads its own query heads read: which query heads does it compute?"
 
 
 # A second shape, so that a mistake by the number of layers and one by the bytes per element differ.
 SECOND_SHAPE = {"num_layers": 5, "hidden_size": 96, "dtype_bytes": 2, "tokens": (1, 7)}
 WORLD_SIZES = (2, 4, 8)
 
-# Typical mistakes: (the wrong answer as a function of the right one and the case, the hint). The hint
-# is the first whose formula gives the learner's numbers on every case checked.
+# Typical mistakes: (the wrong answer from the right one t and the case's L, T, h, b, N; the hint).
 _MISTAKES = [
-    (lambda t, L, T, h, b, N: t * N / (2 * (N - 1)),
-     "that is the size of the all-reduced tensors, not what one rank sends: a ring all-reduce over N ranks is a "
-     "reduce-scatter then an all-gather, each rank sending N - 1 chunks of 1/N of the tensor in each"),
-    (lambda t, L, T, h, b, N: 2 * t,
-     "count what one rank sends, not what it sends and receives: in a ring every chunk a rank sends is one its "
-     "neighbour receives"),
-    (lambda t, L, T, h, b, N: t * N,
-     "a ring all-reduce splits the tensor into N chunks: a rank sends 2 (N - 1) chunks of 1/N of the tensor, not "
-     "2 (N - 1) whole tensors"),
-    (lambda t, L, T, h, b, N: t / 2,
-     "half of it: a Megatron layer has two row-parallel products (attention's output, the MLP's down projection), "
-     "each all-reduced -- and each all-reduce is a reduce-scatter *and* an all-gather"),
-    (lambda t, L, T, h, b, N: 1.5 * t,
-     "a Megatron layer all-reduces twice, not three times: after attention's output and the MLP's down projection"),
+    (lambda t, L, T, h, b, N: t * N / (2 * (N - 1)), "that is the size of the all-reduced tensors, not what one rank "
+     "sends: a ring all-reduce is a reduce-scatter then an all-gather, each sending N - 1 chunks of 1/N"),
+    (lambda t, L, T, h, b, N: 2 * t, "count what one rank sends, not what it sends and receives"),
+    (lambda t, L, T, h, b, N: t * N, "a rank sends 2 (N - 1) chunks of 1/N of the tensor, not 2 (N - 1) whole tensors"),
+    (lambda t, L, T, h, b, N: t / 2, "a Megatron layer has two row-parallel products, each all-reduced -- and each "
+     "all-reduce is a reduce-scatter *and* an all-gather"),
+    (lambda t, L, T, h, b, N: 1.5 * t, "a Megatron layer all-reduces twice, not three times"),
     (lambda t, L, T, h, b, N: t / L, "every layer all-reduces: multiply by the number of layers"),
     (lambda t, L, T, h, b, N: t / b, "count bytes, not elements: an element is dtype_bytes bytes"),
-    (lambda t, L, T, h, b, N: t / N,
-     "each rank's partial output is already full width ([tokens, hidden_size]): the all-reduce sums full hidden "
-     "states, not a rank's slice of them"),
+    (lambda t, L, T, h, b, N: t / N, "each rank's partial output is already full width: the all-reduce sums full "
+     "hidden states, not a rank's slice"),
     (lambda t, L, T, h, b, N: t / T, "the all-reduced tensor is the step's hidden states: one row per token"),
 ]
 _GENERIC = ("one step all-reduces a [tokens, hidden_size] tensor twice in every layer, and a ring all-reduce over "
@@ -87,9 +74,21 @@ def _same(a, b) -> bool:
     return abs(a - b) <= 1e-9 * max(abs(a), abs(b), 1.0)
 
 
-def _bytes_hint(answers, cases) -> str:
-    gives = lambda wrong: all(_same(got, wrong(t, *args)) for got, (args, t) in zip(answers, cases))  # noqa: E731
-    return first_mistake(_MISTAKES, gives) or _GENERIC
+def _kv_wrong(kv_heads_of_rank) -> str | None:
+    """What ``kv_heads_of_rank`` gets wrong on :data:`SHAPES` (None: nothing)."""
+    for heads, kv, world in SHAPES:
+        layout = Layout(arch="llama", world_size=world, num_heads=heads, num_kv_heads=kv, head_dim=8,
+                        hidden_size=8 * heads, intermediate_size=16 * world, num_layers=1)
+        for rank in range(world):
+            got = kv_heads_of_rank(rank, world, heads, kv)
+            if got is None or isinstance(got, (str, float)):
+                raise Fail(f"kv_heads_of_rank returned {got!r}: return the list of KV head indices the "
+                           "rank holds, e.g. [0] or [2, 3]")
+            got = [got] if isinstance(got, int) else list(got)
+            if got != list(layout.kv_heads(rank)):
+                return (f"kv_heads_of_rank({rank}, world_size={world}, num_heads={heads}, num_kv_heads={kv}) "
+                        f"returned {got}: " + _kv_hint(got, rank, kv, world))
+    return None
 
 
 @self_check
@@ -105,22 +104,7 @@ def check_tp(kv_heads_of_rank, all_reduce_bytes, comm_log, *, num_layers: int, h
     refused = guard.refusal("tp", kv_heads_of_rank) or guard.refusal("tp", all_reduce_bytes)
     if refused:
         return fail(refused)
-    wrong = None
-    for heads, kv, world in SHAPES:  # see Shape
-        layout = Layout(arch="llama", world_size=world, num_heads=heads, num_kv_heads=kv, head_dim=8,
-                        hidden_size=8 * heads, intermediate_size=16 * world, num_layers=1)
-        for rank in range(world):
-            truth, got = list(layout.kv_heads(rank)), kv_heads_of_rank(rank, world, heads, kv)
-            if got is None or isinstance(got, (str, float)):
-                return fail(f"kv_heads_of_rank returned {got!r}: return the list of KV head indices "
-                            "the rank holds, e.g. [0] or [2, 3]")
-            got = list(got) if not isinstance(got, int) else [got]
-            if got != truth:
-                wrong = (f"kv_heads_of_rank({rank}, world_size={world}, num_heads={heads}, num_kv_heads={kv}) "
-                         f"returned {got}: " + _kv_hint(got, rank, kv, world))
-                break
-        if wrong:
-            break
+    wrong = _kv_wrong(kv_heads_of_rank)
     ok = report(wrong is None, f"kv_heads_of_rank: every rank of {len(SHAPES)} shapes holds the KV heads the real "
                                "layout gives it (replicated when there are fewer KV heads than ranks)", wrong)
     try:
@@ -141,9 +125,10 @@ def check_tp(kv_heads_of_rank, all_reduce_bytes, comm_log, *, num_layers: int, h
     wrong = [(args, got) for got, (args, t) in zip(answers, cases) if not _same(got, t)]
     if wrong:
         (L, T, h, b, n), got = wrong[0]
+        gives = lambda mistake: all(_same(a, mistake(t, *args)) for a, (args, t) in zip(answers, cases))  # noqa: E731
         return fail(f"all_reduce_bytes(num_layers={L}, num_tokens={T}, hidden_size={h}, dtype_bytes={b}, "
                     f"world_size={n}) returned {got:g}, not what one rank sends ({len(wrong)} of "
-                    f"{len(cases)} cases wrong): " + _bytes_hint(answers, cases)) and ok
+                    f"{len(cases)} cases wrong): " + (first_mistake(_MISTAKES, gives) or _GENERIC)) and ok
     passed(f"all_reduce_bytes matches the ring's bytes per rank at {', '.join(map(str, WORLD_SIZES))} ranks, on "
            f"the tensors the two ranks really all-reduced and on a second model shape")
     return ok

@@ -29,7 +29,8 @@ def registry() -> dict:
     from . import ex05_mistakes as course
 
     def engine(*fs, owner=""):  # owner: the class a learner knows the method by (default: where it is defined)
-        return {f: f"the engine's {owner or (f.__qualname__.rpartition('.')[0] + '.').lstrip('.')}{f.__name__}" for f in fs}
+        return {f: f"the engine's {owner or (f.__qualname__.rpartition('.')[0] + '.').lstrip('.')}{f.__name__}"
+                for f in fs}
 
     theirs = "the course's own answer {} (cbteach.exercises.ex05_mistakes), the very one the check compares with"
     return {"slot_mapping": {**engine(metadata.build, PagedKVCache.slots), course.slots: theirs.format("slots")},
@@ -38,12 +39,13 @@ def registry() -> dict:
             "kv_manager": engine(K.allocate_slots, K.free),
             "scheduler": engine(S.schedule, S.schedule_running, S.schedule_waiting, S.allocate_or_preempt,
                                 S.update_from_output, owner="Scheduler."),
-            "tp": {**engine(Layout.kv_heads, Layout.q_heads), ring_all_reduce_bytes: "the simulator's ring_all_reduce_bytes"},
+            "tp": {**engine(Layout.kv_heads, Layout.q_heads),
+                   ring_all_reduce_bytes: "the simulator's ring_all_reduce_bytes"},
             "update_batch": {states.update_batch: "the worker's own update_batch (cbteach.worker.states)"}}
 
 
 def _chain(obj):
-    """``obj`` and what it wraps: a bound method's function, a partial's, a ``functools.wraps`` wrapper's, a kernel's."""
+    """``obj`` and what it wraps (a bound method's function, a partial's, a wrapper's, a kernel's)."""
     for _ in range(12):  # bounded: an object's attributes may lead back to it
         yield obj
         obj = next((x for a in ("__func__", "func", "__wrapped__", "fn") if callable(x := getattr(obj, a, None))), None)
@@ -92,7 +94,8 @@ def refusal(piece: str, obj, methods=None) -> str | None:
     wanted = methods if methods is not None else METHODS.get(piece, ())
     for m in wanted:
         if _owner(inspect.getattr_static(obj, m, None), own):
-            return f"not done yet: {obj.__name__}.{m} is still {_owner(getattr(obj, m), own)}: write the {what} yourself"
+            still = _owner(getattr(obj, m), own)
+            return f"not done yet: {obj.__name__}.{m} is still {still}: write the {what} yourself"
     others = {o.__name__ for o in own} - set(wanted)  # the engine's other methods: a learner may override them
     mine = [(n, f) for c in obj.__mro__ if not c.__module__.startswith("cbteach.") and c is not object
             for n, f in vars(c).items() if inspect.isfunction(f) and n not in others]

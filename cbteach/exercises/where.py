@@ -1,10 +1,8 @@
 """Where notebook 12 finds the learner's notebooks 05, 06 and 06b, and how it reads the pieces out of them.
 
 It looks in the current folder, the running notebook's folder, then (Colab) Google Drive's ``MyDrive/Colab
-Notebooks``, ``MyDrive`` and the folders under it, taking ``05_*.ipynb`` (``06_*``, ``06b_*``) /
-``Copy of 05_*.ipynb`` saved last.
-The course's own notebooks hold the solutions and are never searched; a cell equal to a solution cell is
-reported as the course's.
+Notebooks``, ``MyDrive`` and the folders under it, taking the ``05_*.ipynb`` / ``Copy of 05_*.ipynb`` saved last.
+The course's own notebooks hold the solutions and are never searched.
 """
 from __future__ import annotations
 
@@ -35,7 +33,7 @@ def _front_end_notebook() -> Path | None:
 
 
 def search_folders() -> list[Path]:
-    """The folders :func:`find_notebook` looks in, in order (see the module); only those that exist, each once."""
+    """The folders :func:`find_notebook` looks in, in order (see the module): those that exist, each once."""
     drive, notebook = Path(COLAB_DRIVE), _front_end_notebook()
     folders = [Path.cwd(), *([Path.cwd() / notebook.parent] if notebook is not None else []), Path(COLAB_UPLOADS)]
     if drive.is_dir():
@@ -51,8 +49,7 @@ def search_folders() -> list[Path]:
 
 
 def shown(folder: Path) -> str:
-    """A folder as the learner reads it: ``the current folder``, or its full path (``/content`` and
-    ``/content/drive/MyDrive/...`` on Colab)."""
+    """A folder as the learner reads it: ``the current folder``, or its full path."""
     try:
         here, there = Path.cwd().resolve(), Path(folder).resolve()
     except OSError:
@@ -61,8 +58,7 @@ def shown(folder: Path) -> str:
 
 
 def find_notebook(folder: Path, number: str) -> Path | None:
-    """Notebook ``number`` (``"05"``) in ``folder``: ``05_*.ipynb`` or ``Copy of 05_*.ipynb``, the one
-    saved last if there are several."""
+    """Notebook ``number`` (``"05"``) in ``folder``: the ``05_*.ipynb`` or ``Copy of 05_*.ipynb`` saved last."""
     pattern = re.compile(rf"^(Copy of )?{number}_.*\.ipynb$")
     try:
         found = [p for p in Path(folder).iterdir() if pattern.match(p.name) and p.is_file()]
@@ -115,16 +111,11 @@ def course_text(pieces: list[str], why: str) -> str:
 def defined(src: str) -> set:
     """The top-level names a cell defines (functions, classes, assignments)."""
     try:
-        tree = ast.parse(src)
+        body = ast.parse(src).body
     except SyntaxError:
         return set()
-    names = set()
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, ast.Assign):
-            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
-    return names
+    return ({n.name for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+            | {t.id for n in body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)})
 
 
 def cells(path: Path, stubbed: bool = False) -> tuple[list[str], list[str], list[str]]:
