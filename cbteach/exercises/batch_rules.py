@@ -94,45 +94,32 @@ def state_hint(runner, msg, before: dict, expect: dict, rows_before: list) -> st
     """The hint for the first way ``runner``'s state differs from what ``msg`` says (None: it is right);
     ``before`` and ``rows_before``: the states and the batch's rows before the learner's update ran."""
     reqs, b = runner.requests, runner.input_batch
-    sched = set(msg.num_scheduled_tokens)
+    sched, rows = set(msg.num_scheduled_tokens), set(b.req_id_to_index)
     finished = set(msg.finished_req_ids) - sched
-    if msg.scheduled_new_reqs and set(reqs) == set(before) and list(b.req_ids) == rows_before:
-        return HINTS["nothing"]
-    if finished & set(reqs):
-        return HINTS["finished_state"]
-    if finished & set(b.req_id_to_index):
-        return HINTS["finished_row"]
-    if set(before) - finished - set(reqs):
-        return HINTS["state_dropped"]
-    if any(new.req_id not in reqs for new in msg.scheduled_new_reqs):
-        return HINTS["new_no_state"]
-    if set(reqs) - set(before) - set(expect):
-        return HINTS["stranger"]
-    rows = set(b.req_id_to_index)
-    if rows - sched:
-        return HINTS["unscheduled_row"]
-    if sched - rows:
-        rid = next(iter(sched - rows))
-        who = "a new request" if expect[rid].how in ("new", "forked") else \
-            "a cached request without a row -- resumed, or left out of the step before --"
-        return HINTS["missing_row"].format(who=who)
     held = [rid for rid in b.req_ids if rid is not None]
-    if len(set(held)) != len(held):
-        return HINTS["twice"]
-    if len(b.req_ids) != b.num_reqs or None in b.req_ids:
-        return HINTS["holes"]
+    first = next((key for key, wrong in (
+        ("nothing", lambda: msg.scheduled_new_reqs and set(reqs) == set(before) and list(b.req_ids) == rows_before),
+        ("finished_state", lambda: finished & set(reqs)),
+        ("finished_row", lambda: finished & rows),
+        ("state_dropped", lambda: set(before) - finished - set(reqs)),
+        ("new_no_state", lambda: any(new.req_id not in reqs for new in msg.scheduled_new_reqs)),
+        ("stranger", lambda: set(reqs) - set(before) - set(expect)),
+        ("unscheduled_row", lambda: rows - sched),
+        ("missing_row", lambda: sched - rows),
+        ("twice", lambda: len(set(held)) != len(held)),
+        ("holes", lambda: len(b.req_ids) != b.num_reqs or None in b.req_ids)) if wrong()), None)
+    if first == "missing_row":
+        new = expect[next(iter(sched - rows))].how in ("new", "forked")
+        return HINTS[first].format(who="a new request" if new else
+                                   "a cached request without a row -- resumed, or left out of the step before --")
+    if first is not None:
+        return HINTS[first]
     lost = [rid for rid, row in b.req_id_to_index.items() if row >= len(b.req_ids) or b.req_ids[row] != rid]
     if lost or any(b.req_id_to_index[rid] != row for row, rid in enumerate(b.req_ids)):
         # added again while it had its row: the batch gave it a second row, and condense() cut one off
         return HINTS["twice"] if any(before.get(rid) and before[rid].had_row for rid in lost) else HINTS["index"]
-    said = _wrong_row(b, expect)
-    if said is not None:
-        return said
-    for rid, e in expect.items():
-        said = _row_hint(b, b.req_id_to_index[rid], reqs[rid], e)
-        if said is not None:
-            return said
-    return None
+    return _wrong_row(b, expect) or next(filter(None, (_row_hint(b, b.req_id_to_index[rid], reqs[rid], e)
+                                                       for rid, e in expect.items())), None)
 
 
 def _wrong_row(b, expect: dict) -> str | None:

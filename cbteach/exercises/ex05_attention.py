@@ -284,26 +284,32 @@ def engine_runs(model, prompts, max_new_tokens: int = MAX_NEW_TOKENS) -> list[Ru
                 model=small_model("mqa"), prompts=toy, options=dict(max_batch_size=3, block_size=8, token_budget=8))]
 
 
+def serve_like_generate(model, prompts, max_new_tokens: int, what: str, look: str, **options) -> int:
+    """Serve ``prompts`` on a paged engine with ``options``: :class:`Fail` (``what``: the run, ``look``: where to
+    look) unless every request's tokens equal ``model.generate``'s; the tokens served."""
+    expected = [generated(model, p, max_new_tokens) for p in prompts]
+    try:
+        done = Engine(model, None, kv="paged", **options).run(
+            [Request(list(p), max_new_tokens, request_id=f"r{i}") for i, p in enumerate(prompts)])
+    except Exception as err:  # a rule the engine enforces, or the learner's code inside the forward pass
+        raise Fail(f"in the real engine ({what}): {raised(err)}") from None
+    for c, exp in zip(done, expected):
+        if getattr(c, "error", None):
+            raise Fail(f"in the real engine ({what}): request {c.request_id} failed: {c.error}")
+        if c.output_ids != exp:
+            j = next((j for j, (a, b) in enumerate(zip(c.output_ids, exp)) if a != b),
+                     min(len(exp), len(c.output_ids)))  # or where the shorter one ends
+            raise Fail(f"in the real engine ({what}): request {c.request_id}'s tokens differ from generate's from "
+                       f"new token {j} on: {look}")
+    return sum(len(e) for e in expected)
+
+
 def _in_engine(model, prompts, attention, slot_mapping) -> tuple[int, int]:
-    served = tokens = 0
-    for what, m, ps, options in engine_runs(model, prompts):
-        expected = [generated(m, p, MAX_NEW_TOKENS) for p in ps]
-        try:
-            engine = Engine(m, None, kv="paged", attention=attention, slot_mapping=slot_mapping, **options)
-            done = engine.run([Request(list(p), MAX_NEW_TOKENS, request_id=f"r{i}") for i, p in enumerate(ps)])
-        except Exception as err:  # a rule the engine enforces, or the learner's code inside the forward pass
-            raise Fail(f"in the real engine ({what}): {type(err).__name__}: {err}") from None
-        for c, exp in zip(done, expected):
-            if getattr(c, "error", None):
-                raise Fail(f"in the real engine ({what}): request {c.request_id} failed: {c.error}")
-            if c.output_ids != exp:
-                j = next((j for j, (a, b) in enumerate(zip(c.output_ids, exp)) if a != b),
-                         min(len(exp), len(c.output_ids)))  # or where the shorter one ends
-                raise Fail(f"in the real engine ({what}): request {c.request_id}'s tokens differ from generate's from "
-                           f"new token {j} on: look at what a run adds -- reused blocks, longer contexts, other shapes")
-        served += len(ps)
-        tokens += sum(len(e) for e in expected)
-    return served, tokens
+    runs = engine_runs(model, prompts)
+    tokens = sum(serve_like_generate(m, ps, MAX_NEW_TOKENS, what, "look at what a run adds -- reused blocks, longer "
+                                     "contexts, other shapes", attention=attention, slot_mapping=slot_mapping, **options)
+                 for what, m, ps, options in runs)
+    return sum(len(r.prompts) for r in runs), tokens
 
 
 def _prompts(tok, prompts):

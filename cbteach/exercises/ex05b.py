@@ -13,8 +13,7 @@ import torch
 from ..attention.metadata import build
 from ..attention.paged import reference_attention
 from ..kv.pool import PagedKVPool
-from . import (Fail, ex05b_mistakes as mistakes, fail, first_mistake, generated, is_stub, need_function, passed, raised,
-               self_check)
+from . import Fail, ex05b_mistakes as mistakes, fail, first_mistake, is_stub, need_function, passed, raised, self_check
 
 NOT_INSTALLED = 'Triton is not installed here: pip install "cbteach[kernels]" (Colab has it), then restart the kernel'
 GPU_SCALE = 4  # compiled for a GPU the steps are this much larger: tl.dot wants tiles of 16 or more
@@ -193,25 +192,17 @@ def run_steps(inner, scale: int | None = None) -> int:
 def run_engine(model, tok, inner, max_new_tokens: int = 4) -> tuple[int, int]:
     """Serve three prompts (in chunks beside decodes, a pool that preempts) on the kernel with ``inner`` as its
     loop; every request's tokens must equal ``model.generate``'s."""
-    from ..core.request import Request
-    from ..engine.engine import Engine
+    from .ex05_attention import serve_like_generate
 
     texts = ("ABSURDITY, n.", "CYNIC, n. A blackguard", "WIT, n.")
     prompts = ([tok(t)["input_ids"] for t in texts] if tok is not None else
                [[10 + (5 * i + 3 * j) % 80 for j in range(5 + 3 * i)] for i in range(3)])
     blocks = 2 * -(-(max(len(p) for p in prompts) + max_new_tokens) // 4)  # two requests at full length
-    engine = Engine(model, tok, max_batch_size=3, kv="paged", block_size=4, num_blocks=blocks, token_budget=6,
-                    attention=_course().kernel_attention(inner))
-    try:
-        done = engine.run([Request(p, max_new_tokens, request_id=f"r{i}") for i, p in enumerate(prompts)])
-    except Exception as err:  # the learner's code, inside the engine's forward pass
-        raise Fail(f"in the real engine: {raised(err)}") from None
-    for p, c in zip(prompts, done):
-        if c.output_ids != generated(model, p, max_new_tokens):
-            raise Fail(f"in the real engine, request {c.request_id}'s tokens differ from generate's, though every "
-                       "hand-built step passed: look at what a real step adds -- longer contexts, several "
-                       "sequences of different lengths, the engine's own tile size")
-    return len(prompts), sum(len(c.output_ids) for c in done)
+    tokens = serve_like_generate(model, prompts, max_new_tokens, "every hand-built step passed", "look at what a real "
+                                 "step adds -- longer contexts, several sequences of different lengths, the engine's "
+                                 "own tile size", max_batch_size=3, block_size=4, num_blocks=blocks, token_budget=6,
+                                 attention=_course().kernel_attention(inner))
+    return len(prompts), tokens
 
 
 @self_check
