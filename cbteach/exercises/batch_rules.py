@@ -54,8 +54,8 @@ HINTS = {
     "kept_generator": "a cached request's random stream was replaced: a cached request keeps its state's generator",
     "row_generator": "a row's generator is not its request's state's generator",
 }
-WHY = {"resumed": ("a resumed", "its blocks were taken back when it was preempted (cached.resumed_req_ids)"),
-       "replaced": ("a", "a copy on write changed its table (cached.replaced_req_ids)")}
+WHY = {"resumed": ("A resumed", "its blocks were taken back when it was preempted (cached.resumed_req_ids)"),
+       "replaced": ("A", "a copy on write changed its table (cached.replaced_req_ids)")}
 
 
 @dataclass
@@ -148,8 +148,7 @@ def _row_hint(b, row: int, state, e: Expect) -> str | None:
     table = b.block_table.row(row)
     if table != e.blocks:
         if e.how in WHY and table == e.held.blocks + e.blocks:
-            which, why = WHY[e.how]
-            return HINTS["appended"].format(which=which[0].upper() + which[1:], why=why)
+            return HINTS["appended"].format(which=WHY[e.how][0], why=WHY[e.how][1])
         if e.how == "running" and table == e.held.blocks:
             return HINTS["not_appended"]
         if e.how == "running" and table == e.blocks[len(e.held.blocks):]:

@@ -158,11 +158,11 @@ def delegates(fn) -> bool:
 
 
 def _attempt(course, inner, query, pool, meta, tile_n: int):
-    """The launcher on one step with ``inner`` as its loop: its output, or the exception it stopped with."""
+    """The launcher on one step with ``inner`` as its loop: (its output, None), or (None, the error it raised)."""
     try:
-        return course.unified_attention(query, pool.k[0], pool.v[0], meta, None, inner=inner, tile_n=tile_n)
+        return course.unified_attention(query, pool.k[0], pool.v[0], meta, None, inner=inner, tile_n=tile_n), None
     except Exception as err:  # the learner's code, inside the interpreter
-        return err
+        return None, err
 
 
 def run_steps(inner, scale: int | None = None) -> int:
@@ -175,17 +175,14 @@ def run_steps(inner, scale: int | None = None) -> int:
     for i, (_, what, hint, spec) in enumerate(STEPS, 1):
         spec = scaled(spec, scale) if scale > 1 else spec
         query, pool, meta = make_step(**spec, device=device)
-        got = _attempt(course, inner, query, pool, meta, spec["tile_n"])
-        where = f"step {i} of {len(STEPS)} ({what})"
-        if isinstance(got, Exception):
-            raise Fail(f"{where}: your loop stopped with {raised(got)}") from None
+        got, err = _attempt(course, inner, query, pool, meta, spec["tile_n"])
+        if err is not None:
+            raise Fail(f"step {i} of {len(STEPS)} ({what}): your loop stopped with {raised(err)}") from None
         want = reference_attention(query, 0, meta, None)
         if not (torch.isfinite(got).all() and torch.allclose(got, want, rtol=tol, atol=tol / 10)):
-            def again(q, p, m):
-                out = _attempt(course, inner, q, p, m, spec["tile_n"])
-                return None if isinstance(out, Exception) else out
-            said = diagnose(again, spec, got, want, tol, hint, device, None if course.INTERPRETED else 16)
-            raise Fail(f"{where} differs from the reference attention: {said}")
+            run = lambda *step: _attempt(course, inner, *step, spec["tile_n"])[0]  # noqa: E731
+            said = diagnose(run, spec, got, want, tol, hint, device, None if course.INTERPRETED else 16)
+            raise Fail(f"step {i} of {len(STEPS)} ({what}) differs from the reference attention: {said}")
     return len(STEPS)
 
 
