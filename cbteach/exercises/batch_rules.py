@@ -59,18 +59,6 @@ WHY = {"resumed": ("A resumed", "its blocks were taken back when it was preempte
 
 
 @dataclass
-class Held:
-    """What the worker held for a request before the message."""
-
-    prompt: list
-    output: list
-    blocks: list
-    generator: object
-    had_row: bool
-    computed: int = 0  # its num_computed_tokens
-
-
-@dataclass
 class Expect:
     """What a scheduled request's row and state must hold after the message. ``how``: ``new``, ``forked``
     (a new request the worker held a state for), ``resumed``, ``replaced`` or ``running``."""
@@ -81,7 +69,7 @@ class Expect:
     blocks: list
     generator: object
     sampling_params: object = None  # a new request's (a cached one keeps its state's)
-    held: Held | None = None
+    held: object = None  # a cached request's state before the message (a copy)
 
 
 def _same_stream(a, b) -> bool:
@@ -117,7 +105,7 @@ def state_hint(runner, msg, before: dict, expect: dict, rows_before: list) -> st
     lost = [rid for rid, row in b.req_id_to_index.items() if row >= len(b.req_ids) or b.req_ids[row] != rid]
     if lost or any(b.req_id_to_index[rid] != row for row, rid in enumerate(b.req_ids)):
         # added again while it had its row: the batch gave it a second row, and condense() cut one off
-        return HINTS["twice"] if any(before.get(rid) and before[rid].had_row for rid in lost) else HINTS["index"]
+        return HINTS["twice"] if any(rid in rows_before for rid in lost) else HINTS["index"]
     return _wrong_row(b, expect) or next(filter(None, (_row_hint(b, b.req_id_to_index[rid], reqs[rid], e)
                                                        for rid, e in expect.items())), None)
 
@@ -129,7 +117,7 @@ def _wrong_row(b, expect: dict) -> str | None:
     for what, key, read in (("num_computed_tokens", "num_computed_tokens", lambda r: int(b.num_computed_tokens[r])),
                             ("block table", "blocks", b.block_table.row)):
         for rid, e in expect.items():
-            want, old = getattr(e, key), e.held and (e.held.computed if key != "blocks" else e.held.blocks)
+            want, old = getattr(e, key), e.held and (e.held.num_computed_tokens if key != "blocks" else e.held.block_ids)
             if e.how in ("new", "forked") or read(rows[rid]) == want or want == old:
                 continue
             if any(read(r) == want != getattr(expect[o], key) for o, r in rows.items() if o != rid):
@@ -147,11 +135,11 @@ def _row_hint(b, row: int, state, e: Expect) -> str | None:
         return HINTS["computed_state"]
     table = b.block_table.row(row)
     if table != e.blocks:
-        if e.how in WHY and table == e.held.blocks + e.blocks:
+        if e.how in WHY and table == e.held.block_ids + e.blocks:
             return HINTS["appended"].format(which=WHY[e.how][0], why=WHY[e.how][1])
-        if e.how == "running" and table == e.held.blocks:
+        if e.how == "running" and table == e.held.block_ids:
             return HINTS["not_appended"]
-        if e.how == "running" and table == e.blocks[len(e.held.blocks):]:
+        if e.how == "running" and table == e.blocks[len(e.held.block_ids):]:
             return HINTS["replaced"]
         return HINTS["blocks_state"] if list(state.block_ids) == e.blocks else HINTS["blocks_other"]
     if list(state.block_ids) != e.blocks:

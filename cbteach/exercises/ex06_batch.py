@@ -5,6 +5,7 @@ worker's state is compared with the message (:mod:`.batch_rules`), at the end th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -14,7 +15,7 @@ from ..core.sampling import SamplingParams
 from ..engine.engine import Engine
 from ..worker import states
 from . import Fail, bierce, fail, generated_all, guard, is_stub, need_function, passed, raised, self_check
-from .batch_rules import Expect, Held, state_hint
+from .batch_rules import Expect, state_hint
 
 @dataclass(frozen=True)
 class Workload:
@@ -59,11 +60,9 @@ WORKLOADS = [
 
 
 def _snapshot(runner) -> dict:
-    """What the worker held before a message: each state's prompt, output, blocks, generator and row."""
-    rows = runner.input_batch.req_id_to_index
-    return {rid: Held(list(s.prompt_token_ids), list(s.output_token_ids), list(s.block_ids), s.generator, rid in rows,
-                      s.num_computed_tokens)
-            for rid, s in runner.requests.items()}
+    """What the worker held before a message: a copy of each request's state."""
+    return {rid: dataclasses.replace(s, prompt_token_ids=list(s.prompt_token_ids), block_ids=list(s.block_ids),
+                                     output_token_ids=list(s.output_token_ids)) for rid, s in runner.requests.items()}
 
 
 def expected(msg, before: dict) -> dict:
@@ -78,8 +77,8 @@ def expected(msg, before: dict) -> dict:
     for i, rid in enumerate(c.req_ids):
         held = before[rid]
         how = "resumed" if rid in c.resumed_req_ids else "replaced" if rid in c.replaced_req_ids else "running"
-        table = list(c.new_block_ids[i]) if how != "running" else held.blocks + list(c.new_block_ids[i])
-        tokens = list(c.all_token_ids[rid]) if rid in c.all_token_ids else held.prompt + held.output
+        table = list(c.new_block_ids[i]) if how != "running" else held.block_ids + list(c.new_block_ids[i])
+        tokens = list(c.all_token_ids[rid]) if rid in c.all_token_ids else held.token_ids
         out[rid] = Expect(how, tokens, c.num_computed_tokens[i], table, held.generator, None, held)
     return out
 
