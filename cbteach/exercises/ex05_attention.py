@@ -119,10 +119,12 @@ def _diagnose_slots(got, step: Step, pad: bool = False) -> tuple[str, bool]:
     """The hint for wrong slots ``got``, and whether it names a mistake."""
     args = step.args(pad)
     hint = first_mistake(SLOT_MISTAKES, lambda name: slots(*args, mistake=name) == got, skip=IndexError)
+    if hint:
+        return hint, True
     right = slots(*args)
-    if hint or sorted(right) == sorted(got):
-        return hint or ("the right slots in the wrong order: packed order is sequence 0's tokens first, in position "
-                        "order, then sequence 1's, ..."), True
+    if sorted(right) == sorted(got):
+        return ("the right slots in the wrong order: packed order is sequence 0's tokens first, in position "
+                "order, then sequence 1's, ..."), True
     starts = [sum(s.scheduled for s in step.seqs[:i]) for i in range(len(step.seqs) + 1)]
     wrong = [_kind(c, n) for (c, n, _), a, b in zip(step.seqs, starts, starts[1:]) if got[a:b] != right[a:b]]
     return ("these tokens' slots are not where their block tables put them: " + ", ".join(wrong) +
