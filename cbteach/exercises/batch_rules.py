@@ -21,7 +21,8 @@ HINTS = {
     "stranger": "runner.requests holds a request the worker was never told of",
     "unscheduled_row": "a request not scheduled in this step still has a row: the batch is this step's requests only "
                        "(scheduler_output.num_scheduled_tokens)",
-    "missing_row": "a request scheduled in this step has no row: {who} is added to the batch (batch.add_request(state))",
+    "missing_row": "a request scheduled in this step has no row: {who} is added to the batch "
+                   "(batch.add_request(state))",
     "holes": "rows were left empty in the batch: the last rows move into the holes (batch.condense(), after adding)",
     "twice": "a request has two rows: batch.add_request was called for a request that still had its row -- a cached "
              "request that kept its row is changed in place",
@@ -117,7 +118,8 @@ def _wrong_row(b, expect: dict) -> str | None:
     for what, key, read in (("num_computed_tokens", "num_computed_tokens", lambda r: int(b.num_computed_tokens[r])),
                             ("block table", "blocks", b.block_table.row)):
         for rid, e in expect.items():
-            want, old = getattr(e, key), e.held and (e.held.num_computed_tokens if key != "blocks" else e.held.block_ids)
+            want = getattr(e, key)
+            old = e.held and (e.held.num_computed_tokens if key != "blocks" else e.held.block_ids)
             if e.how in ("new", "forked") or read(rows[rid]) == want or want == old:
                 continue
             if any(read(r) == want != getattr(expect[o], key) for o, r in rows.items() if o != rid):

@@ -67,7 +67,8 @@ class Pieces:
         for piece, (number, names, _, _) in PIECES.items():
             path = self.where.get(number)
             what = "not written yet" if self.objects.get(piece) is None else " + ".join(names)
-            origin = f"{path.name}  in {where.shown(path.parent)}" if path is not None else f"no notebook {number} found"
+            origin = (f"{path.name}  in {where.shown(path.parent)}" if path is not None
+                      else f"no notebook {number} found")
             mark = "   <-- THE COURSE'S SOLUTION" if piece in self.course else ""
             if piece in self.filled:
                 mark = f"   <-- THE COURSE'S ({self.filled[piece]})"
@@ -151,7 +152,7 @@ def pieces_source(folder=None, use_course_solutions: bool = False) -> tuple[str,
 
 def pieces_from_notebooks(folder=None, *, use_course_solutions: bool = False, use_course_for=(), say=print) -> Pieces:
     """The learner's pieces, read from notebooks 05, 06 and 06b in ``folder`` (default: where the learner works)
-    and run; ``say`` gets :meth:`Pieces.report`. ``use_course_solutions=True`` (instructors): every piece the course's."""
+    and run; ``say`` gets :meth:`Pieces.report`. ``use_course_solutions=True`` (instructors): all the course's."""
     unknown = set(use_course_for) - set(PIECES)
     if isinstance(use_course_for, str) or unknown:
         raise ValueError(f"use_course_for takes a list of pieces, each one of {list(PIECES)}; got {use_course_for!r}")

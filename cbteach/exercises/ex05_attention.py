@@ -308,9 +308,9 @@ def serve_like_generate(model, prompts, max_new_tokens: int, what: str, look: st
 
 def _in_engine(model, prompts, attention, slot_mapping) -> tuple[int, int]:
     runs = engine_runs(model, prompts)
-    tokens = sum(serve_like_generate(m, ps, MAX_NEW_TOKENS, what, "look at what a run adds -- reused blocks, longer "
-                                     "contexts, other shapes", attention=attention, slot_mapping=slot_mapping, **options)
-                 for what, m, ps, options in runs)
+    look = "look at what a run adds -- reused blocks, longer contexts, other shapes"
+    tokens = sum(serve_like_generate(m, ps, MAX_NEW_TOKENS, what, look, attention=attention, slot_mapping=slot_mapping,
+                                     **options) for what, m, ps, options in runs)
     return sum(len(r.prompts) for r in runs), tokens
 
 

@@ -43,12 +43,14 @@ def slots(block_tables, num_computed_tokens, num_scheduled_tokens, block_size, m
         for j in range(n):
             p = {"from_zero": j, "plus_one": c + j + 1, "packed_index": row}.get(mistake, c + j)
             block = {"block_up": -(-p // block_size), "block_next": (p + 1) // block_size, "last_block": -1,
-                     "block_before": (p - 1) // block_size, "block_plus": p // block_size + 1}.get(mistake, p // block_size)
+                     "block_before": (p - 1) // block_size, "block_plus": p // block_size + 1,
+                     }.get(mistake, p // block_size)
             offset = 0 if mistake == "no_offset" else p % block_size
             if mistake == "swapped":
                 block, offset = offset, block
             scale = 1 if mistake == "no_times" else block_size
-            out.append(offset * block_size + table[block] if mistake == "offset_times" else table[block] * scale + offset)
+            out.append(offset * block_size + table[block] if mistake == "offset_times"
+                       else table[block] * scale + offset)
             row += 1
     return out
 

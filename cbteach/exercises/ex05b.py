@@ -152,9 +152,13 @@ def delegates(fn) -> bool:
     code = getattr(raw, "__code__", None)
     if raw is own or code is own.__code__:
         return True
-    named = [getattr(raw, "__globals__", {}).get(name) for name in (code.co_names if code else ())]
-    return any(isinstance(obj, types.ModuleType) and obj.__name__.startswith("cbteach") or getattr(obj, "fn", obj) is own
-               or getattr(obj, "__module__", None) == course.__name__ for obj in named)
+    for name in code.co_names if code else ():
+        obj = getattr(raw, "__globals__", {}).get(name)
+        if isinstance(obj, types.ModuleType) and obj.__name__.startswith("cbteach"):
+            return True
+        if getattr(obj, "fn", obj) is own or getattr(obj, "__module__", None) == course.__name__:
+            return True
+    return False
 
 
 def _attempt(course, inner, query, pool, meta, tile_n: int):

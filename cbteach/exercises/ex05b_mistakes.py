@@ -60,7 +60,8 @@ def _load(flat, addr, mask):
     """A masked load from a flat tensor (``other=0``); None if an address it reads lies outside."""
     if bool(((addr < 0) | (addr >= flat.numel()))[mask].any()):
         return None
-    return torch.where(mask, flat[addr.clamp(0, flat.numel() - 1)], torch.zeros((), dtype=flat.dtype, device=flat.device))
+    zero = torch.zeros((), dtype=flat.dtype, device=flat.device)
+    return torch.where(mask, flat[addr.clamp(0, flat.numel() - 1)], zero)
 
 
 def loop(query, pool, meta, tile_n: int, mistake: str | None = None, block_q: int | None = None):

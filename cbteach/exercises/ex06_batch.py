@@ -70,7 +70,8 @@ def expected(msg, before: dict) -> dict:
     out = {}
     for new in msg.scheduled_new_reqs:
         old = None if new.req_id in msg.finished_req_ids else before.get(new.req_id)  # (an id used again: new)
-        out[new.req_id] = Expect("new" if old is None else "forked", list(new.prompt_token_ids) + list(new.output_token_ids),
+        out[new.req_id] = Expect("new" if old is None else "forked",
+                                 list(new.prompt_token_ids) + list(new.output_token_ids),
                                  new.num_computed_tokens, list(new.block_ids),
                                  states.new_generator(new) if old is None else old.generator, new.sampling_params)
     c = msg.scheduled_cached_reqs
