@@ -249,16 +249,13 @@ def _run_check(piece, obj, model, tok, slot_mapping, prefix_caching=True) -> boo
 def _options(argv: list[str]) -> dict:
     """serve's ``--OPTION VALUE`` / ``--OPTION=VALUE`` pairs for the pieces and the model."""
     wanted = {spec.option: piece for piece, spec in PIECES.items()} | {"--model": "model"}
-    found, i = {}, 0
-    while i < len(argv):
-        name, eq, value = argv[i].partition("=")
+    found, args = {}, iter(argv)
+    for arg in args:
+        name, eq, value = arg.partition("=")
         if name in wanted:
-            if not eq:
-                if i + 1 >= len(argv):
-                    raise ValueError(f"{name} takes a value (MODULE:NAME)")
-                value, i = argv[i + 1], i + 1
-            found[wanted[name]] = value
-        i += 1
+            found[wanted[name]] = value if eq else next(args, None)
+            if found[wanted[name]] is None:
+                raise ValueError(f"{name} takes a value (MODULE:NAME)")
     return found
 
 
