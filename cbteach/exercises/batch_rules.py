@@ -21,7 +21,8 @@ HINTS = {
     "stranger": "runner.requests holds a request the worker was never told of",
     "unscheduled_row": "a request not scheduled in this step still has a row: the batch is this step's requests only "
                        "(scheduler_output.num_scheduled_tokens)",
-    "missing_row": "a request scheduled in this step has no row: {who} is added to the batch (batch.add_request(state))",
+    "missing_row": "a request scheduled in this step has no row: {who} is added to the batch "
+                   "(batch.add_request(state))",
     "holes": "rows were left empty in the batch: the last rows move into the holes (batch.condense(), after adding)",
     "twice": "a request has two rows: batch.add_request was called for a request that still had its row -- a cached "
              "request that kept its row is changed in place",
@@ -54,20 +55,8 @@ HINTS = {
     "kept_generator": "a cached request's random stream was replaced: a cached request keeps its state's generator",
     "row_generator": "a row's generator is not its request's state's generator",
 }
-WHY = {"resumed": ("a resumed", "its blocks were taken back when it was preempted (cached.resumed_req_ids)"),
-       "replaced": ("a", "a copy on write changed its table (cached.replaced_req_ids)")}
-
-
-@dataclass
-class Held:
-    """What the worker held for a request before the message."""
-
-    prompt: list
-    output: list
-    blocks: list
-    generator: object
-    had_row: bool
-    computed: int = 0  # its num_computed_tokens
+WHY = {"resumed": ("A resumed", "its blocks were taken back when it was preempted (cached.resumed_req_ids)"),
+       "replaced": ("A", "a copy on write changed its table (cached.replaced_req_ids)")}
 
 
 @dataclass
@@ -81,7 +70,7 @@ class Expect:
     blocks: list
     generator: object
     sampling_params: object = None  # a new request's (a cached one keeps its state's)
-    held: Held | None = None
+    held: object = None  # a cached request's state before the message (a copy)
 
 
 def _same_stream(a, b) -> bool:
@@ -94,45 +83,32 @@ def state_hint(runner, msg, before: dict, expect: dict, rows_before: list) -> st
     """The hint for the first way ``runner``'s state differs from what ``msg`` says (None: it is right);
     ``before`` and ``rows_before``: the states and the batch's rows before the learner's update ran."""
     reqs, b = runner.requests, runner.input_batch
-    sched = set(msg.num_scheduled_tokens)
+    sched, rows = set(msg.num_scheduled_tokens), set(b.req_id_to_index)
     finished = set(msg.finished_req_ids) - sched
-    if msg.scheduled_new_reqs and set(reqs) == set(before) and list(b.req_ids) == rows_before:
-        return HINTS["nothing"]
-    if finished & set(reqs):
-        return HINTS["finished_state"]
-    if finished & set(b.req_id_to_index):
-        return HINTS["finished_row"]
-    if set(before) - finished - set(reqs):
-        return HINTS["state_dropped"]
-    if any(new.req_id not in reqs for new in msg.scheduled_new_reqs):
-        return HINTS["new_no_state"]
-    if set(reqs) - set(before) - set(expect):
-        return HINTS["stranger"]
-    rows = set(b.req_id_to_index)
-    if rows - sched:
-        return HINTS["unscheduled_row"]
-    if sched - rows:
-        rid = next(iter(sched - rows))
-        who = "a new request" if expect[rid].how in ("new", "forked") else \
-            "a cached request without a row -- resumed, or left out of the step before --"
-        return HINTS["missing_row"].format(who=who)
     held = [rid for rid in b.req_ids if rid is not None]
-    if len(set(held)) != len(held):
-        return HINTS["twice"]
-    if len(b.req_ids) != b.num_reqs or None in b.req_ids:
-        return HINTS["holes"]
+    first = next((key for key, wrong in (
+        ("nothing", lambda: msg.scheduled_new_reqs and set(reqs) == set(before) and list(b.req_ids) == rows_before),
+        ("finished_state", lambda: finished & set(reqs)),
+        ("finished_row", lambda: finished & rows),
+        ("state_dropped", lambda: set(before) - finished - set(reqs)),
+        ("new_no_state", lambda: any(new.req_id not in reqs for new in msg.scheduled_new_reqs)),
+        ("stranger", lambda: set(reqs) - set(before) - set(expect)),
+        ("unscheduled_row", lambda: rows - sched),
+        ("missing_row", lambda: sched - rows),
+        ("twice", lambda: len(set(held)) != len(held)),
+        ("holes", lambda: len(b.req_ids) != b.num_reqs or None in b.req_ids)) if wrong()), None)
+    if first == "missing_row":
+        new = expect[next(iter(sched - rows))].how in ("new", "forked")
+        return HINTS[first].format(who="a new request" if new else
+                                   "a cached request without a row -- resumed, or left out of the step before --")
+    if first is not None:
+        return HINTS[first]
     lost = [rid for rid, row in b.req_id_to_index.items() if row >= len(b.req_ids) or b.req_ids[row] != rid]
     if lost or any(b.req_id_to_index[rid] != row for row, rid in enumerate(b.req_ids)):
         # added again while it had its row: the batch gave it a second row, and condense() cut one off
-        return HINTS["twice"] if any(before.get(rid) and before[rid].had_row for rid in lost) else HINTS["index"]
-    said = _wrong_row(b, expect)
-    if said is not None:
-        return said
-    for rid, e in expect.items():
-        said = _row_hint(b, b.req_id_to_index[rid], reqs[rid], e)
-        if said is not None:
-            return said
-    return None
+        return HINTS["twice"] if any(rid in rows_before for rid in lost) else HINTS["index"]
+    return _wrong_row(b, expect) or next(filter(None, (_row_hint(b, b.req_id_to_index[rid], reqs[rid], e)
+                                                       for rid, e in expect.items())), None)
 
 
 def _wrong_row(b, expect: dict) -> str | None:
@@ -142,7 +118,8 @@ def _wrong_row(b, expect: dict) -> str | None:
     for what, key, read in (("num_computed_tokens", "num_computed_tokens", lambda r: int(b.num_computed_tokens[r])),
                             ("block table", "blocks", b.block_table.row)):
         for rid, e in expect.items():
-            want, old = getattr(e, key), e.held and (e.held.computed if key != "blocks" else e.held.blocks)
+            want = getattr(e, key)
+            old = e.held and (e.held.num_computed_tokens if key != "blocks" else e.held.block_ids)
             if e.how in ("new", "forked") or read(rows[rid]) == want or want == old:
                 continue
             if any(read(r) == want != getattr(expect[o], key) for o, r in rows.items() if o != rid):
@@ -160,12 +137,11 @@ def _row_hint(b, row: int, state, e: Expect) -> str | None:
         return HINTS["computed_state"]
     table = b.block_table.row(row)
     if table != e.blocks:
-        if e.how in WHY and table == e.held.blocks + e.blocks:
-            which, why = WHY[e.how]
-            return HINTS["appended"].format(which=which[0].upper() + which[1:], why=why)
-        if e.how == "running" and table == e.held.blocks:
+        if e.how in WHY and table == e.held.block_ids + e.blocks:
+            return HINTS["appended"].format(which=WHY[e.how][0], why=WHY[e.how][1])
+        if e.how == "running" and table == e.held.block_ids:
             return HINTS["not_appended"]
-        if e.how == "running" and table == e.blocks[len(e.held.blocks):]:
+        if e.how == "running" and table == e.blocks[len(e.held.block_ids):]:
             return HINTS["replaced"]
         return HINTS["blocks_state"] if list(state.block_ids) == e.blocks else HINTS["blocks_other"]
     if list(state.block_ids) != e.blocks:

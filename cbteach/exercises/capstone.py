@@ -1,11 +1,8 @@
-"""Your engine: the pieces you wrote in notebooks 05, 06 and 06b, read from those notebooks and assembled
-(notebook 12).
+"""Your engine (notebook 12): the pieces you wrote in notebooks 05, 06 and 06b, read from those notebooks.
 
-:data:`PIECES` names each piece, its notebook, ``serve``'s option and ``Engine``'s keyword.
-:func:`pieces_from_notebooks` reads the solution cells (where the learner typed them), a piece not written
-yet -- or, with :func:`stand_in`, one that fails its check -- replaced by the course's and marked so;
-:func:`write_module` writes them into a ``.py`` file ``serve`` imports, and :func:`refuse_broken_pieces`
-stops ``serve`` before it starts when a piece fails its notebook's check.
+:func:`pieces_from_notebooks` reads the solution cells; the course's piece, marked as the course's, stands in for
+one not written yet, asked for, or (:func:`stand_in`) failing its check. :func:`write_module` writes them into the
+``.py`` file ``serve`` imports; :func:`refuse_broken_pieces` stops ``serve`` when a piece fails its check.
 """
 from __future__ import annotations
 
@@ -44,15 +41,14 @@ ENGINE_CLASS = "MyEngineScheduler"  # MyScheduler's schedule with MyUpdate's upd
 
 @dataclass
 class Pieces:
-    """The learner's pieces as objects (``None``: not written yet), their module's source, where each
-    notebook was found (``None``: nowhere), and which pieces are the course's own."""
+    """The learner's pieces (``None``: not written yet), their module's source, and whose each is."""
 
     objects: dict = field(default_factory=dict)  # piece -> object (the scheduler: the combined class)
     source: str = ""  # a module defining every piece (write_module writes it)
     where: dict = field(default_factory=dict)  # notebook number -> the notebook's path, or None
     course: set = field(default_factory=set)  # pieces that are the course's solutions, not the learner's
     searched: list = field(default_factory=list)  # the folders looked in
-    filled: dict = field(default_factory=dict)  # piece not written yet -> the cell to write it in (the course's runs)
+    filled: dict = field(default_factory=dict)  # piece the course's stands in for -> why, and its cell
     read_with: dict = field(default_factory=dict, repr=False)  # how they were read (stand_in reads them again)
 
     @property
@@ -65,13 +61,14 @@ class Pieces:
         return {PIECES[k].engine_kwarg: v for k, v in self.objects.items() if v is not None}
 
     def report(self) -> str:
-        """Every piece: its name, and the folder and file it came from -- and, in lines that cannot be
-        missed, which notebooks were not found and which pieces are the course's own solutions."""
+        """Every piece and the file it came from; in lines that cannot be missed, the notebooks not found and
+        the pieces that are the course's own."""
         lines = []
         for piece, (number, names, _, _) in PIECES.items():
             path = self.where.get(number)
             what = "not written yet" if self.objects.get(piece) is None else " + ".join(names)
-            origin = f"{path.name}  in {where.shown(path.parent)}" if path is not None else f"no notebook {number} found"
+            origin = (f"{path.name}  in {where.shown(path.parent)}" if path is not None
+                      else f"no notebook {number} found")
             mark = "   <-- THE COURSE'S SOLUTION" if piece in self.course else ""
             if piece in self.filled:
                 mark = f"   <-- THE COURSE'S ({self.filled[piece]})"
@@ -91,77 +88,71 @@ class Pieces:
         return "\n".join(lines)
 
 
-def _read(folder=None, use_course_solutions: bool = False, use_course_for=(), failed=None) -> tuple:
-    """(the pieces module's text, where each notebook was found, the pieces that are the course's
-    solutions, the folders searched, the pieces not written yet -> where to write them). A notebook found
-    nowhere gives the student copy's stubs; a piece whose cell is still the stub gets the course's cell."""
+def _read(folder=None, use_course_solutions: bool = False, use_course_for=(), failed=None) -> Pieces:
+    """The pieces' module text (no objects yet), read from notebooks 05, 06 and 06b; a notebook found nowhere gives
+    the student copy's stubs. The course's cell stands in for a piece whose cell is the stub, asked for
+    (``use_course_for``) or ``failed`` (piece -> its check's hint); a cell equal to the course's is marked so."""
     from ..student import course_dir, stub
 
-    if use_course_solutions:
-        folders = [course_dir()]
-    elif folder is not None:
-        folders = [Path(folder)]
-        if not folders[0].is_dir():
-            raise ValueError(f"{folder} is not a folder: name the folder that holds your notebooks 05, 06 and 06b")
-    else:
-        folders = where.search_folders()
-    found = {n: next((p for p in (where.find_notebook(f, n) for f in folders) if p is not None), None)
-             for n in dict.fromkeys(number for number, *_ in PIECES.values())}  # 05, 06, 06b
+    if folder is not None and not use_course_solutions and not Path(folder).is_dir():
+        raise ValueError(f"{folder} is not a folder: name the folder that holds your notebooks 05, 06 and 06b")
+    folders = ([course_dir()] if use_course_solutions else where.search_folders() if folder is None
+               else [Path(folder)])
+    found = {n: next(filter(None, (where.find_notebook(f, n) for f in folders)), None)
+             for n in dict.fromkeys(spec.notebook for spec in PIECES.values())}  # 05, 06, 06b
     if folder is not None and not use_course_solutions and not any(found.values()):
         raise ValueError(f"no notebook 05_*.ipynb, 06_*.ipynb or 06b_*.ipynb in {folder}: your pieces are read from "
                          "notebooks 05, 06 and 06b -- name the folder you saved them in")
-    imports, bodies, course_names, filled = ["import math"], [], set(), {}  # math: notebook 06 imports it
+    piece_of = {name: piece for piece, spec in PIECES.items() for name in spec.names}
+    imports, bodies, course, filled = ["import math"], [], set(), {}  # math: notebook 06 imports it
     for number, path in found.items():
         try:
             course_path = where.find_notebook(course_dir(), number)
         except FileNotFoundError:  # no course notebooks: no course cells to stand in
             course_path = None
-        source_path = path if path is not None else course_path
-        if source_path is None:  # no cell at all: empty classes and functions
+        if path is None and course_path is None:  # no cell at all: empty classes and functions
             bodies += [f"class {name}:\n    pass\n" if name.startswith("My") else f"def {name}(*args):\n    ...\n"
-                       for n, names, _, _ in PIECES.values() if n == number for name in names]
+                       for spec in PIECES.values() if spec.notebook == number for name in spec.names]
             continue
-        more, solutions, _ = where.cells(source_path, stubbed=path is None)
+        more, solutions, _ = where.cells(path or course_path, stubbed=path is None)
         imports += [i for i in more if i not in imports]
         theirs = dict(zip(*where.cells(course_path)[1:])) if path is not None and course_path is not None else {}
         for i, s in enumerate(solutions):
+            pieces = {piece_of[n] for n in where.defined(s) if n in piece_of}
             twin = next((c for c in theirs if where.defined(c) == where.defined(s)), None)
-            asked = where.defined(s) & {n for p in use_course_for for n in PIECES[p].names}  # yours does not pass yet
-            failing = next((p for p in failed or {} if where.defined(s) & set(PIECES[p].names)), None)
-            if twin is not None and (asked or failing or where.normal(s) == where.normal(stub(twin))):  # the course's
+            failing = next((p for p in pieces if p in (failed or {})), None)
+            asked = pieces & set(use_course_for)
+            if twin is not None and (asked or failing or where.normal(s) == where.normal(stub(twin))):
                 solutions[i] = twin
                 why = (f"yours fails its own check: {failed[failing]}" if failing else
                        "you asked for the course's" if asked else "yours is not written yet")
-                filled.update({n: f"{why}: notebook {number}, the cell under '{theirs[twin]}'" for n in where.defined(s)})
+                for p in pieces:
+                    filled.setdefault(p, f"{why}: notebook {number}, the cell under '{theirs[twin]}'")
             elif where.normal(s) in {where.normal(c) for c in theirs}:  # a solution cell pasted in, or the course's
-                course_names |= where.defined(s)
+                course |= pieces
         label = path.name if path is not None else f"{number} (not found: the student copy's stubs)"
         bodies += [f"# -- from {label} --\n{s.strip()}\n" for s in solutions]
     used = {n.id for b in bodies for n in ast.walk(ast.parse(b)) if isinstance(n, ast.Name)}
     imports = [i for i in imports if where.binds(i) & used]  # only what the pieces use
-    combined = (f"\n\nclass {ENGINE_CLASS}(MyScheduler, MyUpdate):\n    \"\"\"Your schedule (notebook 06, stages 1-4) "
-                "and your update (stage 5): one scheduler.\"\"\"\n")
-    header = '"""Your engine\'s pieces, written from notebooks 05 and 06 (cbteach.exercises.capstone)."""\n'
-    source = header + "\n".join(imports) + "\n\n\n" + "\n\n".join(bodies) + combined
-    course = {p for p, (_, names, _, _) in PIECES.items() if course_names & set(names)}
-    filled = {p: next(filled[n] for n in names if n in filled) for p, (_, names, _, _) in PIECES.items()
-              if filled.keys() & set(names)}
+    source = ('"""Your engine\'s pieces, written from notebooks 05 and 06 (cbteach.exercises.capstone)."""\n' +
+              "\n".join(imports) + "\n\n\n" + "\n\n".join(bodies) +
+              f"\n\nclass {ENGINE_CLASS}(MyScheduler, MyUpdate):\n    \"\"\"Your schedule (notebook 06, stages 1-4) "
+              "and your update (stage 5): one scheduler.\"\"\"\n")
     if "scheduler" in course | set(filled):  # the tournament's table marks it (tournament_core.run_entry)
         source += f"\n\n{PIECES['scheduler'].names[0]}.course_solution = True  # the course's, not yours\n"
-    return source, found, course, folders, filled
+    return Pieces({}, source, found, course | set(filled), folders, filled)
 
 
 def pieces_source(folder=None, use_course_solutions: bool = False) -> tuple[str, dict]:
-    """A module's text with every piece from notebooks 05 and 06 -- in ``folder``, or where the learner
-    works (:mod:`cbteach.exercises.where`) -- and where each notebook was found (``None``: nowhere)."""
-    source, found, _, _, _ = _read(folder, use_course_solutions)
-    return source, found
+    """A module's text with every piece from notebooks 05, 06 and 06b in ``folder`` (default: where the learner
+    works, :mod:`.where`), and where each notebook was found (``None``: nowhere)."""
+    pieces = _read(folder, use_course_solutions)
+    return pieces.source, pieces.where
 
 
 def pieces_from_notebooks(folder=None, *, use_course_solutions: bool = False, use_course_for=(), say=print) -> Pieces:
-    """The learner's pieces, read from notebooks 05 and 06 in ``folder`` (default: where the learner works,
-    :func:`where.search_folders`) and run; ``say`` gets :meth:`Pieces.report`. A piece not written yet, or named in
-    ``use_course_for``, is the course's, marked so everywhere; ``use_course_solutions=True`` (instructors): all."""
+    """The learner's pieces, read from notebooks 05, 06 and 06b in ``folder`` (default: where the learner works)
+    and run; ``say`` gets :meth:`Pieces.report`. ``use_course_solutions=True`` (instructors): all the course's."""
     unknown = set(use_course_for) - set(PIECES)
     if isinstance(use_course_for, str) or unknown:
         raise ValueError(f"use_course_for takes a list of pieces, each one of {list(PIECES)}; got {use_course_for!r}")
@@ -177,33 +168,31 @@ def stand_in(pieces: Pieces, failed: dict) -> bool:
     of ``failed`` (piece -> what its check said). False if they were not read from notebooks (nothing to read)."""
     if not pieces.read_with:
         return False
-    vars(pieces).update(vars(_assemble(pieces.read_with, {**pieces.read_with.get("failed", {}), **failed})))
+    failed = {**pieces.read_with.get("failed", {}), **failed}
+    vars(pieces).update(vars(_assemble({**pieces.read_with, "failed": failed})))
     return True
 
 
-def _assemble(read_with: dict, failed=None) -> Pieces:
-    """The pieces read as ``read_with`` says (:func:`pieces_from_notebooks`'s arguments), run."""
-    read_with = {**read_with, **({"failed": failed} if failed else {})}
-    source, found, course, searched, filled = _read(**read_with)
+def _assemble(read_with: dict) -> Pieces:
+    """The pieces read as ``read_with`` (:func:`_read`'s arguments) says, run: their objects."""
+    pieces = _read(**read_with)
+    pieces.read_with = read_with
     namespace: dict = {"__name__": "my_engine"}
     filename = f"<my_engine {len(linecache.cache)}>"  # kept as a notebook keeps a cell: the guard reads the source
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    exec(compile(source, filename, "exec"), namespace)  # noqa: S102 -- the learner's own code
-    objects = {}
-    for piece, (_, names, _, _) in PIECES.items():
-        got = [namespace.get(n) for n in names]
-        missing = found[PIECES[piece].notebook] is None  # its notebook was found nowhere: not written
-        objects[piece] = None if missing or any(is_stub(o) for o in got) else got[0]
-    if objects["scheduler"] is not None:
-        objects["scheduler"] = namespace[ENGINE_CLASS]
-    course = {p for p in course | set(filled) if objects[p] is not None}
-    return Pieces(objects, source, found, course, searched, {p: w for p, w in filled.items() if p in course}, read_with)
+    linecache.cache[filename] = (len(pieces.source), None, pieces.source.splitlines(True), filename)
+    exec(compile(pieces.source, filename, "exec"), namespace)  # noqa: S102 -- the learner's own code
+    for piece, spec in PIECES.items():
+        got = [namespace.get(n) for n in spec.names]
+        written = pieces.where[spec.notebook] is not None and not any(is_stub(o) for o in got)
+        pieces.objects[piece] = None if not written else namespace[ENGINE_CLASS] if piece == "scheduler" else got[0]
+    pieces.course = {p for p in pieces.course if pieces.objects[p] is not None}
+    pieces.filled = {p: why for p, why in pieces.filled.items() if p in pieces.course}
+    return pieces
 
 
 def write_module(path, pieces=None) -> Path:
-    """Write the pieces into ``path`` (a ``.py`` file ``serve`` imports): ``pieces`` is what
-    :func:`pieces_from_notebooks` returned, or a folder to read notebooks 05 and 06 from (default: where
-    the learner works, as :func:`pieces_from_notebooks` looks)."""
+    """Write ``pieces`` (:func:`pieces_from_notebooks`'s, or a folder to read them from; default: where the learner
+    works) into ``path``, a ``.py`` file ``serve`` imports."""
     path = Path(path)
     path.write_text(pieces.source if isinstance(pieces, Pieces) else pieces_source(pieces)[0], encoding="utf-8")
     return path
@@ -219,18 +208,17 @@ def serve_options(module: str) -> list[str]:
 # -- a piece's own check ----------------------------------------------------------------------------------
 
 def check_piece(piece: str, obj, model, tok=None, slot_mapping=None, prefix_caching: bool = True) -> tuple[bool, str]:
-    """Run ``piece``'s own notebook check on ``obj``: (passed, what the check said -- its failure if any).
-    ``prefix_caching=False``: the scheduler is not checked on workloads with prefix caching on. A piece
-    that is, or calls, the engine's or the course's own is refused first (:mod:`.guard`)."""
+    """``piece``'s own notebook check on ``obj``: (passed, what it said -- its failure if any). A piece that is or
+    calls the course's own is refused first (:mod:`.guard`); ``prefix_caching=False``: no such scheduler workloads."""
     refused = guard.refusal(piece, obj)
     if refused:
         return False, refused
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         ok = _run_check(piece, obj, model, tok, slot_mapping, prefix_caching)
-    lines = [line[2:] if line[:2] in ("✓ ", "✗ ") else line for line in out.getvalue().strip().splitlines()]
-    failed = [line for line in out.getvalue().splitlines() if line.startswith("✗ ")]
-    return bool(ok), (failed[0][2:] if failed else (lines[-1] if lines else ""))
+    lines = out.getvalue().strip().splitlines() or [""]
+    said = next((line for line in lines if line.startswith("✗ ")), lines[-1])
+    return bool(ok), said[2:] if said[:2] in ("✓ ", "✗ ") else said
 
 
 def _token_prompts(model) -> list:
@@ -251,29 +239,23 @@ def _run_check(piece, obj, model, tok, slot_mapping, prefix_caching=True) -> boo
         return ex05_attention.check_paged_attention(obj, model, tok, prompts, slot_mapping=slot_mapping)
     if piece == "update_batch":
         return ex06_batch.check_update_batch(obj, model)
-    check_stage = ex06.check_stage
-    if not (isinstance(obj, type) and issubclass(obj, Scheduler)):
-        return check_stage(1, obj, model)  # its answer says what a scheduler must be
-    stages = ([1, 2, 3, 4] if obj.schedule is not Scheduler.schedule else []) + \
-        ([5] if obj.update_from_output is not Scheduler.update_from_output else [])
-    if not stages:
-        return check_stage(1, obj, model)  # "not done yet"
-    return all(check_stage(s, obj, model, prefix_caching=prefix_caching) for s in stages)  # stops at a failure
+    stages = [1]  # its answer says what a scheduler must be, or "not done yet"
+    if isinstance(obj, type) and issubclass(obj, Scheduler):
+        stages = ([1, 2, 3, 4] if obj.schedule is not Scheduler.schedule else []) + \
+            ([5] if obj.update_from_output is not Scheduler.update_from_output else []) or [1]
+    return all(ex06.check_stage(s, obj, model, prefix_caching=prefix_caching) for s in stages)  # stops at a failure
 
 
 def _options(argv: list[str]) -> dict:
     """serve's ``--OPTION VALUE`` / ``--OPTION=VALUE`` pairs for the pieces and the model."""
     wanted = {spec.option: piece for piece, spec in PIECES.items()} | {"--model": "model"}
-    found, i = {}, 0
-    while i < len(argv):
-        name, eq, value = argv[i].partition("=")
+    found, args = {}, iter(argv)
+    for arg in args:
+        name, eq, value = arg.partition("=")
         if name in wanted:
-            if not eq:
-                if i + 1 >= len(argv):
-                    raise ValueError(f"{name} takes a value (MODULE:NAME)")
-                value, i = argv[i + 1], i + 1
-            found[wanted[name]] = value
-        i += 1
+            found[wanted[name]] = value if eq else next(args, None)
+            if found[wanted[name]] is None:
+                raise ValueError(f"{name} takes a value (MODULE:NAME)")
     return found
 
 

@@ -6,6 +6,7 @@ show on another); then in the real engine, every token equal to ``model.generate
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import numbers
 from typing import NamedTuple
@@ -23,29 +24,29 @@ MAX_NEW_TOKENS = 16  # per request, in the engine runs
 
 
 class Seq(NamedTuple):
-    """One sequence of a hand-built step."""
-
     computed: int  # num_computed_tokens: its tokens already in the cache
     scheduled: int  # num_scheduled_tokens: its tokens fed this step
     table: list  # its block table
 
 
 class Step(NamedTuple):
-    """A hand-built step: what it shows, its block size, its sequences."""
-
     what: str
     block_size: int
     seqs: list
 
-    def args(self) -> tuple:  # a slot mapping's arguments
-        return ([list(s.table) for s in self.seqs], [s.computed for s in self.seqs],
-                [s.scheduled for s in self.seqs], self.block_size)
+    def args(self, pad: bool = False) -> tuple:
+        """A slot mapping's arguments; ``pad``: every table lengthened by blocks nobody owns (sequence i's from
+        ``100 * (i + 1)`` on), so that a mapping reading past a table runs."""
+        width = max(len(s.table) for s in self.seqs) + 2 if pad else 0
+        return ([list(s.table) + [100 * (i + 1) + k for k in range(width - len(s.table))]
+                 for i, s in enumerate(self.seqs)],
+                [s.computed for s in self.seqs], [s.scheduled for s in self.seqs], self.block_size)
 
 
 class Heads(NamedTuple):
-    """Attention on one of :data:`STEPS`: its heads, head size and scaling."""
+    """Attention on one of :data:`STEPS`."""
 
-    step: int  # the index of the step in STEPS
+    step: int  # its index in STEPS
     heads: int  # query heads
     kv_heads: int
     head_dim: int
@@ -77,13 +78,14 @@ HEADS = [Heads(step=0, heads=2, kv_heads=2, head_dim=8, scaling=None),
 
 def _first_named(failures: list) -> None:
     """Raise the most telling failure: one that names a known mistake, else the first."""
+    failures = [f for f in failures if f is not None]
     if failures:
         raise next((f for f in failures if f.named), failures[0])
 
 
-def _case_text(case: Step) -> str:
-    tables, computed, scheduled, bs = case.args()
-    return (f"({case.what}; block_size {bs}, block_tables {tables}, num_computed_tokens {computed}, "
+def _text(step: Step) -> str:
+    tables, computed, scheduled, bs = step.args()
+    return (f"({step.what}; block_size {bs}, block_tables {tables}, num_computed_tokens {computed}, "
             f"num_scheduled_tokens {scheduled})")
 
 
@@ -113,8 +115,9 @@ def _as_slots(got, total: int) -> list[int]:
     return [int(x) for x in got]
 
 
-def _diagnose_slots(got, case: Step) -> tuple[str, bool]:
-    args = case.args()
+def _diagnose_slots(got, step: Step, pad: bool = False) -> tuple[str, bool]:
+    """The hint for wrong slots ``got``, and whether it names a mistake."""
+    args = step.args(pad)
     hint = first_mistake(SLOT_MISTAKES, lambda name: slots(*args, mistake=name) == got, skip=IndexError)
     if hint:
         return hint, True
@@ -122,41 +125,34 @@ def _diagnose_slots(got, case: Step) -> tuple[str, bool]:
     if sorted(right) == sorted(got):
         return ("the right slots in the wrong order: packed order is sequence 0's tokens first, in position "
                 "order, then sequence 1's, ..."), True
-    wrong, start = [], 0
-    for c, n, _ in case.seqs:
-        if got[start:start + n] != right[start:start + n]:
-            wrong.append(_kind(c, n))
-        start += n
+    starts = [sum(s.scheduled for s in step.seqs[:i]) for i in range(len(step.seqs) + 1)]
+    wrong = [_kind(c, n) for (c, n, _), a, b in zip(step.seqs, starts, starts[1:]) if got[a:b] != right[a:b]]
     return ("these tokens' slots are not where their block tables put them: " + ", ".join(wrong) +
             ". A token at position p lies in block p // block_size of its table, at offset p % block_size"), False
 
 
-def _padded(case: Step) -> Step:
-    """The step with every block table lengthened by blocks nobody owns: a mapping that reads past a table runs."""
-    used = {b for s in case.seqs for b in s.table}
-    spare = iter(b for b in range(100, 1000) if b not in used)
-    width = max(len(s.table) for s in case.seqs) + 2
-    return case._replace(seqs=[s._replace(table=list(s.table) + [next(spare) for _ in range(width - len(s.table))])
-                               for s in case.seqs])
-
-
-def _crashed_slots(slot_mapping, case, err) -> Fail:
-    """The failure for a slot mapping that raised on ``case``; an index past a table is named on :func:`_padded`."""
-    said = f"your slot mapping raised {raised(err)}\n  on the step {_case_text(case)}"
-    if not isinstance(err, IndexError):
-        return Fail(said)
-    padded = _padded(case)
-    args = padded.args()
+def _slot_failure(slot_mapping, step: Step) -> Fail | None:
+    """What is wrong on ``step`` (None: nothing). A mapping that indexes past a table runs again on padded
+    tables (:meth:`Step.args`), where the mistake that reads there can be named."""
+    where, total = f"\n  on the step {_text(step)}", sum(s.scheduled for s in step.seqs)
     try:
-        got = _as_slots(slot_mapping(*args), sum(args[2]))
-        hint, named = _diagnose_slots(got, padded) if got != slots(*args) else ("", False)
-    except Exception:  # noqa: BLE001 -- the learner's code again: the first error is the one to show
-        hint, named = "", False
-    if named:
-        return Fail(f"{hint}\n  on the step {_case_text(case)}, where your code raised {type(err).__name__}: {err}",
-                    named=True)
-    return Fail(f"{said}\n  An index past the end of a block table: a table holds exactly the blocks its own "
-                "sequence's tokens need -- position p is in block p // block_size of that sequence's table")
+        got = slot_mapping(*step.args())
+    except Exception as err:  # the learner's code
+        said = f"your slot mapping raised {raised(err)}{where}"
+        if not isinstance(err, IndexError):
+            return Fail(said)
+        with contextlib.suppress(Exception):  # the learner's code again: the first error is the one to show
+            padded = _as_slots(slot_mapping(*step.args(pad=True)), total)
+            hint, named = _diagnose_slots(padded, step, pad=True)
+            if named and padded != slots(*step.args(pad=True)):
+                return Fail(f"{hint}{where}, where your code raised {type(err).__name__}: {err}", named=True)
+        return Fail(f"{said}\n  An index past the end of a block table: a table holds exactly the blocks its own "
+                    "sequence's tokens need -- position p is in block p // block_size of that sequence's table")
+    got = _as_slots(got, total)
+    if got == slots(*step.args()):
+        return None
+    hint, named = _diagnose_slots(got, step)
+    return Fail(hint + where, named)
 
 
 def check_slot_mapping_cases(slot_mapping) -> None:
@@ -164,36 +160,23 @@ def check_slot_mapping_cases(slot_mapping) -> None:
     refused = guard.refusal("slot_mapping", slot_mapping)
     if refused:
         raise Fail(refused, named=True)
-    failures = []
-    for case in STEPS:
-        args = case.args()
-        try:
-            got = slot_mapping(*args)
-        except Exception as err:  # the learner's code
-            failures.append(_crashed_slots(slot_mapping, case, err))
-            continue
-        got = _as_slots(got, sum(args[2]))
-        if got != slots(*args):
-            hint, named = _diagnose_slots(got, case)
-            failures.append(Fail(f"{hint}\n  on the step {_case_text(case)}", named))
-    _first_named(failures)
+    _first_named([_slot_failure(slot_mapping, step) for step in STEPS])
 
 
 # -- paged attention -------------------------------------------------------------------------------
 
-def _step(case: Step, heads, kv_heads, head_dim, seed):
-    """A hand-built step's metadata, on a pool full of random K/V, and random queries, keys and values."""
-    tables, computed, scheduled, bs = case.args()
+def _step(step: Step, heads, kv_heads, head_dim, seed):
+    """A hand-built step's metadata on a pool (2 layers) of random K/V, and random q ``[1, heads, T, head_dim]``,
+    k and v ``[1, kv_heads, T, head_dim]``."""
+    tables, computed, scheduled, bs = step.args()
     g = torch.Generator().manual_seed(seed)
-    num_blocks = 1 + max(b for t in tables for b in t)
-    pool = PagedKVPool(num_layers=2, num_blocks=num_blocks, block_size=bs, num_kv_heads=kv_heads, head_dim=head_dim)
+    pool = PagedKVPool(num_layers=2, num_blocks=1 + max(b for t in tables for b in t), block_size=bs,
+                       num_kv_heads=kv_heads, head_dim=head_dim)
     for t in pool.k + pool.v:
         t.copy_(torch.randn(t.shape, generator=g))
     meta = build([1] * sum(scheduled), computed, scheduled, "cpu", block_tables=tables, block_size=bs)
     meta.pool = pool
-    T = sum(scheduled)
-    q = torch.randn(1, heads, T, head_dim, generator=g)
-    k, v = torch.randn(1, kv_heads, T, head_dim, generator=g), torch.randn(1, kv_heads, T, head_dim, generator=g)
+    q, k, v = (torch.randn(1, h, sum(scheduled), head_dim, generator=g) for h in (heads, kv_heads, kv_heads))
     return meta, q, k, v
 
 
@@ -209,18 +192,16 @@ def _check_writes(meta, before, k, v, layer) -> None:
     if not (torch.allclose(K, new_k) and torch.allclose(V, new_v)):
         if torch.allclose(K, new_v) and torch.allclose(V, new_k):
             raise Fail("the keys went where the values go and the other way round")
-        others = [i for i in range(len(pool.k)) if i != layer and torch.allclose(flat(pool.k[i])[idx], new_k)]
-        if others:
+        if any(torch.allclose(flat(pool.k[i])[idx], new_k) for i in range(len(pool.k)) if i != layer):
             raise Fail("you wrote this step's K/V into another layer's pool: every layer has its own -- write "
-                        "into the layer your function was called for")
+                       "into the layer your function was called for")
         raise Fail("after your function ran, the pool at meta.slot_mapping does not hold this step's keys and "
-                    "values: write them there (meta.pool.write) before reading the context")
+                   "values: write them there (meta.pool.write) before reading the context")
     keep = torch.ones(flat(pool.k[0]).shape[0], dtype=torch.bool)
     keep[idx] = False
-    for i, (a, b) in enumerate(zip(pool.k + pool.v, before.k + before.v)):
-        if not torch.equal(flat(a)[keep], flat(b)[keep]):
-            raise Fail("your function changed pool slots that are not this step's: they hold other tokens' K/V "
-                        "(this sequence's history, or another sequence's)")
+    if any(not torch.equal(flat(a)[keep], flat(b)[keep]) for a, b in zip(pool.k + pool.v, before.k + before.v)):
+        raise Fail("your function changed pool slots that are not this step's: they hold other tokens' K/V "
+                   "(this sequence's history, or another sequence's)")
 
 
 def _close(a, b) -> bool:
@@ -232,12 +213,39 @@ def _diagnose(out, meta, q, k, v, layer, scaling) -> tuple[str, bool]:
     hint = first_mistake(ATTENTION_MISTAKES, gives, skip=(IndexError, RuntimeError))  # or would not even run here
     if hint:
         return hint, True
-    right = attend(q, k, v, _fresh(meta), layer, scaling)
+    right, at = attend(q, k, v, _fresh(meta), layer, scaling), meta.query_start_loc.tolist()
     wrong = [_kind(c, n) for i, (c, n) in enumerate(zip(meta.num_computed_tokens, meta.num_scheduled_tokens))
-             if not _close(out[:, :, int(meta.query_start_loc[i]):int(meta.query_start_loc[i + 1])],
-                           right[:, :, int(meta.query_start_loc[i]):int(meta.query_start_loc[i + 1])])]
+             if not _close(out[:, :, at[i]:at[i + 1]], right[:, :, at[i]:at[i + 1]])]
     return ("the output is wrong for " + ", ".join(wrong) + ". Each sequence's queries attend to its own "
             "context only, read through its block table, each query up to its own position"), False
+
+
+def _attention_failure(attention, n: int, h: Heads, ran_plain: bool) -> Fail | None:
+    """What is wrong on :data:`HEADS` ``[n]`` (None: nothing); ``ran_plain``: right on a step without GQA."""
+    meta, q, k, v = _step(STEPS[h.step], h.heads, h.kv_heads, h.head_dim, seed=n)
+    scale = h.scaling if h.scaling is not None else h.head_dim ** -0.5
+    where = (f"{_text(STEPS[h.step])[:-1]}; {h.heads} query heads, {h.kv_heads} KV heads, head_dim {h.head_dim}, "
+             f"scaling {scale:g}, layer 1)")
+    mine, before = _fresh(meta), _fresh(meta).pool
+    try:
+        out = attention(q.clone(), k.clone(), v.clone(), mine, 1, scale)
+    except Exception as err:  # the learner's code
+        gqa = h.heads != h.kv_heads and ran_plain
+        more = (f"\n  It ran when every query head had its own KV head; here {h.heads} query heads share "
+                f"{h.kv_heads} KV heads (grouped-query attention): each KV head serves a group of "
+                f"{h.heads // h.kv_heads} consecutive query heads") if gqa else ""
+        return Fail(f"your attention raised {raised(err)}\n  on the step {where}{more}", named=gqa)
+    if out is None:
+        raise Fail("not done yet: your attention returned None -- write it in the cell above")
+    if not isinstance(out, torch.Tensor) or out.shape != q.shape:
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise Fail(f"your attention returned {got}; return a tensor shaped like the queries, [1, heads, "
+                   f"tokens, head_dim] = {tuple(q.shape)} {where}")
+    _check_writes(mine, before, k, v, 1)
+    if _close(out, attend(q, k, v, _fresh(meta), 1, scale)):
+        return None
+    hint, named = _diagnose(out, meta, q, k, v, 1, scale)
+    return Fail(f"{hint}\n  on the step {where}", named)
 
 
 def check_attention_cases(attention) -> None:
@@ -245,37 +253,10 @@ def check_attention_cases(attention) -> None:
     refused = guard.refusal("attention", attention)
     if refused:
         raise Fail(refused, named=True)
-    passed_plain, failures = False, []
-    for n, (index, heads, kv_heads, head_dim, scaling) in enumerate(HEADS):
-        case = STEPS[index]
-        meta, q, k, v = _step(case, heads, kv_heads, head_dim, seed=n)
-        scale = scaling if scaling is not None else head_dim ** -0.5
-        where = (f"{_case_text(case)[:-1]}; {heads} query heads, {kv_heads} KV heads, head_dim {head_dim}, "
-                 f"scaling {scale:g}, layer 1)")
-        mine, before = _fresh(meta), _fresh(meta).pool
-        try:
-            out = attention(q.clone(), k.clone(), v.clone(), mine, 1, scale)
-        except Exception as err:  # the learner's code
-            more = ""
-            if heads != kv_heads and passed_plain:
-                more = (f"\n  It ran when every query head had its own KV head; here {heads} query heads share "
-                        f"{kv_heads} KV heads (grouped-query attention): each KV head serves a group of "
-                        f"{heads // kv_heads} consecutive query heads")
-            failures.append(Fail(f"your attention raised {raised(err)}\n  on the step {where}{more}",
-                                  named=bool(more)))
-            continue
-        if out is None:
-            raise Fail("not done yet: your attention returned None -- write it in the cell above")
-        if not isinstance(out, torch.Tensor) or out.shape != q.shape:
-            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-            raise Fail(f"your attention returned {got}; return a tensor shaped like the queries, [1, heads, "
-                        f"tokens, head_dim] = {tuple(q.shape)} {where}")
-        _check_writes(mine, before, k, v, 1)
-        if not _close(out, attend(q, k, v, _fresh(meta), 1, scale)):
-            hint, named = _diagnose(out, meta, q, k, v, 1, scale)
-            failures.append(Fail(f"{hint}\n  on the step {where}", named))
-            continue
-        passed_plain = passed_plain or heads == kv_heads
+    ran_plain, failures = False, []
+    for n, h in enumerate(HEADS):
+        failures.append(_attention_failure(attention, n, h, ran_plain))
+        ran_plain = ran_plain or (failures[-1] is None and h.heads == h.kv_heads)
     _first_named(failures)
 
 
@@ -305,26 +286,32 @@ def engine_runs(model, prompts, max_new_tokens: int = MAX_NEW_TOKENS) -> list[Ru
                 model=small_model("mqa"), prompts=toy, options=dict(max_batch_size=3, block_size=8, token_budget=8))]
 
 
-def _in_engine(model, prompts, attention, slot_mapping, max_new_tokens: int = MAX_NEW_TOKENS) -> tuple[int, int]:
-    steps = tokens = 0
-    for what, m, ps, options in engine_runs(model, prompts, max_new_tokens):
-        expected = [generated(m, p, max_new_tokens) for p in ps]
-        try:
-            engine = Engine(m, None, kv="paged", attention=attention, slot_mapping=slot_mapping, **options)
-            done = engine.run([Request(list(p), max_new_tokens, request_id=f"r{i}") for i, p in enumerate(ps)])
-        except Exception as err:  # a rule the engine enforces, or the learner's code inside the forward pass
-            raise Fail(f"in the real engine ({what}): {type(err).__name__}: {err}") from None
-        for c, exp in zip(done, expected):
-            if getattr(c, "error", None):
-                raise Fail(f"in the real engine ({what}): request {c.request_id} failed: {c.error}")
-            if c.output_ids != exp:
-                j = next((j for j, (a, b) in enumerate(zip(c.output_ids, exp)) if a != b),
-                         min(len(exp), len(c.output_ids)))  # or where the shorter one ends
-                raise Fail(f"in the real engine ({what}): request {c.request_id}'s tokens differ from generate's from "
-                           f"new token {j} on: look at what a run adds -- reused blocks, longer contexts, other shapes")
-        steps += len(ps)
-        tokens += sum(len(e) for e in expected)
-    return steps, tokens
+def serve_like_generate(model, prompts, max_new_tokens: int, what: str, look: str, **options) -> int:
+    """Serve ``prompts`` on a paged engine with ``options``: :class:`Fail` (``what``: the run, ``look``: where to
+    look) unless every request's tokens equal ``model.generate``'s; the tokens served."""
+    expected = [generated(model, p, max_new_tokens) for p in prompts]
+    try:
+        done = Engine(model, None, kv="paged", **options).run(
+            [Request(list(p), max_new_tokens, request_id=f"r{i}") for i, p in enumerate(prompts)])
+    except Exception as err:  # a rule the engine enforces, or the learner's code inside the forward pass
+        raise Fail(f"in the real engine ({what}): {raised(err)}") from None
+    for c, exp in zip(done, expected):
+        if getattr(c, "error", None):
+            raise Fail(f"in the real engine ({what}): request {c.request_id} failed: {c.error}")
+        if c.output_ids != exp:
+            j = next((j for j, (a, b) in enumerate(zip(c.output_ids, exp)) if a != b),
+                     min(len(exp), len(c.output_ids)))  # or where the shorter one ends
+            raise Fail(f"in the real engine ({what}): request {c.request_id}'s tokens differ from generate's from "
+                       f"new token {j} on: {look}")
+    return sum(len(e) for e in expected)
+
+
+def _in_engine(model, prompts, attention, slot_mapping) -> tuple[int, int]:
+    runs = engine_runs(model, prompts)
+    look = "look at what a run adds -- reused blocks, longer contexts, other shapes"
+    tokens = sum(serve_like_generate(m, ps, MAX_NEW_TOKENS, what, look, attention=attention, slot_mapping=slot_mapping,
+                                     **options) for what, m, ps, options in runs)
+    return sum(len(r.prompts) for r in runs), tokens
 
 
 def _prompts(tok, prompts):

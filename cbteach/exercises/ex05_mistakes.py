@@ -1,41 +1,36 @@
-"""The right slot mapping and paged attention of notebook 05 -- and each typical mistake.
-
-:func:`slots` and :func:`attend` compute a step right, or with ``mistake=`` as a learner who made it would;
-the check names a wrong answer by the mistake it equals. They are the check's references, so a piece that
-is or calls them is refused (:mod:`.guard`).
+"""Notebook 05's slot mapping and paged attention, right or (``mistake=``) as a learner who made that mistake would
+compute them: the check names a wrong answer by the mistake it equals. A piece that is or calls these is refused.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-_SWAPPED = ("block and offset are swapped: a position's block is its index in the block table, "
-            "position // block_size; the offset inside that block is the remainder, position % block_size")
-
-_BOUNDARY = ("the block index is off by one at a block boundary: position p is in block p // block_size of the "
-             "table, rounded down (positions 0 .. block_size - 1 are block 0), at offset p % block_size")
-_TABLE_ZERO = ("every sequence was mapped through sequence 0's block table: sequence i's tokens live in the blocks "
-               "of its own table, block_tables[i] -- walk the tables together with the sequences")
+_SWAPPED = ("block and offset are swapped: a position's block (its index in the table) is position // block_size, "
+            "its offset in that block position % block_size")
+_BOUNDARY = ("the block index is off by one at a block boundary: position p is in block p // block_size of the table, "
+             "rounded down (positions 0 .. block_size - 1 are block 0)")
 
 # name -> hint, in the order the check tries them
 SLOT_MISTAKES = {
     "swapped": _SWAPPED,
     "offset_times": _SWAPPED,
     "no_times": ("a slot is an address in the pool seen as one long row of slots: block b starts at slot "
-                 "b * block_size, so the block id is scaled by the block size before the offset is added"),
+                 "b * block_size, then comes the offset"),
     "no_offset": "every token of a block got the block's first slot: add the token's offset inside its block",
-    "from_zero": ("this step's tokens come after the num_computed_tokens already in the cache: a sequence's "
-                  "first new token is at position num_computed_tokens, not 0"),
+    "from_zero": ("this step's tokens come after the num_computed_tokens already in the cache: a sequence's first "
+                  "new token is at position num_computed_tokens, not 0"),
     "plus_one": "positions count from 0: a sequence's first new token is at position num_computed_tokens exactly",
-    "packed_index": ("positions are counted inside each sequence (from its num_computed_tokens on), not along "
-                     "the packed row of the whole step"),
+    "packed_index": ("positions are counted inside each sequence (from its num_computed_tokens on), not along the "
+                     "packed row of the whole step"),
     "block_up": _BOUNDARY,
     "block_next": _BOUNDARY,
     "block_before": _BOUNDARY,
     "block_plus": _BOUNDARY,
-    "table_zero": _TABLE_ZERO,
-    "last_block": ("not every new token goes into the sequence's last block: a chunk can begin in a partly "
-                   "filled block and run on into the next ones -- find each token's block from its own position"),
+    "table_zero": ("every sequence was mapped through sequence 0's block table: sequence i's tokens live in the "
+                   "blocks of its own table, block_tables[i]"),
+    "last_block": ("not every new token goes into the sequence's last block: a chunk can begin in a partly filled "
+                   "block and run on into the next -- find each token's block from its own position"),
 }
 
 
@@ -47,58 +42,51 @@ def slots(block_tables, num_computed_tokens, num_scheduled_tokens, block_size, m
             table = block_tables[0]
         for j in range(n):
             p = {"from_zero": j, "plus_one": c + j + 1, "packed_index": row}.get(mistake, c + j)
-            block, offset = p // block_size, p % block_size
-            block = {"block_up": -(-p // block_size), "block_next": (p + 1) // block_size,
-                     "block_before": (p - 1) // block_size, "block_plus": p // block_size + 1}.get(mistake, block)
+            block = {"block_up": -(-p // block_size), "block_next": (p + 1) // block_size, "last_block": -1,
+                     "block_before": (p - 1) // block_size, "block_plus": p // block_size + 1,
+                     }.get(mistake, p // block_size)
+            offset = 0 if mistake == "no_offset" else p % block_size
             if mistake == "swapped":
-                out.append(table[offset] * block_size + block)
-            elif mistake == "offset_times":
-                out.append(offset * block_size + table[block])
-            elif mistake == "no_times":
-                out.append(table[block] + offset)
-            elif mistake == "no_offset":
-                out.append(table[block] * block_size)
-            elif mistake == "last_block":
-                out.append(table[-1] * block_size + offset)
-            else:
-                out.append(table[block] * block_size + offset)
+                block, offset = offset, block
+            scale = 1 if mistake == "no_times" else block_size
+            out.append(offset * block_size + table[block] if mistake == "offset_times"
+                       else table[block] * scale + offset)
             row += 1
     return out
 
 
-_CAUSAL = ("a query sees the keys up to its own position, itself included: query j of a sequence that had "
-           "c tokens computed is at position c + j")
-_STALE = ("a sequence owns only positions 0 .. c + n - 1 of its blocks: the rest of its last block, and the "
-          "padding of its block-table row, hold stale K/V. Read only the context's own slots")
-
-_OTHER_ROW = ("a sequence read its context through another sequence's block table: sequence i's keys and values "
-              "are in the blocks of its own row, meta.block_tables[i] (not row 0, not the layer's number)")
+_CAUSAL = ("a query sees the keys up to its own position, itself included: query j of a sequence that had c "
+           "tokens computed is at position c + j")
+_STALE = ("a sequence owns only positions 0 .. c + n - 1 of its blocks: the rest of its last block, and the padding "
+          "of its block-table row, hold stale K/V")
+_OTHER_ROW = ("a sequence read its context through another sequence's block table: sequence i's are in the blocks "
+              "of its own row, meta.block_tables[i]")
 
 # name -> hint, in the order the check tries them
 ATTENTION_MISTAKES = {
-    "read_first": ("this step's keys and values are part of its own context: write them into the pool first, "
-                   "then read the context through the block table"),
+    "read_first": ("this step's keys and values are part of its own context: write them into the pool first, then "
+                   "read the context through the block table"),
     "swapped": _SWAPPED,
     "no_times": SLOT_MISTAKES["no_times"],
     "causal_minus": _CAUSAL + " (your queries do not see their own key)",
     "causal_minus_prefill": _CAUSAL + " (your queries do not see their own key)",
     "causal_plus": _CAUSAL + " (your queries see one key past their own position)",
-    "causal_zero": ("a chunk that continues a prompt starts after the c tokens already computed: its query j is "
-                    "at position c + j and sees every earlier key of the sequence, the cached ones too"),
-    "is_causal": ("SDPA's is_causal=True lines its mask up top-left: query j sees keys 0 .. j, wrong for a chunk "
-                  "after c computed tokens (c keys more than queries): build the mask yourself"),
-    "no_mask": ("a prompt or a chunk of one feeds several queries at once: each may see only the keys up to its "
-                "own position, not the later tokens of its own chunk (a causal mask)"),
+    "causal_zero": ("a chunk that continues a prompt starts after the c tokens already computed: its query j is at "
+                    "position c + j and sees every earlier key, the cached ones too"),
+    "is_causal": ("SDPA's is_causal=True lines its mask up top-left (query j sees keys 0 .. j): wrong for a chunk "
+                  "after c computed tokens -- build the mask yourself"),
+    "no_mask": ("a prompt or a chunk feeds several queries at once: each may see only the keys up to its own "
+                "position, not the later tokens of its own chunk (a causal mask)"),
     "gqa_tile": ("grouped-query heads: the query heads that share a KV head are consecutive -- with g query heads "
-                 "per KV head, heads 0 .. g-1 read KV head 0, the next g read KV head 1, and so on"),
+                 "per KV head, heads 0 .. g-1 read KV head 0, the next g read KV head 1, ..."),
     "whole_blocks": _STALE,
     "padded_row": _STALE,
-    "floor_blocks": ("a sequence's last block is usually only partly filled, and the tokens in it are part of "
-                     "the context: round the number of blocks up, or better, read positions 0 .. c + n - 1"),
-    "softmax_axis": ("the softmax went over the wrong axis: each query's weights over the keys it sees must sum to 1 "
-                     "-- normalise along the keys (the last axis of q @ k^T), not along the queries"),
-    "only_new": ("each query attended to this step's tokens only: its context also holds the c tokens computed "
-                 "in earlier steps -- read positions 0 .. c + n - 1 through the block table"),
+    "floor_blocks": ("a sequence's last block is usually only partly filled, and its tokens are part of the "
+                     "context: read positions 0 .. c + n - 1"),
+    "softmax_axis": ("the softmax went over the wrong axis: each query's weights over its keys must sum to 1 -- "
+                     "normalise along the keys (the last axis of q @ k^T)"),
+    "only_new": ("each query attended to this step's tokens only: its context also holds the c tokens computed in "
+                 "earlier steps -- read positions 0 .. c + n - 1 through the block table"),
     "table_zero": _OTHER_ROW,
     "table_layer": _OTHER_ROW,
     "no_scale": "use the scaling the layer passes you (scaling=): not every model scales scores by 1 / sqrt(head_dim)",
@@ -122,22 +110,15 @@ def attend(query, key, value, meta, layer: int, scaling=None, mistake=None) -> t
         pos = torch.arange(width, device=query.device)
         if mistake == "only_new":  # this step's own slots: positions c .. c + n - 1
             pos, width = pos[:n] + c, n
-        if mistake == "swapped":
-            slot = table[pos % bs] * bs + pos // bs
-        elif mistake == "no_times":
-            slot = table[pos // bs] + pos % bs
-        else:
-            slot = table[pos // bs] * bs + pos % bs
+        block, offset = (pos % bs, pos // bs) if mistake == "swapped" else (pos // bs, pos % bs)
+        slot = table[block] * (1 if mistake == "no_times" else bs) + offset
         k, v = pool.read_slots(layer, slot)  # [width, kv_heads, D]
         k, v = k.transpose(0, 1).to(query.dtype), v.transpose(0, 1).to(query.dtype)  # [kv_heads, width, D]
         group = heads // kv_heads
-        if mistake == "gqa_tile":
-            k, v = k.repeat(group, 1, 1), v.repeat(group, 1, 1)
-        else:
-            k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
-        diagonal = {"causal_minus": c - 1, "causal_plus": c + 1, "causal_zero": 0, "only_new": 0}.get(mistake, c)
-        if mistake == "causal_minus_prefill":
-            diagonal = c - 1 if n > 1 else c
+        k, v = ((k.repeat(group, 1, 1), v.repeat(group, 1, 1)) if mistake == "gqa_tile"
+                else (k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)))
+        diagonal = {"causal_minus": c - 1, "causal_plus": c + 1, "causal_zero": 0, "only_new": 0,
+                    "causal_minus_prefill": c - 1 if n > 1 else c}.get(mistake, c)
         mask = torch.ones(n, width, dtype=torch.bool, device=query.device).tril(diagonal=diagonal)
         if mistake == "is_causal":  # SDPA's is_causal=True where n > 1: a top-left mask; a decode unmasked
             mask = torch.ones(n, width, dtype=torch.bool, device=query.device).tril(diagonal=0) if n > 1 else None

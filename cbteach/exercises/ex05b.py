@@ -2,11 +2,9 @@
 
 The learner's ``my_attend_blocks`` runs on hand-built steps (:data:`STEPS`), each adding one difficulty; the first
 that fails is named by :func:`diagnose`. Then the real engine runs on it, its tokens equal to ``model.generate``'s.
-A loop that is the course's, or names cbteach, is refused.
 """
 from __future__ import annotations
 
-import itertools
 import types
 from typing import NamedTuple
 
@@ -15,91 +13,78 @@ import torch
 from ..attention.metadata import build
 from ..attention.paged import reference_attention
 from ..kv.pool import PagedKVPool
-from . import (Fail, ex05b_mistakes as mistakes, fail, first_mistake, generated, is_stub, need_function, passed, raised,
-               self_check)
+from . import Fail, ex05b_mistakes as mistakes, fail, first_mistake, is_stub, need_function, passed, raised, self_check
 
 NOT_INSTALLED = 'Triton is not installed here: pip install "cbteach[kernels]" (Colab has it), then restart the kernel'
 GPU_SCALE = 4  # compiled for a GPU the steps are this much larger: tl.dot wants tiles of 16 or more
 TOLERANCE = {"cpu": 1e-4, "cuda": 2e-2}  # the interpreter computes exactly; a GPU's fp32 tl.dot may use TF32
-
-
-class Seq(NamedTuple):
-    """One sequence of a step."""
-
-    computed: int  # num_computed_tokens: its keys already in the pool
-    scheduled: int  # num_scheduled_tokens: its queries this step
+HEAD_DIM = 8
 
 
 class Step(NamedTuple):
-    """A hand-built step. ``spec``: :func:`make_step`'s arguments (:func:`_spec`)."""
+    """A hand-built step: what it is, the hint if it is the first to fail (a mistake of
+    :data:`.ex05b_mistakes.MISTAKES` by name, or a text), and :func:`make_step`'s arguments (:func:`_spec`)."""
 
     name: str
-    what: str  # what the step is
-    hint: str  # the hint if it is the first to fail -- a mistake's own where one names it
+    what: str
+    hint: str
     spec: dict
 
 
 def _spec(*seqs, **kw) -> dict:
-    """A step's sequences ``(computed, scheduled)``; blocks of 4, tiles of 4 keys, one head, blocks shuffled, stale
-    slots NaN and random keys unless ``kw`` says otherwise (``blocks="in order"``, ``stale="random"``, ``keys=``)."""
-    return dict(seqs=[Seq(*q) for q in seqs], block_size=4, tile_n=4, heads=1, kv_heads=1, blocks="shuffled",
-                stale="nan") | kw
+    """Sequences ``(computed, scheduled)``; blocks of 4, tiles of 4 keys, one head, blocks shuffled, stale slots NaN."""
+    return dict(seqs=list(seqs), block_size=4, tile_n=4, heads=1, kv_heads=1, blocks="shuffled", stale="nan") | kw
 
 
+IN_ORDER = dict(blocks="in order", stale="random")
 STEPS = [
-    Step(name="basic", what="one decode over one full block, one head", hint=(
-        "even the simplest step is wrong: check the loads (a key's block, its slot, its KV head, the column), "
-        "the scores (q times k transposed, times scale) and what you return: (acc, total) before dividing"),
-         spec=_spec((3, 1), blocks="in order", stale="random")),
-    Step(name="not_rescaled", what="one decode over three blocks, tiles of 4, scores rising tile by tile", hint=(
-        "the running max grew from one tile to the next: when m changes, the running sum and the output so far "
-        "must both be rescaled, by exp(m_old - m_new)"),
-         spec=_spec((11, 1), blocks="in order", stale="random", keys="rising")),
-    Step(name="overflow", what="one decode over three blocks whose scores reach the hundreds", hint=(
-        "scores here reach the hundreds, and exp of a score above about 88 overflows float32: the online softmax "
-        "keeps every exp(score - m) at most 1 -- check what your loop subtracts before exp, and its rescale"),
-         spec=_spec((11, 1), blocks="in order", stale="random", keys="large")),
-    Step(name="logical_as_physical", what="the same decode, its blocks out of order in the pool",
-         hint=mistakes.MISTAKES["logical_as_physical"], spec=_spec((11, 1), stale="random")),
-    Step(name="past_the_length", what="a decode whose last block is partly filled, stale slots after it",
-         hint=mistakes.MISTAKES["loads_unmasked"], spec=_spec((9, 1))),
-    Step(name="tile_spans_blocks", what="blocks of 3 tokens, tiles of 8 keys",
-         hint=mistakes.MISTAKES["one_block_per_tile"], spec=_spec((12, 1), block_size=3, tile_n=8)),
-    Step(name="no_causal_mask", what="a prefill chunk of 6 after 3 cached tokens, across a block boundary",
-         hint=mistakes.MISTAKES["no_causal"], spec=_spec((3, 6))),
-    Step(name="max_before_masking", what="a chunk where a key after the first query scores far above the rest",
-         hint=mistakes.MISTAKES["max_before_masking"], spec=_spec((2, 5), keys="spike")),
-    Step(name="wrong_kv_head", what="grouped-query attention: 4 query heads on 2 KV heads",
-         hint=mistakes.MISTAKES["kv_head_is_head"], spec=_spec((5, 1), (2, 3), heads=4, kv_heads=2)),
-    Step(name="mixed", what="decodes, chunks and a prompt together, blocks of 3, tiles of 8, 6 heads on 2 KV heads",
-         hint=("every step with one thing at a time passes, but a step with all of them together does not: look at "
-               "what changes between sequences of one step -- each has its own length, queries and block table"),
-         spec=_spec((7, 1), (0, 9), (13, 4), (20, 1), block_size=3, tile_n=8, heads=6, kv_heads=2)),
+    Step("basic", "one decode over one full block, one head",
+         "even the simplest step is wrong: check the loads (a key's block, its slot, its KV head, the column), the "
+         "scores (q times k transposed, times scale) and what you return: (acc, total) before dividing",
+         _spec((3, 1), **IN_ORDER)),
+    Step("not_rescaled", "one decode over three blocks, tiles of 4, scores rising tile by tile",
+         "the running max grew from one tile to the next: when m changes, the running sum and the output so far "
+         "must both be rescaled, by exp(m_old - m_new)", _spec((11, 1), keys="rising", **IN_ORDER)),
+    Step("overflow", "one decode over three blocks whose scores reach the hundreds",
+         "scores here reach the hundreds, and exp of a score above about 88 overflows float32: the online softmax "
+         "keeps every exp(score - m) at most 1 -- check what your loop subtracts before exp, and its rescale",
+         _spec((11, 1), keys="large", **IN_ORDER)),
+    Step("logical_as_physical", "the same decode, its blocks out of order in the pool", "logical_as_physical",
+         _spec((11, 1), stale="random")),
+    Step("past_the_length", "a decode whose last block is partly filled, stale slots after it", "loads_unmasked",
+         _spec((9, 1))),
+    Step("tile_spans_blocks", "blocks of 3 tokens, tiles of 8 keys", "one_block_per_tile",
+         _spec((12, 1), block_size=3, tile_n=8)),
+    Step("no_causal_mask", "a prefill chunk of 6 after 3 cached tokens, across a block boundary", "no_causal",
+         _spec((3, 6))),
+    Step("max_before_masking", "a chunk where a key after the first query scores far above the rest",
+         "max_before_masking", _spec((2, 5), keys="spike")),
+    Step("wrong_kv_head", "grouped-query attention: 4 query heads on 2 KV heads", "kv_head_is_head",
+         _spec((5, 1), (2, 3), heads=4, kv_heads=2)),
+    Step("mixed", "decodes, chunks and a prompt together, blocks of 3, tiles of 8, 6 heads on 2 KV heads",
+         "every step with one thing at a time passes, but a step with all of them together does not: look at what "
+         "changes between sequences of one step -- each has its own length, queries and block table",
+         _spec((7, 1), (0, 9), (13, 4), (20, 1), block_size=3, tile_n=8, heads=6, kv_heads=2)),
 ]
-HEAD_DIM = 8
 
 
 def make_step(seqs, block_size, heads, kv_heads, blocks="shuffled", stale="nan", keys="random", seed=0,
               device="cpu", **_):
-    """A hand-built packed step ``(query, pool, meta)``; a loop reading past a sequence reads stale K/V, never
-    outside the tensors (the interpreter would crash)."""
+    """A hand-built packed step ``(query [1, heads, T, HEAD_DIM], pool, meta)``. A loop reading past a sequence
+    reads stale K/V (NaN or random), never outside the tensors (the interpreter would crash)."""
     g = torch.Generator().manual_seed(seed)
     need = [-(-(c + n) // block_size) for c, n in seqs]
     used = sum(need)
-    num_blocks = 2 * used + 3  # as many blocks again hold other (stale) K/V, and spares after the last
-    pool = PagedKVPool(num_layers=1, num_blocks=num_blocks, block_size=block_size, num_kv_heads=kv_heads,
-                       head_dim=HEAD_DIM)
+    pool = PagedKVPool(num_layers=1, num_blocks=2 * used + 3, block_size=block_size, num_kv_heads=kv_heads,
+                       head_dim=HEAD_DIM)  # as many blocks again hold other (stale) K/V, and spares after the last
     for t in (pool.k[0], pool.v[0]):
         t.copy_(torch.full_like(t, float("nan")) if stale == "nan" else torch.randn(t.shape, generator=g))
     order = list(range(used))
     if blocks == "shuffled":  # scattered over twice the blocks, none where its own number would put it
-        order = torch.randperm(2 * used, generator=g).tolist()
-        order = [b for j, b in enumerate(order) if b != j][:used]
-    tables, taken, spare = [], 0, num_blocks - 1
-    for k in need:
-        # padded with a stale block, as engines pad, and at least block_size wide: a loop that swaps block
-        # and slot reads table entries up to block_size - 1, and the interpreter would read past the tensor
-        tables.append(order[taken:taken + k] + [spare] * max(3, block_size - k))
+        order = [b for j, b in enumerate(torch.randperm(2 * used, generator=g).tolist()) if b != j][:used]
+    tables, taken = [], 0
+    for k in need:  # padded with a stale block, at least block_size wide (a loop that swaps block and slot
+        tables.append(order[taken:taken + k] + [2 * used + 2] * max(3, block_size - k))  # reads that far)
         taken += k
     query = torch.randn(1, heads, sum(n for _, n in seqs), HEAD_DIM, generator=g)
     for i, (c, n) in enumerate(seqs):
@@ -112,23 +97,16 @@ def make_step(seqs, block_size, heads, kv_heads, blocks="shuffled", stale="nan",
             along = query[0, :, -1].mean(0)
             k = 0.5 * k + along * (120.0 * HEAD_DIM ** 0.5 / (along @ along))
         elif keys == "spike":  # the last key scores 400 against the chunk's first query, who may not see it
-            first = query[0, ::heads // kv_heads, int(meta_rows(seqs)[i])]  # [kv_heads, D]
+            first = query[0, ::heads // kv_heads, sum(m for _, m in seqs[:i])]  # [kv_heads, D]
             k[-1] = first * (400.0 * HEAD_DIM ** 0.5 / (first * first).sum(-1, keepdim=True))
         pool.k[0].view(-1, kv_heads, HEAD_DIM)[slots] = k
         pool.v[0].view(-1, kv_heads, HEAD_DIM)[slots] = torch.randn(c + n, kv_heads, HEAD_DIM, generator=g)
     if device != "cpu":
-        for t in (pool.k, pool.v):
-            t[0] = t[0].to(device)
-        query = query.to(device)
+        pool.k[0], pool.v[0], query = pool.k[0].to(device), pool.v[0].to(device), query.to(device)
     meta = build([1] * query.shape[2], [c for c, _ in seqs], [n for _, n in seqs], device, block_tables=tables,
                  block_size=block_size)
     meta.pool = pool
     return query, pool, meta
-
-
-def meta_rows(seqs) -> list[int]:
-    """The packed row of each sequence's first query."""
-    return list(itertools.accumulate((n for _, n in seqs[:-1]), initial=0))
 
 
 def scaled(spec: dict, k: int) -> dict:
@@ -143,9 +121,8 @@ def _close(a, b, tol: float) -> bool:
 
 
 def diagnose(run, spec: dict, got, want, tol: float, hint: str, device: str = "cpu", block_q: int | None = None) -> str:
-    """The hint for a loop whose answer ``got`` on the step ``spec`` differs from ``want``: the typical wrong loop
-    of :mod:`.ex05b_mistakes` that gives it here and (``run(query, pool, meta)``) on the step with finite stale
-    slots, else the symptom (NaN, rounding), else ``hint``, the step's own."""
+    """The hint for ``got`` (not ``want``) on the step ``spec``: the simulated wrong loop that gives it here and
+    (``run(query, pool, meta)``) on the step with finite stale slots, else the symptom, else ``hint``."""
     query, pool, meta = make_step(**spec, device=device)
     again = make_step(**{**spec, "stale": "random"}, seed=1, device=device)
     got_again = run(*again)
@@ -159,7 +136,7 @@ def diagnose(run, spec: dict, got, want, tol: float, hint: str, device: str = "c
         return mistakes.NAN + ("; or from a stale slot: here every slot no sequence owns holds NaN" if stale else "")
     if torch.allclose(got, want, rtol=100 * tol, atol=10 * tol):
         return mistakes.ROUNDING
-    return hint
+    return mistakes.MISTAKES.get(hint, hint)
 
 
 def _course():
@@ -169,28 +146,27 @@ def _course():
 
 
 def delegates(fn) -> bool:
-    """Whether the loop is the course's own, or reaches for it (or anything else of cbteach's) by name."""
+    """Whether the loop is the course's own, or names it (or a module of cbteach's) in its code."""
     course = _course()
     raw, own = getattr(fn, "fn", fn), course.attend_blocks.fn
-    if raw is own or getattr(raw, "__code__", None) is own.__code__:
-        return True
     code = getattr(raw, "__code__", None)
-    for name in (code.co_names if code else ()):
+    if raw is own or code is own.__code__:
+        return True
+    for name in code.co_names if code else ():
         obj = getattr(raw, "__globals__", {}).get(name)
         if isinstance(obj, types.ModuleType) and obj.__name__.startswith("cbteach"):
             return True
-        target = getattr(obj, "fn", obj)
-        if target is own or getattr(target, "__module__", None) == course.__name__:
+        if getattr(obj, "fn", obj) is own or getattr(obj, "__module__", None) == course.__name__:
             return True
     return False
 
 
 def _attempt(course, inner, query, pool, meta, tile_n: int):
-    """The launcher on one step with ``inner`` as its loop: its output, or the exception it stopped with."""
+    """The launcher on one step with ``inner`` as its loop: (its output, None), or (None, the error it raised)."""
     try:
-        return course.unified_attention(query, pool.k[0], pool.v[0], meta, None, inner=inner, tile_n=tile_n)
+        return course.unified_attention(query, pool.k[0], pool.v[0], meta, None, inner=inner, tile_n=tile_n), None
     except Exception as err:  # the learner's code, inside the interpreter
-        return err
+        return None, err
 
 
 def run_steps(inner, scale: int | None = None) -> int:
@@ -200,50 +176,34 @@ def run_steps(inner, scale: int | None = None) -> int:
     scale = scale or (1 if course.INTERPRETED else GPU_SCALE)
     device = "cpu" if course.INTERPRETED else "cuda"
     tol = TOLERANCE[device]
-    for i, (name, what, hint, spec) in enumerate(STEPS, 1):
+    for i, (_, what, hint, spec) in enumerate(STEPS, 1):
         spec = scaled(spec, scale) if scale > 1 else spec
         query, pool, meta = make_step(**spec, device=device)
-        got = _attempt(course, inner, query, pool, meta, spec["tile_n"])
-        if isinstance(got, Exception):
-            raise Fail(f"step {i} of {len(STEPS)} ({what}): your loop stopped with {raised(got)}") from None
+        got, err = _attempt(course, inner, query, pool, meta, spec["tile_n"])
+        if err is not None:
+            raise Fail(f"step {i} of {len(STEPS)} ({what}): your loop stopped with {raised(err)}") from None
         want = reference_attention(query, 0, meta, None)
         if not (torch.isfinite(got).all() and torch.allclose(got, want, rtol=tol, atol=tol / 10)):
-            def again(q, p, m):
-                out = _attempt(course, inner, q, p, m, spec["tile_n"])
-                return None if isinstance(out, Exception) else out
-            said = diagnose(again, spec, got, want, tol, hint, device, None if course.INTERPRETED else 16)
+            run = lambda *step: _attempt(course, inner, *step, spec["tile_n"])[0]  # noqa: E731
+            said = diagnose(run, spec, got, want, tol, hint, device, None if course.INTERPRETED else 16)
             raise Fail(f"step {i} of {len(STEPS)} ({what}) differs from the reference attention: {said}")
     return len(STEPS)
-
-
-def engine_prompts(tok=None) -> list[list[int]]:
-    texts = ("ABSURDITY, n.", "CYNIC, n. A blackguard", "WIT, n.")
-    if tok is not None:
-        return [tok(t)["input_ids"] for t in texts]
-    return [[10 + (5 * i + 3 * j) % 80 for j in range(5 + 3 * i)] for i in range(3)]
 
 
 def run_engine(model, tok, inner, max_new_tokens: int = 4) -> tuple[int, int]:
     """Serve three prompts (in chunks beside decodes, a pool that preempts) on the kernel with ``inner`` as its
     loop; every request's tokens must equal ``model.generate``'s."""
-    from ..core.request import Request
-    from ..engine.engine import Engine
+    from .ex05_attention import serve_like_generate
 
-    prompts = engine_prompts(tok)
+    texts = ("ABSURDITY, n.", "CYNIC, n. A blackguard", "WIT, n.")
+    prompts = ([tok(t)["input_ids"] for t in texts] if tok is not None else
+               [[10 + (5 * i + 3 * j) % 80 for j in range(5 + 3 * i)] for i in range(3)])
     blocks = 2 * -(-(max(len(p) for p in prompts) + max_new_tokens) // 4)  # two requests at full length
-    engine = Engine(model, tok, max_batch_size=3, kv="paged", block_size=4, num_blocks=blocks, token_budget=6,
-                    attention=_course().kernel_attention(inner))
-    requests = [Request(p, max_new_tokens, request_id=f"r{i}") for i, p in enumerate(prompts)]
-    try:
-        done = engine.run(requests)
-    except Exception as err:  # the learner's code, inside the engine's forward pass
-        raise Fail(f"in the real engine: {raised(err)}") from None
-    for p, c in zip(prompts, done):
-        if c.output_ids != generated(model, p, max_new_tokens):
-            raise Fail(f"in the real engine, request {c.request_id}'s tokens differ from generate's, though every "
-                       "hand-built step passed: look at what a real step adds -- longer contexts, several "
-                       "sequences of different lengths, the engine's own tile size")
-    return len(prompts), sum(len(c.output_ids) for c in done)
+    tokens = serve_like_generate(model, prompts, max_new_tokens, "every hand-built step passed", "look at what a real "
+                                 "step adds -- longer contexts, several sequences of different lengths, the engine's "
+                                 "own tile size", max_batch_size=3, block_size=4, num_blocks=blocks, token_budget=6,
+                                 attention=_course().kernel_attention(inner))
+    return len(prompts), tokens
 
 
 @self_check

@@ -1,78 +1,67 @@
-"""Notebook 05b's kernel loop as a learner who made one typical mistake would write it, simulated in torch.
-
-:func:`loop` is what the launcher returns for a hand-built step with ``mistake`` in its inner loop -- the same
-programs, pointers into the flat pool and masked loads (``other=0``) -- or None where the mistaken loop would
-read outside the tensors. The check names the mistake whose simulation equals the learner's answer.
+"""Notebook 05b's kernel loop with one typical mistake, simulated in torch -- the same programs, pointers into the
+flat pool and masked loads: the check names the mistake whose simulation equals the learner's answer.
 """
 from __future__ import annotations
 
 import torch
 
-_POINTER = ("Section 2's formula: a key at position p lies in logical block p // BLOCK_SIZE -- whose pool block "
-            "the block table gives -- at slot p % BLOCK_SIZE of it")
-# name -> hint, in the order the check tries them (on a step whose scores overflow, both the loop without the
-# max and the inverted rescale give NaN everywhere: the first is named there, and only it passes the steps before)
+_POINTER = ("a key at position p lies in logical block p // BLOCK_SIZE -- whose pool block the block table gives "
+            "-- at slot p % BLOCK_SIZE of it")
+_KV_HEAD = ("a query head read the wrong KV head: here 4 query heads share 2 KV heads, consecutive query heads sharing "
+            "one (GROUP = heads // kv_heads query heads per KV head)")
+# name -> hint, in the order the check tries them (where scores overflow, the loop without the max and the inverted
+# rescale both give NaN everywhere: the first is named there, and only it passes the steps before)
 MISTAKES = {
-    "swapped": "block and slot are swapped in your key pointers. " + _POINTER,
-    "block_plus_one": ("each key was read from the block after its own: the block index is one too far (logical "
-                       "blocks count from 0: positions 0 .. BLOCK_SIZE - 1 are block 0). " + _POINTER),
-    "slot_no_stride": ("a key's slot in its block was added to the pointer as a count of elements: one slot further "
-                       "is stride_slot elements further, as one block further is stride_block"),
-    "block_no_stride": ("the pool block was added to the pointer as a count of elements: one block further is "
-                        "stride_block elements further"),
-    "head_no_stride": ("the KV head was added to the pointer as a count of elements: one head further is "
-                       "stride_head elements further"),
-    "logical_as_physical": ("your loop read logical block b as if it were pool block b: the block table says which "
-                            "pool block holds each logical block (here they lie out of order)"),
-    "one_block_per_tile": ("a tile here spans several blocks (blocks of 3, tiles of 8 keys): each key of a tile has its "
-                           "own logical block and its own slot in it, from its own position"),
+    "swapped": "block and slot are swapped in your key pointers: " + _POINTER,
+    "block_plus_one": "each key was read from the block after its own: the block index is one too far. " + _POINTER,
+    "slot_no_stride": "a key's slot was added to the pointer as a count of elements: one slot further is stride_slot "
+                      "elements further",
+    "block_no_stride": "the pool block was added to the pointer as a count of elements: one block further is "
+                       "stride_block elements further",
+    "head_no_stride": "the KV head was added to the pointer as a count of elements: one head further is stride_head "
+                      "elements further",
+    "logical_as_physical": "your loop read logical block b as pool block b: the block table says which pool block "
+                           "holds each logical block (here they lie out of order)",
+    "one_block_per_tile": "a tile here spans several blocks (blocks of 3, tiles of 8 keys): each key has its own "
+                          "logical block and slot, from its own position",
     "no_scale": "the scores were not multiplied by scale: attention's softmax is over q . k times scale",
     "scale_twice": "the scores were multiplied by scale twice: once, q . k times scale",
-    "scale_divided": ("the scores were divided by scale: scale is already 1 / sqrt(head_dim) -- attention's softmax is "
-                      "over q . k times scale"),
-    "loads_unmasked": ("the slots past the sequence's length hold stale K/V (here NaN), and your loop loaded them: a "
-                       "NaN loaded is a NaN summed -- mask the loads (mask=..., other=0.0), not only the scores"),
-    "masked_with_zero": ("masked scores were set to 0, not -inf: exp(0 - m) is not 0, so every key a query may not "
-                         "see still got weight"),
-    "no_causal": ("a prefill chunk: its queries saw keys after their own positions. Query j of a chunk sits at "
-                  "q_pos = seq_len - num_queries + j and may see keys 0 .. q_pos only"),
-    "causal_strict": ("a query did not see its own key: the causal mask lets the query at position q_pos see the keys "
-                      "0 .. q_pos, itself included"),
-    "max_before_masking": ("a key this query may not see scores far above the others, and your running max took it "
-                           "in: the max must be taken over the scores that survive the masks"),
-    "kv_head_is_head": ("a query head read the wrong KV head: here 4 query heads share 2 KV heads, consecutive query "
-                        "heads sharing one (GROUP = heads // kv_heads query heads per KV head)"),
-    "kv_head_modulo": ("a query head read the wrong KV head: here 4 query heads share 2 KV heads, consecutive query heads "
-                       "sharing one (GROUP = heads // kv_heads query heads per KV head), not every GROUP-th"),
-    "no_running_max": ("scores here reach the hundreds, and exp of a score above about 88 overflows float32 to inf: "
-                       "subtract the running max before exp (section 3)"),
-    "rescale_inverted": ("NaN from the rescale: your factor grows when the max grows (exp(+inf) = inf on the first "
-                         "tile, times the empty sum 0): it must shrink when the max grows (section 3)"),
-    "sum_not_rescaled": ("the running max grew from one tile to the next, and the running sum kept what was summed "
-                         "under the old max as it was: when m changes, the sum must be rescaled too"),
-    "acc_not_rescaled": ("the running max grew from one tile to the next, and the output so far kept what was summed "
-                         "under the old max as it was: when m changes, acc must be rescaled too"),
-    "divided": ("your loop divided by the sum itself, and the program divides again: the loop returns the "
-                "unnormalised output and the sums, (acc, total)"),
-    "fp16": ("close to the reference, but not within float32's rounding: part of your loop computes in float16 -- "
-             "keep p, V and the accumulator in float32 (the GPU tutorial's .to(tl.float16) is for speed, not here)"),
+    "scale_divided": "the scores were divided by scale: scale is already 1 / sqrt(head_dim), multiply by it",
+    "loads_unmasked": "the slots past the sequence's length hold stale K/V (here NaN), and your loop loaded them: "
+                      "mask the loads (mask=..., other=0.0), not only the scores",
+    "masked_with_zero": "masked scores were set to 0, not -inf: exp(0 - m) is not 0, so a key a query may not see "
+                        "still got weight",
+    "no_causal": "a prefill chunk: its queries saw keys after their own positions. Query j of a chunk sits at "
+                 "q_pos = seq_len - num_queries + j and may see keys 0 .. q_pos only",
+    "causal_strict": "a query did not see its own key: the query at q_pos sees the keys 0 .. q_pos, itself included",
+    "max_before_masking": "a key this query may not see scores far above the others, and your running max took it "
+                          "in: the max must be taken over the scores that survive the masks",
+    "kv_head_is_head": _KV_HEAD,
+    "kv_head_modulo": _KV_HEAD + ", not every GROUP-th",
+    "no_running_max": "scores here reach the hundreds, and exp of a score above about 88 overflows float32 to inf: "
+                      "subtract the running max before exp (section 3)",
+    "rescale_inverted": "NaN from the rescale: your factor grows when the max grows (exp(+inf) = inf on the first "
+                        "tile, times the empty sum 0): it must shrink (section 3)",
+    "sum_not_rescaled": "the running max grew from one tile to the next, and the running sum kept what was summed "
+                        "under the old max: when m changes, the sum must be rescaled too",
+    "acc_not_rescaled": "the running max grew from one tile to the next, and the output so far kept what was summed "
+                        "under the old max: when m changes, acc must be rescaled too",
+    "divided": "your loop divided by the sum itself, and the program divides again: return (acc, total)",
+    "fp16": "close to the reference, but not within float32's rounding: part of your loop computes in float16 -- "
+            "keep p, V and the accumulator in float32",
 }
-ROUNDING = ("close to the reference, but not within float32's rounding: some part of your loop computes in lower "
+ROUNDING = ("close to the reference, but not within float32's rounding: part of your loop computes in lower "
             "precision (float16, bfloat16, or tl.dot's default TF32 -- pass input_precision=\"ieee\")")
 NAN = ("your output has NaN (or inf) where the reference has none: exp of a large number, inf - inf, 0 * inf? Look "
        "at the first tile, where m is still -inf, and at what the masks put in the scores")
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def _load(flat, addr, mask):
     """A masked load from a flat tensor (``other=0``); None if an address it reads lies outside."""
     if bool(((addr < 0) | (addr >= flat.numel()))[mask].any()):
         return None
-    return torch.where(mask, flat[addr.clamp(0, flat.numel() - 1)], torch.zeros((), dtype=flat.dtype,
-                                                                                 device=flat.device))
+    zero = torch.zeros((), dtype=flat.dtype, device=flat.device)
+    return torch.where(mask, flat[addr.clamp(0, flat.numel() - 1)], zero)
 
 
 def loop(query, pool, meta, tile_n: int, mistake: str | None = None, block_q: int | None = None):
@@ -86,7 +75,7 @@ def loop(query, pool, meta, tile_n: int, mistake: str | None = None, block_q: in
     kflat, vflat, tables = k_pool.reshape(-1), v_pool.reshape(-1), meta.block_tables.contiguous()
     tflat, group, scale = tables.reshape(-1), H // kv_heads, D ** -0.5
     seqs = list(zip(meta.num_computed_tokens, meta.num_scheduled_tokens))
-    block_q = block_q or min(16, _pow2(max(n for _, n in seqs)))
+    block_q = block_q or min(16, 1 << max(0, max(n for _, n in seqs) - 1).bit_length())  # a power of two
     dev, out = query.device, torch.empty_like(query)
     for i, (c, n) in enumerate(seqs):
         seq_len, start_q = c + n, int(meta.query_start_loc[i])

@@ -1,13 +1,11 @@
-"""Notebook 06b, section 3: the worker's side of the message -- ``update_batch(runner, scheduler_output)``,
-vLLM V1's ``GPUModelRunner._update_states``, written by the learner.
-
-The real engine runs with it in the worker's place on :data:`WORKLOADS` (finishes, chunks, preemption and
-resumption under async scheduling, prefix hits, forked samples); after every call the worker's state is
-compared with the message (:mod:`.batch_rules`), and at the end the tokens with ``model.generate``'s.
+"""Notebook 06b, section 3: the learner's ``update_batch(runner, scheduler_output)`` (vLLM V1's
+``GPUModelRunner._update_states``) runs in the real engine's worker on :data:`WORKLOADS`; after every call the
+worker's state is compared with the message (:mod:`.batch_rules`), at the end the tokens with ``model.generate``'s.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -16,8 +14,8 @@ from ..core.request import Request
 from ..core.sampling import SamplingParams
 from ..engine.engine import Engine
 from ..worker import states
-from . import Fail, bierce, fail, generated_all, guard, need_function, passed, raised, self_check
-from .batch_rules import Expect, Held, state_hint
+from . import Fail, bierce, fail, generated_all, guard, is_stub, need_function, passed, raised, self_check
+from .batch_rules import Expect, state_hint
 
 @dataclass(frozen=True)
 class Workload:
@@ -62,11 +60,9 @@ WORKLOADS = [
 
 
 def _snapshot(runner) -> dict:
-    """What the worker held before a message: each state's prompt, output, blocks, generator and row."""
-    rows = runner.input_batch.req_id_to_index
-    return {rid: Held(list(s.prompt_token_ids), list(s.output_token_ids), list(s.block_ids), s.generator, rid in rows,
-                      s.num_computed_tokens)
-            for rid, s in runner.requests.items()}
+    """What the worker held before a message: a copy of each request's state."""
+    return {rid: dataclasses.replace(s, prompt_token_ids=list(s.prompt_token_ids), block_ids=list(s.block_ids),
+                                     output_token_ids=list(s.output_token_ids)) for rid, s in runner.requests.items()}
 
 
 def expected(msg, before: dict) -> dict:
@@ -74,21 +70,22 @@ def expected(msg, before: dict) -> dict:
     out = {}
     for new in msg.scheduled_new_reqs:
         old = None if new.req_id in msg.finished_req_ids else before.get(new.req_id)  # (an id used again: new)
-        out[new.req_id] = Expect("new" if old is None else "forked", list(new.prompt_token_ids) + list(new.output_token_ids),
+        out[new.req_id] = Expect("new" if old is None else "forked",
+                                 list(new.prompt_token_ids) + list(new.output_token_ids),
                                  new.num_computed_tokens, list(new.block_ids),
                                  states.new_generator(new) if old is None else old.generator, new.sampling_params)
     c = msg.scheduled_cached_reqs
     for i, rid in enumerate(c.req_ids):
         held = before[rid]
         how = "resumed" if rid in c.resumed_req_ids else "replaced" if rid in c.replaced_req_ids else "running"
-        table = list(c.new_block_ids[i]) if how != "running" else held.blocks + list(c.new_block_ids[i])
-        tokens = list(c.all_token_ids[rid]) if rid in c.all_token_ids else held.prompt + held.output
+        table = list(c.new_block_ids[i]) if how != "running" else held.block_ids + list(c.new_block_ids[i])
+        tokens = list(c.all_token_ids[rid]) if rid in c.all_token_ids else held.token_ids
         out[rid] = Expect(how, tokens, c.num_computed_tokens[i], table, held.generator, None, held)
     return out
 
 
 def plugged(fn, seen: list):
-    """``fn`` as the runner calls it, checked after every call (``seen``: the messages, for counting)."""
+    """``fn`` as the runner calls it, checked after every call (``seen``: the messages so far)."""
     @functools.wraps(fn)
     def update_batch(runner, scheduler_output):
         before, rows = _snapshot(runner), list(runner.input_batch.req_ids)
@@ -104,8 +101,8 @@ def plugged(fn, seen: list):
 
 
 def run_workload(model, w: Workload, fn=None) -> tuple[Engine, list, Fail | None]:
-    """``w`` through an engine with ``fn`` as its worker's update (None: the worker's own); the engine,
-    the messages, and the first mistake (a :class:`Fail`, or None)."""
+    """``w`` through an engine with ``fn`` as its worker's update (None: its own): the engine, the messages, and
+    the first mistake (a :class:`Fail`, or None)."""
     seen: list = []
     eng = Engine(model, None, kv="paged", block_size=4, clock=VirtualClock(step_time=1.0),
                  update_batch=None if fn is None else plugged(fn, seen), **w.options)
@@ -124,25 +121,11 @@ def _outputs(eng) -> dict:
     return {rid: [s.output_ids for s in c.samples] if c.samples else c.output_ids for rid, c in eng.completions.items()}
 
 
-def _check_workload(model, w: Workload, fn) -> str | None:
-    eng, seen, said = run_workload(model, w, fn)
-    where = f"on the workload '{w.name}'"
-    if said is not None:
-        return f"{where}, message {len(seen)}: {said}"
-    got = _outputs(eng)
-    want = _outputs(run_workload(model, w)[0]) if w.n > 1 else generated_all(model, w.requests(model.config.vocab_size))
-    if got != want:
-        return (f"{where}: the batch was right after every message, but the tokens differ from " +
-                ("the engine's own run" if w.n > 1 else "model.generate's") + " -- does your code change the rows' tokens "
-                "or generators after it has built them?")
-    return None
-
-
 @self_check
 def check_update_batch(update_batch, model=None) -> bool:
-    """Run the engine with ``update_batch(runner, scheduler_output)`` as its worker's update on every
-    workload of :data:`WORKLOADS`, on ``model`` (None: the course's bierce); see the module."""
-    if update_batch is None or update_batch is Ellipsis:
+    """``update_batch(runner, scheduler_output)`` as the worker's update on :data:`WORKLOADS`, on ``model``
+    (None: bierce); see the module."""
+    if is_stub(update_batch):
         return fail("not done yet: write update_batch(runner, scheduler_output), then run this check")
     need_function(update_batch, "update_batch")
     refused = guard.refusal("update_batch", update_batch)
@@ -150,9 +133,16 @@ def check_update_batch(update_batch, model=None) -> bool:
         return fail(refused)
     model = bierce() if model is None else model
     for w in WORKLOADS:
-        said = _check_workload(model, w, update_batch)
+        eng, seen, said = run_workload(model, w, update_batch)
+        where = f"on the workload '{w.name}'"
         if said is not None:
-            return fail(said)
+            return fail(f"{where}, message {len(seen)}: {said}")
+        want = (_outputs(run_workload(model, w)[0]) if w.n > 1 else
+                generated_all(model, w.requests(model.config.vocab_size)))
+        if _outputs(eng) != want:
+            return fail(f"{where}: the batch was right after every message, but the tokens differ from " +
+                        ("the engine's own run" if w.n > 1 else "model.generate's") + " -- does your code change the "
+                        "rows' tokens or generators after it has built them?")
     return passed(f"on all {len(WORKLOADS)} workloads your update_batch left the worker's batch as every "
                   "message said -- finished requests forgotten, rows of the scheduled requests only, blocks "
                   "appended or replaced, prefix hits and forked samples kept -- and every token came out as "

@@ -1,8 +1,8 @@
 """Notebook 12: your engine -- every piece you wrote, in one engine, proved, measured and served.
 
-:func:`check_my_engine` runs ``my_engine(model, tok, **options)`` on the course's workload beside the
-engine's own pieces on the same step clock: every piece plugged in, the same schedule step for step, the
-tokens of ``model.generate``, every block back. When it goes wrong, each piece's own check names the piece.
+:func:`check_my_engine` runs ``my_engine(model, tok, **options)`` on the course workload beside the engine's own
+pieces: every piece plugged in, the same schedule step for step, ``model.generate``'s tokens, every block back.
+When it goes wrong, each piece's own check names the piece.
 """
 from __future__ import annotations
 
@@ -206,8 +206,7 @@ def serve_my_engine(module_path, *server_args):
 
 
 def importable(folder) -> None:
-    """Let this process, and the processes it starts, import modules from ``folder`` (what running
-    ``python -m cbteach serve`` from that folder does)."""
+    """Let this process and those it starts import from ``folder``, as ``python -m cbteach serve`` there does."""
     folder = str(Path(folder).resolve())
     if folder not in sys.path:
         sys.path.insert(0, folder)
@@ -220,10 +219,9 @@ METRICS = ("tokens_per_s", "ttft_p50", "tpot_p50")  # what benchmark() summarise
 
 
 def benchmark(my_engine, model, tok=None, rounds: int = 3) -> dict:
-    """The course's metrics for your engine and the engine's own on the course workload, on wall time: a warm-up
-    each, then ``rounds`` interleaved rounds (the order flipped each round, so a slow spell falls on both). Per
-    engine and metric of :data:`METRICS`: ``{"median", "min", "max"}`` over the rounds; ``"runs"``: every round's
-    :func:`~cbteach.serving.metrics.summarize`."""
+    """Your engine's and the engine's own :data:`METRICS` on the course workload, wall time: ``{"median", "min",
+    "max"}`` over ``rounds`` interleaved rounds after a warm-up (the order flipped each round, so a slow spell falls
+    on both), and ``"runs"``: every round's :func:`~cbteach.serving.metrics.summarize`."""
     import statistics
 
     if not (isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 1):
@@ -245,8 +243,7 @@ def benchmark(my_engine, model, tok=None, rounds: int = 3) -> dict:
 
 
 def submit(url: str, source: str, name: str, api_key: str, timeout: float = 300.0) -> dict:
-    """Send a scheduler file's text to a workshop's tournament server (``python -m cbteach tournament
-    DIR --serve``); returns its entry -- goodput and rank, or why it was disqualified."""
+    """Send a scheduler file's text to a workshop's tournament server; its entry (goodput and rank, or why not)."""
     body = json.dumps({"name": name, "source": source}).encode()
     req = urllib.request.Request(url.rstrip("/") + "/submit", data=body, method="POST",
                                  headers={"Content-Type": "application/json", "Authorization": f"Bearer {api_key}"})
