@@ -47,7 +47,7 @@ READ_ORDER = [
     ("2 a request", ["core/request.py", "core/sampling.py"], "`v1/request.py`, `vllm/sampling_params.py`"),
     ("3 the scheduler", ["engine/scheduler.py", "engine/policies.py"],
      "`v1/core/sched/scheduler.py`, `request_queue.py`"),
-    ("4 the KV manager", ["kv/manager.py", "kv/pool.py", "kv/paged.py"],
+    ("4 the KV manager", ["kv/manager.py", "kv/paged.py"],
      "`v1/core/kv_cache_manager.py`, `block_pool.py`"),
     ("5 the engine core", ["engine/engine_core.py", "executor/uniproc.py"], "`v1/engine/core.py`, `v1/executor/`"),
     ("6 the worker", ["worker/input_batch.py", "worker/block_table.py", "worker/states.py", "worker/model_runner.py",
