@@ -43,7 +43,7 @@ VARIANT = re.compile(
 # The one path in the order a learner reads it, and the V1 files each part follows. README's reading map
 # is this table (``--map``); tests/test_one_path.py checks that it lists exactly the traced files.
 READ_ORDER = [
-    ("1 the message", ["core/scheduler_output.py", "core/outputs.py"], "`v1/core/sched/output.py`, `v1/outputs.py`"),
+    ("1 the messages", ["core/scheduler_output.py"], "`v1/core/sched/output.py`, `v1/outputs.py`"),
     ("2 a request", ["core/request.py", "core/sampling.py"], "`v1/request.py`, `vllm/sampling_params.py`"),
     ("3 the scheduler", ["engine/scheduler.py", "engine/policies.py"],
      "`v1/core/sched/scheduler.py`, `request_queue.py`"),

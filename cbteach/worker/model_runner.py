@@ -29,7 +29,7 @@ import time
 import numpy as np
 import torch
 
-from ..core.outputs import RunnerOutput
+from ..core.scheduler_output import RunnerOutput
 from ..errors import EngineDeadError, EngineRuleError
 from .input_batch import CachedRequestState, InputBatch
 from .sampler import NOT_FINITE, sample_on_device

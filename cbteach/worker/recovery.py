@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..core.outputs import RunnerOutput
+from ..core.scheduler_output import RunnerOutput
 from ..errors import EngineDeadError, EngineRuleError
 from .step import Step
 
