@@ -14,7 +14,7 @@ import torch
 
 from ..attention.metadata import build
 from ..attention.paged import reference_attention
-from ..kv.pool import PagedKVPool
+from ..kv.paged import PagedKVPool
 from . import (Fail, ex05b_mistakes as mistakes, fail, first_mistake, generated, is_stub, need_function, passed, raised,
                self_check)
 

@@ -2,9 +2,8 @@
 
 * :mod:`~cbteach.worker.input_batch` -- the persistent batch: a row per scheduled request, in
   preallocated arrays; :mod:`~cbteach.worker.block_table` -- the rows' block tables, one tensor;
-* :mod:`~cbteach.worker.states` -- the message changes the batch (V1's ``_update_states``);
-* :mod:`~cbteach.worker.model_runner` -- a step: inputs from the rows, the model once, sampling;
-* :mod:`~cbteach.worker.sampler` -- tokens on the device, then on the host;
+* :mod:`~cbteach.worker.model_runner` -- a step: the message changes the batch (V1's ``_update_states``),
+  inputs from the rows, the model once, tokens on the device, then on the host;
 * :mod:`~cbteach.worker.worker` -- a tensor-parallel rank: its shard, its pool, its own runner.
 
 Beside them, each variant's runner (:mod:`~cbteach.worker.variants` mixes in the ones an engine needs):
