@@ -1,22 +1,11 @@
-"""One step's attention metadata: built once per step, moved to the device in one transfer.
+"""One step's attention metadata, built once per step (not per layer) and sent in one transfer.
 
-Every layer of the model needs the same facts about the packed row: where each sequence's queries
-start, how long each sequence's context is, where this step's keys and values go in the paged pool
-(the **slot mapping**) and which blocks to read (the **block tables**). Computing them once per
-step -- not once per layer, not with Python loops over tokens -- is what production engines do
-(vLLM's ``CommonAttentionMetadata``: ``query_start_loc``, ``seq_lens``, ``block_table_tensor``,
-``slot_mapping``). The host works out the small integer arrays with numpy -- query starts, sequence
-lengths, each token's position, which rows each attention group reads (vLLM V1's GPU model runner
-computes positions the same way, in numpy on the CPU) -- and sends them in **one** copy; what
-grows with the blocks read (the slot mapping, V1 computes it on the GPU too, and the masks) is
-computed from them on the device.
-
-For the vectorised paged attention the sequences are split into :class:`AttentionGroup`\\ s --
-*decodes* (one query each; short and long histories apart when that saves much padding, see
-:func:`split_by_length`) and *prefills* (several) -- each attended with a single call: queries
-padded to the group's longest, keys read through the group's block tables and padded to its
-longest context, and a mask that keeps every query inside its own sequence's causal past.
-Separate groups keep a long prompt from padding every decode in the step to its length.
+Every layer needs the same facts about the packed row (vLLM's ``CommonAttentionMetadata``): where each
+sequence's queries start (``query_start_loc``), its context length (``seq_lens``), where this step's K/V
+go in the pool (``slot_mapping``) and which blocks to read (``block_tables``). The host computes the small
+integer arrays with numpy and sends them in **one** copy; what grows with the blocks read (the slot
+mapping, the masks) is computed from them on the device. Paged attention runs one call per
+:class:`AttentionGroup` -- decodes, prefills -- so a long prompt does not pad every decode to its length.
 """
 from __future__ import annotations
 
@@ -28,20 +17,12 @@ import torch
 
 @dataclass
 class AttentionGroup:
-    """Sequences attended together. ``G`` sequences, ``Q`` queries each (padded), ``K`` keys (padded).
+    """Sequences attended in one call: ``G`` sequences, ``Q`` queries each and ``K`` keys (both padded)."""
 
-    ``q_index[g, j]`` is the row of the packed batch holding query ``j`` of the group's sequence
-    ``g``; padding points at row ``T`` (one past the end: a scratch row that is never read back).
-    ``mask[g, 0, j, k]`` is True when that query may attend key position ``k``. A *dense* group --
-    consecutive sequences feeding ``Q`` tokens each, no padding, like the decodes of a step -- also
-    has ``rows``: its queries are that slice of the packed row, so attention takes a view of them
-    instead of gathering (and writes its output back as a slice).
-    """
-
-    q_index: torch.Tensor  # [G, Q] long
+    q_index: torch.Tensor  # [G, Q] long: packed row of query j of sequence g (padding: row T, a scratch row)
     block_tables: torch.Tensor  # [G, K // block_size] long
-    mask: torch.Tensor  # [G, 1, Q, K] bool
-    rows: tuple[int, int] | None = None  # dense group: its queries are packed rows rows[0]:rows[1], in order
+    mask: torch.Tensor  # [G, 1, Q, K] bool: query j of sequence g may attend key position k
+    rows: tuple[int, int] | None = None  # dense group (no padding): its queries are packed rows rows[0]:rows[1]
 
 
 @dataclass
@@ -62,7 +43,7 @@ class AttentionMetadata:
     scratch_row: bool = False  # some group gathers padded queries: attention adds a zero row T for them
     whole_row: bool = False  # one dense group holds every packed row: its output is the step's output
     pool: object = None  # the PagedKVPool the attention function reads and writes
-    attention: object = None  # a plugged-in attention function (Engine(attention=...)); None: the engine's
+    attention: object = None  # Engine(attention=fn)'s function; None: the engine's own
     request_ids: list | None = None  # concat only: whose caches are gathered, in packed order
     past_key_values: object = None  # concat only: the packed DynamicCache, from the forward pass to the scatter
 
@@ -77,12 +58,8 @@ def bucket(n: int) -> int:
 
 
 def split_by_length(members: list[int], num_blocks: list[int]) -> list[list[int]]:
-    """Split one group in two where that saves much padding: short and long contexts apart.
-
-    Every sequence of a group is read up to the group's longest block table, so one long history
-    makes every short one pay for its length. Sorted by length, the best cut (least padded area)
-    is taken if it saves at least a fifth -- still at most three attention calls per layer.
-    """
+    """Split one group into short and long contexts when the best cut saves at least a fifth of its
+    padded area: every member is read up to the group's longest block table."""
     if len(members) < 2:
         return [members]
     order = sorted(range(len(members)), key=lambda j: num_blocks[j])
@@ -97,16 +74,10 @@ def split_by_length(members: list[int], num_blocks: list[int]) -> list[list[int]
 def build(token_ids, num_computed_tokens: list[int], num_scheduled_tokens: list[int], device,
           block_tables=None, block_size: int | None = None, bucket_shapes: bool = False,
           num_blocks: list[int] | None = None) -> AttentionMetadata:
-    """Metadata for a packed row of ``token_ids`` (each sequence's scheduled tokens, in order).
-
-    ``token_ids`` is a list or a 1-D CPU tensor; ``block_tables`` a list of block-id lists, or a 2-D
-    CPU tensor with one row per sequence and ``num_blocks`` saying how many entries of each row are
-    its blocks (the worker's persistent block table: :mod:`cbteach.worker.block_table`).
-
-    ``bucket_shapes`` pads each attention group's sequences, queries and blocks up to powers of two
-    with masked dummies. On a GPU every new tensor shape can cost a one-off setup (kernel plans,
-    autotuning); with buckets a run meets a handful of shapes instead of a new one every step.
-    """
+    """Metadata for a packed row of ``token_ids`` (a list or 1-D CPU tensor: each sequence's scheduled
+    tokens, in order). ``block_tables``: block-id lists, or a 2-D CPU tensor whose rows hold ``num_blocks``
+    blocks each. ``bucket_shapes`` pads each group to powers of two, so a GPU meets a few shapes, not a
+    new one (and its one-off setup) every step."""
     computed = np.asarray(num_computed_tokens, dtype=np.int64)
     scheduled = np.asarray(num_scheduled_tokens, dtype=np.int64)
     B, T = len(scheduled), len(token_ids)
@@ -160,9 +131,8 @@ def build(token_ids, num_computed_tokens: list[int], num_scheduled_tokens: list[
 
 
 def _group_rows(idx: list[int], q_len: int, span, qsl, scheduled, seq_lens, T: int):
-    """On the host, for one group of sequences ``idx`` (``-1``: a dummy row): each query's packed row
-    (padding: the scratch row ``T``), each query's position (padding: 0, so it sees key 0 only), and
-    the sequences whose block tables it reads."""
+    """For group ``idx`` (``-1``: a dummy): each query's packed row (padding: ``T``), its position
+    (padding: 0, so it sees key 0 only), and whose block tables the group reads."""
     j = np.arange(q_len)
     if span is not None:  # consecutive sequences, q_len queries each, no padding
         first, last = span
@@ -191,17 +161,15 @@ def _as_table(block_tables, num_blocks):
 
 
 def _padded(tables: np.ndarray, width: int) -> np.ndarray:
-    """``tables`` cut (or padded with block 0) to ``width`` columns; entries past a row's own blocks are
-    never read (the mask hides their keys), whatever ids they hold."""
+    """``tables`` cut or padded (block 0) to ``width`` columns; the mask hides keys past a row's own blocks."""
     if tables.shape[1] >= width:
         return tables[:, :width]
     return np.concatenate([tables, np.zeros((tables.shape[0], width - tables.shape[1]), dtype=tables.dtype)], axis=1)
 
 
 def _plan_groups(lengths, num_scheduled_tokens, bucket_shapes):
-    """Decide the attention groups on the host: decodes (split by length unless shapes are
-    bucketed) and prefills. ``lengths``: each sequence's number of blocks. Returns the block-table
-    width, each group's ``(q_len, num_blocks, dense span or None)`` and its member list (``-1``: a dummy)."""
+    """The groups -- decodes (split by length unless bucketed), prefills -- from each sequence's number of
+    blocks: the table width, each group's ``(q_len, num_blocks, dense span or None)`` and its members."""
     width = max(lengths)
     width = bucket(width) if bucket_shapes else width
     decodes = [i for i, n in enumerate(num_scheduled_tokens) if n == 1]
@@ -215,8 +183,7 @@ def _plan_groups(lengths, num_scheduled_tokens, bucket_shapes):
                            max(lengths[i] for i in members), len(members))
         if bucket_shapes:
             size, q_len, nb = bucket(size), bucket(q_len), min(bucket(nb), width)
-        # Consecutive sequences feeding the same number of tokens, no dummies: their queries are
-        # a slice of the packed row, which attention reads as a view instead of gathering it.
+        # Consecutive, no dummies, the same tokens each: a slice of the packed row, read as a view.
         dense = size == len(members) and members == list(range(members[0], members[-1] + 1)) and \
             all(num_scheduled_tokens[i] == q_len for i in members)
         groups.append((q_len, nb, (members[0], members[-1] + 1) if dense else None))

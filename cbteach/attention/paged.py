@@ -1,34 +1,14 @@
 """Paged attention as a transformers attention function: the model code stays untouched.
 
-transformers lets a model's attention layers call any function registered with
-``AttentionInterface``. We register ``"cbteach_paged"`` under its own name, and only the engine's
-own *view* of the model (:mod:`cbteach.core.model_view`: the same weights, a private copy of the
-config) is set to call it; the model itself is never switched, so ``model.generate``, static
-batching or another engine keep using it as it is, in any thread. Each layer hands us its queries and this step's new keys and values (RoPE already
-applied), plus the step's :class:`~cbteach.attention.metadata.AttentionMetadata`, which the engine passes
-as an extra forward argument (``cbteach_step=...``): transformers forwards unknown keyword
-arguments from ``model(...)`` down to the attention function, so the metadata travels with the
-call itself -- no global state another thread could pick up. Then:
-
-1. **write** -- the new K/V go into the pool at their ``slot_mapping`` slots (in place);
-2. **read** -- each sequence's context is gathered through its block table;
-3. **attend** -- queries attend only their own sequence's causal past.
-
-Two versions of steps 2-3 live here and are tested equal:
-
-* :func:`reference_attention` -- the readable one notebook 05 teaches: a Python loop over the
-  sequences, one ``scaled_dot_product_attention`` call each. Together those calls are exactly the
-  diagonal blocks of the block-diagonal mask.
-* :func:`vectorised_attention` -- what the engine runs: a constant number of calls per layer
-  (one per :class:`~cbteach.attention.metadata.AttentionGroup`: decodes, prefills), gathering all of a
-  group's blocks at once through a padded block-table tensor, with a mask that hides the padding.
-
-A real paged-attention kernel (vLLM's) reads the blocks where they lie inside the attention loop;
-a gather followed by ``scaled_dot_product_attention`` computes the same numbers with stock
-PyTorch on any device. The bytes the gather reads are reported as ``kv_bytes_read``.
-
-No attention mask is built for our function: transformers only builds masks for implementations
-that registered a mask function, and we register none.
+Only the engine's own view of the model (:mod:`cbteach.core.model_view`) calls ``"cbteach_paged"``
+(registered with ``AttentionInterface``), so ``model.generate`` works as before. Each layer hands over its
+queries and this step's new K/V (RoPE applied) with the step's ``AttentionMetadata``, passed as a
+forward keyword argument (``cbteach_step=``): no global state. Then: **write** the new K/V at their
+``slot_mapping`` slots, **read** each sequence's context through its block table, **attend** within its
+causal past -- one call per attention group (:func:`vectorised_attention`; :func:`reference_attention`,
+notebook 05's loop over sequences, is tested equal). vLLM's kernel reads the blocks where they lie; a
+gather then ``scaled_dot_product_attention`` computes the same numbers in stock PyTorch. transformers
+builds no mask for us: we register no mask function.
 """
 from __future__ import annotations
 
@@ -42,11 +22,10 @@ STEP_KWARG = "cbteach_step"  # the forward argument that carries the step's Atte
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """``query`` is ``[1, heads, T, head_dim]``; ``key``/``value`` are ``[1, kv_heads, T, head_dim]``.
-    Runs the step's attention function: :func:`default_attention`, or one plugged into the engine
-    (``Engine(..., attention=fn)``, notebook 05), which must return a tensor shaped like ``query``."""
+    """``query`` ``[1, heads, T, head_dim]``, ``key``/``value`` ``[1, kv_heads, T, head_dim]``: runs the step's
+    attention function (``Engine(attention=fn)``'s, or :func:`default_attention`) and checks its shape."""
     meta = kwargs.pop(STEP_KWARG, None)
-    if meta is None:  # only an engine's model view calls us, and it always passes the step's metadata
+    if meta is None:
         raise RuntimeError(f"{NAME!r} attention was called without the step's metadata ({STEP_KWARG}=...): "
                            "it is only for a cbteach engine's own view of the model")
     attend = meta.attention or default_attention
@@ -59,9 +38,8 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
 
 
 def default_attention(query, key, value, meta, layer: int, scaling=None) -> torch.Tensor:
-    """The engine's attention over the pool: **write** this step's K/V at ``meta.slot_mapping``, then
-    **read** every sequence's context through its block table and **attend** causally
-    (:func:`vectorised_attention`). A plugged-in attention function has this signature."""
+    """Write this step's K/V at ``meta.slot_mapping``, then read and attend (:func:`vectorised_attention`).
+    ``Engine(attention=fn)`` takes a function with this signature."""
     meta.pool.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
     return vectorised_attention(query, layer, meta, scaling)
 
@@ -71,8 +49,7 @@ def vectorised_attention(query, layer: int, meta, scaling=None) -> torch.Tensor:
     _, H, T, D = query.shape
     rows = query[0].transpose(0, 1)  # [T, H, D]: one query per packed row (a view)
     if meta.scratch_row:
-        # Row T is a zero "scratch" query: padded positions of a group read it and write their output
-        # back to it, so no data-dependent shapes (no host sync) are needed to drop the padding.
+        # Row T, a zero "scratch" query, takes the padding's reads and writes: no data-dependent shapes.
         rows = torch.cat([rows, rows.new_zeros(1, H, D)])
     out = None if meta.whole_row else query.new_empty(T + 1, H, D)
     for group in meta.groups:
@@ -94,18 +71,11 @@ def vectorised_attention(query, layer: int, meta, scaling=None) -> torch.Tensor:
 
 
 def _attend(q, k, v, mask, scaling):
-    """``scaled_dot_product_attention`` for ``q`` ``[G, H, Q, D]`` and ``k``/``v`` ``[G, kv_heads, K, D]``.
-
-    With one query per sequence (decodes) and grouped-query attention, the ``H // kv_heads`` query
-    heads that share a KV head are laid out as that head's queries -- ``[G, kv_heads, H // kv_heads, D]``
-    -- so the call is plain multi-query attention over one mask row: same numbers, less work.
-
-    On a GPU the attention is written out instead (:func:`masked_softmax_attention`): there
-    ``scaled_dot_product_attention`` picks a fused kernel by shape and device, and with our boolean
-    masks broadcast over heads (and, for the decodes' layout, over queries) the one it picked on an H200
-    gave wrong tokens (the course's GPU check, ``benchmarks/results/gpu.json``), where the same step
-    written out cannot -- the course promises ``generate``'s tokens on every device.
-    """
+    """``scaled_dot_product_attention`` for ``q`` ``[G, H, Q, D]``, ``k``/``v`` ``[G, kv_heads, K, D]``. A decode
+    under grouped-query attention lays the query heads sharing a KV head out as that head's queries
+    (``[G, kv_heads, H // kv_heads, D]``): same numbers, less work. On a GPU it is written out instead
+    (:func:`masked_softmax_attention`): the fused kernel SDPA picked on an H200 for our broadcast boolean
+    masks gave wrong tokens (``benchmarks/results/gpu.json``)."""
     if written_out(q.device):
         return masked_softmax_attention(q, k, v, mask, scaling)
     G, H, Q, D = q.shape
@@ -123,9 +93,8 @@ def written_out(device) -> bool:
 
 
 def masked_softmax_attention(q, k, v, mask, scaling=None):
-    """``softmax(q kᵀ * scale, where mask) v`` for ``q`` ``[G, H, Q, D]``, ``k``/``v`` ``[G, kv_heads, K, D]``
-    and a boolean ``mask`` ``[G, 1, Q, K]`` (None: no mask): the formula itself, each query head reading
-    the KV head its group shares (head ``h`` reads KV head ``h // (H // kv_heads)``)."""
+    """``softmax(q kᵀ * scale, where mask) v`` for ``q`` ``[G, H, Q, D]``, ``k``/``v`` ``[G, kv_heads, K, D]``, ``mask``
+    ``[G, 1, Q, K]`` or None; query head ``h`` reads KV head ``h // (H // kv_heads)``."""
     G, H, Q, D = q.shape
     kv_heads = k.shape[1]
     scale = scaling if scaling is not None else D ** -0.5
@@ -159,7 +128,6 @@ def reference_attention(query, layer: int, meta, scaling=None) -> torch.Tensor:
 
 
 def register() -> None:
-    """Make ``"cbteach_paged"`` known to transformers (idempotent; no mask function on purpose)."""
+    """Make ``"cbteach_paged"`` known to transformers (idempotent)."""
     from transformers import AttentionInterface
-
     AttentionInterface.register(NAME, paged_attention_forward)

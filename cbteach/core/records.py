@@ -1,11 +1,6 @@
-"""Step records: what the engine did on each forward step, kept so it can be counted and drawn.
-
-Every call to :meth:`cbteach.Engine.step` returns a :class:`StepRecord`. The notebooks, the demo
-and the visualisers read nothing else, so a record carries the whole story of a step -- who ran,
-how many tokens each fed and from which position, who was admitted, preempted or finished -- and
-can rebuild the packed row and its attention mask on demand (they are not stored, which keeps
-records cheap). A long run or a benchmark can keep none: ``Engine(..., keep_records=False)``.
-"""
+"""Step records: what each engine step did -- who ran, how many tokens from which position, who was
+admitted, preempted or finished -- the one thing the notebooks and visualisers read. The packed row and
+its mask are rebuilt on demand, not stored; ``Engine(keep_records=False)`` keeps none."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -21,16 +16,14 @@ class SeqStep:
 
     request_id: object
     slot: int
-    # "decode": it feeds the one token it sampled last step, everything before it already cached;
-    # "prefill": anything else -- prompt tokens, a chunk of them, or recomputing after a preemption.
-    kind: str
+    kind: str  # "decode" (it feeds its last sampled token, all before it cached) or "prefill" (anything else)
     num_computed_tokens: int  # tokens already in the KV cache before this step
     num_scheduled_tokens: int  # tokens fed this step
     token_ids: list[int]  # the tokens fed (empty when the engine keeps no records: Engine(keep_records=False))
     sampled: int | None = None  # last token produced by this step (None for a partial prefill chunk)
-    new_token_ids: list[int] = field(default_factory=list)  # every token it produced (several: accepted drafts)
-    num_draft_tokens: int = 0  # draft tokens fed (and checked) in this step
-    finish_reason: str | None = None  # "eos" or "length" if the sequence finished on this step
+    new_token_ids: list[int] = field(default_factory=list)  # every token it produced this step
+    num_draft_tokens: int = 0  # guesses fed (and checked) in this step (V1's spec tokens)
+    finish_reason: str | None = None  # set if the sequence finished on this step
 
     @property
     def positions(self) -> range:
@@ -58,16 +51,12 @@ class StepRecord:
     kv_usage: dict | None = None  # paged cache: pool state after the step (block tables, fill)
     num_all_reduces: int = 0  # a model sharded over processes: all-reduces in this step's forward pass
     all_reduce_bytes: int = 0  # ... and the bytes each process sent into them
-    # When the host and the model worked on this step: "schedule", "forward" and "update" -> (start, end)
-    # in time.perf_counter() seconds (a step loop that overlaps steps overlaps these too).
-    timings: dict = field(default_factory=dict)
+    timings: dict = field(default_factory=dict)  # "schedule", "forward", "update" -> perf_counter (start, end)
 
     # -- derived views ---------------------------------------------------------------------
     @property
     def idle(self) -> bool:
-        """Nothing happened: no forward pass and no preemption (the engine waits for an arrival).
-        A step can preempt without running anything: under vLLM V1's rule the running loop stops
-        when a request is its own victim, and it may be the first one asked."""
+        """No forward pass and no preemption (a step can preempt alone: its first request its own victim)."""
         return not self.seqs and not self.preempted
 
     @property
@@ -85,9 +74,8 @@ class StepRecord:
 
     @property
     def is_fused(self) -> bool:
-        """True when a prefill rode in the same forward pass as other sequences' decodes."""
-        kinds = {s.kind for s in self.seqs}
-        return kinds == {"prefill", "decode"}
+        """A prefill rode in the same forward pass as other sequences' decodes."""
+        return {s.kind for s in self.seqs} == {"prefill", "decode"}
 
     @property
     def input_ids(self) -> list[int]:
@@ -106,43 +94,32 @@ class StepRecord:
         return [s.num_scheduled_tokens for s in self.seqs]
 
     def mask(self) -> torch.Tensor:
-        """The boolean ``[queries, keys]`` attention mask of this step (paged: in the per-sequence
-        layout its attention reads; concat: in the cached-then-new layout of the packed cache)."""
+        """The step's boolean ``[queries, keys]`` mask, in its cache's key layout."""
         if self.kv_kind == "paged":
             return per_sequence_causal_mask(self.num_computed_tokens, self.num_scheduled_tokens)
         return block_diagonal_causal_mask(self.num_computed_tokens, self.num_scheduled_tokens)
 
     def __repr__(self) -> str:
         parts = [f"{s.request_id}:{s.kind[0]}{s.num_scheduled_tokens}" for s in self.seqs]
-        extra = ""
-        if self.admitted:
-            extra += f", admitted={self.admitted}"
-        if self.finished:
-            extra += f", finished={self.finished}"
-        if self.preempted:
-            extra += f", preempted={self.preempted}"
-        if self.swapped_in:
-            extra += f", swapped_in={self.swapped_in}"
+        lists = {"admitted": self.admitted, "finished": self.finished, "preempted": self.preempted,
+                 "swapped_in": self.swapped_in}
+        extra = "".join(f", {name}={ids}" for name, ids in lists.items() if ids)
         return f"StepRecord(step={self.step}, tokens={self.num_tokens} [{' '.join(parts)}]{extra})"
 
 
 def new_record(step: int, kv_kind: str, start_time: float, plan) -> StepRecord:
-    """A step's record as planned: ``plan.record_fields()`` (who was admitted, who preempted...)."""
+    """A step's record as planned (who was admitted, who preempted...)."""
     return StepRecord(step=step, kv_kind=kv_kind, start_time=start_time, **plan.record_fields())
 
 
 def fill_record(record: StepRecord, step, out, num_outputs_before: list[int], finished: list,
                 fed: bool = True) -> None:
-    """Add what the step did to ``record``: each sequence's part (``step``: the planned step -- its
-    message, sequences and kinds; ``out``: the runner's output; ``num_outputs_before``: read before
-    the scheduler updated the sequences), the finished requests, the forward pass's time and the KV
-    bytes it moved. ``fed=False`` (an engine that keeps no records) leaves each part's ``token_ids``
-    empty: only the drawings read them."""
+    """Add what the planned ``step`` did, from the runner's output ``out`` and each sequence's output
+    length before the update. ``fed=False`` leaves ``token_ids`` empty (only the drawings read them)."""
     record.finished = [s.request_id for s in finished]
     plan = step.plan
     starts = plan.num_computed_tokens_of()
-    # What each sequence got is what was appended to it: a token the runner sampled for a sequence that
-    # had already stopped or failed (its step was in flight) was dropped.
+    # What each sequence got is what was appended to it (not a token dropped by the update).
     ended = {id(s) for s in finished}
     guesses = plan.scheduled_spec_decode_tokens
     record.seqs = []
@@ -163,7 +140,6 @@ def fill_record(record: StepRecord, step, out, num_outputs_before: list[int], fi
 
 
 def _fed(seq, start: int, n: int, drafts) -> list[int]:
-    """The token ids a sequence fed: its tokens ``start .. start + n - 1`` -- all known by now, but for a
-    token a step in flight was to give it and did not (it failed): fed as 0 -- then its drafts."""
+    """The ids ``seq`` fed: its tokens ``start .. start + n - 1`` (0 where a failed step gave none), then ``drafts``."""
     known = max(start, min(start + n, seq.num_tokens))
     return seq.token_ids(start, known) + [0] * (start + n - known) + list(drafts)

@@ -1,12 +1,4 @@
-"""Requests in, completions out.
-
-A :class:`Request` is what a user asks for: a prompt and how many tokens they are willing to wait
-for. A :class:`Completion` is what they get back. In between, the engine keeps a
-:class:`Sequence`: the request's live state, above all ``num_computed_tokens`` -- how many of its
-tokens already have keys and values in the KV cache. Everything a scheduler decides is phrased in
-terms of that number: tokens ``[num_computed_tokens:]`` of ``prompt + output`` still have to go
-through the model. A request is checked when it is added (:mod:`cbteach.core.validation`).
-"""
+"""Requests in, completions out; in between, a :class:`Sequence`: the request's live state in the engine."""
 from __future__ import annotations
 
 import enum
@@ -21,14 +13,9 @@ _auto_ids = itertools.count()
 
 @dataclass
 class Request:
-    """One generation request.
-
-    ``prompt`` is a string (needs a tokenizer) or a list of token ids. ``max_new_tokens`` caps the
-    output; the model may stop earlier by producing EOS, unless ``ignore_eos`` (for benchmarks that
-    need long, predictable outputs). ``arrival_time`` (seconds after the engine starts) and
-    ``priority`` are for schedulers that care about them. Without a ``request_id`` one is made up.
-    Nothing is checked here: the engine checks a request when it is added.
-    """
+    """One generation request: a prompt (a string, or token ids) and at most ``max_new_tokens`` to generate.
+    ``ignore_eos`` (for benchmarks) generates past EOS; ``arrival_time`` is seconds after the engine
+    started; an id is made up if none is given. The engine checks a request when it is added."""
 
     prompt: str | Seq[int]
     max_new_tokens: int
@@ -46,12 +33,8 @@ class Request:
 
 @dataclass
 class Completion:
-    """The result of one request. ``output_ids`` ends with the EOS id when ``finish_reason == "eos"``.
-
-    Times are seconds on the engine's clock (since the engine was created): ``first_token_time -
-    arrival_time`` is the time to first token (TTFT); gaps between ``token_times`` are
-    inter-token latencies.
-    """
+    """The result of one request (``output_ids`` ends with the EOS id when ``finish_reason == "eos"``).
+    Times are seconds on the engine's clock: ``first_token_time - arrival_time`` is the TTFT."""
 
     request_id: object
     prompt_ids: list[int]
@@ -94,12 +77,12 @@ class Completion:
 
 
 class RequestStatus(enum.Enum):
-    """Where a request is in its life. Only the scheduler moves a request from one to the next."""
+    """Where a request is in its life; only the scheduler moves it on."""
 
     WAITING = "waiting"  # queued, never run (or not arrived yet)
     RUNNING = "running"  # in the batch: it has a slot and KV blocks
     PREEMPTED = "preempted"  # taken out of the batch to free KV room; queued again, to be recomputed
-    SWAPPED = "swapped"  # taken out of the batch, its K/V blocks copied to host memory until room returns
+    SWAPPED = "swapped"  # its K/V blocks copied to host memory until room returns
     FINISHED = "finished"  # stopped at EOS or max_new_tokens
     ABORTED = "aborted"  # cancelled by Engine.abort
 
@@ -110,17 +93,14 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    """A request's live state inside the engine, grouped as transformers' ``RequestState`` groups it.
-
-    ``num_computed_tokens`` is the number everything turns on: tokens ``[0, num_computed_tokens)``
-    of ``prompt + output`` have their keys and values in the KV cache; the rest must still go
-    through the model.
-    """
+    """A request's live state. Everything a scheduler decides turns on ``num_computed_tokens``: tokens
+    ``[0, num_computed_tokens)`` of ``prompt + output`` have their K/V in the cache, the rest must still
+    go through the model."""
 
     # -- identity: what was asked ----------------------------------------------------------------
     request: Request
     prompt_ids: list[int]
-    generator_state: bytes | None = None  # a handed-over seeded request's random stream (its runner keeps the generator)
+    generator_state: bytes | None = None  # a seeded request's random stream, when moved from another engine
     claimed: bool = False  # added by run() or stream(), which report on it themselves (streams skip it)
     # -- scheduling: where it is, how far it got ---------------------------------------------------
     status: RequestStatus = RequestStatus.WAITING
@@ -134,8 +114,8 @@ class Sequence:
     # -- KV: its room in the cache (paged) -----------------------------------------------------------
     block_table: list[int] = field(default_factory=list)
     num_cached_prompt_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
-    ready_time: float = 0.0  # swapped-in K/V usable from this time on (a disaggregated handover's arrival)
-    draft_ids: list[int] = field(default_factory=list)  # tokens to feed on trust next step (V1's spec_token_ids)
+    ready_time: float = 0.0  # its K/V are usable from this time on (K/V that arrive from elsewhere)
+    draft_ids: list[int] = field(default_factory=list)  # guesses to feed next step (V1's spec_token_ids)
     sample_index: int | None = None  # which sample of its request, n > 1 (None: the request has one)
     completion: object = None  # its own Completion once finished (the request's gathers every sample's)
     # -- timing, on the engine's clock ---------------------------------------------------------------
@@ -151,11 +131,11 @@ class Sequence:
 
     @property
     def num_slots(self) -> int:
-        """Batch slots its admission takes: its own (a sequence that others wait on takes theirs too)."""
+        """Batch slots its admission takes."""
         return 1
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        """Tokens ``start..end-1`` of prompt + output, without building the whole list every step."""
+        """Tokens ``start..end-1`` of prompt + output, without building the whole list."""
         p = len(self.prompt_ids)
         if end <= p:
             return self.prompt_ids[start:end]
@@ -167,18 +147,17 @@ class Sequence:
 
     @property
     def num_tokens_with_placeholders(self) -> int:
-        """Known tokens plus the ones a step in flight will give it (none when steps never overlap)."""
+        """Known tokens plus those a step in flight will give it."""
         return len(self.prompt_ids) + len(self.output_ids) + self.num_placeholders
 
     def decodes_from(self, start: int) -> bool:
-        """Whether feeding from position ``start`` is a decode: it has sampled a token and everything
-        before that token is computed, so it feeds that one token (plus any guesses). Anything else -- a
-        prompt, a chunk of one, recomputing after a preemption -- is a prefill."""
+        """Whether feeding from position ``start`` is a decode: everything before its last sampled token is
+        computed. Anything else -- a prompt, a chunk of one, a recompute after preemption -- is a prefill."""
         return bool(self.output_ids or self.num_placeholders) and start == self.num_tokens_with_placeholders - 1
 
     @property
     def is_decoding(self) -> bool:
-        """Its next step is a decode (:meth:`decodes_from` its ``num_computed_tokens``)."""
+        """Its next step is a decode."""
         return self.decodes_from(self.num_computed_tokens)
 
     def __repr__(self) -> str:

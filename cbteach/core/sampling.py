@@ -1,17 +1,7 @@
-"""Choosing the next token, and deciding when a request is done -- one place for every batcher.
-
-Static batching and the continuous engine both end a forward pass with a row of logits per
-request. What happens next is the same for both, so it lives here:
-
-* :func:`sample` turns each request's logits into a token. The course decodes **greedily**
-  (``temperature=0``, the default), because greedy output can be checked token for token against
-  ``model.generate``. :class:`SamplingParams` also carries ``temperature``, ``top_p`` and ``seed``
-  per request, as serving engines do (vLLM's ``SamplingParams``); a seeded request draws from its
-  own ``torch.Generator``, so its tokens do not depend on who else is in the batch.
-* :func:`stop_reason` says whether a request has finished: ``"eos"`` when it produced one of the
-  model's stop ids (exactly the ones ``generate`` stops on: the generation config's
-  ``eos_token_id``), ``"stop"`` for one of the request's own ``stop_token_ids``, ``"length"`` at
-  ``max_new_tokens``, else ``None``.
+"""Choosing the next token (:func:`sample`) and deciding when a request is done (:func:`stop_reason`),
+shared by every batcher. The course decodes greedily by default, so that output can be checked token for
+token against ``model.generate``; a seeded request draws from its own ``torch.Generator``, so its tokens
+do not depend on who else is in the batch.
 """
 from __future__ import annotations
 
@@ -22,16 +12,14 @@ from dataclasses import dataclass
 import torch
 
 
-# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by 1e-40 overflows to
-# inf, and the softmax of that is NaN -- an argmax is what such a temperature means anyway.
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by 1e-40 overflows.
 GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request picks its tokens. ``temperature=0`` means greedy (argmax), the default; so
-    does any temperature below ``1e-5`` (as in vLLM), where dividing by it would overflow. (vLLM's
-    ``SamplingParams`` has more -- ``top_k``, ``min_p``, penalties, logprobs; the course needs these.)"""
+    """How one request picks its tokens (a few of vLLM's ``SamplingParams``). ``temperature`` below
+    :data:`GREEDY_BELOW` (the default, 0) is greedy: argmax."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -69,11 +57,8 @@ GREEDY = SamplingParams()
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list | None = None) -> list[int]:
-    """One token per row of ``logits`` (``[num_requests, vocab]``), following each row's params.
-
-    All-greedy batches (the course's case) are one ``argmax``. Other rows are sampled one by one:
-    temperature scaling, then nucleus (top-p) filtering, then a draw from the row's generator.
-    """
+    """One token per row of ``logits`` ``[num_requests, vocab]``: greedy rows by one ``argmax``, the
+    others one by one -- temperature, then top-p filtering, then a draw from the row's generator."""
     tokens = logits.argmax(dim=-1).tolist()
     for i, p in enumerate(params):
         if p.greedy:
@@ -93,12 +78,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list 
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
                 generators: list | None = None) -> tuple[list, list]:
-    """:func:`sample`, one failure at a time: ``(tokens, errors)`` where a row whose logits are not
-    finite, or whose draw fails, gets ``None`` and a message instead of a token -- that request alone
-    ends with an error, its neighbours' tokens (and seeded draws) are untouched."""
-    # One pass gives the greedy tokens and the row maxima: a NaN (argmax picks it) or an infinite
-    # maximum means the model failed on that row.
-    top, argmax = logits.max(dim=-1)  # (the first maximum, as argmax and generate take it)
+    """:func:`sample`, ``(tokens, errors)``: a row whose logits are not finite, or whose draw fails, gets
+    ``None`` and a message -- that request alone ends with an error, its neighbours are untouched."""
+    top, argmax = logits.max(dim=-1)  # greedy tokens (the first maximum, as generate takes it); NaN or inf: failed
     finite, argmax = torch.isfinite(top).tolist(), argmax.tolist()
     tokens: list = [None] * len(params)
     errors: list = [None] * len(params)
@@ -117,8 +99,7 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
 
 
 def make_generator(params: SamplingParams, sample_index: int = 0) -> torch.Generator | None:
-    """A CPU generator for a seeded request (None: the global RNG). Sample ``i`` of ``n`` parallel
-    samples draws from ``seed + i``: it gives what a request with that seed gives alone."""
+    """A CPU generator for a seeded request (None: the global RNG); sample ``i`` of ``n`` draws from ``seed + i``."""
     if params.seed is None:
         return None
     seed = int(params.seed) + sample_index
@@ -127,9 +108,8 @@ def make_generator(params: SamplingParams, sample_index: int = 0) -> torch.Gener
 
 def stop_reason(output_ids: list[int], max_new_tokens: int, eos_ids, ignore_eos: bool = False,
                 stop_token_ids=()) -> str | None:
-    """``"eos"``, ``"stop"`` (one of ``stop_token_ids``), ``"length"`` or ``None`` (keep going) after
-    the last token was appended (vLLM V1's ``check_stop``, but for stop strings: text, checked by the
-    front end that detokenizes)."""
+    """``"eos"``, ``"stop"`` (one of ``stop_token_ids``), ``"length"`` or ``None`` (keep going) after the
+    last token was appended (V1's ``check_stop``; stop strings are text, checked where it is detokenized)."""
     if output_ids and output_ids[-1] in eos_ids and not ignore_eos:
         return "eos"
     if output_ids and output_ids[-1] in stop_token_ids:

@@ -1,22 +1,10 @@
 """The engine core: the step loop -- schedule, execute, update -- and nothing about taking requests in.
 
-vLLM V1 splits its engine the same way: ``EngineCore`` (``vllm/v1/engine/core.py``) owns the
-scheduler, the KV cache and the model executor and runs ``step()`` in a busy loop; the ``LLMEngine``
-around it takes requests in and hands outputs back (and, when serving, the core runs in a process of
-its own). Here :class:`EngineCore` is that loop and :class:`~cbteach.engine.engine.Engine`
-adds the request API on top. One :meth:`EngineCore.step` is one forward pass, in three calls:
-
-1. ``plan = scheduler.schedule(now)`` (:mod:`cbteach.engine.scheduler`) -- a message;
-2. ``output = executor.execute_model(plan)`` (:mod:`cbteach.executor`: the worker's model runner,
-   :mod:`cbteach.worker.model_runner`);
-3. ``scheduler.update_from_output(plan, output, now)`` (the scheduler's too).
-
-The engine steps while :meth:`~EngineCore.has_requests` says so: after
-the last request finishes, one more message (nothing scheduled) tells the worker who finished, so it
-holds nothing when the engine is idle -- V1's engine core does the same.
-
-Which scheduler, KV cache and runner the core runs depends on its options
-(:mod:`cbteach.engine.assemble`); a variant that needs a step loop of its own sets ``stepper``.
+As in vLLM V1 (``EngineCore``, ``vllm/v1/engine/core.py``), the core owns the scheduler, the KV cache and
+the executor, and :class:`~cbteach.engine.engine.Engine` adds the request API on top. One
+:meth:`EngineCore.step` is one forward pass: ``scheduler.schedule`` (a message), ``executor.execute_model``
+(the worker's model runner), ``scheduler.update_from_output``. After the last request finishes, one more
+step tells the worker who finished (:meth:`~EngineCore.has_requests`), so it holds nothing when idle.
 """
 from __future__ import annotations
 
@@ -35,8 +23,7 @@ from .fingerprint import ModelWatch
 
 @dataclass
 class PlannedStep:
-    """A step as planned, on the engine's side: the message, the live sequences it schedules (in its
-    order) and whether each was a prefill or a decode then, and the step's record."""
+    """A step as planned: the message, its live sequences in order, each one's kind then, the record."""
 
     plan: object  # the SchedulerOutput
     seqs: list[Sequence]
@@ -45,8 +32,7 @@ class PlannedStep:
 
 
 class EngineCore:
-    """The scheduler, the KV cache and the model runner, and the step that drives them (see the module).
-    Build an :class:`~cbteach.engine.engine.Engine`; its options are documented there."""
+    """The scheduler, the KV cache, the executor and the step that drives them (build an ``Engine``)."""
 
     def __init__(self, model, tokenizer=None, *, max_batch_size: int, kv: str = "concat",
                  keep_records: bool = True, clock=None, scheduler_cls=None, kv_manager=None, attention=None,
@@ -68,19 +54,18 @@ class EngineCore:
         self.forward_seconds = 0.0  # the model's forward passes, all steps together (the rest is host work)
         self._t0 = time.perf_counter()
         self.clock = clock  # None: wall time; a VirtualClock: simulated time (cbteach.core.clock)
-        self._model_watch = ModelWatch(model, tokenizer)  # (cbteach.engine.fingerprint)
+        self._model_watch = ModelWatch(model, tokenizer)
         self._closed = False
         self._dead: EngineDeadError | None = None  # what stopped the engine (a worker process died)
 
     def now(self) -> float:
-        """Seconds on the engine's clock (since the engine was created)."""
+        """Seconds since the engine was created, on its clock."""
         return self.clock() if self.clock is not None else time.perf_counter() - self._t0
 
     # -- stepping ----------------------------------------------------------------------------
     @property
     def num_steps(self) -> int:
-        """Steps run so far -- forward passes, and the rare step that only preempted (idle waits for
-        arrivals not counted) -- kept even without records."""
+        """Steps run so far (idle waits for arrivals not counted), kept even without records."""
         return self._num_steps
 
     def has_unfinished(self) -> bool:
@@ -91,7 +76,7 @@ class EngineCore:
         return self.has_unfinished() or self.scheduler.has_finished_requests()
 
     def kv_usage(self) -> dict:
-        """The KV cache's state now (paged: blocks, tokens, utilisation, block tables, pool bytes)."""
+        """The KV cache's state now."""
         return self.kv.usage()
 
     def step(self) -> StepRecord:
@@ -125,9 +110,8 @@ class EngineCore:
             self.executor.execute_model(plan)  # nothing to run, but the worker forgets who finished, moves blocks
         return self.end_record(step.record)
 
-    # -- the parts of a step (a step loop of its own calls them in its own order) -----------------------
+    # -- the parts of a step (another step loop calls them in its own order) ---------------------------
     def begin_step(self, plan, start: float) -> PlannedStep:
-        """A planned step: its message, the scheduled sequences and their kinds as planned, its record."""
         if self.rules is not None:
             self.rules.after_schedule(plan, start)
         starts = plan.num_computed_tokens_of()
@@ -137,7 +121,7 @@ class EngineCore:
 
     def advance_clock(self, plan, measured: float) -> None:
         """A simulated clock moves by the step's cost; the wall clock moves by itself."""
-        if self.clock is not None:  # simulated time moves by the step's cost (cbteach.core.clock)
+        if self.clock is not None:
             if hasattr(self.clock, "advance_step"):
                 self.clock.advance_step(plan, measured)
             else:
@@ -159,14 +143,14 @@ class EngineCore:
         self.forward_seconds += output.forward_time
 
     def end_record(self, record: StepRecord) -> StepRecord:
-        """Close a step's record: numbered and kept unless nothing happened (an idle wait)."""
+        """Close a step's record: numbered and kept unless it was an idle wait."""
         record.num_waiting = len(self.scheduler.waiting)
         if self.keep_records and self.kv.kind == "paged":
             record.kv_usage = self.kv.usage()
         record.duration = self.now() - record.start_time
         self._last_idle = record.idle
         self._last_start = record.start_time
-        if not record.idle:  # an idle step (waiting for arrivals) leaves no trace in the history
+        if not record.idle:
             record.step = self._num_steps
             self._num_steps += 1
             if self.keep_records:
@@ -174,12 +158,10 @@ class EngineCore:
         return record
 
     def wait_for_arrival(self) -> None:
-        """Nothing could be scheduled: wait (sleep, or move a simulated clock) until the next request
-        arrives or a handed-over request's K/V are ready. With nothing due later, work that cannot
-        be scheduled is a scheduler bug: ``RuntimeError``, never a busy loop."""
+        """Nothing could be scheduled: wait (sleep, or move a simulated clock) until the scheduler's next
+        event. With none due, work that cannot be scheduled is a scheduler bug: ``RuntimeError``."""
         now = self.now()
-        # Events after the time the last step planned at: one due between then and now (the clock moved
-        # while the host worked) is due at once -- step again, without waiting.
+        # An event due between the last step's planning and now is due at once: step again.
         nxt = self.scheduler.next_event_time(min(now, self._last_start))
         if nxt is not None:
             if nxt <= now:

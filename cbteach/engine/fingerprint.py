@@ -1,26 +1,10 @@
-"""What the engine assumed about the model when it was built -- checked before it runs again.
+"""An engine belongs to the model as it was when the engine was built: change the model, build a new engine.
 
-An engine reads a model once: its dtype and device (the KV pool is made to match), its modules (the
-engine's own view of the model copies the module tree, :mod:`cbteach.core.model_view`), its EOS ids
-(the stop rule), and it computes with the weights as they are. If any of that changes under it --
-``model.to(torch.float16)``, ``resize_token_embeddings``, an adapter put in, a new EOS id, an
-optimizer step -- an engine that went on would be silently wrong: a float32 pool for float16 keys,
-a view still calling the old embedding, the old stop rule, or (for weights updated in place) a
-request whose first tokens came from other weights than its last.
-
-So :func:`fingerprint` takes a snapshot (identities and version counters, no tensor is read), and
-the engine compares it at every ``run()``, ``stream()`` and ``step()``. The rule: **an engine
-belongs to the model as it was when the engine was built; change the model, build a new engine.**
-(vLLM has no such check because its engine loads the weights itself and nobody else holds them.)
-
-Walking the module tree costs about as much as a fifth of a small model's host work per step, so
-:class:`ModelWatch` walks it only when something could have changed: torch calls a registration
-hook whenever a module or parameter is set on any module (public API,
-``torch.nn.modules.module.register_module_*_registration_hook``; the hook counts only those set on a
-watched model's modules -- a forward pass that slices a ``ModuleList`` builds a new one each time),
-and every step compares only that count, the first parameter's dtype and device, the parameters'
-in-place version counters and the EOS settings. A difference sends it to the full comparison, which
-names what changed -- or finds nothing and takes a new quick snapshot.
+The engine reads a model's dtype, device, modules, EOS ids and weights once; after ``model.to(...)``, a
+resized embedding, an adapter or an optimizer step it would be silently wrong. :func:`fingerprint`
+snapshots identities and version counters (no tensor is read); :class:`ModelWatch` compares a cheap
+part of it every step (torch's registration hooks count modules and parameters set on the model) and
+the whole only when that differs. (vLLM needs no such check: its engine loads the weights itself.)
 """
 from __future__ import annotations
 
@@ -32,8 +16,7 @@ from ..core.modelinfo import eos_ids_for
 
 
 def fingerprint(model, tokenizer=None) -> tuple:
-    """A snapshot of what the engine depends on. ``Tensor._version`` is torch's counter of in-place
-    changes (autograd uses it to notice a saved tensor was modified): any in-place weight update bumps it."""
+    """A snapshot of what the engine depends on (``Tensor._version``: torch's count of in-place changes)."""
     params = list(model.parameters())
     first = params[0] if params else None
     return (
@@ -52,7 +35,6 @@ WHAT = ("the model's dtype or device", "a module of the model (replaced: resize_
 def check_unchanged(before: tuple, model, tokenizer=None) -> None:
     """Raise :class:`~cbteach.errors.ModelChangedError` naming what changed since ``before``."""
     from ..errors import ModelChangedError
-
     now = fingerprint(model, tokenizer)
     if now != before:
         changed = [w for w, a, b in zip(WHAT, before, now) if a != b]
@@ -65,8 +47,7 @@ _watched: weakref.WeakSet = weakref.WeakSet()  # every module of every watched m
 
 
 def _count_registration(module, *_args) -> None:
-    """torch's registration hook: counts a module or parameter set on a watched model's module, and
-    returns None (what was set is left as it is)."""
+    """torch's registration hook: count what is set on a watched model's module (returns None: no change)."""
     if module in _watched:
         _registrations[0] += 1
 
@@ -79,8 +60,7 @@ def _hook_registrations() -> None:
 
 
 class ModelWatch:
-    """The engine's model check: a cheap comparison every step, the full :func:`fingerprint` when it
-    differs (see the module)."""
+    """A cheap comparison every step; the full :func:`fingerprint` when it differs."""
 
     def __init__(self, model, tokenizer=None):
         _hook_registrations()
@@ -105,4 +85,4 @@ class ModelWatch:
         if self._quick() == self.quick:
             return
         check_unchanged(self.before, self.model, self.tokenizer)
-        self._snapshot()  # nothing this engine depends on changed (a module was set again, say)
+        self._snapshot()  # nothing the engine depends on changed (a module set again, say)

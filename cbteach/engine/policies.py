@@ -1,28 +1,14 @@
-"""Scheduling policies: the order in which waiting requests are admitted, and who is preempted.
-
-A policy is a *waiting queue* that owns two decisions the scheduler leaves to it:
+"""Scheduling policies: a policy is the waiting queue, and owns two decisions the scheduler leaves to it.
 
 * **order** -- which waiting request is admitted next (the scheduler walks the queue in order);
-* **victim** -- which running request gives up its KV blocks when memory runs out
-  (:meth:`pick_victim`).
+* **victim** -- which running request gives up its KV blocks when room runs out (:meth:`pick_victim`).
 
-Two are built in, named as vLLM names them (``--scheduling-policy fcfs|priority``):
-
-* :class:`FCFSQueue` -- first come, first served, by arrival time. A preempted request goes back
-  to the *front* (it came first). The victim is the last of the running list -- the most recently
-  admitted, usually the one with the least work to lose (vLLM V1 takes the same one).
-* :class:`PriorityQueue` -- by ``Request.priority`` (smaller = more urgent, vLLM's convention),
-  ties by arrival time. The victim is the least urgent running request, the latest to arrive
-  among equals (as in vLLM V1). A preempted request goes back to its place by the same key, so it
-  is ahead of everyone less urgent or later. An urgent *waiting* request that does not fit may
-  also preempt less urgent running ones to get in (:meth:`~PriorityQueue.may_preempt`): that is
-  vLLM V0's priority scheduling; V1 preempts only when a running request needs blocks.
-
-Writing a policy is writing such a queue: subclass :class:`WaitingQueue` and define :meth:`key`
-(smaller runs first), and optionally :meth:`pick_victim` and :meth:`may_preempt` -- the scheduler,
-the invariants and the exactness tests stay the same. The key is read when a request is queued,
-so a key that should change with time (aging) must be written as a fixed quantity, for example
-``arrival_time + priority * seconds_per_level``.
+Two are built in, named as vLLM names them (``--scheduling-policy fcfs|priority``). :class:`FCFSQueue`:
+arrival order, a preempted request back at the front, the last of the running list the victim (V1 pops
+the same one). :class:`PriorityQueue`: smaller ``Request.priority`` first, ties by arrival; the victim is
+the least urgent running request, the latest to arrive among equals (as in V1). A policy of your own
+subclasses :class:`WaitingQueue` and defines :meth:`~WaitingQueue.key` (read once, when a request is
+queued: an aging key must be a fixed quantity, e.g. ``arrival_time + priority * seconds_per_level``).
 """
 from __future__ import annotations
 
@@ -38,7 +24,7 @@ class WaitingQueue:
         self._items: list[Sequence] = []
 
     def key(self, seq: Sequence):
-        """Smaller keys are admitted first. Subclasses decide."""
+        """Smaller keys are admitted first."""
         raise NotImplementedError
 
     def add(self, seq: Sequence) -> None:
@@ -49,7 +35,7 @@ class WaitingQueue:
         self._items.insert(i, seq)
 
     def readd_preempted(self, seq: Sequence) -> None:
-        """Put a preempted request back. By default, in its place by key."""
+        """By default, in its place by key."""
         self.add(seq)
 
     def remove(self, seq: Sequence) -> None:
@@ -60,8 +46,7 @@ class WaitingQueue:
         return max(reversed(running), key=self.key)  # reversed: among equal keys, the newest
 
     def may_preempt(self, waiting: Sequence, running: Sequence) -> bool:
-        """May ``waiting``, which does not fit, take ``running``'s KV blocks to get in? By default no:
-        a waiting request waits for room (FCFS never preempts to admit)."""
+        """May ``waiting``, which does not fit, take ``running``'s blocks to get in? By default no."""
         return False
 
     def __len__(self) -> int:
@@ -106,7 +91,7 @@ class PriorityQueue(WaitingQueue):
         return (seq.request.priority, seq.arrival_time)
 
     def may_preempt(self, waiting: Sequence, running: Sequence) -> bool:
-        """An urgent arrival may preempt strictly less urgent running requests (under memory pressure)."""
+        """Only a strictly less urgent running request."""
         return running.request.priority > waiting.request.priority
 
 

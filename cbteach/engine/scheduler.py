@@ -1,55 +1,19 @@
-"""Iteration-level scheduling: decide, before *every* forward step, who runs and with how many tokens.
+"""The scheduler: before each step, who runs and with how many tokens; after it, what the output changes.
 
-This is Orca's idea (Yu et al., OSDI'22): a static batcher decides once per batch; an iteration-level
-scheduler decides once per step, so a sequence that finished on step ``t`` leaves and a queued
-request takes its slot on step ``t + 1``. The step is split the way vLLM V1 splits it
-(``vllm/v1/core/sched/scheduler.py``): :meth:`Scheduler.schedule` plans it and sends the model runner
-a message, a :class:`~cbteach.core.scheduler_output.SchedulerOutput`; the runner executes it;
-:meth:`Scheduler.update_from_output` turns the step's output into request state.
+Iteration-level scheduling (Orca, OSDI'22): the batch is decided again on every step, so a finished
+sequence's slot goes to a waiting request on the next one. The step is split as vLLM V1 splits it
+(``vllm/v1/core/sched/scheduler.py``): :meth:`Scheduler.schedule` plans it as a message for the model
+runner (a ``SchedulerOutput``), and :meth:`Scheduler.update_from_output` turns the runner's output
+into request state.
 
-There is no "prefill phase" and "decode phase" (vLLM V1's design note): every sequence has
-``num_computed_tokens`` catching up with its ``num_tokens``. Planning follows V1's ``schedule()``:
-
-1. **Running sequences first**, in the running list's order. Each asks for what it lacks -- one
-   token for a decode, the rest of its prompt for a prefill -- cut to the **token budget** left: a
-   long prompt is prefilled in chunks (Sarathi-Serve).
-2. **Ask the KV manager for room** for exactly that chunk (``allocate_slots``). When it refuses,
-   **preempt** the policy's victim (:mod:`cbteach.engine.policies`) -- its blocks are freed and it
-   is recomputed later from its prompt plus what it generated -- and ask again, until the sequence
-   gets its room or is itself the victim (then the running loop stops, as V1's does).
-3. **Never admit in a step that preempted**: room is clearly short.
-4. **Admissions**, in the waiting queue's order, while a slot (``max_batch_size``) and budget are
-   left: the prefix cache is asked which of the prompt's blocks are already computed
-   (``get_computed_blocks``), and the request is let in when ``allocate_slots`` gives room for the
-   chunk it feeds now (V1's rule before ``scheduler_reserve_full_isl``: README, "Which V1"); the
-   first refusal ends admissions (nobody overtakes it).
-5. **The message** (:meth:`Scheduler.make_output`): the scheduler's working notes (a
-   :class:`~cbteach.core.scheduler_output.StepPlan` of live sequences) become plain data -- a request
-   the worker has not seen in full, one it holds as a diff.
-6. **The plan counts as computed** (:meth:`Scheduler.update_after_schedule`, V1's
-   ``_update_after_schedule``): every scheduled request's ``num_computed_tokens`` moves on by its
-   scheduled tokens at the end of ``schedule()``, before the forward pass runs -- which is what lets
-   the next step be planned while this one computes.
-
-After the forward pass, :meth:`Scheduler.update_from_output` (V1's) does the rest, for each planned
-sequence: guesses the model rejected are taken back (``num_computed_tokens`` goes down by them; blocks
-that held only rejected guesses go back to the pool, ``trim`` -- V1 keeps them with the request);
-sampled tokens are appended (``output.sampled[i]``: one, several when guesses were accepted, or
-``None`` for a prefill chunk that stopped short of its prompt's end); after every token, the stop
-checks -- EOS (unless ``ignore_eos``), a ``stop_token_ids`` entry, ``max_new_tokens``
-(:func:`~cbteach.core.sampling.stop_reason`; stop *strings* are text, checked by the server's
-detokenizer as V1's front end does); a finished sequence leaves ``running`` and its blocks are freed
--- *after* its last token is recorded (forgetting this is the leak every engine has had once). A
-failure that belongs to one sequence alone (``output.errors[i]``) ends it with
-``finish_reason="error"``; the others are updated as usual.
-
-Two features V1 threads through this loop are threaded here as V1 does, in two lines of
-:meth:`Scheduler.schedule_running`: tokens a step in flight will give a request (V1's
-``num_output_placeholders``) and the guesses fed after its known tokens (V1's ``spec_token_ids``).
-
-Writing a scheduler is overriding :meth:`Scheduler.schedule` with the public pieces below
-(``allocate_or_preempt``, ``preempt``, ``admit``, :meth:`StepPlan.add`, ``make_output``,
-``update_after_schedule``); notebook 06 does.
+There is no prefill phase and no decode phase: each sequence's ``num_computed_tokens`` catches up with
+its ``num_tokens``. A step gives a running sequence what it lacks (one token to decode, the rest of its
+prompt to prefill) cut to the token budget, so a long prompt is prefilled in chunks (Sarathi-Serve).
+Before planning a chunk the scheduler asks the KV manager for room for exactly it; on refusal it
+preempts the policy's victim (:mod:`cbteach.engine.policies`: freed, recomputed later) and asks again,
+unless the victim was the asker (that ends the running loop). A step that preempted admits nobody;
+otherwise waiting requests are admitted in the policy's order until the first that does not fit.
+Notebook 06 writes :meth:`Scheduler.schedule` from the public pieces below.
 """
 from __future__ import annotations
 
@@ -66,7 +30,7 @@ __all__ = ["Scheduler", "SchedulerOutput", "StepPlan"]
 
 
 class Scheduler:
-    """A waiting queue (the policy's) and the running batch; see the module."""
+    """A waiting queue (the policy's) and the running batch."""
 
     def __init__(self, config: SchedulerConfig, kv_manager, eos_ids=frozenset()):
         if not isinstance(config, SchedulerConfig):
@@ -92,16 +56,14 @@ class Scheduler:
         return bool(len(self.waiting) or self.running)
 
     def has_finished_requests(self) -> bool:
-        """Requests finished or aborted that the worker has not been told of yet (V1's name)."""
+        """Finished or aborted requests the worker has not been told of yet (V1's name)."""
         return bool(self.finished_req_ids)
 
     def num_slots_taken(self) -> int:
-        """Batch slots in use: one per running sequence."""
         return len(self.running)
 
     def next_event_time(self, now: float) -> float | None:
-        """The earliest time after ``now`` when a step could do something it cannot do now: a waiting
-        request arrives. ``None`` if nothing is due later -- then idle work means the scheduler is stuck."""
+        """The next arrival after ``now`` (``None``: nothing is due later)."""
         return min((s.arrival_time for s in self.waiting if s.arrival_time > now), default=None)
 
     # -- planning a step -----------------------------------------------------------------------
@@ -118,10 +80,8 @@ class Scheduler:
         return output
 
     def make_output(self, plan: StepPlan) -> SchedulerOutput:
-        """The message for the model runner (:func:`~cbteach.core.scheduler_output.make_scheduler_output`):
-        a request the runner has not seen goes in whole, one it holds as a diff of its block table,
-        with the requests finished since the last message. Read before :meth:`update_after_schedule`:
-        ``num_computed_tokens`` is where each request starts."""
+        """The message: a request the runner has not seen goes in whole, one it holds as a diff, with the
+        requests finished since the last message. Its ``num_computed_tokens`` are where each request starts."""
         finished, self.finished_req_ids = frozenset(self.finished_req_ids), set()
         output = make_scheduler_output(plan, self.sent_block_ids, finished, self.prev_scheduled,
                                        **self.extra_output_fields(plan))
@@ -129,14 +89,12 @@ class Scheduler:
         return output
 
     def extra_output_fields(self, plan: StepPlan) -> dict:
-        """More for the message than V1 sends: a subclass's fields, and the message class that holds them."""
+        """Fields a subclass adds to the message (and the message class that holds them)."""
         return {}
 
     def update_after_schedule(self, output: SchedulerOutput) -> None:
-        """The planned tokens count as computed from now on (vLLM V1's ``_update_after_schedule``):
-        each scheduled request's ``num_computed_tokens`` moves on by its ``num_scheduled_tokens``
-        (guesses included; those the model rejects are taken back after the step). The message
-        keeps the counts from before, which is where the model runner starts each request."""
+        """The planned tokens count as computed as soon as they are planned (V1's ``_update_after_schedule``),
+        so the next step can be planned while this one runs."""
         for rid, n in output.num_scheduled_tokens.items():
             self.requests[rid].num_computed_tokens += n
 
@@ -149,7 +107,7 @@ class Scheduler:
                 continue
             if len(seq.output_ids) + seq.num_placeholders >= seq.request.max_new_tokens:
                 continue  # the step in flight gives it its last token (V1 skips it too)
-            # What it lacks: the rest of its prompt, or one token -- plus any guesses (V1's spec tokens).
+            # What it lacks: the rest of its prompt, or one token -- plus V1's spec tokens, if any.
             n = min(seq.num_tokens_with_placeholders + len(seq.draft_ids) - seq.num_computed_tokens, budget)
             if n <= 0:  # nothing to feed now (V1's running loop skips such a request)
                 continue
@@ -178,15 +136,15 @@ class Scheduler:
             budget -= n
 
     def allocate_admission(self, seq: Sequence, n: int, cached: list, lookahead: int = 0):
-        """``allocate_slots`` for an admission: its prefix-cache hits ``cached`` are taken with the room
-        for ``n`` tokens (and ``lookahead`` more). A subclass may refuse first (a rule of its own)."""
+        """``allocate_slots`` for an admission, its prefix-cache hits ``cached`` included."""
         return self.kv_manager.allocate_slots(seq, n, new_computed_blocks=cached, num_lookahead_tokens=lookahead)
 
     # -- after the forward pass: the output becomes request state ---------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput, output: RunnerOutput, now: float) -> list[Sequence]:
-        """Turn one step's ``output`` into request state (see the module). ``output``'s lists are in the
-        order the worker packed the requests; each is found by its id (``output.req_id_to_index``, as
-        V1's ``update_from_output`` does). Returns the sequences that finished on this step."""
+        """Append each request's sampled tokens, check its stop rules, and free the blocks of those that
+        finished -- after their last token is recorded (forgetting the free is the leak every engine has
+        had once). ``output``'s lists are in the worker's order: each request is found by its id, as in
+        V1's ``update_from_output``. Returns the sequences that finished on this step."""
         finished = []
         start = scheduler_output.num_computed_tokens_of()
         index = output.req_id_to_index
@@ -200,17 +158,15 @@ class Scheduler:
                 self._fail(seq, output.error(i), finished, computed_before=start[rid])
                 continue
             drafts = scheduler_output.num_draft_tokens(rid)
-            if drafts:  # V1: the rejected guesses' K/V are forgotten; what they wrote will be overwritten
+            if drafts:  # V1's spec tokens: the rejected guesses are no longer computed
                 seq.num_computed_tokens -= drafts - (len(tokens) - 1)
-                self.kv_manager.trim(seq)  # cbteach's: blocks that held only rejected guesses go back (V1 keeps them)
+                self.kv_manager.trim(seq)  # ours: blocks that held only them go back (V1 keeps them)
             seq.draft_ids = []
             for token in tokens or ():  # None: a prefill chunk that did not reach the end of the known tokens
-                if self._append(seq, token, now):  # a stop inside accepted guesses drops the guesses after it
+                if self._append(seq, token, now):  # a stop: tokens fed after it do not count as computed
                     seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
                     break
-            # Only now are accepted guesses among the sequence's tokens: the prefix cache hashes a
-            # block's tokens, so it must see them to make blocks they filled findable.
-            self.kv_manager.on_computed(seq)
+            self.kv_manager.on_computed(seq)  # the tokens are appended: their full blocks become findable
             if seq.finish_reason:
                 self._finish(seq, finished)
         return finished
@@ -227,8 +183,7 @@ class Scheduler:
         return seq.finish_reason is not None
 
     def _finish(self, seq: Sequence, finished: list) -> None:
-        """``seq`` stopped: it leaves the batch, and its blocks go back -- after its last token is recorded.
-        (A request preempted while its step was in flight may stop while waiting.)"""
+        """``seq`` stopped: it leaves the batch (or the queue, if preempted in flight) and its blocks go back."""
         seq.status = RequestStatus.FINISHED
         if seq in self.running:
             self.running.remove(seq)
@@ -239,11 +194,9 @@ class Scheduler:
         finished.append(seq)
 
     def _fail(self, seq: Sequence, message: str, finished: list, computed_before: int) -> None:
-        """The step failed for ``seq`` alone: it ends with ``finish_reason="error"`` (its blocks freed).
-        Its count of computed tokens goes back to ``computed_before`` (the step's start) first: the
-        blocks this step was to fill were made findable when they were allocated, their K/V may never
-        have been written, and ``free`` drops from the prefix cache every block past the computed
-        tokens -- no later prompt may reuse them."""
+        """The step failed for ``seq`` alone: it ends with ``finish_reason="error"``. Its computed count goes
+        back to the step's start first, so ``free`` drops from the prefix cache the blocks this step was
+        to fill (findable since their allocation, their K/V perhaps never written)."""
         seq.num_computed_tokens = min(seq.num_computed_tokens, computed_before)
         seq.finish_reason, seq.error = "error", message
         seq.draft_ids = []
@@ -263,17 +216,15 @@ class Scheduler:
         return True, refund
 
     def admit(self, seq: Sequence, out: StepPlan) -> None:
-        """Move ``seq`` from the waiting queue into the running batch (it has its KV room). It is not
-        in the plan until :meth:`SchedulerOutput.add` puts it there."""
+        """Move ``seq`` from the waiting queue into the running batch; :meth:`StepPlan.add` plans its tokens."""
         self.waiting.remove(seq)
         self._start(seq)
         self.kv_manager.on_admitted(seq)
         out.admitted.append(seq)
 
     def preempt(self, seq: Sequence, out: StepPlan) -> int:
-        """Take ``seq`` out of the batch -- and out of this step's plan -- free its KV blocks and queue it
-        again, to be recomputed (V1's only kind of preemption). Returns the tokens it had been scheduled
-        for this step (now given back to the budget)."""
+        """Take ``seq`` out of the batch and this step's plan, free its blocks and queue it again, to be
+        recomputed (V1's only kind of preemption). Returns the tokens it had been planned this step."""
         refund = self.take_out(seq, out)
         self.kv_manager.free(seq)
         self.taken_back(seq)
@@ -292,7 +243,7 @@ class Scheduler:
         return refund
 
     def taken_back(self, seq: Sequence) -> None:
-        """``seq``'s blocks were taken back (preempted): if the worker holds it, its next message resumes it."""
+        """``seq`` lost its blocks: if the worker holds it, its next message resumes it."""
         if seq.request_id in self.sent_block_ids:
             self.sent_block_ids[seq.request_id] = None
 
@@ -308,8 +259,7 @@ class Scheduler:
         self.forget(seq)
 
     def forget(self, seq: Sequence) -> None:
-        """``seq`` finished or was aborted: it leaves :attr:`requests`, and the next message tells the
-        runner to forget it too."""
+        """``seq`` finished or was aborted: out of :attr:`requests`; the next message tells the runner."""
         self.requests.pop(seq.request_id, None)
         self.sent_block_ids.pop(seq.request_id, None)
         self.finished_req_ids.add(seq.request_id)

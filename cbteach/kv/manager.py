@@ -1,17 +1,9 @@
-"""Who owns which KV blocks: the allocator and the block tables, apart from the memory that holds K/V.
+"""Who owns which KV blocks (vLLM V1's ``KVCacheManager``): bookkeeping only, apart from the memory.
 
-The paged KV cache has two halves, as in vLLM (its ``KVCacheManager`` and the model runner's KV
-tensors):
-
-* this module, the **KV manager**, is bookkeeping only -- a free list of block ids, a reference
-  count per block, and one **block table** per sequence (``seq.block_table[i]`` is the block that
-  holds the sequence's tokens ``i * block_size ... (i + 1) * block_size - 1``). The scheduler asks
-  it for room (:meth:`KVCacheManager.allocate_slots`) before it schedules a single token;
-* :mod:`cbteach.kv.paged`'s **pool** is the memory the blocks name, written at a slot mapping and
-  read through block tables by the attention function.
-
-Keeping them apart means a change to how K/V are *stored* touches the pool, and a change to *who
-gets room* (prefix sharing, say) touches the manager -- never attention, never the scheduler's loop.
+A free list of block ids, a reference count per block, and one **block table** per sequence:
+``seq.block_table[i]`` holds its tokens ``i * block_size ... (i + 1) * block_size - 1``. The scheduler
+asks for room (:meth:`KVCacheManager.allocate_slots`) before it plans a token; the K/V themselves live in
+the worker's pool. So a change to *who gets room* touches this module, never attention.
 """
 from __future__ import annotations
 
@@ -27,14 +19,9 @@ class PoolExhausted(RuntimeError):
 
 
 class BlockAllocator:
-    """Hands out block ids from a free list and counts references to each block.
-
-    The free list is kept in release order, and blocks are handed out from its oldest end: with
-    prefix caching, a freed block keeps its K/V until it is handed out again, so the least recently
-    used cached block is the first to be overwritten (LRU eviction). Every freed block goes to the
-    back; newer vLLM V1 versions put a freed block that holds no cached prefix at the front instead,
-    so it is reused before any block worth keeping -- a difference of eviction order, not of tokens.
-    """
+    """Block ids from a free list, with a reference count each. The free list is in release order and
+    hands out its oldest: a freed block keeps its K/V (prefix caching) until reused, so the least recently
+    used is overwritten first (LRU)."""
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
@@ -53,7 +40,7 @@ class BlockAllocator:
         return block
 
     def take(self, block: int) -> int:
-        """One more owner for ``block``, free or not (a prefix-cache hit): a free one leaves the free list."""
+        """One more owner for ``block`` (a prefix-cache hit); a free one leaves the free list."""
         if self.ref_counts[block] == 0:
             del self.free_blocks[block]
         self.ref_counts[block] += 1
@@ -71,8 +58,6 @@ class KVCacheManager:
     """Block tables and allocation for a pool of ``num_blocks`` blocks of ``block_size`` tokens."""
 
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False):
-        """``prefix_caching``: reuse full blocks of earlier requests with the same prefix
-        (:mod:`cbteach.kv.prefix_cache`)."""
         check_positive_int("block_size", block_size)
         check_positive_int("num_blocks", num_blocks)
         self.num_blocks = num_blocks
@@ -89,23 +74,18 @@ class KVCacheManager:
         return math.ceil(num_tokens / self.block_size)
 
     def num_allocatable_tokens(self, seq, new_computed_blocks=()) -> int:
-        """How many more tokens ``seq`` could be given right now: its last block's empty slots plus
-        every free block. (vLLM V1's scheduler does not shrink a chunk to this: it asks for the whole
-        chunk and preempts when refused.) ``new_computed_blocks``: an admission's prefix-cache hits --
-        one that another sequence holds costs no free block, so it counts as room; one on the free
-        list is counted there already."""
+        """How many more tokens ``seq`` could be given now: its own blocks' empty slots, every free block,
+        and prefix-cache hits another sequence holds (``new_computed_blocks``)."""
         held = sum(1 for b in new_computed_blocks if self.allocator.ref_counts[b] > 0)
         room = (len(seq.block_table) + held + self.allocator.num_free) * self.block_size
         return max(0, room - seq.num_computed_tokens)
 
     def num_admittable_tokens(self, seq, new_computed_blocks=()) -> int:
-        """The room an admission may use: here all of :meth:`num_allocatable_tokens` (a manager that
-        keeps some room back from admissions answers less)."""
+        """The room an admission may use: here all of it."""
         return self.num_allocatable_tokens(seq, new_computed_blocks)
 
     def num_freeable_tokens(self, seqs) -> int:
-        """The room that freeing every sequence in ``seqs`` would make: their blocks held by no one else.
-        A block shared with a sequence outside ``seqs`` (prefix caching) stays in use."""
+        """The room freeing all of ``seqs`` would make: their blocks that no one else holds."""
         held: dict[int, int] = {}
         for s in seqs:
             for block in s.block_table:
@@ -113,8 +93,7 @@ class KVCacheManager:
         return sum(1 for b, n in held.items() if n == self.allocator.ref_counts[b]) * self.block_size
 
     def num_blocks_to_take(self, seq, num_new_tokens: int, new_computed_blocks=(), num_lookahead_tokens: int = 0) -> int:
-        """How many free blocks :meth:`allocate_slots` would take for these arguments: new blocks for
-        the tokens, plus prefix-cache hits that sit on the free list (taking one revives it)."""
+        """Free blocks :meth:`allocate_slots` would take: new ones, and prefix-cache hits on the free list."""
         cached = list(new_computed_blocks)
         have = len(seq.block_table) + len(cached)
         computed = seq.num_computed_tokens + len(cached) * self.block_size
@@ -122,21 +101,14 @@ class KVCacheManager:
         return need + sum(1 for b in cached if self.allocator.ref_counts[b] == 0)
 
     def allocate_slots(self, seq, num_new_tokens: int, new_computed_blocks=(), num_lookahead_tokens: int = 0):
-        """Make room for ``num_new_tokens`` more tokens of ``seq``; return the blocks added (often none:
-        a new block is taken only when the last one is full), or ``None`` -- with nothing changed --
-        when the pool has too few free blocks (vLLM V1's ``allocate_slots``).
-
-        ``new_computed_blocks``: an admission's prefix-cache hits (:meth:`get_computed_blocks`), taken
-        only now, with the rest, so a refusal leaves the cache's LRU order as it was.
-        ``num_lookahead_tokens``: room for tokens beyond this step's, taken now too.
-        With prefix caching, the blocks this step fills become findable at once (V1's ``cache_blocks``):
-        an identical prompt admitted later in the *same* step shares them -- its attention reads them
-        in the same forward pass, layer by layer, after this step's K/V are written.
-        """
+        """Room for ``num_new_tokens`` more tokens of ``seq`` (V1's ``allocate_slots``): the blocks added
+        (often none), or ``None`` -- nothing changed -- when too few are free. ``new_computed_blocks``, an
+        admission's prefix-cache hits, are taken only now, so a refusal leaves the LRU order as it was.
+        The blocks this step fills become findable at once (V1's ``cache_blocks``): an identical prompt
+        admitted later in the same step reads them in the same forward pass, after they are written."""
         if seq.block_table and not new_computed_blocks and not num_lookahead_tokens and \
                 seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * self.block_size:
-            # The common case -- a decode inside its last block: nothing to take (checked first, as it is
-            # most of the calls).
+            # The common case, checked first -- a decode inside its last block: nothing to take.
             if self.prefix_cache is not None:
                 self.prefix_cache.register(seq, upto=seq.num_computed_tokens + num_new_tokens)
             return []
@@ -155,17 +127,15 @@ class KVCacheManager:
         return new
 
     def allocate_block(self) -> int:
-        """One block off the free list; with prefix caching it stops being findable: it is about to
-        hold other tokens."""
+        """One block off the free list; it stops being findable (it is about to hold other tokens)."""
         block = self.allocator.allocate()
         if self.prefix_cache is not None:
             self.prefix_cache.evict(block)
         return block
 
     def free(self, seq) -> None:
-        """Give back every block of ``seq`` (finished, aborted or preempted). A block made findable at
-        allocation whose K/V this sequence will now never compute (it was preempted in the step that
-        planned them) is forgotten by the prefix cache first."""
+        """Give back every block of ``seq``; blocks past its computed tokens (findable since allocation,
+        their K/V perhaps never written) leave the prefix cache first."""
         if self.prefix_cache is not None:
             done = seq.num_computed_tokens // self.block_size
             for block in seq.block_table[done:]:
@@ -177,7 +147,7 @@ class KVCacheManager:
         self.seqs.pop(seq.request_id, None)
 
     def trim(self, seq) -> None:
-        """Give back the blocks past ``seq``'s computed tokens: room taken for tokens the update did not keep."""
+        """Give back the blocks past ``seq``'s computed tokens (room for tokens the update did not keep)."""
         keep = self.blocks_needed(seq.num_computed_tokens)
         for block in reversed(seq.block_table[keep:]):
             self.allocator.release(block)
@@ -185,10 +155,8 @@ class KVCacheManager:
 
     # -- prefix caching --------------------------------------------------------------------------
     def get_computed_blocks(self, seq) -> tuple[list[int], int]:
-        """The blocks of the longest cached prefix of a block-less ``seq``'s tokens, and how many tokens
-        they hold (vLLM V1's ``get_computed_blocks``). Takes nothing: :meth:`allocate_slots` does, if
-        the admission goes ahead. (Its known tokens are used: a preempted request finds its own old
-        blocks.)"""
+        """The longest cached prefix of a block-less ``seq``'s known tokens: its blocks and their token count
+        (V1's ``get_computed_blocks``). Takes nothing: :meth:`allocate_slots` does."""
         if self.prefix_cache is None or seq.block_table or seq.num_computed_tokens:
             return [], 0
         blocks = self.prefix_cache.lookup(seq.token_ids(0, seq.num_tokens))
@@ -206,7 +174,7 @@ class KVCacheManager:
             self.prefix_cache.register(seq)
 
     def check_fits(self, num_tokens: int, request_id) -> None:
-        """Refuse a request that could never fit, even alone in the pool (its last token is never stored)."""
+        """``ValueError`` for a request that could never fit, even alone (its last token is never stored)."""
         need = self.blocks_needed(num_tokens - 1)
         if need > self.num_blocks:
             raise ValueError(f"request {request_id!r} needs up to {need} KV blocks of {self.block_size} tokens "
@@ -214,10 +182,9 @@ class KVCacheManager:
                              "or give the pool more blocks (num_blocks)")
 
     def usage(self) -> dict:
-        """The pool's bookkeeping right now: blocks, tokens stored, how well the used blocks are filled."""
+        """The pool's bookkeeping now: blocks, tokens stored, how well the used blocks are filled."""
         used = self.num_blocks - self.allocator.num_free
-        # A block shared by prefix caching holds its tokens once, however many tables list it: count
-        # each used block's filled slots once (the fullest of its owners' views of it).
+        # A shared block holds its tokens once: count its filled slots once (its fullest owner's view).
         filled: dict[int, int] = {}
         for s in self.seqs.values():
             for i, block in enumerate(s.block_table):
