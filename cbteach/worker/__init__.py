@@ -1,7 +1,7 @@
 """The worker: everything on the model's side of the scheduler's message (vLLM V1's ``vllm/v1/worker/``).
 
 * :mod:`~cbteach.worker.input_batch` -- the persistent batch: a row per scheduled request, in
-  preallocated arrays; :mod:`~cbteach.worker.block_table` -- the rows' block tables, one tensor;
+  preallocated arrays, the rows' block tables one tensor;
 * :mod:`~cbteach.worker.model_runner` -- a step: the message changes the batch (V1's ``_update_states``),
   inputs from the rows, the model once, tokens on the device, then on the host;
 * :mod:`~cbteach.worker.worker` -- a tensor-parallel rank: its shard, its pool, its own runner.
