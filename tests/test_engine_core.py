@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 from cbteach import Engine, Request
 from cbteach.attention import metadata as attn_metadata
 from cbteach.attention import paged as paged_attention
-from cbteach.kv.pool import PagedKVPool
+from cbteach.kv.paged import PagedKVPool
 from cbteach.core.request import RequestStatus
 from cbteach.core.config import SchedulerConfig
 from cbteach.engine.scheduler import Scheduler

@@ -51,7 +51,7 @@ def captured(bierce):  # bierce: (model, tokenizer)
     from cbteach import Engine, Request
     from cbteach.attention.paged import default_attention
     from cbteach.engine.scheduler import Scheduler
-    from cbteach.worker import states
+    from cbteach.worker import model_runner
 
     seen = {}
 
@@ -72,7 +72,7 @@ def captured(bierce):  # bierce: (model, tokenizer)
         return default_attention(query, key, value, meta, layer, scaling)
 
     def update_batch(runner, scheduler_output):  # what notebook 06b's worker exercise sees
-        states.update_batch(runner, scheduler_output)
+        model_runner.update_batch(runner, scheduler_output)
         seen.setdefault("runner", runner)
         if scheduler_output.scheduled_new_reqs:
             seen.setdefault("new", scheduler_output.scheduled_new_reqs[0])

@@ -15,9 +15,9 @@ import pytest
 from cbteach.exercises import ex06_batch
 from cbteach.exercises.batch_rules import HINTS
 from cbteach.student import stub
-from cbteach.worker import states
+from cbteach.worker import model_runner
 from cbteach.worker.input_batch import CachedRequestState
-from cbteach.worker.states import new_generator
+from cbteach.worker.model_runner import new_generator
 from conftest import ARCHS, tiny_model
 
 NOTEBOOK = Path(__file__).parent.parent / "notebooks" / "06b_the_worker.ipynb"
@@ -174,17 +174,17 @@ def test_the_student_copys_stub_is_not_done_yet(model):
 
 
 def _wrapper(runner, scheduler_output):
-    states.update_batch(runner, scheduler_output)
+    model_runner.update_batch(runner, scheduler_output)
 
 
 CHEATS = {
-    "the worker's own": lambda: states.update_batch,
+    "the worker's own": lambda: model_runner.update_batch,
     "a wrapper that calls it": lambda: _wrapper,
-    "a partial of it": lambda: functools.partial(states.update_batch),
+    "a partial of it": lambda: functools.partial(model_runner.update_batch),
 }
 
 
 @pytest.mark.parametrize("cheat", CHEATS)
 def test_a_function_that_is_copies_or_calls_the_workers_own_is_refused(cheat, model):
     ok, out = check(CHEATS[cheat](), model)
-    assert not ok and "write the batch update yourself" in out and "cbteach.worker.states" in out, out
+    assert not ok and "write the batch update yourself" in out and "cbteach.worker.model_runner" in out, out

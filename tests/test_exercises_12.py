@@ -443,9 +443,9 @@ CHEATS = {  # piece -> (the learner's cell, the words that must name it)
                "        return super().update_from_output(plan, output, now)",
                "calls the engine's Scheduler.update_from_output (through super().update_from_output)"),
     "update_missing": ("class MyUpdate(Scheduler):\n    pass", "MyEngineScheduler.update_from_output is still the engine's"),
-    "update_batch": ("from cbteach.worker.states import update_batch", "is the worker's own update_batch"),
-    "update_batch_wrapper": ("from cbteach.worker import states\n\n\ndef update_batch(runner, scheduler_output):\n"
-                             "    states.update_batch(runner, scheduler_output)", "calls the worker's own update_batch"),
+    "update_batch": ("from cbteach.worker.model_runner import update_batch", "is the worker's own update_batch"),
+    "update_batch_wrapper": ("from cbteach.worker import model_runner\n\n\ndef update_batch(runner, scheduler_output):\n"
+                             "    model_runner.update_batch(runner, scheduler_output)", "calls the worker's own update_batch"),
 }
 
 

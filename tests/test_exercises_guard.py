@@ -16,7 +16,7 @@ from cbteach.exercises import ex05_mistakes, guard
 from cbteach.kv.manager import KVCacheManager
 from cbteach.parallel.shard import Layout
 from cbteach.sim.cost import ring_all_reduce_bytes
-from cbteach.worker import states
+from cbteach.worker import model_runner
 
 
 def calls_the_engines(q, k, v, meta, layer, scaling):
@@ -65,7 +65,7 @@ class SuperFree(KVCacheManager):
 
 
 def update_calls_the_workers(runner, scheduler_output):
-    states.update_batch(runner, scheduler_output)
+    model_runner.update_batch(runner, scheduler_output)
 
 
 def kv_heads_from_the_layout(rank, world_size, heads, kv_heads):

@@ -138,7 +138,7 @@ def test_the_int8_pools_are_imported_only_for_int8_and_a_cache_refuses_a_pool_of
     from cbteach.kv.caches import pool_class
     from cbteach.kv.int8 import Int8BlockKVPool, Int8KVPool
     from cbteach.kv.paged import PagedKVCache
-    from cbteach.kv.pool import PagedKVPool
+    from cbteach.kv.paged import PagedKVPool
 
     assert (pool_class(None), pool_class("int8"), pool_class("int8_block")) == (PagedKVPool, Int8KVPool, Int8BlockKVPool)
     shape = dict(num_layers=1, num_kv_heads=1, head_dim=4, num_blocks=2)

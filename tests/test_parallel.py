@@ -19,7 +19,7 @@ from cbteach.core.request import Request
 from cbteach.parallel import tp as tp_module
 from cbteach.parallel.procs import WorkerDied
 from cbteach.parallel.shard import layout_for, shard_tensors
-from cbteach.core.outputs import RunnerOutput
+from cbteach.core.scheduler_output import RunnerOutput
 from cbteach.core.scheduler_output import SchedulerOutput
 from cbteach.executor.multiproc import MultiprocExecutor
 

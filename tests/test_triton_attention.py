@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from cbteach import Engine, Request
 from cbteach.attention.metadata import build
 from cbteach.attention.paged import reference_attention
-from cbteach.kv.pool import PagedKVPool
+from cbteach.kv.paged import PagedKVPool
 from conftest import ARCHS, VOCAB, reference, tiny_model
 
 triton_unified = pytest.importorskip("cbteach.attention.triton_unified",

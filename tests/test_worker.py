@@ -9,7 +9,7 @@ import random
 import pytest
 
 from cbteach import Engine, Request, SamplingParams
-from cbteach.core.outputs import RunnerOutput
+from cbteach.core.scheduler_output import RunnerOutput
 from cbteach.core.request import RequestStatus
 from cbteach.engine.scheduler_v0 import V0SchedulerOutput
 from cbteach.engine.scheduler import Scheduler

@@ -43,15 +43,14 @@ VARIANT = re.compile(
 # The one path in the order a learner reads it, and the V1 files each part follows. README's reading map
 # is this table (``--map``); tests/test_one_path.py checks that it lists exactly the traced files.
 READ_ORDER = [
-    ("1 the message", ["core/scheduler_output.py", "core/outputs.py"], "`v1/core/sched/output.py`, `v1/outputs.py`"),
+    ("1 the messages", ["core/scheduler_output.py"], "`v1/core/sched/output.py`, `v1/outputs.py`"),
     ("2 a request", ["core/request.py", "core/sampling.py"], "`v1/request.py`, `vllm/sampling_params.py`"),
     ("3 the scheduler", ["engine/scheduler.py", "engine/policies.py"],
      "`v1/core/sched/scheduler.py`, `request_queue.py`"),
-    ("4 the KV manager", ["kv/manager.py", "kv/pool.py", "kv/paged.py"],
+    ("4 the KV manager", ["kv/manager.py", "kv/paged.py"],
      "`v1/core/kv_cache_manager.py`, `block_pool.py`"),
     ("5 the engine core", ["engine/engine_core.py", "executor/uniproc.py"], "`v1/engine/core.py`, `v1/executor/`"),
-    ("6 the worker", ["worker/input_batch.py", "worker/block_table.py", "worker/states.py", "worker/model_runner.py",
-                      "worker/sampler.py"],
+    ("6 the worker", ["worker/input_batch.py", "worker/model_runner.py"],
      "`v1/worker/gpu_input_batch.py`, `block_table.py`, `gpu_model_runner.py`, `v1/sample/`"),
     ("7 attention", ["attention/metadata.py", "attention/paged.py"], "`v1/attention/backends/`"),
     ("(bookkeeping)", ["core/records.py", "engine/fingerprint.py"],

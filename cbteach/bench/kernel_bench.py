@@ -33,7 +33,7 @@ SHAPES = [("bierce", 6, 2, 32), ("llama_1b", 32, 4, 64)]
 def decode_step(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, block_size=16,
                 dtype=torch.bfloat16, device="cuda", seed=0):
     """A decode step of ``batch`` sequences over a shuffled paged pool: ``(query, pool, meta, padded K/V)``."""
-    from ..kv.pool import PagedKVPool
+    from ..kv.paged import PagedKVPool
 
     rng = random.Random(seed)
     lens = [rng.randint(context // 2, context) for _ in range(batch)]

@@ -3,8 +3,7 @@
 * :mod:`~cbteach.core.request` -- requests in, completions out, a sequence's live state;
 * :mod:`~cbteach.core.sampling` -- choosing a token and deciding when a request stops;
 * :mod:`~cbteach.core.config` -- the engine's options, validated once;
-* :mod:`~cbteach.core.scheduler_output` -- one step's plan, a message from the scheduler to the worker;
-* :mod:`~cbteach.core.outputs` -- what the worker gives back;
+* :mod:`~cbteach.core.scheduler_output` -- a step's two messages: the plan to the worker, its answer back;
 * :mod:`~cbteach.core.records` -- what happened in a step;
 * :mod:`~cbteach.core.clock` -- the engine's clock: wall time, or simulated seconds;
 * :mod:`~cbteach.core.modelinfo` and :mod:`~cbteach.core.model_view` -- what a model's config says,

@@ -1,48 +1,29 @@
-"""What the scheduler hands the worker: one step's plan, as a **message** (vLLM V1's ``SchedulerOutput``).
+"""The two messages of a step: the scheduler's plan to the worker (vLLM V1's ``SchedulerOutput``,
+``vllm/v1/core/sched/output.py``) and the worker's answer (V1's ``ModelRunnerOutput``, ``vllm/v1/outputs.py``).
 
 The scheduler and the worker share no objects. The scheduler keeps the requests' live state
-(:class:`~cbteach.core.request.Sequence`); the worker keeps its own copy of what it needs to run them
--- token ids, block tables, sampling state -- in its **persistent batch**
-(:mod:`cbteach.worker.input_batch`), and changes it only from this message and from the tokens it
-samples itself. That is vLLM V1's boundary (``vllm/v1/core/sched/output.py``; the worker's side is
-``_update_states`` in ``vllm/v1/worker/gpu_model_runner.py``): V1 caches each request's data in every
-worker so that the message need not send it again ("we only send the diff to minimize the
-communication cost", ``output.py``). The same split is what lets the next step be
-planned while this one runs: the worker, not the scheduler, holds the tokens the step in flight
-will give.
+(:class:`~cbteach.core.request.Sequence`); the worker keeps its own copy of what it needs -- token ids,
+block tables, sampling state -- in its **persistent batch** (:mod:`cbteach.worker.input_batch`), and
+changes it only from this message and from the tokens it samples itself. So the message is plain data
+(ids, ints, lists, frozen dataclasses; no tensor, no generator), it pickles, and it sends each request's
+data once ("we only send the diff to minimize the communication cost", V1's ``output.py``):
 
-The message is plain data -- ids, ints, lists, frozen dataclasses; no ``Sequence``, no generator, no
-tensor -- and it pickles. To keep it small it sends each request's data once:
+* :class:`NewRequestData` -- a request the worker has never seen: prompt, sampling parameters, block ids,
+  ``num_computed_tokens`` (past zero after a prefix-cache hit);
+* :class:`CachedRequestData` -- requests the worker holds: only the blocks added since the last step and
+  ``num_computed_tokens``. A request **resumed** after a preemption is flagged (``resumed_req_ids``) and
+  gets its whole new table, and its token ids (``all_token_ids``) if it missed the step before. No other
+  token ids: the worker appended the tokens it sampled itself;
+* ``num_scheduled_tokens`` -- ``{request id: tokens fed this step}`` (never 0);
+  ``scheduled_spec_decode_tokens`` -- V1's speculative tokens fed after the known ones;
+* ``finished_req_ids`` -- requests the worker should forget. After the last step the engine sends one
+  more message, with nothing scheduled, so that an idle worker holds no request.
 
-* :class:`NewRequestData` -- a request the worker has never seen: its prompt, sampling parameters,
-  block ids and ``num_computed_tokens`` (a prefix-cache hit starts past zero);
-* :class:`CachedRequestData` -- requests the worker already holds: only what changed -- blocks added
-  since the last step, and ``num_computed_tokens``. A request **resumed** after a preemption is
-  flagged (``resumed_req_ids``) and sent its whole new block table, and, if it was not scheduled in
-  the step before, its token ids (``all_token_ids``). (Current V1's scheduler sends
-  ``all_token_ids`` to every cached request not scheduled in the step before, resumed or not, and
-  ``new_token_ids`` under pipeline parallelism; cbteach's worker keeps a running request's state, so
-  only a resumed one needs them.) Otherwise no token ids: the worker appended the tokens it sampled
-  itself, and a running request's entry does not grow with its length;
-* ``num_scheduled_tokens`` -- ``{request id: tokens fed this step}`` (never 0: a request planned for no
-  tokens is not in the message, as V1's running loop skips it); ``scheduled_spec_decode_tokens`` --
-  speculative guesses fed after the known tokens;
-* ``finished_req_ids`` -- requests that finished or were aborted since the last message: the worker
-  forgets them. After the last step the engine sends one more message, with nothing scheduled, so
-  that the worker holds no request when the engine is idle (V1's ``has_finished_requests``).
-
-What is cbteach's, not V1's (V1's ``SchedulerOutput``, and as ``vllm/v1/core/sched/scheduler.py`` fills
-it; the commits read are in README's "Which V1"): in :class:`NewRequestData`, ``sample_index``
-(sample ``i`` of a request with ``n > 1`` draws from ``seed + i``; V1 gives each child request its own
-seeded params), ``output_token_ids`` and ``generator_state`` (a request handed over from another
-engine, with what it generated and its random stream); in :class:`CachedRequestData`,
-``replaced_req_ids`` (a table changed other than by appending: a copy on write or a trim of rejected
-guesses' blocks; V1 appends unless a request is resumed). ``admitted_req_ids`` is for the engine's
-step record (:meth:`SchedulerOutput.record_fields`), and so, here, is ``preempted_req_ids`` (V1 has it
-too, for its V2 model runner); the worker ignores them.
-While it plans, the scheduler keeps working notes with live sequences -- :class:`StepPlan`, V1's local
-lists in ``schedule()`` -- and turns them into the message at the end (:func:`make_scheduler_output`,
-through :meth:`~cbteach.engine.scheduler.Scheduler.make_output`).
+cbteach's fields, not V1's: ``sample_index`` (sample ``i`` of a request with ``n > 1`` draws from
+``seed + i``), ``output_token_ids`` and ``generator_state`` (a request handed over from another engine),
+``replaced_req_ids`` (a table changed other than by appending), and ``admitted_req_ids`` for the step
+record. :class:`RunnerOutput` comes back in the worker's row order: find a request's results through
+``req_id_to_index``, as V1's ``update_from_output`` does.
 """
 from __future__ import annotations
 
@@ -208,3 +189,38 @@ def make_scheduler_output(plan: StepPlan, sent_block_ids: dict, finished_req_ids
         finished_req_ids=frozenset(finished_req_ids),
         admitted_req_ids=[s.request_id for s in plan.admitted], preempted_req_ids=[s.request_id for s in plan.preempted],
         **extra)
+
+
+@dataclass
+class RunnerOutput:
+    """One step's results, per planned sequence ``i``:
+
+    * ``sampled[i]`` -- its new token ids (one, or more when tokens fed on trust were accepted), or
+      ``None`` for a prefill chunk that stopped short of its end;
+    * ``errors[i]`` -- ``None``, or what went wrong for this sequence alone (a sampling error, a model
+      error on its tokens): the scheduler ends it with ``finish_reason="error"``, its neighbours go on.
+    """
+
+    sampled: list
+    req_ids: list = field(default_factory=list)  # whose results, in order (V1's ModelRunnerOutput.req_ids)
+    req_id_to_index: dict = field(default=None)  # request id -> its index in these lists (from req_ids if None)
+    forward_time: float = 0.0
+    traffic: object = None  # the KV cache's KVTraffic for this step
+    errors: list | None = None
+    comm: dict | None = None  # a sharded model's collectives: {"all_reduces", "all_reduce_bytes", "num_tokens", "world_size"}
+    forward_span: tuple | None = None  # (start, end) of the forward pass on time.perf_counter(), if kept
+
+    def __post_init__(self):
+        if len(self.req_ids) != len(self.sampled):
+            raise ValueError(f"a RunnerOutput has one entry per request: {len(self.sampled)} sampled for "
+                             f"{len(self.req_ids)} req_ids (say whose results they are: req_ids=[...])")
+        if self.req_id_to_index is None:
+            self.req_id_to_index = {rid: i for i, rid in enumerate(self.req_ids)}
+
+    def error(self, i: int) -> str | None:
+        return self.errors[i] if self.errors is not None else None
+
+    @classmethod
+    def empty(cls) -> RunnerOutput:
+        """A step that ran nothing (the message only told the worker who finished, or moved blocks)."""
+        return cls(sampled=[], req_ids=[])

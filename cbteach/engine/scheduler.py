@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 
 from ..core.config import SchedulerConfig
-from ..core.outputs import RunnerOutput
+from ..core.scheduler_output import RunnerOutput
 from ..core.request import RequestStatus, Sequence
 from ..core.sampling import stop_reason
 from ..core.scheduler_output import SchedulerOutput, StepPlan, make_scheduler_output

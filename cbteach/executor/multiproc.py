@@ -14,7 +14,7 @@ result into request state. What happens in between:
    scheduling each rank keeps one step in flight and rank 0 answers with the step before's output);
    every rank applies it to its own persistent batch, runs its shard (one all-reduce after attention and one after the
    MLP of every layer), samples with the same generators and appends the same tokens. Only rank 0
-   answers, with the step's :class:`~cbteach.core.outputs.RunnerOutput` -- token ids, not logits;
+   answers, with the step's :class:`~cbteach.core.scheduler_output.RunnerOutput` -- token ids, not logits;
 3. **stop** -- :meth:`close` asks the workers to exit and makes sure they did. A rank that dies ends
    the engine with :class:`~cbteach.parallel.procs.WorkerDied`, never a hang.
 

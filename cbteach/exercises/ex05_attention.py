@@ -16,7 +16,7 @@ import torch
 from ..attention.metadata import build
 from ..core.request import Request
 from ..engine.engine import Engine
-from ..kv.pool import PagedKVPool
+from ..kv.paged import PagedKVPool
 from . import Fail, fail, first_mistake, generated, guard, is_int, need_function, passed, raised, self_check
 from .ex05_mistakes import ATTENTION_MISTAKES, SLOT_MISTAKES, attend, slots
 

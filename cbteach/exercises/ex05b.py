@@ -12,7 +12,7 @@ import torch
 
 from ..attention.metadata import build
 from ..attention.paged import reference_attention
-from ..kv.pool import PagedKVPool
+from ..kv.paged import PagedKVPool
 from . import Fail, ex05b_mistakes as mistakes, fail, first_mistake, is_stub, need_function, passed, raised, self_check
 
 NOT_INSTALLED = 'Triton is not installed here: pip install "cbteach[kernels]" (Colab has it), then restart the kernel'

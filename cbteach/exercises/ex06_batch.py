@@ -13,7 +13,7 @@ from ..core.clock import VirtualClock
 from ..core.request import Request
 from ..core.sampling import SamplingParams
 from ..engine.engine import Engine
-from ..worker import states
+from ..worker import model_runner
 from . import Fail, bierce, fail, generated_all, guard, is_stub, need_function, passed, raised, self_check
 from .batch_rules import Expect, state_hint
 
@@ -73,7 +73,7 @@ def expected(msg, before: dict) -> dict:
         out[new.req_id] = Expect("new" if old is None else "forked",
                                  list(new.prompt_token_ids) + list(new.output_token_ids),
                                  new.num_computed_tokens, list(new.block_ids),
-                                 states.new_generator(new) if old is None else old.generator, new.sampling_params)
+                                 model_runner.new_generator(new) if old is None else old.generator, new.sampling_params)
     c = msg.scheduled_cached_reqs
     for i, rid in enumerate(c.req_ids):
         held = before[rid]

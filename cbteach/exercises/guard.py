@@ -25,7 +25,7 @@ def registry() -> dict:
     from ..kv.paged import PagedKVCache
     from ..parallel.shard import Layout
     from ..sim.cost import ring_all_reduce_bytes
-    from ..worker import states
+    from ..worker import model_runner
     from . import ex05_mistakes as course
 
     def engine(*fs, owner=""):  # owner: the class a learner knows the method by (default: where it is defined)
@@ -41,7 +41,8 @@ def registry() -> dict:
                                 S.update_from_output, owner="Scheduler."),
             "tp": {**engine(Layout.kv_heads, Layout.q_heads),
                    ring_all_reduce_bytes: "the simulator's ring_all_reduce_bytes"},
-            "update_batch": {states.update_batch: "the worker's own update_batch (cbteach.worker.states)"}}
+            "update_batch": {model_runner.update_batch:
+                             "the worker's own update_batch (cbteach.worker.model_runner)"}}
 
 
 def _chain(obj):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..core.config import SchedulerConfig
-from ..core.outputs import RunnerOutput
+from ..core.scheduler_output import RunnerOutput
 from ..core.request import Request, RequestStatus, Sequence
 from ..core.sampling import SamplingParams
 from ..core.scheduler_output import CachedRequestData, SchedulerOutput

@@ -8,7 +8,7 @@ from .concat import ConcatKVCache
 from .manager import KVCacheManager
 from .paged import PagedKVCache
 from .plugged_cache import PluggedPagedKVCache
-from .pool import PagedKVPool
+from .paged import PagedKVPool
 
 
 def pool_class(kv_dtype) -> type:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .pool import PagedKVPool
+from .paged import PagedKVPool
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

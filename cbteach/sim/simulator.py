@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..core.config import SchedulerConfig
-from ..core.outputs import RunnerOutput
+from ..core.scheduler_output import RunnerOutput
 from ..core.request import Request, Sequence
 from ..engine.scheduler import Scheduler
 from ..kv.manager import KVCacheManager

@@ -1,10 +1,9 @@
 """The worker: everything on the model's side of the scheduler's message (vLLM V1's ``vllm/v1/worker/``).
 
 * :mod:`~cbteach.worker.input_batch` -- the persistent batch: a row per scheduled request, in
-  preallocated arrays; :mod:`~cbteach.worker.block_table` -- the rows' block tables, one tensor;
-* :mod:`~cbteach.worker.states` -- the message changes the batch (V1's ``_update_states``);
-* :mod:`~cbteach.worker.model_runner` -- a step: inputs from the rows, the model once, sampling;
-* :mod:`~cbteach.worker.sampler` -- tokens on the device, then on the host;
+  preallocated arrays, the rows' block tables one tensor;
+* :mod:`~cbteach.worker.model_runner` -- a step: the message changes the batch (V1's ``_update_states``),
+  inputs from the rows, the model once, tokens on the device, then on the host;
 * :mod:`~cbteach.worker.worker` -- a tensor-parallel rank: its shard, its pool, its own runner.
 
 Beside them, each variant's runner (:mod:`~cbteach.worker.variants` mixes in the ones an engine needs):

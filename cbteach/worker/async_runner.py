@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from ..core.outputs import RunnerOutput
+from ..core.scheduler_output import RunnerOutput
 from . import recovery
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core.outputs import RunnerOutput
+from ..core.scheduler_output import RunnerOutput
 from ..core.sampling import make_generator, sample
 from ..kv.fork import copy_blocks as copy_pool_blocks
 from .input_batch import CachedRequestState

@@ -4,29 +4,25 @@ The scheduler and the worker share no objects (:mod:`cbteach.core.scheduler_outp
 needs to run a request it keeps twice, as vLLM V1's GPU model runner does:
 
 * a :class:`CachedRequestState` per request it has been told about (``ModelRunner.requests``) --
-  prompt, output so far, sampling parameters, random stream, block ids. It lives as long as the
-  request does, also while the request is preempted or simply not scheduled this step;
-* a **row** of the :class:`InputBatch` per request scheduled this step, in preallocated arrays (they
-  grow by doubling, below):
-  ``token_ids[row]`` (prompt, then output), ``num_tokens``,
-  ``num_computed_tokens``, the block table (:mod:`cbteach.worker.block_table`) and the sampling
-  parameters. A step's inputs are read from these arrays -- the block tables are a slice, the token
-  ids one gather -- not rebuilt from lists.
+  prompt, output so far, sampling parameters, random stream, block ids -- for as long as the request
+  lives, also while it is preempted or not scheduled this step;
+* a **row** of the :class:`InputBatch` per request scheduled this step: ``token_ids[row]`` (prompt, then
+  output), ``num_tokens``, ``num_computed_tokens``, the block table (:class:`BlockTable`: a row of one 2-D
+  tensor) and the sampling parameters. A step's inputs are read from these arrays -- the block tables are
+  ``table[:num_reqs]``, a slice; the token ids one gather -- not rebuilt from lists.
 
-The message is a *diff* because the rows persist: a request that keeps running keeps its row, and
-the message only says what changed -- its new blocks, where it starts. Here ``add_request``,
-``remove_request`` and ``condense`` are the three ways rows change; V1's ``InputBatch``
-(``vllm/v1/worker/gpu_input_batch.py``) has these three and more (``swap_states``, for an attention
-backend that reorders the batch; ``refresh_metadata``). A removed request leaves a hole, an added one
-takes the lowest hole (or the end), and ``condense`` moves the last rows into the holes that are left,
-so rows ``0 .. num_reqs - 1`` are the batch, in the order they are packed into the step.
+The message is a *diff* because the rows persist: a request that keeps running keeps its row, and the
+message says only what changed -- its new blocks, where it starts. ``add_request``, ``remove_request``
+and ``condense`` are the three ways rows change (V1's ``InputBatch``, ``vllm/v1/worker/gpu_input_batch.py``,
+has these and more: ``swap_states``, ``refresh_metadata``). A removed request leaves a hole, an added one
+takes the lowest hole, and ``condense`` moves the last rows into the holes left, so rows
+``0 .. num_reqs - 1`` are the batch, in packed order.
 
-What is cbteach's: the arrays are torch tensors on the CPU read through numpy views (V1 keeps CPU
-tensors with numpy views too, and GPU twins it copies slices into); they start small and double
-when a request needs more columns or the batch more rows (V1 allocates ``max_model_len`` columns at
-start); the sampling parameters are kept per row as the request's :class:`SamplingParams`, whose
-draws :func:`cbteach.core.sampling.sample` makes (V1 keeps temperature, top-p and top-k arrays for a
-batched sampler).
+What is cbteach's: the arrays are CPU tensors read through numpy views (V1 keeps numpy views too, and GPU
+twins it copies slices into; here the step's metadata goes to the device in one copy anyway); they start
+small and double when a request needs more columns or the batch more rows (V1 allocates ``max_model_len``
+columns at start); the sampling parameters are kept per row as :class:`SamplingParams` (V1 keeps
+temperature, top-p and top-k arrays for a batched sampler).
 """
 from __future__ import annotations
 
@@ -36,7 +32,6 @@ import numpy as np
 import torch
 
 from ..core.sampling import SamplingParams
-from .block_table import BlockTable
 
 
 @dataclass
@@ -206,3 +201,56 @@ class InputBatch:
         self.token_ids = torch.zeros((rows, cols), dtype=torch.long)
         self.token_ids[:old.shape[0], :old.shape[1]] = old
         self.token_ids_np = self.token_ids.numpy()
+
+
+class BlockTable:
+    """``table[row, :num_blocks[row]]`` is the block table of the request in ``row`` (V1's ``BlockTable``,
+    ``vllm/v1/worker/block_table.py``, without its CPU/GPU pair of buffers). The KV manager decides which
+    blocks a request owns; the worker keeps a copy, changed in place by the message. Entries past a row's
+    ``num_blocks`` are stale ids nobody reads: attention masks every key past a sequence's length."""
+
+    def __init__(self, max_num_reqs: int, max_num_blocks: int = 16):
+        self.table = torch.zeros((max_num_reqs, max(1, max_num_blocks)), dtype=torch.long)
+        self.np = self.table.numpy()  # the same memory: numpy's element access is far cheaper than torch's
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+
+    def add_row(self, block_ids: list[int], row: int) -> None:
+        """``row`` holds a new request: its whole table."""
+        self.num_blocks[row] = 0
+        self.append_row(block_ids, row)
+
+    def append_row(self, block_ids: list[int], row: int) -> None:
+        """Blocks allocated to ``row``'s request since the last step go after its others."""
+        if not block_ids:
+            return
+        start = int(self.num_blocks[row])
+        end = start + len(block_ids)
+        self._fit(self.table.shape[0], end)
+        self.np[row, start:end] = block_ids
+        self.num_blocks[row] = end
+
+    def move_row(self, src: int, dst: int) -> None:
+        """The request in ``src`` now lives in ``dst`` (the batch condensed)."""
+        n = int(self.num_blocks[src])
+        self.np[dst, :n] = self.np[src, :n]
+        self.num_blocks[dst] = n
+
+    def row(self, row: int) -> list[int]:
+        """``row``'s block table, as a list (for reading; the step uses the tensor)."""
+        return self.np[row, :self.num_blocks[row]].tolist()
+
+    def grow_rows(self, num_rows: int) -> None:
+        """Room for ``num_rows`` requests."""
+        self._fit(num_rows, self.table.shape[1])
+
+    def _fit(self, rows: int, cols: int) -> None:
+        """Make the tensor at least ``rows x cols``, doubling what is short (the contents are kept)."""
+        old_rows, old_cols = self.table.shape
+        if rows <= old_rows and cols <= old_cols:
+            return
+        new_rows = max(old_rows, rows if rows <= old_rows else max(rows, 2 * old_rows))
+        new_cols = max(old_cols, cols if cols <= old_cols else max(cols, 2 * old_cols))
+        table = torch.zeros((new_rows, new_cols), dtype=torch.long)
+        table[:old_rows, :old_cols] = self.table
+        self.table, self.np = table, table.numpy()
+        self.num_blocks = np.concatenate([self.num_blocks, np.zeros(new_rows - old_rows, dtype=np.int64)])

@@ -1,40 +1,39 @@
-"""The model runner: apply the message to the persistent batch, then pack, run the model once, sample.
+"""The model runner: the message changes the persistent batch; then the step is packed, run once, sampled.
 
-The scheduler decides *who* runs and *how many* tokens each feeds, and sends it as a message (a
-:class:`~cbteach.core.scheduler_output.SchedulerOutput`: plain data, no live request objects). The
-runner owns everything the step needs on the worker's side -- the requests' states, the
-:class:`~cbteach.worker.input_batch.InputBatch` (a row per scheduled request), the KV pool -- and a
-step is four calls, the way vLLM V1's GPU model runner splits it (``vllm/v1/worker/gpu_model_runner.py``:
-``_update_states``, ``_prepare_inputs``, the model, ``sample_tokens``):
+The scheduler decides *who* runs and *how many* tokens each feeds, and sends it as a message
+(:class:`~cbteach.core.scheduler_output.SchedulerOutput`: plain data). The runner owns everything on the
+worker's side -- the requests' states, the :class:`~cbteach.worker.input_batch.InputBatch` (a row per
+scheduled request), the KV pool -- and runs a step in four calls, as vLLM V1's GPU model runner splits it
+(``vllm/v1/worker/gpu_model_runner.py``: ``_update_states``, ``_prepare_inputs``, the model, ``sample_tokens``):
 
-1. :meth:`ModelRunner.update_states` -- the message changes the batch: finished requests are forgotten,
-   rows of requests not scheduled now leave (their states stay), new requests get a state and a row,
-   running ones get their new blocks and start, resumed ones their whole table; then ``condense``;
-2. :meth:`ModelRunner.prepare_inputs` -- the step's inputs are read from the rows: token ids in one
-   gather, the block tables a slice; the KV cache builds the step's metadata (positions, slot
-   mapping, attention groups) and ``logits_to_keep`` asks the model for each row's last logits only;
-3. :meth:`ModelRunner.forward` -- the model, once, on the packed row; then :meth:`ModelRunner.sample`
-   -- each row that reached the end of its known tokens gets a token, on the device
-   (:mod:`cbteach.worker.sampler`);
-4. :meth:`ModelRunner.finish` -- the tokens come to the host, join the rows and the states, and go back
-   to the scheduler as a :class:`~cbteach.core.outputs.RunnerOutput`, in the batch's row order.
+1. :meth:`ModelRunner.update_states` -- :func:`update_batch`: the message changes the batch;
+2. :meth:`ModelRunner.prepare_inputs` -- the step's inputs, read from the rows: token ids in one gather,
+   the block tables a slice; the KV cache builds the attention metadata (positions, slot mapping);
+3. :meth:`ModelRunner.forward` -- the model, once, on the packed row; :meth:`ModelRunner.sample` -- a token
+   for each row that reached the end of its known tokens, on the device (:func:`sample_on_device`);
+4. :meth:`ModelRunner.finish` -- the tokens come to the host, join the rows and the states, and go back to
+   the scheduler as a :class:`~cbteach.core.scheduler_output.RunnerOutput`, in the batch's row order.
 
-When the forward pass raises, cbteach's rule, not V1's: one request's failure is its own
+The worker samples (V1's workers each run the sampler), so no token is sent anywhere: the batch appends
+its own. When the forward pass raises, cbteach's rule, not V1's: one request's failure is its own
 (:mod:`cbteach.worker.recovery`).
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from ..core.outputs import RunnerOutput
+from ..core.sampling import make_generator, sample
+from ..core.scheduler_output import RunnerOutput
 from ..errors import EngineDeadError, EngineRuleError
 from .input_batch import CachedRequestState, InputBatch
-from .sampler import NOT_FINITE, sample_on_device
 from .step import Step
-from . import recovery, states
+from . import recovery
+
+NOT_FINITE = "the model produced logits that are not finite for this request"
 
 
 class ModelRunner:
@@ -51,7 +50,7 @@ class ModelRunner:
         self.requests: dict[object, CachedRequestState] = {}  # every request it was told of and not yet finished
         self.input_batch = InputBatch(max_num_reqs, max_model_len)
         self.unwritten_blocks: set[int] = set()
-        self.update_batch = update_batch or states.update_batch  # V1's, or one written in notebook 06b
+        self.update_batch = update_batch  # one written in notebook 06b; None: this module's update_batch
 
     def close(self) -> None:
         """Nothing to release here (the engine's ``close`` lets go of the pool)."""
@@ -80,8 +79,11 @@ class ModelRunner:
         return self.finish(step)
 
     def update_states(self, msg) -> None:
-        """The message changes the batch (V1's ``_update_states``: :func:`~cbteach.worker.states.update_batch`)."""
-        self.update_batch(self, msg)
+        """The message changes the batch (V1's ``_update_states``): :func:`update_batch`, or the one given."""
+        if self.update_batch is not None:
+            self.update_batch(self, msg)
+        else:
+            update_batch(self, msg)
 
     def changes_pool_first(self, msg) -> bool:
         """Whether ``msg`` writes inside the KV pool before its step (never here): a step in flight ends first."""
@@ -196,3 +198,113 @@ class ModelRunner:
                 b.append_token_ids(row, tokens)
         if rows:
             b.append_one_each(rows, toks)
+
+
+# -- 1. the message changes the batch ------------------------------------------------------------------
+def update_batch(runner, msg) -> None:
+    """Change ``runner.requests`` (a :class:`CachedRequestState` per request it holds) and
+    ``runner.input_batch`` (a row per request scheduled now) as ``msg`` says, in the order of V1's
+    ``GPUModelRunner._update_states``:
+
+    1. **forget who finished** -- their states and their rows;
+    2. **rows of requests not scheduled now leave the batch** (preempted, or left out by the token
+       budget); their states stay, they will be back;
+    3. **new requests** get a state: prompt, sampling parameters, a generator, block ids, where they start;
+    4. **cached requests** get where they start now and their new blocks, appended -- or their whole table,
+       if resumed after a preemption (or, cbteach's, a table changed other than by appending); a resumed
+       request that missed the step before also gets its token ids. Those with a row change in place;
+    5. **add, then condense**: new and returning requests take the lowest free rows, the last rows move
+       into the holes, and rows ``0 .. num_reqs - 1`` are this step's batch, in packed order.
+
+    Notebook 06b asks you to write it yourself and runs the engine on yours (``Engine(..., update_batch=...)``).
+    """
+    batch = runner.input_batch
+    for rid in msg.finished_req_ids:  # 1.
+        runner.requests.pop(rid, None)
+        batch.remove_request(rid)
+    for rid in [r for r in batch.req_id_to_index if r not in msg.num_scheduled_tokens]:  # 2.
+        batch.remove_request(rid)
+    to_add = []
+    for new in msg.scheduled_new_reqs:  # 3.
+        old = runner.requests.get(new.req_id)  # a forked sample: its generator drew its first token already
+        state = CachedRequestState(
+            req_id=new.req_id, prompt_token_ids=list(new.prompt_token_ids), sampling_params=new.sampling_params,
+            generator=old.generator if old is not None else new_generator(new), block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens, output_token_ids=list(new.output_token_ids))
+        runner.requests[new.req_id] = state
+        to_add.append(state)
+    cached = msg.scheduled_cached_reqs  # 4.
+    for i, rid in enumerate(cached.req_ids):
+        state = runner.requests[rid]
+        state.num_computed_tokens = cached.num_computed_tokens[i]
+        resumed = rid in cached.resumed_req_ids
+        whole = resumed or rid in cached.replaced_req_ids
+        if rid in cached.all_token_ids:
+            state.output_token_ids = list(cached.all_token_ids[rid][len(state.prompt_token_ids):])
+        new_blocks = cached.new_block_ids[i]
+        if whole:
+            state.block_ids = list(new_blocks)
+        else:
+            state.block_ids.extend(new_blocks)
+        row = batch.req_id_to_index.get(rid)
+        if row is not None and resumed:  # (V1 too takes a resumed request out of its batch and adds it afresh:
+            # its reset_prefix_cache's forced preemption can leave one there)
+            batch.remove_request(rid)
+            row = None
+        if row is None:
+            to_add.append(state)
+            continue
+        batch.num_computed_tokens[row] = state.num_computed_tokens
+        if whole:
+            batch.block_table.add_row(state.block_ids, row)
+        else:
+            batch.block_table.append_row(new_blocks, row)
+    for state in to_add:  # 5.
+        batch.add_request(state)
+    batch.condense()
+
+
+def new_generator(new):
+    """The random stream of a request seen for the first time: ``seed + sample_index`` (``None``: an
+    unseeded request draws from the global stream), or a handed-over request's stream, going on."""
+    generator = make_generator(new.sampling_params, new.sample_index)
+    if generator is not None and new.generator_state is not None:
+        generator.set_state(torch.tensor(list(new.generator_state), dtype=torch.uint8))
+    return generator
+
+
+# -- 3. sampling: tokens on the device, then on the host ------------------------------------------
+@dataclass
+class DeviceSample:
+    """A step's sampled tokens, still on the device. ``tokens[i]``: what row ``i`` feeds next (0 where it
+    samples nothing or failed: that output is dropped); ``finite[i]``: its logits were finite."""
+
+    tokens: torch.Tensor
+    finite: torch.Tensor
+    errors: dict = field(default_factory=dict)  # row -> what went wrong when drawing its token
+
+    def to_host(self) -> tuple[list, list]:
+        """The device -> host copy: tokens and finite flags, as lists."""
+        return self.tokens.tolist(), self.finite.tolist()
+
+
+def sample_on_device(logits: torch.Tensor, params: list, generators: list) -> DeviceSample:
+    """Sample each row of ``logits`` ``[rows, vocab]``: ``params[i]`` and ``generators[i]`` are row
+    ``i``'s sampling parameters and generator (``None``: greedy; the global stream). A greedy batch
+    never leaves the device here."""
+    top, tokens = logits.max(dim=-1)  # (the first maximum, as argmax and generate take it)
+    finite = torch.isfinite(top)
+    out = DeviceSample(tokens=tokens, finite=finite)
+    random_rows = [i for i, p in enumerate(params) if p is not None and not p.greedy]
+    if random_rows:
+        ok = finite.tolist()  # a draw from non-finite logits would fail anyway
+        for i in random_rows:
+            if ok[i]:
+                try:
+                    tokens[i] = sample(logits[i:i + 1], [params[i]], [generators[i]])[0]
+                except (RuntimeError, ValueError) as err:
+                    out.errors[i] = f"sampling failed: {err}"
+    tokens.masked_fill_(~finite, 0)  # (no sync with the device: a failed row feeds 0, and is dropped)
+    for i in out.errors:
+        tokens[i] = 0
+    return out

@@ -5,7 +5,7 @@ shuts down). A teaching engine that runs learners' pieces and a server's request
 better to fail only the request the model fails on, so the worker here:
 
 * gives a row whose sampling fails, or whose logits are not finite, an error instead of a token
-  (:mod:`cbteach.worker.sampler`);
+  (:func:`cbteach.worker.model_runner.sample_on_device`);
 * when the forward pass itself raises, runs each row of the step alone (:func:`recover`) -- paged K/V
   are written in place, so running a row again rewrites the same values -- and fails the rows the
   model still fails on. Rows of one step may share blocks (a prefix-cache hit on blocks another row of
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..core.outputs import RunnerOutput
+from ..core.scheduler_output import RunnerOutput
 from ..errors import EngineDeadError, EngineRuleError
 from .step import Step
 

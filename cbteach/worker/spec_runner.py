@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .model_runner import ModelRunner
-from .sampler import NOT_FINITE
+from .model_runner import NOT_FINITE, ModelRunner
 from .step import Step
 
 

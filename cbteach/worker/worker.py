@@ -12,7 +12,7 @@ after attention and one after the MLP of every layer: the logits come out equal 
 and **samples** -- with the requests' own seeded generators, created from the message on every rank,
 and a global random stream seeded alike on every rank -- so every rank draws the same tokens and
 appends them to its own batch. Nothing but the message goes to a rank; only the output rank (0)
-answers, with a :class:`~cbteach.core.outputs.RunnerOutput` (token ids, errors, counts). This is
+answers, with a :class:`~cbteach.core.scheduler_output.RunnerOutput` (token ids, errors, counts). This is
 V1's arrangement: each worker runs ``execute_model`` and its sampler; the executor collects one
 rank's output.
 """
