@@ -67,9 +67,10 @@ class Harness:
             out.append(Sequence(request=request, prompt_ids=list(prompt), arrival_time=at))
         return out
 
-    def add_request(self, *seqs: Sequence) -> None:
+    def add_request(self, *seqs: Sequence) -> list[Sequence]:
         for seq in seqs:
             self.scheduler.add(seq)
+        return list(seqs)
 
     def finish_requests(self, seq: Sequence) -> None:
         """V1's ``finish_requests(id, FINISHED_...)``: the request ends where it is, its blocks freed."""
@@ -126,3 +127,15 @@ class Harness:
 
     def ids(self, seqs) -> list:
         return [s.request_id for s in seqs]
+
+    def counts(self, out: SchedulerOutput | None = None, name: str = "output", **want: int) -> None:
+        """vLLM's usual counts, in its words, each ``== want[key]``: of the step's message ``out`` (called
+        ``name``), ``new`` and ``cached`` requests scheduled, ``finished`` ids; the scheduler's ``running``,
+        ``waiting``."""
+        said = {"new": (f"len({name}.scheduled_new_reqs)", lambda: len(out.scheduled_new_reqs)),
+                "cached": (f"{name}.scheduled_cached_reqs.num_reqs", lambda: len(out.scheduled_cached_reqs.req_ids)),
+                "finished": (f"len({name}.finished_req_ids)", lambda: len(out.finished_req_ids)),
+                "running": ("len(scheduler.running)", lambda: len(self.scheduler.running)),
+                "waiting": ("len(scheduler.waiting)", lambda: len(self.scheduler.waiting))}
+        for key, n in want.items():
+            expect(f"{said[key][0]} == {n}", said[key][1](), n)
