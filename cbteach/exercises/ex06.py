@@ -14,7 +14,7 @@ from ..engine.scheduler import Scheduler
 from ..viz.schedule import first_difference, plan_of
 from . import bierce, fail, generated_all, guard, passed, self_check
 from .rules import ROOM_STAGE, NotDone, SchedulerMistake, hint
-from .scheduler_check import Workload, run, watched, with_eos
+from .scheduler_check import Workload, run, watched
 
 W = Workload
 ID8 = ("kite", "ash", "moss", "bee", "elm", "fox", "dew", "gnu")  # arrival order is not alphabetical order
@@ -57,7 +57,7 @@ STAGES = {
           max_batch_size=3, arrivals=(0, 0, 0, 1.5, 3.5, 6.5), token_budget=6, ignore_eos=False),
         W(name="speculative decoding: guesses accepted and rejected, a pool of 16 blocks", ids=ID8[:5],
           prompt_lens=(8, 6, 10, 7, 5), max_new_tokens=(14, 12, 16, 10, 11), max_batch_size=3,
-          arrivals=(0, 0, 0, 2.5, 5.5), num_blocks=16, speculative="draft", ignore_eos=False),
+          arrivals=(0, 0, 0, 2.5, 5.5), num_blocks=16, speculative=True, ignore_eos=False),
         W(name="prefix caching and preemption in a pool of 7 blocks, a token budget of 7", ids=ID8[:6],
           prompt_lens=(13, 10, 15, 9, 12, 14), max_new_tokens=(8, 10, 7, 9, 6, 8), max_batch_size=3,
           arrivals=(0, 0, 1.5, 2.5, 6.5, 8.5), token_budget=7, num_blocks=7, shared_prefix=8,
@@ -94,7 +94,7 @@ def reference_run(model, workload: W, eos_ids=None):
     runs = _references.setdefault(model, {})
     key = (workload, eos_ids)
     if key not in runs:
-        runs[key] = run(model, workload, None if eos_ids is None else with_eos(Scheduler, eos_ids))
+        runs[key] = run(model, workload, eos_ids=eos_ids)
     return runs[key]
 
 
@@ -160,7 +160,7 @@ def _check_workload(cls, model, w: W, stage: int, with_generate: bool) -> str | 
     ref = reference_run(model, w, eos)
     if ref.mistake is not None:  # the engine's own scheduler must pass its own check
         raise RuntimeError(f"the engine's scheduler failed workload {w.name!r}: {ref.mistake}")
-    mine = run(model, w, watched(cls, stage, eos_ids=eos), max_steps=3 * len(ref.records) + 20, stage=stage)
+    mine = run(model, w, watched(cls, stage), max_steps=3 * len(ref.records) + 20, stage=stage, eos_ids=eos)
     where = f"on the workload '{w.name}'"
     diff = first_difference(ref.records, mine.records)
     if isinstance(mine.mistake, NotDone):

@@ -32,12 +32,13 @@ class NotDone(SchedulerMistake):
 
 
 ROOM_STAGE = 3  # the first stage with a pool that can refuse room (and so preemption)
+# key -> the hint; or (its start, the stage from which it says more, its end before, its end from then on)
 HINTS = {
-    "idle": "a step planned nothing although a request that had arrived could have run: a request that has not "
-            "arrived yet is skipped, not waited for",
-    "idle+": "; a long prompt is fed in chunks, not kept waiting to fit whole",
-    "unfinished": "requests were still unfinished after {} steps: is one never given its tokens?",
-    "unfinished+": " Or are the same requests preempted over and over?",
+    "idle": ("a step planned nothing although a request that had arrived could have run: a request that has not "
+             "arrived yet is skipped, not waited for", 2, "", "; a long prompt is fed in chunks, not kept waiting "
+             "to fit whole"),
+    "unfinished": ("requests were still unfinished after {} steps: is one never given its tokens?", ROOM_STAGE, "",
+                   " Or are the same requests preempted over and over?"),
     "walked_waiting": "your loop walked self.waiting itself while admit() removed requests from it, so the request "
                       "after each admitted one was skipped: walk a copy (a list made before the loop)",
     "walked_running": "your loop walked self.running itself while preempt() removed a request from it, so the "
@@ -49,10 +50,10 @@ HINTS = {
                   "runner reads only that message, never your plan",
     "no_update_after_schedule": "the planned tokens were not counted as computed: call "
                                 "self.update_after_schedule(output) before return output (as vLLM V1 does)",
-    "no_room": "a chunk was planned without KV room: every planned chunk first gets room from "
-               "self.kv_manager.allocate_slots(seq, n), for exactly those n tokens, before plan.add(seq, n)",
-    "no_room1": " (here the pool has room for everyone, so allocate_slots never refuses)",
-    "no_room3": " -- None means refused: preempt the victim and ask again",
+    "no_room": ("a chunk was planned without KV room: every planned chunk first gets room from "
+                "self.kv_manager.allocate_slots(seq, n), for exactly those n tokens, before plan.add(seq, n)",
+                ROOM_STAGE, " (here the pool has room for everyone, so allocate_slots never refuses)",
+                " -- None means refused: preempt the victim and ask again"),
     "room_for_more": "allocate_slots was asked for more tokens than the chunk planned: ask for exactly the n tokens "
                      "you plan (cut to the budget first), or the pool gives room nobody uses this step",
     "refused_planned": "tokens were planned without KV room: allocate_slots refused them (None) and the chunk was "
@@ -67,10 +68,10 @@ HINTS = {
     "no_tokens": "a request was planned for no tokens: plan only what feeds at least one token",
     "no_tokens_budget": "a request was planned for no tokens while a token of budget was left: a chunk is cut to "
                         "the budget that is left, min(what it lacks, budget) -- not to one less",
-    "not_running": "the plan holds a request that is not running (preempted in this step, or never admitted): "
-                   "preempt() takes a request out of the plan, and admit() does not put one in -- plan.add does",
-    "not_running1": "the plan holds a request that is not running (never admitted): admit() moves a request into "
-                    "the batch but does not plan it -- plan.add(seq, n) does, after admit",
+    "not_running": ("the plan holds a request that is not running ", ROOM_STAGE, "(never admitted): admit() moves a "
+                    "request into the batch but does not plan it -- plan.add(seq, n) does, after admit",
+                    "(preempted in this step, or never admitted): preempt() takes a request out of the plan, and "
+                    "admit() does not put one in -- plan.add does"),
     "over_lacks": "a request was given more tokens than it lacks (num_tokens - num_computed_tokens)",
     "budget": "the chunk exceeds the token budget: cut a prefill to the budget that is left (chunked prefill)",
     "batch": "more requests run than max_batch_size allows",
@@ -78,8 +79,8 @@ HINTS = {
     "running_order": "running requests were not planned in the running list's order (self.running)",
     "skipped_refused": "a running request was refused KV room and nobody was preempted: when allocate_slots "
                        "returns None, preempt the policy's victim and ask again",
-    "skipped": "a running request was skipped while budget was left: every running request gets what it lacks"
-               "{}, before anyone is admitted",
+    "skipped": ("a running request was skipped while budget was left: every running request gets what it lacks", 2,
+                ", before anyone is admitted", ", cut to the budget, before anyone is admitted"),
     "held_victim": "a request taken out of the batch still holds its KV blocks: self.preempt(seq, plan) frees them",
     "held_waiting": "a waiting request holds KV blocks after the step: only running requests hold room",
     "left_unpreempted": "a request left the batch without self.preempt(seq, plan), which records it in plan.preempted",
@@ -102,20 +103,14 @@ HINTS = {
 def hint(key: str, stage: int | None) -> str:
     """The hint ``key`` in the words of ``stage`` (None: every idea is known)."""
     text = HINTS[key]
-    room = stage is None or stage >= ROOM_STAGE
-    if key in ("idle", "unfinished") and (stage is None or stage >= (2 if key == "idle" else ROOM_STAGE)):
-        text += HINTS[key + "+"]
-    if key == "no_room":
-        text += HINTS["no_room3"] if room else HINTS["no_room1"]
-    if key == "not_running" and not room:
-        text = HINTS["not_running1"]
-    if key == "skipped":
-        text = text.format(", cut to the budget" if stage is None or stage >= 2 else "")
+    if isinstance(text, tuple):
+        start, since, before, after = text
+        text = start + (after if stage is None or stage >= since else before)
     return text
 
 
 def _mistake(key: str, stage, *args):
-    return SchedulerMistake(hint(key, stage).format(*args) if args else hint(key, stage))
+    return SchedulerMistake(hint(key, stage).format(*args))
 
 
 # The limits are read from the scheduler's config (frozen), never from attributes a scheduler could
