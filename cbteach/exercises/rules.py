@@ -109,12 +109,12 @@ def hint(key: str, stage: int | None) -> str:
     return text
 
 
-def _mistake(key: str, stage, *args):
-    return SchedulerMistake(hint(key, stage).format(*args))
-
-
-# The limits are read from the scheduler's config (frozen), never from attributes a scheduler could
-# change: a plan is held to the engine's token budget and batch size, whatever the scheduler believes.
+def enforce(rules, words) -> None:
+    """Raise the mistake of the first rule broken. ``rules`` yields (hint key, broken?) in order, and lazily: a
+    rule may rely on the ones before it; ``words(key)`` is the hint."""
+    for key, broken in rules:
+        if broken:
+            raise SchedulerMistake(words(key))
 
 
 def includes(seqs, seq) -> bool:
@@ -122,104 +122,81 @@ def includes(seqs, seq) -> bool:
     return any(s is seq for s in seqs)
 
 
-def check_admission(sched, seq, plan, stage, exercise: bool) -> None:
-    """The admission rules, checked at the moment ``sched.admit(seq, plan)`` is called."""
-    if seq not in sched.waiting:
-        raise _mistake("not_waiting", stage)
-    if seq.arrival_time > sched.check_now:
-        raise _mistake("before_arrival", stage)
-    if sched.num_slots_taken() + seq.num_slots > sched.config.max_batch_size:
-        raise _mistake("past_batch", stage)
-    if not exercise:
-        return
-    if plan.preempted:
-        raise _mistake("after_preempt", stage)
-    first = next(s for s in sched.waiting if s.arrival_time <= sched.check_now)
-    if first is not seq:
-        budget = sched.config.token_budget
-        left = math.inf if budget is None else budget - plan.total_num_scheduled_tokens
-        if sched.kv_manager.num_admittable_tokens(first) < min(first.num_tokens - first.num_computed_tokens, left):
-            raise _mistake("overtook", stage)
-        raise _mistake("out_of_order", stage)
+def _left(sched, used: int) -> float:
+    """The token budget left once ``used`` tokens are planned. The limits are read from the scheduler's config
+    (frozen), never from attributes a scheduler could change."""
+    return math.inf if sched.config.token_budget is None else sched.config.token_budget - used
 
 
-def check_preemption(sched, seq, stage, exercise: bool) -> None:
-    if seq not in sched.running:
-        raise _mistake("victim_not_running", stage)
-    if exercise and seq is not sched.waiting.pick_victim(sched.running):
-        raise _mistake("wrong_victim", stage)
+def admission_rules(sched, seq, plan, stage, exercise: bool):
+    """The admission rules, checked when ``sched.admit(seq, plan)`` is called."""
+    yield "not_waiting", seq not in sched.waiting
+    yield "before_arrival", seq.arrival_time > sched.check_now
+    yield "past_batch", sched.num_slots_taken() + seq.num_slots > sched.config.max_batch_size
+    if exercise:
+        yield "after_preempt", plan.preempted
+        first = next(s for s in sched.waiting if s.arrival_time <= sched.check_now)
+        if first is not seq:
+            lacks = min(first.num_tokens - first.num_computed_tokens, _left(sched, plan.total_num_scheduled_tokens))
+            yield ("overtook" if sched.kv_manager.num_admittable_tokens(first) < lacks else "out_of_order"), True
+
+
+def preemption_rules(sched, seq, stage, exercise: bool):
+    yield "victim_not_running", seq not in sched.running
+    yield "wrong_victim", exercise and seq is not sched.waiting.pick_victim(sched.running)
 
 
 def check_plan(sched, out, made: Made | None, before: list, stage, exercise: bool) -> None:
-    """What must hold of the message ``schedule`` returned and the plan it was made from (``made``:
-    what ``make_output`` saw, or None if it was not called; ``before``: who ran when it was called)."""
+    """What must hold of the message ``schedule`` returned and the plan it was made from (``made``: what
+    ``make_output`` saw, None if it was not called; ``before``: who ran when it was called)."""
     if out is None:
         raise NotDone(hint("plan_none", stage))
     if not isinstance(out, SchedulerOutput):
-        raise _mistake("not_a_plan", stage, type(out).__name__)
-    if made is None or made.output is not out:
-        raise _mistake("no_message", stage)
-    plan = made.plan
-    seqs, starts, counts = list(plan.seqs), list(made.starts), list(plan.num_scheduled_tokens)
+        raise SchedulerMistake(hint("not_a_plan", stage).format(type(out).__name__))
+    enforce(_plan_rules(sched, out, made, before, stage, exercise), lambda key: hint(key, stage))
+
+
+def _plan_rules(sched, out, made, before, stage, exercise):
+    yield "no_message", made is None or made.output is not out
+    plan, kv = made.plan, sched.kv_manager
+    seqs, counts = list(plan.seqs), list(plan.num_scheduled_tokens)
     if len(set(map(id, seqs))) != len(seqs):
-        raise _mistake("twice_admitted" if any(seqs.count(s) > 1 for s in plan.admitted) else "twice", stage)
-    total = sched.config.token_budget
-    for i, (seq, c, n) in enumerate(zip(seqs, starts, counts)):
+        yield ("twice_admitted" if any(seqs.count(s) > 1 for s in plan.admitted) else "twice"), True
+    for i, (seq, c, n) in enumerate(zip(seqs, made.starts, counts)):
         if n < 1:
-            left = math.inf if total is None else total - sum(counts[:i])
-            raise _mistake("no_tokens_budget" if n == 0 and 1 <= left < math.inf else "no_tokens", stage)
-        if seq not in sched.running:
-            raise _mistake("not_running", stage)
-        if seq.status is not RequestStatus.RUNNING:
-            raise _mistake("not_started", stage)
-        if c + n > seq.num_tokens + len(seq.draft_ids):
-            raise _mistake("over_lacks", stage)
-        grant = sched.kv_manager.granted.get(id(seq))
-        if grant is None and id(seq) in sched.kv_manager.refused:
-            raise _mistake("refused_planned", stage)
-        if grant is not None and grant[0] != c:
-            raise _mistake("start_mismatch", stage)
-        if grant is None or grant[1] < n or len(seq.block_table) * sched.kv_manager.block_size < c + n:
-            raise _mistake("no_room", stage)
-        if exercise and grant[1] > n:
-            raise _mistake("room_for_more", stage)
-        if hasattr(sched, "update_after_schedule") and seq.num_computed_tokens != c + n:
-            raise _mistake("no_update_after_schedule", stage)
-    if sched.config.token_budget is not None and sum(counts) > sched.config.token_budget:
-        raise _mistake("budget", stage)
-    if sched.num_slots_taken() > sched.config.max_batch_size:
-        raise _mistake("batch", stage)
+            yield ("no_tokens_budget" if n == 0 and 1 <= _left(sched, sum(counts[:i])) < math.inf
+                   else "no_tokens"), True
+        yield "not_running", seq not in sched.running
+        yield "not_started", seq.status is not RequestStatus.RUNNING
+        yield "over_lacks", c + n > seq.num_tokens + len(seq.draft_ids)
+        grant = kv.granted.get(id(seq))
+        yield "refused_planned", grant is None and id(seq) in kv.refused
+        yield "start_mismatch", grant is not None and grant[0] != c
+        yield "no_room", grant is None or grant[1] < n or len(seq.block_table) * kv.block_size < c + n
+        yield "room_for_more", exercise and grant[1] > n
+        yield "no_update_after_schedule", hasattr(sched, "update_after_schedule") and seq.num_computed_tokens != c + n
+    yield "budget", _left(sched, sum(counts)) < 0
+    yield "batch", sched.num_slots_taken() > sched.config.max_batch_size
     for seq in sched.running:
-        if seq.arrival_time > sched.check_now:
-            raise _mistake("before_arrival", stage)
-        if seq.status is not RequestStatus.RUNNING:
-            raise _mistake("not_started", stage)
+        yield "before_arrival", seq.arrival_time > sched.check_now
+        yield "not_started", seq.status is not RequestStatus.RUNNING
     for seq in before:
         if seq not in sched.running and not seq.status.is_finished:
-            if seq.block_table:
-                raise _mistake("held_victim", stage)
-            if not includes(plan.preempted, seq):
-                raise _mistake("left_unpreempted", stage)
-    if any(s.block_table for s in sched.waiting):
-        raise _mistake("held_waiting", stage)
-    if exercise:
-        if any(not includes(seqs, s) for s in plan.admitted if s in sched.running):
-            raise _mistake("admitted_unplanned", stage)
-        _check_v1_order(sched, plan, seqs, counts, stage)
-
-
-def _check_v1_order(sched, out, seqs, counts, stage) -> None:
-    """vLLM V1's order of a plan: running requests first, in order, none skipped while budget is left."""
-    admitted = [s for s in seqs if includes(out.admitted, s)]
-    running = [s for s in seqs if not includes(out.admitted, s)]
-    if seqs != running + admitted:
-        raise _mistake("waiting_first", stage)
-    if running != [s for s in sched.running if includes(running, s)]:
-        raise _mistake("running_order", stage)
-    left = math.inf if sched.config.token_budget is None else sched.config.token_budget - sum(counts)
+            yield "held_victim", seq.block_table
+            yield "left_unpreempted", not includes(plan.preempted, seq)
+    yield "held_waiting", any(s.block_table for s in sched.waiting)
+    if not exercise:
+        return
+    # vLLM V1's order: running requests first, in order, none skipped while budget is left
+    yield "admitted_unplanned", any(not includes(seqs, s) for s in plan.admitted if s in sched.running)
+    admitted = [s for s in seqs if includes(plan.admitted, s)]
+    running = [s for s in seqs if not includes(plan.admitted, s)]
+    yield "waiting_first", seqs != running + admitted
+    yield "running_order", running != [s for s in sched.running if includes(running, s)]
+    left = _left(sched, sum(counts))
     skipped = [s for s in sched.running if not includes(seqs, s)]
-    if skipped and left > 0 and not out.preempted:
+    if skipped and left > 0 and not plan.preempted:
         seq = skipped[0]
-        need = seq.num_computed_tokens + min(seq.num_tokens - seq.num_computed_tokens, left)
-        refused = len(seq.block_table) * sched.kv_manager.block_size < need
-        raise _mistake("skipped_refused" if refused and (stage is None or stage >= ROOM_STAGE) else "skipped", stage)
+        refused = len(seq.block_table) * kv.block_size < seq.num_computed_tokens + min(
+            seq.num_tokens - seq.num_computed_tokens, left)
+        yield ("skipped_refused" if refused and (stage is None or stage >= ROOM_STAGE) else "skipped"), True

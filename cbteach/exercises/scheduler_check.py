@@ -248,6 +248,9 @@ def watched(cls: type, stage: int | None = None, rules_: str = "exercise") -> ty
     exercise = rules_ == "exercise"
     own_update = cls.update_from_output is not Scheduler.update_from_output
 
+    def words(key):
+        return hint(key, stage)
+
     class Watched(cls):
         check_now = 0.0
 
@@ -276,11 +279,11 @@ def watched(cls: type, stage: int | None = None, rules_: str = "exercise") -> ty
             return out
 
         def admit(self, seq, plan):
-            rules.check_admission(self, seq, plan, stage, exercise)
+            rules.enforce(rules.admission_rules(self, seq, plan, stage, exercise), words)
             return super().admit(seq, plan)
 
         def preempt(self, seq, plan):
-            rules.check_preemption(self, seq, stage, exercise)
+            rules.enforce(rules.preemption_rules(self, seq, stage, exercise), words)
             return super().preempt(seq, plan)
 
         def update_from_output(self, scheduler_output, output, now):
