@@ -132,6 +132,18 @@ def drive(eng: Engine, max_steps: int, stage: int | None = None) -> tuple[list, 
     return records, None
 
 
+def leftovers(eng: Engine, expected: dict | None = None) -> str | None:
+    """What must hold once a run is over, or its hint: every request's tokens ``expected`` (``model.generate``'s;
+    None: not checked), every KV block back."""
+    if expected is not None and any(getattr(eng.completions.get(rid), "output_ids", None) != tokens
+                                    for rid, tokens in expected.items()):
+        return ("a request's tokens differ from model.generate's: a scheduler chooses who runs when, never what a "
+                "request computes")
+    if eng.kv_usage()["num_used_blocks"]:
+        return "KV blocks are still in use after every request finished: a request that left the batch kept its blocks"
+    return None
+
+
 # -- the watchers ------------------------------------------------------------------------------------
 
 MAX_CALLS = 100_000  # calls on the watched objects in one schedule(): far beyond any step that ends
