@@ -34,44 +34,40 @@ class NotDone(SchedulerMistake):
 ROOM_STAGE = 3  # the first stage with a pool that can refuse room (and so preemption)
 # key -> the hint; or (its start, the stage from which it says more, its end before, its end from then on)
 HINTS = {
-    "idle": ("a step planned nothing although a request that had arrived could have run: a request that has not "
-             "arrived yet is skipped, not waited for", 2, "", "; a long prompt is fed in chunks, not kept waiting "
-             "to fit whole"),
+    "idle": ("a step planned nothing although a request that had arrived could run: a request not arrived yet is "
+             "skipped, not waited for", 2, "", "; a long prompt is fed in chunks, not kept waiting to fit whole"),
     "unfinished": ("requests were still unfinished after {} steps: is one never given its tokens?", ROOM_STAGE, "",
                    " Or are the same requests preempted over and over?"),
-    "walked_waiting": "your loop walked self.waiting itself while admit() removed requests from it, so the request "
-                      "after each admitted one was skipped: walk a copy (a list made before the loop)",
-    "walked_running": "your loop walked self.running itself while preempt() removed a request from it, so the "
-                      "request after it was skipped: walk a copy (list(self.running)), skipping those preempted",
+    "walked_waiting": "your loop walked self.waiting while admit() removed from it, so the request after each "
+                      "admitted one was skipped: walk a copy (a list made before the loop)",
+    "walked_running": "your loop walked self.running while preempt() removed from it, so the request after the "
+                      "victim was skipped: walk a copy (list(self.running)), skipping those preempted",
     "not_a_plan": "schedule() returned a {}; it must return the SchedulerOutput that self.make_output(plan) builds",
     "plan_none": "not done yet: schedule() returned None -- it must return the step's message, self.make_output(plan)",
     "no_message": "schedule() did not return the message made from its plan: end with output = "
-                  "self.make_output(plan), then self.update_after_schedule(output), then return output -- the model "
-                  "runner reads only that message, never your plan",
+                  "self.make_output(plan), self.update_after_schedule(output), return output",
     "no_update_after_schedule": "the planned tokens were not counted as computed: call "
                                 "self.update_after_schedule(output) before return output (as vLLM V1 does)",
-    "no_room": ("a chunk was planned without KV room: every planned chunk first gets room from "
-                "self.kv_manager.allocate_slots(seq, n), for exactly those n tokens, before plan.add(seq, n)",
-                ROOM_STAGE, " (here the pool has room for everyone, so allocate_slots never refuses)",
-                " -- None means refused: preempt the victim and ask again"),
+    "no_room": ("a chunk was planned without KV room: every chunk first gets room for exactly its n tokens from "
+                "self.kv_manager.allocate_slots(seq, n), then plan.add(seq, n)", ROOM_STAGE,
+                " (here the pool has room for everyone)", " -- None means refused: preempt the victim and ask again"),
     "room_for_more": "allocate_slots was asked for more tokens than the chunk planned: ask for exactly the n tokens "
-                     "you plan (cut to the budget first), or the pool gives room nobody uses this step",
+                     "you plan (cut to the budget first)",
     "refused_planned": "tokens were planned without KV room: allocate_slots refused them (None) and the chunk was "
                        "planned anyway -- on a refusal, preempt the policy's victim and ask again",
-    "start_mismatch": "a chunk was planned from another position than its room was given for: with prefix caching "
-                      "an admission passes the cached blocks to allocate_slots (new_computed_blocks=cached) and then "
-                      "starts past them (seq.num_computed_tokens = num_cached_tokens); without, it starts where it is",
+    "start_mismatch": "a chunk was planned from another position than its room was given for: an admission passes "
+                      "its cached blocks to allocate_slots (new_computed_blocks=cached) and starts past them "
+                      "(seq.num_computed_tokens = num_cached_tokens)",
     "admitted_unplanned": "a request was admitted but not planned: admit() moves it into the batch, "
                           "plan.add(seq, n) plans its chunk -- an admission needs both",
     "twice_admitted": "a request admitted in this step was planned again as a running one: running requests come first",
     "twice": "a request was added to the plan twice in one step",
     "no_tokens": "a request was planned for no tokens: plan only what feeds at least one token",
-    "no_tokens_budget": "a request was planned for no tokens while a token of budget was left: a chunk is cut to "
-                        "the budget that is left, min(what it lacks, budget) -- not to one less",
-    "not_running": ("the plan holds a request that is not running ", ROOM_STAGE, "(never admitted): admit() moves a "
-                    "request into the batch but does not plan it -- plan.add(seq, n) does, after admit",
-                    "(preempted in this step, or never admitted): preempt() takes a request out of the plan, and "
-                    "admit() does not put one in -- plan.add does"),
+    "no_tokens_budget": "a request was planned for no tokens while a token of budget was left: a chunk is "
+                        "min(what it lacks, budget) -- not to one less",
+    "not_running": ("the plan holds a request that is not running ", ROOM_STAGE, "(never admitted): admit() moves it "
+                    "into the batch, plan.add(seq, n) plans it", "(preempted in this step, or never admitted): "
+                    "preempt() takes a request out of the plan, and only plan.add puts one in"),
     "over_lacks": "a request was given more tokens than it lacks (num_tokens - num_computed_tokens)",
     "budget": "the chunk exceeds the token budget: cut a prefill to the budget that is left (chunked prefill)",
     "batch": "more requests run than max_batch_size allows",
@@ -86,16 +82,16 @@ HINTS = {
     "left_unpreempted": "a request left the batch without self.preempt(seq, plan), which records it in plan.preempted",
     "not_started": "a request is in self.running without self.admit(seq, plan), which moves it into the batch",
     "before_arrival": "a request was admitted before it arrived: its arrival_time must be at or before `now`",
-    "after_preempt": "admitted in a step that preempted: when this step had to preempt, room is short -- a newcomer "
-                     "admitted now would only be preempted again (vLLM V1 admits nobody)",
+    "after_preempt": "admitted in a step that preempted: room is short, a newcomer would only be preempted again "
+                     "(vLLM V1 admits nobody then)",
     "past_batch": "admitted past max_batch_size: every slot of the batch was already taken",
     "not_waiting": "admit() was given a request that is not waiting",
-    "overtook": "a waiting request overtook an earlier one that did not fit: the first request (in the policy's "
-                "order) that is refused room ends the admissions of the step",
-    "out_of_order": "admitted out of the policy's order: walk self.waiting in its own order (it is the policy), "
-                    "skipping only requests that have not arrived yet",
+    "overtook": "a waiting request overtook an earlier one that did not fit: the first request refused room ends "
+                "the step's admissions",
+    "out_of_order": "admitted out of the policy's order: walk self.waiting in its own order, skipping only requests "
+                    "not arrived yet",
     "victim_not_running": "preempt() was given a request that is not running: only a running one holds KV blocks",
-    "wrong_victim": "the victim is not the policy's: when room is refused, the request to preempt is the one "
+    "wrong_victim": "the victim is not the policy's: the request to preempt is the one "
                     "self.waiting.pick_victim(self.running) names, whoever asked",
 }
 
