@@ -96,8 +96,8 @@ class Run:
 
 def run(model, workload: Workload, scheduler_cls=None, max_steps: int = 2000, stage: int | None = None,
         eos_ids=None) -> Run:
-    """Run ``workload`` with ``scheduler_cls`` (None: the engine's own) for at most ``max_steps`` steps,
-    stopping at ``eos_ids`` (None: the model's EOS)."""
+    """Run ``workload`` with ``scheduler_cls`` (None: the engine's own), stopping at ``eos_ids`` (None: the model's
+    EOS), until every request is done, for at most ``max_steps`` steps; an idle step moves the clock on."""
     try:
         eng = workload.engine(model, scheduler_cls)
     except Exception as err:  # noqa: BLE001 -- the learner's __init__
@@ -106,30 +106,24 @@ def run(model, workload: Workload, scheduler_cls=None, max_steps: int = 2000, st
         eng.scheduler.eos_ids = frozenset(eos_ids)
     for r in workload.requests(model.config.vocab_size):
         eng.add_request(r)
-    return Run(eng, *drive(eng, max_steps, stage))
-
-
-def drive(eng: Engine, max_steps: int, stage: int | None = None) -> tuple[list, SchedulerMistake | None]:
-    """Step ``eng`` until every request is done, for at most ``max_steps`` steps (an idle step moves the clock
-    to the next arrival): its records, and the mistake that stopped it (None: it finished)."""
-    records = []
+    result = Run(eng, [])
     try:
         while eng.has_unfinished():
-            if len(records) >= max_steps:
+            if len(result.records) >= max_steps:
                 raise SchedulerMistake(hint("unfinished", stage).format(max_steps))
             rec = eng.step()
             if not rec.idle:  # a forward pass, or a step that only preempted
-                records.append(rec)
+                result.records.append(rec)
                 continue
             nxt = eng.scheduler.next_event_time(eng.now())
             if nxt is None:
                 raise SchedulerMistake(hint("idle", stage))
             eng.clock.advance(nxt - eng.now())
     except SchedulerMistake as err:
-        return records, err
+        result.mistake = err
     except Exception as err:  # noqa: BLE001 -- the learner's code, raised inside the engine
-        return records, SchedulerMistake(f"the run stopped with {raised(err)}")
-    return records, None
+        result.mistake = SchedulerMistake(f"the run stopped with {raised(err)}")
+    return result
 
 
 def leftovers(eng: Engine, expected: dict | None = None) -> str | None:

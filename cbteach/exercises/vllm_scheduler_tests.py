@@ -1,25 +1,23 @@
 """vLLM's own scheduler tests, as a check of any cbteach scheduler: "your scheduler passes N of vLLM's M".
 
-Ported from vLLM V1's ``tests/v1/core/test_scheduler.py`` at vllm-project/vllm@003df29: each test keeps
-vLLM's scenario and assertions, quoted in V1's words when one fails, on :mod:`.vllm_harness`'s stage;
-tests of one shape are one function run on a table of cases. Ported (25, each parametrization counted): ``test_schedule`` (prefix caching off and on),
-``test_schedule_order`` (chunked prefill on), ``test_stop_via_update_from_output``,
+Ported from vLLM V1's ``tests/v1/core/test_scheduler.py`` at vllm-project/vllm@003df29, on :mod:`.vllm_harness`'s
+stage: each keeps vLLM's scenario and assertions, quoted in V1's words when one fails; tests of one shape are one
+function run on a table of cases. Ported (25, each parametrization counted): ``test_schedule`` (prefix caching off
+and on), ``test_schedule_order`` (chunked prefill on), ``test_stop_via_update_from_output``,
 ``test_schedule_spec_decoding_stats`` (6 cases), ``test_no_spec_tokens_scheduled_for_prefill_chunks``,
-``test_spec_decode_padding_skipped_for_diffusion``, ``test_memory_leak``, and twelve priority tests
-(:data:`PRIORITY_TESTS`).
+``test_spec_decode_padding_skipped_for_diffusion``, ``test_memory_leak``, twelve priority tests (:data:`PRIORITY_TESTS`).
 
 Left out, and why: ``test_add_requests``, ``test_finish_request``, ``test_get_num_unfinished_requests`` --
 bookkeeping a learner inherits; ``test_schedule_order`` without chunked prefill,
 ``test_schedule_concurrent_partial_requests``, ``test_schedule_prefills_gating``, ``test_throttle_*``,
 ``test_schedule_skip_tokenizer_init`` -- V1 options cbteach lacks; ``test_schedule_concurrent_batches``,
-``test_preempt_during_execution``, ``test_async_scheduling_pp_allows_rescheduling_with_output_placeholders``
--- pipeline parallelism's two plans in flight; ``test_spec_decoding_stats_empty_output`` (cbteach reports a
-failure in ``output.errors``), ``test_spec_decode_padding_first_decode_step`` and
-``..._skipped_with_prefill_in_batch`` (cbteach never pads guesses); ``test_check_stop_min_tokens`` (no
-``min_tokens``); ``test_scheduler_reset_prefix_cache``, ``test_prefix_cache_*`` and ``test_scheduler_stats_*``
--- V1's KV manager's counters; multimodal, encoder, structured-output, EAGLE, Mamba and connector tests, and
-``test_cached_request_data_resumed_all_token_ids_mrv1_only`` (V1's private runner switch) -- machinery the
-course's engine does not have.
+``test_preempt_during_execution``, ``test_async_scheduling_pp_allows_rescheduling_with_output_placeholders`` --
+pipeline parallelism's two plans in flight; ``test_spec_decoding_stats_empty_output`` (cbteach reports a failure in
+``output.errors``), ``test_spec_decode_padding_first_decode_step`` and ``..._skipped_with_prefill_in_batch`` (cbteach
+never pads guesses); ``test_check_stop_min_tokens`` (no ``min_tokens``); ``test_scheduler_reset_prefix_cache``,
+``test_prefix_cache_*``, ``test_scheduler_stats_*`` -- V1's KV manager's counters; multimodal, encoder,
+structured-output, EAGLE, Mamba and connector tests, ``test_cached_request_data_resumed_all_token_ids_mrv1_only``
+(V1's private runner switch) -- machinery the course's engine does not have.
 """
 from __future__ import annotations
 
