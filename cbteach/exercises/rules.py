@@ -48,9 +48,10 @@ HINTS = {
                   "self.make_output(plan), self.update_after_schedule(output), return output",
     "no_update_after_schedule": "the planned tokens were not counted as computed: call "
                                 "self.update_after_schedule(output) before return output (as vLLM V1 does)",
-    "no_room": ("a chunk was planned without KV room: every chunk first gets room for exactly its n tokens from "
-                "self.kv_manager.allocate_slots(seq, n), then plan.add(seq, n)", ROOM_STAGE,
-                " (here the pool has room for everyone)", " -- None means refused: preempt the victim and ask again"),
+    "no_room": ("a chunk was planned without KV room: every planned chunk first gets room from "
+                "self.kv_manager.allocate_slots(seq, n), for exactly those n tokens, before plan.add(seq, n)",
+                ROOM_STAGE, " (here the pool has room for everyone, so allocate_slots never refuses)",
+                " -- None means refused: preempt the victim and ask again"),
     "room_for_more": "allocate_slots was asked for more tokens than the chunk planned: ask for exactly the n tokens "
                      "you plan (cut to the budget first)",
     "refused_planned": "tokens were planned without KV room: allocate_slots refused them (None) and the chunk was "
