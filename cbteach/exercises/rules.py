@@ -6,6 +6,7 @@ a value; hints are worded for the stage (stage 1 has no memory limit and no budg
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -125,7 +126,7 @@ def _left(sched, used: int) -> float:
     return math.inf if sched.config.token_budget is None else sched.config.token_budget - used
 
 
-def admission_rules(sched, seq, plan, stage, exercise: bool):
+def admission_rules(sched, seq, plan, exercise: bool):
     """The admission rules, checked when ``sched.admit(seq, plan)`` is called."""
     yield "not_waiting", seq not in sched.waiting
     yield "before_arrival", seq.arrival_time > sched.check_now
@@ -138,7 +139,8 @@ def admission_rules(sched, seq, plan, stage, exercise: bool):
             yield ("overtook" if sched.kv_manager.num_admittable_tokens(first) < lacks else "out_of_order"), True
 
 
-def preemption_rules(sched, seq, stage, exercise: bool):
+def preemption_rules(sched, seq, exercise: bool):
+    """The preemption rules, checked when ``sched.preempt(seq, plan)`` is called."""
     yield "victim_not_running", seq not in sched.running
     yield "wrong_victim", exercise and seq is not sched.waiting.pick_victim(sched.running)
 
@@ -150,7 +152,7 @@ def check_plan(sched, out, made: Made | None, before: list, stage, exercise: boo
         raise NotDone(hint("plan_none", stage))
     if not isinstance(out, SchedulerOutput):
         raise SchedulerMistake(hint("not_a_plan", stage).format(type(out).__name__))
-    enforce(_plan_rules(sched, out, made, before, stage, exercise), lambda key: hint(key, stage))
+    enforce(_plan_rules(sched, out, made, before, stage, exercise), functools.partial(hint, stage=stage))
 
 
 def _plan_rules(sched, out, made, before, stage, exercise):

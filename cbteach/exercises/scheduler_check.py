@@ -7,6 +7,7 @@ running list and KV manager are watched too (changed while walked? this step's g
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -253,9 +254,7 @@ def watched(cls: type, stage: int | None = None, rules_: str = "exercise") -> ty
     (``rules_``: ``"exercise"`` or ``"safety"``, see the module)."""
     exercise = rules_ == "exercise"
     own_update = cls.update_from_output is not Scheduler.update_from_output
-
-    def words(key):
-        return hint(key, stage)
+    words = functools.partial(hint, stage=stage)  # a rule's hint, in the stage's words
 
     class Watched(cls):
         check_now = 0.0
@@ -285,11 +284,11 @@ def watched(cls: type, stage: int | None = None, rules_: str = "exercise") -> ty
             return out
 
         def admit(self, seq, plan):
-            rules.enforce(rules.admission_rules(self, seq, plan, stage, exercise), words)
+            rules.enforce(rules.admission_rules(self, seq, plan, exercise), words)
             return super().admit(seq, plan)
 
         def preempt(self, seq, plan):
-            rules.enforce(rules.preemption_rules(self, seq, stage, exercise), words)
+            rules.enforce(rules.preemption_rules(self, seq, exercise), words)
             return super().preempt(seq, plan)
 
         def update_from_output(self, scheduler_output, output, now):
