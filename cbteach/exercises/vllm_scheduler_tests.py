@@ -73,7 +73,7 @@ def test_stop_via_update_from_output(cls):
         if len(requests) > 1:
             expect("scheduler.running[0].request_id == requests[1].request_id", h.ids(h.scheduler.running), ["1"])
         expect(STOPPED[reason], (requests[0].status.is_finished, requests[0].finish_reason),
-               (reason is not None, reason), "(finished, finish_reason)")
+               (reason is not None, reason), "finished?, finish_reason")
         if reason == "eos":
             expect("requests[0].request_id in scheduler.finished_req_ids", "0" in h.scheduler.finished_req_ids)
         for i, want in enumerate(outputs):
