@@ -14,64 +14,67 @@ from ..engine.scheduler import Scheduler
 from ..viz.schedule import first_difference, plan_of
 from . import bierce, fail, generated_all, guard, passed, self_check
 from .rules import ROOM_STAGE, NotDone, SchedulerMistake, hint
-from .scheduler_check import Workload, run, watched, with_eos
+from .scheduler_check import Workload, leftovers, run, watched
 
-W = Workload
 ID8 = ("kite", "ash", "moss", "bee", "elm", "fox", "dew", "gnu")  # arrival order is not alphabetical order
+
+
+def W(name: str, prompt_lens: tuple, **fields) -> Workload:
+    """A workload of ``len(prompt_lens)`` requests named from :data:`ID8`."""
+    return Workload(name, ID8[:len(prompt_lens)], prompt_lens, **fields)
+
+
 STAGES = {
-    1: [W(name="six requests, three slots, stop at EOS (compared with model.generate too)", ids=ID8[:6],
-          prompt_lens=(5, 9, 3, 7, 4, 6), max_new_tokens=(10,) * 6, max_batch_size=3, ignore_eos=False),
-        W(name="arrivals mid-run and an idle gap, two slots", ids=ID8[:7], prompt_lens=(4, 6, 3, 5, 2, 7, 3),
+    1: [W("six requests, three slots, stop at EOS (compared with model.generate too)", prompt_lens=(5, 9, 3, 7, 4, 6),
+          max_new_tokens=(10,) * 6, max_batch_size=3, ignore_eos=False),
+        W("arrivals mid-run and an idle gap, two slots", prompt_lens=(4, 6, 3, 5, 2, 7, 3),
           max_new_tokens=(6, 3, 8, 2, 5, 4, 3), max_batch_size=2, arrivals=(0, 0, 2.5, 3.5, 4.5, 30.5, 31.5))],
-    2: [W(name="a token budget of 8, long prompts", ids=ID8[:5], prompt_lens=(20, 3, 5, 30, 2),
-          max_new_tokens=(6, 8, 5, 4, 7), max_batch_size=3, token_budget=8),
-        W(name="a token budget of 5, a long prompt arrives while others decode", ids=ID8[:6],
-          prompt_lens=(3, 4, 2, 23, 3, 2), max_new_tokens=(9, 12, 10, 3, 6, 4), max_batch_size=4,
-          arrivals=(0, 0, 1.5, 4.5, 5.5, 7.5), token_budget=5)],
-    3: [W(name="a tiny pool of 12 blocks", ids=ID8[:6], prompt_lens=(8, 6, 9, 3, 17, 2),
-          max_new_tokens=(12, 12, 10, 8, 6, 8), max_batch_size=4, num_blocks=12),
-        W(name="a tiny pool of 10 blocks and a token budget of 6", ids=ID8[:7], prompt_lens=(10, 3, 14, 5, 4, 2, 9),
+    2: [W("a token budget of 8, long prompts", prompt_lens=(20, 3, 5, 30, 2), max_new_tokens=(6, 8, 5, 4, 7),
+          max_batch_size=3, token_budget=8),
+        W("a token budget of 5, a long prompt arrives while others decode", prompt_lens=(3, 4, 2, 23, 3, 2),
+          max_new_tokens=(9, 12, 10, 3, 6, 4), max_batch_size=4, arrivals=(0, 0, 1.5, 4.5, 5.5, 7.5), token_budget=5)],
+    3: [W("a tiny pool of 12 blocks", prompt_lens=(8, 6, 9, 3, 17, 2), max_new_tokens=(12, 12, 10, 8, 6, 8),
+          max_batch_size=4, num_blocks=12),
+        W("a tiny pool of 10 blocks and a token budget of 6", prompt_lens=(10, 3, 14, 5, 4, 2, 9),
           max_new_tokens=(9, 10, 6, 8, 7, 9, 5), max_batch_size=4, arrivals=(0, 0, 0, 1.5, 2.5, 6.5, 9.5),
           token_budget=6, num_blocks=10),
-        W(name="a long prompt arrives while others decode, a tiny pool of 8 blocks, a token budget of 5", ids=ID8[:6],
+        W("a long prompt arrives while others decode, a tiny pool of 8 blocks, a token budget of 5",
           prompt_lens=(3, 4, 2, 23, 3, 2), max_new_tokens=(9, 12, 10, 3, 6, 4), max_batch_size=4,
           arrivals=(0, 0, 1.5, 4.5, 5.5, 7.5), token_budget=5, num_blocks=8),
-        W(name="prefix caching on: prompts sharing their first 12 tokens, a pool of 8 blocks", ids=ID8[:6],
+        W("prefix caching on: prompts sharing their first 12 tokens, a pool of 8 blocks",
           prompt_lens=(15, 14, 17, 13, 16, 14), max_new_tokens=(6, 9, 5, 8, 7, 6), max_batch_size=3,
           arrivals=(0, 0, 0, 2.5, 4.5, 9.5), num_blocks=8, shared_prefix=12, prefix_caching=True)],
-    4: [W(name="priorities with ties, two slots", ids=ID8, prompt_lens=(5, 3, 6, 4, 2, 5, 3, 4),
-          max_new_tokens=(4, 6, 3, 5, 4, 3, 6, 2), max_batch_size=2, priorities=(1, 0, 1, 2, 0, 1, 0, 2),
-          policy="priority"),
-        W(name="priorities, arrivals mid-run, a token budget of 7", ids=ID8[:7], prompt_lens=(6, 3, 9, 4, 5, 3, 2),
+    4: [W("priorities with ties, two slots", prompt_lens=(5, 3, 6, 4, 2, 5, 3, 4), max_new_tokens=(4, 6, 3, 5, 4, 3, 6, 2),
+          max_batch_size=2, priorities=(1, 0, 1, 2, 0, 1, 0, 2), policy="priority"),
+        W("priorities, arrivals mid-run, a token budget of 7", prompt_lens=(6, 3, 9, 4, 5, 3, 2),
           max_new_tokens=(7, 5, 4, 6, 5, 4, 3), max_batch_size=3, arrivals=(0, 0, 0, 2.5, 3.5, 3.5, 8.5),
           priorities=(2, 2, 1, 0, 2, 0, 1), token_budget=7, policy="priority"),
-        W(name="priorities with ties in a tiny pool of 11 blocks", ids=ID8[:6], prompt_lens=(7, 5, 6, 4, 8, 3),
-          max_new_tokens=(10, 12, 9, 10, 6, 7), max_batch_size=4, priorities=(1, 1, 0, 1, 0, 1),
-          num_blocks=11, policy="priority"),
-        W(name="priorities, arrivals mid-run, a tiny pool of 7 blocks and a token budget of 5", ids=ID8[:7],
+        W("priorities with ties in a tiny pool of 11 blocks", prompt_lens=(7, 5, 6, 4, 8, 3),
+          max_new_tokens=(10, 12, 9, 10, 6, 7), max_batch_size=4, priorities=(1, 1, 0, 1, 0, 1), num_blocks=11,
+          policy="priority"),
+        W("priorities, arrivals mid-run, a tiny pool of 7 blocks and a token budget of 5",
           prompt_lens=(6, 3, 4, 3, 5, 8, 5), max_new_tokens=(11, 11, 10, 6, 7, 7, 8), max_batch_size=4,
-          arrivals=(0, 0, 0.5, 2.5, 2.5, 3.5, 3.5), priorities=(2, 1, 1, 1, 2, 0, 0), token_budget=5,
-          num_blocks=7, policy="priority")],
-    5: [W(name="stops: an EOS, a stop token, lengths, ignore_eos; long prompts in chunks of a budget of 6",
-          ids=ID8[:6], prompt_lens=(9, 4, 14, 3, 11, 5), max_new_tokens=(12, 14, 10, 16, 9, 13),
-          max_batch_size=3, arrivals=(0, 0, 0, 1.5, 3.5, 6.5), token_budget=6, ignore_eos=False),
-        W(name="speculative decoding: guesses accepted and rejected, a pool of 16 blocks", ids=ID8[:5],
-          prompt_lens=(8, 6, 10, 7, 5), max_new_tokens=(14, 12, 16, 10, 11), max_batch_size=3,
-          arrivals=(0, 0, 0, 2.5, 5.5), num_blocks=16, speculative="draft", ignore_eos=False),
-        W(name="prefix caching and preemption in a pool of 7 blocks, a token budget of 7", ids=ID8[:6],
-          prompt_lens=(13, 10, 15, 9, 12, 14), max_new_tokens=(8, 10, 7, 9, 6, 8), max_batch_size=3,
-          arrivals=(0, 0, 1.5, 2.5, 6.5, 8.5), token_budget=7, num_blocks=7, shared_prefix=8,
-          prefix_caching=True, ignore_eos=False)],
+          arrivals=(0, 0, 0.5, 2.5, 2.5, 3.5, 3.5), priorities=(2, 1, 1, 1, 2, 0, 0), token_budget=5, num_blocks=7,
+          policy="priority")],
+    5: [W("stops: an EOS, a stop token, lengths, ignore_eos; long prompts in chunks of a budget of 6",
+          prompt_lens=(9, 4, 14, 3, 11, 5), max_new_tokens=(12, 14, 10, 16, 9, 13), max_batch_size=3,
+          arrivals=(0, 0, 0, 1.5, 3.5, 6.5), token_budget=6, ignore_eos=False),
+        W("speculative decoding: guesses accepted and rejected, a pool of 16 blocks", prompt_lens=(8, 6, 10, 7, 5),
+          max_new_tokens=(14, 12, 16, 10, 11), max_batch_size=3, arrivals=(0, 0, 0, 2.5, 5.5), num_blocks=16,
+          speculative=True, ignore_eos=False),
+        W("prefix caching and preemption in a pool of 7 blocks, a token budget of 7", prompt_lens=(13, 10, 15, 9, 12, 14),
+          max_new_tokens=(8, 10, 7, 9, 6, 8), max_batch_size=3, arrivals=(0, 0, 1.5, 2.5, 6.5, 8.5), token_budget=7,
+          num_blocks=7, shared_prefix=8, prefix_caching=True, ignore_eos=False)],
 }
-NEVER_FITS = W(name="a request that could never fit", ids=("whale",), prompt_lens=(60,), max_new_tokens=(4,),
-               max_batch_size=1, num_blocks=12)
+NEVER_FITS = Workload("a request that could never fit", ("whale",), prompt_lens=(60,), max_new_tokens=(4,),
+                      max_batch_size=1, num_blocks=12)
 STAGE_NAMES = {1: "no memory limit", 2: "the token budget and chunked prefill", 3: "KV room and preemption",
                4: "priorities", 5: "update_from_output"}
 
 _references: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(workload, eos): Run}
 
 
-def stops_for(model, w: W) -> tuple[W, frozenset | None]:
+def stops_for(model, w: Workload) -> tuple[Workload, frozenset | None]:
     """``w`` made to stop at EOS whatever the model: EOS is the token the model says most on ``w`` (greedy), every
     second request ignores it, one gets a stop token. Returns the workload and the EOS ids (None: the model's)."""
     if w.ignore_eos:
@@ -89,12 +92,12 @@ def stops_for(model, w: W) -> tuple[W, frozenset | None]:
     return dataclasses.replace(w, stop_token_ids=tuple(stops), ignore_eos=ignore), frozenset({eos})
 
 
-def reference_run(model, workload: W, eos_ids=None):
+def reference_run(model, workload: Workload, eos_ids=None):
     """The engine's own scheduler on ``workload`` (cached per model: every stage compares with it)."""
     runs = _references.setdefault(model, {})
     key = (workload, eos_ids)
     if key not in runs:
-        runs[key] = run(model, workload, None if eos_ids is None else with_eos(Scheduler, eos_ids))
+        runs[key] = run(model, workload, eos_ids=eos_ids)
     return runs[key]
 
 
@@ -154,13 +157,13 @@ def _compare_outputs(mine, ref, where: str) -> str | None:
     return None
 
 
-def _check_workload(cls, model, w: W, stage: int, with_generate: bool) -> str | None:
+def _check_workload(cls, model, w: Workload, stage: int, with_generate: bool) -> str | None:
     """None if ``cls`` runs ``w`` exactly as the engine does, else the hint."""
     w, eos = stops_for(model, w) if stage == 5 else (w, None)
     ref = reference_run(model, w, eos)
     if ref.mistake is not None:  # the engine's own scheduler must pass its own check
         raise RuntimeError(f"the engine's scheduler failed workload {w.name!r}: {ref.mistake}")
-    mine = run(model, w, watched(cls, stage, eos_ids=eos), max_steps=3 * len(ref.records) + 20, stage=stage)
+    mine = run(model, w, watched(cls, stage), max_steps=3 * len(ref.records) + 20, stage=stage, eos_ids=eos)
     where = f"on the workload '{w.name}'"
     diff = first_difference(ref.records, mine.records)
     if isinstance(mine.mistake, NotDone):
@@ -174,12 +177,8 @@ def _check_workload(cls, model, w: W, stage: int, with_generate: bool) -> str | 
     differ = _compare_outputs(mine, ref, where)
     if differ is not None:
         return differ
-    outputs = {rid: c.output_ids for rid, c in mine.engine.completions.items()}
-    if with_generate and outputs != generated_all(model, w.requests(model.config.vocab_size)):
-        return f"{where}: the tokens differ from model.generate's -- does your code change the requests' tokens?"
-    if mine.engine.kv_usage()["num_used_blocks"]:
-        return f"{where}: KV blocks are still in use after every request finished"
-    return None
+    left = leftovers(mine.engine, generated_all(model, w.requests(model.config.vocab_size)) if with_generate else None)
+    return left and f"{where}: {left}"
 
 
 def _never_fits(model) -> bool:
@@ -192,7 +191,7 @@ def _never_fits(model) -> bool:
 
 
 def _refuse(stage, cls) -> str | None:
-    """Why ``cls`` cannot be checked at ``stage`` yet (None: it can)."""
+    """Why ``cls`` cannot be checked at ``stage`` (None: it can)."""
     if isinstance(stage, bool) or stage not in STAGES:
         return f"stage must be one of {sorted(STAGES)}, got {stage!r}"
     if cls is None or cls is Ellipsis:
@@ -200,11 +199,8 @@ def _refuse(stage, cls) -> str | None:
     if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
         return f"pass your scheduler class itself, a subclass of cbteach.engine.scheduler.Scheduler (got " \
                f"{type(cls).__name__})"
-    if stage < 5 and cls.schedule is Scheduler.schedule:
-        return "not done yet: your class does not define schedule(self, now)"
-    if stage == 5 and cls.update_from_output is Scheduler.update_from_output:
-        return "not done yet: your class does not define update_from_output(self, scheduler_output, output, now)"
-    return None
+    # a method not written (still the engine's) is "not done yet" (the guard)
+    return guard.refusal("scheduler", cls, ("update_from_output",) if stage == 5 else ("schedule",))
 
 
 @self_check
@@ -213,8 +209,7 @@ def check_stage(stage, scheduler_cls, model=None, *, prefix_caching: bool = True
     ``update_from_output`` under the engine's own ``schedule``. ``prefix_caching=False`` leaves those workloads out."""
     if isinstance(scheduler_cls, int) and not isinstance(stage, int):
         stage, scheduler_cls = scheduler_cls, stage
-    refused = _refuse(stage, scheduler_cls) or guard.refusal("scheduler", scheduler_cls, ("update_from_output",)
-                                                             if stage == 5 else ("schedule",))
+    refused = _refuse(stage, scheduler_cls)
     if refused:
         return fail(refused)
     if stage == 5:  # the update alone: the engine's own schedule plans every step

@@ -6,6 +6,7 @@ a value; hints are worded for the stage (stage 1 has no memory limit and no budg
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -32,45 +33,43 @@ class NotDone(SchedulerMistake):
 
 
 ROOM_STAGE = 3  # the first stage with a pool that can refuse room (and so preemption)
+# key -> the hint; or (its start, the stage from which it says more, its end before, its end from then on)
 HINTS = {
-    "idle": "a step planned nothing although a request that had arrived could have run: a request that has not "
-            "arrived yet is skipped, not waited for",
-    "idle+": "; a long prompt is fed in chunks, not kept waiting to fit whole",
-    "unfinished": "requests were still unfinished after {} steps: is one never given its tokens?",
-    "unfinished+": " Or are the same requests preempted over and over?",
-    "walked_waiting": "your loop walked self.waiting itself while admit() removed requests from it, so the request "
-                      "after each admitted one was skipped: walk a copy (a list made before the loop)",
-    "walked_running": "your loop walked self.running itself while preempt() removed a request from it, so the "
-                      "request after it was skipped: walk a copy (list(self.running)), skipping those preempted",
+    "idle": ("a step planned nothing although a request that had arrived could run: a request not arrived yet is "
+             "skipped, not waited for", 2, "", "; a long prompt is fed in chunks, not kept waiting to fit whole"),
+    "unfinished": ("requests were still unfinished after {} steps: is one never given its tokens?", ROOM_STAGE, "",
+                   " Or are the same requests preempted over and over?"),
+    "walked_waiting": "your loop walked self.waiting while admit() removed from it, so the request after each "
+                      "admitted one was skipped: walk a copy (a list made before the loop)",
+    "walked_running": "your loop walked self.running while preempt() removed from it, so the request after the "
+                      "victim was skipped: walk a copy (list(self.running)), skipping those preempted",
     "not_a_plan": "schedule() returned a {}; it must return the SchedulerOutput that self.make_output(plan) builds",
     "plan_none": "not done yet: schedule() returned None -- it must return the step's message, self.make_output(plan)",
     "no_message": "schedule() did not return the message made from its plan: end with output = "
-                  "self.make_output(plan), then self.update_after_schedule(output), then return output -- the model "
-                  "runner reads only that message, never your plan",
+                  "self.make_output(plan), self.update_after_schedule(output), return output",
     "no_update_after_schedule": "the planned tokens were not counted as computed: call "
                                 "self.update_after_schedule(output) before return output (as vLLM V1 does)",
-    "no_room": "a chunk was planned without KV room: every planned chunk first gets room from "
-               "self.kv_manager.allocate_slots(seq, n), for exactly those n tokens, before plan.add(seq, n)",
-    "no_room1": " (here the pool has room for everyone, so allocate_slots never refuses)",
-    "no_room3": " -- None means refused: preempt the victim and ask again",
+    "no_room": ("a chunk was planned without KV room: every planned chunk first gets room from "
+                "self.kv_manager.allocate_slots(seq, n), for exactly those n tokens, before plan.add(seq, n)",
+                ROOM_STAGE, " (here the pool has room for everyone, so allocate_slots never refuses)",
+                " -- None means refused: preempt the victim and ask again"),
     "room_for_more": "allocate_slots was asked for more tokens than the chunk planned: ask for exactly the n tokens "
-                     "you plan (cut to the budget first), or the pool gives room nobody uses this step",
+                     "you plan (cut to the budget first)",
     "refused_planned": "tokens were planned without KV room: allocate_slots refused them (None) and the chunk was "
                        "planned anyway -- on a refusal, preempt the policy's victim and ask again",
-    "start_mismatch": "a chunk was planned from another position than its room was given for: with prefix caching "
-                      "an admission passes the cached blocks to allocate_slots (new_computed_blocks=cached) and then "
-                      "starts past them (seq.num_computed_tokens = num_cached_tokens); without, it starts where it is",
+    "start_mismatch": "a chunk was planned from another position than its room was given for: an admission passes "
+                      "its cached blocks to allocate_slots (new_computed_blocks=cached) and starts past them "
+                      "(seq.num_computed_tokens = num_cached_tokens)",
     "admitted_unplanned": "a request was admitted but not planned: admit() moves it into the batch, "
                           "plan.add(seq, n) plans its chunk -- an admission needs both",
     "twice_admitted": "a request admitted in this step was planned again as a running one: running requests come first",
     "twice": "a request was added to the plan twice in one step",
     "no_tokens": "a request was planned for no tokens: plan only what feeds at least one token",
-    "no_tokens_budget": "a request was planned for no tokens while a token of budget was left: a chunk is cut to "
-                        "the budget that is left, min(what it lacks, budget) -- not to one less",
-    "not_running": "the plan holds a request that is not running (preempted in this step, or never admitted): "
-                   "preempt() takes a request out of the plan, and admit() does not put one in -- plan.add does",
-    "not_running1": "the plan holds a request that is not running (never admitted): admit() moves a request into "
-                    "the batch but does not plan it -- plan.add(seq, n) does, after admit",
+    "no_tokens_budget": "a request was planned for no tokens while a token of budget was left: a chunk is "
+                        "min(what it lacks, budget) -- not to one less",
+    "not_running": ("the plan holds a request that is not running ", ROOM_STAGE, "(never admitted): admit() moves it "
+                    "into the batch, plan.add(seq, n) plans it", "(preempted in this step, or never admitted): "
+                    "preempt() takes a request out of the plan, and only plan.add puts one in"),
     "over_lacks": "a request was given more tokens than it lacks (num_tokens - num_computed_tokens)",
     "budget": "the chunk exceeds the token budget: cut a prefill to the budget that is left (chunked prefill)",
     "batch": "more requests run than max_batch_size allows",
@@ -78,23 +77,23 @@ HINTS = {
     "running_order": "running requests were not planned in the running list's order (self.running)",
     "skipped_refused": "a running request was refused KV room and nobody was preempted: when allocate_slots "
                        "returns None, preempt the policy's victim and ask again",
-    "skipped": "a running request was skipped while budget was left: every running request gets what it lacks"
-               "{}, before anyone is admitted",
+    "skipped": ("a running request was skipped while budget was left: every running request gets what it lacks", 2,
+                ", before anyone is admitted", ", cut to the budget, before anyone is admitted"),
     "held_victim": "a request taken out of the batch still holds its KV blocks: self.preempt(seq, plan) frees them",
     "held_waiting": "a waiting request holds KV blocks after the step: only running requests hold room",
     "left_unpreempted": "a request left the batch without self.preempt(seq, plan), which records it in plan.preempted",
     "not_started": "a request is in self.running without self.admit(seq, plan), which moves it into the batch",
     "before_arrival": "a request was admitted before it arrived: its arrival_time must be at or before `now`",
-    "after_preempt": "admitted in a step that preempted: when this step had to preempt, room is short -- a newcomer "
-                     "admitted now would only be preempted again (vLLM V1 admits nobody)",
+    "after_preempt": "admitted in a step that preempted: room is short, a newcomer would only be preempted again "
+                     "(vLLM V1 admits nobody then)",
     "past_batch": "admitted past max_batch_size: every slot of the batch was already taken",
     "not_waiting": "admit() was given a request that is not waiting",
-    "overtook": "a waiting request overtook an earlier one that did not fit: the first request (in the policy's "
-                "order) that is refused room ends the admissions of the step",
-    "out_of_order": "admitted out of the policy's order: walk self.waiting in its own order (it is the policy), "
-                    "skipping only requests that have not arrived yet",
+    "overtook": "a waiting request overtook an earlier one that did not fit: the first request refused room ends "
+                "the step's admissions",
+    "out_of_order": "admitted out of the policy's order: walk self.waiting in its own order, skipping only requests "
+                    "not arrived yet",
     "victim_not_running": "preempt() was given a request that is not running: only a running one holds KV blocks",
-    "wrong_victim": "the victim is not the policy's: when room is refused, the request to preempt is the one "
+    "wrong_victim": "the victim is not the policy's: the request to preempt is the one "
                     "self.waiting.pick_victim(self.running) names, whoever asked",
 }
 
@@ -102,24 +101,18 @@ HINTS = {
 def hint(key: str, stage: int | None) -> str:
     """The hint ``key`` in the words of ``stage`` (None: every idea is known)."""
     text = HINTS[key]
-    room = stage is None or stage >= ROOM_STAGE
-    if key in ("idle", "unfinished") and (stage is None or stage >= (2 if key == "idle" else ROOM_STAGE)):
-        text += HINTS[key + "+"]
-    if key == "no_room":
-        text += HINTS["no_room3"] if room else HINTS["no_room1"]
-    if key == "not_running" and not room:
-        text = HINTS["not_running1"]
-    if key == "skipped":
-        text = text.format(", cut to the budget" if stage is None or stage >= 2 else "")
+    if isinstance(text, tuple):
+        start, since, before, after = text
+        text = start + (after if stage is None or stage >= since else before)
     return text
 
 
-def _mistake(key: str, stage, *args):
-    return SchedulerMistake(hint(key, stage).format(*args) if args else hint(key, stage))
-
-
-# The limits are read from the scheduler's config (frozen), never from attributes a scheduler could
-# change: a plan is held to the engine's token budget and batch size, whatever the scheduler believes.
+def enforce(rules, words) -> None:
+    """Raise the mistake of the first rule broken. ``rules`` yields (hint key, broken?) in order, and lazily: a
+    rule may rely on the ones before it; ``words(key)`` is the hint."""
+    for key, broken in rules:
+        if broken:
+            raise SchedulerMistake(words(key))
 
 
 def includes(seqs, seq) -> bool:
@@ -127,104 +120,82 @@ def includes(seqs, seq) -> bool:
     return any(s is seq for s in seqs)
 
 
-def check_admission(sched, seq, plan, stage, exercise: bool) -> None:
-    """The admission rules, checked at the moment ``sched.admit(seq, plan)`` is called."""
-    if seq not in sched.waiting:
-        raise _mistake("not_waiting", stage)
-    if seq.arrival_time > sched.check_now:
-        raise _mistake("before_arrival", stage)
-    if sched.num_slots_taken() + seq.num_slots > sched.config.max_batch_size:
-        raise _mistake("past_batch", stage)
-    if not exercise:
-        return
-    if plan.preempted:
-        raise _mistake("after_preempt", stage)
-    first = next(s for s in sched.waiting if s.arrival_time <= sched.check_now)
-    if first is not seq:
-        budget = sched.config.token_budget
-        left = math.inf if budget is None else budget - plan.total_num_scheduled_tokens
-        if sched.kv_manager.num_admittable_tokens(first) < min(first.num_tokens - first.num_computed_tokens, left):
-            raise _mistake("overtook", stage)
-        raise _mistake("out_of_order", stage)
+def _left(sched, used: int) -> float:
+    """The token budget left once ``used`` tokens are planned. The limits are read from the scheduler's config
+    (frozen), never from attributes a scheduler could change."""
+    return math.inf if sched.config.token_budget is None else sched.config.token_budget - used
 
 
-def check_preemption(sched, seq, stage, exercise: bool) -> None:
-    if seq not in sched.running:
-        raise _mistake("victim_not_running", stage)
-    if exercise and seq is not sched.waiting.pick_victim(sched.running):
-        raise _mistake("wrong_victim", stage)
+def admission_rules(sched, seq, plan, exercise: bool):
+    """The admission rules, checked when ``sched.admit(seq, plan)`` is called."""
+    yield "not_waiting", seq not in sched.waiting
+    yield "before_arrival", seq.arrival_time > sched.check_now
+    yield "past_batch", sched.num_slots_taken() + seq.num_slots > sched.config.max_batch_size
+    if exercise:
+        yield "after_preempt", plan.preempted
+        first = next(s for s in sched.waiting if s.arrival_time <= sched.check_now)
+        if first is not seq:
+            lacks = min(first.num_tokens - first.num_computed_tokens, _left(sched, plan.total_num_scheduled_tokens))
+            yield ("overtook" if sched.kv_manager.num_admittable_tokens(first) < lacks else "out_of_order"), True
+
+
+def preemption_rules(sched, seq, exercise: bool):
+    """The preemption rules, checked when ``sched.preempt(seq, plan)`` is called."""
+    yield "victim_not_running", seq not in sched.running
+    yield "wrong_victim", exercise and seq is not sched.waiting.pick_victim(sched.running)
 
 
 def check_plan(sched, out, made: Made | None, before: list, stage, exercise: bool) -> None:
-    """What must hold of the message ``schedule`` returned and the plan it was made from (``made``:
-    what ``make_output`` saw, or None if it was not called; ``before``: who ran when it was called)."""
+    """What must hold of the message ``schedule`` returned and the plan it was made from (``made``: what
+    ``make_output`` saw, None if it was not called; ``before``: who ran when it was called)."""
     if out is None:
         raise NotDone(hint("plan_none", stage))
     if not isinstance(out, SchedulerOutput):
-        raise _mistake("not_a_plan", stage, type(out).__name__)
-    if made is None or made.output is not out:
-        raise _mistake("no_message", stage)
-    plan = made.plan
-    seqs, starts, counts = list(plan.seqs), list(made.starts), list(plan.num_scheduled_tokens)
+        raise SchedulerMistake(hint("not_a_plan", stage).format(type(out).__name__))
+    enforce(_plan_rules(sched, out, made, before, stage, exercise), functools.partial(hint, stage=stage))
+
+
+def _plan_rules(sched, out, made, before, stage, exercise):
+    yield "no_message", made is None or made.output is not out
+    plan, kv = made.plan, sched.kv_manager
+    seqs, counts = list(plan.seqs), list(plan.num_scheduled_tokens)
     if len(set(map(id, seqs))) != len(seqs):
-        raise _mistake("twice_admitted" if any(seqs.count(s) > 1 for s in plan.admitted) else "twice", stage)
-    total = sched.config.token_budget
-    for i, (seq, c, n) in enumerate(zip(seqs, starts, counts)):
+        yield ("twice_admitted" if any(seqs.count(s) > 1 for s in plan.admitted) else "twice"), True
+    for i, (seq, c, n) in enumerate(zip(seqs, made.starts, counts)):
         if n < 1:
-            left = math.inf if total is None else total - sum(counts[:i])
-            raise _mistake("no_tokens_budget" if n == 0 and 1 <= left < math.inf else "no_tokens", stage)
-        if seq not in sched.running:
-            raise _mistake("not_running", stage)
-        if seq.status is not RequestStatus.RUNNING:
-            raise _mistake("not_started", stage)
-        if c + n > seq.num_tokens + len(seq.draft_ids):
-            raise _mistake("over_lacks", stage)
-        grant = sched.kv_manager.granted.get(id(seq))
-        if grant is None and id(seq) in sched.kv_manager.refused:
-            raise _mistake("refused_planned", stage)
-        if grant is not None and grant[0] != c:
-            raise _mistake("start_mismatch", stage)
-        if grant is None or grant[1] < n or len(seq.block_table) * sched.kv_manager.block_size < c + n:
-            raise _mistake("no_room", stage)
-        if exercise and grant[1] > n:
-            raise _mistake("room_for_more", stage)
-        if hasattr(sched, "update_after_schedule") and seq.num_computed_tokens != c + n:
-            raise _mistake("no_update_after_schedule", stage)
-    if sched.config.token_budget is not None and sum(counts) > sched.config.token_budget:
-        raise _mistake("budget", stage)
-    if sched.num_slots_taken() > sched.config.max_batch_size:
-        raise _mistake("batch", stage)
+            yield ("no_tokens_budget" if n == 0 and 1 <= _left(sched, sum(counts[:i])) < math.inf
+                   else "no_tokens"), True
+        yield "not_running", seq not in sched.running
+        yield "not_started", seq.status is not RequestStatus.RUNNING
+        yield "over_lacks", c + n > seq.num_tokens + len(seq.draft_ids)
+        grant = kv.granted.get(id(seq))
+        yield "refused_planned", grant is None and id(seq) in kv.refused
+        yield "start_mismatch", grant is not None and grant[0] != c
+        yield "no_room", grant is None or grant[1] < n or len(seq.block_table) * kv.block_size < c + n
+        yield "room_for_more", exercise and grant[1] > n
+        yield "no_update_after_schedule", hasattr(sched, "update_after_schedule") and seq.num_computed_tokens != c + n
+    yield "budget", _left(sched, sum(counts)) < 0
+    yield "batch", sched.num_slots_taken() > sched.config.max_batch_size
     for seq in sched.running:
-        if seq.arrival_time > sched.check_now:
-            raise _mistake("before_arrival", stage)
-        if seq.status is not RequestStatus.RUNNING:
-            raise _mistake("not_started", stage)
+        yield "before_arrival", seq.arrival_time > sched.check_now
+        yield "not_started", seq.status is not RequestStatus.RUNNING
     for seq in before:
         if seq not in sched.running and not seq.status.is_finished:
-            if seq.block_table:
-                raise _mistake("held_victim", stage)
-            if not includes(plan.preempted, seq):
-                raise _mistake("left_unpreempted", stage)
-    if any(s.block_table for s in sched.waiting):
-        raise _mistake("held_waiting", stage)
-    if exercise:
-        if any(not includes(seqs, s) for s in plan.admitted if s in sched.running):
-            raise _mistake("admitted_unplanned", stage)
-        _check_v1_order(sched, plan, seqs, counts, stage)
-
-
-def _check_v1_order(sched, out, seqs, counts, stage) -> None:
-    """vLLM V1's order of a plan: running requests first, in order, none skipped while budget is left."""
-    admitted = [s for s in seqs if includes(out.admitted, s)]
-    running = [s for s in seqs if not includes(out.admitted, s)]
-    if seqs != running + admitted:
-        raise _mistake("waiting_first", stage)
-    if running != [s for s in sched.running if includes(running, s)]:
-        raise _mistake("running_order", stage)
-    left = math.inf if sched.config.token_budget is None else sched.config.token_budget - sum(counts)
+            yield "held_victim", seq.block_table
+            yield "left_unpreempted", not includes(plan.preempted, seq)
+    yield "held_waiting", any(s.block_table for s in sched.waiting)
+    if not exercise:
+        return
+    # vLLM V1's order: running requests first, in order, none skipped while budget is left
+    yield "admitted_unplanned", any(not includes(seqs, s) for s in plan.admitted if s in sched.running)
+    admitted = [s for s in seqs if includes(plan.admitted, s)]
+    running = [s for s in seqs if not includes(plan.admitted, s)]
+    yield "waiting_first", seqs != running + admitted
+    yield "running_order", running != [s for s in sched.running if includes(running, s)]
+    left = _left(sched, sum(counts))
     skipped = [s for s in sched.running if not includes(seqs, s)]
-    if skipped and left > 0 and not out.preempted:
+    if skipped and left > 0 and not plan.preempted:
         seq = skipped[0]
-        need = seq.num_computed_tokens + min(seq.num_tokens - seq.num_computed_tokens, left)
-        refused = len(seq.block_table) * sched.kv_manager.block_size < need
-        raise _mistake("skipped_refused" if refused and (stage is None or stage >= ROOM_STAGE) else "skipped", stage)
+        refused = len(seq.block_table) * kv.block_size < seq.num_computed_tokens + min(
+            seq.num_tokens - seq.num_computed_tokens, left)
+        yield ("skipped_refused" if refused and (stage is None or stage >= ROOM_STAGE) else "skipped"), True

@@ -1,14 +1,13 @@
 """Run a learner's scheduler inside the real engine and watch it: notebook 06's checks and the tournament.
 
-A :class:`Workload` runs on a step clock (the same on every machine), with the learner's class subclassed
-once more by :func:`watched`, which checks every rule where it can be broken (:mod:`.rules`, and the watchers
-around the waiting queue -- changed while walked? --, the running list -- a request skipped after a removal? --
-and the KV manager -- this step's grants, refusals and frees): ``rules_="exercise"`` vLLM V1's as notebook 06
-teaches them, ``"safety"`` only what keeps any engine correct. The watchers count one ``schedule``'s calls: past
-:data:`MAX_CALLS` it never ends.
+A :class:`Workload` runs on a step clock (the same on every machine), the learner's class subclassed once more
+by :func:`watched`, which checks every rule of :mod:`.rules` where it can be broken: ``rules_="exercise"``
+vLLM V1's as notebook 06 teaches them, ``"safety"`` only what keeps any engine correct. Its waiting queue,
+running list and KV manager are watched too (changed while walked? this step's grants and frees).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +23,7 @@ from .rules import SchedulerMistake, hint
 
 @dataclass(frozen=True)
 class Workload:
-    """Requests and an engine built to expose a mistake. Lists are per request, in arrival order."""
+    """Requests and an engine built to expose a mistake; tuples hold a value per request, in arrival order."""
 
     name: str
     ids: tuple
@@ -41,7 +40,7 @@ class Workload:
     ignore_eos: bool | tuple = True  # True: forced lengths, the memory pressure does not depend on the model
     shared_prefix: int = 0  # the first tokens every prompt has in common (prefix caching)
     prefix_caching: bool = False
-    speculative: str | None = None  # "draft": speculative decoding with a SometimesWrongDraft of the model
+    speculative: bool = False  # speculative decoding, drafts by a SometimesWrongDraft of the model
     stop_token_ids: tuple = ()  # per request: a tuple of ids that end it (finish_reason "stop")
 
     def requests(self, vocab_size: int) -> list[Request]:
@@ -60,20 +59,16 @@ class Workload:
         return out
 
     def engine(self, model, scheduler_cls=None) -> Engine:
-        options = {} if self.num_blocks is None else {"num_blocks": self.num_blocks}
-        if self.prefix_caching:
-            options["prefix_caching"] = True
-        if self.speculative:
-            options["speculative"] = SometimesWrongDraft(model) if self.speculative == "draft" else self.speculative
         return Engine(model, None, max_batch_size=self.max_batch_size, kv="paged", block_size=self.block_size,
-                      token_budget=self.token_budget, policy=self.policy, admission=self.admission,
-                      scheduler_cls=scheduler_cls, clock=VirtualClock(step_time=1.0), **options)
+                      num_blocks=self.num_blocks, token_budget=self.token_budget, policy=self.policy,
+                      admission=self.admission, prefix_caching=self.prefix_caching,
+                      speculative=SometimesWrongDraft(model) if self.speculative else None,
+                      scheduler_cls=scheduler_cls, clock=VirtualClock(step_time=1.0))
 
 
 class SometimesWrongDraft(torch.nn.Module):
-    """A draft model for checks: the model itself, whose guesses are right up to a position that
-    moves with every call -- so on any model some guesses are accepted and some rejected, and a stop
-    token can fall inside accepted guesses."""
+    """A draft model for checks: the model itself, its guesses wrong from a position that moves with every
+    call -- so on any model some are accepted, some rejected, and a stop can fall inside accepted ones."""
 
     def __init__(self, target):
         super().__init__()
@@ -100,50 +95,54 @@ class Run:
     mistake: SchedulerMistake | None = None
 
 
-def run(model, workload: Workload, scheduler_cls=None, max_steps: int = 2000, stage: int | None = None) -> Run:
-    """Run ``workload`` with ``scheduler_cls`` (None: the engine's own scheduler) for at most
-    ``max_steps`` forward steps. Idle steps (nothing scheduled) move the clock to the next arrival."""
+def run(model, workload: Workload, scheduler_cls=None, max_steps: int = 2000, stage: int | None = None,
+        eos_ids=None) -> Run:
+    """Run ``workload`` with ``scheduler_cls`` (None: the engine's own), stopping at ``eos_ids`` (None: the model's
+    EOS), until every request is done, for at most ``max_steps`` steps; an idle step moves the clock on."""
     try:
         eng = workload.engine(model, scheduler_cls)
     except Exception as err:  # noqa: BLE001 -- the learner's __init__
         return Run(None, [], SchedulerMistake(f"the engine could not build your scheduler: {raised(err)}"))
+    if eos_ids is not None:
+        eng.scheduler.eos_ids = frozenset(eos_ids)
     for r in workload.requests(model.config.vocab_size):
         eng.add_request(r)
-    return Run(eng, *drive(eng, max_steps, stage))
-
-
-def drive(eng: Engine, max_steps: int, stage: int | None = None) -> tuple[list, SchedulerMistake | None]:
-    """Step ``eng`` until every request is done, for at most ``max_steps`` steps: its records, and
-    the mistake that stopped it (None: it finished)."""
-    records = []
+    result = Run(eng, [])
     try:
         while eng.has_unfinished():
-            if len(records) >= max_steps:
+            if len(result.records) >= max_steps:
                 raise SchedulerMistake(hint("unfinished", stage).format(max_steps))
             rec = eng.step()
             if not rec.idle:  # a forward pass, or a step that only preempted
-                records.append(rec)
+                result.records.append(rec)
                 continue
             nxt = eng.scheduler.next_event_time(eng.now())
             if nxt is None:
                 raise SchedulerMistake(hint("idle", stage))
             eng.clock.advance(nxt - eng.now())
     except SchedulerMistake as err:
-        return records, err
+        result.mistake = err
     except Exception as err:  # noqa: BLE001 -- the learner's code, raised inside the engine
-        return records, SchedulerMistake(f"the run stopped with {raised(err)}")
-    return records, None
+        result.mistake = SchedulerMistake(f"the run stopped with {raised(err)}")
+    return result
+
+
+def leftovers(eng: Engine, expected: dict | None = None) -> str | None:
+    """What must hold once a run is over, or its hint: every request's tokens ``expected`` (``model.generate``'s;
+    None: not checked), every KV block back."""
+    if expected is not None and any(getattr(eng.completions.get(rid), "output_ids", None) != tokens
+                                    for rid, tokens in expected.items()):
+        return ("a request's tokens differ from model.generate's: a scheduler chooses who runs when, never what a "
+                "request computes")
+    if eng.kv_usage()["num_used_blocks"]:
+        return "KV blocks are still in use after every request finished: a request that left the batch kept its blocks"
+    return None
 
 
 # -- the watchers ------------------------------------------------------------------------------------
 
-MAX_CALLS = 100_000  # calls on the queue, the running list and the KV manager in one step: far beyond any honest step
+MAX_CALLS = 100_000  # calls on the watched objects in one schedule(): far beyond any step that ends
 _calls = [None]  # calls so far in the schedule() running now (None: none is running)
-
-
-def counting(on: bool) -> None:
-    """Start (or stop) counting the calls of one ``schedule``."""
-    _calls[0] = 0 if on else None
 
 
 def tick() -> None:
@@ -250,55 +249,46 @@ class KVWatch:
         return self.manager.free(seq)
 
 
-def watched(cls: type, stage: int | None = None, rules_: str = "exercise", eos_ids=None) -> type:
+def watched(cls: type, stage: int | None = None, rules_: str = "exercise") -> type:
     """A subclass of the learner's ``cls`` that checks every rule where it can be broken
-    (``rules_``: ``"exercise"`` or ``"safety"``, see the module); ``eos_ids`` replaces the model's."""
+    (``rules_``: ``"exercise"`` or ``"safety"``, see the module)."""
     exercise = rules_ == "exercise"
     own_update = cls.update_from_output is not Scheduler.update_from_output
+    words = functools.partial(hint, stage=stage)  # a rule's hint, in the stage's words
 
     class Watched(cls):
         check_now = 0.0
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            if eos_ids is not None:
-                self.eos_ids = frozenset(eos_ids)
             self.waiting, self.running = QueueWatch(self.waiting, exercise), RunningWatch(self.running, exercise)
-
-        @property
-        def kv_manager(self):
-            return self._watched_kv
-
-        @kv_manager.setter
-        def kv_manager(self, manager):
-            self._watched_kv = manager if isinstance(manager, KVWatch) else KVWatch(manager)
+            self.kv_manager = KVWatch(self.kv_manager)
 
         def schedule(self, now):
             self.check_now = now
             self.kv_manager.begin_step()
             self.made = None
             before = list(self.running)
-            counting(True)
+            _calls[0] = 0
             try:
                 out = super().schedule(now)
             finally:
-                counting(False)
+                _calls[0] = None
             rules.check_plan(self, out, self.made, before, stage, exercise)
             self.outputs_before = [len(s.output_ids) for s in self.made.plan.seqs]
             return out
 
         def make_output(self, plan):
-            """The engine's, watched: the plan it was built from is what the checks read."""
             out = super().make_output(plan)
             self.made = rules.Made(plan, out, [s.num_computed_tokens for s in plan.seqs])
             return out
 
         def admit(self, seq, plan):
-            rules.check_admission(self, seq, plan, stage, exercise)
+            rules.enforce(rules.admission_rules(self, seq, plan, exercise), words)
             return super().admit(seq, plan)
 
         def preempt(self, seq, plan):
-            rules.check_preemption(self, seq, stage, exercise)
+            rules.enforce(rules.preemption_rules(self, seq, exercise), words)
             return super().preempt(seq, plan)
 
         def update_from_output(self, scheduler_output, output, now):
@@ -316,14 +306,3 @@ def watched(cls: type, stage: int | None = None, rules_: str = "exercise", eos_i
     Watched.__name__ = Watched.__qualname__ = cls.__name__
     return Watched
 
-
-def with_eos(cls: type, eos_ids) -> type:
-    """``cls`` stopping at ``eos_ids`` instead of the model's EOS: the engine's own scheduler on the
-    same stop tokens as a watched learner's (see :func:`watched`)."""
-    class WithEos(cls):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.eos_ids = frozenset(eos_ids)
-
-    WithEos.__name__ = WithEos.__qualname__ = cls.__name__
-    return WithEos

@@ -8,23 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from ..argtypes import POSITIVE, POSITIVE_INT
 from .tournament_core import (BASELINE, Entry, Trace, generate_outputs, load_scheduler, load_schedulers,  # noqa: F401
                               run_entry, run_tournament, table)
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port number in 0..65535, got {text!r}")
-    return value
 
 
 def cli(argv=None) -> int:
@@ -33,21 +23,21 @@ def cli(argv=None) -> int:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("dir", type=Path, help="folder of schedulers: each *.py file defines MyScheduler")
     p.add_argument("--model", default="bierce", help="'bierce' (embedded, offline) or a hub id")
-    p.add_argument("--requests", type=int, default=Trace.num_requests, help="requests in the trace")
-    p.add_argument("--rate", type=float, default=Trace.rate, help="arrivals per simulated second (Poisson)")
+    p.add_argument("--requests", type=POSITIVE_INT, default=Trace.num_requests, help="requests in the trace")
+    p.add_argument("--rate", type=POSITIVE, default=Trace.rate, help="arrivals per simulated second (Poisson)")
     p.add_argument("--seed", type=int, default=Trace.seed, help="the trace's random seed")
-    p.add_argument("--ttft-slo", type=float, default=Trace.ttft_slo, help="TTFT target, simulated seconds")
-    p.add_argument("--tpot-slo", type=float, default=Trace.tpot_slo, help="TPOT target, simulated seconds")
+    p.add_argument("--ttft-slo", type=POSITIVE, default=Trace.ttft_slo, help="TTFT target, simulated seconds")
+    p.add_argument("--tpot-slo", type=POSITIVE, default=Trace.tpot_slo, help="TPOT target, simulated seconds")
     p.add_argument("--plot", type=Path, default=None, help="save the leaderboard's figure here (PNG)")
     p.add_argument("--json", type=Path, default=None, help="save the results here")
     p.add_argument("--serve", action="store_true", help="take submissions over HTTP into DIR (the instructor's "
                                                         "variant; needs cbteach[serve] and CBTEACH_API_KEY)")
     p.add_argument("--host", default="127.0.0.1", help="with --serve: the address to listen on")
-    p.add_argument("--port", type=_port, default=8100, help="with --serve: the port (0..65535)")
+    p.add_argument("--port", type=int, default=8100, help="with --serve: the port (0..65535)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
-    if a.requests < 1 or not all(0 < x < math.inf for x in (a.rate, a.ttft_slo, a.tpot_slo)):
-        raise ValueError("--requests must be >= 1 and --rate, --ttft-slo, --tpot-slo finite numbers > 0")
+    if not 0 <= a.port <= 65535:
+        p.error(f"argument --port: expected a port number in 0..65535, got {a.port}")
     from ..bench.cli import unwritable
 
     for option, path in (("--json", a.json), ("--plot", a.plot)):

@@ -1,9 +1,9 @@
 """The scheduler tournament itself: one trace, every entrant in the real engine, the rules, the ranking.
 
 Entrants run on the same :class:`Trace` on a simulated clock, so every machine gets the same result. The
-policy is free; the safety rules (:mod:`.rules`) are not, nor are every block back and every token equal to
-``model.generate``'s: a rule-breaker is disqualified with the rule's hint, the rest ranked by goodput
-(requests per simulated second meeting the TTFT and TPOT targets). The engine's own scheduler is the baseline.
+policy is free; the safety rules (:mod:`.rules`), every block back and every token ``model.generate``'s are
+not: a rule-breaker is disqualified with the rule's hint, the rest ranked by goodput (requests per simulated
+second meeting the TTFT and TPOT targets). The engine's own scheduler is the baseline.
 """
 from __future__ import annotations
 
@@ -18,8 +18,7 @@ from ..engine.engine import Engine
 from ..engine.scheduler import Scheduler
 from ..serving.metrics import summarize
 from . import generated_all
-from .rules import SchedulerMistake
-from .scheduler_check import drive, watched
+from .scheduler_check import leftovers, run, watched
 
 BASELINE = "the engine's own (vLLM V1)"
 
@@ -126,43 +125,19 @@ def load_scheduler(path: Path):
 
 
 def run_entry(name: str, cls, model, trace: Trace, expected: dict) -> Entry:
-    """Run one entrant on ``trace``; ``expected``: every request's tokens (``model.generate``'s)."""
+    """Run one entrant (a class, or why it cannot run) on ``trace``; ``expected``: ``model.generate``'s tokens."""
     entry = Entry(name, num_requests=trace.num_requests, course=getattr(cls, "course_solution", False) is True)
     if isinstance(cls, str):
         entry.disqualified = cls
         return entry
-    try:
-        eng = trace.engine(model, cls if cls is Scheduler else watched(cls, rules_="safety"))
-    except Exception as err:  # noqa: BLE001 -- the learner's __init__
-        entry.disqualified = f"the engine could not build it: {type(err).__name__}: {err}"
-        return entry
-    for r in trace.requests(model.config.vocab_size):
-        eng.add_request(r)
-    records, mistake = drive(eng, max_steps=40 * trace.num_requests)
-    entry.steps, entry.preemptions = len(records), sum(len(r.preempted) for r in records)
-    if mistake is None:
-        mistake = _final_rules(eng, expected)
-    if mistake is not None:
-        entry.disqualified = str(mistake)
-        return entry
-    s = summarize(eng.completions, ttft_target=trace.ttft_slo, tpot_target=trace.tpot_slo)
-    entry.summary = s
-    entry.goodput, entry.num_good, entry.duration = s["goodput"], s["num_good"], s["duration"]
-    entry.ttft_p90, entry.tpot_p90, entry.ttft_mean = s["ttft_p90"], s["tpot_p90"], s["ttft_mean"]
+    result = run(model, trace, cls if cls is Scheduler else watched(cls, rules_="safety"), 40 * trace.num_requests)
+    entry.steps, entry.preemptions = len(result.records), sum(len(r.preempted) for r in result.records)
+    entry.disqualified = str(result.mistake) if result.mistake else leftovers(result.engine, expected)
+    if entry.disqualified is None:
+        entry.summary = summarize(result.engine.completions, ttft_target=trace.ttft_slo, tpot_target=trace.tpot_slo)
+        for key in ("goodput", "num_good", "duration", "ttft_p90", "tpot_p90", "ttft_mean"):
+            setattr(entry, key, entry.summary[key])
     return entry
-
-
-def _final_rules(eng, expected: dict) -> SchedulerMistake | None:
-    """What must hold once the run is over: every block back, every request's tokens exact."""
-    if eng.kv_usage()["num_used_blocks"]:
-        return SchedulerMistake("KV blocks are still in use after every request finished: a request that left "
-                                "the batch kept its blocks")
-    for rid, tokens in expected.items():
-        c = eng.completions.get(rid)
-        if c is None or c.output_ids != tokens:
-            return SchedulerMistake("a request's tokens differ from model.generate's: a scheduler chooses who runs "
-                                    "when, never what a request computes")
-    return None
 
 
 def run_tournament(entrants: dict, model, trace: Trace = Trace(), baseline: bool = True,

@@ -14,6 +14,7 @@ import secrets
 import threading
 from pathlib import Path
 
+from ..engine.scheduler import Scheduler
 from .tournament_core import BASELINE, Trace, generate_outputs, load_scheduler, ranked, run_entry, table
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,40}$")
@@ -28,8 +29,6 @@ class Board:
         self.lock = threading.Lock()
         self.expected = generate_outputs(model, trace.requests(model.config.vocab_size))
         self.results: dict[str, tuple[str, object]] = {}  # name -> (source hash, Entry)
-        from ..engine.scheduler import Scheduler
-
         self.baseline = run_entry(BASELINE, Scheduler, model, trace, self.expected)
         for path in sorted(self.folder.glob("*.py")):
             if not path.name.startswith("_"):
@@ -37,12 +36,10 @@ class Board:
 
     def _run(self, name: str, source: str):
         digest = hashlib.sha256(source.encode()).hexdigest()
-        if name in self.results and self.results[name][0] == digest:
-            return self.results[name][1]
-        path = self.folder / f"{name}.py"
-        entry = run_entry(name, load_scheduler(path), self.model, self.trace, self.expected)
-        self.results[name] = (digest, entry)
-        return entry
+        if self.results.get(name, ("",))[0] != digest:
+            entry = run_entry(name, load_scheduler(self.folder / f"{name}.py"), self.model, self.trace, self.expected)
+            self.results[name] = (digest, entry)
+        return self.results[name][1]
 
     def submit(self, name: str, source: str):
         if not isinstance(name, str) or not NAME.match(name):

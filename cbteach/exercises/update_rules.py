@@ -1,14 +1,13 @@
 """The rules of ``update_from_output`` (notebook 06, stage 5), checked when it returns, and their hints:
-tokens appended with their times, the stop rules after each, a finished request out of ``running`` and its
-blocks freed after its last token, rejected speculative guesses taken back.
-"""
+tokens appended with their times, the stop rules after each, a finished request out of ``running``, its
+blocks freed after its last token, rejected speculative guesses taken back."""
 from __future__ import annotations
 
 import math
 
 from ..core.request import RequestStatus
 from ..core.sampling import stop_reason
-from .rules import NotDone, SchedulerMistake, includes
+from .rules import NotDone, SchedulerMistake, enforce, includes
 
 UPDATE_HINTS = {
     "update_none": "not done yet: update_from_output() returned None -- it must return the sequences that finished",
@@ -17,13 +16,13 @@ UPDATE_HINTS = {
                   "output.sampled[i] is None -- skip it",
     "short_chunk_token": "a prefill chunk that stopped short of its prompt's end was given a token: its "
                          "output.sampled[i] is None -- nothing is appended for it, and it has no first token yet",
-    "first_token_time": "a request's first_token_time is wrong: it is set once, to `now`, in the step that appends its "
-                        "first token",
+    "first_token_time": "a request's first_token_time is wrong: it is set once, to `now`, when its first token is "
+                        "appended",
     "token_times": "every appended token needs its time: seq.token_times gets `now` for each (TTFT, ITL read them)",
     "token_missing": "a token the step sampled for a request was not appended to seq.output_ids",
     "tokens_wrong": "the tokens appended are not the ones the step sampled (output.sampled[i], in order)",
-    "eos_not_recorded": "a request that stopped at EOS did not keep its EOS token: append the token first, then "
-                        "check the stop -- output_ids ends with the EOS id, as generate's output does",
+    "eos_not_recorded": "a request that stopped at EOS did not keep its EOS token: append the token, then check "
+                        "the stop -- output_ids ends with the EOS id, as generate's does",
     "missed_eos": "a request that produced an EOS token went on: after each appended token check the stop "
                   "(stop_reason: EOS unless ignore_eos, the request's stop_token_ids, max_new_tokens)",
     "missed_stop": "a request went on past one of its stop_token_ids: after each appended token check the stop "
@@ -33,8 +32,8 @@ UPDATE_HINTS = {
                   "(stop_reason says which rule holds, or None)",
     "wrong_reason": "finish_reason does not name the rule that stopped the request (stop_reason returns it)",
     "after_stop": "tokens were appended after the one that stopped the request: a stop drops the guesses after it",
-    "left_running": "a finished request was left in self.running: a request that stops leaves the batch "
-                    "(self.running.remove(seq)), or it would be planned again",
+    "left_running": "a finished request was left in self.running: it leaves the batch (self.running.remove(seq)), "
+                    "or it would be planned again",
     "status": "a finished request's status is not RequestStatus.FINISHED",
     "not_freed": "a finished request still holds its KV blocks: free them when it stops (self.kv_manager.free(seq))",
     "freed_early": "a finished request's blocks were freed before its last token was recorded: append it, then free",
@@ -43,16 +42,11 @@ UPDATE_HINTS = {
     "drafts_not_taken_back": "num_computed_tokens still counts the guesses the model rejected: take them back "
                              "(scheduler_output.num_draft_tokens(req_id) were fed, len(tokens) - 1 accepted)",
     "drafts_over": "num_computed_tokens went down by more than the rejected guesses: take back only those",
-    "moved": "num_computed_tokens of a request changed in update_from_output although it fed no speculative "
-             "guesses: schedule() already counted the planned tokens as computed (update_after_schedule, "
-             "vLLM V1); the update only takes rejected guesses back",
+    "moved": "num_computed_tokens changed in update_from_output for a request that fed no guesses: schedule() "
+             "already counted the planned tokens (update_after_schedule); the update only takes rejected guesses back",
     "not_trimmed": "blocks that held only rejected guesses were kept: give them back with self.kv_manager.trim(seq)",
     "drafts_kept": "seq.draft_ids still holds this step's guesses after the update: clear them",
 }
-
-
-def _update_mistake(key: str, *args) -> SchedulerMistake:
-    return SchedulerMistake(UPDATE_HINTS[key].format(*args) if args else UPDATE_HINTS[key])
 
 
 def _stop_rule(sched, seq, outputs: list) -> str | None:
@@ -67,76 +61,59 @@ def check_update(sched, made, output, finished) -> None:
     if finished is None:
         raise NotDone(UPDATE_HINTS["update_none"])
     if not isinstance(finished, (list, tuple)):
-        raise _update_mistake("not_a_list", type(finished).__name__)
+        raise SchedulerMistake(UPDATE_HINTS["not_a_list"].format(type(finished).__name__))
+    enforce(_update_rules(sched, made, output, finished), UPDATE_HINTS.get)
+
+
+def _update_rules(sched, made, output, finished):
     plan = made.plan
     errors = getattr(output, "errors", None) or [None] * len(output.sampled)
-    drafts = [made.output.num_draft_tokens(s.request_id) for s in plan.seqs]
-    for i, (seq, c, n, d) in enumerate(zip(plan.seqs, made.starts, plan.num_scheduled_tokens, drafts)):
+    size = getattr(sched.kv_manager, "block_size", None)
+    for i, (seq, c, n) in enumerate(zip(plan.seqs, made.starts, plan.num_scheduled_tokens)):
         j = output.req_id_to_index[seq.request_id]  # the worker's order, not the plan's
         if errors[j] is not None or seq.status is RequestStatus.ABORTED:
             continue  # a failure of its own, the engine's business
-        _check_tokens(sched, seq, output.sampled[j], sched.outputs_before[i])
+        yield from _token_rules(sched, seq, output.sampled[j], sched.outputs_before[i])
         if seq.finish_reason:
-            _check_finished(sched, seq, finished)
+            yield from _finished_rules(sched, seq, finished)
             continue
+        d = made.output.num_draft_tokens(seq.request_id)
         want = c + n - d + (len(output.sampled[j]) - 1 if d else 0)
         if seq.num_computed_tokens != want:
-            raise _update_mistake(("drafts_not_taken_back" if seq.num_computed_tokens > want else "drafts_over")
-                                  if d else "moved")
-        size = getattr(sched.kv_manager, "block_size", None)
-        if d and size and len(seq.block_table) > math.ceil(seq.num_computed_tokens / size):
-            raise _update_mistake("not_trimmed")
-        if seq.draft_ids:
-            raise _update_mistake("drafts_kept")
-    for seq in finished:
-        if not getattr(seq, "finish_reason", None):
-            raise _update_mistake("returned_unfinished")
+            yield ("drafts_not_taken_back" if seq.num_computed_tokens > want else "drafts_over") if d else "moved", True
+        yield "not_trimmed", d and size and len(seq.block_table) > math.ceil(seq.num_computed_tokens / size)
+        yield "drafts_kept", seq.draft_ids
+    yield "returned_unfinished", any(not getattr(s, "finish_reason", None) for s in finished)
 
 
-def _check_tokens(sched, seq, got, before: int) -> None:
+def _token_rules(sched, seq, got, before: int):
     """The tokens appended to ``seq`` (``got``: what the step sampled for it; ``before``: outputs it had)."""
-    new = seq.output_ids[before:]
+    new, stopped = seq.output_ids[before:], seq.finish_reason
     if got is None:
-        if new:
-            raise _update_mistake("short_chunk_token")
-        if not seq.output_ids and seq.first_token_time is not None:
-            raise _update_mistake("first_token_time")
+        yield "short_chunk_token", new
+        yield "first_token_time", not seq.output_ids and seq.first_token_time is not None
         return
     got, head = list(got), seq.output_ids[:before]
     # what should have happened: got[:k] appended, k the first token on which a stop rule holds
     k = next((j + 1 for j in range(len(got)) if _stop_rule(sched, seq, head + got[:j + 1])), len(got))
     rule = _stop_rule(sched, seq, head + got[:k])
     missed = {"eos": "missed_eos", "stop": "missed_stop"}.get(rule, "missed_length")
-    if new != got[:len(new)]:
-        raise _update_mistake("tokens_wrong")
-    if len(new) > k:
-        raise _update_mistake("after_stop" if seq.finish_reason else missed)
+    yield "tokens_wrong", new != got[:len(new)]
+    yield ("after_stop" if stopped else missed), len(new) > k
     if len(new) < k:
-        if not seq.finish_reason:
-            raise _update_mistake("token_missing")
-        eos_dropped = rule == "eos" and len(new) == k - 1 and seq.finish_reason == "eos"
-        raise _update_mistake("eos_not_recorded" if eos_dropped else "early_stop")
-    if rule and not seq.finish_reason:
-        raise _update_mistake(missed)
-    if seq.finish_reason and not rule:
-        raise _update_mistake("early_stop")
-    if seq.finish_reason != rule:
-        raise _update_mistake("wrong_reason")
-    if len(seq.token_times) != len(seq.output_ids):
-        raise _update_mistake("token_times")
-    if seq.first_token_time is None or (before == 0 and seq.first_token_time != seq.token_times[0]):
-        raise _update_mistake("first_token_time")
+        eos_dropped = rule == "eos" and len(new) == k - 1 and stopped == "eos"
+        yield ("eos_not_recorded" if eos_dropped else "early_stop") if stopped else "token_missing", True
+    yield missed, rule and not stopped
+    yield "early_stop", stopped and not rule
+    yield "wrong_reason", stopped != rule
+    yield "token_times", len(seq.token_times) != len(seq.output_ids)
+    yield "first_token_time", seq.first_token_time is None or (before == 0 and seq.first_token_time != seq.token_times[0])
 
 
-def _check_finished(sched, seq, finished) -> None:
-    if seq in sched.running:
-        raise _update_mistake("left_running")
+def _finished_rules(sched, seq, finished):
     freed = sched.kv_manager.frees.get(id(seq))
-    if seq.block_table or freed is None:
-        raise _update_mistake("not_freed")
-    if freed[0] < len(seq.output_ids) or freed[1] is None:
-        raise _update_mistake("freed_early")
-    if seq.status is not RequestStatus.FINISHED:
-        raise _update_mistake("status")
-    if not includes(finished, seq):
-        raise _update_mistake("not_returned")
+    yield "left_running", seq in sched.running
+    yield "not_freed", seq.block_table or freed is None
+    yield "freed_early", freed[0] < len(seq.output_ids) or freed[1] is None
+    yield "status", seq.status is not RequestStatus.FINISHED
+    yield "not_returned", not includes(finished, seq)

@@ -1,7 +1,7 @@
 """The stage vLLM's own scheduler tests play on, rebuilt around cbteach's scheduler interface.
 
-:class:`Harness` builds a scheduler and requests as vLLM's ``tests/v1/core/utils.py`` does, plays the model
-runner and the engine core (made-up outputs, ``None`` for vLLM's "no token"), and :func:`expect` is an
+:class:`Harness` builds a scheduler and requests as vLLM's ``tests/v1/core/utils.py`` does and plays the
+model runner and the engine core (made-up outputs, ``None`` for vLLM's "no token"); :func:`expect` is an
 assertion that quotes vLLM's in V1's words.
 """
 from __future__ import annotations
@@ -32,6 +32,12 @@ def expect(vllm_says: str, got, want=True, here: str = "") -> None:
         raise VLLMAssertion(f"vLLM asserts `{vllm_says}`{seen}{f' ({here})' if here else ''}")
 
 
+def _returned(method: str, got, want: str, kind: type) -> None:
+    if not isinstance(got, kind):
+        raise VLLMAssertion(f"{method}() returned {type(got).__name__}, not {want}"
+                            + (": not done yet?" if got is None else ""))
+
+
 @dataclass
 class Harness:
     """One scheduler of class ``cls``, as ``create_scheduler`` (or ``create_scheduler_with_priority``)
@@ -52,37 +58,34 @@ class Harness:
         self.kv = KVCacheManager(self.num_blocks - 1, self.block_size, prefix_caching=self.enable_prefix_caching)
         self.scheduler = self.cls(config, self.kv, eos_ids=frozenset({EOS_TOKEN_ID}))
 
-    # -- requests, as tests/v1/core/utils.py makes them ----------------------------------------------
     def create_requests(self, num_requests: int, num_tokens: int = 10, max_tokens: int = 16, stop_token_ids=(),
                         same_prompt: bool = False, req_ids=None, ignore_eos: bool = False, priorities=None,
                         arrival_times=None, starting_idx: int = 0) -> list[Sequence]:
+        """Requests as ``tests/v1/core/utils.py`` makes them."""
         out = []
         for i in range(num_requests):
-            rid = req_ids[i] if req_ids else f"{i + starting_idx}"
             at = arrival_times[i] if arrival_times else 0.0
             prompt = [starting_idx if same_prompt else i + starting_idx] * num_tokens
-            request = Request(prompt, max_tokens, request_id=rid, arrival_time=at,
-                              priority=priorities[i] if priorities else 0, ignore_eos=ignore_eos,
+            request = Request(prompt, max_tokens, request_id=req_ids[i] if req_ids else f"{i + starting_idx}",
+                              arrival_time=at, priority=priorities[i] if priorities else 0, ignore_eos=ignore_eos,
                               sampling_params=SamplingParams(stop_token_ids=tuple(stop_token_ids)))
             out.append(Sequence(request=request, prompt_ids=list(prompt), arrival_time=at))
         return out
 
-    def add_request(self, *seqs: Sequence) -> None:
+    def add_request(self, *seqs: Sequence) -> list[Sequence]:
         for seq in seqs:
             self.scheduler.add(seq)
+        return list(seqs)
 
     def finish_requests(self, seq: Sequence) -> None:
         """V1's ``finish_requests(id, FINISHED_...)``: the request ends where it is, its blocks freed."""
         self.scheduler.abort(seq)
         self.scheduler.forget(seq)
 
-    # -- one step: schedule, the runner's made-up output, update ----------------------------------
     def schedule(self) -> SchedulerOutput:
         self.steps += 1
         out = self.scheduler.schedule(NOW + self.steps)
-        if not isinstance(out, SchedulerOutput):
-            raise VLLMAssertion(f"schedule() returned {type(out).__name__}, not the step's message (a SchedulerOutput)"
-                                + (": not done yet?" if out is None else ""))
+        _returned("schedule", out, "the step's message (a SchedulerOutput)", SchedulerOutput)
         return out
 
     def update(self, out: SchedulerOutput, sampled: dict) -> list:
@@ -91,9 +94,7 @@ class Harness:
         ids = list(out.num_scheduled_tokens)
         tokens = [list(sampled[r]) if sampled.get(r) else None for r in ids]
         finished = self.scheduler.update_from_output(out, RunnerOutput(sampled=tokens, req_ids=ids), NOW + self.steps)
-        if not isinstance(finished, list):
-            raise VLLMAssertion(f"update_from_output() returned {type(finished).__name__}, not the list of the "
-                                "requests that finished" + (": not done yet?" if finished is None else ""))
+        _returned("update_from_output", finished, "the list of the requests that finished", list)
         for seq in [*finished, *(self.scheduler.requests.get(r) for r in ids)]:  # as the engine core does
             if seq is not None and seq.status.is_finished and seq.request_id in self.scheduler.requests:
                 self.scheduler.forget(seq)
@@ -108,7 +109,7 @@ class Harness:
 
     def running_after_schedule(self, seqs, spec: dict) -> SchedulerOutput:
         """``test_stop_via_update_from_output``'s set-up: every request running, its last token and guesses
-    ``spec[id]`` scheduled (counted as computed, with their room, as cbteach's ``update_after_schedule`` does)."""
+        ``spec[id]`` scheduled (counted as computed, with their room, as ``update_after_schedule`` does)."""
         ids, starts, counts = [s.request_id for s in seqs], [s.num_tokens - 1 for s in seqs], {}
         for seq, start in zip(seqs, starts):
             seq.status, seq.draft_ids = RequestStatus.RUNNING, list(spec.get(seq.request_id, []))
@@ -126,3 +127,15 @@ class Harness:
 
     def ids(self, seqs) -> list:
         return [s.request_id for s in seqs]
+
+    def counts(self, out: SchedulerOutput | None = None, name: str = "output", **want: int) -> None:
+        """vLLM's usual counts, in its words, each ``== want[key]``: ``new`` and ``cached`` requests scheduled and
+        ``finished`` ids in the step's message ``out`` (called ``name``); the scheduler's ``running``, ``waiting``."""
+        said = {"running": ("len(scheduler.running)", len(self.scheduler.running)),
+                "waiting": ("len(scheduler.waiting)", len(self.scheduler.waiting))}
+        if out is not None:
+            said.update(new=(f"len({name}.scheduled_new_reqs)", len(out.scheduled_new_reqs)),
+                        cached=(f"{name}.scheduled_cached_reqs.num_reqs", len(out.scheduled_cached_reqs.req_ids)),
+                        finished=(f"len({name}.finished_req_ids)", len(out.finished_req_ids)))
+        for key, n in want.items():
+            expect(f"{said[key][0]} == {n}", said[key][1], n)

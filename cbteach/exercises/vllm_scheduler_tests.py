@@ -1,30 +1,27 @@
 """vLLM's own scheduler tests, as a check of any cbteach scheduler: "your scheduler passes N of vLLM's M".
 
-Ported from vLLM V1's ``tests/v1/core/test_scheduler.py`` at vllm-project/vllm@003df29: each test keeps
-vLLM's scenario and assertions, quoted in V1's words when one fails, on :mod:`.vllm_harness`'s stage.
-Ported (25, each parametrization counted): ``test_schedule`` (prefix caching off and on),
-``test_schedule_order`` (chunked prefill on), ``test_stop_via_update_from_output``,
+Ported from vLLM V1's ``tests/v1/core/test_scheduler.py`` at vllm-project/vllm@003df29, on :mod:`.vllm_harness`'s
+stage: each keeps vLLM's scenario and assertions, quoted in V1's words when one fails; tests of one shape are one
+function run on a table of cases. Ported (25, each parametrization counted): ``test_schedule`` (prefix caching off
+and on), ``test_schedule_order`` (chunked prefill on), ``test_stop_via_update_from_output``,
 ``test_schedule_spec_decoding_stats`` (6 cases), ``test_no_spec_tokens_scheduled_for_prefill_chunks``,
-``test_spec_decode_padding_skipped_for_diffusion``, ``test_memory_leak``, and twelve priority tests
-(:data:`PRIORITY_TESTS`).
+``test_spec_decode_padding_skipped_for_diffusion``, ``test_memory_leak``, twelve priority tests (:data:`PRIORITY_TESTS`).
 
 Left out, and why: ``test_add_requests``, ``test_finish_request``, ``test_get_num_unfinished_requests`` --
 bookkeeping a learner inherits; ``test_schedule_order`` without chunked prefill,
 ``test_schedule_concurrent_partial_requests``, ``test_schedule_prefills_gating``, ``test_throttle_*``,
 ``test_schedule_skip_tokenizer_init`` -- V1 options cbteach lacks; ``test_schedule_concurrent_batches``,
-``test_preempt_during_execution``, ``test_async_scheduling_pp_allows_rescheduling_with_output_placeholders``
--- pipeline parallelism's two plans in flight; ``test_spec_decoding_stats_empty_output`` (cbteach reports a
-failure in ``output.errors``), ``test_spec_decode_padding_first_decode_step`` and
-``..._skipped_with_prefill_in_batch`` (cbteach never pads guesses); ``test_check_stop_min_tokens`` (no
-``min_tokens``); ``test_scheduler_reset_prefix_cache``, ``test_prefix_cache_*`` and ``test_scheduler_stats_*``
--- V1's KV manager's counters; multimodal, encoder, structured-output, EAGLE, Mamba and connector tests, and
-``test_cached_request_data_resumed_all_token_ids_mrv1_only`` (V1's private runner switch) -- machinery the
-course's engine does not have.
+``test_preempt_during_execution``, ``test_async_scheduling_pp_allows_rescheduling_with_output_placeholders`` --
+pipeline parallelism's two plans in flight; ``test_spec_decoding_stats_empty_output`` (cbteach reports a failure in
+``output.errors``), ``test_spec_decode_padding_first_decode_step`` and ``..._skipped_with_prefill_in_batch`` (cbteach
+never pads guesses); ``test_check_stop_min_tokens`` (no ``min_tokens``); ``test_scheduler_reset_prefix_cache``,
+``test_prefix_cache_*``, ``test_scheduler_stats_*`` -- V1's KV manager's counters; multimodal, encoder,
+structured-output, EAGLE, Mamba and connector tests, ``test_cached_request_data_resumed_all_token_ids_mrv1_only``
+(V1's private runner switch) -- machinery the course's engine does not have.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from ..core.request import RequestStatus
 from ..engine.scheduler import Scheduler
@@ -34,110 +31,76 @@ from .vllm_harness import EOS_TOKEN_ID, VLLM_COMMIT, VLLM_FILE, Harness, VLLMAss
 
 def test_schedule(cls, enable_prefix_caching):
     h = Harness(cls, enable_prefix_caching=enable_prefix_caching)
-    requests = h.create_requests(num_requests=10)
-    h.add_request(*requests)
+    requests = h.add_request(*h.create_requests(num_requests=10))
     output = h.schedule()
-    expect("len(output.scheduled_new_reqs) == len(requests)", len(output.scheduled_new_reqs), len(requests))
-    expect("output.scheduled_cached_reqs.num_reqs == 0", len(output.scheduled_cached_reqs.req_ids), 0)
-    expect("len(output.finished_req_ids) == 0", len(output.finished_req_ids), 0)
+    h.counts(output, new=len(requests), cached=0, finished=0)
     for req_id, num_tokens in output.num_scheduled_tokens.items():
         expect("num_tokens == len(requests[int(req_id)].prompt_token_ids)", num_tokens,
                len(requests[int(req_id)].prompt_ids))
-    expect("len(scheduler.waiting) == 0", len(h.scheduler.waiting), 0)
-    expect("len(scheduler.running) == len(requests)", len(h.scheduler.running), len(requests))
+    h.counts(output, waiting=0, running=len(requests))
     expect("scheduler.running[i] == request (for each i)", h.ids(h.scheduler.running), h.ids(requests))
 
 
 def test_schedule_order(cls):
     h = Harness(cls, max_num_batched_tokens=1024, max_num_seqs=3)
-    requests = h.create_requests(2, num_tokens=800, req_ids=["1", "2"])  # long requests
-    requests += h.create_requests(2, num_tokens=10, req_ids=["3", "4"])  # short requests
-    h.add_request(*requests)
-    output = h.schedule()
-    expect("len(scheduler_output1.scheduled_new_reqs) == 2", len(output.scheduled_new_reqs), 2,
-           "with chunked prefill, long requests will be chunked")
+    h.add_request(*h.create_requests(2, num_tokens=800, req_ids=["1", "2"]),  # long requests
+                  *h.create_requests(2, num_tokens=10, req_ids=["3", "4"]))  # short requests
+    h.counts(h.schedule(), "scheduler_output1", new=2)  # with chunked prefill, long requests will be chunked
 
 
-def _stop_case(cls, *, spec_token_ids, sampled_token_ids, **request_kwargs):
-    """One case of ``test_stop_via_update_from_output``: the requests running with their guesses, one step's update,
-    and the assertions every case makes first (one request left running: the second)."""
-    h = Harness(cls)
-    requests = h.create_requests(num_requests=len(sampled_token_ids), **request_kwargs)
-    output = h.running_after_schedule(requests, {r.request_id: g for r, g in zip(requests, spec_token_ids)})
-    h.update(output, {r.request_id: s for r, s in zip(requests, sampled_token_ids)})
-    expect("len(scheduler.running) == 1", len(h.scheduler.running), 1)
-    if len(requests) > 1:  # every case but the last
-        expect("scheduler.running[0].request_id == requests[1].request_id", h.ids(h.scheduler.running), ["1"])
-    return h, requests
+# test_stop_via_update_from_output's cases, vLLM's "Test case 1" to 4: the requests' options, each request's
+# guesses and sampled tokens; then how request 0 finished (None: it goes on) and each request's output_token_ids
+STOP_CASES = {
+    "Stop on EOS token": (dict(max_tokens=10), [[], [10]], [[EOS_TOKEN_ID], [10, 11]], "eos",
+                          [[EOS_TOKEN_ID], [10, 11]]),
+    "Stop on custom stop token": (dict(max_tokens=10, stop_token_ids=[42, 43]), [[10, 42], [13]],
+                                  [[10, 42, 12], [13, 14]], "stop", [[10, 42], [13, 14]]),
+    "Stop on max tokens": (dict(max_tokens=2), [[10, 11], []], [[10, 11, 12], [13]], "length", [[10, 11], [13]]),
+    "Ignore EOS flag": (dict(max_tokens=10, ignore_eos=True), [[EOS_TOKEN_ID, 10]], [[EOS_TOKEN_ID, 10, 11]], None,
+                        [[EOS_TOKEN_ID, 10, 11]]),
+}
+STOPPED = {"eos": "requests[0].status == RequestStatus.FINISHED_STOPPED", "stop": "requests[0].stop_reason == 42",
+           "length": "requests[0].status == RequestStatus.FINISHED_LENGTH_CAPPED", None: "not requests[0].is_finished()"}
 
 
 def test_stop_via_update_from_output(cls):
-    stopped = ("requests[0].status == RequestStatus.FINISHED_STOPPED", RequestStatus.FINISHED)
-    # Test case 1: Stop on EOS token
-    h, requests = _stop_case(cls, spec_token_ids=[[], [10]], sampled_token_ids=[[EOS_TOKEN_ID], [10, 11]],
-                             max_tokens=10)
-    expect(stopped[0], (requests[0].status, requests[0].finish_reason), (stopped[1], "eos"), "finish_reason 'eos'")
-    expect("requests[0].request_id in scheduler.finished_req_ids", "0" in h.scheduler.finished_req_ids)
-    expect("list(requests[0].output_token_ids) == [EOS_TOKEN_ID]", requests[0].output_ids, [EOS_TOKEN_ID])
-    expect("list(requests[1].output_token_ids) == [10, 11]", requests[1].output_ids, [10, 11])
-    # Test case 2: Stop on custom stop token
-    h, requests = _stop_case(cls, spec_token_ids=[[10, 42], [13]], sampled_token_ids=[[10, 42, 12], [13, 14]],
-                             max_tokens=10, stop_token_ids=[42, 43])
-    expect("requests[0].stop_reason == 42", (requests[0].finish_reason, requests[0].output_ids[-1:]), ("stop", [42]),
-           "finish_reason 'stop', at token 42")
-    expect("list(requests[0].output_token_ids) == [10, 42]", requests[0].output_ids, [10, 42])
-    expect("list(requests[1].output_token_ids) == [13, 14]", requests[1].output_ids, [13, 14])
-    # Test case 3: Stop on max tokens
-    h, requests = _stop_case(cls, spec_token_ids=[[10, 11], []], sampled_token_ids=[[10, 11, 12], [13]], max_tokens=2)
-    expect("requests[0].status == RequestStatus.FINISHED_LENGTH_CAPPED", requests[0].finish_reason, "length",
-           "finish_reason")
-    expect("list(requests[0].output_token_ids) == [10, 11]  # Truncated to max_tokens", requests[0].output_ids, [10, 11])
-    expect("list(requests[1].output_token_ids) == [13]", requests[1].output_ids, [13])
-    # Test case 4: Ignore EOS flag
-    h, requests = _stop_case(cls, spec_token_ids=[[EOS_TOKEN_ID, 10]], sampled_token_ids=[[EOS_TOKEN_ID, 10, 11]],
-                             max_tokens=10, ignore_eos=True)
-    expect("not requests[0].is_finished()", not requests[0].status.is_finished)
-    expect("list(requests[0].output_token_ids) == [EOS_TOKEN_ID, 10, 11]", requests[0].output_ids,
-           [EOS_TOKEN_ID, 10, 11])
+    for options, spec, sampled, reason, outputs in STOP_CASES.values():
+        h = Harness(cls)
+        requests = h.create_requests(num_requests=len(sampled), **options)
+        ids = h.ids(requests)
+        h.update(h.running_after_schedule(requests, dict(zip(ids, spec))), dict(zip(ids, sampled)))
+        h.counts(running=1)
+        if len(requests) > 1:
+            expect("scheduler.running[0].request_id == requests[1].request_id", h.ids(h.scheduler.running), ["1"])
+        expect(STOPPED[reason], (requests[0].status.is_finished, requests[0].finish_reason),
+               (reason is not None, reason), "finished?, finish_reason")
+        if reason == "eos":
+            expect("requests[0].request_id in scheduler.finished_req_ids", "0" in h.scheduler.finished_req_ids)
+        for i, want in enumerate(outputs):
+            said = str(want).replace(str(EOS_TOKEN_ID), "EOS_TOKEN_ID")
+            expect(f"list(requests[{i}].output_token_ids) == {said}", requests[i].output_ids, want)
 
 
-class SpecStats(NamedTuple):
-    """What vLLM's spec-decoding stats should count after the verify step."""
-
-    num_drafts: int
-    num_draft_tokens: int
-    num_accepted_tokens: int
-    num_accepted_tokens_per_pos: list
-
-
-def _spec(*, spec_tokens, output_tokens, **expected) -> dict:
-    return {"spec_tokens": spec_tokens, "output_tokens": output_tokens, "expected": SpecStats(**expected)}
-
-
-SPEC_CASES = {  # "mirror some of those in test_rejection_sampler.py"
-    "perfect match": _spec(spec_tokens=[[1, 2, 3]], output_tokens=[[1, 2, 3, 4]], num_drafts=1, num_draft_tokens=3,
-                           num_accepted_tokens=3, num_accepted_tokens_per_pos=[1, 1, 1]),
-    "early mismatch": _spec(spec_tokens=[[1, 2, 3]], output_tokens=[[1, 5]], num_drafts=1, num_draft_tokens=3,
-                            num_accepted_tokens=1, num_accepted_tokens_per_pos=[1, 0, 0]),
-    "multiple sequences": _spec(spec_tokens=[[1, 2], [3]], output_tokens=[[1, 2, 5], [3, 4]], num_drafts=2,
-                                num_draft_tokens=3, num_accepted_tokens=3, num_accepted_tokens_per_pos=[2, 1]),
-    "single token sequence": _spec(spec_tokens=[[1]], output_tokens=[[1, 2]], num_drafts=1, num_draft_tokens=1,
-                                   num_accepted_tokens=1, num_accepted_tokens_per_pos=[1]),
-    "empty sequence": _spec(spec_tokens=[[]], output_tokens=[[5]], num_drafts=0, num_draft_tokens=0,
-                            num_accepted_tokens=0, num_accepted_tokens_per_pos=[0]),
-    "multiple mismatches": _spec(spec_tokens=[[1, 2, 3], [4, 5, 6]], output_tokens=[[1, 2, 7], [4, 8]], num_drafts=2,
-                                 num_draft_tokens=6, num_accepted_tokens=3, num_accepted_tokens_per_pos=[2, 1, 0]),
+# test_schedule_spec_decoding_stats's cases ("mirror some of those in test_rejection_sampler.py"): each request's
+# guesses, the tokens the model samples to check them, and the STATS expected
+STATS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos")
+SPEC_CASES = {
+    "perfect match": ([[1, 2, 3]], [[1, 2, 3, 4]], (1, 3, 3, [1, 1, 1])),
+    "early mismatch": ([[1, 2, 3]], [[1, 5]], (1, 3, 1, [1, 0, 0])),
+    "multiple sequences": ([[1, 2], [3]], [[1, 2, 5], [3, 4]], (2, 3, 3, [2, 1])),
+    "single token sequence": ([[1]], [[1, 2]], (1, 1, 1, [1])),
+    "empty sequence": ([[]], [[5]], (0, 0, 0, [0])),
+    "multiple mismatches": ([[1, 2, 3], [4, 5, 6]], [[1, 2, 7], [4, 8]], (2, 6, 3, [2, 1, 0])),
 }
 
 
-def test_schedule_spec_decoding_stats(cls, spec_tokens, output_tokens, expected):
-    num_spec_tokens = max(1, max(len(t) for t in spec_tokens))
+def test_schedule_spec_decoding_stats(cls, case):
+    spec_tokens, output_tokens, expected = case
     h = Harness(cls)
-    requests = h.create_requests(num_requests=len(spec_tokens), num_tokens=1)
+    requests = h.add_request(*h.create_requests(num_requests=len(spec_tokens), num_tokens=1))
     req_ids = h.ids(requests)
-    h.add_request(*requests)
     output = h.schedule()  # a decode, which will also draft speculative tokens
-    expect("len(output.scheduled_new_reqs) == len(requests)", len(output.scheduled_new_reqs), len(requests))
+    h.counts(output, new=len(requests))
     expect("output.total_num_scheduled_tokens == len(requests)", output.total_num_scheduled_tokens, len(requests))
     for req_id in req_ids:
         expect("output.num_scheduled_tokens[req_id] == 1", output.num_scheduled_tokens.get(req_id), 1)
@@ -147,35 +110,35 @@ def test_schedule_spec_decoding_stats(cls, spec_tokens, output_tokens, expected)
     for i, running_req in enumerate(h.scheduler.running):
         expect("running_req.num_computed_tokens == 1", running_req.num_computed_tokens, 1, "the prompt token")
         expect("running_req.num_tokens == 2", running_req.num_tokens, 2, "the prompt token and the sampled token")
-        expect("running_req.num_tokens_with_spec == 2 + len(spec_tokens[i])",
-               running_req.num_tokens + len(running_req.draft_ids), 2 + len(spec_tokens[i]), "num_tokens + len(draft_ids)")
+        expect("running_req.num_tokens_with_spec == 2 + len(spec_tokens[i])", running_req.num_tokens
+               + len(running_req.draft_ids), 2 + len(spec_tokens[i]), "num_tokens + len(draft_ids)")
     output = h.schedule()  # the speculated tokens, for validation
-    expect("len(output.scheduled_new_reqs) == 0", len(output.scheduled_new_reqs), 0)
+    h.counts(output, new=0)
     expect("output.total_num_scheduled_tokens == len(requests) + sum(len(ids) for ids in spec_tokens)",
            output.total_num_scheduled_tokens, len(requests) + sum(len(ids) for ids in spec_tokens))
+    guesses = output.scheduled_spec_decode_tokens
     for req_id, spec in zip(req_ids, spec_tokens):
         expect("output.num_scheduled_tokens[req_id] == 1 + len(spec_tokens[i])", output.num_scheduled_tokens.get(req_id),
                1 + len(spec))
         if spec:
             expect("len(output.scheduled_spec_decode_tokens[req_id]) == len(spec_tokens[i])",
-                   len(output.scheduled_spec_decode_tokens.get(req_id, ())), len(spec))
+                   len(guesses.get(req_id, ())), len(spec))
         else:
-            expect("req_id not in output.scheduled_spec_decode_tokens", req_id not in output.scheduled_spec_decode_tokens)
+            expect("req_id not in output.scheduled_spec_decode_tokens", req_id not in guesses)
     h.update(output, dict(zip(req_ids, output_tokens)))
     accepted = [s.num_computed_tokens - 2 for s in requests]  # past the prompt and the token before the guesses
-    stats = (len(output.scheduled_spec_decode_tokens), sum(map(len, output.scheduled_spec_decode_tokens.values())),
-             sum(accepted), [sum(a > j for a in accepted) for j in range(num_spec_tokens)])
-    for k, name in enumerate(("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos")):
+    stats = (len(guesses), sum(map(len, guesses.values())), sum(accepted),
+             [sum(a > j for a in accepted) for j in range(max(1, *map(len, spec_tokens)))])
+    for k, name in enumerate(STATS):
         expect(f"stats.{name} == expected[{k}]", stats[k], expected[k],
                "accepted guesses: how far num_computed_tokens moved past the token before them")
 
 
 def test_no_spec_tokens_scheduled_for_prefill_chunks(cls):
     h = Harness(cls, max_num_batched_tokens=50)  # num_speculative_tokens=3; an 80-token prompt
-    (req,) = h.create_requests(num_requests=1, num_tokens=80)
-    h.add_request(req)
+    (req,) = h.add_request(*h.create_requests(num_requests=1, num_tokens=80))
     output = h.schedule()  # a prefill chunk, 50 of 80 tokens
-    expect("len(output.scheduled_new_reqs) == 1", len(output.scheduled_new_reqs), 1)
+    h.counts(output, new=1)
     expect("output.num_scheduled_tokens[req.request_id] == 50", output.num_scheduled_tokens.get("0"), 50)
     h.update(output, {"0": []})  # no sampled token: still prefilling
     h.update_draft_token_ids(["0"], [[1, 2, 3]])  # ignored for a prefill chunk
@@ -221,11 +184,8 @@ def test_memory_leak(cls):
         if not h.scheduler.running:
             break
         h.update(out, {r: [1000] for r in out.num_scheduled_tokens})
-    for what, got in (("len(scheduler.requests) == 0", len(h.scheduler.requests)),
-                      ("len(scheduler.waiting) == 0", len(h.scheduler.waiting)),
-                      ("len(scheduler.running) == 0", len(h.scheduler.running)),
-                      ("len(scheduler.finished_req_ids) == 0", len(h.scheduler.finished_req_ids))):
-        expect(what, got, 0, "no leaks")
+    for name in ("requests", "waiting", "running", "finished_req_ids"):
+        expect(f"len(scheduler.{name}) == 0", len(getattr(h.scheduler, name)), 0, "no leaks")
     expect("num_free_blocks == (scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1)", h.kv.num_free_blocks,
            h.num_blocks - 1, "every block back")
 
@@ -233,34 +193,36 @@ def test_memory_leak(cls):
 # -- the priority tests, on a scheduler made as create_scheduler_with_priority makes one (a smaller number is more
 # urgent, ties go to the earlier arrival); the preemption-and-resumption test runs without its KV and EC connectors
 
-def _priority(cls, **kwargs) -> Harness:
-    return Harness(cls, policy="priority", **kwargs)
-
-
-def _order_case(cls, priorities, arrival_times, want):
-    h = _priority(cls)
-    requests = h.create_requests(len(priorities), priorities=priorities, arrival_times=arrival_times)
-    h.add_request(*requests)
+def _first_step_case(cls, priorities, arrival_times, first, waiting=None, **options):
+    """The priority tests of one shape: requests of ``priorities`` arrive, one step is planned and admits ``first``
+    (in that order; with ``waiting``, in any order and the rest waits in the queue's order, ``waiting``)."""
+    h = Harness(cls, policy="priority", **options)
+    h.add_request(*h.create_requests(len(priorities), priorities=priorities, arrival_times=arrival_times))
     output = h.schedule()
-    expect(f"len(output.scheduled_new_reqs) == {len(want)}", len(output.scheduled_new_reqs), len(want),
-           "should schedule all requests since they fit in budget")
-    expect(f"scheduled_req_ids == {want}", [r.req_id for r in output.scheduled_new_reqs], want)
+    h.counts(output, new=len(first))
+    scheduled = [r.req_id for r in output.scheduled_new_reqs]
+    if waiting is None:
+        expect(f"scheduled_req_ids == {first}", scheduled, first, "should schedule all requests since they fit in budget")
+        return
+    expect(f"scheduled request ids == {first}", sorted(scheduled), sorted(first))
+    h.counts(output, waiting=len(waiting))
+    expect(f"waiting_req_ids == {waiting}", h.ids(h.scheduler.waiting), waiting,
+           "iterating the waiting queue gives the policy's order")
 
 
 def test_priority_scheduling_preemption(cls):
     """Under KV block pressure the lowest-priority *running* request is preempted, not the highest."""
-    h = _priority(cls, max_num_seqs=3, max_num_batched_tokens=200, num_blocks=6, block_size=16)  # 5 usable blocks
-    (lo1,) = h.create_requests(1, num_tokens=32, priorities=[5], arrival_times=[1.0], req_ids=["lo1"])
-    h.add_request(lo1)
+    h = Harness(cls, policy="priority", max_num_seqs=3, max_num_batched_tokens=200, num_blocks=6,
+                block_size=16)  # 5 usable blocks
+    h.add_request(*h.create_requests(1, num_tokens=32, priorities=[5], arrival_times=[1.0], req_ids=["lo1"]))
     output = h.schedule()
-    expect("len(output.scheduled_new_reqs) == 1", len(output.scheduled_new_reqs), 1)
+    h.counts(output, new=1)
     h.update(output, {"lo1": [100]})  # lo1 now has 33 tokens
-    (hi1,) = h.create_requests(1, num_tokens=32, priorities=[0], arrival_times=[2.0], req_ids=["hi1"])
-    h.add_request(hi1)
+    h.add_request(*h.create_requests(1, num_tokens=32, priorities=[0], arrival_times=[2.0], req_ids=["hi1"]))
     output = h.schedule()  # lo1 gets its 3rd block, hi1 is admitted: 5 used, 0 free
     expect('any(r.req_id == "hi1" for r in output.scheduled_new_reqs)',
            any(r.req_id == "hi1" for r in output.scheduled_new_reqs))
-    expect("len(scheduler.running) == 2", len(h.scheduler.running), 2)
+    h.counts(output, running=2)
     h.update(output, {"lo1": [101], "hi1": [100]})
     h.schedule()  # hi1 needs a 3rd block, none is free: max(running, key=(priority, arrival_time)) is lo1
     expect("lo1_req.status == RequestStatus.PREEMPTED", h.scheduler.requests["lo1"].status, RequestStatus.PREEMPTED,
@@ -270,37 +232,19 @@ def test_priority_scheduling_preemption(cls):
 
 
 def test_priority_scheduling_no_preemption_when_space_available(cls):
-    h = _priority(cls, max_num_seqs=3, max_num_batched_tokens=200)
-    low = h.create_requests(2, num_tokens=30, priorities=[5, 5], arrival_times=[1.0, 2.0], req_ids=["lo1", "lo2"])
-    h.add_request(*low)
-    output = h.schedule()
-    h.update(output, {"lo1": [100], "lo2": [100]})
-    (high,) = h.create_requests(1, num_tokens=30, priorities=[0], arrival_times=[3.0], req_ids=["hi1"])
-    h.add_request(high)
-    output = h.schedule()  # should not preempt since there's space
-    expect("len(output.scheduled_new_reqs) == 1", len(output.scheduled_new_reqs), 1)
-    expect("len(scheduler.running) == 3  # All three requests running", len(h.scheduler.running), 3)
-    expect("len(scheduler.waiting) == 0  # No requests waiting", len(h.scheduler.waiting), 0)
-
-
-def _one_slot_case(cls, priorities, arrival_times, first, waiting_ids, max_num_seqs=1, max_num_batched_tokens=8192):
-    h = _priority(cls, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
-    requests = h.create_requests(len(priorities), priorities=priorities, arrival_times=arrival_times)
-    h.add_request(*requests)
-    output = h.schedule()
-    expect(f"len(output.scheduled_new_reqs) == {len(first)}", len(output.scheduled_new_reqs), len(first))
-    expect(f"scheduled request ids == {first}", sorted(r.req_id for r in output.scheduled_new_reqs), sorted(first))
-    expect(f"len(scheduler.waiting) == {len(waiting_ids)}", len(h.scheduler.waiting), len(waiting_ids))
-    expect(f"waiting_req_ids == {waiting_ids}", [r.request_id for r in h.scheduler.waiting], waiting_ids,
-           "iterating the waiting queue gives the policy's order")
+    h = Harness(cls, policy="priority", max_num_seqs=3, max_num_batched_tokens=200)
+    h.add_request(*h.create_requests(2, num_tokens=30, priorities=[5, 5], arrival_times=[1.0, 2.0],
+                                     req_ids=["lo1", "lo2"]))
+    h.update(h.schedule(), {"lo1": [100], "lo2": [100]})
+    h.add_request(*h.create_requests(1, num_tokens=30, priorities=[0], arrival_times=[3.0], req_ids=["hi1"]))
+    h.counts(h.schedule(), new=1, running=3, waiting=0)  # should not preempt since there's space
 
 
 def test_priority_scheduling_heap_property(cls):
     priorities = [5, 1, 8, 3, 2, 7, 4, 6]
-    h = _priority(cls, max_num_seqs=1)
-    requests = h.create_requests(len(priorities), priorities=priorities,
-                                 arrival_times=[float(i) for i in range(len(priorities))])
-    h.add_request(*requests)
+    h = Harness(cls, policy="priority", max_num_seqs=1)
+    requests = h.add_request(*h.create_requests(len(priorities), priorities=priorities,
+                                                arrival_times=[float(i) for i in range(len(priorities))]))
     scheduled = []
     for _ in range(4 * len(priorities)):  # `while scheduler.waiting:`, bounded
         if not len(h.scheduler.waiting):
@@ -315,80 +259,70 @@ def test_priority_scheduling_heap_property(cls):
 
 
 def test_priority_scheduling_preemption_and_resumption_when_out_of_kv(cls):
-    h = _priority(cls, max_num_seqs=2, max_num_batched_tokens=200, num_blocks=5, block_size=16)  # 64 tokens
-    (low,) = h.create_requests(1, num_tokens=30, priorities=[1], arrival_times=[0.0], starting_idx=0)
-    h.add_request(low)
-    output = h.schedule()  # 1st schedule
-    expect("len(output.scheduled_new_reqs) == 1", len(output.scheduled_new_reqs), 1)
-    expect("len(scheduler.running) == 1", len(h.scheduler.running), 1)
+    h = Harness(cls, policy="priority", max_num_seqs=2, max_num_batched_tokens=200, num_blocks=5, block_size=16)
+    (low,) = h.add_request(*h.create_requests(1, num_tokens=30, priorities=[1], arrival_times=[0.0]))
+    output = h.schedule()  # 1st schedule; room for 64 tokens
+    h.counts(output, new=1, running=1)
     h.update(output, {low.request_id: [100]})
-    (high,) = h.create_requests(1, num_tokens=32, priorities=[0], arrival_times=[1.0], starting_idx=1)
-    h.add_request(high)
+    (high,) = h.add_request(*h.create_requests(1, num_tokens=32, priorities=[0], arrival_times=[1.0], starting_idx=1))
     output = h.schedule()  # 2nd schedule: the KV cache is full
     expect("scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 0", h.kv.num_free_blocks, 0)
-    expect("len(output.scheduled_new_reqs) == 1", len(output.scheduled_new_reqs), 1)
-    expect("output.scheduled_cached_reqs.num_reqs == 1", len(output.scheduled_cached_reqs.req_ids), 1)
-    expect("len(scheduler.running) == 2", len(h.scheduler.running), 2)
+    h.counts(output, new=1, cached=1, running=2)
     h.update(output, {low.request_id: [100], high.request_id: [100]})
     output = h.schedule()  # 3rd schedule: low needs 32 tokens, high 33 -- 5 blocks, and 4 fit
-    expect("len(output.scheduled_new_reqs) == 0", len(output.scheduled_new_reqs), 0)
+    h.counts(output, new=0)
     expect("output.scheduled_cached_reqs.req_ids[0] == request_high.request_id",
            output.scheduled_cached_reqs.req_ids[:1], [high.request_id])
     expect("scheduler.requests[request_low.request_id].status == RequestStatus.PREEMPTED", low.status,
            RequestStatus.PREEMPTED)
-    expect("output.scheduled_cached_reqs.num_reqs == 1", len(output.scheduled_cached_reqs.req_ids), 1)
-    expect("len(scheduler.waiting) == 1", len(h.scheduler.waiting), 1)
-    expect("len(scheduler.running) == 1", len(h.scheduler.running), 1)
+    h.counts(output, cached=1, waiting=1, running=1)
     h.update(output, {low.request_id: [], high.request_id: [100]})
     h.finish_requests(high)  # to make room for the preempted request to resume
     output = h.schedule()  # 4th schedule: the resumption
-    expect("len(scheduler.waiting) == 0", len(h.scheduler.waiting), 0)
-    expect("len(scheduler.running) == 1", len(h.scheduler.running), 1)
-    expect("len(output.scheduled_new_reqs) == 0", len(output.scheduled_new_reqs), 0)
-    expect("scheduled_cached_reqs.req_ids[0] == request_low.request_id", output.scheduled_cached_reqs.req_ids[:1],
-           [low.request_id])
-    expect("request_low.request_id in scheduled_cached_reqs.resumed_req_ids",
-           low.request_id in output.scheduled_cached_reqs.resumed_req_ids)
+    h.counts(output, waiting=0, running=1, new=0)
+    resumed = output.scheduled_cached_reqs
+    expect("scheduled_cached_reqs.req_ids[0] == request_low.request_id", resumed.req_ids[:1], [low.request_id])
+    expect("request_low.request_id in scheduled_cached_reqs.resumed_req_ids", low.request_id in resumed.resumed_req_ids)
     expect("len(scheduled_cached_reqs.all_token_ids[request_low.request_id]) == 32",
-           len(output.scheduled_cached_reqs.all_token_ids.get(low.request_id, ())), 32,
+           len(resumed.all_token_ids.get(low.request_id, ())), 32,
            "resumed tokens include 30 prompt tokens and 2 decoded tokens")
 
 
-# vLLM's tests in its order, name -> (the test, its arguments besides cls). Many differ only in their requests: the
-# priorities and arrival times of the requests made, the ids scheduled first and (one slot) those left waiting.
+def _first_step(**case):
+    return _first_step_case, case
+
+
+# vLLM's tests in its order, name -> (the test, its arguments besides cls); most differ only in their requests'
+# priorities and arrival times, the ids the first step admits and (when some must wait) the ids left waiting
 PRIORITY_TESTS = {f"test_priority_scheduling_{name}": case for name, case in {
-    "basic_ordering": (_order_case, dict(priorities=[2, 0, 1], arrival_times=[1.0, 2.0, 3.0], want=["1", "2", "0"])),
-    "arrival_time_tiebreaker": (_order_case, dict(priorities=[1, 1, 1], arrival_times=[3.0, 1.0, 2.0],
-                                                  want=["1", "2", "0"])),
-    "mixed_priority_and_arrival": (_order_case, dict(priorities=[2, 1, 1, 0], arrival_times=[1.0, 3.0, 2.0, 4.0],
-                                                     want=["3", "2", "1", "0"])),
+    "basic_ordering": _first_step(priorities=[2, 0, 1], arrival_times=[1.0, 2.0, 3.0], first=["1", "2", "0"]),
+    "arrival_time_tiebreaker": _first_step(priorities=[1, 1, 1], arrival_times=[3.0, 1.0, 2.0], first=["1", "2", "0"]),
+    "mixed_priority_and_arrival": _first_step(priorities=[2, 1, 1, 0], arrival_times=[1.0, 3.0, 2.0, 4.0],
+                                              first=["3", "2", "1", "0"]),
     "preemption": (test_priority_scheduling_preemption, {}),
     "no_preemption_when_space_available": (test_priority_scheduling_no_preemption_when_space_available, {}),
-    "preemption_victim_selection": (_one_slot_case, dict(priorities=[3, 2, 0], arrival_times=[1.0, 2.0, 3.0],
-                                                         first=["2"], waiting_ids=["1", "0"])),
-    "equal_priority_preemption": (_one_slot_case, dict(priorities=[2, 2, 2], arrival_times=[3.0, 1.0, 2.0],
-                                                       first=["1"], waiting_ids=["2", "0"])),
-    "waiting_queue_order": (_one_slot_case, dict(priorities=[3, 1, 2, 0], arrival_times=[1.0, 2.0, 3.0, 4.0],
-                                                 first=["3"], waiting_ids=["1", "2", "0"])),
-    "fcfs_fallback": (_order_case, dict(priorities=[1, 1, 1, 1], arrival_times=[4.0, 1.0, 3.0, 2.0],
-                                        want=["1", "3", "2", "0"])),
-    "with_limited_slots": (_one_slot_case, dict(priorities=[3, 1, 2, 0], arrival_times=[1.0, 2.0, 3.0, 4.0],
-                                                first=["3", "1"], waiting_ids=["2", "0"], max_num_seqs=2,
-                                                max_num_batched_tokens=1000)),
+    "preemption_victim_selection": _first_step(priorities=[3, 2, 0], arrival_times=[1.0, 2.0, 3.0], first=["2"],
+                                               waiting=["1", "0"], max_num_seqs=1),
+    "equal_priority_preemption": _first_step(priorities=[2, 2, 2], arrival_times=[3.0, 1.0, 2.0], first=["1"],
+                                             waiting=["2", "0"], max_num_seqs=1),
+    "waiting_queue_order": _first_step(priorities=[3, 1, 2, 0], arrival_times=[1.0, 2.0, 3.0, 4.0], first=["3"],
+                                       waiting=["1", "2", "0"], max_num_seqs=1),
+    "fcfs_fallback": _first_step(priorities=[1, 1, 1, 1], arrival_times=[4.0, 1.0, 3.0, 2.0],
+                                 first=["1", "3", "2", "0"]),
+    "with_limited_slots": _first_step(priorities=[3, 1, 2, 0], arrival_times=[1.0, 2.0, 3.0, 4.0], first=["3", "1"],
+                                      waiting=["2", "0"], max_num_seqs=2, max_num_batched_tokens=1000),
     "heap_property": (test_priority_scheduling_heap_property, {}),
     "preemption_and_resumption_when_out_of_kv": (test_priority_scheduling_preemption_and_resumption_when_out_of_kv, {}),
 }.items()}
-
-
 TESTS = {"test_schedule[prefix caching off]": (test_schedule, {"enable_prefix_caching": False}),
          "test_schedule[prefix caching on]": (test_schedule, {"enable_prefix_caching": True}),
          "test_schedule_order[chunked prefill]": (test_schedule_order, {}),
-         "test_stop_via_update_from_output": (test_stop_via_update_from_output, {})}
-TESTS.update({f"test_schedule_spec_decoding_stats[{k}]": (test_schedule_spec_decoding_stats, case)
-              for k, case in SPEC_CASES.items()})
-TESTS.update({f.__name__: (f, {}) for f in (test_no_spec_tokens_scheduled_for_prefill_chunks,
-                                             test_spec_decode_padding_skipped_for_diffusion, test_memory_leak)})
-TESTS.update(PRIORITY_TESTS)  # name -> (test, its arguments besides cls)
+         "test_stop_via_update_from_output": (test_stop_via_update_from_output, {}),
+         **{f"test_schedule_spec_decoding_stats[{name}]": (test_schedule_spec_decoding_stats, {"case": case})
+            for name, case in SPEC_CASES.items()},
+         **{f.__name__: (f, {}) for f in (test_no_spec_tokens_scheduled_for_prefill_chunks,
+                                          test_spec_decode_padding_skipped_for_diffusion, test_memory_leak)},
+         **PRIORITY_TESTS}  # name -> (test, its arguments besides cls)
 
 
 @dataclass
