@@ -142,9 +142,9 @@ class Scheduler:
     # -- after the forward pass: the output becomes request state ---------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput, output: RunnerOutput, now: float) -> list[Sequence]:
         """Append each request's sampled tokens, check its stop rules, and free the blocks of those that
-        finished -- after their last token is recorded (forgetting the free is the leak every engine has
-        had once). ``output``'s lists are in the worker's order: each request is found by its id, as in
-        V1's ``update_from_output``. Returns the sequences that finished on this step."""
+        finished, after their last token is recorded (a free missed here leaks the blocks). ``output``'s
+        lists are in the worker's order: each request is found by its id, as in V1's
+        ``update_from_output``. Returns the sequences that finished on this step."""
         finished = []
         start = scheduler_output.num_computed_tokens_of()
         index = output.req_id_to_index
