@@ -65,7 +65,7 @@ HINTS = {
     "twice_admitted": "a request admitted in this step was planned again as a running one: running requests come first",
     "twice": "a request was added to the plan twice in one step",
     "no_tokens": "a request was planned for no tokens: plan only what feeds at least one token",
-    "no_tokens_budget": "a request was planned for no tokens while a token of budget was left: a chunk is "
+    "no_tokens_budget": "a request was planned for no tokens while a token of budget was left: a chunk is cut to "
                         "min(what it lacks, budget) -- not to one less",
     "not_running": ("the plan holds a request that is not running ", ROOM_STAGE, "(never admitted): admit() moves it "
                     "into the batch, plan.add(seq, n) plans it", "(preempted in this step, or never admitted): "
