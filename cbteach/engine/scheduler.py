@@ -20,10 +20,9 @@ from __future__ import annotations
 import math
 
 from ..core.config import SchedulerConfig
-from ..core.scheduler_output import RunnerOutput
 from ..core.request import RequestStatus, Sequence
 from ..core.sampling import stop_reason
-from ..core.scheduler_output import SchedulerOutput, StepPlan, make_scheduler_output
+from ..core.scheduler_output import RunnerOutput, SchedulerOutput, StepPlan, make_scheduler_output
 from .policies import make_queue
 
 __all__ = ["Scheduler", "SchedulerOutput", "StepPlan"]

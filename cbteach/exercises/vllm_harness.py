@@ -9,10 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..core.config import SchedulerConfig
-from ..core.scheduler_output import RunnerOutput
 from ..core.request import Request, RequestStatus, Sequence
 from ..core.sampling import SamplingParams
-from ..core.scheduler_output import CachedRequestData, SchedulerOutput
+from ..core.scheduler_output import CachedRequestData, RunnerOutput, SchedulerOutput
 from ..kv.manager import KVCacheManager
 
 VLLM_COMMIT = "003df2961dd8830c317a61f9745ccd557da9fa06"  # the newest vllm-project/vllm stored when ported
