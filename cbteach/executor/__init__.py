@@ -28,7 +28,7 @@ __all__ = ["make_executor", "UniProcExecutor"]
 def make_executor(model, view, info, kv_cache, config, update_batch=None, swaps: bool = False, forks: bool = False,
                   spec: bool = False):
     """The executor for ``config``: ``view`` is the engine's own view of ``model`` (one process);
-    ``update_batch`` a learner's own message-to-batch function (notebook 06), one process only;
+    ``update_batch`` a learner's own message-to-batch function (notebook 06b), one process only;
     ``swaps``: the scheduler sends V0's swaps (:mod:`cbteach.worker.swap_runner` carries them out);
     ``forks``: parallel sampling by fork (:mod:`cbteach.worker.fork_runner`); ``spec``: the scheduler sends
     speculative guesses (:mod:`cbteach.worker.spec_runner`)."""

@@ -36,11 +36,85 @@ from . import recovery
 NOT_FINITE = "the model produced logits that are not finite for this request"
 
 
+# -- 1. the message changes the batch ------------------------------------------------------------------
+def update_batch(runner, msg) -> None:
+    """Change ``runner.requests`` (a :class:`CachedRequestState` per request it holds) and
+    ``runner.input_batch`` (a row per request scheduled now) as ``msg`` says, in the order of V1's
+    ``GPUModelRunner._update_states``:
+
+    1. **forget who finished** -- their states and their rows;
+    2. **rows of requests not scheduled now leave the batch** (preempted, or left out by the token
+       budget); their states stay, they will be back;
+    3. **new requests** get a state: prompt, sampling parameters, a generator, block ids, where they start;
+    4. **cached requests** get where they start now and their new blocks, appended -- or their whole table,
+       if resumed after a preemption (or, cbteach's, a table changed other than by appending); a resumed
+       request that missed the step before also gets its token ids. Those with a row change in place;
+    5. **add, then condense**: new and returning requests take the lowest free rows, the last rows move
+       into the holes, and rows ``0 .. num_reqs - 1`` are this step's batch, in packed order.
+
+    Notebook 06b asks you to write it yourself and runs the engine on yours (``Engine(..., update_batch=...)``).
+    """
+    batch = runner.input_batch
+    for rid in msg.finished_req_ids:  # 1.
+        runner.requests.pop(rid, None)
+        batch.remove_request(rid)
+    for rid in [r for r in batch.req_id_to_index if r not in msg.num_scheduled_tokens]:  # 2.
+        batch.remove_request(rid)
+    to_add = []
+    for new in msg.scheduled_new_reqs:  # 3.
+        old = runner.requests.get(new.req_id)  # a forked sample: its generator drew its first token already
+        state = CachedRequestState(
+            req_id=new.req_id, prompt_token_ids=list(new.prompt_token_ids), sampling_params=new.sampling_params,
+            generator=old.generator if old is not None else new_generator(new), block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens, output_token_ids=list(new.output_token_ids))
+        runner.requests[new.req_id] = state
+        to_add.append(state)
+    cached = msg.scheduled_cached_reqs  # 4.
+    for i, rid in enumerate(cached.req_ids):
+        state = runner.requests[rid]
+        state.num_computed_tokens = cached.num_computed_tokens[i]
+        resumed = rid in cached.resumed_req_ids
+        whole = resumed or rid in cached.replaced_req_ids
+        if rid in cached.all_token_ids:
+            state.output_token_ids = list(cached.all_token_ids[rid][len(state.prompt_token_ids):])
+        new_blocks = cached.new_block_ids[i]
+        if whole:
+            state.block_ids = list(new_blocks)
+        else:
+            state.block_ids.extend(new_blocks)
+        row = batch.req_id_to_index.get(rid)
+        if row is not None and resumed:  # (V1 too takes a resumed request out of its batch and adds it afresh:
+            # its reset_prefix_cache's forced preemption can leave one there)
+            batch.remove_request(rid)
+            row = None
+        if row is None:
+            to_add.append(state)
+            continue
+        batch.num_computed_tokens[row] = state.num_computed_tokens
+        if whole:
+            batch.block_table.add_row(state.block_ids, row)
+        else:
+            batch.block_table.append_row(new_blocks, row)
+    for state in to_add:  # 5.
+        batch.add_request(state)
+    batch.condense()
+
+
+def new_generator(new):
+    """The random stream of a request seen for the first time: ``seed + sample_index`` (``None``: an
+    unseeded request draws from the global stream), or a handed-over request's stream, going on."""
+    generator = make_generator(new.sampling_params, new.sample_index)
+    if generator is not None and new.generator_state is not None:
+        generator.set_state(torch.tensor(list(new.generator_state), dtype=torch.uint8))
+    return generator
+
+
 class ModelRunner:
     """Runs each step's message on ``model`` (the engine's own view of the user's model,
     :func:`~cbteach.core.model_view.model_view`) over ``kv_cache``'s pool."""
 
     step_cls = Step  # what prepare_inputs builds
+    default_update_batch = staticmethod(update_batch)  # V1's order (above)
 
     def __init__(self, model, kv_cache, *, device, accepts_logits_to_keep: bool, max_num_reqs: int,
                  max_model_len: int | None = None, update_batch=None):
@@ -50,7 +124,7 @@ class ModelRunner:
         self.requests: dict[object, CachedRequestState] = {}  # every request it was told of and not yet finished
         self.input_batch = InputBatch(max_num_reqs, max_model_len)
         self.unwritten_blocks: set[int] = set()
-        self.update_batch = update_batch  # one written in notebook 06b; None: this module's update_batch
+        self.update_batch = update_batch or self.default_update_batch  # notebook 06b's, if given
 
     def close(self) -> None:
         """Nothing to release here (the engine's ``close`` lets go of the pool)."""
@@ -80,10 +154,7 @@ class ModelRunner:
 
     def update_states(self, msg) -> None:
         """The message changes the batch (V1's ``_update_states``): :func:`update_batch`, or the one given."""
-        if self.update_batch is not None:
-            self.update_batch(self, msg)
-        else:
-            update_batch(self, msg)
+        self.update_batch(self, msg)
 
     def changes_pool_first(self, msg) -> bool:
         """Whether ``msg`` writes inside the KV pool before its step (never here): a step in flight ends first."""
@@ -198,79 +269,6 @@ class ModelRunner:
                 b.append_token_ids(row, tokens)
         if rows:
             b.append_one_each(rows, toks)
-
-
-# -- 1. the message changes the batch ------------------------------------------------------------------
-def update_batch(runner, msg) -> None:
-    """Change ``runner.requests`` (a :class:`CachedRequestState` per request it holds) and
-    ``runner.input_batch`` (a row per request scheduled now) as ``msg`` says, in the order of V1's
-    ``GPUModelRunner._update_states``:
-
-    1. **forget who finished** -- their states and their rows;
-    2. **rows of requests not scheduled now leave the batch** (preempted, or left out by the token
-       budget); their states stay, they will be back;
-    3. **new requests** get a state: prompt, sampling parameters, a generator, block ids, where they start;
-    4. **cached requests** get where they start now and their new blocks, appended -- or their whole table,
-       if resumed after a preemption (or, cbteach's, a table changed other than by appending); a resumed
-       request that missed the step before also gets its token ids. Those with a row change in place;
-    5. **add, then condense**: new and returning requests take the lowest free rows, the last rows move
-       into the holes, and rows ``0 .. num_reqs - 1`` are this step's batch, in packed order.
-
-    Notebook 06b asks you to write it yourself and runs the engine on yours (``Engine(..., update_batch=...)``).
-    """
-    batch = runner.input_batch
-    for rid in msg.finished_req_ids:  # 1.
-        runner.requests.pop(rid, None)
-        batch.remove_request(rid)
-    for rid in [r for r in batch.req_id_to_index if r not in msg.num_scheduled_tokens]:  # 2.
-        batch.remove_request(rid)
-    to_add = []
-    for new in msg.scheduled_new_reqs:  # 3.
-        old = runner.requests.get(new.req_id)  # a forked sample: its generator drew its first token already
-        state = CachedRequestState(
-            req_id=new.req_id, prompt_token_ids=list(new.prompt_token_ids), sampling_params=new.sampling_params,
-            generator=old.generator if old is not None else new_generator(new), block_ids=list(new.block_ids),
-            num_computed_tokens=new.num_computed_tokens, output_token_ids=list(new.output_token_ids))
-        runner.requests[new.req_id] = state
-        to_add.append(state)
-    cached = msg.scheduled_cached_reqs  # 4.
-    for i, rid in enumerate(cached.req_ids):
-        state = runner.requests[rid]
-        state.num_computed_tokens = cached.num_computed_tokens[i]
-        resumed = rid in cached.resumed_req_ids
-        whole = resumed or rid in cached.replaced_req_ids
-        if rid in cached.all_token_ids:
-            state.output_token_ids = list(cached.all_token_ids[rid][len(state.prompt_token_ids):])
-        new_blocks = cached.new_block_ids[i]
-        if whole:
-            state.block_ids = list(new_blocks)
-        else:
-            state.block_ids.extend(new_blocks)
-        row = batch.req_id_to_index.get(rid)
-        if row is not None and resumed:  # (V1 too takes a resumed request out of its batch and adds it afresh:
-            # its reset_prefix_cache's forced preemption can leave one there)
-            batch.remove_request(rid)
-            row = None
-        if row is None:
-            to_add.append(state)
-            continue
-        batch.num_computed_tokens[row] = state.num_computed_tokens
-        if whole:
-            batch.block_table.add_row(state.block_ids, row)
-        else:
-            batch.block_table.append_row(new_blocks, row)
-    for state in to_add:  # 5.
-        batch.add_request(state)
-    batch.condense()
-
-
-def new_generator(new):
-    """The random stream of a request seen for the first time: ``seed + sample_index`` (``None``: an
-    unseeded request draws from the global stream), or a handed-over request's stream, going on."""
-    generator = make_generator(new.sampling_params, new.sample_index)
-    if generator is not None and new.generator_state is not None:
-        generator.set_state(torch.tensor(list(new.generator_state), dtype=torch.uint8))
-    return generator
 
 
 # -- 3. sampling: tokens on the device, then on the host ------------------------------------------
