@@ -2,9 +2,9 @@
 
 Every layer needs the same facts about the packed row (vLLM's ``CommonAttentionMetadata``): where each
 sequence's queries start (``query_start_loc``), its context length (``seq_lens``), where this step's K/V
-go in the pool (``slot_mapping``) and which blocks to read (``block_tables``). The host computes the small
-integer arrays with numpy and sends them in **one** copy; what grows with the blocks read (the slot
-mapping, the masks) is computed from them on the device. Paged attention runs one call per
+go in the pool (``slot_mapping``) and which blocks to read (``block_tables``). The host computes these
+integer arrays with numpy -- a few integers per token and per block -- and sends them in **one** copy;
+only the masks, which grow with the keys read, are made on the device. Paged attention runs one call per
 :class:`AttentionGroup` -- decodes, prefills -- so a long prompt does not pad every decode to its length.
 """
 from __future__ import annotations
@@ -75,17 +75,17 @@ def build(token_ids, num_computed_tokens: list[int], num_scheduled_tokens: list[
           block_tables=None, block_size: int | None = None, bucket_shapes: bool = False,
           num_blocks: list[int] | None = None) -> AttentionMetadata:
     """Metadata for a packed row of ``token_ids`` (a list or 1-D CPU tensor: each sequence's scheduled
-    tokens, in order). ``block_tables``: block-id lists, or a 2-D CPU tensor whose rows hold ``num_blocks``
-    blocks each. ``bucket_shapes`` pads each group to powers of two, so a GPU meets a few shapes, not a
+    tokens, in order). ``block_tables``: block-id lists, or a 2-D CPU tensor or numpy array whose rows hold
+    ``num_blocks`` blocks each. ``bucket_shapes`` pads each group to powers of two, so a GPU meets a few shapes, not a
     new one (and its one-off setup) every step."""
+    B, T = len(num_scheduled_tokens), len(token_ids)
+    if B == 0 or len(num_computed_tokens) != B or sum(num_scheduled_tokens) != T or min(num_scheduled_tokens) < 1:
+        raise ValueError("build() needs >= 1 sequence, each feeding >= 1 token, and one count per sequence")
+    # Every integer array on the host, with numpy (a small numpy operation costs a fraction of a torch
+    # one), then sent in one copy; on the device only views of it and each group's mask.
     computed = np.asarray(num_computed_tokens, dtype=np.int64)
     scheduled = np.asarray(num_scheduled_tokens, dtype=np.int64)
-    B, T = len(scheduled), len(token_ids)
-    if B == 0 or len(computed) != B or int(scheduled.sum()) != T or scheduled.min() < 1:
-        raise ValueError("build() needs >= 1 sequence, each feeding >= 1 token, and one count per sequence")
-    # Per-sequence and per-token integers, on the host: a few numpy operations.
-    qsl = np.zeros(B + 1, dtype=np.int64)
-    np.cumsum(scheduled, out=qsl[1:])
+    qsl = np.arange(B + 1) if T == B else np.concatenate([[0], np.cumsum(scheduled)])
     seq_lens = computed + scheduled
     seq_of_token = np.arange(B) if T == B else np.repeat(np.arange(B), scheduled)
     positions = computed if T == B else np.arange(T) - qsl[seq_of_token] + computed[seq_of_token]
@@ -96,12 +96,11 @@ def build(token_ids, num_computed_tokens: list[int], num_scheduled_tokens: list[
         tables, lengths = _as_table(block_tables, num_blocks)
         width, groups, members = _plan_groups(lengths, num_scheduled_tokens, bucket_shapes)
         tables = _padded(tables, width)
-        host += [tables.ravel(), seq_of_token]
-        shapes = []
+        slot_mapping = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+        host += [tables.ravel(), slot_mapping, np.arange(max(nb for _, nb, _ in groups) * block_size)]  # key positions
         for (q_len, nb, span), idx in zip(groups, members):
             q_index, q_pos, rows = _group_rows(idx, q_len, span, qsl, scheduled, seq_lens, T)
-            host += [q_index.ravel(), q_pos.ravel(), rows.ravel()]
-            shapes.append((len(idx), q_len, rows.shape[0]))
+            host += [q_index.ravel(), q_pos.ravel(), tables[rows, :nb].ravel()]
     # The step's one host -> device transfer of metadata (from pageable memory, so a plain copy).
     flat = torch.from_numpy(np.concatenate(host)).to(device)
     parts = flat.split([len(h) for h in host])
@@ -112,18 +111,14 @@ def build(token_ids, num_computed_tokens: list[int], num_scheduled_tokens: list[
         logits_indices=logits_indices)
     if not paged:
         return meta
-    table_t, seq_of_token_t = parts[5].view(B, width), parts[6]
-    meta.block_size, meta.block_tables = block_size, table_t
-    meta.slot_mapping = table_t[seq_of_token_t, positions_t // block_size] * block_size + positions_t % block_size
-    keys = torch.arange(max(nb for _, nb, _ in groups) * block_size, device=flat.device)
-    for k, ((q_len, nb, span), (size, _, _)) in enumerate(zip(groups, shapes)):
-        q_index, q_pos, rows = parts[7 + 3 * k:10 + 3 * k]
-        q_pos = q_pos.view(size, q_len)
+    meta.block_size, meta.block_tables, meta.slot_mapping, keys = block_size, parts[5].view(B, width), parts[6], parts[7]
+    for k, (q_len, nb, span) in enumerate(groups):
+        q_index, q_pos, tables_g = parts[8 + 3 * k:11 + 3 * k]
+        q_pos = q_pos.view(-1, q_len)
         mask = (keys[:nb * block_size] <= q_pos[:, :, None])[:, None]  # [G, 1, Q, K]: causal, own sequence only
         packed = (int(qsl[span[0]]), int(qsl[span[1]])) if span else None
-        tables_g = table_t[span[0]:span[1], :nb] if span else table_t[rows][:, :nb]
-        meta.groups.append(AttentionGroup(q_index=q_index.view(size, q_len), block_tables=tables_g, mask=mask,
-                                          rows=packed))
+        meta.groups.append(AttentionGroup(q_index=q_index.view(-1, q_len), block_tables=tables_g.view(-1, nb),
+                                          mask=mask, rows=packed))
     # Decided once per step, not once per layer: how attention lays out its queries and output.
     meta.scratch_row = any(g.rows is None for g in meta.groups)
     meta.whole_row = len(meta.groups) == 1 and meta.groups[0].rows == (0, T)
@@ -133,12 +128,13 @@ def build(token_ids, num_computed_tokens: list[int], num_scheduled_tokens: list[
 def _group_rows(idx: list[int], q_len: int, span, qsl, scheduled, seq_lens, T: int):
     """For group ``idx`` (``-1``: a dummy): each query's packed row (padding: ``T``), its position
     (padding: 0, so it sees key 0 only), and whose block tables the group reads."""
-    j = np.arange(q_len)
     if span is not None:  # consecutive sequences, q_len queries each, no padding
-        first, last = span
-        return np.arange(qsl[first], qsl[last]), ((seq_lens[first:last] - q_len)[:, None] + j).ravel(), \
-            np.arange(first, last)
-    i = np.asarray(idx, dtype=np.int64)
+        i = np.arange(*span)
+    else:
+        i = np.asarray(idx, dtype=np.int64)
+    j = np.arange(q_len)
+    if span is not None or (q_len == 1 and i.min() >= 0):  # q_len queries each (decodes: one), no padding
+        return qsl[i][:, None] + j, (seq_lens[i] - q_len)[:, None] + j, i
     real = i >= 0
     i = np.maximum(i, 0)
     n_sched = np.where(real, scheduled[i], 0)[:, None]
@@ -150,11 +146,11 @@ def _group_rows(idx: list[int], q_len: int, span, qsl, scheduled, seq_lens, T: i
 
 def _as_table(block_tables, num_blocks):
     """``(table, lengths)``: the block tables as a 2-D numpy array and each row's number of blocks."""
-    if isinstance(block_tables, torch.Tensor):
+    if isinstance(block_tables, (torch.Tensor, np.ndarray)):
         if num_blocks is None:
             raise ValueError("a block-table tensor needs num_blocks: how many entries of each row are blocks")
         lengths = num_blocks.tolist() if hasattr(num_blocks, "tolist") else [int(n) for n in num_blocks]
-        return block_tables.numpy(), lengths
+        return (block_tables.numpy() if isinstance(block_tables, torch.Tensor) else block_tables), lengths
     lengths = [len(t) for t in block_tables]
     width = max(lengths)
     return np.array([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=np.int64), lengths

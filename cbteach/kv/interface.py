@@ -92,7 +92,7 @@ class KVCache(Protocol):
     def build_metadata(self, token_ids, num_computed, num_scheduled, device, block_tables=None, num_blocks=None,
                        request_ids=()):
         """The step's :class:`~cbteach.attention.metadata.AttentionMetadata`, built once per step from the
-        worker's own rows: their block tables (paged: lists, or the batch's block-table tensor with
+        worker's own rows: their block tables (paged: lists, or the batch's block-table array with
         ``num_blocks`` per row) or their ids (concat)."""
 
     def forward_kwargs(self, meta) -> dict:

@@ -47,7 +47,7 @@ class PagedKVPool:
     @property
     def bytes_per_token(self) -> int:
         """K and V of one token in every layer."""
-        return 2 * len(self.k) * self.k[0][0, 0].nbytes
+        return self.bytes_per_token_for(len(self.k), *self.k[0].shape[2:], dtype=self.k[0].dtype)
 
     @property
     def nbytes(self) -> int:
@@ -134,7 +134,7 @@ class PagedKVCache:
     # -- one step ---------------------------------------------------------------------------
     def build_metadata(self, token_ids, num_computed, num_scheduled, device, block_tables=None, num_blocks=None,
                        request_ids=None):
-        """The step's metadata for rows with these block tables: lists, or the worker's block-table tensor
+        """The step's metadata for rows with these block tables: lists, or the worker's block-table array
         with ``num_blocks`` per row (``request_ids``: only the concat cache needs them)."""
         meta = attn_metadata.build(token_ids, num_computed, num_scheduled, device, block_tables=block_tables,
                                    block_size=self.block_size, bucket_shapes=self.bucket_shapes, num_blocks=num_blocks)

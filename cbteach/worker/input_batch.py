@@ -147,6 +147,7 @@ class InputBatch:
 
     def append_one_each(self, rows: list[int], tokens: list[int]) -> None:
         """One token each for ``rows`` (a step's decodes), in one write."""
+        rows = np.asarray(rows)
         ends = self.num_tokens[rows]
         self._fit_width(int(ends.max()) + 1)
         self.token_ids_np[rows, ends] = tokens

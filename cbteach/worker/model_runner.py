@@ -20,6 +20,7 @@ its own. When the forward pass raises, cbteach's rule, not V1's: one request's f
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -181,7 +182,7 @@ class ModelRunner:
         idx = first if T == B else np.repeat(first - np.cumsum([0, *counts[:-1]]), counts) + np.arange(T)
         step = self.step_cls(msg, list(range(B)), req_ids, starts, counts, samples,
                              input_ids=b.token_ids_np.reshape(-1)[idx])
-        self.build_inputs(step, b.block_table.table[:B], b.block_table.num_blocks[:B])
+        self.build_inputs(step, b.block_table.np[:B], b.block_table.num_blocks[:B])
         self._sampling_inputs(step)
         return step
 
@@ -274,16 +275,22 @@ class ModelRunner:
 # -- 3. sampling: tokens on the device, then on the host ------------------------------------------
 @dataclass
 class DeviceSample:
-    """A step's sampled tokens, still on the device. ``tokens[i]``: what row ``i`` feeds next (0 where it
-    samples nothing or failed: that output is dropped); ``finite[i]``: its logits were finite."""
+    """A step's sampled tokens, still on the device. ``tokens[i]``: what row ``i`` feeds next (where it
+    samples nothing or failed, that output is dropped on the host); ``top[i]``: the largest of its logits
+    -- not finite when its logits were not."""
 
     tokens: torch.Tensor
-    finite: torch.Tensor
+    top: torch.Tensor
     errors: dict = field(default_factory=dict)  # row -> what went wrong when drawing its token
+
+    @property
+    def finite(self) -> torch.Tensor:
+        """Per row: its logits were finite (their largest is: a NaN or an infinity would be)."""
+        return torch.isfinite(self.top)
 
     def to_host(self) -> tuple[list, list]:
         """The device -> host copy: tokens and finite flags, as lists."""
-        return self.tokens.tolist(), self.finite.tolist()
+        return self.tokens.tolist(), [math.isfinite(x) for x in self.top.tolist()]
 
 
 def sample_on_device(logits: torch.Tensor, params: list, generators: list) -> DeviceSample:
@@ -291,18 +298,14 @@ def sample_on_device(logits: torch.Tensor, params: list, generators: list) -> De
     ``i``'s sampling parameters and generator (``None``: greedy; the global stream). A greedy batch
     never leaves the device here."""
     top, tokens = logits.max(dim=-1)  # (the first maximum, as argmax and generate take it)
-    finite = torch.isfinite(top)
-    out = DeviceSample(tokens=tokens, finite=finite)
+    out = DeviceSample(tokens=tokens, top=top)
     random_rows = [i for i, p in enumerate(params) if p is not None and not p.greedy]
     if random_rows:
-        ok = finite.tolist()  # a draw from non-finite logits would fail anyway
+        ok = out.finite.tolist()  # a draw from non-finite logits would fail anyway
         for i in random_rows:
             if ok[i]:
                 try:
                     tokens[i] = sample(logits[i:i + 1], [params[i]], [generators[i]])[0]
                 except (RuntimeError, ValueError) as err:
                     out.errors[i] = f"sampling failed: {err}"
-    tokens.masked_fill_(~finite, 0)  # (no sync with the device: a failed row feeds 0, and is dropped)
-    for i in out.errors:
-        tokens[i] = 0
     return out
