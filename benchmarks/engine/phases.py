@@ -11,7 +11,9 @@ function that does it, whichever version is imported (``PYTHONPATH`` picks it):
 * forward -- the model's own forward pass, timed by hooks on the model (public torch API);
 * sample -- the worker's sampling and its host copy (``sample`` + ``finish``; before: ``finish``);
 * update -- ``EngineCore.apply_output`` (``update_from_output`` and the step's record);
-* other -- the rest of the loop. "Host" is everything but the forward pass.
+* other -- the rest of the loop. "Host" is everything but the forward pass; "host / forward" divides it
+  by the forward pass of the same run, which neither version changes: a measure the machine's drift
+  (a third within minutes here) moves less.
 
     git worktree add /tmp/before 10bd805
     for i in 1 2 3; do
@@ -123,13 +125,14 @@ def table(paths: list[str]) -> None:
         data = json.load(open(path))
         for m in data["results"]:
             rows[(data["label"], m["batch"])].append(m["median"])
-    print("| version | batch | runs | wall s (median) | host ms/step | " + " | ".join(PHASES) + " |")
-    print("|---|---|---|---|---|" + "---|" * len(PHASES))
+    print("| version | batch | runs | wall s (median) | host ms/step | host / forward | " + " | ".join(PHASES) + " |")
+    print("|---|---|---|---|---|---|" + "---|" * len(PHASES))
     for (label, batch), meds in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         mid = sorted(meds, key=lambda m: m["wall"])[len(meds) // 2]
         ph = " | ".join(f"{statistics.median(m['ms_per_step'][p] for m in meds):.3f}" for p in PHASES)
+        ratio = statistics.median(m["host_ms_per_step"] / m["ms_per_step"]["forward"] for m in meds)
         print(f"| {label} | {batch} | {len(meds)} | {mid['wall']:.2f} | "
-              f"{statistics.median(m['host_ms_per_step'] for m in meds):.3f} | {ph} |")
+              f"{statistics.median(m['host_ms_per_step'] for m in meds):.3f} | {ratio:.3f} | {ph} |")
 
 
 def main() -> None:
@@ -154,7 +157,8 @@ def main() -> None:
     for m in results:
         med = m["median"]
         print(f"{a.label} batch {m['batch']} ({m['layout']}): wall {med['wall']:.2f} s, host {med['host_ms_per_step']:.3f} "
-              "ms/step: " + ", ".join(f"{k} {v:.3f}" for k, v in med["ms_per_step"].items()))
+              f"ms/step ({med['host_ms_per_step'] / med['ms_per_step']['forward']:.3f} of the forward pass): "
+              + ", ".join(f"{k} {v:.3f}" for k, v in med["ms_per_step"].items()))
     out["load_after"] = os.getloadavg()[0]
     if a.out:
         with open(a.out, "w") as f:
