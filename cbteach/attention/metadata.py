@@ -76,8 +76,8 @@ def build(token_ids, num_computed_tokens: list[int], num_scheduled_tokens: list[
           num_blocks: list[int] | None = None) -> AttentionMetadata:
     """Metadata for a packed row of ``token_ids`` (a list or 1-D CPU tensor: each sequence's scheduled
     tokens, in order). ``block_tables``: block-id lists, or a 2-D CPU tensor or numpy array whose rows hold
-    ``num_blocks`` blocks each. ``bucket_shapes`` pads each group to powers of two, so a GPU meets a few shapes, not a
-    new one (and its one-off setup) every step."""
+    ``num_blocks`` blocks each. ``bucket_shapes`` pads each group to powers of two, so a GPU meets a few
+    shapes, not a new one (and its one-off setup) every step."""
     B, T = len(num_scheduled_tokens), len(token_ids)
     if B == 0 or len(num_computed_tokens) != B or sum(num_scheduled_tokens) != T or min(num_scheduled_tokens) < 1:
         raise ValueError("build() needs >= 1 sequence, each feeding >= 1 token, and one count per sequence")
@@ -97,7 +97,8 @@ def build(token_ids, num_computed_tokens: list[int], num_scheduled_tokens: list[
         width, groups, members = _plan_groups(lengths, num_scheduled_tokens, bucket_shapes)
         tables = _padded(tables, width)
         slot_mapping = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
-        host += [tables.ravel(), slot_mapping, np.arange(max(nb for _, nb, _ in groups) * block_size)]  # key positions
+        keys = np.arange(max(nb for _, nb, _ in groups) * block_size)  # every key position (parts[7]), for the masks
+        host += [tables.ravel(), slot_mapping, keys]
         for (q_len, nb, span), idx in zip(groups, members):
             q_index, q_pos, rows = _group_rows(idx, q_len, span, qsl, scheduled, seq_lens, T)
             host += [q_index.ravel(), q_pos.ravel(), tables[rows, :nb].ravel()]
@@ -111,11 +112,11 @@ def build(token_ids, num_computed_tokens: list[int], num_scheduled_tokens: list[
         logits_indices=logits_indices)
     if not paged:
         return meta
-    meta.block_size, meta.block_tables, meta.slot_mapping, keys = block_size, parts[5].view(B, width), parts[6], parts[7]
+    meta.block_size, meta.block_tables, meta.slot_mapping = block_size, parts[5].view(B, width), parts[6]
     for k, (q_len, nb, span) in enumerate(groups):
         q_index, q_pos, tables_g = parts[8 + 3 * k:11 + 3 * k]
         q_pos = q_pos.view(-1, q_len)
-        mask = (keys[:nb * block_size] <= q_pos[:, :, None])[:, None]  # [G, 1, Q, K]: causal, own sequence only
+        mask = (parts[7][:nb * block_size] <= q_pos[:, :, None])[:, None]  # [G, 1, Q, K]: causal, own sequence only
         packed = (int(qsl[span[0]]), int(qsl[span[1]])) if span else None
         meta.groups.append(AttentionGroup(q_index=q_index.view(-1, q_len), block_tables=tables_g.view(-1, nb),
                                           mask=mask, rows=packed))
@@ -128,10 +129,7 @@ def build(token_ids, num_computed_tokens: list[int], num_scheduled_tokens: list[
 def _group_rows(idx: list[int], q_len: int, span, qsl, scheduled, seq_lens, T: int):
     """For group ``idx`` (``-1``: a dummy): each query's packed row (padding: ``T``), its position
     (padding: 0, so it sees key 0 only), and whose block tables the group reads."""
-    if span is not None:  # consecutive sequences, q_len queries each, no padding
-        i = np.arange(*span)
-    else:
-        i = np.asarray(idx, dtype=np.int64)
+    i = np.arange(*span) if span is not None else np.asarray(idx, dtype=np.int64)  # span: consecutive sequences
     j = np.arange(q_len)
     if span is not None or (q_len == 1 and i.min() >= 0):  # q_len queries each (decodes: one), no padding
         return qsl[i][:, None] + j, (seq_lens[i] - q_len)[:, None] + j, i
