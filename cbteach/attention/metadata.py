@@ -146,7 +146,7 @@ def _as_table(block_tables, num_blocks):
     """``(table, lengths)``: the block tables as a 2-D numpy array and each row's number of blocks."""
     if isinstance(block_tables, (torch.Tensor, np.ndarray)):
         if num_blocks is None:
-            raise ValueError("a block-table tensor needs num_blocks: how many entries of each row are blocks")
+            raise ValueError("a block-table tensor or array needs num_blocks: how many entries of each row are blocks")
         lengths = num_blocks.tolist() if hasattr(num_blocks, "tolist") else [int(n) for n in num_blocks]
         return (block_tables.numpy() if isinstance(block_tables, torch.Tensor) else block_tables), lengths
     lengths = [len(t) for t in block_tables]
