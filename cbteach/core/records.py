@@ -1,8 +1,10 @@
 """Step records: what each engine step did -- who ran, how many tokens from which position, who was
-admitted, preempted or finished -- the one thing the notebooks and visualisers read. The packed row and
-its mask are rebuilt on demand, not stored; ``Engine(keep_records=False)`` keeps none."""
+admitted, preempted or finished -- the one thing the notebooks and visualisers read. The per-sequence
+view, the packed row and its mask are built when first read, not in the step; ``Engine(keep_records=False)``
+keeps no record past its step."""
 from __future__ import annotations
 
+from collections.abc import Sequence as _Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -36,7 +38,7 @@ class StepRecord:
 
     step: int
     kv_kind: str  # "concat" or "paged": decides the key layout of the mask
-    seqs: list[SeqStep] = field(default_factory=list)
+    seqs: list[SeqStep] = field(default_factory=list)  # (the engine's: a SeqSteps, built when first read)
     admitted: list = field(default_factory=list)
     finished: list = field(default_factory=list)
     preempted: list = field(default_factory=list)
@@ -115,22 +117,15 @@ def new_record(step: int, kv_kind: str, start_time: float, plan) -> StepRecord:
 def fill_record(record: StepRecord, step, out, num_outputs_before: list[int], finished: list,
                 fed: bool = True) -> None:
     """Add what the planned ``step`` did, from the runner's output ``out`` and each sequence's output
-    length before the update. ``fed=False`` leaves ``token_ids`` empty (only the drawings read them)."""
+    length before the update. ``record.seqs`` is built from what is kept here when it is first read (a
+    server reads none); ``fed=False`` leaves its ``token_ids`` empty (only the drawings read them)."""
     record.finished = [s.request_id for s in finished]
-    plan = step.plan
-    starts = plan.num_computed_tokens_of()
-    # What each sequence got is what was appended to it (not a token dropped by the update).
-    ended = {id(s) for s in finished}
-    guesses = plan.scheduled_spec_decode_tokens
-    record.seqs = []
-    for s, k, b in zip(step.seqs, step.kinds, num_outputs_before):
-        start, n = starts[s.request_id], plan.num_scheduled_tokens[s.request_id]
-        drafts = guesses.get(s.request_id, ()) if guesses else ()
-        record.seqs.append(SeqStep(
-            request_id=s.request_id, slot=s.slot, kind=k, num_computed_tokens=start, num_scheduled_tokens=n,
-            token_ids=_fed(s, start, n - len(drafts), drafts) if fed else [], sampled=s.output_ids[-1] if len(s.output_ids) > b else None,
-            new_token_ids=s.output_ids[b:], num_draft_tokens=len(drafts),
-            finish_reason=s.finish_reason if len(s.output_ids) > b or id(s) in ended else None))
+    seqs = step.seqs
+    # What a sequence got is what was appended to it (not a token dropped by the update): its output
+    # length now. Its slot and finish reason now too, as they may change after this step.
+    now = [(s.slot, len(s.output_ids), s.finish_reason) for s in seqs]
+    kept = (step.plan, seqs, step.kinds, num_outputs_before, now, {id(s) for s in finished}, fed)
+    record.seqs = SeqSteps(len(seqs), kept)
     record.forward_time = out.forward_time
     if out.comm is not None:
         record.num_all_reduces, record.all_reduce_bytes = out.comm["all_reduces"], out.comm["all_reduce_bytes"]
@@ -139,7 +134,47 @@ def fill_record(record: StepRecord, step, out, num_outputs_before: list[int], fi
         record.kv_copy_time = out.traffic.seconds
 
 
-def _fed(seq, start: int, n: int, drafts) -> list[int]:
-    """The ids ``seq`` fed: its tokens ``start .. start + n - 1`` (0 where a failed step gave none), then ``drafts``."""
-    known = max(start, min(start + n, seq.num_tokens))
+class SeqSteps(_Sequence):
+    """A step's :class:`SeqStep` list, built from what the step kept the first time it is read."""
+
+    def __init__(self, n: int, kept: tuple):
+        self._n, self._kept, self._items = n, kept, None
+
+    def _list(self) -> list[SeqStep]:
+        if self._items is None:
+            self._items, self._kept = _seq_steps(*self._kept), None
+        return self._items
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        return self._list()[i]
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Sequence) and list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return repr(self._list())
+
+
+def _seq_steps(plan, seqs, kinds, num_outputs_before, now, ended, fed) -> list[SeqStep]:
+    starts = plan.num_computed_tokens_of()
+    guesses = plan.scheduled_spec_decode_tokens
+    steps = []
+    for s, k, b, (slot, after, reason) in zip(seqs, kinds, num_outputs_before, now):
+        start, n = starts[s.request_id], plan.num_scheduled_tokens[s.request_id]
+        drafts = guesses.get(s.request_id, ()) if guesses else ()
+        steps.append(SeqStep(
+            request_id=s.request_id, slot=slot, kind=k, num_computed_tokens=start, num_scheduled_tokens=n,
+            token_ids=_fed(s, start, n - len(drafts), drafts, len(s.prompt_ids) + after) if fed else [],
+            sampled=s.output_ids[after - 1] if after > b else None, new_token_ids=s.output_ids[b:after],
+            num_draft_tokens=len(drafts), finish_reason=reason if after > b or id(s) in ended else None))
+    return steps
+
+
+def _fed(seq, start: int, n: int, drafts, num_tokens: int) -> list[int]:
+    """The ids ``seq`` fed: its tokens ``start .. start + n - 1`` (0 where a failed step gave none), then
+    ``drafts``; ``num_tokens``: how many it had after the step."""
+    known = max(start, min(start + n, num_tokens))
     return seq.token_ids(start, known) + [0] * (start + n - known) + list(drafts)
