@@ -124,7 +124,7 @@ def fill_record(record: StepRecord, step, out, num_outputs_before: list[int], fi
     # What a sequence got is what was appended to it (not a token dropped by the update): its output
     # length now. Its slot and finish reason now too, as they may change after this step.
     now = [(s.slot, len(s.output_ids), s.finish_reason) for s in seqs]
-    kept = (step.plan, seqs, step.kinds, num_outputs_before, now, {id(s) for s in finished}, fed)
+    kept = (step.plan, seqs, step.num_generated, num_outputs_before, now, {id(s) for s in finished}, fed)
     record.seqs = SeqSteps(len(seqs), kept)
     record.forward_time = out.forward_time
     if out.comm is not None:
@@ -158,15 +158,17 @@ class SeqSteps(_Sequence):
         return repr(self._list())
 
 
-def _seq_steps(plan, seqs, kinds, num_outputs_before, now, ended, fed) -> list[SeqStep]:
+def _seq_steps(plan, seqs, num_generated, num_outputs_before, now, ended, fed) -> list[SeqStep]:
     starts = plan.num_computed_tokens_of()
     guesses = plan.scheduled_spec_decode_tokens
     steps = []
-    for s, k, b, (slot, after, reason) in zip(seqs, kinds, num_outputs_before, now):
+    for s, g, b, (slot, after, reason) in zip(seqs, num_generated, num_outputs_before, now):
         start, n = starts[s.request_id], plan.num_scheduled_tokens[s.request_id]
         drafts = guesses.get(s.request_id, ()) if guesses else ()
+        # A decode feeds its last generated token, everything before it computed (Sequence.is_decoding).
+        kind = "decode" if g and start == len(s.prompt_ids) + g - 1 else "prefill"
         steps.append(SeqStep(
-            request_id=s.request_id, slot=slot, kind=k, num_computed_tokens=start, num_scheduled_tokens=n,
+            request_id=s.request_id, slot=slot, kind=kind, num_computed_tokens=start, num_scheduled_tokens=n,
             token_ids=_fed(s, start, n - len(drafts), drafts, len(s.prompt_ids) + after) if fed else [],
             sampled=s.output_ids[after - 1] if after > b else None, new_token_ids=s.output_ids[b:after],
             num_draft_tokens=len(drafts), finish_reason=reason if after > b or id(s) in ended else None))

@@ -150,15 +150,12 @@ class Sequence:
         """Known tokens plus those a step in flight will give it."""
         return len(self.prompt_ids) + len(self.output_ids) + self.num_placeholders
 
-    def decodes_from(self, start: int) -> bool:
-        """Whether feeding from position ``start`` is a decode: everything before its last sampled token is
-        computed. Anything else -- a prompt, a chunk of one, a recompute after preemption -- is a prefill."""
-        return bool(self.output_ids or self.num_placeholders) and start == self.num_tokens_with_placeholders - 1
-
     @property
     def is_decoding(self) -> bool:
-        """Its next step is a decode."""
-        return self.decodes_from(self.num_computed_tokens)
+        """Its next step is a decode: everything before its last sampled token is computed. Anything else
+        -- a prompt, a chunk of one, a recompute after preemption -- is a prefill."""
+        generated = len(self.output_ids) + self.num_placeholders
+        return bool(generated) and self.num_computed_tokens == len(self.prompt_ids) + generated - 1
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, prompt={len(self.prompt_ids)}, out={len(self.output_ids)}, "

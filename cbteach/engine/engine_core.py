@@ -23,11 +23,12 @@ from .fingerprint import ModelWatch
 
 @dataclass
 class PlannedStep:
-    """A step as planned: the message, its live sequences in order, each one's kind then, the record."""
+    """A step as planned: the message, its live sequences in order, the tokens each had generated then
+    (in-flight ones included: what tells a decode from a prefill in its record), the record."""
 
     plan: object  # the SchedulerOutput
     seqs: list[Sequence]
-    kinds: list[str]
+    num_generated: list[int]
     record: StepRecord
 
 
@@ -114,10 +115,9 @@ class EngineCore:
     def begin_step(self, plan, start: float) -> PlannedStep:
         if self.rules is not None:
             self.rules.after_schedule(plan, start)
-        starts = plan.num_computed_tokens_of()
         seqs = [self.scheduler.requests[rid] for rid in plan.num_scheduled_tokens]
-        kinds = ["decode" if s.decodes_from(starts[s.request_id]) else "prefill" for s in seqs]
-        return PlannedStep(plan, seqs, kinds, new_record(self._num_steps, self.kv.kind, start, plan))
+        generated = [len(s.output_ids) + s.num_placeholders for s in seqs]
+        return PlannedStep(plan, seqs, generated, new_record(self._num_steps, self.kv.kind, start, plan))
 
     def advance_clock(self, plan, measured: float) -> None:
         """A simulated clock moves by the step's cost; the wall clock moves by itself."""
