@@ -7,6 +7,7 @@ up); concat refuses attention that ignores a 4-D mask; stop ids are generate's; 
 copies are counted as they happen; records can be switched off. And the vectorised paged attention
 equals the per-sequence reference.
 """
+import dataclasses
 import threading
 
 import pytest
@@ -265,6 +266,28 @@ def test_keep_records_false_keeps_no_history_and_stays_exact():
     assert [(s.request_id, s.kind, s.num_scheduled_tokens, s.new_token_ids, s.token_ids) for s in rec.seqs] == \
         [("a", "prefill", 2, got[0].output_ids[:1], [])]
 
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_record_read_late_says_what_its_step_did(async_scheduling):
+    """A record's per-sequence view is built when first read, not in the step: read at the end of a run
+    -- after preemptions moved slots, chunks, stops -- it is what the same run read step by step says."""
+    def run(read_each_step: bool) -> list:
+        g = torch.Generator().manual_seed(3)
+        eng = Engine(tiny_model("llama"), max_batch_size=3, kv="paged", block_size=4, num_blocks=10,
+                     token_budget=6, async_scheduling=async_scheduling)
+        for i, (n, m) in enumerate([(9, 12), (3, 15), (14, 6), (5, 10), (2, 9)]):
+            eng.add_request(Request(torch.randint(6, VOCAB, (n,), generator=g).tolist(), m, request_id=i))
+        seen = []
+        while eng.has_requests():
+            rec = eng.step()
+            if read_each_step:
+                seen.append([dataclasses.astuple(s) for s in rec.seqs])
+        assert any(r.preempted for r in eng.records), "this pool must preempt"
+        return seen if read_each_step else [[dataclasses.astuple(s) for s in r.seqs] for r in eng.records]
+
+    late, each = run(False), run(True)
+    assert [x for x in each if x] == [x for x in late if x] and sum(map(len, late)) > 30
 
 # -- vectorised paged attention == the per-sequence reference -------------------------------------
 STEPS = {  # (num_computed_tokens, num_scheduled_tokens) of one step

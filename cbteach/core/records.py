@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as _Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -109,11 +110,6 @@ class StepRecord:
         return f"StepRecord(step={self.step}, tokens={self.num_tokens} [{' '.join(parts)}]{extra})"
 
 
-def new_record(step: int, kv_kind: str, start_time: float, plan) -> StepRecord:
-    """A step's record as planned (who was admitted, who preempted...)."""
-    return StepRecord(step=step, kv_kind=kv_kind, start_time=start_time, **plan.record_fields())
-
-
 def fill_record(record: StepRecord, step, out, num_outputs_before: list[int], finished: list,
                 fed: bool = True) -> None:
     """Add what the planned ``step`` did, from the runner's output ``out`` and each sequence's output
@@ -138,24 +134,23 @@ class SeqSteps(_Sequence):
     """A step's :class:`SeqStep` list, built from what the step kept the first time it is read."""
 
     def __init__(self, n: int, kept: tuple):
-        self._n, self._kept, self._items = n, kept, None
+        self._n, self._kept = n, kept
 
-    def _list(self) -> list[SeqStep]:
-        if self._items is None:
-            self._items, self._kept = _seq_steps(*self._kept), None
-        return self._items
+    @cached_property
+    def _items(self) -> list[SeqStep]:
+        return _seq_steps(*self._kept)
 
     def __len__(self) -> int:
-        return self._n
+        return self._n  # (without building: the step reads it)
 
     def __getitem__(self, i):
-        return self._list()[i]
+        return self._items[i]
 
     def __eq__(self, other) -> bool:
         return isinstance(other, _Sequence) and list(self) == list(other)
 
     def __repr__(self) -> str:
-        return repr(self._list())
+        return repr(self._items)
 
 
 def _seq_steps(plan, seqs, num_generated, num_outputs_before, now, ended, fed) -> list[SeqStep]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..core import modelinfo
 from ..core.config import EngineConfig
-from ..core.records import StepRecord, fill_record, new_record
+from ..core.records import StepRecord, fill_record
 from ..core.request import Completion, Sequence
 from ..errors import EngineClosedError, EngineDeadError
 from .assemble import build_parts
@@ -117,7 +117,8 @@ class EngineCore:
             self.rules.after_schedule(plan, start)
         seqs = [self.scheduler.requests[rid] for rid in plan.num_scheduled_tokens]
         generated = [len(s.output_ids) + s.num_placeholders for s in seqs]
-        return PlannedStep(plan, seqs, generated, new_record(self._num_steps, self.kv.kind, start, plan))
+        record = StepRecord(step=self._num_steps, kv_kind=self.kv.kind, start_time=start, **plan.record_fields())
+        return PlannedStep(plan, seqs, generated, record)
 
     def advance_clock(self, plan, measured: float) -> None:
         """A simulated clock moves by the step's cost; the wall clock moves by itself."""

@@ -242,10 +242,6 @@ class ModelRunner:
                       for i, (s, f) in enumerate(zip(step.samples, finite))]
         return [[t] if s and e is None else None for t, s, e in zip(tokens, step.samples, errors)], errors
 
-    def row_alone(self, step: Step, i: int) -> Step:
-        """Row ``i`` of a step whose forward pass raised, as a step of its own."""
-        return recovery.alone(self, step, i)
-
     def join_outputs(self, req_ids: list, parts: list) -> RunnerOutput:
         """The rows of such a step, run alone, as one output again."""
         return recovery.join(req_ids, parts)

@@ -41,7 +41,7 @@ def recover(runner, step, err: Exception) -> RunnerOutput:
         try:
             if len(step.rows) == 1:
                 raise err
-            one = runner.row_alone(step, i)
+            one = alone(runner, step, i)
             runner.forward(one)
             runner.sample(one)
             parts.append(runner.finish(one))
