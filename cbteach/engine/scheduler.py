@@ -145,6 +145,7 @@ class Scheduler:
         lists are in the worker's order: each request is found by its id, as in V1's
         ``update_from_output``. Returns the sequences that finished on this step."""
         finished = []
+        start = scheduler_output.num_computed_tokens_of()
         index = output.req_id_to_index
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             seq = self.requests.get(rid)
@@ -153,7 +154,7 @@ class Scheduler:
             i = index[rid]
             tokens = output.sampled[i]
             if output.error(i) is not None:
-                self._fail(seq, output.error(i), finished, computed_before=scheduler_output.num_computed_tokens_of()[rid])
+                self._fail(seq, output.error(i), finished, computed_before=start[rid])
                 continue
             drafts = scheduler_output.num_draft_tokens(rid)
             if drafts:  # V1's spec tokens: the rejected guesses are no longer computed
