@@ -267,7 +267,6 @@ def test_keep_records_false_keeps_no_history_and_stays_exact():
         [("a", "prefill", 2, got[0].output_ids[:1], [])]
 
 
-
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_record_read_late_says_what_its_step_did(async_scheduling):
     """A record's per-sequence view is built when first read, not in the step: read at the end of a run
@@ -288,6 +287,7 @@ def test_a_record_read_late_says_what_its_step_did(async_scheduling):
 
     late, each = run(False), run(True)
     assert [x for x in each if x] == [x for x in late if x] and sum(map(len, late)) > 30
+
 
 # -- vectorised paged attention == the per-sequence reference -------------------------------------
 STEPS = {  # (num_computed_tokens, num_scheduled_tokens) of one step
