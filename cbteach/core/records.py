@@ -120,7 +120,7 @@ def fill_record(record: StepRecord, step, out, num_outputs_before: list[int], fi
     # What a sequence got is what was appended to it (not a token dropped by the update): its output
     # length now. Its slot and finish reason now too, as they may change after this step.
     now = [(s.slot, len(s.output_ids), s.finish_reason) for s in seqs]
-    kept = (step.plan, seqs, step.num_generated, num_outputs_before, now, {id(s) for s in finished}, fed)
+    kept = (step.plan, seqs, step.num_generated, num_outputs_before, now, tuple(finished), fed)
     record.seqs = SeqSteps(len(seqs), kept)
     record.forward_time = out.forward_time
     if out.comm is not None:
@@ -153,8 +153,8 @@ class SeqSteps(_Sequence):
         return repr(self._items)
 
 
-def _seq_steps(plan, seqs, num_generated, num_outputs_before, now, ended, fed) -> list[SeqStep]:
-    starts = plan.num_computed_tokens_of()
+def _seq_steps(plan, seqs, num_generated, num_outputs_before, now, finished, fed) -> list[SeqStep]:
+    starts, ended = plan.num_computed_tokens_of(), {id(s) for s in finished}
     guesses = plan.scheduled_spec_decode_tokens
     steps = []
     for s, g, b, (slot, after, reason) in zip(seqs, num_generated, num_outputs_before, now):
