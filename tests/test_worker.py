@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from cbteach import Engine, Request, SamplingParams
 from cbteach.core.scheduler_output import RunnerOutput
@@ -230,10 +231,8 @@ def test_async_steps_read_the_last_steps_tokens_on_the_device():
     pipeline = eng.executor.pipeline
     feed, pending = pipeline.feed, []
 
-    def watched(step, step_pending):
-        prev = pipeline.prev
-        fed = [(at, rid) for at, rid in step_pending if prev is not None and rid in prev[1]]
-        pending.append((len(step.counts), len(fed)))
+    def watched(step, step_pending):  # (step_pending: packed positions over the rows of the tokens fed there)
+        pending.append((len(step.counts), 0 if step_pending is None else step_pending.shape[1]))
         feed(step, step_pending)
 
     pipeline.feed = watched
@@ -242,3 +241,23 @@ def test_async_steps_read_the_last_steps_tokens_on_the_device():
     fed_steps = [n for n, fed in pending if fed]
     assert len(fed_steps) >= len(pending) // 2, pending
     assert sum(fed for _, fed in pending) > 20
+
+
+def test_a_step_copied_beside_is_read_from_its_host_copy_after_its_event():
+    """On CUDA the async runner starts a step's device -> host copy on a side stream as soon as it has
+    sampled (``copy_beside``, V1's ``AsyncGPUModelRunnerOutput``), so finishing it waits for that copy, not
+    for the next step queued behind it. Without a GPU here: what is read is the host copy, once its event
+    is waited on, with the finite flags; and a CPU runner makes no side stream."""
+    from cbteach.worker.async_runner import CopiedSample
+
+    waited = []
+
+    class Event:
+        def synchronize(self):
+            waited.append(True)
+
+    sample = CopiedSample(tokens=torch.tensor([0, 0]), top=torch.tensor([0.0, 0.0]), ready=Event(),
+                          host=(torch.tensor([5, 7]), torch.tensor([1.5, float("nan")])))
+    assert sample.to_host() == ([5, 7], [True, False]) and waited == [True]
+    eng = Engine(tiny_model("llama"), max_batch_size=2, kv="paged", async_scheduling=True)
+    assert eng.executor.pipeline.copy_stream is None

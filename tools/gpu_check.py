@@ -5,8 +5,8 @@
    picks (cuda, then mps, then cpu): cells that raised, and seconds, per notebook. Skipped (and
    said so) when nbclient is not installed or with ``--skip-notebooks``.
 2. **exact_fp32** -- on the device, in fp32, each batching mode (static, concat, paged, paged with a
-   token budget of 32) against per-prompt greedy ``model.generate`` on bierce headwords:
-   ``[equal, total]`` requests.
+   token budget of 32, paged under async scheduling -- on CUDA its host copies on a side stream) against
+   per-prompt greedy ``model.generate`` on bierce headwords: ``[equal, total]`` requests.
 3. **throughput** -- tokens/s of ``static``, ``cbteach_concat``, ``cbteach_paged`` and
    ``transformers_cb`` (see ``cbteach/bench/measure.py``) on two workloads: ``bierce`` (headwords, batch 32)
    and ``llama_1b`` (a random-weight Llama of TinyLlama-1.1B's shape, built from its config -- no
@@ -168,7 +168,8 @@ def exact_fp32(device, n, max_new, batch) -> dict:
     modes = {"static": lambda: static_batching(model, tok, reqs(), batch),
              "concat": lambda: Engine(model, tok, max_batch_size=batch, kv="concat").run(reqs()),
              "paged": lambda: Engine(model, tok, max_batch_size=batch, kv="paged").run(reqs()),
-             "paged_budget32": lambda: Engine(model, tok, max_batch_size=batch, kv="paged", token_budget=32).run(reqs())}
+             "paged_budget32": lambda: Engine(model, tok, max_batch_size=batch, kv="paged", token_budget=32).run(reqs()),
+             "paged_async": lambda: Engine(model, tok, max_batch_size=batch, kv="paged", async_scheduling=True).run(reqs())}
     if _has_kernel(device):
         modes["paged_triton"] = lambda: Engine(model, tok, max_batch_size=batch, kv="paged", attention="triton",
                                                token_budget=32).run(reqs())

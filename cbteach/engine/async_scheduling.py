@@ -29,8 +29,8 @@ Tokens are the same as the synchronous engine's.
 What is the same as vLLM V1 (``vllm/v1/core/sched/async_scheduler.py``, ``vllm/v1/engine/core.py``,
 ``vllm/v1/worker/gpu_model_runner.py``): placeholders on the scheduler's side; N+1 handed to the
 executor before N's output is waited on; the worker preparing N+1 while N is on the device and feeding
-N's tokens from the device. What is not: V1 copies N's tokens to the host on a side CUDA stream; see
-:mod:`cbteach.worker.async_runner`. The limits are
+N's tokens from the device; on CUDA, N's tokens copied to the host on a side stream
+(:mod:`cbteach.worker.async_runner`). The limits are
 cbteach's, not V1's: ``kv="paged"``, no speculative decoding (V1 runs it, with placeholder guesses
 its worker fills in), no swap preemption (V0's), and not under ``torchrun``.
 

@@ -25,19 +25,25 @@ copies inside the pool (V0's copy on write) would race the forward pass in fligh
 carries some waits for N first. On the CPU the device thread is a thread: PyTorch releases the
 interpreter lock inside its kernels, so host work overlaps the forward pass -- where the lock allows.
 
-Not V1's: V1 copies N's tokens to the host on a side CUDA stream and waits on an event; here
-``finish`` copies them on the default stream (on a GPU it would wait for N+1's forward).
+On CUDA, N's tokens would come to the host on the default stream *behind* N+1's kernels, queued there
+meanwhile: finishing N would wait for N+1's forward pass. So, as V1 does (``AsyncGPUModelRunnerOutput``
+in ``vllm/v1/worker/gpu_model_runner.py``), the copy starts on a side stream as soon as N has sampled,
+and finishing N waits on that copy's event alone (:func:`copy_beside`). On the CPU and Apple's MPS there
+is one stream: the copy is made when N is finished.
 """
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ..core.scheduler_output import RunnerOutput
 from . import recovery
+from .model_runner import DeviceSample
 
 
 class AsyncModelRunner:
@@ -49,13 +55,14 @@ class AsyncModelRunner:
         self.flight = None  # the step on the device: (Step, future, launch time)
         self.prev = None  # the last step's sampled tokens on the device, and {request id: index} (V1's prev_sampled_token_ids)
         self.recovered = False  # the last step waited for failed and was run again a request at a time
+        self.copy_stream = torch.cuda.Stream(runner.device) if runner.device.type == "cuda" else None
 
     def execute_model(self, msg) -> RunnerOutput | None:
         """Apply ``msg`` and prepare its step while the step in flight runs, then wait for that one and
         launch this one (if it schedules any tokens); the output of the step in flight before, or ``None``."""
         done = self._wait() if self.runner.changes_pool_first(msg) else None  # (not beside a forward pass)
         self.runner.update_states(msg)
-        step, pending = self._prepare(msg) if msg.total_num_scheduled_tokens else (None, [])
+        step, pending = self._prepare(msg) if msg.total_num_scheduled_tokens else (None, None)
         if done is None:
             done = self._wait()
         if step is not None:
@@ -85,32 +92,40 @@ class AsyncModelRunner:
         self.runner.forward(step)
         t1 = time.perf_counter()
         self.runner.sample(step)
-        self.prev = (step.sampled.tokens, {rid: i for i, rid in enumerate(step.req_ids) if step.samples[i]})
+        if self.copy_stream is not None:
+            step.sampled = copy_beside(step.sampled, self.copy_stream)
+        self.prev = (step.sampled.tokens, sampled_rows(step))
         return t0, t1
 
     def _prepare(self, msg, first=None) -> tuple:
-        """The step's inputs (prepared again after ``first``, if given), and its *pending* tokens: fed
-        positions past what the host knows -- the token the step in flight samples for the request, or,
-        if that step failed for it, none. Each is fed as 0 until :meth:`feed`; returns ``(step, [(packed
-        position, request id)])``."""
+        """The step's inputs (prepared again after ``first``, if given), and where its *pending* tokens
+        come from: fed positions past what the host knows -- the token the step before samples for the
+        request, or, if that step failed for it, none. Each is fed as 0 until :meth:`feed`; returns
+        ``(step, pending)``, ``pending`` a ``[2, k]`` tensor: packed positions over the rows of the step
+        before's sampled tokens that go there (``None``: none), found here, while that step runs."""
         step = self.runner.prepare_inputs(msg) if first is None else self.runner.prepare_again(msg, first)
         known = self.runner.input_batch.num_tokens[step.rows]
         if not np.any(np.add(step.starts, step.counts) > known):
-            return step, []
+            return step, None
         pending, at = [], 0
         for rid, start, count, end in zip(step.req_ids, step.starts, step.counts, known.tolist()):
             pending += [(at + p - start, rid) for p in range(max(start, end), start + count)]
             at += count
+        device = step.meta.input_ids.device
         where = [a for a, _ in pending]
         step.input_ids[where] = 0
-        step.meta.input_ids[0, torch.tensor(where, device=step.meta.input_ids.device)] = 0
-        return step, pending
+        step.meta.input_ids[0, torch.tensor(where, device=device)] = 0
+        # The rows of the tokens the step before samples: the step in flight's, or after it was waited
+        # for (and maybe run again a request at a time), those it left in self.prev.
+        rows = sampled_rows(self.flight[0]) if self.flight is not None else self.prev[1] if self.prev else {}
+        fed = [(a, rows[rid]) for a, rid in pending if rid in rows]
+        return step, (torch.tensor(fed, device=device).T if fed else None)
 
-    def feed(self, step, pending: list) -> None:
-        """A step's pending tokens -- sampled by the step before, not on the host yet -- read from the device."""
-        fed = [(at, self.prev[1][rid]) for at, rid in pending if self.prev is not None and rid in self.prev[1]]
-        if fed:
-            at, src = torch.tensor(fed, device=step.meta.input_ids.device).T
+    def feed(self, step, pending) -> None:
+        """A step's pending tokens -- sampled by the step before, not on the host yet -- read from the device
+        (``pending``: from :meth:`_prepare`)."""
+        if pending is not None:
+            at, src = pending
             step.meta.input_ids[0, at] = self.prev[0][src]
 
     def _wait(self):
@@ -134,3 +149,34 @@ class AsyncModelRunner:
             output.forward_span = (t0, t1)
             return output
         return finish
+
+
+def sampled_rows(step) -> dict:
+    """``{request id: row}`` of the rows of ``step`` that sample a token."""
+    return {rid: i for i, (rid, s) in enumerate(zip(step.req_ids, step.samples)) if s}
+
+
+@dataclass
+class CopiedSample(DeviceSample):
+    """A step's sampled tokens (still on the device, for the next step's feed) with their copy to the host
+    under way on a side stream: reading them waits for that copy only."""
+
+    host: tuple = ()  # (tokens, top) in host memory (pinned), written by the copy
+    ready: object = None  # a torch.cuda.Event recorded on the side stream after the copy
+
+    def to_host(self) -> tuple[list, list]:
+        self.ready.synchronize()
+        tokens, top = self.host
+        return tokens.tolist(), [math.isfinite(x) for x in top.tolist()]
+
+
+def copy_beside(sampled: DeviceSample, stream) -> CopiedSample:
+    """Start ``sampled``'s device -> host copy on ``stream`` (a ``torch.cuda.Stream``), after what the
+    current stream has queued so far: the sampling, not what is queued after it."""
+    stream.wait_stream(torch.cuda.current_stream(sampled.tokens.device))
+    with torch.cuda.stream(stream):
+        host = (sampled.tokens.to("cpu", non_blocking=True), sampled.top.to("cpu", non_blocking=True))
+        ready = torch.cuda.Event(blocking=True)
+        ready.record(stream)
+    # (The device tensors stay referenced here until the copy is read: their memory cannot be reused before.)
+    return CopiedSample(tokens=sampled.tokens, top=sampled.top, errors=sampled.errors, host=host, ready=ready)
