@@ -10,11 +10,14 @@ every process that runs one (the engine's, or each tensor-parallel rank's). One 
     prepare N+1    the message changes the batch and N+1's inputs are read from its rows, while N's
                    forward pass and sampling run on the device thread; a decode of the token N is
                    sampling is *pending* (fed as 0 for now)
-    wait for N     N's tokens exist on the device; a forward that raised is run again one request at
-                   a time (cbteach's recovery), and then N+1 is prepared again (N may have left blocks
-                   unwritten that N+1 reads)
-    launch N+1     the pending tokens are copied from N's device tensor into N+1's input ids (V1's
-                   ``prev_sampled_token_ids``), and the forward pass and the sampling start
+    queue N+1      on the device thread, behind N: once N has sampled, the pending tokens are copied
+                   from N's device tensor into N+1's input ids (V1's ``prev_sampled_token_ids``) and
+                   N+1's forward pass and sampling start -- without waiting for this thread, as a GPU
+                   runs the kernels queued on its stream
+    wait for N     until N+1 has started (or, when N raised, has seen it and not run): N's tokens exist
+                   on the device. A forward that raised is run again one request at a time (cbteach's
+                   recovery), and then N+1 is prepared again (N may have left blocks unwritten that N+1
+                   reads) and queued again
     finish N       N's tokens come to the host and join the rows and the states, while N+1's forward
                    pass runs; N's output is returned
 
@@ -24,6 +27,8 @@ a step takes what sampling reads (each row's parameters and generator) when it i
 copies inside the pool (V0's copy on write) would race the forward pass in flight: a message that
 carries some waits for N first. On the CPU the device thread is a thread: PyTorch releases the
 interpreter lock inside its kernels, so host work overlaps the forward pass -- where the lock allows.
+This thread waits for N+1's *start*, not for N's end, so that it does not take the lock from the
+device thread between N and N+1.
 
 On CUDA, N's tokens would come to the host on the default stream *behind* N+1's kernels, queued there
 meanwhile: finishing N would wait for N+1's forward pass. So, as V1 does (``AsyncGPUModelRunnerOutput``
@@ -34,6 +39,7 @@ is one stream: the copy is made when N is finished.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -52,25 +58,25 @@ class AsyncModelRunner:
     def __init__(self, runner):
         self.runner = runner
         self.device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cbteach-forward")
-        self.flight = None  # the step on the device: (Step, future, launch time)
+        self.flight = None  # the step on the device: (Step, future, launch time, set once it has started)
         self.prev = None  # the last step's sampled tokens on the device, and {request id: index} (V1's prev_sampled_token_ids)
         self.recovered = False  # the last step waited for failed and was run again a request at a time
+        self.broken = False  # a step on the device raised: the one queued behind it does not run
         self.copy_stream = torch.cuda.Stream(runner.device) if runner.device.type == "cuda" else None
 
     def execute_model(self, msg) -> RunnerOutput | None:
-        """Apply ``msg`` and prepare its step while the step in flight runs, then wait for that one and
-        launch this one (if it schedules any tokens); the output of the step in flight before, or ``None``."""
+        """Apply ``msg`` and prepare its step while the step in flight runs, queue it behind that one (if it
+        schedules any tokens), then wait for that one; the output of the step in flight before, or ``None``."""
         done = self._wait() if self.runner.changes_pool_first(msg) else None  # (not beside a forward pass)
         self.runner.update_states(msg)
         step, pending = self._prepare(msg) if msg.total_num_scheduled_tokens else (None, None)
+        queued = self._launch(step, pending) if step is not None else None
         if done is None:
-            done = self._wait()
-        if step is not None:
-            if self.recovered:  # N failed for someone: blocks it was to fill may be read by N+1 -- read again
-                step, pending = self._prepare(msg, first=step)
-            self.feed(step, pending)
-            self.flight = (step, self.device.submit(self._forward, step), time.perf_counter())
-            time.sleep(0)  # give up the interpreter lock: the device thread starts now, not at our next wait
+            done = self._wait(behind=queued)
+            if self.recovered and queued is not None:  # N failed for someone and N+1 did not run: blocks
+                step, pending = self._prepare(msg, first=step)  # N was to fill may be read by N+1 -- again
+                queued = self._launch(step, pending)
+        self.flight = queued
         return done() if done is not None else None
 
     def drain(self) -> RunnerOutput | None:
@@ -87,13 +93,29 @@ class AsyncModelRunner:
         return self.runner.generator_state(req_id)
 
     # -- internals ---------------------------------------------------------------------------
-    def _forward(self, step):
-        t0 = time.perf_counter()
-        self.runner.forward(step)
-        t1 = time.perf_counter()
-        self.runner.sample(step)
-        if self.copy_stream is not None:
-            step.sampled = copy_beside(step.sampled, self.copy_stream)
+    def _launch(self, step, pending) -> tuple:
+        """Queue ``step`` on the device thread, behind the step in flight (if any); its flight."""
+        started = threading.Event()
+        return step, self.device.submit(self._forward, step, pending, started), time.perf_counter(), started
+
+    def _forward(self, step, pending, started):
+        """On the device thread: feed ``step`` the tokens of the step before, run and sample it."""
+        try:
+            if self.broken:  # the step before raised: this one is prepared again after its recovery
+                return None
+            self.feed(step, pending)
+            started.set()
+            t0 = time.perf_counter()
+            self.runner.forward(step)
+            t1 = time.perf_counter()
+            self.runner.sample(step)
+            if self.copy_stream is not None:
+                step.sampled = copy_beside(step.sampled, self.copy_stream)
+        except BaseException:
+            self.broken = True
+            raise
+        finally:
+            started.set()
         self.prev = (step.sampled.tokens, sampled_rows(step))
         return t0, t1
 
@@ -128,15 +150,21 @@ class AsyncModelRunner:
             at, src = pending
             step.meta.input_ids[0, at] = self.prev[0][src]
 
-    def _wait(self):
-        """Wait for the step in flight; a function that finishes it (its tokens to the host), or ``None``."""
+    def _wait(self, behind=None):
+        """Wait for the step in flight -- if ``behind`` (the step queued after it), until that one has
+        started; a function that finishes the step (its tokens to the host), or ``None``."""
         self.recovered = False
         if self.flight is None:
             return None
-        (step, future, launched), self.flight = self.flight, None
+        (step, future, launched, _), self.flight = self.flight, None
+        if behind is not None:
+            behind[3].wait()  # (it has started, so this one has sampled; or it saw this one raise)
         try:
             t0, t1 = future.result()
         except Exception as err:  # noqa: BLE001  (isolate: find whose tokens failed)
+            if behind is not None:
+                behind[1].result()  # (it saw the failure and did not run)
+            self.broken = False
             output = recovery.recover(self.runner, step, err)  # (errors that stop the engine re-raise from here)
             output.forward_span = (launched, time.perf_counter())
             tokens = [(s or [0])[-1] for s in output.sampled]  # the next step reads them as if one pass had sampled them
