@@ -231,8 +231,8 @@ def test_async_steps_read_the_last_steps_tokens_on_the_device():
     pipeline = eng.executor.pipeline
     feed, pending = pipeline.feed, []
 
-    def watched(step, step_pending):  # (step_pending: packed positions over the rows of the tokens fed there)
-        pending.append((len(step.counts), 0 if step_pending is None else step_pending.shape[1]))
+    def watched(step, step_pending):  # (step_pending: packed positions, and the rows of the tokens fed there)
+        pending.append((len(step.counts), 0 if step_pending is None else len(step_pending[0])))
         feed(step, step_pending)
 
     pipeline.feed = watched

@@ -123,8 +123,8 @@ class AsyncModelRunner:
         """The step's inputs (prepared again after ``first``, if given), and where its *pending* tokens
         come from: fed positions past what the host knows -- the token the step before samples for the
         request, or, if that step failed for it, none. Each is fed as 0 until :meth:`feed`; returns
-        ``(step, pending)``, ``pending`` a ``[2, k]`` tensor: packed positions over the rows of the step
-        before's sampled tokens that go there (``None``: none), found here, while that step runs."""
+        ``(step, pending)``, ``pending`` two tensors of ``k``: packed positions, and the rows of the step
+        before's sampled tokens that go there (``None``: none) -- found here, while that step runs."""
         step = self.runner.prepare_inputs(msg) if first is None else self.runner.prepare_again(msg, first)
         known = self.runner.input_batch.num_tokens[step.rows]
         if not np.any(np.add(step.starts, step.counts) > known):
@@ -141,14 +141,14 @@ class AsyncModelRunner:
         # for (and maybe run again a request at a time), those it left in self.prev.
         rows = sampled_rows(self.flight[0]) if self.flight is not None else self.prev[1] if self.prev else {}
         fed = [(a, rows[rid]) for a, rid in pending if rid in rows]
-        return step, (torch.tensor(fed, device=device).T if fed else None)
+        return step, (tuple(torch.tensor(x, device=device) for x in zip(*fed)) if fed else None)
 
     def feed(self, step, pending) -> None:
         """A step's pending tokens -- sampled by the step before, not on the host yet -- read from the device
         (``pending``: from :meth:`_prepare`)."""
         if pending is not None:
             at, src = pending
-            step.meta.input_ids[0, at] = self.prev[0][src]
+            step.meta.input_ids[0].index_copy_(0, at, self.prev[0].index_select(0, src))
 
     def _wait(self, behind=None):
         """Wait for the step in flight -- if ``behind`` (the step queued after it), until that one has
