@@ -148,7 +148,7 @@ class AsyncModelRunner:
         (``pending``: from :meth:`_prepare`)."""
         if pending is not None:
             at, src = pending
-            step.meta.input_ids[0].index_copy_(0, at, self.prev[0].index_select(0, src))
+            step.meta.input_ids[0, at] = self.prev[0][src]
 
     def _wait(self, behind=None):
         """Wait for the step in flight -- if ``behind`` (the step queued after it), until that one has
