@@ -7,10 +7,10 @@ vLLM V1 hides it by overlapping it with the forward pass. One :meth:`AsyncSteppe
 
     plan N+1      (host; step N's forward and sampling are running on the worker's device thread)
     send N+1      ``executor.execute_model(plan, non_block=True)``: the worker applies plan N+1 to
-                  its batch and prepares N+1's inputs, waits for N, launches N+1 -- its decodes read
-                  N's tokens straight from the device tensor (V1's ``prev_sampled_token_ids``) --
-                  then copies N's tokens to the host and returns N's output
-                  (:mod:`cbteach.worker.async_runner`)
+                  its batch, prepares N+1's inputs and queues N+1 behind N on its device thread, where
+                  it starts once N has sampled -- its decodes read N's tokens straight from the device
+                  tensor (V1's ``prev_sampled_token_ids``); then N's tokens come to the host and N's
+                  output is returned (:mod:`cbteach.worker.async_runner`)
     update N      (host; step N+1's forward is running all the while)
 
 The executor carries it, as in V1 (``step_with_batch_queue`` in ``vllm/v1/engine/core.py`` hands N+1
