@@ -190,6 +190,39 @@ def test_the_worker_prepares_step_n_plus_1_while_step_n_is_in_flight(arch):
                                            else reference(model, r.prompt, r.max_new_tokens, eos_id=-1) for r in reqs]
 
 
+def test_step_n_plus_1_is_queued_on_the_device_before_step_n_is_waited_on():
+    """As a GPU runs what is queued on its stream: the worker hands N+1 to its device thread before it
+    asks for N's result, so N+1 starts once N has sampled, without waiting for this thread
+    (cbteach.worker.async_runner). Every result is asked for after the next step was queued, but the last."""
+    model = tiny_model("llama")
+    eng = Engine(model, max_batch_size=3, kv="paged", block_size=4, async_scheduling=True)
+    device, order = eng.executor.pipeline.device, []
+    submit = device.submit
+
+    class Watched:
+        def __init__(self, future, n):
+            self.future, self.n = future, n
+
+        def result(self):
+            order.append(("result", self.n))
+            return self.future.result()
+
+    def watched(fn, *args):
+        n = sum(1 for e, _ in order if e == "queued")
+        order.append(("queued", n))
+        return Watched(submit(fn, *args), n)
+
+    device.submit = watched
+    reqs = workload(7, 5)
+    got = eng.run(reqs)
+    asked = [n for e, n in order if e == "result"]
+    assert len(asked) > 5 and asked == sorted(asked)
+    for n in asked[:-1]:  # the last is drained, with nothing behind it
+        assert order.index(("queued", n + 1)) < order.index(("result", n)), order
+    assert [c.output_ids for c in got] == [reference(model, r.prompt, r.max_new_tokens) if not r.ignore_eos
+                                           else reference(model, r.prompt, r.max_new_tokens, eos_id=-1) for r in reqs]
+
+
 BAD = 95  # the model raises on any step that feeds this token
 
 
