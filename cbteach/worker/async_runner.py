@@ -34,7 +34,10 @@ On CUDA, N's tokens would come to the host on the default stream *behind* N+1's 
 meanwhile: finishing N would wait for N+1's forward pass. So, as V1 does (``AsyncGPUModelRunnerOutput``
 in ``vllm/v1/worker/gpu_model_runner.py``), the copy starts on a side stream as soon as N has sampled,
 and finishing N waits on that copy's event alone (:func:`copy_beside`). On the CPU and Apple's MPS there
-is one stream: the copy is made when N is finished.
+is one stream: the copy is made when N is finished. Not V1's yet: N+1's inputs go to the device in one
+ordinary copy (:func:`~cbteach.attention.metadata.build`), which on CUDA waits for the kernels queued
+before it -- N's -- where V1 copies from pinned buffers without blocking (``CpuGpuBuffer.copy_to_gpu`` in
+``vllm/v1/utils.py``).
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -52,13 +56,22 @@ from . import recovery
 from .model_runner import DeviceSample
 
 
+class Flight(NamedTuple):
+    """A step handed to the device thread."""
+
+    step: object  # the Step
+    future: object  # its (forward start, forward end), or what it raised
+    launched: float  # when it was queued (time.perf_counter)
+    started: threading.Event  # set once its forward pass starts (or it will not run: the step before raised)
+
+
 class AsyncModelRunner:
     """``runner``, with the step it was last sent still running while the caller plans the next (see the module)."""
 
     def __init__(self, runner):
         self.runner = runner
         self.device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cbteach-forward")
-        self.flight = None  # the step on the device: (Step, future, launch time, set once it has started)
+        self.flight: Flight | None = None  # the step on the device
         self.prev = None  # the last step's sampled tokens on the device, and {request id: index} (V1's prev_sampled_token_ids)
         self.recovered = False  # the last step waited for failed and was run again a request at a time
         self.broken = False  # a step on the device raised: the one queued behind it does not run
@@ -93,10 +106,10 @@ class AsyncModelRunner:
         return self.runner.generator_state(req_id)
 
     # -- internals ---------------------------------------------------------------------------
-    def _launch(self, step, pending) -> tuple:
+    def _launch(self, step, pending) -> Flight:
         """Queue ``step`` on the device thread, behind the step in flight (if any); its flight."""
         started = threading.Event()
-        return step, self.device.submit(self._forward, step, pending, started), time.perf_counter(), started
+        return Flight(step, self.device.submit(self._forward, step, pending, started), time.perf_counter(), started)
 
     def _forward(self, step, pending, started):
         """On the device thread: feed ``step`` the tokens of the step before, run and sample it."""
@@ -139,7 +152,7 @@ class AsyncModelRunner:
         step.meta.input_ids[0, torch.tensor(where, device=device)] = 0
         # The rows of the tokens the step before samples: the step in flight's, or after it was waited
         # for (and maybe run again a request at a time), those it left in self.prev.
-        rows = sampled_rows(self.flight[0]) if self.flight is not None else self.prev[1] if self.prev else {}
+        rows = sampled_rows(self.flight.step) if self.flight is not None else self.prev[1] if self.prev else {}
         fed = [(a, rows[rid]) for a, rid in pending if rid in rows]
         return step, (tuple(torch.tensor(x, device=device) for x in zip(*fed)) if fed else None)
 
@@ -150,7 +163,7 @@ class AsyncModelRunner:
             at, src = pending
             step.meta.input_ids[0, at] = self.prev[0][src]
 
-    def _wait(self, behind=None):
+    def _wait(self, behind: Flight | None = None):
         """Wait for the step in flight -- if ``behind`` (the step queued after it), until that one has
         started; a function that finishes the step (its tokens to the host), or ``None``."""
         self.recovered = False
@@ -158,12 +171,12 @@ class AsyncModelRunner:
             return None
         (step, future, launched, _), self.flight = self.flight, None
         if behind is not None:
-            behind[3].wait()  # (it has started, so this one has sampled; or it saw this one raise)
+            behind.started.wait()  # (it has started, so this one has sampled; or it saw this one raise)
         try:
             t0, t1 = future.result()
         except Exception as err:  # noqa: BLE001  (isolate: find whose tokens failed)
             if behind is not None:
-                behind[1].result()  # (it saw the failure and did not run)
+                behind.future.result()  # (it saw the failure and did not run)
             self.broken = False
             output = recovery.recover(self.runner, step, err)  # (errors that stop the engine re-raise from here)
             output.forward_span = (launched, time.perf_counter())
