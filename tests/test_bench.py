@@ -144,7 +144,7 @@ def test_gpu_check_small_on_cpu(tmp_path):
     assert code == 0 and "errors" not in data, data.get("errors")
     assert isinstance(data["device"], str) and data["device"]
     assert data["notebooks"] == {} and data["notebooks_skipped"]
-    assert set(data["exact_fp32"]) == {"static", "concat", "paged", "paged_budget32"}
+    assert set(data["exact_fp32"]) == {"static", "concat", "paged", "paged_budget32", "paged_async"}
     for mode, (equal, total) in data["exact_fp32"].items():
         assert total > 0 and equal == total, mode
     assert set(data["throughput"]) == {"bierce", "llama_1b"}
