@@ -63,6 +63,7 @@ class Flight(NamedTuple):
     future: object  # its (forward start, forward end), or what it raised
     launched: float  # when it was queued (time.perf_counter)
     started: threading.Event  # set once its forward pass starts (or it will not run: the step before raised)
+    rows: dict  # {request id: row} of its rows that sample a token (found here, not on the device thread)
 
 
 class AsyncModelRunner:
@@ -108,11 +109,13 @@ class AsyncModelRunner:
     # -- internals ---------------------------------------------------------------------------
     def _launch(self, step, pending) -> Flight:
         """Queue ``step`` on the device thread, behind the step in flight (if any); its flight."""
-        started = threading.Event()
-        return Flight(step, self.device.submit(self._forward, step, pending, started), time.perf_counter(), started)
+        started, rows = threading.Event(), sampled_rows(step)
+        future = self.device.submit(self._forward, step, pending, started, rows)
+        return Flight(step, future, time.perf_counter(), started, rows)
 
-    def _forward(self, step, pending, started):
-        """On the device thread: feed ``step`` the tokens of the step before, run and sample it."""
+    def _forward(self, step, pending, started, rows):
+        """On the device thread: feed ``step`` the tokens of the step before, run and sample it; keep its
+        sampled tokens, and ``rows`` (whose they are), for the step after."""
         try:
             if self.broken:  # the step before raised: this one is prepared again after its recovery
                 return None
@@ -129,7 +132,7 @@ class AsyncModelRunner:
             raise
         finally:
             started.set()
-        self.prev = (step.sampled.tokens, sampled_rows(step))
+        self.prev = (step.sampled.tokens, rows)
         return t0, t1
 
     def _prepare(self, msg, first=None) -> tuple:
@@ -152,7 +155,7 @@ class AsyncModelRunner:
         step.meta.input_ids[0, torch.tensor(where, device=device)] = 0
         # The rows of the tokens the step before samples: the step in flight's, or after it was waited
         # for (and maybe run again a request at a time), those it left in self.prev.
-        rows = sampled_rows(self.flight.step) if self.flight is not None else self.prev[1] if self.prev else {}
+        rows = self.flight.rows if self.flight is not None else self.prev[1] if self.prev else {}
         fed = [(a, rows[rid]) for a, rid in pending if rid in rows]
         return step, (tuple(torch.tensor(x, device=device) for x in zip(*fed)) if fed else None)
 
@@ -169,7 +172,7 @@ class AsyncModelRunner:
         self.recovered = False
         if self.flight is None:
             return None
-        (step, future, launched, _), self.flight = self.flight, None
+        (step, future, launched, _, _), self.flight = self.flight, None
         if behind is not None:
             behind.started.wait()  # (it has started, so this one has sampled; or it saw this one raise)
         try:
