@@ -27,9 +27,9 @@ SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden
              num_key_value_heads=2, eos_token_id=EOS, bos_token_id=1, pad_token_id=EOS)
 
 
-def _model(cls, cfg):
+def _model(cls, cfg, attn="sdpa"):
     torch.manual_seed(0)
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = attn
     m = cls(cfg).eval()
     m.generation_config.eos_token_id = EOS
     m.generation_config.pad_token_id = EOS
@@ -74,6 +74,45 @@ def test_length_dependent_rope_is_refused():
         Engine(_model(Phi3ForCausalLM, long), max_batch_size=2, kv="paged")
     linear = LlamaConfig(max_position_embeddings=256, rope_scaling={"rope_type": "linear", "factor": 2.0}, **SMALL)
     Engine(_model(LlamaForCausalLM, linear), max_batch_size=2)  # position-independent: fine
+
+
+# -- 2b. models the engine cannot reach: attention it cannot plug into, positions it cannot give ---
+# Found trying architectures beyond the course's three: Falcon's attention never calls the function
+# registered with AttentionInterface (the paged engine gave wrong tokens without a word), and ALiBi models
+# (Bloom, MPT) read positions from where a token sits in the row (MPT's concat engine: 5 of 7 prompts wrong).
+def _falcon(alibi=False):
+    from transformers import FalconConfig, FalconForCausalLM
+
+    return _model(FalconForCausalLM, FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                                                  num_attention_heads=4, new_decoder_architecture=True, num_kv_heads=2,
+                                                  alibi=alibi, eos_token_id=EOS, bos_token_id=1, pad_token_id=EOS))
+
+
+def test_a_model_whose_attention_bypasses_the_interface_is_refused_paged_and_exact_concat():
+    model = _falcon()
+    with pytest.raises(ValueError, match="FalconForCausalLM.*AttentionInterface.*kv='concat'"):
+        Engine(model, max_batch_size=2, kv="paged")
+    assert model.config._attn_implementation == "sdpa"  # a refused engine leaves the model alone
+    prompts = [list(range(6, 6 + n)) for n in (3, 9, 5)]
+    got = Engine(model, max_batch_size=2, kv="concat", token_budget=6).run([Request(p, 10) for p in prompts])
+    assert [c.output_ids for c in got] == [reference(model, p, 10) for p in prompts]
+
+
+@pytest.mark.parametrize("arch", ["bloom", "mpt", "falcon-alibi"])
+@pytest.mark.parametrize("kv", ["concat", "paged"])
+def test_alibi_models_are_refused_with_the_reason(arch, kv):
+    import transformers as tf
+
+    if arch == "bloom":
+        model = _model(tf.BloomForCausalLM, tf.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4,
+                                                          eos_token_id=EOS, bos_token_id=1, pad_token_id=EOS), "eager")
+    elif arch == "mpt":
+        model = _model(tf.MptForCausalLM, tf.MptConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4,
+                                                      max_seq_len=256, eos_token_id=EOS, bos_token_id=1), "eager")
+    else:
+        model = _falcon(alibi=True)
+    with pytest.raises(ValueError, match="ALiBi.*position_ids"):
+        Engine(model, max_batch_size=2, kv=kv)
 
 
 # -- 3. preemption: never re-admitted in the step that preempted ----------------------------------

@@ -23,7 +23,16 @@ import torch
 
 def model_view(model: torch.nn.Module, attn_implementation: str | None = None) -> torch.nn.Module:
     """A view of ``model`` in eval mode; with ``attn_implementation``, its layers call that attention
-    function (registered with transformers' ``AttentionInterface``) while ``model`` keeps its own."""
+    function (registered with transformers' ``AttentionInterface``) while ``model`` keeps its own.
+    A model whose layers never look the function up (transformers' ``is_backend_compatible()`` is False:
+    Falcon, Bloom, MPT, remote code) is refused: its own attention would run over the packed row instead,
+    reading no cache, and every token after the first would be wrong."""
+    compatible = getattr(type(model), "is_backend_compatible", None)
+    if attn_implementation is not None and callable(compatible) and not compatible():
+        raise ValueError(f"{type(model).__name__}'s attention layers do not call the attention functions "
+                         "registered with transformers' AttentionInterface (its is_backend_compatible() is False), "
+                         "so the paged KV cache cannot plug in: use kv='concat' (the model's own attention, with "
+                         "the engine's mask), or a model whose attention does (Llama, Qwen2, GPT-2, bierce)")
     config = getattr(model, "config", None)
     configs: dict[int, object] = {}
     if config is not None:

@@ -117,6 +117,12 @@ def describe(model, tokenizer=None) -> ModelInfo:
         warnings.warn(f"the model's generation_config sets {ignored}; cbteach decodes with a plain argmax, so "
                       "its output will differ from model.generate", stacklevel=3)
     params = inspect.signature(model.forward).parameters
+    if "position_ids" not in params or getattr(text_config, "alibi", False):
+        raise ValueError(f"{type(model).__name__} takes its positions from where each token sits in its input "
+                         "(ALiBi: Bloom, MPT, Falcon with alibi=True), not from position_ids; the engine packs many "
+                         "sequences into one row and gives each token its position in position_ids, so packed "
+                         "sequences would see wrong positions. Use a model that reads position_ids (Llama, Qwen2, "
+                         "GPT-2, bierce)")
     param = next(model.parameters())
     return ModelInfo(
         vocab_size=model.get_input_embeddings().num_embeddings,
