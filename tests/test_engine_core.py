@@ -78,8 +78,9 @@ def test_length_dependent_rope_is_refused():
 
 # -- 2b. models the engine cannot reach: attention it cannot plug into, positions it cannot give ---
 # Found trying architectures beyond the course's three: Falcon's attention never calls the function
-# registered with AttentionInterface (the paged engine gave wrong tokens without a word), and ALiBi models
-# (Bloom, MPT) read positions from where a token sits in the row (MPT's concat engine: 5 of 7 prompts wrong).
+# registered with AttentionInterface (the paged engine gave wrong tokens without a word), Nemotron's layers
+# drop the step's metadata on the way to it, and ALiBi models (Bloom, MPT) read positions from where a
+# token sits in the row (MPT's concat engine: 5 of 7 prompts wrong).
 def _falcon(alibi=False):
     from transformers import FalconConfig, FalconForCausalLM
 
@@ -96,6 +97,24 @@ def test_a_model_whose_attention_bypasses_the_interface_is_refused_paged_and_exa
     prompts = [list(range(6, 6 + n)) for n in (3, 9, 5)]
     got = Engine(model, max_batch_size=2, kv="concat", token_budget=6).run([Request(p, 10) for p in prompts])
     assert [c.output_ids for c in got] == [reference(model, p, 10) for p in prompts]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_model_that_drops_attention_kwargs_stops_the_paged_engine_naming_why(async_scheduling):
+    """Nemotron's layers call the registered attention but do not pass the forward's keyword arguments on,
+    so the step's metadata never arrives: the paged engine stops with the reason (before, every request
+    ended with a per-request error that blamed its tokens); the concat engine runs it exactly."""
+    from transformers import NemotronConfig, NemotronForCausalLM
+
+    from cbteach.errors import EngineRuleError
+
+    model = _model(NemotronForCausalLM, NemotronConfig(max_position_embeddings=256, **SMALL))
+    prompts = [list(range(6, 12)), [3, 4]]
+    with pytest.raises(EngineRuleError, match="NemotronAttention does not pass.*keyword arguments.*kv='concat'"):
+        Engine(model, max_batch_size=2, kv="paged", async_scheduling=async_scheduling).run(
+            [Request(p, 6) for p in prompts])
+    got = Engine(model, max_batch_size=2, kv="concat").run([Request(p, 6) for p in prompts])
+    assert [c.output_ids for c in got] == [reference(model, p, 6) for p in prompts]
 
 
 @pytest.mark.parametrize("arch", ["bloom", "mpt", "falcon-alibi"])

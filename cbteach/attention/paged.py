@@ -25,9 +25,9 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     """``query`` ``[1, heads, T, head_dim]``, ``key``/``value`` ``[1, kv_heads, T, head_dim]``: runs the step's
     attention function (``Engine(attention=fn)``'s, or :func:`default_attention`) and checks its shape."""
     meta = kwargs.pop(STEP_KWARG, None)
-    if meta is None:
-        raise RuntimeError(f"{NAME!r} attention was called without the step's metadata ({STEP_KWARG}=...): "
-                           "it is only for a cbteach engine's own view of the model")
+    if meta is None:  # (not one request's failure: no request can run on this model)
+        raise EngineRuleError(f"{NAME!r} attention got no {STEP_KWARG}=: {type(module).__name__} does not pass the forward's "
+                              "keyword arguments on to its attention function, so kv='paged' cannot run it: use kv='concat'")
     attend = meta.attention or default_attention
     out = attend(query, key, value, meta, module.layer_idx, scaling)
     if not isinstance(out, torch.Tensor) or out.shape != query.shape:
