@@ -115,6 +115,16 @@ def test_request_larger_than_the_pool_is_refused(model):
     drain(eng)
 
 
+@pytest.mark.parametrize("options", [dict(num_blocks=10**9), dict(kv_memory_bytes=1e18),
+                                     dict(num_blocks=10**9, tensor_parallel_size=2)])
+def test_a_pool_larger_than_free_memory_is_refused_before_it_is_allocated(model, options):
+    # (before: 10**9 blocks were allocated until the machine killed the process for memory)
+    with pytest.raises(ValueError, match=r"a KV pool of [\d,]+ blocks needs [\d,.]+ GiB on cpu, which has .* free"):
+        Engine(model, max_batch_size=2, kv="paged", **options)
+    got = Engine(model, max_batch_size=2, kv="paged", num_blocks=64).run([Request([7, 8, 9], 6)])
+    assert got[0].output_ids == reference(model, [7, 8, 9], 6)
+
+
 def test_sliding_window_models_are_refused():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

@@ -6,6 +6,7 @@ import functools
 
 from .concat import ConcatKVCache
 from .manager import KVCacheManager
+from .memory import check_pool_fits
 from .paged import PagedKVCache
 from .plugged_cache import PluggedPagedKVCache
 from .paged import PagedKVPool
@@ -54,10 +55,14 @@ def make_kv_cache(info, config, pieces: bool = False, swaps: bool = False):
     ``swaps``: see :func:`paged_cache_class`)."""
     cache = config.cache
     if cache.kind == "paged":  # with tensor parallelism the ranks hold the K/V: here only the block bookkeeping
-        return paged_cache_class(pieces, swaps).for_model(info, cache, max_batch_size=config.scheduler.max_batch_size,
+        pool_cls, max_batch_size = pool_class(cache.kv_dtype), config.scheduler.max_batch_size
+        per_block = cache.block_size * pool_cls.bytes_per_token_for(info.num_layers, info.num_kv_heads, info.head_dim,
+                                                                    block_size=cache.block_size, dtype=info.dtype)
+        check_pool_fits(cache.pool_num_blocks(info.max_positions, max_batch_size, per_block), per_block, info.device,
+                        config.tensor_parallel_size)
+        return paged_cache_class(pieces, swaps).for_model(info, cache, max_batch_size=max_batch_size,
                                                           allocate_pool=config.tensor_parallel_size == 1,
-                                                          manager_cls=manager_class(config),
-                                                          pool_cls=pool_class(cache.kv_dtype))
+                                                          manager_cls=manager_class(config), pool_cls=pool_cls)
     # valid paged-pool options are accepted and ignored, so one call can switch kv= back and forth
     return ConcatKVCache(info.num_layers, cache_kwarg=info.cache_kwarg, attn_implementation=info.attn_implementation,
                          dtype=info.dtype)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass
 class StepMemory:
@@ -94,3 +96,28 @@ def summary(steps: list[StepMemory]) -> dict:
         "peak_paged_slots": max((s.paged_slots for s in steps), default=0),
         "peak_contiguous_slots": max((s.contiguous_slots for s in steps), default=0),
     }
+
+
+def free_memory(device) -> int | None:
+    """Bytes free for new tensors on ``device`` now (``None``: not known). Apple's MPS shares the host's."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type in ("cpu", "mps"):
+        import psutil  # (a dependency of cbteach)
+
+        return psutil.virtual_memory().available
+    return None
+
+
+def check_pool_fits(num_blocks: int, bytes_per_block: float, device, world_size: int = 1) -> None:
+    """Refuse, before anything is allocated, a KV pool larger than ``device``'s free memory: an absurd
+    ``num_blocks`` gets a ``ValueError`` naming the sizes, not a process killed for memory. With tensor
+    parallelism on GPUs each rank holds its share; ranks on the CPU share the host's memory."""
+    device = torch.device(device)
+    need = num_blocks * bytes_per_block / (world_size if device.type == "cuda" else 1)
+    free = free_memory(device)
+    if free is not None and need > free:
+        raise ValueError(f"a KV pool of {num_blocks:,} blocks needs {need / 2**30:,.1f} GiB on {device.type}, which has "
+                         f"{free / 2**30:,.1f} GiB free: give fewer blocks (num_blocks) or a smaller memory budget "
+                         "(kv_memory_bytes)")
