@@ -190,6 +190,8 @@ def test_course_files_beside_the_notebooks_are_kept_too_and_a_copy_onto_itself_i
     (["simulate", "run", "--requests", "0"], "argument --requests: '0' is not an integer > 0"),
     (["simulate", "capacity", "--users", "0"], "argument --users: '0' is not an integer > 0"),
     (["simulate", "capacity", "--price=-1"], "argument --price: '-1' is not a number > 0"),
+    (["simulate", "capacity", "--ttft=-1"], "argument --ttft: '-1' is not a number > 0"),
+    (["simulate", "capacity", "--tpot", "nan"], "argument --tpot: 'nan' is not a number > 0"),
     (["bench", "--rate", "inf"], "argument --rate: 'inf' is not a number > 0"),
 ])
 def test_more_bad_arguments_are_one_line_errors(argv, message, capsys):
