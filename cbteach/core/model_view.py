@@ -25,8 +25,8 @@ def model_view(model: torch.nn.Module, attn_implementation: str | None = None) -
     """A view of ``model`` in eval mode; with ``attn_implementation``, its layers call that attention
     function (registered with transformers' ``AttentionInterface``) while ``model`` keeps its own.
     A model whose layers never look the function up (transformers' ``is_backend_compatible()`` is False:
-    Falcon, Bloom, MPT, remote code) is refused: its own attention would run over the packed row instead,
-    reading no cache, and every token after the first would be wrong."""
+    Falcon, StableLM, remote code) is refused: its own attention would run over the packed row instead,
+    across sequences and without their cached K/V, and give wrong tokens."""
     compatible = getattr(type(model), "is_backend_compatible", None)
     if attn_implementation is not None and callable(compatible) and not compatible():
         raise ValueError(f"{type(model).__name__}'s attention layers do not call the attention functions "
