@@ -115,12 +115,15 @@ def test_request_larger_than_the_pool_is_refused(model):
     drain(eng)
 
 
-@pytest.mark.parametrize("options", [dict(num_blocks=10**9), dict(kv_memory_bytes=1e18),
-                                     dict(num_blocks=10**9, tensor_parallel_size=2)])
-def test_a_pool_larger_than_free_memory_is_refused_before_it_is_allocated(model, options):
+@pytest.mark.parametrize("options, why", [(dict(num_blocks=10**9), "num_blocks=1,000,000,000"),
+                                          (dict(kv_memory_bytes=1e18), "kv_memory_bytes=1e[+]18"),
+                                          (dict(num_blocks=10**9, tensor_parallel_size=2), "num_blocks="),
+                                          (dict(max_batch_size=10**8), "room for max_batch_size=100,000,000 sequences")])
+def test_a_pool_larger_than_free_memory_is_refused_before_it_is_allocated(model, options, why):
     # (before: 10**9 blocks were allocated until the machine killed the process for memory)
-    with pytest.raises(ValueError, match=r"a KV pool of [\d,]+ blocks needs [\d,.]+ GiB on cpu, which has .* free"):
-        Engine(model, max_batch_size=2, kv="paged", **options)
+    with pytest.raises(ValueError, match=rf"a KV pool of [\d,]+ blocks \(.*{why}.*\) needs [\d,.]+ GiB on cpu, which has "
+                                         r".* free: give fewer blocks"):
+        Engine(model, kv="paged", **{"max_batch_size": 2, **options})
     got = Engine(model, max_batch_size=2, kv="paged", num_blocks=64).run([Request([7, 8, 9], 6)])
     assert got[0].output_ids == reference(model, [7, 8, 9], 6)
 

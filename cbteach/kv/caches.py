@@ -58,8 +58,11 @@ def make_kv_cache(info, config, pieces: bool = False, swaps: bool = False):
         pool_cls, max_batch_size = pool_class(cache.kv_dtype), config.scheduler.max_batch_size
         per_block = cache.block_size * pool_cls.bytes_per_token_for(info.num_layers, info.num_kv_heads, info.head_dim,
                                                                     block_size=cache.block_size, dtype=info.dtype)
+        why = (f"num_blocks={cache.num_blocks:,}" if cache.num_blocks else f"kv_memory_bytes={cache.kv_memory_bytes:g}"
+               if cache.kv_memory_bytes else f"num_blocks not given: room for max_batch_size={max_batch_size:,} "
+               f"sequences of {min(info.max_positions or 4096, 4096):,} positions")
         check_pool_fits(cache.pool_num_blocks(info.max_positions, max_batch_size, per_block), per_block, info.device,
-                        config.tensor_parallel_size)
+                        config.tensor_parallel_size, why)
         return paged_cache_class(pieces, swaps).for_model(info, cache, max_batch_size=max_batch_size,
                                                           allocate_pool=config.tensor_parallel_size == 1,
                                                           manager_cls=manager_class(config), pool_cls=pool_cls)

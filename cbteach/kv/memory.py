@@ -110,14 +110,15 @@ def free_memory(device) -> int | None:
     return None
 
 
-def check_pool_fits(num_blocks: int, bytes_per_block: float, device, world_size: int = 1) -> None:
+def check_pool_fits(num_blocks: int, bytes_per_block: float, device, world_size: int = 1, why: str = "") -> None:
     """Refuse, before anything is allocated, a KV pool larger than ``device``'s free memory: an absurd
-    ``num_blocks`` gets a ``ValueError`` naming the sizes, not a process killed for memory. With tensor
-    parallelism on GPUs each rank holds its share; ranks on the CPU share the host's memory."""
+    ``num_blocks`` gets a ``ValueError`` naming the sizes (and ``why`` the pool has that many blocks), not a
+    process killed for memory. With tensor parallelism on GPUs each rank holds its share; ranks on the CPU
+    share the host's memory."""
     device = torch.device(device)
     need = num_blocks * bytes_per_block / (world_size if device.type == "cuda" else 1)
     free = free_memory(device)
     if free is not None and need > free:
-        raise ValueError(f"a KV pool of {num_blocks:,} blocks needs {need / 2**30:,.1f} GiB on {device.type}, which has "
-                         f"{free / 2**30:,.1f} GiB free: give fewer blocks (num_blocks) or a smaller memory budget "
-                         "(kv_memory_bytes)")
+        raise ValueError(f"a KV pool of {num_blocks:,} blocks{f' ({why})' if why else ''} needs {need / 2**30:,.1f} GiB "
+                         f"on {device.type}, which has {free / 2**30:,.1f} GiB free: give fewer blocks (num_blocks), "
+                         "a memory budget (kv_memory_bytes) or a smaller max_batch_size")
