@@ -134,6 +134,19 @@ def test_alibi_models_are_refused_with_the_reason(arch, kv):
         Engine(model, max_batch_size=2, kv=kv)
 
 
+@pytest.mark.parametrize("arch, message", [("mamba", r"not attention over a KV cache \(layer types \['linear_attention'\]\)"),
+                                           ("rwkv", "RwkvForCausalLM does not take each token's position from position_ids")])
+def test_recurrent_models_are_refused_with_the_reason(arch, message):
+    """A state carried along the row would be shared by packed sequences (before: a message about sliding
+    windows for Mamba, an AttributeError for RWKV)."""
+    import transformers as tf
+
+    model = (tf.MambaForCausalLM(tf.MambaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2)) if arch == "mamba"
+             else tf.RwkvForCausalLM(tf.RwkvConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2)))
+    with pytest.raises(ValueError, match=message):
+        Engine(model.eval(), max_batch_size=2, kv="paged")
+
+
 # -- 3. preemption: never re-admitted in the step that preempted ----------------------------------
 def _pressure_workload():
     g = torch.Generator().manual_seed(3)

@@ -63,6 +63,10 @@ def check_supported(config, max_pos) -> None:
     layer_types = list(getattr(config, "layer_types", None) or [])
     window = getattr(config, "sliding_window", None)
     windowed = [t for t in layer_types if t != "full_attention"]
+    other = sorted({t for t in windowed if "sliding" not in t and "chunk" not in t and "local" not in t})
+    if other:  # mamba, linear attention: a state carried along the row, which packed sequences would share
+        raise ValueError(f"this model has layers that are not attention over a KV cache (layer types {other}); "
+                         "cbteach's engine runs models whose every layer is full attention (Llama, Qwen2, GPT-2, bierce)")
     uses_window = bool(windowed) or (
         getattr(config, "use_sliding_window", True) is not False and isinstance(window, int) and window > 0
         and (max_pos is None or window < max_pos))  # a window as long as the model never bites
@@ -107,7 +111,17 @@ def describe(model, tokenizer=None) -> ModelInfo:
     config = model.config
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     check_supported(text_config, max_positions(text_config))
-    num_heads = getattr(text_config, "num_attention_heads", None) or text_config.n_head
+    params = inspect.signature(model.forward).parameters
+    if "position_ids" not in params or getattr(text_config, "alibi", False):
+        raise ValueError(f"{type(model).__name__} does not take each token's position from position_ids (it reads "
+                         "positions from where tokens sit in its input: ALiBi in Bloom, MPT or Falcon with alibi=True; "
+                         "a recurrent state in Mamba or RWKV); the engine packs many sequences into one row and gives "
+                         "each token its position in position_ids, so packed sequences would see wrong positions. "
+                         "Use a model that reads position_ids (Llama, Qwen2, GPT-2, bierce)")
+    num_heads = getattr(text_config, "num_attention_heads", None) or getattr(text_config, "n_head", None)
+    if not num_heads:
+        raise ValueError(f"{type(model).__name__}'s config names no attention heads (num_attention_heads): cbteach's "
+                         "engine runs attention models (Llama, Qwen2, GPT-2, bierce)")
     num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
     hidden = getattr(text_config, "hidden_size", None) or text_config.n_embd
     head_dim = getattr(text_config, "head_dim", None) or hidden // num_heads
@@ -116,13 +130,6 @@ def describe(model, tokenizer=None) -> ModelInfo:
     if ignored:
         warnings.warn(f"the model's generation_config sets {ignored}; cbteach decodes with a plain argmax, so "
                       "its output will differ from model.generate", stacklevel=3)
-    params = inspect.signature(model.forward).parameters
-    if "position_ids" not in params or getattr(text_config, "alibi", False):
-        raise ValueError(f"{type(model).__name__} takes its positions from where each token sits in its input "
-                         "(ALiBi: Bloom, MPT, Falcon with alibi=True), not from position_ids; the engine packs many "
-                         "sequences into one row and gives each token its position in position_ids, so packed "
-                         "sequences would see wrong positions. Use a model that reads position_ids (Llama, Qwen2, "
-                         "GPT-2, bierce)")
     param = next(model.parameters())
     return ModelInfo(
         vocab_size=model.get_input_embeddings().num_embeddings,
