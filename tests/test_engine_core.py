@@ -81,6 +81,48 @@ def test_length_dependent_rope_is_refused():
 # registered with AttentionInterface (the paged engine gave wrong tokens without a word), Nemotron's layers
 # drop the step's metadata on the way to it, and ALiBi models (Bloom, MPT) read positions from where a
 # token sits in the row (MPT's concat engine: 5 of 7 prompts wrong).
+def _more(arch):
+    """A 2-layer random model of an architecture beyond the course's three (GQA where the config has it)."""
+    import transformers as tf
+
+    small = dict(SMALL, max_position_embeddings=256)
+    gpt = dict(vocab_size=VOCAB, eos_token_id=EOS, bos_token_id=1, pad_token_id=EOS)
+    make = {
+        "mistral": lambda: (tf.MistralForCausalLM, tf.MistralConfig(sliding_window=None, **small)),
+        "qwen3": lambda: (tf.Qwen3ForCausalLM, tf.Qwen3Config(head_dim=16, **small)),
+        "gemma": lambda: (tf.GemmaForCausalLM, tf.GemmaConfig(head_dim=16, **small)),
+        "phi3": lambda: (tf.Phi3ForCausalLM, tf.Phi3Config(sliding_window=None, **small)),
+        "opt": lambda: (tf.OPTForCausalLM, tf.OPTConfig(hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                                                         num_attention_heads=4, max_position_embeddings=256,
+                                                         word_embed_proj_dim=64, **gpt)),
+        "gpt_neox": lambda: (tf.GPTNeoXForCausalLM, tf.GPTNeoXConfig(hidden_size=64, intermediate_size=128,
+                                                                      num_hidden_layers=2, num_attention_heads=4,
+                                                                      max_position_embeddings=256, **gpt)),
+        "gptj": lambda: (tf.GPTJForCausalLM, tf.GPTJConfig(n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                                            rotary_dim=8, **gpt)),
+        "falcon": lambda: (tf.FalconForCausalLM, tf.FalconConfig(hidden_size=64, num_hidden_layers=2,
+                                                                  num_attention_heads=4, new_decoder_architecture=True,
+                                                                  num_kv_heads=2, **gpt)),
+    }[arch]
+    return _model(*make())
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen3", "gemma", "phi3", "opt", "gpt_neox", "gptj", "falcon"])
+def test_architectures_beyond_the_course_three_are_exact(arch):
+    """Every engine that accepts the model gives generate's tokens: prompt chunks beside decodes, blocks
+    reused after preemption, async scheduling (Falcon runs on the concat cache only: see below)."""
+    model = _more(arch)
+    prompts = [[6 + (7 * i + 3 * j) % 80 for j in range(3 + 4 * i)] for i in range(4)]
+    want = [reference(model, p, 10) for p in prompts]
+    runs = [dict(kv="concat", token_budget=6)]
+    if arch != "falcon":
+        runs += [dict(kv="paged", block_size=4, token_budget=6, num_blocks=12),
+                 dict(kv="paged", block_size=2, async_scheduling=True, prefix_caching=True)]
+    for opts in runs:
+        got = Engine(model, max_batch_size=3, **opts).run([Request(p, 10) for p in prompts])
+        assert [c.output_ids for c in got] == want, (arch, opts)
+
+
 def _falcon(alibi=False):
     from transformers import FalconConfig, FalconForCausalLM
 
