@@ -99,10 +99,11 @@ def summary(steps: list[StepMemory]) -> dict:
 
 
 def free_memory(device) -> int | None:
-    """Bytes free for new tensors on ``device`` now (``None``: not known). Apple's MPS shares the host's."""
+    """Bytes free for new tensors on ``device`` now (``None``: not known): on CUDA what the driver has free
+    plus what torch's allocator holds unused; Apple's MPS shares the host's memory."""
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     if device.type in ("cpu", "mps"):
         import psutil  # (a dependency of cbteach)
 
