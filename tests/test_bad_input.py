@@ -128,6 +128,21 @@ def test_a_pool_larger_than_free_memory_is_refused_before_it_is_allocated(model,
     assert got[0].output_ids == reference(model, [7, 8, 9], 6)
 
 
+def test_the_pool_check_on_cuda_counts_the_allocators_unused_memory_and_a_ranks_share(monkeypatch):
+    """(No GPU needed: torch's CUDA memory queries are stood in for.) Free = the driver's free memory plus what
+    torch's allocator reserved and does not use; with tensor parallelism on GPUs each rank holds its share."""
+    from cbteach.kv import memory
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100, 1000))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 50)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 20)
+    assert memory.free_memory("cuda") == 130
+    memory.check_pool_fits(13, 10, "cuda")  # 130 bytes: fits
+    memory.check_pool_fits(26, 10, "cuda", world_size=2)  # 260 bytes over two GPUs: 130 each
+    with pytest.raises(ValueError, match="a KV pool of 14 blocks needs 0.0 GiB on cuda"):
+        memory.check_pool_fits(14, 10, "cuda")
+
+
 def test_sliding_window_models_are_refused():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
