@@ -105,7 +105,7 @@ def free_memory(device) -> int | None:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     if device.type in ("cpu", "mps"):
-        import psutil  # (a dependency of cbteach)
+        import psutil  # (one of cbteach's dependencies)
 
         return psutil.virtual_memory().available
     return None
