@@ -155,7 +155,7 @@ class EngineConfig:
 
     scheduler: SchedulerConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
-    speculative: object = None  # None, "ngram", "self" or a draft model
+    speculative: object = None  # None, "ngram" or a draft model
     num_speculative_tokens: int = 3
     keep_records: bool = True
     parallel_sampling: str = "fanout"  # n > 1: V1's child requests, or "fork": PagedAttention's copy on write
