@@ -197,6 +197,28 @@ def test_load_two_hundred_poisson_requests_from_fifty_clients_none_lost(server, 
     assert done == n and reason_count(after, "abort") == reason_count(before, "abort")
 
 
+def test_stop_token_ids_end_the_answer_as_in_vllm(server, ref):
+    """A token of ``stop_token_ids`` ends the answer (finish_reason "stop"): its id is in ``token_ids`` and in
+    ``usage``, its text is not (vLLM's ``include_stop_str_in_output=False``) -- streamed or not. Fields that
+    change nothing (``top_k: -1``, ``user``) are taken."""
+    want = ref("CYNIC, n.", 24)
+    k = next(i for i in range(3, len(want)) if want[i] not in want[:i])  # the first time this id appears
+    body = {"prompt": "CYNIC, n.", "max_tokens": 24, "return_token_ids": True, "stop_token_ids": [want[k]],
+            "top_k": -1, "user": "u1"}
+    whole = httpx.post(server.url + "/v1/completions", json=body, timeout=WAIT_S)
+    assert whole.status_code == 200, whole.text
+    got = whole.json()["choices"][0]
+    assert got["token_ids"] == want[:k + 1] and got["finish_reason"] == "stop"
+    assert got["text"] == text_of(ref, want[:k]) and whole.json()["usage"]["completion_tokens"] == k + 1
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=WAIT_S) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    choices = [c for e in events for c in e["choices"]]
+    assert [t for c in choices for t in c.get("token_ids", [])] == want[:k + 1]
+    assert "".join(c["text"] for c in choices) == text_of(ref, want[:k])
+    assert choices[-1]["finish_reason"] == "stop"
+    wait_idle(server)
+
+
 # -- bad input ---------------------------------------------------------------------------------------
 BAD = [
     (b"{not json", 400, None), (b"[1, 2]", 400, None), (b"[" * 100_000 + b"]" * 100_000, 400, None),
@@ -222,6 +244,15 @@ BAD = [
     (b'{"prompt": "a\\ud800b", "max_tokens": 4}', 400, "prompt"),  # a lone surrogate: valid JSON, not text
     (b'{"model": "\\ud800", "prompt": "a", "max_tokens": 4}', 400, "model"),
     ({"prompt": "x", "max_tokens": 4, "user": 5}, 400, "user"),
+    # what would change the answer and is not implemented is refused, never ignored; so is an unknown field
+    ({"prompt": "x", "max_tokens": 4, "top_k": 50}, 400, "top_k"),
+    ({"prompt": "x", "max_tokens": 4, "min_tokens": 3}, 400, "min_tokens"),
+    ({"prompt": "x", "max_tokens": 4, "best_of": True}, 400, "best_of"),  # JSON's true is not 1
+    ({"prompt": "x", "max_token": 4}, 400, "max_token"),  # misspelt: not a default in disguise
+    ({"prompt": "x", "max_tokens": 4, "stop_token_ids": "x"}, 400, "stop_token_ids"),
+    ({"prompt": "x", "max_tokens": 4, "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ({"prompt": "x", "max_tokens": 4, "stream": True, "stream_options": {"include_usage": "yes"}}, 400,
+     "stream_options"),
 ]
 BAD_CHAT = [({"messages": "hi", "max_tokens": 4}, 400, "messages"),
             ({"messages": [], "max_tokens": 4}, 400, "messages"),
@@ -420,6 +451,13 @@ def test_refuses_a_public_host_without_a_key_and_names_the_extra(capsys, monkeyp
         srv.main(["--help"])
     out = capsys.readouterr().out
     assert "--max-batch-size" in out and "--data-parallel-size" in out and "--scheduler" in out
+
+
+def test_a_default_max_tokens_beyond_the_models_positions_is_refused_at_startup(capsys):
+    """Without --max-tokens-cap the cap is the model's positions, known once a core has loaded it."""
+    assert srv.main(["--port", "0", "--default-max-tokens", "5000"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot start" in err and "--default-max-tokens 5000" in err and "4096 positions" in err
 
 
 def test_a_piece_that_does_not_import_is_refused_before_anything_starts(capsys):

@@ -121,6 +121,22 @@ def test_serve_refuses_paged_only_options_with_kv_concat(argv, named, capsys):
 
 
 @pytest.mark.parametrize("argv, named", [
+    (["--default-max-tokens", "100", "--max-tokens-cap", "8"], "--default-max-tokens 100 is more than --max-tokens-cap 8"),
+    (["--max-n", "4", "--max-in-flight", "3"], "--max-n 4 is more than --max-in-flight 3"),
+])
+def test_serve_refuses_caps_that_contradict_each_other(argv, named, capsys):
+    """A default above the cap would refuse every request that gives no max_tokens (with a message about a value
+    the client never sent); a request of --max-n choices above --max-in-flight could never be taken."""
+    from cbteach.serving.server import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert named in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, named", [
     (["--requests", "4"], "--requests"),
     (["--batch-size", "2"], "--max-batch-size/--batch-size"),
     (["--workload", "poisson", "--rate", "5"], "--workload, --rate"),

@@ -49,7 +49,7 @@ def host_port(server):
 def test_the_api_key_guards_every_route_but_health(server):
     body = {"prompt": "x", "max_tokens": 2}
     routes = [("POST", "/v1/completions"), ("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/"),
-              ("GET", "/live/steps"), ("GET", "/live/events")]
+              ("GET", "/live/steps"), ("GET", "/live/steps?since=abc"), ("GET", "/live/events")]
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
         for method, path in routes:
             r = httpx.request(method, server.url + path, json=body, headers=headers, timeout=WAIT_S)
@@ -63,6 +63,8 @@ def test_the_api_key_guards_every_route_but_health(server):
         page = browser.get(f"/?key={KEY}")
         assert page.status_code == 200 and "EventSource" in page.text
         assert browser.get("/live/steps").status_code == 200  # the cookie the page got
+        bad = browser.get("/live/steps?since=abc")  # the key first, then the query: a 400 in OpenAI's shape
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "since", bad.text
         assert browser.get("/metrics").status_code == 401  # the cookie is for the live view only
         assert browser.post("/v1/completions", json=body).status_code == 401
 

@@ -122,6 +122,18 @@ def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(tok):
         checker.close()
 
 
+def test_a_null_field_is_the_same_as_a_missing_one():
+    """``"max_tokens": null`` gets the server's default as a missing field does, never past the cap; ``n``,
+    ``temperature`` and ``stop`` alike."""
+    limits = proto.Limits(served_model="bierce", max_tokens_cap=8, default_max_tokens=6)
+    missing = proto.parse_completion({"prompt": "x"}, limits)
+    null = proto.parse_completion({"prompt": "x", "max_tokens": None, "n": None, "temperature": None, "stop": None},
+                                  limits)
+    assert missing == null and null.max_tokens == 6 and null.n == 1 and null.stop == ()
+    with pytest.raises(proto.APIError, match="'max_tokens' is required"):
+        proto.parse_completion({"prompt": "x", "max_tokens": None}, proto.Limits("bierce", max_tokens_cap=8))
+
+
 def test_messages_round_trip_compactly():
     out = msg.StepOutputs(core=1, step=7, t=0.5, outputs=[msg.SeqOutput(f"r{i}", [100 + i], i, "decode", 1)
                                                           for i in range(16)],

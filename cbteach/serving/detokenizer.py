@@ -17,6 +17,9 @@ ids). The tail that could still be the start of a stop string is held back; when
 answer is cut before it and :attr:`stopped` is set -- the caller then aborts the request in the
 engine at once, and its KV blocks go back to the pool.
 
+**Stop token ids** end the answer in the engine too; as in vLLM, the stop token's own text is not sent
+(``include_stop_str_in_output=False``): the text ends where the token would begin.
+
 At the end, :meth:`finish` decodes the whole answer once and sends whatever the windows have not
 (held-back text, or a tokenizer whose windows disagree with a full decode), so the streamed pieces
 always add up to ``tokenizer.decode(ids, skip_special_tokens=True)`` cut at the first stop string.
@@ -38,10 +41,11 @@ def fast_decode(tokenizer):
 class IncrementalDetokenizer:
     """The text of one answer, a step at a time: ``add(new_ids) -> text to send``, then ``finish()``."""
 
-    def __init__(self, tokenizer, stop: tuple = ()):
+    def __init__(self, tokenizer, stop: tuple = (), stop_token_ids: tuple = ()):
         self.tokenizer = tokenizer
         self.decode = fast_decode(tokenizer)
         self.stop = tuple(stop)
+        self.stop_token_ids = frozenset(stop_token_ids)
         self.hold = max((len(s) - 1 for s in self.stop), default=0)  # chars that may start a stop string
         self.ids: list[int] = []
         self.prefix_offset = 0
@@ -59,6 +63,12 @@ class IncrementalDetokenizer:
         """Take one step's new token ids; return the text that may be sent now ("" while it waits)."""
         if self.stopped:
             return ""
+        cut = next((i for i, t in enumerate(new_ids) if t in self.stop_token_ids), None)
+        if cut is not None:  # the answer ends before this token: send the rest of its text, and stop
+            self.ids.extend(new_ids[:cut])
+            piece = self.finish()
+            self.stopped = True
+            return piece
         self.ids.extend(new_ids)
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         window = self._decode(self.ids[self.prefix_offset:])

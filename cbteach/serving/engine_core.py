@@ -174,7 +174,8 @@ class EngineCore:
         self.stats.io_s += time.perf_counter() - t
 
     def _add(self, m: msg.AddRequest) -> None:
-        sp = self.SamplingParams(temperature=m.temperature, top_p=m.top_p, seed=m.seed)
+        sp = self.SamplingParams(temperature=m.temperature, top_p=m.top_p, seed=m.seed,
+                                 stop_token_ids=m.stop_token_ids)
         try:
             self.engine.add_request(self.Request(m.prompt_token_ids, m.max_tokens, request_id=m.request_id,
                                                  sampling_params=sp, ignore_eos=m.ignore_eos))

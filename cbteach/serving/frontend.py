@@ -52,6 +52,10 @@ class Frontend:
         ready = client.ready[0]
         self.client, self.processor, self.tokenizer = client, client.processor, tokenizer
         self.name = args.served_model_name or args.model
+        if args.default_max_tokens is not None and args.default_max_tokens > (args.max_tokens_cap or ready.max_positions):
+            raise ValueError(f"--default-max-tokens {args.default_max_tokens} is more than a request may ask: "
+                             + (f"--max-tokens-cap {args.max_tokens_cap}" if args.max_tokens_cap
+                                else f"the model's {ready.max_positions} positions"))
         self.limits = proto.Limits(served_model=self.name, max_tokens_cap=args.max_tokens_cap or ready.max_positions,
                                    max_n=args.max_n, default_max_tokens=args.default_max_tokens,
                                    default_temperature=ready.default_temperature)
@@ -82,16 +86,18 @@ class Frontend:
         if self.draining:
             raise proto.APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
         if self.num_in_flight + choices > self.max_in_flight:
-            raise proto.APIError(503, f"the server has {self.max_in_flight} requests in flight, its limit; retry later",
+            raise proto.APIError(503, f"the server has {self.num_in_flight} requests in flight; this one's {choices} "
+                                 f"would pass its limit of {self.max_in_flight} (--max-in-flight); retry later",
                                  type="server_error", code="server_overloaded", retry_after=1)
 
     def submit(self, req: proto.GenerationRequest, index: int, ids: list, sampling, queue, created: float,
                fail_after: int | None = None, http_id: str = "") -> RequestState:
         """Route one choice to a core; its events arrive on ``queue``."""
-        st = RequestState(f"r{next(self._ids)}", ids, req.max_tokens, IncrementalDetokenizer(self.tokenizer, req.stop),
-                          queue, index, created=created, http_id=http_id)
+        detok = IncrementalDetokenizer(self.tokenizer, req.stop, req.stop_token_ids)
+        st = RequestState(f"r{next(self._ids)}", ids, req.max_tokens, detok, queue, index, created=created,
+                          http_id=http_id)
         self.client.submit(st, msg.AddRequest(st.request_id, ids, req.max_tokens, sampling.temperature, sampling.top_p,
-                                              sampling.seed, req.ignore_eos, fail_after))
+                                              sampling.seed, req.ignore_eos, fail_after, req.stop_token_ids))
         return st
 
     def abort_all(self) -> None:

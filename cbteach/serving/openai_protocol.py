@@ -20,9 +20,12 @@ continues after the last one -- no role labels, because the model never saw any:
 ``"CYNIC, n."`` gets the definition the model would write after that headword. A tokenizer that has a
 chat template uses it (``apply_chat_template(..., add_generation_prompt=True)``).
 
-Extensions that vLLM also accepts: ``ignore_eos`` (benchmarks need fixed lengths) and
+Extensions that vLLM also accepts: ``ignore_eos`` (benchmarks need fixed lengths),
 ``return_token_ids`` (each choice then carries its ``token_ids``, so a client can check tokens, not
-just text).
+just text) and ``stop_token_ids`` (more ids that end the answer; as in vLLM the stop token counts in
+``usage`` and its text is left out). A field that would change the answer and is not implemented
+(``logprobs``, penalties, vLLM's ``top_k``...) is refused, not ignored; so is a field this server does
+not know (OpenAI's API does the same: a misspelt ``max_token`` must not pass as a default).
 """
 from __future__ import annotations
 
@@ -35,9 +38,22 @@ from ..core.sampling import SamplingParams
 
 ROLES = ("system", "developer", "user", "assistant")
 MAX_STOP = 4  # OpenAI allows up to four stop sequences
+MAX_STOP_TOKEN_IDS = 64
+# Fields that would change the answer, with the values that leave it as it is (the only ones taken). vLLM's
+# own sampling extensions are here too: a client that sends top_k=50 must not get a greedy answer silently.
 UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
-               "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
-               "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"), "response_format": (None,)}
+               "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
+               "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"), "response_format": (None,),
+               "functions": (None, []), "function_call": (None, "none"), "audio": (None,), "prediction": (None,),
+               "top_k": (None, -1, 0), "min_p": (None, 0), "min_tokens": (None, 0), "repetition_penalty": (None, 1),
+               "use_beam_search": (None, False), "include_stop_str_in_output": (None, False),
+               "skip_special_tokens": (None, True), "logprobs_mode": (None,), "prompt_logprobs": (None,)}
+# Fields taken that change nothing here (OpenAI's bookkeeping), and the fields each endpoint reads.
+IGNORED = ("user", "store", "metadata", "service_tier", "parallel_tool_calls", "modalities")
+COMMON = ("model", "n", "stop", "stream", "stream_options", "temperature", "top_p", "seed", "ignore_eos",
+          "return_token_ids", "stop_token_ids", "cbteach_fail_after", *IGNORED, *UNSUPPORTED)
+KNOWN = {"completion": frozenset(("prompt", "max_tokens", *COMMON)),
+         "chat": frozenset(("messages", "max_tokens", "max_completion_tokens", *COMMON))}
 
 
 class APIError(Exception):
@@ -80,6 +96,7 @@ class GenerationRequest:
     seed: int | None
     n: int
     stop: tuple
+    stop_token_ids: tuple
     stream: bool
     include_usage: bool
     ignore_eos: bool
@@ -93,14 +110,15 @@ class GenerationRequest:
         for prompt in self.prompts:
             for k in range(self.n):
                 seed = None if self.seed is None else self.seed + k
-                yield i, prompt, SamplingParams(self.temperature, self.top_p, seed)
+                yield i, prompt, SamplingParams(self.temperature, self.top_p, seed,
+                                                stop_token_ids=self.stop_token_ids)
                 i += 1
 
 
 # -- reading fields ---------------------------------------------------------------------------------
 def _int(body: dict, name: str, default, low: int, high: int | None = None):
-    v = body.get(name, default)
-    if v is None:
+    v = body.get(name)
+    if v is None:  # missing or null: the server's default (checked when the server started)
         return default
     if not isinstance(v, numbers.Integral) or isinstance(v, bool):
         raise bad(f"'{name}' must be an integer, got {type(v).__name__} {v!r}", name)
@@ -140,6 +158,34 @@ def _stop(body: dict) -> tuple:
     return tuple(stops)
 
 
+def _stop_token_ids(body: dict) -> tuple:
+    v = body.get("stop_token_ids")
+    if v is None:
+        return ()
+    if (not isinstance(v, list) or len(v) > MAX_STOP_TOKEN_IDS
+            or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in v)):
+        raise bad(f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token ids (integers >= 0), "
+                  f"got {v!r}"[:300], "stop_token_ids")
+    return tuple(int(t) for t in v)
+
+
+def _same(v, allowed: tuple) -> bool:
+    """``v`` is one of ``allowed`` -- as JSON means it: ``true`` is not ``1``."""
+    return any(v == a and isinstance(v, bool) == isinstance(a, bool) for a in allowed)
+
+
+def _check_fields(body: dict, kind: str) -> None:
+    unknown = sorted(k for k in body if k not in KNOWN[kind])
+    if unknown:
+        raise bad(f"unknown field(s) {', '.join(map(repr, unknown))}"[:300] + f"; this endpoint takes: "
+                  f"{', '.join(sorted(KNOWN[kind] - set(UNSUPPORTED) - {'cbteach_fail_after'}))}", unknown[0],
+                  "unknown_parameter")
+    for name, allowed in UNSUPPORTED.items():
+        if name in body and not _same(body[name], allowed):
+            raise bad(f"'{name}' is not supported by cbteach's server (it would change the answer); leave it out",
+                      name, "unsupported_parameter")
+
+
 def _common(body, limits: Limits, kind: str, prompts: tuple, max_tokens_names: tuple) -> GenerationRequest:
     model = body.get("model", limits.served_model)
     if not isinstance(model, str):
@@ -147,9 +193,7 @@ def _common(body, limits: Limits, kind: str, prompts: tuple, max_tokens_names: t
     if model != limits.served_model:
         raise APIError(404, f"The model '{model}' does not exist; this server serves '{limits.served_model}' "
                             "(GET /v1/models)", param="model", code="model_not_found")
-    for name, allowed in UNSUPPORTED.items():
-        if name in body and body[name] not in allowed:
-            raise bad(f"'{name}' is not supported by cbteach's server", name, "unsupported_parameter")
+    _check_fields(body, kind)
     for other in max_tokens_names[1:]:  # chat: max_tokens is deprecated for max_completion_tokens; both are checked
         _int(body, other, None, 1, limits.max_tokens_cap)
     name = next((k for k in max_tokens_names if body.get(k) is not None), max_tokens_names[0])
@@ -164,7 +208,11 @@ def _common(body, limits: Limits, kind: str, prompts: tuple, max_tokens_names: t
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or not stream):
         raise bad("'stream_options' must be an object, and only goes with \"stream\": true", "stream_options")
-    include_usage = bool(options and options.get("include_usage") is True)
+    include_usage = (options or {}).get("include_usage", False)
+    if include_usage is None:
+        include_usage = False
+    if not isinstance(include_usage, bool):
+        raise bad(f"'stream_options.include_usage' must be true or false, got {include_usage!r}", "stream_options")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise bad(f"'user' must be a string (an id for your end user), got {type(body['user']).__name__}", "user")
     seed = body.get("seed")
@@ -172,7 +220,8 @@ def _common(body, limits: Limits, kind: str, prompts: tuple, max_tokens_names: t
                              or seed >= 2**63):
         raise bad(f"'seed' must be an integer in [0, 2**63), got {seed!r}", "seed")
     return GenerationRequest(kind, prompts, max_tokens, _number(body, "temperature", limits.default_temperature, 0, 2),
-                             _number(body, "top_p", 1.0, 0, 1, low_open=True), seed, n, _stop(body), stream,
+                             _number(body, "top_p", 1.0, 0, 1, low_open=True), seed, n, _stop(body),
+                             _stop_token_ids(body), stream,
                              include_usage, _bool(body, "ignore_eos"), _bool(body, "return_token_ids"), model)
 
 

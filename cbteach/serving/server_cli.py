@@ -29,12 +29,20 @@ def given(make_parser, argv, dests) -> list:
 
 
 def check_mode(p: argparse.ArgumentParser, args, argv) -> None:
-    """Options that do not apply to the chosen mode are refused (``p.error``), never silently ignored."""
+    """Options that do not apply to the chosen mode, or contradict each other, are refused (``p.error``), never
+    silently ignored."""
     if args.kv == "concat":
         wrong = given(parser, argv, PAGED_ONLY)
         if wrong:
             p.error(f"{', '.join(PAGED_ONLY[d] for d in wrong)} appl{'y' if len(wrong) > 1 else 'ies'} to the paged "
                     "KV cache only; --kv concat has no blocks (drop the option, or use --kv paged)")
+    if args.default_max_tokens is not None and args.max_tokens_cap is not None \
+            and args.default_max_tokens > args.max_tokens_cap:
+        p.error(f"--default-max-tokens {args.default_max_tokens} is more than --max-tokens-cap {args.max_tokens_cap}: "
+                "a request that gives no max_tokens would be refused")
+    if args.max_n > args.max_in_flight:
+        p.error(f"--max-n {args.max_n} is more than --max-in-flight {args.max_in_flight}: a request with that many "
+                "choices could never be taken")
     if args.update_batch and args.tensor_parallel_size != 1:
         p.error("--update-batch runs in the engine core's own process; with --tensor-parallel-size > 1 every rank "
                 "runs the worker's own update (drop one of the two)")

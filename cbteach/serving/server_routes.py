@@ -13,6 +13,7 @@ time. (No ``from __future__ import annotations``: FastAPI reads the annotations.
 import asyncio
 import hmac
 import json
+import re
 import time
 from importlib import resources
 
@@ -111,8 +112,12 @@ def add_routes(app, fe, Run, read_json) -> None:
         return page
 
     @app.get("/live/steps")
-    async def live_steps(request: Request, since: int = -1):
-        authorize(request, browser=True)
+    async def live_steps(request: Request):
+        authorize(request, browser=True)  # (the query is read after the key: a stranger learns nothing of it)
+        since = request.query_params.get("since", "-1")
+        if not re.fullmatch(r"-?[0-9]{1,18}", since):
+            raise proto.bad(f"'since' must be a step number (an integer), got {since[:40]!r}", "since")
+        since = int(since)
         return {"max_batch_size": fe.hub.max_batch_size, "num_cores": fe.hub.num_cores, "steps": fe.hub.steps(since)}
 
     @app.get("/live/events")
