@@ -294,6 +294,8 @@ def test_bad_input_gets_an_openai_error_and_disturbs_nobody(server, ref):
     assert server.frontend.checker.num_tokenized == tokenized  # refused by its length alone
     assert _post(server, "/v1/completions", {"prompt": "q. " * 3000, "max_tokens": 4}).status_code == 400
     assert server.frontend.checker.num_tokenized == tokenized + 1  # this one could have fitted: tokenized, then refused
+    digits = _post(server, "/v1/completions", b'{"prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}").json()
+    assert "4,300 digits" in digits["error"]["message"] and "sys." not in digits["error"]["message"]
     big = _post(server, "/v1/completions", b'{"prompt": "' + b"a" * (2 << 20) + b'", "max_tokens": 4}')
     assert big.status_code == 413 and big.json()["error"]["message"]
     assert httpx.get(server.url + "/v1/nothing", timeout=WAIT_S).json()["error"]["code"] == "not_found"

@@ -298,7 +298,7 @@ def _content(content, i: int) -> str:
         return content
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                          and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
+        return "\n".join(p["text"] for p in content)  # (as vLLM joins a message's text parts)
     raise bad(f"messages[{i}].content must be a string or a list of {{\"type\": \"text\", \"text\": ...}} parts "
               "(this server takes text only)", "messages")
 

@@ -205,6 +205,8 @@ async def read_json(request, limit: int, timeout: float):
     except RecursionError:
         raise proto.bad("the request body is nested too deeply to read") from None
     except (ValueError, UnicodeDecodeError) as err:
+        if "int_max_str_digits" in str(err):  # Python's guard against quadratic int parsing, not JSON's rule
+            raise proto.bad("the request body holds an integer with more than 4,300 digits") from None
         raise proto.bad(f"the request body is not valid JSON: {err}") from None
     return body
 
