@@ -239,8 +239,8 @@ def test_bad_engine_options_are_refused_whatever_the_cache(model, kv, options, m
 def test_not_a_model_or_not_a_list_of_requests(model):
     with pytest.raises(ValueError, match="model must be a transformers causal LM"):
         Engine(None, max_batch_size=2)
-    with pytest.raises(ValueError, match="a text prompt needs a tokenizer that can be called on text"):
-        Engine(model, "gpt2", max_batch_size=2).run([Request("a name is not a tokenizer", 2)])
+    with pytest.raises(ValueError, match="tokenizer must be None or a transformers tokenizer"):
+        Engine(model, "gpt2", max_batch_size=2)  # a name is not a tokenizer
     eng = Engine(model, max_batch_size=2)
     with pytest.raises(ValueError, match=r"takes a list of Requests; for one request pass \[request\]"):
         eng.run(Request([7], 2))
@@ -306,3 +306,41 @@ def test_a_generation_config_without_eos_stops_nothing_as_in_generate():
     ids = torch.tensor([[7, 8, 9]])
     want = m.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=30)[0, 3:].tolist()
     assert Engine(m, max_batch_size=1).run([Request([7, 8, 9], 30)])[0].output_ids == want
+
+
+def test_a_model_whose_weights_were_never_loaded_or_are_split_is_refused(model):
+    """Weights on the 'meta' device (built under init_empty_weights) or on two devices: refused when the engine is
+    built -- before, a meta model was taken and every run failed inside a step, holding a block."""
+    meta = tiny_model("llama").to("meta")
+    for kv in ("concat", "paged"):
+        with pytest.raises(ValueError, match="'meta' device: they were never loaded"):
+            Engine(meta, max_batch_size=2, kv=kv)
+    split = tiny_model("llama")
+    split.lm_head.to("meta")
+    with pytest.raises(ValueError, match="'meta' device"):
+        Engine(split, max_batch_size=2)
+
+
+@pytest.mark.parametrize("tokenizer", ["gpt2", 5, object()])
+def test_a_tokenizer_that_is_not_one_is_refused_when_the_engine_is_built(model, tokenizer):
+    """A name where a tokenizer goes (``Engine(model, "gpt2")``) was taken, and the first finished request
+    failed inside a step with an AttributeError, leaving its neighbours stuck."""
+    with pytest.raises(ValueError, match="tokenizer must be None or a transformers tokenizer"):
+        Engine(model, tokenizer, max_batch_size=2, kv="paged")
+
+
+def test_a_tokenizer_that_gives_nested_ids_and_a_clock_that_is_not_one_are_refused(model):
+    class Batched:  # called on one text, it answers as if given a batch
+        def __call__(self, text):
+            return {"input_ids": [[7, 8]]}
+
+        def decode(self, ids, **kw):
+            return " ".join(map(str, ids))
+
+    eng = Engine(model, Batched(), max_batch_size=2, kv="paged")
+    with pytest.raises(ValueError, match="not a flat list of token ids"):
+        eng.add_request(Request("hello", 3))
+    assert eng.run([Request([7, 8], 3)])[0].output_ids == reference(model, [7, 8], 3)
+    for clock in (5, "wall", lambda: 0.0):  # (a clock has advance() too: the engine moves a simulated one)
+        with pytest.raises(ValueError, match="clock must be None"):
+            Engine(model, max_batch_size=2, clock=clock)

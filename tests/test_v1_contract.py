@@ -342,3 +342,39 @@ def test_release_forgets_a_finished_request_only():
     eng.release("n")
     assert "a" not in eng.completions and ("n", 1) not in eng.sequences and "n" not in eng.groups
     assert [c.output_ids for c in eng.run([Request([7, 8], 3, request_id="a")])] == [done[0].output_ids]
+
+
+def test_one_sample_is_not_released_alone():
+    """``release(("n", 0))`` was taken: a new request could then take the id, and releasing "n" removed the new
+    request's sequence and left its completion behind for good."""
+    model = tiny_model("llama")
+    eng = Engine(model, max_batch_size=4, kv="paged", block_size=4)
+    eng.run([Request([7, 8, 9], 4, request_id="n", sampling_params=SamplingParams(temperature=1.0, seed=1, n=2))])
+    with pytest.raises(ValueError, match=r"one sample of request 'n'.*release the request's own id"):
+        eng.release(("n", 0))
+    eng.release("n")
+    assert not eng.sequences and not eng.completions and not eng.groups
+
+
+@pytest.mark.parametrize("kv", ["concat", "paged"])
+def test_a_suspended_stream_goes_on_reporting_its_own_request_after_its_id_is_reused(kv):
+    """A stream suspended after one event; run() drives its request to the end; the request is released and a
+    new one takes its id. The stream ends the old request with the old request's tokens -- before, it went on
+    with the new request's (or raised a bare KeyError when the id was not taken again)."""
+    model = tiny_model("llama")
+    eng = Engine(model, max_batch_size=4, kv=kv, block_size=4)
+    s = eng.stream([Request([7, 8, 9], 5, request_id="A", ignore_eos=True)])
+    first = next(s)
+    eng.run([Request([9, 9], 2, request_id="C")])
+    eng.release("A")
+    again = eng.stream([Request([5, 6], 3, request_id="B", ignore_eos=True)])  # one that is released before it starts
+    eng.run([Request([5, 6], 1, request_id="D")])
+    new = eng.run([Request([30, 31, 32, 33], 8, request_id="A", ignore_eos=True)])[0]
+    events = [first, *s]
+    assert [e.token_id for e in events] == reference(model, [7, 8, 9], 5, eos_id=None)
+    assert [e.finish_reason for e in events] == [None] * 4 + ["length"] and all(e.request_id == "A" for e in events)
+    assert new.output_ids == reference(model, [30, 31, 32, 33], 8, eos_id=None)
+    eng.release("B")
+    assert [e.token_id for e in again] == reference(model, [5, 6], 3, eos_id=None)
+    if kv == "paged":
+        _no_leak(eng)

@@ -49,6 +49,15 @@ def check_policy(policy) -> None:
                      f"got {policy!r}")
 
 
+def check_clock(clock):
+    """``clock`` itself when it is None (wall time) or a clock -- called for the time in seconds, moved by
+    ``advance(seconds)`` (:mod:`cbteach.core.clock`) -- else a ``ValueError``."""
+    if clock is not None and not (callable(clock) and callable(getattr(clock, "advance", None))):
+        raise ValueError(f"clock must be None (wall time) or a clock: an object called for the time in seconds, "
+                         f"with advance(seconds) (cbteach.core.clock.VirtualClock), got {clock!r}")
+    return clock
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """How :class:`~cbteach.engine.scheduler.Scheduler` plans a step.

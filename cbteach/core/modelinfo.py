@@ -108,6 +108,17 @@ def describe(model, tokenizer=None) -> ModelInfo:
             or not hasattr(model, "get_input_embeddings"):
         raise ValueError(f"model must be a transformers causal LM (cbteach.load_model() gives one), "
                          f"got {type(model).__name__}")
+    if any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()]):
+        raise ValueError(f"{type(model).__name__}'s weights are on the 'meta' device: they were never loaded (a model "
+                         "built under init_empty_weights, or with device_map offloading); load them first "
+                         "(from_pretrained, or to_empty and load_state_dict)")
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1:
+        raise ValueError(f"{type(model).__name__}'s weights are on several devices ({', '.join(sorted(map(str, devices)))}); "
+                         "the engine runs a model on one device: move it there (model.to(device))")
+    if tokenizer is not None and not (callable(tokenizer) and callable(getattr(tokenizer, "decode", None))):
+        raise ValueError(f"tokenizer must be None or a transformers tokenizer (called on text, with decode()), "
+                         f"got {type(tokenizer).__name__} {tokenizer!r}"[:300])
     config = model.config
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     check_supported(text_config, max_positions(text_config))

@@ -198,10 +198,14 @@ class Engine(EngineCore):
         if seqs[0] is None or not all(s.status.is_finished for s in seqs):
             raise ValueError(f"request {request_id!r} is not a finished request of this engine; only a finished "
                              "or aborted request can be released")
+        if seqs[0].request.request_id != request_id:  # (request_id, i): one sample of an n > 1 request
+            raise ValueError(f"{request_id!r} is one sample of request {seqs[0].request.request_id!r}; a request's "
+                             "samples are released together: release the request's own id")
         if self.stepper is not None:  # async: a step in flight may still run its last (wasted) decode, whose
             self.stepper.drain_if_scheduled([s.request_id for s in seqs])  # token must not reach a new request
         for s in seqs:                                                      # that takes the same id (vLLM PR 27987)
-            self.sequences.pop(s.request_id, None)
+            if self.sequences.get(s.request_id) is s:
+                del self.sequences[s.request_id]
         self.groups.pop(request_id, None)
         self.completions.pop(request_id, None)
 

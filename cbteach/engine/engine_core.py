@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from ..core import modelinfo
-from ..core.config import EngineConfig
+from ..core.config import EngineConfig, check_clock
 from ..core.records import StepRecord, fill_record
 from ..core.request import Completion, Sequence
 from ..errors import EngineClosedError, EngineDeadError
@@ -54,7 +54,7 @@ class EngineCore:
         self._last_start = math.inf  # the engine time the last step was planned at (none yet)
         self.forward_seconds = 0.0  # the model's forward passes, all steps together (the rest is host work)
         self._t0 = time.perf_counter()
-        self.clock = clock  # None: wall time; a VirtualClock: simulated time (cbteach.core.clock)
+        self.clock = check_clock(clock)  # None: wall time; a VirtualClock: simulated time (cbteach.core.clock)
         self._model_watch = ModelWatch(model, tokenizer)
         self._closed = False
         self._dead: EngineDeadError | None = None  # what stopped the engine (a worker process died)

@@ -42,7 +42,7 @@ def stream_events(engine, requests=()):
     and closing event it missed, and a request aborted before the first ``next()`` still gets its
     closing event.
     """
-    covered = _Covered(engine, [sid for r in requests for sid in engine.sample_ids(r.request_id)])
+    covered = _Covered(engine, [engine.sequences[sid] for r in requests for sid in engine.sample_ids(r.request_id)])
     return EventStream(engine, covered)
 
 
@@ -67,9 +67,7 @@ class EventStream:
         """Stop listening: the requests this stream covers that are not finished are aborted."""
         if not self._started:
             self._started = True
-            for rid in self._covered.open_ids():
-                if not self._engine.sequences[rid].status.is_finished:
-                    self._engine.abort(rid)
+            _abort_unfinished(self._engine, self._covered)
         self._events.close()
 
     def __del__(self):  # dropped by the consumer: it hung up
@@ -82,26 +80,36 @@ class EventStream:
 class _Covered:
     """The sequences a stream reports on: its own requests' (each sample of an ``n > 1`` request has its
     own id, ``(request_id, i)``), and any added with ``add_request`` while it streams (not those another
-    ``run()`` or ``stream()`` brought: they report on their own)."""
+    ``run()`` or ``stream()`` brought: they report on their own). Kept as the sequences themselves, not
+    their ids: a finished request may be released and its id taken by a new one while the stream is
+    suspended, and the stream must go on reporting on the request it covered."""
 
     def __init__(self, engine, own: list):
         self.engine = engine
-        self.ids = list(own)
-        self.known = set(engine.sequences)  # requests known when the stream was made (or seen since)
-        self.emitted: dict = {rid: 0 for rid in own}  # request id -> output tokens handed out
+        self.seqs = list(own)
+        self.known = dict(engine.sequences)  # request id -> the sequence it named when last looked at
+        self.emitted: dict = {id(s): 0 for s in own}  # (by identity; self.seqs keeps them) -> tokens handed out
         self.closed: set = set()
 
     def refresh(self) -> None:
         """Pick up requests added to the engine one by one since the last look."""
         for rid, seq in list(self.engine.sequences.items()):
-            if rid not in self.known:
-                self.known.add(rid)
-                if rid not in self.emitted and not seq.claimed:
-                    self.ids.append(rid)
-                    self.emitted[rid] = 0
+            if self.known.get(rid) is not seq:
+                self.known[rid] = seq
+                if id(seq) not in self.emitted and not seq.claimed:
+                    self.seqs.append(seq)
+                    self.emitted[id(seq)] = 0
 
-    def open_ids(self) -> list:
-        return [rid for rid in self.ids if rid not in self.closed]
+    def open(self) -> list:
+        return [s for s in self.seqs if id(s) not in self.closed]
+
+
+def _abort_unfinished(engine, covered: _Covered) -> None:
+    """The consumer hung up: its requests stop too, and give their blocks back (an unfinished sequence is
+    still the engine's: only a finished one can be released and its id reused)."""
+    for seq in covered.open():
+        if not seq.status.is_finished:
+            engine.abort(seq.request_id)
 
 
 def _events(engine, covered: _Covered):
@@ -111,32 +119,30 @@ def _events(engine, covered: _Covered):
             covered.refresh()
             yield from _catch_up(engine, covered, shown)
             covered.refresh()  # the consumer may have added a request while it held the last event
-            if not covered.open_ids():
+            if not covered.open():
                 return
             if not engine.has_unfinished():  # someone else finished them: the next catch-up closes them
                 continue
             if engine.step().idle:
                 engine.wait_for_arrival()
-    except GeneratorExit:  # the consumer stopped listening: its requests stop too, and give their blocks back
-        for rid in covered.open_ids():
-            if not engine.sequences[rid].status.is_finished:
-                engine.abort(rid)
+    except GeneratorExit:  # the consumer stopped listening
+        _abort_unfinished(engine, covered)
         raise
 
 
 def _catch_up(engine, covered: _Covered, shown: dict):
     """Every token each covered request produced since its last event, then its closing event."""
-    for rid in covered.open_ids():
-        seq = engine.sequences[rid]
+    for seq in covered.open():
+        rid = seq.request_id
         done, out = seq.status.is_finished, seq.output_ids[:]  # as they are now: the consumer may drive on
-        for j in range(covered.emitted[rid], len(out)):
+        for j in range(covered.emitted[id(seq)], len(out)):
             last = done and seq.finish_reason not in ENDED_WITHOUT_TOKEN and j == len(out) - 1
             reason = seq.finish_reason if last else None
             text = _increment(engine.tokenizer, seq, j + 1, shown, reason)
-            covered.emitted[rid] = j + 1
+            covered.emitted[id(seq)] = j + 1
             yield StreamEvent(rid, out[j], text, reason, seq.token_times[j])
         if done:
-            covered.closed.add(rid)
+            covered.closed.add(id(seq))
             if seq.finish_reason in ENDED_WITHOUT_TOKEN or not out:  # no last token carries it: a closing event alone
                 yield StreamEvent(rid, None, None if engine.tokenizer is None else "", seq.finish_reason,
                                   engine.now())
@@ -147,8 +153,8 @@ def _increment(tokenizer, seq, upto: int, shown: dict, finish_reason) -> str | N
     if tokenizer is None:
         return None
     full = tokenizer.decode(seq.output_ids[:upto], skip_special_tokens=True)
-    before = shown.get(seq.request_id, "")
+    before = shown.get(id(seq), "")
     if (full.endswith("\ufffd") and not finish_reason) or not full.startswith(before):
         return ""
-    shown[seq.request_id] = full
+    shown[id(seq)] = full
     return full[len(before):]
