@@ -116,8 +116,8 @@ def describe(model, tokenizer=None) -> ModelInfo:
     if len(devices) > 1:
         raise ValueError(f"{type(model).__name__}'s weights are on several devices ({', '.join(sorted(map(str, devices)))}); "
                          "the engine runs a model on one device: move it there (model.to(device))")
-    if tokenizer is not None and not (callable(tokenizer) and callable(getattr(tokenizer, "decode", None))):
-        raise ValueError(f"tokenizer must be None or a transformers tokenizer (called on text, with decode()), "
+    if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):  # (every completion decodes)
+        raise ValueError(f"tokenizer must be None or a transformers tokenizer (with decode(ids)), "
                          f"got {type(tokenizer).__name__} {tokenizer!r}"[:300])
     config = model.config
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config

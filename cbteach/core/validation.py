@@ -71,6 +71,9 @@ def validate_request(request, *, tokenizer, vocab_size: int, max_pos: int | None
         if tokenizer is None:
             raise ValueError(f"request {rid!r}: a text prompt needs a tokenizer; pass one to the engine "
                              "or give the prompt as a list of token ids")
+        if not callable(tokenizer):
+            raise ValueError(f"request {rid!r}: a text prompt needs a tokenizer that can be called on text "
+                             f"(a transformers tokenizer); the engine's is a {type(tokenizer).__name__}")
         ids = list(tokenizer(prompt)["input_ids"])
         if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
             raise ValueError(f"request {rid!r}: the tokenizer gave {str(ids)[:80]} for the prompt, not a flat list of "
