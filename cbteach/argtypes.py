@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
 
 def number(kind, low, strict: bool = True):
@@ -27,3 +28,14 @@ def number(kind, low, strict: bool = True):
 
 
 POSITIVE_INT, POSITIVE = number(int, 0), number(float, 0)
+
+
+def threads(text):
+    """``--threads``: an integer from 1 to four per core this machine has (past that they only wait for each other;
+    100,000 made torch's and the tokenizer's thread pools fail to start, and the process crash)."""
+    value = POSITIVE_INT(text)
+    most = 4 * (os.cpu_count() or 1)
+    if value > most:
+        raise argparse.ArgumentTypeError(f"{value} threads is more than 4 per core of this machine's "
+                                         f"{os.cpu_count() or 1} (at most {most})")
+    return value

@@ -30,11 +30,17 @@ def pick_device(device=None) -> torch.device:
         except (RuntimeError, TypeError):
             raise ValueError(f"unknown device {device!r}; use 'cpu', 'cuda', 'mps', or None for the best "
                              "this machine has") from None
+        if dev.type not in ("cpu", "cuda", "mps"):  # torch names more (xpu, meta, ...): the course runs on these
+            raise ValueError(f"unknown device {device!r}; use 'cpu', 'cuda', 'mps', or None for the best "
+                             "this machine has")
         mps = getattr(torch.backends, "mps", None)
         if (dev.type == "cuda" and not torch.cuda.is_available()) or \
                 (dev.type == "mps" and not (mps is not None and mps.is_available())):
             raise ValueError(f"device {device!r} is not available on this machine (torch {torch.__version__}); "
                              "use 'cpu', or None for the best this machine has")
+        if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r} is not available on this machine ({torch.cuda.device_count()} "
+                             "CUDA devices); use 'cuda' for the first, or None for the best this machine has")
         return dev
     if torch.cuda.is_available():
         return torch.device("cuda")
@@ -70,6 +76,9 @@ def hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
 def pick_dtype(device: torch.device, dtype=None) -> torch.dtype:
     """``dtype`` if given, else fp32 -- on every device.
 
@@ -80,10 +89,12 @@ def pick_dtype(device: torch.device, dtype=None) -> torch.dtype:
     is therefore an explicit choice: ``load_model(dtype="bfloat16")``.
     """
     if dtype is not None:
+        given = dtype
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype, None)
-            if not isinstance(dtype, torch.dtype):
-                raise ValueError("dtype must be a torch.dtype or a name such as 'float32' or 'bfloat16'")
+        if dtype not in FLOAT_DTYPES:  # (int8 weights are not a dtype to load: the int8 KV cache is an engine option)
+            raise ValueError(f"dtype must be one of {', '.join(str(d).removeprefix('torch.') for d in FLOAT_DTYPES)} "
+                             f"(a torch.dtype or its name), got {given!r}")
         return dtype
     return torch.float32
 

@@ -147,6 +147,8 @@ def test_mask_paged_options(capsys):
     (["--layout", "paged", "--block-tables", "0;x;2,3"], "block tables look like 0,1;2;3,4"),
     (["--layout", "paged", "--block-tables", "5;5;5,6"], "block 5 appears twice in the block tables"),
     (["--layout", "paged", "--block-size", "1000000000"], "a mask to read in a terminal has at most"),
+    (["--layout", "paged", "--block-tables", "0,1;2,3;4,99999999999999999999"], "block ids must be at most"),
+    (["--layout", "paged", "--block-tables", "0,1;2,3;4,-5"], "-5 is negative; block ids must be >= 0"),
 ])
 def test_mask_bad_arguments_are_argparse_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -193,12 +195,26 @@ def test_course_files_beside_the_notebooks_are_kept_too_and_a_copy_onto_itself_i
     (["simulate", "capacity", "--ttft=-1"], "argument --ttft: '-1' is not a number > 0"),
     (["simulate", "capacity", "--tpot", "nan"], "argument --tpot: 'nan' is not a number > 0"),
     (["bench", "--rate", "inf"], "argument --rate: 'inf' is not a number > 0"),
+    (["bench", "--threads", "100000"], "threads is more than 4 per core"),  # (a crash in torch's thread pools)
+    (["simulate", "calibrate", "--threads", "100000"], "threads is more than 4 per core"),
+    (["demo", "--device", "xpu"], "unknown device 'xpu'"),  # torch knows the name; the course runs on cpu/cuda/mps
+    (["demo", "--device", "meta"], "unknown device 'meta'"),
 ])
 def test_more_bad_arguments_are_one_line_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         main(argv)
     err = capsys.readouterr().err
     assert exc.value.code == 2 and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["simulate", "calibrate", "--max-context", "16"], "max_context (16) is shorter than its longest prompt"),
+    (["simulate", "run", "--rate", "1e-300"], "raise the rate"),  # (zero latencies: a step's ms lost at 1e301 s)
+])
+def test_simulate_refuses_a_workload_it_cannot_run_before_measuring(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
 
 
 def test_simulate_validate_names_a_data_file_it_cannot_use(tmp_path, capsys):
@@ -278,6 +294,7 @@ SMALL_BENCH = ["bench", "--requests", "2", "--max-new-tokens", "4", "--history",
     (["--device", "banana"], "unknown device 'banana'"),
     (["--model", "some-org/not-here"], "bierce"),
     (["--json", "/proc/1/nope/x.json"], "cannot write the results to /proc/1/nope/x.json"),
+    (["--json", "/proc/x.json"], "cannot write the results to /proc/x.json"),  # (root may write anywhere but there)
 ])
 def test_bench_bad_arguments_are_argparse_errors_before_any_run(argv, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
@@ -302,6 +319,45 @@ def test_an_absent_device_is_a_clear_error(capsys):
     with pytest.raises(SystemExit):
         main([*SMALL_BENCH, "--device", "cuda"])
     assert "not available on this machine" in capsys.readouterr().err
+
+
+def test_load_model_takes_cpu_cuda_mps_and_floating_point_dtypes_only():
+    from cbteach import load_model
+
+    for device in ("xpu", "meta", "lazy"):
+        with pytest.raises(ValueError, match=f"unknown device '{device}'; use 'cpu', 'cuda', 'mps'"):
+            load_model("bierce", device=device)
+    for dtype in ("int8", "bool", 32, "float8_e4m3fn", "complex64"):
+        with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16, float16, float64"):
+            load_model("bierce", dtype=dtype)
+    assert next(load_model("bierce", dtype="float64")[0].parameters()).dtype == __import__("torch").float64
+
+
+def test_bench_serve_refuses_an_endpoint_that_is_not_a_url(capsys):
+    from cbteach.bench.endpoint import main as bench_serve
+
+    for endpoint in ("notaurl", "ftp://x", ""):
+        assert bench_serve(["--endpoint", endpoint]) == 2
+        err = capsys.readouterr().err
+        assert "--endpoint takes the server's http(s) URL" in err and "Traceback" not in err
+    assert bench_serve(["--endpoint", "http://127.0.0.1:9", "--tokenizer", "no-org/no-such-tokenizer"]) == 2
+    assert "the embedded one is --tokenizer bierce" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-blocks", "10", "--kv-memory-bytes", "100000"], "give --num-blocks or --kv-memory-bytes, not both"),
+    (["--port", "-1"], "argument --port: must be in 0..65535"),
+    (["--device", "xpu"], "unknown device 'xpu'; use --device cpu, cuda, mps, or auto"),
+    (["--threads", "100000"], "threads is more than 4 per core"),
+])
+def test_serve_refuses_bad_options_before_anything_starts(argv, message, capsys):
+    pytest.importorskip("fastapi", reason="the serve extra is not installed")
+    from cbteach.serving.server import main as serve
+
+    with pytest.raises(SystemExit) as e:
+        serve(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and "Traceback" not in err, err
 
 
 def test_demo_and_student_errors_are_one_line(tmp_path, capsys):

@@ -596,3 +596,35 @@ def test_validate_says_when_a_runs_ttft_hangs_on_its_step_times(capsys):
     assert main(["simulate", "validate", "--device", str(device), "--data", str(runs)]) == 0
     warned = [line for line in capsys.readouterr().out.splitlines() if "a 1% error in step time" in line]
     assert len(warned) == 1 and "poisson-near-saturation" in warned[0], warned
+
+
+def test_bad_workloads_are_refused_with_the_reason():
+    """Each of these gave numpy's or Python's error (``IndexError``, ``low >= high``, ``KeyError: 0``), a
+    simulation that 'made no progress', negative or zero latencies, or ran 19,999 requests for ``-1``."""
+    from cbteach.sim.simulator import SimRequest
+
+    for args, message in [((0, 1.0), "num_requests must be an integer >= 1"),
+                          ((2.5, 1.0), "num_requests must be an integer >= 1"),
+                          ((5, "1"), "rate must be None"), ((5, math.nan), "rate must be None"),
+                          ((20, 1e-300), "raise the rate"),
+                          ((5, 1.0, (5, 1)), "prompt_lens must be a pair"),
+                          ((5, 1.0, (0, 5)), "prompt_lens must be a pair"),
+                          ((5, 1.0, (4, 8), (-5, -1)), "output_lens must be a pair")]:
+        with pytest.raises(ValueError, match=message):
+            synthetic_workload(*args)
+    cost = CostModel("llama-3-8b", "a100-80gb")
+    good = [SimRequest(0, 0.0, 8, 4), SimRequest(1, 0.5, 8, 4)]
+    run = dict(max_batch_size=4, num_blocks=64)
+    for workload, step_time, message in [
+            ([SimRequest(0, 0.0, 8, 4), SimRequest(0, 0.5, 8, 4)], cost, "appears twice"),
+            ([SimRequest(0, math.nan, 8, 4)], cost, "arrival_time must be a finite number"),
+            ([SimRequest(0, math.inf, 8, 4)], cost, "arrival_time must be a finite number"),
+            (good, lambda plan: -0.01, "a step's cost must be a finite number of seconds >= 0"),
+            (good, lambda plan: math.nan, "a step's cost must be a finite number of seconds >= 0")]:
+        with pytest.raises(ValueError, match=message):
+            simulate(workload, step_time, **run)
+    deploy = Deployment(model="llama-3-8b", device="a100-80gb", max_requests=50)
+    for n in (0, -1):
+        with pytest.raises(ValueError, match="num_requests must be an integer >= 1"):
+            deploy.run(1.0, num_requests=n)
+    assert len(deploy.run(1.0, num_requests=3).ttft) == 3

@@ -3,17 +3,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 from ..models import load_model
 from ..serving import workloads as wl
 from . import measure
 from .experiments import machine_info, step_time_vs_history
-from ..argtypes import POSITIVE, POSITIVE_INT, number
+from ..argtypes import POSITIVE, POSITIVE_INT, number, threads
 from .measure import (ALL_ENGINES, METRICS, REFERENCE, TOKEN_BUDGET, clean, compare, slot_steps, sweep,
                       targets)
 
@@ -85,15 +85,21 @@ _floats.__name__ = "sweep values"
 
 
 def unwritable(path: Path) -> str | None:
-    """Why ``path`` cannot be written (None: it can): a folder there, or a parent that cannot be made."""
+    """Why ``path`` cannot be written (None: it can): a folder there, a parent that cannot be made, or a file
+    that cannot be made in it -- tried for real (a temporary file, removed at once), since permission bits say
+    nothing for root and nothing at all in /proc."""
     if path.is_dir():
         return "it is a folder; give a file name"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            with open(path, "ab"):  # (appends nothing: the file is left as it is)
+                pass
+        else:
+            with tempfile.TemporaryFile(dir=path.parent):
+                pass
     except OSError as e:
         return e.strerror or str(e)
-    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        return "permission denied"
     return None
 
 
@@ -144,7 +150,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="decode steps for the step-time experiment (0: skip)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder for bench-<model>.json")
     p.add_argument("--json", type=Path, default=None, help="write the results to this file instead")
-    p.add_argument("--threads", type=POSITIVE_INT, default=1,
+    p.add_argument("--threads", type=threads, default=1,
                    help="CPU threads for torch (default 1: a 2M-parameter model gains nothing from more, "
                         "and timings on a shared machine stay steady)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -214,7 +220,7 @@ def _measure(a, engines, model, tok, device):
     kw = dict(ttft_target=a.ttft_target, tpot_target=a.tpot_target, token_budget=a.token_budget, repeat=a.repeat)
     captured: dict = {}
     points_out = None
-    total = len(engines) * (len(points) * a.repeat + 1)
+    total = len(engines) * len(points) * (a.repeat + 1)  # (a warm-up run per engine at every point)
     with tqdm(total=total, desc="bench", unit="run", disable=a.no_progress, leave=False) as bar:
         if a.sweep:
             points_out = sweep(model, tok, points, a.batch_size, engines, bar=bar, **kw)

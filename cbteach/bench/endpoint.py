@@ -27,6 +27,7 @@ import json
 import os
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 
 from ..serving import workloads as wl
@@ -207,7 +208,10 @@ def main(argv=None) -> int:
         levels = [int(x) for x in a.concurrency.split(",")]
     except ValueError:
         levels = []
-    wrong = [(not levels or min(levels) < 1, f"--concurrency takes integers >= 1 (e.g. 1,16), got {a.concurrency!r}")]
+    url = urllib.parse.urlsplit(a.endpoint)
+    wrong = [(not levels or min(levels) < 1, f"--concurrency takes integers >= 1 (e.g. 1,16), got {a.concurrency!r}"),
+             (url.scheme not in ("http", "https") or not url.hostname,
+              f"--endpoint takes the server's http(s) URL, e.g. http://127.0.0.1:8000, got {a.endpoint!r}")]
     said = next((why for bad, why in wrong if bad), None)
     if said is not None:
         print(f"python -m cbteach bench-serve: error: {said}", file=sys.stderr)
@@ -223,7 +227,11 @@ def main(argv=None) -> int:
         from transformers import AutoTokenizer
 
         from ..models import load_model
-        tok = load_model("bierce")[1] if a.tokenizer == "bierce" else AutoTokenizer.from_pretrained(a.tokenizer)
+        try:
+            tok = load_model("bierce")[1] if a.tokenizer == "bierce" else AutoTokenizer.from_pretrained(a.tokenizer)
+        except OSError as err:
+            raise ValueError(f"cannot load the tokenizer {a.tokenizer!r} (offline? the embedded one is "
+                             f"--tokenizer bierce): {str(err).splitlines()[0]}") from None
         workload = wl.build(a.workload, tok, a.requests, max_new_tokens=a.max_new_tokens, cap=a.cap, rate=a.rate,
                             seed=a.seed)
     except ImportError as err:

@@ -100,7 +100,11 @@ def build_engine(spec: CoreSpec):
     model, tok = load_model(spec.model, device=None if spec.device == "auto" else spec.device)
     options = dict(spec.engine_options)
     if spec.speculative_model:
-        options["speculative"] = load_model(spec.speculative_model, device=model.device)[0]
+        try:
+            options["speculative"] = load_model(spec.speculative_model, device=model.device)[0]
+        except ValueError as err:
+            raise ValueError(f"--speculative {spec.speculative_model!r} is neither 'ngram' nor a draft model that can "
+                             f"be loaded (the embedded one: --speculative bierce-draft): {err}") from None
     pieces = {PIECES[k]: load_piece(v, k) for k, v in spec.pieces.items() if v}
     return Engine(model, tok, keep_records=False, **options, **pieces)
 

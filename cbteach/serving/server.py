@@ -250,9 +250,6 @@ def _main(argv, signals: StartupSignals) -> int:
         print(f"refusing to listen on {args.host} without --api-key: anyone who can reach it could use the server "
               "(bind 127.0.0.1, or give a key)", file=sys.stderr)
         return 2
-    if not 0 <= args.port < 65536:
-        print(f"--port must be in 0..65535, got {args.port}", file=sys.stderr)
-        return 2
     signals.check()
     try:
         server, url = start(args, signals.check)

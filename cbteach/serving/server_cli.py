@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from ..argtypes import threads
+
 DEFAULT_TOKEN_BUDGET = 256  # chosen by benchmarks/serve/token_budget.py: see its README
 PAGED_ONLY = {"num_blocks": "--num-blocks", "kv_memory_bytes": "--kv-memory-bytes", "block_size": "--block-size",
               "prefix_caching": "--prefix-caching", "kv_manager": "--kv-manager", "attention": "--attention",
@@ -36,6 +38,8 @@ def check_mode(p: argparse.ArgumentParser, args, argv) -> None:
         if wrong:
             p.error(f"{', '.join(PAGED_ONLY[d] for d in wrong)} appl{'y' if len(wrong) > 1 else 'ies'} to the paged "
                     "KV cache only; --kv concat has no blocks (drop the option, or use --kv paged)")
+    if args.num_blocks is not None and args.kv_memory_bytes is not None:
+        p.error("give --num-blocks or --kv-memory-bytes, not both (each sizes the KV pool)")
     if args.default_max_tokens is not None and args.max_tokens_cap is not None \
             and args.default_max_tokens > args.max_tokens_cap:
         p.error(f"--default-max-tokens {args.default_max_tokens} is more than --max-tokens-cap {args.max_tokens_cap}: "
@@ -56,6 +60,27 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value < 65536:
+        raise argparse.ArgumentTypeError(f"must be in 0..65535 (0: any free port), got {value}")
+    return value
+
+
+def _device(text: str) -> str:
+    """``--device``, checked here (the engine cores take the name): cpu, cuda[:N], mps or auto, on this machine."""
+    from ..models import device_option
+
+    try:
+        device_option(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
 
 
 def _positive_float(text: str) -> float:
@@ -99,12 +124,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="bierce", help="bierce (embedded, offline), bierce-draft, or a hub id / folder")
     p.add_argument("--served-model-name", default=None, help="the name clients use in 'model' (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind; anything but loopback needs --api-key")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port, announced at start)")
+    p.add_argument("--port", type=_port, default=8000, help="port to listen on (0: any free port, announced at start)")
     p.add_argument("--api-key", default=os.environ.get("CBTEACH_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route but /health; the live view opens as "
                         "/?key=KEY (default: $CBTEACH_API_KEY, else none)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, mps, or auto (the best this machine has)")
-    p.add_argument("--threads", type=_positive_int, default=1, help="torch CPU threads of each engine core")
+    p.add_argument("--device", type=_device, default="cpu", help="cpu, cuda, mps, or auto (the best this machine has)")
+    p.add_argument("--threads", type=threads, default=1, help="torch CPU threads of each engine core")
     p.add_argument("--data-parallel-size", type=_positive_int, default=1,
                    help="engine cores, each with its own model copy and KV pool; requests go to the least loaded")
     p.add_argument("--tensor-parallel-size", type=_positive_int, default=1,

@@ -57,6 +57,9 @@ class WorkloadShape:
             lo, hi = getattr(self, name)
             if not 1 <= lo <= hi:
                 raise ValueError(f"the workload's {name} must be (lo, hi) with 1 <= lo <= hi, got {(lo, hi)!r}")
+        if self.max_context < self.prompt_lens[1]:
+            raise ValueError(f"the workload's max_context ({self.max_context}) is shorter than its longest prompt "
+                             f"({self.prompt_lens[1]}): give a longer max_context or shorter prompts")
 
 
 def shape_of(data: dict) -> WorkloadShape:
@@ -86,7 +89,7 @@ def covering_grid(shape: WorkloadShape) -> list[tuple]:
     budget = shape.token_budget or max(64, min(512, P // 4))
     short = (plo, max(plo, min(phi, 96)))
     long_batch = max(1, min(B, 32768 // C))  # long contexts, at most ~32k prompt tokens to prefill
-    long_prompts = (max(plo, C // 2), max(plo, C - 40))
+    long_prompts = (max(plo, C // 2), max(plo, C // 2, C - 40))
     few = max(1, min(B, round(P / (0.75 * phi))))  # a few long prompts filling the largest step
     many = (plo, max(plo, min(phi, 2 * P // B)))  # the largest batch of prompts filling it
     grid = [(1, (16, 16), (12, 12), None, "uniform"),  # one sequence: the step's fixed cost

@@ -57,6 +57,8 @@ class Deployment:
 
     def workload(self, rate: float | None, num_requests: int):
         """The first ``num_requests`` of one long stream of requests: a longer run extends a shorter one."""
+        if not isinstance(num_requests, int) or isinstance(num_requests, bool) or num_requests < 1:
+            raise ValueError(f"num_requests must be an integer >= 1, got {num_requests!r}")
         if num_requests > self.max_requests:
             raise ValueError(f"num_requests {num_requests} > max_requests {self.max_requests}")
         pool = synthetic_workload(self.max_requests, rate, self.prompt_lens, self.output_lens, self.seed, self.spread)
@@ -67,7 +69,8 @@ class Deployment:
         cost = self.cost_model()
         blocks = cost.kv_capacity_tokens(self.gpu_memory_utilization, self.token_budget,
                                          self.max_batch_size) // self.block_size
-        return simulate(self.workload(rate, num_requests or self.num_requests), cost, max_batch_size=self.max_batch_size,
+        n = self.num_requests if num_requests is None else num_requests
+        return simulate(self.workload(rate, n), cost, max_batch_size=self.max_batch_size,
                         num_blocks=blocks, block_size=self.block_size, token_budget=self.token_budget,
                         give_up=give_up)
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 
-from ..argtypes import POSITIVE_INT
+from ..argtypes import POSITIVE_INT, threads
 
 
 def calibrate_args(k: argparse.ArgumentParser, pair) -> None:
     k.add_argument("--out", default="cpu_device.json", help="the device file to write")
     k.add_argument("--repeats", type=POSITIVE_INT, default=3, help="measurements of each grid point (median kept)")
-    k.add_argument("--threads", type=POSITIVE_INT, default=1, help="torch threads (use the runs' own)")
+    k.add_argument("--threads", type=threads, default=1, help="torch threads (use the runs' own)")
     k.add_argument("--clock", choices=("wall", "process"), default="wall",
                    help="what a step's duration is: wall seconds (as an Engine records them) or process CPU seconds")
     k.add_argument("--shape-of", default=None, metavar="RUNS.json",

@@ -17,6 +17,7 @@ when the pool is full -- is the engine's. Only time is simulated.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,6 +37,9 @@ class SimRequest:
     output_len: int
 
 
+MAX_SPAN_S = 1e8  # seconds a synthetic workload may span: at 1e8 a float still resolves microseconds
+
+
 def synthetic_workload(num_requests: int, rate: float | None, prompt_lens=(128, 512), output_lens=(16, 512),
                        seed: int = 0, spread: str = "uniform") -> list[SimRequest]:
     """``num_requests`` requests with lengths in the given ranges (inclusive) -- ``spread="uniform"``,
@@ -44,8 +48,15 @@ def synthetic_workload(num_requests: int, rate: float | None, prompt_lens=(128, 
     seed draws the same unit gaps and lengths at every rate, so two runs differ by the rate alone."""
     if spread not in ("uniform", "loguniform"):
         raise ValueError(f"spread must be 'uniform' or 'loguniform', got {spread!r}")
-    if rate is not None and not rate > 0:
-        raise ValueError(f"rate must be None (all at once) or > 0 requests per second, got {rate!r}")
+    if not isinstance(num_requests, numbers.Integral) or isinstance(num_requests, bool) or num_requests < 1:
+        raise ValueError(f"num_requests must be an integer >= 1, got {num_requests!r}")
+    if rate is not None and (not isinstance(rate, numbers.Real) or isinstance(rate, bool) or not math.isfinite(rate)
+                             or not rate > 0):
+        raise ValueError(f"rate must be None (all at once) or a finite number > 0 of requests per second, got {rate!r}")
+    for name, pair in (("prompt_lens", prompt_lens), ("output_lens", output_lens)):
+        if (not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(
+                isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in pair) or not 1 <= pair[0] <= pair[1]):
+            raise ValueError(f"{name} must be a pair of token counts (lo, hi) with 1 <= lo <= hi, got {pair!r}")
     rng = np.random.default_rng(seed)
     gaps = rng.exponential(1.0, num_requests)
 
@@ -56,6 +67,9 @@ def synthetic_workload(num_requests: int, rate: float | None, prompt_lens=(128, 
 
     prompts, outputs = lengths(*prompt_lens), lengths(*output_lens)
     times = np.zeros(num_requests) if rate is None else (np.cumsum(gaps) - gaps[0]) / rate
+    if times[-1] > MAX_SPAN_S:
+        raise ValueError(f"rate={rate!r} requests per second spreads the workload over {times[-1]:.3g} s; past {MAX_SPAN_S:.0e} s "
+                         "(three years) a simulated clock cannot add a step's milliseconds any more: raise the rate")
     return [SimRequest(i, float(t), int(p), int(o)) for i, (t, p, o) in enumerate(zip(times, prompts, outputs))]
 
 
@@ -152,7 +166,14 @@ def simulate(workload: list[SimRequest], step_time, *, max_batch_size: int, num_
                              admission=admission)
     manager = KVCacheManager(num_blocks, block_size)
     scheduler = Scheduler(config, manager)
-    seqs = []
+    seqs, ids = [], set()
+    for r in workload:
+        at = r.arrival_time
+        if not isinstance(at, numbers.Real) or isinstance(at, bool) or not math.isfinite(at) or at < 0:
+            raise ValueError(f"request {r.request_id!r}: arrival_time must be a finite number of seconds >= 0, got {at!r}")
+        if r.request_id in ids:
+            raise ValueError(f"request id {r.request_id!r} appears twice in the workload; ids must be unique")
+        ids.add(r.request_id)
     for r in sorted(workload, key=lambda r: r.arrival_time):
         if r.prompt_len < 1 or r.output_len < 1:
             raise ValueError(f"request {r.request_id!r}: prompt and output lengths must be >= 1")
@@ -183,6 +204,9 @@ def simulate(workload: list[SimRequest], step_time, *, max_batch_size: int, num_
             now = nxt
             continue
         dt = float(step_time(plan))
+        if not math.isfinite(dt) or dt < 0:
+            raise ValueError(f"step_time gave {dt!r} for a step of {plan.total_num_scheduled_tokens} tokens; a step's "
+                             "cost must be a finite number of seconds >= 0")
         now += dt
         result.step_times.append(dt)
         result.step_tokens.append(plan.total_num_scheduled_tokens)

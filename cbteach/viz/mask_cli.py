@@ -16,7 +16,7 @@ import argparse
 MAX_QUERIES, MAX_KEYS = 512, 2048  # a mask beyond this is neither readable nor cheap to draw
 
 
-def lengths(text: str) -> list[int]:
+def lengths(text: str, what: str = "token counts") -> list[int]:
     """argparse type for ``"3,0,5"`` (an empty string is an empty list: a step with no sequences)."""
     text = text.strip()
     if not text:
@@ -27,9 +27,11 @@ def lengths(text: str) -> list[int]:
             value = int(item.strip())
         except ValueError:
             raise argparse.ArgumentTypeError(f"{item.strip()!r} is not an integer; "
-                                             "give comma-separated token counts like 3,0,5") from None
+                                             f"give comma-separated {what} like 3,0,5") from None
         if value < 0:
-            raise argparse.ArgumentTypeError(f"{value} is negative; token counts must be >= 0")
+            raise argparse.ArgumentTypeError(f"{value} is negative; {what} must be >= 0")
+        if value > 10**6:  # (far past what can be drawn; a larger int does not even fit a tensor's int64)
+            raise argparse.ArgumentTypeError(f"{value} is too large; {what} must be at most 1,000,000")
         out.append(value)
     return out
 
@@ -37,7 +39,7 @@ def lengths(text: str) -> list[int]:
 def block_tables_arg(text: str) -> list[list[int]]:
     """argparse type for ``"0,1;2;3,4"``: one comma-separated block table per sequence, ``;`` between."""
     try:
-        return [lengths(part) for part in text.split(";")]
+        return [lengths(part, "block ids") for part in text.split(";")]
     except argparse.ArgumentTypeError as e:
         raise argparse.ArgumentTypeError(f"{e} (block tables look like 0,1;2;3,4: block ids, ';' between "
                                          "sequences)") from None
