@@ -200,11 +200,14 @@ def notebooks_cli(argv=None) -> int:
         prog="python -m cbteach notebooks",
         description="Write the course's notebooks (with their stored outputs) into DIR, then open them: "
                     "`jupyter lab DIR`. With --student, each exercise's solution is replaced by a stub.")
-    p.add_argument("dir", type=Path, help="folder to write the notebooks into (made if missing)")
+    p.add_argument("dir", help="folder to write the notebooks into (made if missing)")
     p.add_argument("--student", action="store_true", help="the student copy: solutions replaced by stubs")
     p.add_argument("--force", action="store_true", help="overwrite notebooks already in DIR")
     a = p.parse_args(argv)
+    if not a.dir.strip():  # (Path("") would be the current folder)
+        p.error("give the folder to write the notebooks into, e.g. `python -m cbteach notebooks course`")
+    a.dir = Path(a.dir)
     written = write_course(course_dir(), a.dir, student=a.student, force=a.force, say=lambda _msg: None)
-    kind = "student copy (solutions replaced by stubs)" if a.student else "notebooks"
+    kind = "notebooks of the student copy (solutions replaced by stubs)" if a.student else "notebooks"
     print(f"wrote {len(written)} {kind} to {a.dir}; open them with: jupyter lab {a.dir}")
     return 0

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -197,6 +198,8 @@ def test_course_files_beside_the_notebooks_are_kept_too_and_a_copy_onto_itself_i
     (["bench", "--rate", "inf"], "argument --rate: 'inf' is not a number > 0"),
     (["bench", "--threads", "100000"], "threads is more than 4 per core"),  # (a crash in torch's thread pools)
     (["simulate", "calibrate", "--threads", "100000"], "threads is more than 4 per core"),
+    (["notebooks", ""], "give the folder to write the notebooks into"),  # (wrote 16 notebooks into the cwd)
+    (["bench", "--engines", "static", "--device", "meta"], "unknown device 'meta'"),
     (["demo", "--device", "xpu"], "unknown device 'xpu'"),  # torch knows the name; the course runs on cpu/cuda/mps
     (["demo", "--device", "meta"], "unknown device 'meta'"),
 ])
@@ -218,7 +221,12 @@ def test_simulate_refuses_a_workload_it_cannot_run_before_measuring(argv, messag
 
 
 def test_simulate_validate_names_a_data_file_it_cannot_use(tmp_path, capsys):
-    for text in ("[1, 2]", "{}", "not json"):
+    """A run with a negative duration or a NaN step time gave negative errors and 'nan% less time'."""
+    runs = json.loads((Path(cbteach.__file__).parent / "sim/data/bierce_cpu_runs.json").read_text())
+    runs["runs"][0]["duration"] = -1
+    impossible = json.dumps(runs)
+    runs["runs"][0]["duration"], runs["runs"][1]["steps"][3]["t"] = 1.0, float("nan")
+    for text in ("[1, 2]", "{}", "not json", impossible, json.dumps(runs)):
         bad = tmp_path / "runs.json"
         bad.write_text(text)
         assert main(["simulate", "validate", "--data", str(bad)]) == 2

@@ -149,3 +149,15 @@ def test_bench_reference_refuses_workload_options(argv, named, tmp_path, capsys)
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--reference" in err and named in err
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--startup-timeout", "inf"], "argument --startup-timeout: must be a finite number > 0"),
+    (["--served-model-name", " "], "argument --served-model-name: must not be empty"),
+])
+def test_serve_refuses_an_endless_timeout_and_an_empty_name(argv, named, capsys):
+    from cbteach.serving.server import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and named in capsys.readouterr().err

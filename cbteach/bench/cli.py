@@ -174,7 +174,7 @@ def _check(p: argparse.ArgumentParser, a, argv=()) -> tuple[list[str], Path]:
                     f"{', '.join(WORKLOAD_OPTIONS[d] for d in wrong)}")
         a.workload = "headwords"
         a.requests, a.max_new_tokens, a.batch_size = (REFERENCE[k] for k in ("requests", "max_new_tokens", "batch_size"))
-    engines = [e for e in a.engines.split(",") if e]
+    engines = list(dict.fromkeys(e for e in a.engines.split(",") if e))  # (each named once, in order)
     if not engines:
         p.error(f"--engines is empty; choose from {', '.join(ALL_ENGINES)}")
     if set(engines) - set(ALL_ENGINES):
@@ -278,4 +278,8 @@ def cli(argv=None) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(clean(result), indent=1))
     print(f"wrote {path}")
+    failed = [name for name, r in rows.items() if "error" in r]
+    if failed and len(failed) == len(rows):  # (a broken engine among working ones is a result: reported, not fatal)
+        print(f"every engine failed ({', '.join(failed)}): see the table above", file=sys.stderr)
+        return 1
     return 0

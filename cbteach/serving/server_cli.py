@@ -88,9 +88,15 @@ def _positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {value}")
     return value
+
+
+def _name(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty (clients send it as 'model')")
+    return text
 
 
 def _token_budget(text: str):
@@ -122,7 +128,7 @@ def parser() -> argparse.ArgumentParser:
                                             "OpenAI-compatible API, with a live view of the batch at /. The engine "
                                             "runs in engine-core processes of its own (vLLM V1's split).")
     p.add_argument("--model", default="bierce", help="bierce (embedded, offline), bierce-draft, or a hub id / folder")
-    p.add_argument("--served-model-name", default=None, help="the name clients use in 'model' (default: --model)")
+    p.add_argument("--served-model-name", type=_name, default=None, help="the name clients use in 'model' (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind; anything but loopback needs --api-key")
     p.add_argument("--port", type=_port, default=8000, help="port to listen on (0: any free port, announced at start)")
     p.add_argument("--api-key", default=os.environ.get("CBTEACH_API_KEY"),

@@ -10,6 +10,7 @@ outside its range (:mod:`cbteach.sim.coverage`).
 from __future__ import annotations
 
 import argparse
+import math
 
 from ..argtypes import POSITIVE_INT, threads
 
@@ -75,7 +76,7 @@ def validate_command(a) -> dict:
     from .validate import SENSITIVE, drift_warning, load, validation_report
 
     data = None
-    if a.data:
+    if a.data is not None:  # ("" is a path that names nothing, not the shipped runs)
         try:
             data = load(a.data)
         except (OSError, ValueError) as err:
@@ -83,6 +84,14 @@ def validate_command(a) -> dict:
         if not isinstance(data, dict) or not isinstance(data.get("runs"), list) or not data["runs"]:
             raise ValueError(f"--data {a.data}: expected a JSON object with a non-empty list 'runs' (see "
                              "`python -m cbteach simulate validate --help` for the format)")
+        bad = next(((i, what, t) for i, r in enumerate(data["runs"]) if isinstance(r, dict)
+                    for what, t in [("duration", r.get("duration")), *(("a step's t", s.get("t")) for s in
+                                                                       r.get("steps", ()) if isinstance(s, dict))]
+                    if not (isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0)),
+                   None)
+        if bad is not None:
+            raise ValueError(f"--data {a.data}: run {bad[0]} has {bad[1]} = {bad[2]!r}; measured times must be finite "
+                             "numbers of seconds > 0")
     device = load_device(a.device) if a.device else None
     try:
         rep = validation_report(data, device)
