@@ -628,3 +628,21 @@ def test_bad_workloads_are_refused_with_the_reason():
         with pytest.raises(ValueError, match="num_requests must be an integer >= 1"):
             deploy.run(1.0, num_requests=n)
     assert len(deploy.run(1.0, num_requests=3).ttft) == 3
+
+
+def test_capacity_helpers_refuse_what_would_give_a_wrong_answer_silently():
+    from cbteach.sim.simulator import SimRequest
+
+    run = simulate([SimRequest(0, 0.0, 8, 4)], CostModel("llama-3-8b", "a100-80gb"), max_batch_size=2, num_blocks=8)
+    with pytest.raises(ValueError, match="the targets must be numbers of seconds > 0"):
+        meets(run, math.nan, 1.0)  # (False before, as if the run had missed a target)
+    with pytest.raises(ValueError, match="metric must be 'ttft', 'tpot' or 'e2e'"):
+        run.quantile("bogus", 0.5)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        gpus_for_users(10, 0.1, 10.0, tensor_parallel_size=0)  # (0 devices before)
+    with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
+        simulate_static([SimRequest(0, 0.0, 8, 4)], CostModel("llama-3-8b", "a100-80gb"), 0)
+    with pytest.raises(ValueError, match="workload is empty"):
+        compare_batching(workload=[])  # (the default workload before, without a word)
+    with pytest.raises(ValueError, match="price per device-hour"):
+        cost_per_million_tokens(Deployment(model="llama-3-8b", device="a100-80gb"), 1.0, -1)

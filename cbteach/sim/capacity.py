@@ -162,6 +162,8 @@ class Capacity:
 def meets(run, ttft_target: float, tpot_target: float, quantile: float = 0.9) -> bool:
     """Whether a run's (a :class:`SimResult`, or its steady state) TTFT and TPOT quantiles are within
     the targets (seconds)."""
+    if not (ttft_target > 0 and tpot_target > 0):  # (NaN compares False with everything: it met nothing, silently)
+        raise ValueError(f"the targets must be numbers of seconds > 0, got ttft={ttft_target!r}, tpot={tpot_target!r}")
     if isinstance(run, dict):
         key = f"p{round(quantile * 100)}"
         ttft, tpot = run[f"ttft_{key}"], run[f"tpot_{key}"]
@@ -263,6 +265,8 @@ def gpus_for_users(users: int, requests_per_user: float, capacity_rate: float, t
         raise ValueError(f"the rate per user (--rate-per-user) must be > 0, got {requests_per_user!r}")
     if not capacity_rate > 0:
         raise ValueError("this replica meets the targets at no rate: loosen them, or use a bigger replica")
+    if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size (devices per replica) must be an integer >= 1, got {tensor_parallel_size!r}")
     return max(1, math.ceil(users * requests_per_user / capacity_rate - 1e-9)) * tensor_parallel_size
 
 
@@ -271,6 +275,8 @@ def cost_per_million_tokens(deployment: Deployment, capacity, price_per_device_h
     in requests/s, simulated to its steady state): the replica's price per hour over the output tokens
     it *serves* in an hour -- measured in the steady state, never the offered rate x the mean length."""
     price = deployment.cost_model().device.price_per_hour if price_per_device_hour is None else price_per_device_hour
+    if not (isinstance(price, (int, float)) and not isinstance(price, bool) and math.isfinite(price) and price >= 0):
+        raise ValueError(f"the price per device-hour must be a finite number >= 0 (dollars), got {price!r}")
     if isinstance(capacity, Capacity):
         served = capacity.served_tokens_per_s
     else:

@@ -98,6 +98,11 @@ class SimResult:
         return sum(self.output_lens) / self.makespan if self.makespan > 0 else 0.0
 
     def quantile(self, metric: str, q: float) -> float:
+        """The ``q`` quantile of ``metric`` (``"ttft"``, ``"tpot"`` or ``"e2e"``) over the requests that have it."""
+        if metric not in ("ttft", "tpot", "e2e"):
+            raise ValueError(f"metric must be 'ttft', 'tpot' or 'e2e', got {metric!r}")
+        if not 0 <= q <= 1:
+            raise ValueError(f"q must be a quantile in [0, 1], got {q!r}")
         values = [v for v in getattr(self, metric) if not math.isnan(v)]
         return float(np.quantile(values, q)) if values else math.nan
 

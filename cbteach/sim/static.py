@@ -30,6 +30,8 @@ def simulate_static(workload: list[SimRequest], cost: CostModel, batch_size: int
     """Static batching: the next batch is up to ``batch_size`` requests that have arrived when the last
     batch ended; it runs until its longest output is done. ``pad``: prompts padded to the longest and
     finished sequences computed on (``generate`` on a padded batch); without it, only real tokens."""
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     queue = sorted(workload, key=lambda r: r.arrival_time)
     n = len(queue)
     ttft, tpot, e2e = [math.nan] * n, [math.nan] * n, [math.nan] * n
@@ -76,8 +78,10 @@ def compare_batching(model="opt-13b", device="a100-40gb", workload=None, *, max_
     from .simulator import synthetic_workload
 
     cost = CostModel(model, device)
-    workload = workload or synthetic_workload(400, None, (64, max_prompt), (16, max_new_tokens), seed=0,
-                                              spread="loguniform")
+    if workload is not None and not len(workload):
+        raise ValueError("workload is empty: give requests, or None for the default (400 at once)")
+    if workload is None:
+        workload = synthetic_workload(400, None, (64, max_prompt), (16, max_new_tokens), seed=0, spread="loguniform")
     capacity = cost.kv_capacity_tokens()
     mean_len = float(np.mean([r.prompt_len + r.output_len for r in workload]))
     b_static = max(1, min(max_batch_size, capacity // (max_prompt + max_new_tokens)))  # worst case per slot
