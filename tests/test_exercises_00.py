@@ -115,6 +115,16 @@ def raises(model, input_ids, max_new_tokens, eos_id):
     return model(input_ids[0]).logits  # a 1-D input
 
 
+def models_own_eos(model, input_ids, max_new_tokens, eos_id):
+    """Stops on the model's EOS, not on the eos_id it is given."""
+    return right(model, input_ids, max_new_tokens, model.config.eos_token_id)
+
+
+def index_error(model, input_ids, max_new_tokens, eos_id):
+    new = right(model, input_ids, max_new_tokens, eos_id)
+    return [new[i + 1] for i in range(len(new))]  # one past the end
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen2", "gpt2"])
 def model(request):
     return tiny_model(request.param)
@@ -147,6 +157,7 @@ HINTS = [
     (calls_generate, "called model.generate"),
     (stub, "not done yet"),
     (raises, "raised"),
+    (index_error, "raised IndexError: list index out of range (line"),  # the learner's line, named
 ]
 
 
@@ -159,6 +170,17 @@ def test_wrong_loops_get_the_right_hint_and_not_the_answer(model, wrong, hint, c
         expected, calls = generate_with_work(model, ids, n, eos)
         assert str(expected) not in out and str(expected)[1:-1] not in out  # never the right tokens
     assert "expected" not in out.lower()
+
+
+def test_a_loop_that_stops_on_the_models_eos_not_on_eos_id_is_caught(bierce, capsys):
+    """Where the notebook's eos_id is the model's own EOS, only the check's own stop case can tell a loop that
+    stops on ``model.config.eos_token_id`` from a right one: it stops half-way (on the notebook's prompt the
+    last of 12 tokens was picked once, where stopping and not stopping give the same list)."""
+    model, tok = bierce
+    ids = tok("ABSURDITY, n.", return_tensors="pt")["input_ids"]
+    assert check_greedy_decode(right, model, ids, 100, tok.eos_token_id)
+    assert not check_greedy_decode(models_own_eos, model, ids, 100, tok.eos_token_id)
+    assert "kept going after EOS" in capsys.readouterr().out
 
 
 def test_wrong_first_token_is_named_without_the_value(capsys):

@@ -68,6 +68,7 @@ def test_ex02_accepts_a_right_simulator(model, capsys):
     (lambda lengths, b: fcfs(lengths, b) - 1, "off by one"),
     (with_gap, "empty for one step"),
     (round_robin, "slot i % slots"),
+    (lambda lengths, b: fcfs(sorted(lengths), b), "shortest requests first"),  # (was told "off by one")
     (lambda lengths, b: float(fcfs(lengths, b)), "an int"),
     (lambda lengths, b: lengths[99], "IndexError"),
     (lambda lengths, b: None, "not done yet"),

@@ -88,7 +88,11 @@ def test_mask_hints(capsys):
     assert not check_mask(CACHED, NEW, torch.ones(q, sum(NEW), dtype=torch.bool).tril())
     assert "include the 5 cached" in capsys.readouterr().out
     assert not check_mask(CACHED, NEW, block_diagonal_causal_mask(CACHED, NEW).float())
-    assert "boolean mask" in capsys.readouterr().out
+    out = capsys.readouterr().out  # 1.0 / 0.0: told about the type, not sent to the additive form
+    assert "boolean mask" in out and "dtype=torch.bool" in out and "additive_mask" not in out
+    additive = torch.zeros(q, k).masked_fill(~block_diagonal_causal_mask(CACHED, NEW), float("-inf"))
+    assert not check_mask(CACHED, NEW, additive)
+    assert "additive_mask() makes the 0 / -inf form" in capsys.readouterr().out
 
 
 def test_key_labels_follow_the_concat_layout():

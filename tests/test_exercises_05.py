@@ -89,6 +89,11 @@ class Raises(Right):
         raise KeyError("oops")
 
 
+class WholeSequence(Right):  # room for every token of the sequence, not for this step's chunk
+    def allocate_slots(self, seq, n):
+        return super().allocate_slots(seq, seq.num_tokens - seq.num_computed_tokens)
+
+
 class MissingBlock(Right):
     def __init__(self, num_blocks, block_size):
         super().__init__(num_blocks, block_size)
@@ -130,6 +135,7 @@ class NoFreeList(Right):  # forgot to make the free list
     (Prepends, "append them at the end"),
     (Raises, "raised KeyError"),
     (MissingBlock, "every block 0 .. num_blocks - 1 free"),
+    (WholeSequence, "make room for num_computed_tokens + num_new_tokens"),  # (passed while no prefill was chunked)
 ])
 def test_ex05_names_what_is_wrong(model, capsys, wrong, words):
     assert not ex05.check_kv_manager(wrong, model)

@@ -126,6 +126,7 @@ WRONG = {
     "never read the clock": make(use_clock=False),
     "exactly repeat times": lambda runs, repeat, clock: make()(runs, repeat - 1, clock),
     "the total": make(stat=sum),
+    "not the upper of them": make(stat=lambda t: sorted(t)[len(t) // 2]),  # (passed while every repeat was odd)
 }
 
 
@@ -144,6 +145,26 @@ def test_a_harness_that_always_says_same_tokens_fails(model, capsys):
         return right(runs, repeat, clock)[0], True
     assert not ex07.check_benchmark(always_same, model)
     assert "compare the tokens of every run" in capsys.readouterr().out
+
+
+def test_a_harness_that_compares_each_engine_with_itself_fails(model, capsys):
+    """Each engine's runs against its own warm-up: right for an engine that goes wrong later, blind to one that is
+    wrong from the start -- the case the check lacked."""
+    def self_compare(runs, repeat, clock):
+        firsts = {name: run() for name, run in runs.items()}
+        times, same = {name: [] for name in runs}, True
+        for _ in range(repeat):
+            for name, run in runs.items():
+                start = clock()
+                out = run()
+                times[name].append(clock() - start)
+                same = same and out == firsts[name]
+        return {n: statistics.median(t) for n, t in times.items()}, same
+
+    assert not ex07.check_benchmark(self_compare, model)
+    assert "not each engine with its own first run" in capsys.readouterr().out
+    runs = ex07.engine_runs(model, ex07.Clock(), wrong=True)
+    assert runs["paged (wrong tokens)"]() != runs["static"]()  # wrong on its first run already
 
 
 def test_bad_answers_are_explained(model, capsys):

@@ -70,6 +70,14 @@ def rounded_up(prompts, bs):
     return [max([math.ceil(lcp(p[:-1], q) / bs) * bs for q in prompts[:j]], default=0) for j, p in enumerate(prompts)]
 
 
+def earlier_less_last(prompts, bs):  # the last-token rule applied to the earlier prompts too
+    return [max([lcp(p[:-1], q[:-1]) // bs * bs for q in prompts[:j]], default=0) for j, p in enumerate(prompts)]
+
+
+def longest_only(prompts, bs):  # only the longest earlier prompt looked at
+    return [lcp(p[:-1], max(prompts[:j], key=len)) // bs * bs if j else 0 for j, p in enumerate(prompts)]
+
+
 def first_not_zero(prompts, bs):
     return [bs] + right_reuse(prompts, bs)[1:]
 
@@ -96,6 +104,8 @@ def test_prefix_reuse_checks_the_notebooks_prompts_first(model, capsys):
     (unchained, "and of everything before it"),
     (rounded_up, "round down to whole blocks"),
     (first_not_zero, "empty cache"),
+    (earlier_less_last, "only the *new* prompt stops one token short"),  # (both passed every case before)
+    (longest_only, "*every* earlier request"),
 ])
 def test_prefix_reuse_names_the_missed_rule(model, capsys, wrong, hint):
     ok, out = run(ex08.check_prefix_reuse, wrong, model, capsys=capsys)

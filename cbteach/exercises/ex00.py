@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import Fail, fail, first_mistake, is_int, need_function, passed, self_check
+from . import Fail, fail, first_mistake, is_int, need_function, passed, raised, self_check
 
 CACHE_KWARGS = ("cache", "past_key_values")  # transformers 5 renamed past_key_values to cache
 
@@ -123,12 +123,14 @@ class Case(NamedTuple):
 
 def _cases(model, input_ids, max_new_tokens, eos_id) -> list[Case]:
     """The notebook's case, a prefill-only case, a case without EOS, and one that stops on a token the
-    model really produces (picked live, so every model, even a random one, gets an EOS case)."""
+    model really produces (picked live, so every model, even a random one, gets an EOS case) half-way:
+    a loop that ignores ``eos_id`` -- or stops on the model's own EOS instead -- makes more tokens."""
     base, _ = generate_with_work(model, input_ids, 12, eos_id)
-    firsts = [t for j, t in enumerate(base) if t not in base[:j] and t != eos_id]  # each token where it first appears
+    firsts = [j for j, t in enumerate(base) if t not in base[:j] and t != eos_id and j < len(base) - 1]
+    stop = min(firsts, key=lambda j: abs(j - len(base) // 2)) if firsts else None  # where it first appears
     return [Case(max_new_tokens, eos_id), Case(1, eos_id),
             *([Case(12, eos_id)] if base[-1] != eos_id and max_new_tokens != 12 else []),
-            *([Case(len(base), firsts[-1])] if firsts else [])]
+            *([Case(len(base), base[stop])] if stop is not None else [])]
 
 
 @self_check
@@ -143,7 +145,7 @@ def check_greedy_decode(greedy_decode, model, input_ids, max_new_tokens: int, eo
         where = f"greedy_decode(model, <{input_ids.shape[1]}-token prompt>, max_new_tokens={n}, eos_id={eos})"
         hint, ids = _work_hint([c[:2] for c in calls]), _as_ids(got)
         if isinstance(got, Exception):
-            return fail(f"{where} raised {type(got).__name__}: {got}" + (f" (before that, {hint})" if hint else ""))
+            return fail(f"{where} raised {raised(got)}" + (f" (before that, {hint})" if hint else ""))
         if got is None and not calls:
             return fail("not done yet: greedy_decode returned None -- write it in the cell above")
         if ids is None:

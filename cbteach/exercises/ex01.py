@@ -12,7 +12,7 @@ import torch
 
 from ..core.request import Request
 from ..engine.static import static_batching
-from . import fail, is_int, need_function, passed, self_check
+from . import fail, is_int, need_function, passed, raised, self_check
 from .ex00 import run_barred
 
 
@@ -160,7 +160,7 @@ def check_static_wave(static_wave, model, prompts, max_new_tokens: int, eos_id: 
         if isinstance(got, Exception):
             hint = _pass_hint(calls, ps) if calls else None
             why = f" (before that, {hint})" if hint else ""
-            return fail(f"{where}: static_wave raised {type(got).__name__}: {got}{why}")
+            return fail(f"{where}: static_wave raised {raised(got)}{why}")
         if got is None:
             return fail("not done yet: static_wave returned None -- write it in the cell above")
         outputs = _as_outputs(got, len(ps))

@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 from ..engine.engine import Engine
 from ..core.request import Request
-from . import ask, fail, first_mistake, is_int, need_function, passed, self_check
+from . import ask, fail, is_int, need_function, passed, self_check
 
 
 class Case(NamedTuple):
@@ -40,12 +40,14 @@ MISTAKES = [
     (lambda ls, b, e, m: [max(math.ceil(sum(ls) / b), max(ls))],
      "that is the lower bound, a perfect packing; FCFS cannot start early a long request that comes late"),
     (lambda ls, b, e, m: [math.ceil(sum(ls) / b)], "that is sum / slots: one request alone can take longer"),
+    (lambda ls, b, e, m: [max(sum(ls[s::b]) for s in range(b))] if b < len(ls) else [],
+     "you gave request i to slot i % slots; the next request in the queue takes whichever slot frees first"),
+    (lambda ls, b, e, m: [engine_steps(m, sorted(ls), b)] if b < len(ls) and sorted(ls) != ls else [],
+     "you served the shortest requests first; FCFS admits them in arrival order, whatever their length"),
     (lambda ls, b, e, m: [e + 1, e - 1],
      "off by one: the prefill step already makes the first token, so L new tokens hold a slot L steps"),
     (lambda ls, b, e, m: [engine_steps(m, [x + 1 for x in ls], b) - 1] if b < len(ls) else [],
      "you left a slot empty for one step after each finish; the next request prefills in it on the very next step"),
-    (lambda ls, b, e, m: [max(sum(ls[s::b]) for s in range(b))] if b < len(ls) else [],
-     "you gave request i to slot i % slots; the next request in the queue takes whichever slot frees first"),
     (lambda ls, b, e, m: [sum(ls)],
      "that is the total number of new tokens: with one slot it is right, with more they run side by side"),
 ]
@@ -65,7 +67,8 @@ def check_fcfs_simulator(simulate, model, lengths=None, batch_size=None) -> bool
         if not is_int(got):
             return fail(f"simulate({shown}, {b}) returned {got!r}; it should return a whole number of steps (an int)")
         if got != expected:
-            hint = first_mistake(MISTAKES, lambda mistake: got in mistake(ls, b, expected, model))
+            hints = [h for mistake, h in MISTAKES if got in mistake(ls, b, expected, model)]
+            hint = " -- or ".join(hints[:2]) if hints else None  # (two mistakes can give the same count: both named)
             more = "more" if expected > got else "fewer"
             return fail(f"simulate({shown}, {b}) = {got}, but the engine took {more} steps ({hint or GENERIC})")
     return passed(f"your simulator matches the engine's step count on all {len(cases)} workloads")

@@ -103,8 +103,10 @@ def check_mask(cached, new, answer) -> bool:
     except (TypeError, ValueError):
         return fail(f"answer should be a boolean tensor (or nested lists) of shape ({q}, {k})")
     if got.dtype.is_floating_point:
-        return fail("give the boolean mask (True = may attend); additive_mask() makes the "
-                    "0 / -inf form the model receives out of it")
+        ones = bool(((got == 0) | (got == 1)).all())  # 1.0 / 0.0: the right pattern, the wrong type
+        return fail("give the boolean mask (True = may attend)" + (
+            ": your 1.0 / 0.0 entries are numbers -- build it with dtype=torch.bool (or compare: x > 0)" if ones
+            else "; additive_mask() makes the 0 / -inf form the model receives out of it"))
     if got.dim() == 4 and got.shape[:2] == (1, 1):
         got = got[0, 0]
     if tuple(got.shape) != (q, k):

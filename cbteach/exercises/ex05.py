@@ -22,14 +22,18 @@ class Case(NamedTuple):
     max_batch_size: int
     prompt_lens: tuple  # prompt tokens of each request
     max_new_tokens: tuple  # new tokens of each request (EOS ignored)
+    token_budget: int | None = None  # tokens per step: prompts prefilled in chunks (room for the chunk, not the prompt)
 
 
 # Several blocks each and blocks reused after a finish; prompts shorter than a block; one-token blocks; a pool so
-# small it preempts.
+# small it preempts; prompts prefilled in chunks of a token budget, so allocate_slots is asked for fewer tokens
+# than the sequence has.
 CASES = [Case(block_size=4, num_blocks=32, max_batch_size=2, prompt_lens=(5, 3, 9, 2), max_new_tokens=(7, 10, 4, 6)),
          Case(block_size=8, num_blocks=16, max_batch_size=3, prompt_lens=(3, 6, 2, 4), max_new_tokens=(2, 12, 9, 3)),
          Case(block_size=1, num_blocks=40, max_batch_size=2, prompt_lens=(3, 4, 2), max_new_tokens=(6, 5, 8)),
-         Case(block_size=4, num_blocks=7, max_batch_size=3, prompt_lens=(6, 5, 7, 3), max_new_tokens=(12, 14, 10, 8))]
+         Case(block_size=4, num_blocks=7, max_batch_size=3, prompt_lens=(6, 5, 7, 3), max_new_tokens=(12, 14, 10, 8)),
+         Case(block_size=4, num_blocks=24, max_batch_size=3, prompt_lens=(13, 6, 9), max_new_tokens=(5, 8, 6),
+              token_budget=4)]
 
 
 class Watched(PluggedKVManager):
@@ -47,7 +51,7 @@ class Watched(PluggedKVManager):
 def serve(model, case, manager_class=None) -> dict:
     """One case on a paged engine with its own manager, or ``manager_class``: outputs, blocks, preemptions."""
     engine = Engine(model, None, max_batch_size=case.max_batch_size, kv="paged", block_size=case.block_size,
-                    num_blocks=case.num_blocks, watermark=0)
+                    num_blocks=case.num_blocks, watermark=0, token_budget=case.token_budget)
     watched = None
     if manager_class is not None:
         watched = Watched(manager_class(case.num_blocks, case.block_size), case.num_blocks, case.block_size)
@@ -88,7 +92,8 @@ def check_kv_manager(manager_class, model) -> bool:
         return fail(problem)
     steps = preemptions = 0
     for case in CASES:
-        where = f"(block_size {case.block_size}, {case.num_blocks} blocks, {len(case.prompt_lens)} requests)"
+        where = (f"(block_size {case.block_size}, {case.num_blocks} blocks, {len(case.prompt_lens)} requests"
+                 + (f", prefilled in chunks of {case.token_budget} tokens)" if case.token_budget else ")"))
         expected = serve(model, case)
         try:
             got = serve(model, case, manager_class)

@@ -2,7 +2,7 @@
 
 The harness times real engines on a :class:`Clock` the check controls -- it moves only while an engine runs, by
 costs the check sets (a cold first run, drift, a hiccup) -- so the check knows which runs were timed and what each
-took; one engine is right on its first run only.
+took; one engine is right on its first run only, another wrong on every run.
 """
 from __future__ import annotations
 
@@ -18,8 +18,10 @@ from . import ask, fail, first_mistake, need_function, passed, self_check
 COLD = 6.0     # a first run costs this many times a warm one (allocation, lazy imports, caches)
 DRIFT = 0.08   # each run costs this much more than the one before it, whichever engine ran (a machine slowing)
 HICCUP = 5.0   # one run of each engine -- its last -- is this many times slower (another process woke up)
-COST = {"static": 1.0, "paged": 0.7, "paged (stale state)": 0.5}  # seconds of a warm run, on the check's clock
-REPEATS = (3, 5)
+COST = {"static": 1.0, "paged": 0.7, "paged (stale state)": 0.5,  # seconds of a warm run, on the check's clock
+        "paged (wrong tokens)": 0.4}
+BUGGY = {"stale": "paged (stale state)", "wrong": "paged (wrong tokens)"}  # a case's bug -> the engine that has it
+REPEATS = (3, 4)  # (an even count too: its median is the mean of the two middle runs)
 
 
 class Clock:
@@ -42,9 +44,11 @@ def _requests(n: int = 6) -> list[Request]:
             for i in range(n)]
 
 
-def engine_runs(model, clock: Clock, repeat: int = 3, batch_size: int = 2, stale: bool = False) -> dict:
+def engine_runs(model, clock: Clock, repeat: int = 3, batch_size: int = 2, stale: bool = False,
+                wrong: bool = False) -> dict:
     """The engines the check times: each entry runs a real engine once and returns its outputs. With
-    ``stale``, a third engine is correct on its first run only (state leaking from one run into the next).
+    ``stale``, a third engine is correct on its first run only (state leaking from one run into the next);
+    with ``wrong``, a third engine is wrong on every run, its first included.
     Costs on ``clock``: a cold first run, drift, and a hiccup on each engine's last run of ``repeat``."""
     calls = {}
 
@@ -53,8 +57,8 @@ def engine_runs(model, clock: Clock, repeat: int = 3, batch_size: int = 2, stale
             return [list(c.output_ids) for c in static_batching(model, None, _requests(), batch_size)]
         engine = Engine(model, None, max_batch_size=batch_size, kv="paged", keep_records=False)
         out = [list(c.output_ids) for c in engine.run(_requests())]
-        if name == "paged (stale state)" and k > 1:  # the bug: a later run shifts one request's tokens by a leftover
-            out[-1] = [out[-1][0]] + out[-1][:-1]
+        if (name == "paged (stale state)" and k > 1) or name == "paged (wrong tokens)":
+            out[-1] = [out[-1][0]] + out[-1][:-1]  # the bug: one request's tokens shifted by a leftover
         return out
 
     def timed(name):
@@ -65,7 +69,8 @@ def engine_runs(model, clock: Clock, repeat: int = 3, batch_size: int = 2, stale
             return outputs(name, k)
         return run
 
-    return {name: timed(name) for name in COST if stale or name != "paged (stale state)"}
+    bugs = {BUGGY[b] for b, on in (("stale", stale), ("wrong", wrong)) if on}
+    return {name: timed(name) for name in COST if name not in BUGGY.values() or name in bugs}
 
 
 def _timed_flags(events) -> list[bool]:
@@ -99,10 +104,12 @@ def _timed_runs(events) -> tuple[dict, list, list]:
 # What a harness reports instead of the median: (the statistic, its hint).
 STATISTICS = [(statistics.fmean, "one slow run (a hiccup) pulls the mean along: report the median of the timed runs"),
               (min, "the fastest run is the luckiest one, not the typical one: report the median"),
-              (sum, "that is the total of the timed runs; report the median of them, one run's worth")]
+              (sum, "that is the total of the timed runs; report the median of them, one run's worth"),
+              (lambda t: sorted(t)[len(t) // 2], "with an even number of runs the median is the mean of the two "
+                                                 "middle ones (statistics.median), not the upper of them")]
 
 
-def _diagnose(events, names, repeat, medians, same, truth_same) -> str | None:
+def _diagnose(events, names, repeat, medians, same, truth_same, wrong_from_the_start=False) -> str | None:
     """The first shortcut the clock's log or the answer shows, as a hint; None when all is right."""
     runs = [e[1] for e in events if e[0] == "run"]
     if not any(e[0] == "read" for e in events):
@@ -131,6 +138,9 @@ def _diagnose(events, names, repeat, medians, same, truth_same) -> str | None:
     if same is not truth_same:
         if truth_same:
             return "every engine produced the same tokens here, yet your harness says they differ"
+        if wrong_from_the_start:
+            return ("an engine that is wrong from its first run on agrees with itself: compare every engine's "
+                    "tokens with one reference (the first engine's), not each engine with its own first run")
         return ("a fast engine that gives other tokens is wrong, and a bug can show on a later run only (state left "
                 "over): compare the tokens of every run")
     return None
@@ -142,17 +152,20 @@ def check_benchmark(benchmark, model) -> bool:
     ``clock``, and return ``({name: median seconds}, same_tokens)``. ``model``: the notebook's model;
     every engine the check times runs it for real."""
     need_function(benchmark, "benchmark")
-    cases = [(r, stale) for stale in (False, True) for r in REPEATS]
-    for repeat, stale in cases:
+    cases = [(r, bug) for bug in (None, "stale") for r in REPEATS] + [(REPEATS[0], "wrong")]
+    for repeat, bug in cases:
         clock = Clock()
-        runs = engine_runs(model, clock, repeat, stale=stale)
+        runs = engine_runs(model, clock, repeat, stale=bug == "stale", wrong=bug == "wrong")
         got = ask(benchmark, dict(runs), repeat, clock, shown="benchmark(runs, repeat, clock)")
         if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], dict)
                 and type(got[1]).__name__ in ("bool", "bool_")):  # (a NumPy bool is a bool too)
             return fail(f"benchmark should return a pair (dict of medians, bool); got {got!r:.80}")
-        hint = _diagnose(clock.events, list(runs), repeat, got[0], bool(got[1]), truth_same=not stale)
+        hint = _diagnose(clock.events, list(runs), repeat, got[0], bool(got[1]), truth_same=bug is None,
+                         wrong_from_the_start=bug == "wrong")
         if hint:
-            which = f"{len(runs)} engines{', one with a stale-state bug' if stale else ''}, repeat={repeat}"
+            which = (f"{len(runs)} engines"
+                     f"{', one with a stale-state bug' if bug == 'stale' else ', one always wrong' if bug else ''}, "
+                     f"repeat={repeat}")
             return fail(f"on the check's workload ({which}): {hint}")
     return passed(f"your harness warms up, interleaves, takes medians and compares every run's tokens "
                   f"({len(cases)} workloads, engines run for real)")

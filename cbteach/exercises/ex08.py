@@ -42,6 +42,9 @@ PREFIX_CASES = [
     PrefixCase(what="a prompt that extends an earlier one", prompts=[_L, _L + _ids(13, 6)]),
     PrefixCase(what="a prompt that is the start of an earlier one", prompts=[_L, _L[:9], _L[:8]]),
     PrefixCase(what="the same prompts, blocks of 2", prompts=[_S + _ids(3, 3), _S + _ids(4, 2), _S[:5]], block_size=2),
+    PrefixCase(what="a prompt that extends an earlier one of whole blocks", prompts=[_ids(14, 16), _ids(14, 16) + _ids(15, 4)]),
+    PrefixCase(what="a longer prompt in between that shares nothing",
+               prompts=[_ids(16, 16) + _ids(17, 1), _ids(18, 24), _ids(16, 16) + _ids(19, 5)]),
 ]
 
 
@@ -52,12 +55,16 @@ def engine_cached_tokens(model, prompts, block_size: int) -> list[int]:
     return [c.num_cached_prompt_tokens for c in engine.run(reqs)]
 
 
-def _model(prompts, bs, *, last_rule=True, full_blocks=True, earlier="all", chained=True, ceil=False):
+def _model(prompts, bs, *, last_rule=True, full_blocks=True, earlier="all", chained=True, ceil=False,
+           earlier_short=False):
     """The engine's rule, with one part switched off at a time (to recognise a learner's mistake)."""
     out = []
     for j, p in enumerate(prompts):
         usable = p[:-1] if last_rule else p
-        pool = {"all": prompts[:j], "previous": prompts[max(0, j - 1):j], "first": prompts[:1] if j else []}[earlier]
+        pool = {"all": prompts[:j], "previous": prompts[max(0, j - 1):j], "first": prompts[:1] if j else [],
+                "longest": [max(prompts[:j], key=len)] if j else []}[earlier]
+        if earlier_short:
+            pool = [q[:-1] for q in pool]
         best = 0
         for q in pool:
             if chained:
@@ -78,7 +85,9 @@ PREFIX_MISTAKES = [
                               "logits give the first new token -- so the lookup stops one token short of the prompt"),
     ([dict(full_blocks=False, last_rule=False), dict(full_blocks=False)],
      "you counted every shared token; only *full* blocks are cached: whole blocks of {bs}, rounded down"),
-    ([dict(earlier="previous"), dict(earlier="first")],
+    ([dict(earlier_short=True)], "an earlier prompt's blocks are all in the cache, the block holding its last token "
+                                 "too once it is full: only the *new* prompt stops one token short"),
+    ([dict(earlier="previous"), dict(earlier="first"), dict(earlier="longest")],
      "the cache keeps the full blocks of *every* earlier request, not only one of them"),
     ([dict(chained=False)], "a block is found by a hash of its tokens *and of everything before it*: after the first "
                             "block that differs, nothing more can be reused"),

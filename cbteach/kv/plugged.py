@@ -98,6 +98,10 @@ class PluggedKVManager(KVCacheManager):
             raise self.Error(f"{call}: return the list of blocks you added, and append them at the end of "
                              "seq.block_table (block i of the table holds tokens i*block_size ...)")
         held = f"{_blocks(len(seq.block_table))} ({len(seq.block_table) * self.block_size} slots)"
+        if need < len(new) and len(seq.block_table) == math.ceil(seq.num_tokens / self.block_size):
+            raise self.Error(f"{call} gave it {held}: room for all of its {seq.num_tokens} tokens, but this step "
+                             f"computes only {num_new_tokens} of them (a prefill in chunks): make room for "
+                             "num_computed_tokens + num_new_tokens")
         if need < len(new):
             raise self.Error(f"{call} gave it {held}: more than its tokens need; take a new block only when the "
                              "last one is full")
