@@ -118,12 +118,16 @@ def test_request_larger_than_the_pool_is_refused(model):
 @pytest.mark.parametrize("options, why", [(dict(num_blocks=10**9), "num_blocks=1,000,000,000"),
                                           (dict(kv_memory_bytes=1e18), "kv_memory_bytes=1e[+]18"),
                                           (dict(num_blocks=10**9, tensor_parallel_size=2), "num_blocks="),
-                                          (dict(max_batch_size=10**8), "room for max_batch_size=100,000,000 sequences")])
+                                          (dict(max_batch_size=65536), "room for max_batch_size=65,536 sequences")])
 def test_a_pool_larger_than_free_memory_is_refused_before_it_is_allocated(model, options, why):
     # (before: 10**9 blocks were allocated until the machine killed the process for memory)
+    sized = model
+    if "max_batch_size" in options:  # the default pool: room for every slot at the model's length, here 4,096
+        sized = tiny_model("llama")
+        sized.config.max_position_embeddings = 4096
     with pytest.raises(ValueError, match=rf"a KV pool of [\d,]+ blocks \(.*{why}.*\) needs [\d,.]+ GiB on cpu, which has "
                                          r".* free: give fewer blocks"):
-        Engine(model, kv="paged", **{"max_batch_size": 2, **options})
+        Engine(sized, kv="paged", **{"max_batch_size": 2, **options})
     got = Engine(model, max_batch_size=2, kv="paged", num_blocks=64).run([Request([7, 8, 9], 6)])
     assert got[0].output_ids == reference(model, [7, 8, 9], 6)
 
@@ -344,3 +348,23 @@ def test_a_tokenizer_that_gives_nested_ids_and_a_clock_that_is_not_one_are_refus
     for clock in (5, "wall", lambda: 0.0):  # (a clock has advance() too: the engine moves a simulated one)
         with pytest.raises(ValueError, match="clock must be None"):
             Engine(model, max_batch_size=2, clock=clock)
+
+
+def test_a_batch_too_large_to_allocate_and_a_draft_never_loaded_are_refused(model):
+    """max_batch_size=10**9 asked the worker for terabytes (a RuntimeError from torch); a draft model on the
+    'meta' device was taken and failed the first step, holding blocks."""
+    from cbteach.core.config import MAX_BATCH_SIZE
+
+    for make in (lambda n: Engine(model, max_batch_size=n), lambda n: static_batching(model, None, [Request([7], 2)], n)):
+        with pytest.raises(ValueError, match=f"at most {MAX_BATCH_SIZE:,}"):
+            make(10**9)
+    with pytest.raises(ValueError, match="the draft model's weights are on the 'meta' device"):
+        Engine(model, max_batch_size=2, kv="paged", speculative=tiny_model("llama").to("meta"))
+
+
+def test_static_batching_stops_on_stop_token_ids_as_the_engine_does(model):
+    first = reference(model, [7, 8, 9], 1)[0]
+    req = lambda: Request([7, 8, 9], 6, sampling_params=SamplingParams(stop_token_ids=[first]))  # noqa: E731
+    got = static_batching(model, None, [req()], 2)[0]
+    want = Engine(model, max_batch_size=2).run([req()])[0]
+    assert (got.output_ids, got.finish_reason) == (want.output_ids, want.finish_reason) == ([first], "stop")

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from cbteach import Engine, Request
+from cbteach import Engine, Request, SamplingParams
 from cbteach.serving.disagg import DisaggregatedServer, VirtualClock
 from cbteach.serving.metrics import summarize
 from conftest import EOS, VOCAB, reference, tiny_model
@@ -96,3 +96,25 @@ def test_a_second_run_counts_arrivals_from_its_own_start():
     both_int8 = DisaggregatedServer(MODEL, max_batch_size=2, block_size=4, prefill_options=dict(kv_dtype="int8"),
                                     decode_options=dict(kv_dtype="int8"))
     assert len(both_int8.run([Request([7, 8, 9], 4)])[0].output_ids) == 4
+
+
+def test_a_request_that_stops_on_its_first_token_is_not_handed_over():
+    """A stop token as the first greedy token ended the request in the prefill engine, yet it was handed over and
+    decoded on until the token came up again (only EOS was looked at)."""
+    model = tiny_model("llama")
+    first = reference(model, [7, 8, 9], 1, eos_id=None)[0]
+    req = lambda: Request([7, 8, 9], 6, request_id="s", sampling_params=SamplingParams(stop_token_ids=[first]))  # noqa: E731
+    want = Engine(model, max_batch_size=2, kv="paged").run([req()])[0]
+    got = DisaggregatedServer(model, max_batch_size=2).run([req()])[0]
+    assert (got.output_ids, got.finish_reason) == (want.output_ids, want.finish_reason) == ([first], "stop")
+
+
+@pytest.mark.parametrize("options", [dict(async_scheduling=True), dict(parallel_sampling="fork"),
+                                     dict(tensor_parallel_size=2)])
+def test_options_a_handover_cannot_take_are_refused_when_the_server_is_built(options):
+    """They were taken, and the first handover failed inside the prefill engine's step (blocks held, a request
+    lost; with tensor parallelism, after two worker processes had started)."""
+    model = tiny_model("llama")
+    for phase in ("prefill_options", "decode_options"):
+        with pytest.raises(ValueError, match="do not go with disaggregation"):
+            DisaggregatedServer(model, max_batch_size=2, **{phase: options})

@@ -30,6 +30,17 @@ PARALLEL_SAMPLING = ("fanout", "fork")
 ENGINE_OPTIONS = ("speculative", "num_speculative_tokens", "parallel_sampling", "async_scheduling",
                   "tensor_parallel_size")
 POLICY_NAMES = ("fcfs", "priority")  # cbteach.engine.policies.POLICIES, named here so configs import no engine
+# The most sequences in one batch. The worker keeps a row per slot (tokens, block table), allocated when the engine
+# is built; 10**9 slots asked for terabytes. vLLM's max_num_seqs is 256 to 1,024 on a GPU.
+MAX_BATCH_SIZE = 65536
+
+
+def check_batch_size(name: str, value) -> None:
+    """``value`` slots: an integer from 1 to :data:`MAX_BATCH_SIZE`."""
+    check_positive_int(name, value)
+    if value > MAX_BATCH_SIZE:
+        raise ValueError(f"{name} must be at most {MAX_BATCH_SIZE:,} (each slot holds a row of the batch from the "
+                         f"start), got {value:,}")
 
 
 def check_watermark(watermark) -> None:
@@ -82,7 +93,7 @@ class SchedulerConfig:
     preempt_to_admit: bool = False  # V0's (and SGLang's) priority rule; V1 preempts only for running requests
 
     def __post_init__(self):
-        check_positive_int("max_batch_size", self.max_batch_size)
+        check_batch_size("max_batch_size", self.max_batch_size)
         if self.token_budget is not None:
             check_positive_int("token_budget (or None)", self.token_budget)
         if self.preemption not in PREEMPTION_MODES:

@@ -102,20 +102,26 @@ def ignored_generation_settings(model) -> dict:
             if gen is not None and getattr(gen, k, neutral) not in (neutral, None, [], 0)}
 
 
+def check_weights(model, what: str = "") -> None:
+    """``ValueError`` unless ``model``'s weights are loaded (not on the 'meta' device) and on one device."""
+    name = what or type(model).__name__
+    if any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()]):
+        raise ValueError(f"{name}'s weights are on the 'meta' device: they were never loaded (a model built under "
+                         "init_empty_weights, or with device_map offloading); load them first (from_pretrained, or "
+                         "to_empty and load_state_dict)")
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1:
+        raise ValueError(f"{name}'s weights are on several devices ({', '.join(sorted(map(str, devices)))}); the "
+                         "engine runs a model on one device: move it there (model.to(device))")
+
+
 def describe(model, tokenizer=None) -> ModelInfo:
     """What the engine needs to know of ``model`` (a transformers causal LM), read once."""
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config") \
             or not hasattr(model, "get_input_embeddings"):
         raise ValueError(f"model must be a transformers causal LM (cbteach.load_model() gives one), "
                          f"got {type(model).__name__}")
-    if any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()]):
-        raise ValueError(f"{type(model).__name__}'s weights are on the 'meta' device: they were never loaded (a model "
-                         "built under init_empty_weights, or with device_map offloading); load them first "
-                         "(from_pretrained, or to_empty and load_state_dict)")
-    devices = {p.device for p in model.parameters()}
-    if len(devices) > 1:
-        raise ValueError(f"{type(model).__name__}'s weights are on several devices ({', '.join(sorted(map(str, devices)))}); "
-                         "the engine runs a model on one device: move it there (model.to(device))")
+    check_weights(model)
     if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):  # (every completion decodes)
         raise ValueError(f"tokenizer must be None or a transformers tokenizer (with decode(ids)), "
                          f"got {type(tokenizer).__name__} {tokenizer!r}"[:300])

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..core.model_view import model_view
-from ..core.modelinfo import max_positions
+from ..core.modelinfo import check_weights, max_positions
 from ..core.validation import check_positive_int
 from ..worker.spec_runner import accept  # noqa: F401  (the verification runs in the worker; re-exported here)
 from .scheduler import Scheduler
@@ -87,6 +87,7 @@ def make_proposer(speculative, num_speculative_tokens: int, vocab_size: int | No
     if isinstance(speculative, str) and speculative == "ngram":
         return NgramProposer(num_speculative_tokens)
     if hasattr(speculative, "generate") and hasattr(speculative, "parameters"):
+        check_weights(speculative, "the draft model")
         proposer = DraftModelProposer(speculative, num_speculative_tokens)
         if vocab_size is not None and proposer.vocab_size != vocab_size:
             raise ValueError(f"the draft model has {proposer.vocab_size} token ids and the model {vocab_size}: a draft "

@@ -25,7 +25,8 @@ from transformers import DynamicCache
 from ..core import modelinfo
 from ..core.model_view import model_view
 from ..core.request import Completion
-from ..core.validation import as_request_list, check_positive_int, validate_request
+from ..core.config import check_batch_size
+from ..core.validation import as_request_list, validate_request
 from ..core.sampling import make_generator, sample, stop_reason
 
 SLOT_STATES = ("prefill", "decode", "idle", "empty")
@@ -82,7 +83,7 @@ class StaticResult(list):
 @torch.inference_mode()
 def static_batching(model, tokenizer, requests, batch_size: int, progress: bool = False) -> StaticResult:
     """Serve ``requests`` in waves of ``batch_size`` with a batch barrier; returns a :class:`StaticResult`."""
-    check_positive_int("batch_size", batch_size)
+    check_batch_size("batch_size", batch_size)
     info = modelinfo.describe(model, tokenizer)
     requests = as_request_list(requests, "static_batching()")
     prompts = [validate_request(r, tokenizer=tokenizer, vocab_size=info.vocab_size, max_pos=info.max_positions)
@@ -144,7 +145,8 @@ def _run_wave(model, info, tokenizer, reqs, prompts, wave, batch_size, pad_id, t
                 slots.append(SlotStep(reqs[i].request_id, kind, useful, input_ids.shape[1] - useful))
                 outputs[i].append(next_tokens[i])
                 times[i].append(now)
-                done[i] = stop_reason(outputs[i], reqs[i].max_new_tokens, info.eos_ids, reqs[i].ignore_eos)
+                done[i] = stop_reason(outputs[i], reqs[i].max_new_tokens, info.eos_ids, reqs[i].ignore_eos,
+                                      reqs[i].sampling_params.stop_token_ids)
         steps.append(StaticStep(len(steps), wave, kind, slots, start, time.perf_counter() - t0 - start))
         if all(done):
             break

@@ -51,6 +51,14 @@ class DisaggregatedServer:
             if reserved:
                 raise ValueError(f"{phase}_options may not set {reserved}: both engines are paged and run on the "
                                  "server's simulated clocks")
+            # Blocks are copied out as they are freed and taken in like V0's swapped-out ones: one process, no
+            # step in flight, one sequence per request (checked here, not half-way through a run).
+            wrong = {k: v for k, v in (given or {}).items()
+                     if (k, v) in (("async_scheduling", True), ("parallel_sampling", "fork"))
+                     or (k == "tensor_parallel_size" and v != 1)}
+            if wrong:
+                raise ValueError(f"{phase}_options {wrong} do not go with disaggregation: each engine copies K/V blocks "
+                                 "in or out between steps, in one process, one sequence per request")
             # Each phase may be sized on its own (DistServe's point): its options override the common ones.
             options[phase] = {**common, **(given or {})}
         for key, default in (("block_size", block_size), ("kv_dtype", None)):  # blocks are copied as they are
@@ -105,8 +113,8 @@ class DisaggregatedServer:
     def _hand_over(self, seq: Sequence) -> None:
         """The prefill engine frees a request's blocks: if it goes on decoding, ship its K/V first."""
         original = self._originals.get(seq.request_id)
-        if original is None or seq.status is not RequestStatus.FINISHED or seq.finish_reason == "eos" \
-                or original.max_new_tokens == 1:
+        if original is None or seq.status is not RequestStatus.FINISHED or seq.finish_reason != "length" \
+                or original.max_new_tokens == 1:  # (its one token ended it: EOS or a stop token)
             return
         data, nbytes = self.prefill.copy_kv_out(seq)
         seconds = nbytes / self.link_bytes_per_s
