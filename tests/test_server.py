@@ -251,6 +251,9 @@ BAD = [
     ({"prompt": "x", "max_token": 4}, 400, "max_token"),  # misspelt: not a default in disguise
     ({"prompt": "x", "max_tokens": 4, "stop_token_ids": "x"}, 400, "stop_token_ids"),
     ({"prompt": "x", "max_tokens": 4, "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ({"prompt": "x", "max_tokens": 4, "stop_token_ids": [2**64]}, 400, "stop_token_ids"),  # (a 500 once, and a slot lost)
+    ({"prompt": "x", "max_tokens": 4, "stop_token_ids": [2048]}, 400, "stop_token_ids"),  # outside bierce's vocabulary
+    ({"prompt": "x", "max_tokens": 4, "logprobs": 0}, 400, "logprobs"),  # (0 asks for the chosen token's logprob)
     ({"prompt": "x", "max_tokens": 4, "stream": True, "stream_options": {"include_usage": "yes"}}, 400,
      "stream_options"),
 ]
@@ -300,6 +303,7 @@ def test_bad_input_gets_an_openai_error_and_disturbs_nobody(server, ref):
     assert big.status_code == 413 and big.json()["error"]["message"]
     assert httpx.get(server.url + "/v1/nothing", timeout=WAIT_S).json()["error"]["code"] == "not_found"
     wait_idle(server)
+    assert server.frontend.num_in_flight == 0  # no refused request keeps a slot of --max-in-flight
 
 
 # -- disconnects -------------------------------------------------------------------------------------
@@ -456,10 +460,11 @@ def test_refuses_a_public_host_without_a_key_and_names_the_extra(capsys, monkeyp
 
 
 def test_a_default_max_tokens_beyond_the_models_positions_is_refused_at_startup(capsys):
-    """Without --max-tokens-cap the cap is the model's positions, known once a core has loaded it."""
-    assert srv.main(["--port", "0", "--default-max-tokens", "5000"]) == 2
+    """The model's positions are known once a core has loaded it; a default of all of them (4096) left no room for
+    any prompt, and every request without max_tokens got a 400 naming a value it never sent."""
+    assert srv.main(["--port", "0", "--default-max-tokens", "4096"]) == 2
     err = capsys.readouterr().err
-    assert "cannot start" in err and "--default-max-tokens 5000" in err and "4096 positions" in err
+    assert "cannot start" in err and "--default-max-tokens 4096 leaves no room" in err and "4096 positions" in err
 
 
 def test_a_piece_that_does_not_import_is_refused_before_anything_starts(capsys):

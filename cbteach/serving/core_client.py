@@ -167,8 +167,10 @@ class CoreClient:
         """Route ``state`` to the least-loaded core and send it there; returns the core."""
         load = self.processor.load
         core = min(range(self.num_cores), key=lambda i: (load[i], i))
+        payload = msg.encoder.encode(request)  # first: a value msgpack cannot carry fails before anything is kept
         self.processor.add(state, core)
-        self._send(core, request)
+        if core not in self.dead_cores:
+            self.pushes[core].send(payload)
         return core
 
     def abort(self, state) -> None:

@@ -52,13 +52,12 @@ class Frontend:
         ready = client.ready[0]
         self.client, self.processor, self.tokenizer = client, client.processor, tokenizer
         self.name = args.served_model_name or args.model
-        if args.default_max_tokens is not None and args.default_max_tokens > (args.max_tokens_cap or ready.max_positions):
-            raise ValueError(f"--default-max-tokens {args.default_max_tokens} is more than a request may ask: "
-                             + (f"--max-tokens-cap {args.max_tokens_cap}" if args.max_tokens_cap
-                                else f"the model's {ready.max_positions} positions"))
+        if args.default_max_tokens is not None and args.default_max_tokens >= ready.max_positions:
+            raise ValueError(f"--default-max-tokens {args.default_max_tokens} leaves no room for a prompt in the "
+                             f"model's {ready.max_positions} positions")
         self.limits = proto.Limits(served_model=self.name, max_tokens_cap=args.max_tokens_cap or ready.max_positions,
                                    max_n=args.max_n, default_max_tokens=args.default_max_tokens,
-                                   default_temperature=ready.default_temperature)
+                                   default_temperature=ready.default_temperature, vocab_size=ready.vocab_size)
         self.max_model_len = ready.max_positions
         self.checker = PromptChecker(tokenizer, ready.max_positions, ready.vocab_size)
         self.metrics = ServerMetrics(self.name, client.num_cores)

@@ -41,7 +41,7 @@ MAX_STOP = 4  # OpenAI allows up to four stop sequences
 MAX_STOP_TOKEN_IDS = 64
 # Fields that would change the answer, with the values that leave it as it is (the only ones taken). vLLM's
 # own sampling extensions are here too: a client that sends top_k=50 must not get a greedy answer silently.
-UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+UNSUPPORTED = {"logprobs": (None, False),  # (0 asks for the chosen token's logprob) "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
                "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
                "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"), "response_format": (None,),
                "functions": (None, []), "function_call": (None, "none"), "audio": (None,), "prediction": (None,),
@@ -82,6 +82,7 @@ class Limits:
     max_n: int = 8  # choices per request (n), and prompts x n for a batched completion
     default_max_tokens: int | None = None  # None: max_tokens is required
     default_temperature: float = 0.0  # from the model's generation config
+    vocab_size: int | None = None  # token ids (stop_token_ids) must be below it
 
 
 @dataclass(frozen=True)
@@ -158,14 +159,15 @@ def _stop(body: dict) -> tuple:
     return tuple(stops)
 
 
-def _stop_token_ids(body: dict) -> tuple:
+def _stop_token_ids(body: dict, vocab_size: int | None) -> tuple:
     v = body.get("stop_token_ids")
     if v is None:
         return ()
+    top = vocab_size if vocab_size is not None else 2**31
     if (not isinstance(v, list) or len(v) > MAX_STOP_TOKEN_IDS
-            or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in v)):
-        raise bad(f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token ids (integers >= 0), "
-                  f"got {v!r}"[:300], "stop_token_ids")
+            or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and 0 <= t < top for t in v)):
+        raise bad(f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token ids (integers from 0 to "
+                  f"{top - 1}), got {v!r}"[:300], "stop_token_ids")
     return tuple(int(t) for t in v)
 
 
@@ -221,7 +223,7 @@ def _common(body, limits: Limits, kind: str, prompts: tuple, max_tokens_names: t
         raise bad(f"'seed' must be an integer in [0, 2**63), got {seed!r}", "seed")
     return GenerationRequest(kind, prompts, max_tokens, _number(body, "temperature", limits.default_temperature, 0, 2),
                              _number(body, "top_p", 1.0, 0, 1, low_open=True), seed, n, _stop(body),
-                             _stop_token_ids(body), stream,
+                             _stop_token_ids(body, limits.vocab_size), stream,
                              include_usage, _bool(body, "ignore_eos"), _bool(body, "return_token_ids"), model)
 
 

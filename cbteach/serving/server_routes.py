@@ -138,8 +138,8 @@ def _fail_after(body: dict, enabled: bool):
     value = body[FAULT_FIELD]
     if not enabled:
         raise proto.bad(f"'{FAULT_FIELD}' is for tests: start the server with --fault-injection", FAULT_FIELD)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise proto.bad(f"'{FAULT_FIELD}' must be an integer >= 0", FAULT_FIELD)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**31:
+        raise proto.bad(f"'{FAULT_FIELD}' must be an integer from 0 to 2**31 - 1", FAULT_FIELD)
     return value
 
 
