@@ -46,6 +46,21 @@ def skips_first_token(events):
     return "".join(c["delta"].get("content") or "" for e in events[2:] for c in e["choices"]), *right(events)[1:]
 
 
+def content_chunks_plus_the_stop(events):
+    """One token per chunk with text, plus one for the EOS (or stop) that ends it: right while no stop string cuts
+    the answer (the check's stop case never stopped once, and this passed)."""
+    n = sum(1 for e in events for c in e["choices"] if c["delta"].get("content"))
+    return right(events)[0], n + (right(events)[2] == "stop"), right(events)[2]
+
+
+def test_the_stop_case_stops_on_its_stop_string(url):
+    from cbteach.exercises.ex11 import CASES, stream_events
+
+    for prompt, max_tokens, stop in [c for c in CASES if c.stop]:
+        whole = stream_events(url, prompt, max_tokens, stop, stream=False)
+        assert whole["choices"][0]["finish_reason"] == "stop", (prompt, stop, whole)
+
+
 def test_right_answer_passes(url, capsys):
     assert check_stream_summary(right, url) is True
     assert "✓" in capsys.readouterr().out
@@ -56,7 +71,8 @@ def test_right_answer_passes(url, capsys):
                                          (reason_from_last_event, "stopped with IndexError"),
                                          (reason_from_first_event, "finish_reason is set in the last chunk"),
                                          (joins_none, "stopped with TypeError"),
-                                         (skips_first_token, "join the delta's content")])
+                                         (skips_first_token, "join the delta's content"),
+                                         (content_chunks_plus_the_stop, "count the answer's tokens from the usage")])
 def test_typical_mistakes_fail_with_a_hint(url, capsys, wrong, hint):
     assert check_stream_summary(wrong, url) is False
     out = capsys.readouterr().out

@@ -68,6 +68,18 @@ def update_calls_the_workers(runner, scheduler_output):
     model_runner.update_batch(runner, scheduler_output)
 
 
+def imports_the_module_inside(q, k, v, meta, layer, scaling):
+    import cbteach.attention.paged as P  # (a plain import inside the function: passed the guard once)
+
+    return P.default_attention(q, k, v, meta, layer, scaling)
+
+
+def imports_the_package_inside(runner, scheduler_output):
+    import cbteach.worker.model_runner
+
+    cbteach.worker.model_runner.update_batch(runner, scheduler_output)
+
+
 def kv_heads_from_the_layout(rank, world_size, heads, kv_heads):
     return Layout(heads, kv_heads, world_size).kv_heads(rank)
 
@@ -86,6 +98,8 @@ ROUTES = [
     ("kv_manager", SuperFree, "calls the engine's KVCacheManager.free (through super().free)"),
     ("kv_manager", KVCacheManager, "not done yet: KVCacheManager.allocate_slots is still the engine's"),
     ("update_batch", update_calls_the_workers, "calls the worker's own update_batch"),
+    ("attention", imports_the_module_inside, "calls the engine's default_attention"),
+    ("update_batch", imports_the_package_inside, "calls the worker's own update_batch"),
     ("tp", ring_all_reduce_bytes, "is the simulator's ring_all_reduce_bytes"),
     ("tp", kv_heads_from_the_layout, "calls the engine's Layout"),
 ]

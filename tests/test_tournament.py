@@ -72,6 +72,14 @@ ENTRANTS = {
     # notebook 12's own wrong entrant: disqualified by the rule it is there to show, not by a crash
     "notebook_12_plus_one": (CORRECT + "\n" + notebook_12_entrant("yours_plus_one"), "planned without KV room"),
     "syntax_error": ("def (:\n", "did not run"),
+    # moving waiting requests' arrival to now made every TTFT look short: it ranked first with the same schedule
+    "fresh_arrival": (CORRECT + "\n\n_Mine = MyScheduler\n\n\nclass MyScheduler(_Mine):\n    def schedule(self, now):\n"
+                      "        for s in list(self.waiting):\n            if s.arrival_time <= now:\n"
+                      "                s.arrival_time = now\n        return super().schedule(now)\n",
+                      "changed the arrival_time"),
+    # the engine's own, through super(): ranked, marked as the course's (it was ranked as the entrant's)
+    "lazy": (HEADER + "class MyScheduler(Scheduler):\n    def schedule(self, now):\n        return super().schedule(now)\n",
+             None),
 }
 TRACE = T.Trace(num_requests=16)
 
@@ -108,6 +116,11 @@ def test_rule_keepers_are_ranked_by_goodput_and_breakers_disqualified_with_their
     assert [e.rank for e in ranked] == list(range(1, len(ranked) + 1))
     assert [e.goodput for e in ranked] == sorted((e.goodput for e in ranked), reverse=True)
     assert results[:len(ranked)] == ranked  # disqualified ones come last
+
+
+def test_an_entrant_that_is_the_engines_own_scheduler_is_marked_as_the_courses(results):
+    by = {e.name: e for e in results}
+    assert by["lazy"].course and by["lazy"].label == "lazy (the course's)" and not by["correct"].course
 
 
 def test_the_notebooks_scheduler_is_the_engines_own_and_a_better_policy_wins(results):

@@ -15,7 +15,7 @@ class Case(NamedTuple):
     stop: list | None  # stop strings
 
 
-CASES = [Case(prompt="CYNIC, n.", max_tokens=12, stop=None), Case(prompt="BORE, n.", max_tokens=40, stop=[","]),
+CASES = [Case(prompt="CYNIC, n.", max_tokens=12, stop=None), Case(prompt="CYNIC, n.", max_tokens=40, stop=["Government"]),
          Case(prompt="ALONE, adj.", max_tokens=150, stop=None)]
 TIMEOUT_S = 60
 

@@ -167,15 +167,17 @@ def _check_my_engine(my_engine, pieces, model, tok=None) -> bool:
                 "its tokens differ from model.generate's" if not got["generate"] else
                 "KV blocks were left in use" if not got["blocks"] else
                 f"its schedule parts from the engine's at step {got['diverges_at']}")
-        else:
-            break
+        else:  # served exactly; each piece on its own check too (late arrivals, prefix hits, stop ids, guesses:
+            what = "your engine served the course workload exactly"  # rules the course workload never tries)
         piece, said = _blame(pieces, model, tok)
+        if piece is None and what.endswith("exactly"):
+            break
         if piece is None or piece in stood or not stand_in(pieces, {piece: said}) or piece not in pieces.course:
             if piece is not None:
                 said = (f"your {piece.replace('_', ' ')} (notebook {PIECES[piece].notebook}) fails its own check: "
                         f"{said}. To go on meanwhile with the course's {piece} (marked as the course's): "
                         f"capstone.pieces_from_notebooks(use_course_for=[\"{piece}\"])")
-            return fail(f"{what}. {said}")
+            return fail(f"{what}{', but' if what.endswith('exactly') else '.'} {said}")
         stood[piece] = said
     course = [p for p in PIECES if p in pieces.course]
     whose = ("your engine -- your KV manager, slot mapping, attention, scheduler, update and batch update --"

@@ -68,6 +68,11 @@ def _calls(fn, own: dict, cls=None) -> str | None:
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("cbteach"):
             module = importlib.import_module(node.module)
             scope.update({a.asname or a.name: getattr(module, a.name, None) for a in node.names})
+        if isinstance(node, ast.Import):  # import cbteach.x.y as z (z: that module), or import cbteach.x (cbteach)
+            for a in node.names:
+                if a.name.startswith("cbteach"):
+                    top = a.name.partition(".")[0]
+                    scope[a.asname or top] = importlib.import_module(a.name if a.asname else top)
         f, chain = (node.func if isinstance(node, ast.Call) else None), []
         while isinstance(f, ast.Attribute):
             chain, f = [f.attr, *chain], f.value

@@ -17,7 +17,7 @@ from ..core.request import Request
 from ..engine.engine import Engine
 from ..engine.scheduler import Scheduler
 from ..serving.metrics import summarize
-from . import generated_all
+from . import generated_all, guard
 from .scheduler_check import leftovers, run, watched
 
 BASELINE = "the engine's own (vLLM V1)"
@@ -130,9 +130,18 @@ def run_entry(name: str, cls, model, trace: Trace, expected: dict) -> Entry:
     if isinstance(cls, str):
         entry.disqualified = cls
         return entry
+    if cls is not Scheduler and guard.refusal("scheduler", cls):  # (super().schedule(): the course's, marked so)
+        entry.course = True
     result = run(model, trace, cls if cls is Scheduler else watched(cls, rules_="safety"), 40 * trace.num_requests)
     entry.steps, entry.preemptions = len(result.records), sum(len(r.preempted) for r in result.records)
     entry.disqualified = str(result.mistake) if result.mistake else leftovers(result.engine, expected)
+    if entry.disqualified is None:  # TTFT counts from the arrival: a scheduler may not move it
+        arrivals = {r.request_id: r.arrival_time for r in trace.requests(model.config.vocab_size)}
+        moved = [rid for rid, c in result.engine.completions.items()
+                 if rid in arrivals and abs(c.arrival_time - arrivals[rid]) > 1e-9]
+        if moved:
+            entry.disqualified = (f"MyScheduler changed the arrival_time of {len(moved)} request(s) ({moved[0]} first): a "
+                                  "request arrives when it arrives, and its TTFT counts from then")
     if entry.disqualified is None:
         entry.summary = summarize(result.engine.completions, ttft_target=trace.ttft_slo, tpot_target=trace.tpot_slo)
         for key in ("goodput", "num_good", "duration", "ttft_p90", "tpot_p90", "ttft_mean"):
