@@ -321,3 +321,20 @@ def test_metrics_are_prometheus_client_s_in_one_registry_an_operator_can_extend(
     assert got['cbteach:time_to_first_token_seconds_bucket{model_name="m",le="0.01"}'] == 0
     assert got['cbteach:e2e_request_latency_seconds_count{model_name="m"}'] == 1
     assert got['cbteach:num_requests_running{model_name="m",engine="1"}'] == 0
+
+
+def test_fields_that_change_nothing_are_taken_and_the_others_refused_as_unsupported():
+    """``best_of: 1``, ``echo: false``, ``top_logprobs: 0`` ask for nothing this server lacks: taken. Answer-changing
+    values are refused as *unsupported* (the field is known), a misspelt field as *unknown*."""
+    limits = proto.Limits(served_model="bierce", max_tokens_cap=8)
+    taken = {"best_of": 1, "echo": False, "top_logprobs": 0, "logprobs": None, "presence_penalty": 0.0, "top_k": -1,
+             "logit_bias": {}, "user": "u", "store": False, "skip_special_tokens": True}
+    assert proto.parse_completion({"prompt": "x", "max_tokens": 2, **taken}, limits).max_tokens == 2
+    for field, value in [("best_of", 2), ("best_of", True), ("echo", True), ("top_logprobs", 2), ("logprobs", 0),
+                         ("top_k", 50), ("min_tokens", 3), ("presence_penalty", 0.5)]:
+        with pytest.raises(proto.APIError) as e:
+            proto.parse_completion({"prompt": "x", "max_tokens": 2, field: value}, limits)
+        assert (e.value.param, e.value.code) == (field, "unsupported_parameter"), (field, value, e.value.message)
+    with pytest.raises(proto.APIError) as e:
+        proto.parse_completion({"prompt": "x", "max_tokens": 2, "max_token": 2}, limits)
+    assert (e.value.param, e.value.code) == ("max_token", "unknown_parameter")

@@ -41,7 +41,8 @@ MAX_STOP = 4  # OpenAI allows up to four stop sequences
 MAX_STOP_TOKEN_IDS = 64
 # Fields that would change the answer, with the values that leave it as it is (the only ones taken). vLLM's
 # own sampling extensions are here too: a client that sends top_k=50 must not get a greedy answer silently.
-UNSUPPORTED = {"logprobs": (None, False),  # (0 asks for the chosen token's logprob) "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+# (logprobs 0 is not among them: it asks for the chosen token's logprob)
+UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
                "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
                "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"), "response_format": (None,),
                "functions": (None, []), "function_call": (None, "none"), "audio": (None,), "prediction": (None,),

@@ -25,6 +25,7 @@ answer is checked against the roofline (:func:`check_within_roofline`).
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field, replace
 
 from .cost import CostModel
@@ -57,7 +58,7 @@ class Deployment:
 
     def workload(self, rate: float | None, num_requests: int):
         """The first ``num_requests`` of one long stream of requests: a longer run extends a shorter one."""
-        if not isinstance(num_requests, int) or isinstance(num_requests, bool) or num_requests < 1:
+        if not isinstance(num_requests, numbers.Integral) or isinstance(num_requests, bool) or num_requests < 1:
             raise ValueError(f"num_requests must be an integer >= 1, got {num_requests!r}")
         if num_requests > self.max_requests:
             raise ValueError(f"num_requests {num_requests} > max_requests {self.max_requests}")
