@@ -76,28 +76,6 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list 
     return tokens
 
 
-def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
-                generators: list | None = None) -> tuple[list, list]:
-    """:func:`sample`, ``(tokens, errors)``: a row whose logits are not finite, or whose draw fails, gets
-    ``None`` and a message -- that request alone ends with an error, its neighbours are untouched."""
-    top, argmax = logits.max(dim=-1)  # greedy tokens (the first maximum, as generate takes it); NaN or inf: failed
-    finite, argmax = torch.isfinite(top).tolist(), argmax.tolist()
-    tokens: list = [None] * len(params)
-    errors: list = [None] * len(params)
-    for i, p in enumerate(params):
-        if not finite[i]:
-            errors[i] = "the model produced logits that are not finite for this request"
-            continue
-        if p.greedy:
-            tokens[i] = argmax[i]
-            continue
-        try:
-            tokens[i] = sample(logits[i:i + 1], [p], [generators[i] if generators is not None else None])[0]
-        except (RuntimeError, ValueError) as err:
-            errors[i] = f"sampling failed: {err}"
-    return tokens, errors
-
-
 def make_generator(params: SamplingParams, sample_index: int = 0) -> torch.Generator | None:
     """A CPU generator for a seeded request (None: the global RNG); sample ``i`` of ``n`` draws from ``seed + i``."""
     if params.seed is None:
