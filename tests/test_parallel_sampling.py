@@ -177,7 +177,7 @@ def test_aborting_one_sample_before_it_forked_keeps_it_aborted(mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_a_sample_id_cannot_be_taken_by_another_request(mode):
     eng = Engine(tiny_model("gpt2"), parallel_sampling=mode, max_batch_size=4, kv="paged", block_size=4)
-    with pytest.raises(ValueError, match="duplicate request_id"):
+    with pytest.raises(ValueError, match=r"duplicate id \('x', 1\) \(a sample of request 'x'\)"):
         eng.run([Request([1, 2, 3], 3, request_id=("x", 1)),
                  Request([7, 8, 9], 3, request_id="x", sampling_params=SamplingParams(n=2))])
     assert not eng.has_unfinished()

@@ -51,8 +51,10 @@ class Engine(EngineCore):
         prompt_ids = validate_request(request, tokenizer=self.tokenizer, vocab_size=self.info.vocab_size,
                                       max_pos=self.info.max_positions)
         rid, n = request.request_id, request.sampling_params.n
-        if any(i in self.sequences or i in self.groups or i in taken for i in _ids_of(rid, n)):
-            raise ValueError(f"duplicate request_id {rid!r}: every request needs its own id (a request with n > 1 "
+        clash = next((i for i in _ids_of(rid, n) if i in self.sequences or i in self.groups or i in taken), None)
+        if clash is not None:
+            which = f"request_id {rid!r}" if clash == rid else f"id {clash!r} (a sample of request {rid!r})"
+            raise ValueError(f"duplicate {which}: every request needs its own id (a request with n > 1 "
                              "samples also takes the ids (request_id, i) of its samples)")
         if n > 1 and self.config.parallel_sampling == "fork":
             from ..kv.fork import can_fork  # (imported only where it is used)
