@@ -368,3 +368,29 @@ def test_static_batching_stops_on_stop_token_ids_as_the_engine_does(model):
     got = static_batching(model, None, [req()], 2)[0]
     want = Engine(model, max_batch_size=2).run([req()])[0]
     assert (got.output_ids, got.finish_reason) == (want.output_ids, want.finish_reason) == ([first], "stop")
+
+
+def test_a_tokenizer_that_cannot_decode_one_answer_fails_that_request_alone(bierce):
+    """A sentencepiece tokenizer raises on an id past its vocabulary (a model may pad its own): the request
+    whose answer will not decode ends with ``finish_reason="error"`` and its tokens; the others are exact."""
+    model, tok = bierce
+    bad = Engine(model, tok, max_batch_size=2, kv="paged").run([Request("Ink", 3)])[0].output_ids
+
+    class Picky:  # the real tokenizer, but it cannot decode that one answer
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+        def __call__(self, *args, **kwargs):
+            return tok(*args, **kwargs)
+
+        def decode(self, ids, **kwargs):
+            if list(ids) == bad:
+                raise IndexError("piece id is out of range")
+            return tok.decode(ids, **kwargs)
+
+    eng = Engine(model, Picky(), max_batch_size=2, kv="paged")
+    a, b = eng.run([Request("Ink", 3), Request("The engine", 6)])
+    assert (a.finish_reason, a.output_ids, a.text) == ("error", bad, None) and "IndexError" in a.error
+    want = reference(model, b.prompt_ids, 6, eos_id=model.generation_config.eos_token_id)
+    assert (b.output_ids, b.text) == (want, tok.decode(want, skip_special_tokens=True))
+    assert eng.kv_usage()["num_used_blocks"] == 0

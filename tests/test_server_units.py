@@ -186,6 +186,43 @@ def test_the_output_processor_keeps_each_cores_load_and_ends_requests_once(tok):
     assert m['cbteach:request_success_total{model_name="m",finished_reason="length"}'] == 1
 
 
+def test_a_tokenizer_failing_on_one_requests_ids_ends_that_request_alone(tok):
+    """A sentencepiece tokenizer raises on an id past its vocabulary (a model may pad its own): the request
+    whose ids fail ends with an error, told to its core; the others, in the same message, go on."""
+
+    class Picky:
+        def __init__(self, inner, bad):
+            self.inner, self.bad = inner, bad
+
+        def decode(self, ids, **kw):
+            if self.bad in ids:
+                raise IndexError("piece id is out of range")
+            return self.inner.decode(ids, **kw)
+
+    async def go():
+        q = asyncio.Queue()
+        p = OutputProcessor(metrics=ServerMetrics("m", 1))
+        p.load = [0]
+        aborted = []
+        p.abort_in_core = lambda st: aborted.append(st.request_id)
+        picky = Picky(tok, bad=999)
+        a = RequestState("a", [1, 2], 10, IncrementalDetokenizer(picky), q, 0)
+        b = RequestState("b", [1, 2], 10, IncrementalDetokenizer(picky), q, 1)
+        p.add(a, 0)
+        p.add(b, 0)
+        p.process(msg.StepOutputs(core=0, step=0, t=0, outputs=[msg.SeqOutput("a", [999]), msg.SeqOutput("b", [200])]))
+        p.process(msg.StepOutputs(core=0, step=1, t=0, outputs=[msg.SeqOutput("b", [201])],
+                                  finished=[msg.Finished("b", "length")]))
+        return aborted, [q.get_nowait() for _ in range(q.qsize())], p
+
+    aborted, events, p = asyncio.run(go())
+    finishes = {i: e[1:] for i, e in events if e[0] == "finish"}
+    assert aborted == ["a"] and not p.states
+    assert finishes[0][0] == "error" and "IndexError" in finishes[0][2]
+    assert finishes[1] == ("length", 2, None)
+    assert "".join(e[1] for i, e in events if i == 1 and e[0] == "delta") == tok.decode([200, 201], skip_special_tokens=True)
+
+
 def test_a_stream_that_fell_behind_writes_what_waits_in_one_send(tok):
     from cbteach.serving.server_app import Run
 

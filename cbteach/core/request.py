@@ -51,12 +51,17 @@ class Completion:
 
     @classmethod
     def of(cls, seq, tokenizer, now: float) -> Completion:
-        """What a finished (or aborted) sequence gives back."""
-        text = None if tokenizer is None else tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        """What a finished (or aborted) sequence gives back. A tokenizer that cannot decode its tokens (an
+        id past a sentencepiece vocabulary the model pads, say) fails this request alone."""
+        text, reason, error = None, seq.finish_reason, seq.error
+        try:
+            text = None if tokenizer is None else tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        except Exception as err:  # noqa: BLE001  (the tokens stand; the text is what failed)
+            reason, error = "error", f"the tokenizer could not decode this request's tokens: {type(err).__name__}: {err}"
         return cls(request_id=seq.request_id, prompt_ids=list(seq.prompt_ids), output_ids=list(seq.output_ids),
-                   finish_reason=seq.finish_reason, text=text, arrival_time=seq.arrival_time,
+                   finish_reason=reason, text=text, arrival_time=seq.arrival_time,
                    first_token_time=seq.first_token_time, token_times=list(seq.token_times), finish_time=now,
-                   num_cached_prompt_tokens=seq.num_cached_prompt_tokens, error=seq.error)
+                   num_cached_prompt_tokens=seq.num_cached_prompt_tokens, error=error)
 
     @classmethod
     def of_samples(cls, samples: list[Completion], now: float) -> Completion:

@@ -98,7 +98,12 @@ class OutputProcessor:
             st = states.get(o.request_id)
             if st is None or not o.new_token_ids:
                 continue
-            self._tokens(st, o.new_token_ids, t)
+            try:
+                self._tokens(st, o.new_token_ids, t)
+            except Exception as err:  # noqa: BLE001  (its tokenizer failed on its ids: that request alone ends)
+                self.abort_in_core(st)
+                self.end(st, "error", f"the tokenizer could not decode this request's tokens: {type(err).__name__}: {err}")
+                continue
             if st.detok.stopped:  # a stop string: the engine does not know, so tell it to drop the request
                 self.abort_in_core(st)
                 self.end(st, "stop")
@@ -130,7 +135,10 @@ class OutputProcessor:
         self.states.pop(st.request_id, None)
         self._charge(st)
         if reason not in ("error", "dead"):
-            tail = st.detok.finish()
+            try:
+                tail = st.detok.finish()
+            except Exception as err:  # noqa: BLE001  (as above: this request's text failed, not the server)
+                reason, error, tail = "error", f"the tokenizer could not decode this request's tokens: {err}", ""
             if tail:
                 st.push(("delta", tail, []))
         st.push(("finish", reason, st.num_output_tokens, error))
