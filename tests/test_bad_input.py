@@ -394,3 +394,6 @@ def test_a_tokenizer_that_cannot_decode_one_answer_fails_that_request_alone(bier
     want = reference(model, b.prompt_ids, 6, eos_id=model.generation_config.eos_token_id)
     assert (b.output_ids, b.text) == (want, tok.decode(want, skip_special_tokens=True))
     assert eng.kv_usage()["num_used_blocks"] == 0
+    a, b = static_batching(model, Picky(), [Request("Ink", 3), Request("The engine", 6)], 2)  # (and static batching)
+    assert (a.finish_reason, a.output_ids, a.text) == ("error", bad, None) and "IndexError" in a.error
+    assert (b.output_ids, b.text) == (want, tok.decode(want, skip_special_tokens=True))

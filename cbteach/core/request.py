@@ -51,17 +51,12 @@ class Completion:
 
     @classmethod
     def of(cls, seq, tokenizer, now: float) -> Completion:
-        """What a finished (or aborted) sequence gives back. A tokenizer that cannot decode its tokens (an
-        id past a sentencepiece vocabulary the model pads, say) fails this request alone."""
-        text, reason, error = None, seq.finish_reason, seq.error
-        try:
-            text = None if tokenizer is None else tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-        except Exception as err:  # noqa: BLE001  (the tokens stand; the text is what failed)
-            reason, error = "error", f"the tokenizer could not decode this request's tokens: {type(err).__name__}: {err}"
+        """What a finished (or aborted) sequence gives back."""
+        text, failed = decode_text(tokenizer, seq.output_ids)
         return cls(request_id=seq.request_id, prompt_ids=list(seq.prompt_ids), output_ids=list(seq.output_ids),
-                   finish_reason=reason, text=text, arrival_time=seq.arrival_time,
+                   finish_reason="error" if failed else seq.finish_reason, text=text, arrival_time=seq.arrival_time,
                    first_token_time=seq.first_token_time, token_times=list(seq.token_times), finish_time=now,
-                   num_cached_prompt_tokens=seq.num_cached_prompt_tokens, error=error)
+                   num_cached_prompt_tokens=seq.num_cached_prompt_tokens, error=failed or seq.error)
 
     @classmethod
     def of_samples(cls, samples: list[Completion], now: float) -> Completion:
@@ -79,6 +74,15 @@ class Completion:
         shown = repr(self.text[:40] + ("…" if len(self.text) > 40 else "")) if self.text is not None else ""
         return (f"Completion({self.request_id!r}, {len(self.prompt_ids)} prompt + "
                 f"{len(self.output_ids)} new tokens, {self.finish_reason}{', ' + shown if shown else ''})")
+
+
+def decode_text(tokenizer, ids) -> tuple[str | None, str | None]:
+    """``(text, None)``, or ``(None, why)`` when the tokenizer cannot decode ``ids`` (sentencepiece raises on
+    an id past its vocabulary, which a model may pad): the tokens stand, this request alone fails."""
+    try:
+        return (None if tokenizer is None else tokenizer.decode(ids, skip_special_tokens=True)), None
+    except Exception as err:  # noqa: BLE001
+        return None, f"the tokenizer could not decode this request's tokens: {type(err).__name__}: {err}"
 
 
 class RequestStatus(enum.Enum):

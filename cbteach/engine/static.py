@@ -24,7 +24,7 @@ from transformers import DynamicCache
 
 from ..core import modelinfo
 from ..core.model_view import model_view
-from ..core.request import Completion
+from ..core.request import Completion, decode_text
 from ..core.config import check_batch_size
 from ..core.validation import as_request_list, validate_request
 from ..core.sampling import make_generator, sample, stop_reason
@@ -158,8 +158,9 @@ def _run_wave(model, info, tokenizer, reqs, prompts, wave, batch_size, pad_id, t
         # A finished row's throw-away token keeps its last position: it must not walk past the
         # model's positions (GPT-2's learned position table has only n_positions rows).
         positions = positions[:, -1:] + torch.tensor([[0 if d else 1] for d in done], device=info.device)
+    texts = [decode_text(tokenizer, out) for out in outputs]  # (text, why it failed)
     return [Completion(
-        request_id=r.request_id, prompt_ids=list(prompts[i]), output_ids=outputs[i], finish_reason=done[i],
-        text=tokenizer.decode(outputs[i], skip_special_tokens=True) if tokenizer is not None else None,
-        arrival_time=0.0, first_token_time=times[i][0], token_times=times[i], finish_time=times[i][-1])
+        request_id=r.request_id, prompt_ids=list(prompts[i]), output_ids=outputs[i],
+        finish_reason="error" if texts[i][1] else done[i], text=texts[i][0], arrival_time=0.0,
+        first_token_time=times[i][0], token_times=times[i], finish_time=times[i][-1], error=texts[i][1])
         for i, r in enumerate(reqs)]
