@@ -89,6 +89,8 @@ MISTAKES = [
     ("softmax without the running max", [("w = tl.exp(scores - new_max[:, None])", "w = tl.exp(scores)"),
                                          ("run_sum = run_sum * shrink +", "run_sum = run_sum +"),
                                          ("out = out * shrink[:, None] +", "out = out +")], "overflows float32"),
+    ("running max starting at 0", [('run_max = tl.zeros([q.shape[0]], dtype=tl.float32) - float("inf")',
+                                   "run_max = tl.zeros([q.shape[0]], dtype=tl.float32)")], "running max starts at 0"),
     ("divided in the loop", [("return out, run_sum", "return out / run_sum[:, None], run_sum")],
      "divided by the sum itself"),
     ("float16 products", [("tl.dot(w, vt, input_precision=\"ieee\")", "tl.dot(w.to(tl.float16), vt.to(tl.float16))")],
@@ -207,8 +209,12 @@ def test_the_steps_made_four_times_larger_for_a_gpu_still_name_each_mistake(tmp_
 
 
 def test_a_softmax_without_the_max_passes_every_step_but_the_one_that_overflows(tmp_path):
-    """Without the running max the sums are right as long as exp does not overflow: one step's scores are
-    large enough that it does, and that step is the one that fails."""
+    """Without the running max the sums are right as long as exp does not overflow (or underflow): one step's
+    scores are extreme enough that it does, and that step is the one that fails -- as it is for a running max that
+    starts at 0, which only a query whose scores all lie far below zero tells from a right loop."""
     name, edits, _ = next(m for m in MISTAKES if m[0] == "softmax without the running max")
-    with pytest.raises(ex05b.Fail, match=r"step \d+ of \d+ \(one decode over three blocks whose scores reach"):
+    with pytest.raises(ex05b.Fail, match=r"step \d+ of \d+ \(two decodes over three blocks, one scoring in the hundreds"):
         ex05b.run_steps(mistaken(tmp_path, 200, edits))
+    name, edits, _ = next(m for m in MISTAKES if m[0] == "running max starting at 0")
+    with pytest.raises(ex05b.Fail, match=r"step \d+ of \d+ \(two decodes over three blocks, one scoring in the hundreds"):
+        ex05b.run_steps(mistaken(tmp_path, 201, edits))

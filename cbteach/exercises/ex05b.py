@@ -45,10 +45,11 @@ STEPS = [
     Step("not_rescaled", "one decode over three blocks, tiles of 4, scores rising tile by tile",
          "the running max grew from one tile to the next: when m changes, the running sum and the output so far "
          "must both be rescaled, by exp(m_old - m_new)", _spec((11, 1), keys="rising", **IN_ORDER)),
-    Step("overflow", "one decode over three blocks whose scores reach the hundreds",
-         "scores here reach the hundreds, and exp of a score above about 88 overflows float32: the online softmax "
-         "keeps every exp(score - m) at most 1 -- check what your loop subtracts before exp, and its rescale",
-         _spec((11, 1), keys="large", **IN_ORDER)),
+    Step("overflow", "two decodes over three blocks, one scoring in the hundreds, one far below zero",
+         "one decode's scores reach the hundreds (exp above about 88 overflows float32), the other's all lie near "
+         "-150 (exp below about -104 underflows to 0): the online softmax keeps every exp(score - m) at most 1 and "
+         "the largest exactly 1 -- check what your loop subtracts before exp, and its rescale",
+         _spec((11, 1), (11, 1), keys="extremes", **IN_ORDER)),
     Step("logical_as_physical", "the same decode, its blocks out of order in the pool", "logical_as_physical",
          _spec((11, 1), stale="random")),
     Step("past_the_length", "a decode whose last block is partly filled, stale slots after it", "loads_unmasked",
@@ -93,9 +94,9 @@ def make_step(seqs, block_size, heads, kv_heads, blocks="shuffled", stale="nan",
         k = torch.randn(c + n, kv_heads, HEAD_DIM, generator=g)
         if keys == "rising":  # each block's keys point further along the query: the max grows tile by tile
             k = 0.5 * k + (pos // block_size + 1).float()[:, None, None] * query[0, :, -1].mean(0)
-        elif keys == "large":  # every key along the last query: scores around 120, and exp(120) overflows float32
-            along = query[0, :, -1].mean(0)
-            k = 0.5 * k + along * (120.0 * HEAD_DIM ** 0.5 / (along @ along))
+        elif keys == "extremes":  # every key along (or against) the decode's query: scores around 120 -- exp(120)
+            along = query[0, :, sum(m for _, m in seqs[:i + 1]) - 1].mean(0)  # overflows float32 -- or -150
+            k = 0.5 * k + along * ((120.0 if i % 2 == 0 else -150.0) * HEAD_DIM ** 0.5 / (along @ along))
         elif keys == "spike":  # the last key scores 400 against the chunk's first query, who may not see it
             first = query[0, ::heads // kv_heads, sum(m for _, m in seqs[:i])]  # [kv_heads, D]
             k[-1] = first * (400.0 * HEAD_DIM ** 0.5 / (first * first).sum(-1, keepdim=True))

@@ -40,6 +40,9 @@ MISTAKES = {
     "kv_head_modulo": _KV_HEAD + ", not every GROUP-th",
     "no_running_max": "scores here reach the hundreds, and exp of a score above about 88 overflows float32 to inf: "
                       "subtract the running max before exp (section 3)",
+    "max_starts_at_zero": "your running max starts at 0, above every score of a query whose scores all lie far "
+                          "below zero (here near -150): each exp(score - m) underflows float32 to 0 and the sum is "
+                          "0 -- the running max must start below any score it can meet",
     "rescale_inverted": "NaN from the rescale: your factor grows when the max grows (exp(+inf) = inf on the first "
                         "tile, times the empty sum 0): it must shrink (section 3)",
     "sum_not_rescaled": "the running max grew from one tile to the next, and the running sum kept what was summed "
@@ -97,7 +100,7 @@ def _inner(q, q_pos, kv_head, table_at, num_keys, seq_len, tflat, kflat, vflat, 
     sb, ss, sh = strides
     dev, D = q.device, q.shape[1]
     offs_n, offs_d = torch.arange(tile_n, device=dev), torch.arange(D, device=dev)
-    m = torch.full((q.shape[0],), float("-inf"), device=dev)
+    m = torch.full((q.shape[0],), 0.0 if mistake == "max_starts_at_zero" else float("-inf"), device=dev)
     total = torch.zeros(q.shape[0], device=dev)
     acc = torch.zeros(q.shape, device=dev)
     for start in range(0, num_keys, tile_n):
