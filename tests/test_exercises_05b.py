@@ -129,6 +129,17 @@ def test_each_typical_mistake_gets_a_hint_that_names_it(tmp_path, capsys, i):
     assert out.startswith("✗") and words in out, out
 
 
+@pytest.mark.parametrize("edit,words", [
+    (("return out, run_sum", "return run_sum, out"), "the two swapped"),
+    (("tl.sum(w, axis=1)", "tl.sum(w, axis=0)"), "wrong axis"),
+    (("tl.dot(q, tl.trans(kt)", "tl.dot(q, (kt)"), "the keys transposed"),
+], ids=["returns swapped", "sum over the wrong axis", "keys not transposed"])
+def test_a_loop_the_interpreter_stops_gets_a_hint_that_names_the_mistake(tmp_path, capsys, edit, words):
+    assert ex05b.check_attend_blocks(mistaken(tmp_path, 300 + len(words), [edit])) is False
+    out = capsys.readouterr().out
+    assert "your loop stopped with" in out and words in out, out
+
+
 def test_every_simulated_mistake_has_a_wrong_loop_here():
     """Each mistake the check can name is met by one of the loops above (and says which idea it missed)."""
     named = {hint for hint in ex05b_mistakes.MISTAKES.values()}

@@ -182,7 +182,8 @@ def run_steps(inner, scale: int | None = None) -> int:
         query, pool, meta = make_step(**spec, device=device)
         got, err = _attempt(course, inner, query, pool, meta, spec["tile_n"])
         if err is not None:
-            raise Fail(f"step {i} of {len(STEPS)} ({what}): your loop stopped with {raised(err)}") from None
+            said = next((f" -- {h}" for text, h in mistakes.STOPPED.items() if text in str(err)), "")
+            raise Fail(f"step {i} of {len(STEPS)} ({what}): your loop stopped with {raised(err)}{said}") from None
         want = reference_attention(query, 0, meta, None)
         if not (torch.isfinite(got).all() and torch.allclose(got, want, rtol=tol, atol=tol / 10)):
             run = lambda *step: _attempt(course, inner, *step, spec["tile_n"])[0]  # noqa: E731

@@ -55,6 +55,14 @@ MISTAKES = {
 }
 ROUNDING = ("close to the reference, but not within float32's rounding: part of your loop computes in lower "
             "precision (float16, bfloat16, or tl.dot's default TF32 -- pass input_precision=\"ieee\")")
+# What the interpreter's error says -> the mistake that makes it (a loop that stops, so no simulation to compare)
+STOPPED = {
+    "Expected pointer argument to have shape": "what your loop returns does not have the shapes the program stores: "
+    "(acc, total), acc [BLOCK_Q, BLOCK_D] first, then total [BLOCK_Q] with one sum per query -- the two swapped, or "
+    "a sum or max over the wrong axis?",
+    "must have equal reduction dimensions": "tl.dot(a, b) multiplies [M, K] by [K, N]: the scores are q [BLOCK_Q, "
+    "BLOCK_D] times the keys transposed, [BLOCK_D, TILE_N]",
+}
 NAN = ("your output has NaN (or inf) where the reference has none: exp of a large number, inf - inf, 0 * inf? Look "
        "at the first tile, where m is still -inf, and at what the masks put in the scores")
 
