@@ -17,11 +17,14 @@ def model():
 
 def make_wave(pad_left=True, prefill_mask=True, decode_mask=True, grow_mask=True, positions=True,
               shared_positions=False, width_extra=0, extra_pass=False, skip_prefill_token=False,
-              keep_after_eos=False, stop_at_first_eos=False, run_to_cap=False, use_cache=True, none=False):
+              keep_after_eos=False, stop_at_first_eos=False, run_to_cap=False, use_cache=True, none=False,
+              drop_eos=False, pad_positions=False, zero_mask_column=False, model_eos=False, unclamped=False):
     """The notebook's solution, with one mistake switched on."""
     def static_wave(model, prompts, max_new_tokens, eos_id):
         if none:
             return None
+        if model_eos:  # the model's own EOS, not the id the wave is given
+            eos_id = model.config.eos_token_id
         n, width = len(prompts), max(len(p) for p in prompts) + width_extra
         dev = model.device
 
@@ -30,7 +33,9 @@ def make_wave(pad_left=True, prefill_mask=True, decode_mask=True, grow_mask=True
 
         ids = torch.tensor([row(p, eos_id, p) for p in prompts], device=dev)
         mask = torch.tensor([row(p, 0, [1] * len(p)) for p in prompts], device=dev)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        pos = mask.cumsum(-1) - 1 if unclamped else (mask.cumsum(-1) - 1).clamp(min=0)
+        if pad_positions:  # every row numbered from the rectangle's first column, pads included
+            pos = torch.arange(width, device=dev).repeat(n, 1)
         outs, done, cache, step = [[] for _ in prompts], [False] * n, None, 0
         seqs = ids
         with torch.no_grad():
@@ -55,7 +60,7 @@ def make_wave(pad_left=True, prefill_mask=True, decode_mask=True, grow_mask=True
                 step += 1
                 for i in range(n):
                     if not done[i] or keep_after_eos:
-                        if len(outs[i]) < max_new_tokens:
+                        if len(outs[i]) < max_new_tokens and not (drop_eos and chosen[i] == eos_id):
                             outs[i].append(chosen[i])
                     if not done[i]:
                         done[i] = chosen[i] == eos_id or len(outs[i]) == max_new_tokens
@@ -68,7 +73,8 @@ def make_wave(pad_left=True, prefill_mask=True, decode_mask=True, grow_mask=True
                 ids = torch.tensor(feed, device=dev)
                 seqs = torch.cat([seqs, ids], dim=1)
                 if grow_mask:
-                    mask = torch.cat([mask, torch.ones(n, 1, dtype=mask.dtype, device=dev)], dim=1)
+                    new = torch.zeros if zero_mask_column else torch.ones
+                    mask = torch.cat([mask, new(n, 1, dtype=mask.dtype, device=dev)], dim=1)
                 if shared_positions:  # every row numbered by the rectangle's columns
                     pos = torch.full((n, 1), mask.shape[1] - 1, device=dev)
                 else:
@@ -98,7 +104,7 @@ def test_the_gpt2_case_has_a_request_that_finishes_early(model):
 
 WRONG = [
     (dict(positions=False), "position_ids were not passed"),
-    (dict(shared_positions=True), "position id each row gets"),
+    (dict(shared_positions=True), "decode pass's position id is not the count"),
     (dict(pad_left=False), "pad on the left"),
     (dict(prefill_mask=False), "prefill got no attention mask"),
     (dict(decode_mask=False), "decode pass got no attention mask"),
@@ -111,6 +117,11 @@ WRONG = [
     (dict(run_to_cap=True), "kept stepping"),
     (dict(use_cache=False), "more than one token per row"),
     (dict(none=True), "not done yet"),
+    (dict(drop_eos=True), "generate keeps the EOS token"),
+    (dict(pad_positions=True), "prefill's position ids count from the pads"),
+    (dict(zero_mask_column=True), "hides the token it feeds"),
+    (dict(model_eos=True), "the id it is given"),
+    (dict(unclamped=True), "a position id is negative"),
 ]
 
 

@@ -19,12 +19,13 @@ from .ex00 import run_barred
 def _pass(ids, cached, kwargs, model):
     """One pass as the checks read it: rows, positions fed and cached, the mask's width (None: no mask), whether
     position ids were given, and the attention mask (to see the padding side)."""
-    mask = kwargs.get("attention_mask")
+    mask, pos = kwargs.get("attention_mask"), kwargs.get("position_ids")
     mask = mask if torch.is_tensor(mask) and mask.dim() == 2 else None
     return None if ids.dim() != 2 else {
         "rows": ids.shape[0], "fed": ids.shape[1], "cached": cached,
-        "mask_width": None if mask is None else mask.shape[1],
-        "positions": kwargs.get("position_ids") is not None, "mask": None if mask is None else mask.tolist()}
+        "mask_width": None if mask is None else mask.shape[1], "positions": pos is not None,
+        "position_ids": pos.tolist() if torch.is_tensor(pos) and pos.shape == ids.shape else None,
+        "mask": None if mask is None else mask.tolist()}
 
 
 def reference(model, prompt, max_new_tokens, eos_id) -> list[int]:
@@ -59,12 +60,30 @@ def _as_outputs(got, n):
     return [[int(t) for t in row] for row in rows] if ok else None
 
 
+def _position_hint(calls) -> str | None:
+    """Whether a pass's position ids fail to count each row's real tokens from 0 (the mask says which are real)."""
+    for k, c in enumerate(calls):
+        if c["position_ids"] is None or c["mask"] is None:
+            continue
+        for pos, mask in zip(c["position_ids"], c["mask"]):
+            seen = [sum(mask[:j + 1]) - 1 for j in range(len(mask))][-len(pos):]  # real tokens up to each column
+            if any(p != s for p, s, m in zip(pos, seen, mask[-len(pos):]) if m):
+                return ("the prefill's position ids count from the pads: a row's first real token is its position 0"
+                        if k == 0 else "a decode pass's position id is not the count of the row's real tokens "
+                        "before the one it feeds")
+    return None
+
+
 def _pass_hint(calls, prompts, outputs=None, want=None):
     """What the recorded passes say is wrong (None: nothing): their shapes, and their number against
-    the learner's own outputs (a wave takes one pass per token of its longest answer)."""
+    the longest answer, the learner's or generate's (a wave takes one pass per token of its longest answer)."""
     first, later = calls[0], calls[1:]
-    steps = max(map(len, outputs)) if outputs else len(calls)  # the passes the learner's own outputs need
+    steps = max(map(len, [*(outputs or []), *(want or [])])) if outputs else len(calls)
+    # (a RoPE model sees only distances, so a pad's -1 harms nothing there: named where a pass raised)
+    negative = outputs is None and any(min(map(min, c["position_ids"])) < 0 for c in calls if c["position_ids"])
     hints = [
+        (negative, "a position id is negative (a pad's count of real tokens before it, minus one): a model with "
+                   "learned positions looks each one up in a table that starts at 0"),
         (first["rows"] != len(prompts), "the prefill ran the prompts in separate passes, not one padded rectangle"),
         (first["fed"] != max(map(len, prompts)),
          "the prefill rectangle has the wrong width: it holds the longest prompt whole, and no column more"),
@@ -79,6 +98,8 @@ def _pass_hint(calls, prompts, outputs=None, want=None):
                                                       "cache"),
         (any(c["mask_width"] != c["cached"] + c["fed"] for c in later),
          "a decode pass's mask does not cover the cache plus the new token: it must grow with every step"),
+        (any(c["mask"] and not any(row[-1] for row in c["mask"]) for c in later),
+         "a decode pass's mask hides the token it feeds (its new column is all 0): that token is real"),
         (len(calls) == steps + 1 and any(o[:1] != w[:1] for o, w in zip(outputs or [], want or [])),
          "one forward pass too many, and first tokens that differ: the prefill's logits already give each first "
          "new token"),
@@ -88,10 +109,12 @@ def _pass_hint(calls, prompts, outputs=None, want=None):
     return next((hint for wrong, hint in hints if wrong), None)
 
 
-def _token_hint(got, want, calls) -> str:
+def _token_hint(got, want, calls, eos_id=None) -> str:
+    stop = f" -- and a row finishes on eos_id={eos_id}, the id it is given (here not the model's own EOS)" \
+        if eos_id is not None else ""
     hints = [
         (len(got) > len(want) and got[:len(want)] == want, "it goes on after its request finished: a finished row's "
-                                                           "tokens are thrown away"),
+                                                           f"tokens are thrown away{stop}"),
         (got == want[:-1], "it ends one token early: generate keeps the EOS token, and max_new_tokens counts every "
                            "new token"),
         (got and want[:len(got)] == got, "it stops before its request is done: only its own stop ends it, the others "
@@ -99,6 +122,7 @@ def _token_hint(got, want, calls) -> str:
         (not got, "it has no tokens; even max_new_tokens=1 makes one: the prefill's argmax"),
         (not all(c["positions"] for c in calls), "position_ids were not passed on every pass: count each row's "
                                                  "positions from its first real token, not from the pads"),
+        (_position_hint(calls) is not None, _position_hint(calls)),
         (got[:1] != want[:1], "its first token already differs: the argmax at the last column of the prefill's logits"),
     ]
     return next((hint for wrong, hint in hints if wrong), "its later tokens differ: check the position id each row "
@@ -174,8 +198,9 @@ def check_static_wave(static_wave, model, prompts, max_new_tokens: int, eos_id: 
             return fail(f"{where}: {hint}")
         i = next((i for i, (g, w) in enumerate(zip(outputs, want)) if g != w), None)
         if i is not None:
+            own = getattr(m.generation_config, "eos_token_id", None)
             return fail(f"{where}: request {i}'s tokens are not what generate gives it alone "
-                        f"({_token_hint(outputs[i], want[i], calls)})")
+                        f"({_token_hint(outputs[i], want[i], calls, eos if eos != own else None)})")
         if [(c["rows"], c["fed"]) for c in calls] != engine_passes(m, ps, n, eos):  # right tokens, other passes
             return fail(f"{where}: right tokens, but not in the static batcher's passes (one padded "
                         "prefill of every row, then one pass per step, every row fed one token)")
