@@ -161,6 +161,19 @@ def _g_empty(caches):
     return got if got is not None else (torch.zeros(1, 2, 0, 3), torch.zeros(1, 2, 0, 3))
 
 
+def _g_none_if_any_uncached(caches):  # "nothing cached" read as "some sequence has nothing cached"
+    return None if None in caches else gather(caches)
+
+
+def _s_values_from_keys(pk, pv, caches, num_scheduled):  # copy and paste: the values cut from the keys
+    return [(k, k2) for (k, _), (k2, _) in zip(scatter(pk, pv, caches, num_scheduled),
+                                               scatter(pk, pk, caches, num_scheduled))]
+
+
+def _s_values_misplaced(pk, pv, caches, num_scheduled):  # the keys right, the values in reverse order
+    return [(k, v.flip(2)) for k, v in scatter(pk, pv, caches, num_scheduled)]
+
+
 def _s_from_start(pk, pv, caches, num_scheduled):  # the new keys cut from the front of the packed cache
     new_k, new_v = pk.split(num_scheduled + [pk.shape[2] - sum(num_scheduled)], dim=2)[:-1], pv.split(
         num_scheduled + [pv.shape[2] - sum(num_scheduled)], dim=2)[:-1]
@@ -214,11 +227,12 @@ class _LateBug:
 
 WRONG_GATHER = [(_g_dim, "raised RuntimeError"), (_g_reversed, "another order"), (_g_swapped, "swapped"),
                 (_g_no_none, "raised"), (_g_empty, "return None"), (lambda c: None, "not done yet"),
-                (lambda c: [1, 2], "(keys, values) pair")]
+                (lambda c: [1, 2], "(keys, values) pair"), (_g_none_if_any_uncached, "one sequence has nothing cached")]
 WRONG_SCATTER = [(_s_from_start, "cached part"), (_s_off_by_one, "cached part"), (_s_overwrite, "lost its history"),
                  (_s_split_by_cached, "another sequence's new keys"), (_s_all_new, "another sequence's new keys"),
                  (_s_swapped, "swapped"), (lambda *a: None, "not done yet"), (lambda *a: [], "one (keys, values)"),
-                 (_LateBug(), "inside the engine")]
+                 (_LateBug(), "inside the engine"), (_s_values_from_keys, "values came from the packed keys"),
+                 (_s_values_misplaced, "values are not placed like them")]
 
 
 @pytest.mark.parametrize("wrong, words", WRONG_GATHER, ids=[w for _, w in WRONG_GATHER])

@@ -42,6 +42,9 @@ def _pair(x, what):
 def _gather_hint(gather) -> str | None:
     cached = [3, 0, 2]
     got = gather(_caches(cached))
+    if got is None and gather(_caches([3, 1, 2])) is not None:
+        return ("gather returned None for a step where one sequence has nothing cached yet: None means that no "
+                "sequence has anything cached")
     if got is None:
         return "not done yet: gather returned None for a step with cached keys -- write it in the cell above"
     k, v = _pair(got, "gather's result")
@@ -75,7 +78,11 @@ def _scatter_hint(scatter) -> str | None:
         if have == want and _labels(v) == [(1, s, p) for p in range(c + n)]:
             continue
         kept = have[:c] == want[:c]  # its old keys are there
+        values = _labels(v) if v.dim() == 4 and v.shape[2] else []
         hints = [(have == [(1, s, p) for p in range(c + n)], "keys and values are swapped"),
+                 (have == want and any(kind == 0 for kind, _, _ in values),
+                  "a sequence's values came from the packed keys: its new values are cut from packed_values"),
+                 (have == want, "the keys are right, but the values are not placed like them"),
                  (have == want[c:], "a sequence's cache lost its history: append its new keys after its old ones"),
                  (kept and any(kind == 0 and p < cached[seq] for kind, seq, p in have[c:]),
                   "a sequence's new keys came from the cached part of the packed cache: in the concat layout every "
