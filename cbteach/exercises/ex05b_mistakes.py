@@ -24,6 +24,8 @@ MISTAKES = {
                            "holds each logical block (here they lie out of order)",
     "one_block_per_tile": "a tile here spans several blocks (blocks of 3, tiles of 8 keys): each key has its own "
                           "logical block and slot, from its own position",
+    "slot_from_tile": "a key's slot came from its place in the tile, not from its position in the sequence: here a "
+                      "tile starts part-way into a block",
     "no_scale": "the scores were not multiplied by scale: attention's softmax is over q . k times scale",
     "scale_twice": "the scores were multiplied by scale twice: once, q . k times scale",
     "scale_divided": "the scores were divided by scale: scale is already 1 / sqrt(head_dim), multiply by it",
@@ -43,8 +45,11 @@ MISTAKES = {
     "max_starts_at_zero": "your running max starts at 0, above every score of a query whose scores all lie far "
                           "below zero (here near -150): each exp(score - m) underflows float32 to 0 and the sum is "
                           "0 -- the running max must start below any score it can meet",
-    "rescale_inverted": "NaN from the rescale: your factor grows when the max grows (exp(+inf) = inf on the first "
-                        "tile, times the empty sum 0): it must shrink (section 3)",
+    "rescale_inverted": "NaN from the first tile, where m is still -inf and exp(x - m) is inf: either your rescale "
+                        "factor grows when the max grows (it must shrink), or p subtracts the old max instead of the "
+                        "new one (section 3)",
+    "max_not_stored": "your running max is never updated: m stays -inf, every tile's rescale factor is exp(-inf) = 0, "
+                      "and only the last tile counts -- keep the new max for the next tile",
     "sum_not_rescaled": "the running max grew from one tile to the next, and the running sum kept what was summed "
                         "under the old max: when m changes, the sum must be rescaled too",
     "acc_not_rescaled": "the running max grew from one tile to the next, and the output so far kept what was summed "
@@ -117,7 +122,7 @@ def _inner(q, q_pos, kv_head, table_at, num_keys, seq_len, tflat, kflat, vflat, 
         loaded = torch.ones_like(present) if mistake == "loads_unmasked" else present
         index = {"block_plus_one": pos // B + 1, "one_block_per_tile": torch.full_like(pos, start // B),
                  "swapped": pos % B}.get(mistake, pos // B)
-        slot = {"swapped": pos // B, "one_block_per_tile": offs_n}.get(mistake, pos % B)
+        slot = {"swapped": pos // B, "one_block_per_tile": offs_n, "slot_from_tile": offs_n % B}.get(mistake, pos % B)
         block = index if mistake == "logical_as_physical" else _load(tflat, table_at + index, loaded)
         if block is None:
             return None
@@ -143,6 +148,6 @@ def _inner(q, q_pos, kv_head, table_at, num_keys, seq_len, tflat, kflat, vflat, 
         total = (total if mistake == "sum_not_rescaled" else total * alpha) + p.sum(1)
         pv = p.half().float() @ v.half().float() if mistake == "fp16" else p @ v
         acc = (acc if mistake == "acc_not_rescaled" else acc * alpha[:, None]) + pv
-        m = m_new
+        m = m if mistake == "max_not_stored" else m_new
     out = acc / total[:, None]
     return out / total[:, None] if mistake == "divided" else out
