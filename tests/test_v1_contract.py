@@ -112,6 +112,37 @@ def test_a_request_whose_logits_fail_ends_alone_and_its_neighbours_stay_exact(kv
         _no_leak(eng)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("bad_first", [True, False], ids=["bad first", "bad last"])
+def test_a_request_whose_keys_and_values_are_nan_ends_alone_now_and_later(arch, bad_first):
+    """NaN K/V (the model fails on a token of the prompt: its embedding output is NaN) sit in the failed
+    request's blocks. Attention reads past a sequence's own keys (a group's padding, a block's stale slots),
+    masked -- but a masked key's weight 0 times a NaN value is NaN. Neither the neighbours of its step nor
+    the later requests that get its freed blocks may fail with it."""
+    model = tiny_model(arch)
+
+    def nan_for_96(module, args, output):
+        output[args[0] == 96] = float("nan")
+        return output
+
+    good = [Request(p, 6, request_id=f"g{i}") for i, p in enumerate([[10, 11, 12, 13, 14, 15, 16, 17, 18], [20, 21, 22]])]
+    bad = Request([96, 40, 41, 42, 43], 3, request_id="bad")
+    handle = model.get_input_embeddings().register_forward_hook(nan_for_96)
+    try:
+        want = [reference(model, r.prompt, 6) for r in good]
+        eng = Engine(model, max_batch_size=4, kv="paged", block_size=4)
+        first = eng.run([Request(bad.prompt, 3)])[0]  # alone: it fails, and its blocks go back to the pool
+        assert first.finish_reason == "error"
+        got = {c.request_id: c for c in eng.run([bad, *good] if bad_first else [*good, bad])}
+        assert got["bad"].finish_reason == "error"
+        assert [got[r.request_id].output_ids for r in good] == want, "a neighbour of the failed request failed with it"
+        again = eng.run([Request(r.prompt, 6) for r in good])  # in blocks the failed request left behind
+        assert [c.output_ids for c in again] == want, "a later request failed in the blocks a failed one left"
+    finally:
+        handle.remove()
+    _no_leak(eng)
+
+
 def test_a_model_that_raises_on_one_requests_tokens_fails_only_that_request():
     model = tiny_model("qwen2")
 

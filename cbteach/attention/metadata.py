@@ -95,7 +95,7 @@ def build(token_ids, num_computed_tokens: list[int], num_scheduled_tokens: list[
     if paged:
         tables, lengths = _as_table(block_tables, num_blocks)
         width, groups, members = _plan_groups(lengths, num_scheduled_tokens, bucket_shapes)
-        tables = _padded(tables, width)
+        tables = _padded(tables, width, lengths)
         slot_mapping = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
         keys = np.arange(max(nb for _, nb, _ in groups) * block_size)  # every key position (parts[7]), for the masks
         host += [tables.ravel(), slot_mapping, keys]
@@ -154,11 +154,14 @@ def _as_table(block_tables, num_blocks):
     return np.array([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=np.int64), lengths
 
 
-def _padded(tables: np.ndarray, width: int) -> np.ndarray:
-    """``tables`` cut or padded (block 0) to ``width`` columns; the mask hides keys past a row's own blocks."""
-    if tables.shape[1] >= width:
-        return tables[:, :width]
-    return np.concatenate([tables, np.zeros((tables.shape[0], width - tables.shape[1]), dtype=tables.dtype)], axis=1)
+def _padded(tables: np.ndarray, width: int, lengths: list[int]) -> np.ndarray:
+    """``tables`` cut or padded to ``width`` columns, each entry past a row's own blocks its own last block: the
+    mask hides those keys, and no row reads another request's blocks (which may hold NaN: see ``may_hold_nan``)."""
+    if tables.shape[1] < width:
+        tables = np.concatenate([tables, np.zeros((tables.shape[0], width - tables.shape[1]), dtype=tables.dtype)], 1)
+    n = np.asarray(lengths)
+    last = tables[np.arange(len(n)), np.maximum(n, 1) - 1]
+    return np.where(np.arange(width) < n[:, None], tables[:, :width], last[:, None])
 
 
 def _plan_groups(lengths, num_scheduled_tokens, bucket_shapes):

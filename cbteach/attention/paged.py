@@ -56,6 +56,9 @@ def vectorised_attention(query, layer: int, meta, scaling=None) -> torch.Tensor:
         G, Q = group.q_index.shape
         k, v = meta.pool.read(layer, group.block_tables)  # [G, K, kv_heads, D]
         k, v = k.transpose(1, 2).to(query.dtype), v.transpose(1, 2).to(query.dtype)  # [G, kv_heads, K, D]
+        if meta.pool.may_hold_nan:  # a stale slot's NaN would spread: masked, its weight is 0, but 0 * NaN = NaN
+            seen = group.mask.any(dim=2, keepdim=True).transpose(-1, -2)  # [G, 1, K, 1]: keys some query sees
+            k, v = k.where(seen, 0.0), v.where(seen, 0.0)
         if group.rows is not None:  # a slice of the packed row: a view, no gather
             q = rows[group.rows[0]:group.rows[1]].view(G, Q, H, D)
         else:

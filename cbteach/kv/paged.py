@@ -32,6 +32,7 @@ class PagedKVPool:
     which block is the KV manager's business."""
 
     kv_dtype = None  # what it stores K/V as (CacheConfig.kv_dtype): None, the model's dtype
+    may_hold_nan = False  # set once a request the model failed on may have left NaN (or inf) K/V in some block
 
     def __init__(self, *, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.float32,
                  device="cpu"):

@@ -95,7 +95,10 @@ def note_rows(runner, step, errors: list) -> None:
 
 
 def written(runner, rid, start: int, count: int, ok: bool) -> None:
-    """After a row ran: its blocks hold its K/V (``ok``), or never will."""
+    """After a row ran: its blocks hold its K/V (``ok``), or never will -- and may hold NaN from now on, which
+    attention then keeps from spreading (``PagedKVPool.may_hold_nan``)."""
+    if runner.block_size is not None and not ok:
+        runner.kv_cache.pool.may_hold_nan = True
     if runner.block_size is not None and (not ok or runner.unwritten_blocks):
         state = runner.requests.get(rid)
         mark_written(runner.unwritten_blocks, [] if state is None else state.block_ids, start, count, ok,
