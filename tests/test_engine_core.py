@@ -19,6 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 from cbteach import Engine, Request
 from cbteach.attention import metadata as attn_metadata
 from cbteach.attention import paged as paged_attention
+from cbteach.attention.reference import reference_attention
 from cbteach.kv.paged import PagedKVPool
 from cbteach.core.request import RequestStatus
 from cbteach.core.config import SchedulerConfig
@@ -444,7 +445,7 @@ def test_vectorised_attention_equals_reference(block_size, bucket_shapes, step, 
         assert meta.groups[-1].rows == (3, 9)  # the prefill's rows, read as a slice
     query = torch.randn(1, heads, sum(scheduled), dim, generator=g)
     fast = paged_attention.vectorised_attention(query, 0, meta, scaling=dim ** -0.5)
-    slow = paged_attention.reference_attention(query, 0, meta, scaling=dim ** -0.5)
+    slow = reference_attention(query, 0, meta, scaling=dim ** -0.5)
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
 
 

@@ -233,7 +233,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from cbteach.attention.metadata import build  # noqa: E402
-from cbteach.attention.paged import default_attention, reference_attention  # noqa: E402
+from cbteach.attention.paged import default_attention  # noqa: E402
+from cbteach.attention.reference import reference_attention  # noqa: E402
 from cbteach.exercises import ex05_attention, ex05_mistakes  # noqa: E402
 
 

@@ -169,16 +169,20 @@ def test_the_written_out_attention_a_gpu_runs_gives_generates_tokens(arch, monke
     (decodes laid out by KV head, chunked prefills, grouped-query and one KV head), it gives
     ``generate``'s tokens -- in the engine's attention and in the reference one."""
     from cbteach.attention import paged as paged_attention
+    from cbteach.attention.reference import reference_attention
 
     model = tiny_model(arch)
+    from cbteach.attention import reference as reference_module
+
     monkeypatch.setattr(paged_attention, "written_out", lambda device: True)
+    monkeypatch.setattr(reference_module, "written_out", lambda device: True)
     reqs = [Request([3 + i, 9, 4, 7, 11, 5, 6][: 2 + i], 9, request_id=i, ignore_eos=True) for i in range(5)]
     for options in (dict(), dict(token_budget=5), dict(bucket_shapes=True)):
         outs = Engine(model, kv="paged", max_batch_size=3, block_size=4, **options).run(reqs)
         assert [o.output_ids for o in outs] == [reference(model, r.prompt, 9) for r in reqs], options
     def reference_on_the_pool(query, key, value, meta, layer, scaling):
         meta.pool.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
-        return paged_attention.reference_attention(query, layer, meta, scaling)
+        return reference_attention(query, layer, meta, scaling)
 
     outs = Engine(model, kv="paged", max_batch_size=3, block_size=4, attention=reference_on_the_pool).run(reqs)
     assert [o.output_ids for o in outs] == [reference(model, r.prompt, 9) for r in reqs]

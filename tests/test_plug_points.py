@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cbteach import Engine, Request
-from cbteach.attention.paged import reference_attention
+from cbteach.attention.reference import reference_attention
 from cbteach.engine.scheduler import Scheduler
 from cbteach.errors import EngineRuleError
 from conftest import ARCHS, reference, tiny_model

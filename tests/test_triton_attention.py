@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from cbteach import Engine, Request
 from cbteach.attention.metadata import build
-from cbteach.attention.paged import reference_attention
+from cbteach.attention.reference import reference_attention
 from cbteach.kv.paged import PagedKVPool
 from conftest import ARCHS, VOCAB, reference, tiny_model
 

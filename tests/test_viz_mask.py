@@ -15,7 +15,7 @@ from cbteach import Engine, Request  # noqa: E402
 from cbteach.attention.metadata import build  # noqa: E402
 from cbteach.kv.paged import PagedKVPool  # noqa: E402
 from cbteach.attention.packing import block_diagonal_causal_mask, per_sequence_causal_mask  # noqa: E402
-from cbteach.attention.paged import reference_attention  # noqa: E402
+from cbteach.attention.reference import reference_attention  # noqa: E402
 from cbteach.viz import draw_step, mask_ascii, mask_heatmap  # noqa: E402
 from cbteach.viz.mask import LAYOUTS, key_groups, paged_mask, resolve  # noqa: E402
 from cbteach.viz.stepper import mask_explorer, parse_pairs  # noqa: E402

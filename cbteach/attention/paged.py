@@ -5,8 +5,8 @@ Only the engine's own view of the model (:mod:`cbteach.core.model_view`) calls `
 queries and this step's new K/V (RoPE applied) with the step's ``AttentionMetadata``, passed as a
 forward keyword argument (``cbteach_step=``): no global state. Then: **write** the new K/V at their
 ``slot_mapping`` slots, **read** each sequence's context through its block table, **attend** within its
-causal past -- one call per attention group (:func:`vectorised_attention`; :func:`reference_attention`,
-notebook 05's loop over sequences, is tested equal). vLLM's kernel reads the blocks where they lie; a
+causal past -- one call per attention group (:func:`vectorised_attention`; notebook 05's loop over
+sequences, :func:`~cbteach.attention.reference.reference_attention`, is tested equal). vLLM's kernel reads the blocks where they lie; a
 gather then ``scaled_dot_product_attention`` computes the same numbers in stock PyTorch. transformers
 builds no mask for us: we register no mask function.
 """
@@ -107,27 +107,6 @@ def masked_softmax_attention(q, k, v, mask, scaling=None):
         scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
     out = torch.matmul(torch.softmax(scores, dim=-1), v[:, :, None])  # [G, kv_heads, H // kv_heads, Q, D]
     return out.reshape(G, H, Q, D)
-
-
-def reference_attention(query, layer: int, meta, scaling=None) -> torch.Tensor:
-    """The same result, one sequence at a time: read its context slots, attend its own queries."""
-    out = torch.empty_like(query)
-    bs = meta.block_size
-    for i, (c, n) in enumerate(zip(meta.num_computed_tokens, meta.num_scheduled_tokens)):
-        start = int(meta.query_start_loc[i])
-        pos = torch.arange(c + n, device=query.device)
-        slots = meta.block_tables[i, pos // bs] * bs + pos % bs  # block_table[p // B] * B + p % B
-        k, v = meta.pool.read_slots(layer, slots)  # [context, kv_heads, D]
-        k, v = k.transpose(0, 1)[None].to(query.dtype), v.transpose(0, 1)[None].to(query.dtype)
-        # query j (at position c + j) sees keys 0..c+j: the sequence's block of the causal mask
-        mask = None if n == 1 else torch.ones(n, c + n, dtype=torch.bool, device=query.device).tril(diagonal=c)
-        if written_out(query.device):  # on a GPU, the formula written out (see _attend)
-            out[:, :, start:start + n] = masked_softmax_attention(query[:, :, start:start + n], k, v,
-                                                                  None if mask is None else mask[None, None], scaling)
-            continue
-        out[:, :, start:start + n] = F.scaled_dot_product_attention(
-            query[:, :, start:start + n], k, v, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != k.shape[1])
-    return out
 
 
 def register() -> None:

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 
 from ..attention.metadata import build
-from ..attention.paged import reference_attention
+from ..attention.reference import reference_attention
 from ..kv.paged import PagedKVPool
 from . import Fail, ex05b_mistakes as mistakes, fail, first_mistake, is_stub, need_function, passed, raised, self_check
 

@@ -19,7 +19,7 @@ _WHY = " -- a check that compared the engine (or the course) with itself would p
 @functools.lru_cache(maxsize=None)
 def registry() -> dict:
     """piece -> ``{function: whose name}``: the engine's and the course's implementations of it."""
-    from ..attention import metadata, paged
+    from ..attention import metadata, paged, reference
     from ..engine.scheduler import Scheduler as S
     from ..kv.manager import KVCacheManager as K
     from ..kv.paged import PagedKVCache
@@ -34,7 +34,7 @@ def registry() -> dict:
 
     theirs = "the course's own answer {} (cbteach.exercises.ex05_mistakes), the very one the check compares with"
     return {"slot_mapping": {**engine(metadata.build, PagedKVCache.slots), course.slots: theirs.format("slots")},
-            "attention": {**engine(paged.default_attention, paged.vectorised_attention, paged.reference_attention,
+            "attention": {**engine(paged.default_attention, paged.vectorised_attention, reference.reference_attention,
                                    paged.paged_attention_forward), course.attend: theirs.format("attend")},
             "kv_manager": engine(K.allocate_slots, K.free),
             "scheduler": engine(S.schedule, S.schedule_running, S.schedule_waiting, S.allocate_or_preempt,
