@@ -214,6 +214,11 @@ def test_eos_ids_union_and_ignored_generation_settings():
     m.generation_config.repetition_penalty = 1.05
     with pytest.warns(UserWarning, match="repetition_penalty"):
         Engine(m, max_batch_size=2)
+    for name, value in (("num_beams", 2), ("exponential_decay_length_penalty", (2, 50.0))):
+        m = tiny_model("qwen2")  # beam search, or an EOS pushed up with length: generate's answer changes
+        setattr(m.generation_config, name, value)
+        with pytest.warns(UserWarning, match=name):
+            Engine(m, max_batch_size=2)
 
 
 @pytest.mark.parametrize("kv", ["concat", "paged"])

@@ -160,6 +160,59 @@ def test_a_model_that_drops_attention_kwargs_stops_the_paged_engine_naming_why(a
     assert [c.output_ids for c in got] == [reference(model, p, 6) for p in prompts]
 
 
+def test_gpt_neo_local_attention_is_refused_by_its_own_names():
+    """GPT-Neo names its windowed layers ``attention_layers`` ("local") and the window ``window_size``, not
+    ``layer_types`` and ``sliding_window``: the concat engine took it and drifted from generate past the window."""
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    def neo(types):
+        return _model(GPTNeoForCausalLM, GPTNeoConfig(
+            vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4, max_position_embeddings=256,
+            attention_types=types, window_size=8, eos_token_id=EOS, bos_token_id=1), "eager")
+
+    for kv in ("concat", "paged"):
+        with pytest.raises(ValueError, match=r"sliding-window or local attention \(layer types \['local'\]\)"):
+            Engine(neo([[["global", "local"], 1]]), max_batch_size=2, kv=kv)
+    model = neo([[["global"], 2]])  # global layers only: exact
+    prompts = [list(range(6, 20)), [3, 4]]
+    got = Engine(model, max_batch_size=2, kv="concat").run([Request(p, 12) for p in prompts])
+    assert [c.output_ids for c in got] == [reference(model, p, 12) for p in prompts]
+
+
+def test_latent_attention_is_refused_paged_and_exact_concat():
+    """DeepSeek's latent attention has value heads narrower than its key heads (nope + rope); the paged pool
+    keeps one head size, so every request used to end in an error: now refused at construction."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(vocab_size=VOCAB, eos_token_id=EOS, bos_token_id=1, pad_token_id=EOS, hidden_size=64,
+                           intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                           max_position_embeddings=128, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+                           qk_nope_head_dim=8, v_head_dim=12, n_routed_experts=2, num_experts_per_tok=1,
+                           first_k_dense_replace=2, n_group=1, topk_group=1)
+    model = _model(DeepseekV3ForCausalLM, cfg)
+    with pytest.raises(ValueError, match=r"value heads \(12\) are not as wide as its key heads \(16\).*kv='concat'"):
+        Engine(model, max_batch_size=2, kv="paged")
+    prompts = [[10, 20, 30], [7, 8, 9, 10, 11]]
+    got = Engine(model, max_batch_size=2, kv="concat").run([Request(p, 6) for p in prompts])
+    assert [c.output_ids for c in got] == [reference(model, p, 6) for p in prompts]
+
+
+def test_attention_the_paged_engine_does_not_apply_stops_it_naming_what():
+    """Gemma-2's logit soft-capping reaches the attention function as ``softcap=``; the paged attention has none,
+    and gave wrong tokens without a word (here every layer is full attention, so the window check passes)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from cbteach.errors import EngineRuleError
+
+    cfg = Gemma2Config(head_dim=16, max_position_embeddings=256, layer_types=["full_attention"] * 2,
+                       attn_logit_softcapping=5.0, **SMALL)
+    model = _model(Gemma2ForCausalLM, cfg, "eager")
+    with pytest.raises(EngineRuleError, match=r"\['softcap'\].*kv='concat'"):
+        Engine(model, max_batch_size=2, kv="paged").run([Request([6, 7, 8], 4)])
+    got = Engine(model, max_batch_size=2, kv="concat").run([Request([6, 7, 8], 6), Request([9, 10], 6)])
+    assert [c.output_ids for c in got] == [reference(model, p, 6) for p in ([6, 7, 8], [9, 10])]
+
+
 @pytest.mark.parametrize("arch", ["bloom", "mpt", "falcon-alibi"])
 @pytest.mark.parametrize("kv", ["concat", "paged"])
 def test_alibi_models_are_refused_with_the_reason(arch, kv):

@@ -31,6 +31,7 @@ class ModelInfo:
     cache_kwarg: str  # "cache" in transformers >= 5.x, "past_key_values" before
     accepts_logits_to_keep: bool
     attn_implementation: str = "sdpa"
+    v_head_dim: int | None = None  # set where a value head differs from a key head (DeepSeek's latent attention)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -62,6 +63,10 @@ def check_supported(config, max_pos) -> None:
     """Refuse, with the reason, models whose attention the engine's masks cannot reproduce exactly."""
     layer_types = list(getattr(config, "layer_types", None) or [])
     window = getattr(config, "sliding_window", None)
+    if getattr(config, "attention_layers", None):  # GPT-Neo's own names: "global" and "local" (window_size)
+        local = getattr(config, "window_size", None)
+        layer_types += ["full_attention" if t == "global" else t for t in config.attention_layers
+                        if t == "global" or not (max_pos is not None and isinstance(local, int) and local >= max_pos)]
     windowed = [t for t in layer_types if t != "full_attention"]
     other = sorted({t for t in windowed if "sliding" not in t and "chunk" not in t and "local" not in t})
     if other:  # mamba, linear attention: a state carried along the row, which packed sequences would share
@@ -92,7 +97,9 @@ def check_supported(config, max_pos) -> None:
 _IGNORED_GENERATION = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_new_tokens": None,
                        "min_length": 0, "suppress_tokens": None, "begin_suppress_tokens": None,
                        "bad_words_ids": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
-                       "encoder_repetition_penalty": 1.0, "sequence_bias": None}
+                       "encoder_repetition_penalty": 1.0, "sequence_bias": None,
+                       "exponential_decay_length_penalty": None, "num_beams": 1, "num_beam_groups": 1,
+                       "penalty_alpha": None, "guidance_scale": None, "watermarking_config": None}
 
 
 def ignored_generation_settings(model) -> dict:
@@ -142,6 +149,9 @@ def describe(model, tokenizer=None) -> ModelInfo:
     num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
     hidden = getattr(text_config, "hidden_size", None) or text_config.n_embd
     head_dim = getattr(text_config, "head_dim", None) or hidden // num_heads
+    v_head_dim = getattr(text_config, "v_head_dim", None)
+    if v_head_dim and getattr(text_config, "qk_nope_head_dim", None) is not None:  # latent attention: K is nope + rope
+        head_dim = text_config.qk_nope_head_dim + (getattr(text_config, "qk_rope_head_dim", None) or 0)
     num_layers = getattr(text_config, "num_hidden_layers", None) or text_config.n_layer
     ignored = ignored_generation_settings(model)
     if ignored:
@@ -160,4 +170,5 @@ def describe(model, tokenizer=None) -> ModelInfo:
         cache_kwarg="cache" if "cache" in params else "past_key_values",
         accepts_logits_to_keep="logits_to_keep" in params,
         attn_implementation=getattr(config, "_attn_implementation", None) or "eager",
+        v_head_dim=v_head_dim if v_head_dim and v_head_dim != head_dim else None,
     )

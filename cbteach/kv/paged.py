@@ -117,6 +117,10 @@ class PagedKVCache:
                   manager_cls=KVCacheManager, pool_cls=PagedKVPool) -> PagedKVCache:
         """A pool for the model ``info`` describes, sized as ``config`` says (see
         :meth:`CacheConfig.pool_num_blocks`)."""
+        if info.v_head_dim is not None:
+            raise ValueError(f"this model's value heads ({info.v_head_dim}) are not as wide as its key heads "
+                             f"({info.head_dim}) -- latent attention, as in DeepSeek-V2/V3 -- and the paged pool keeps "
+                             "one head size for both: use kv='concat'")
         per_token = pool_cls.bytes_per_token_for(info.num_layers, info.num_kv_heads, info.head_dim,
                                                  block_size=config.block_size, dtype=info.dtype)
         num_blocks = config.pool_num_blocks(info.max_positions, max_batch_size, config.block_size * per_token)
