@@ -114,11 +114,14 @@ def test_a_request_whose_logits_fail_ends_alone_and_its_neighbours_stay_exact(kv
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("bad_first", [True, False], ids=["bad first", "bad last"])
-def test_a_request_whose_keys_and_values_are_nan_ends_alone_now_and_later(arch, bad_first):
+@pytest.mark.parametrize("options", [dict(kv="paged", block_size=4), dict(kv="concat"),
+                                     dict(kv="concat", token_budget=3)], ids=["paged", "concat", "concat chunked"])
+def test_a_request_whose_keys_and_values_are_nan_ends_alone_now_and_later(arch, bad_first, options):
     """NaN K/V (the model fails on a token of the prompt: its embedding output is NaN) sit in the failed
-    request's blocks. Attention reads past a sequence's own keys (a group's padding, a block's stale slots),
-    masked -- but a masked key's weight 0 times a NaN value is NaN. Neither the neighbours of its step nor
-    the later requests that get its freed blocks may fail with it."""
+    request's blocks. Attention reads past a sequence's own keys (a group's padding, a block's stale slots;
+    with the concatenating cache, every packed sequence's), masked -- but a masked key's weight 0 times a
+    NaN value is NaN. Neither the neighbours of its step (their prompt chunks too) nor the later requests
+    that get its freed blocks may fail with it."""
     model = tiny_model(arch)
 
     def nan_for_96(module, args, output):
@@ -130,7 +133,7 @@ def test_a_request_whose_keys_and_values_are_nan_ends_alone_now_and_later(arch, 
     handle = model.get_input_embeddings().register_forward_hook(nan_for_96)
     try:
         want = [reference(model, r.prompt, 6) for r in good]
-        eng = Engine(model, max_batch_size=4, kv="paged", block_size=4)
+        eng = Engine(model, max_batch_size=4, **options)
         first = eng.run([Request(bad.prompt, 3)])[0]  # alone: it fails, and its blocks go back to the pool
         assert first.finish_reason == "error"
         got = {c.request_id: c for c in eng.run([bad, *good] if bad_first else [*good, bad])}
@@ -140,7 +143,10 @@ def test_a_request_whose_keys_and_values_are_nan_ends_alone_now_and_later(arch, 
         assert [c.output_ids for c in again] == want, "a later request failed in the blocks a failed one left"
     finally:
         handle.remove()
-    _no_leak(eng)
+    if options["kv"] == "paged":
+        _no_leak(eng)
+    else:
+        assert eng.kv_usage() == {"num_sequences": 0, "num_tokens": 0}
 
 
 def test_a_model_that_raises_on_one_requests_tokens_fails_only_that_request():

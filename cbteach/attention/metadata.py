@@ -46,6 +46,7 @@ class AttentionMetadata:
     attention: object = None  # Engine(attention=fn)'s function; None: the engine's own
     request_ids: list | None = None  # concat only: whose caches are gathered, in packed order
     past_key_values: object = None  # concat only: the packed DynamicCache, from the forward pass to the scatter
+    non_finite_rows: list = field(default_factory=list)  # concat only: rows whose new K/V are not finite
 
     @property
     def num_tokens(self) -> int:

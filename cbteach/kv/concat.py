@@ -31,6 +31,7 @@ cache (:mod:`cbteach.kv.paged`) moves only the ``N`` new tokens' K/V.
 from __future__ import annotations
 
 import math
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -188,6 +189,12 @@ class ConcatKVCache:
                     v = torch.cat([layers[layer][1], v], dim=2)
                 layers[layer] = (k, v)
                 self.last_traffic.bytes_copied += k.nbytes + v.nbytes  # our scatter: C + N in all
+        # The rows whose new K/V (last layer: NaN reaches it from any layer below) are not finite -- their own
+        # failure, or a neighbour's NaN come through the packed attention's masked keys (0 * NaN = NaN).
+        bad = (~(torch.isfinite(k_all[0, :, total_cached:]).all(-1).all(0)
+                 & torch.isfinite(v_all[0, :, total_cached:]).all(-1).all(0))).tolist()
+        starts = list(itertools.accumulate(meta.num_scheduled_tokens, initial=0))
+        meta.non_finite_rows = [i for i, n in enumerate(meta.num_scheduled_tokens) if any(bad[starts[i]:starts[i] + n])]
         self.last_traffic.seconds += time.perf_counter() - t0
         return self.last_traffic
 
@@ -208,11 +215,14 @@ class ConcatKVCache:
 
     def _trim(self, seq) -> None:
         """Drop K/V past ``seq``'s computed tokens (rejected speculative guesses)."""
-        n = seq.num_computed_tokens
-        layers = self.seq_kv.get(seq.request_id) or []
+        self.truncate(seq.request_id, seq.num_computed_tokens)
+
+    def truncate(self, request_id, n: int) -> None:
+        """Keep the first ``n`` tokens' K/V of ``request_id`` (a row run again alone: see the worker's recovery)."""
+        layers = self.seq_kv.get(request_id) or []
         for i, kv in enumerate(layers):
             if kv is not None:
-                layers[i] = (kv[0][:, :, :n], kv[1][:, :, :n])
+                layers[i] = (kv[0][:, :, :n], kv[1][:, :, :n]) if n else None
 
     def usage(self) -> dict:
         """Sequences and tokens held right now."""

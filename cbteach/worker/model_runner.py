@@ -31,10 +31,8 @@ from ..core.sampling import make_generator, sample
 from ..core.scheduler_output import RunnerOutput
 from ..errors import EngineDeadError, EngineRuleError
 from .input_batch import CachedRequestState, InputBatch
-from .step import Step
+from .step import NOT_FINITE, Step
 from . import recovery
-
-NOT_FINITE = "the model produced logits that are not finite for this request"
 
 
 # -- 1. the message changes the batch ------------------------------------------------------------------
@@ -225,12 +223,11 @@ class ModelRunner:
         """The sampled tokens come to the host, join the batch's rows and the requests' states, and go to
         the scheduler as a :class:`RunnerOutput`."""
         sampled, errors = self.sampled_tokens(step)
-        failed = [i for i, e in enumerate(errors) if e is not None]
-        if failed or self.unwritten_blocks:  # which blocks hold their K/V now (see recovery)
-            recovery.note_rows(self, step, errors)
+        if self.unwritten_blocks or step.meta.non_finite_rows or any(e is not None for e in errors):  # (see recovery)
+            sampled, errors = recovery.note_rows(self, step, sampled, errors)
         self._append_all(step.req_ids, sampled)
         return RunnerOutput(sampled=sampled, req_ids=list(step.req_ids), forward_time=step.forward_time,
-                            traffic=step.traffic, errors=errors if failed else None)
+                            traffic=step.traffic, errors=errors if any(e is not None for e in errors) else None)
 
     def sampled_tokens(self, step: Step) -> tuple[list, list]:
         """Each row's new tokens (``None``: it samples nothing, or failed) and error (``None``: none), on

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..core.scheduler_output import RunnerOutput
 from ..errors import EngineDeadError, EngineRuleError
-from .step import Step
+from .step import NOT_FINITE, NOT_FINITE_KV, Step
 
 
 def recover(runner, step, err: Exception) -> RunnerOutput:
@@ -87,11 +87,40 @@ def redo_rows(runner, req_ids: list, starts: list, counts: list) -> None:
                                          runner.block_size)
 
 
-def note_rows(runner, step, errors: list) -> None:
-    """After a step's rows ran: the blocks of each row without an error hold its K/V, the others never will."""
+def note_rows(runner, step, sampled: list, errors: list) -> tuple[list, list]:
+    """After a step's rows ran: the blocks of each row without an error hold its K/V, the others never will.
+    The concatenating cache attends every row over the whole packed cache, masked -- and a masked key's
+    weight 0 times a NaN value is NaN -- so there a row whose logits or new K/V are not finite runs again
+    alone (its K/V of this step dropped first), in case the NaN was a neighbour's; one that is not finite
+    alone too fails. Returns ``(sampled, errors)``."""
+    if runner.block_size is None:
+        return _alone_again(runner, step, sampled, errors)
     rows = range(len(errors)) if runner.unwritten_blocks else [i for i, e in enumerate(errors) if e is not None]
     for i in rows:
         written(runner, step.req_ids[i], step.starts[i], step.counts[i], ok=errors[i] is None)
+    return sampled, errors
+
+
+def _alone_again(runner, step, sampled: list, errors: list) -> tuple[list, list]:
+    sampled, errors, suspects = list(sampled), list(errors), set(step.meta.non_finite_rows)
+    if len(step.rows) == 1:  # no neighbour to blame
+        return sampled, [NOT_FINITE_KV if i in suspects and e is None else e for i, e in enumerate(errors)]
+    for i, rid in enumerate(step.req_ids):
+        if (errors[i] != NOT_FINITE and i not in suspects) or rid not in runner.requests:
+            continue
+        runner.kv_cache.truncate(rid, step.starts[i])
+        one = alone(runner, step, i)
+        try:
+            runner.forward(one)
+            runner.sample(one)
+            (sampled[i],), (errors[i],) = runner.sampled_tokens(one)
+            if one.meta.non_finite_rows:  # its own K/V are not finite: whatever it sampled, it failed
+                sampled[i], errors[i] = None, errors[i] or NOT_FINITE_KV
+        except (EngineRuleError, EngineDeadError):
+            raise
+        except Exception as e:  # noqa: BLE001  (the model failed on this row's tokens)
+            sampled[i], errors[i] = None, f"the model failed on this request's tokens: {type(e).__name__}: {e}"
+    return sampled, errors
 
 
 def written(runner, rid, start: int, count: int, ok: bool) -> None:

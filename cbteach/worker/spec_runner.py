@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .model_runner import NOT_FINITE, ModelRunner
-from .step import Step
+from .model_runner import ModelRunner
+from .step import NOT_FINITE, Step
 
 
 @dataclass

@@ -6,6 +6,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+# What a row that failed says (its error in the runner's output)
+NOT_FINITE = "the model produced logits that are not finite for this request"
+NOT_FINITE_KV = "the model produced keys and values that are not finite for this request"
+
 
 @dataclass
 class Step:
