@@ -63,12 +63,13 @@ def measured_handover(model, prompt_len: int, block_size: int, kv_dtype=None, li
     return server.transfers["bytes"], server.transfers["seconds"]
 
 
-def _bytes(cfg, n, bs, kv_dtype, *, tokens=None, kv=2, one_layer=False, all_heads=False, int8="int8", bits=1):
+def _bytes(cfg, n, bs, kv_dtype, *, tokens=None, kv=2, one_layer=False, all_heads=False, int8="int8", bits=1,
+           head_dim_by_kv_heads=False):
     """The bytes one handover moves -- or, with one keyword changed, what a typical mistake computes."""
     heads = cfg.num_attention_heads
     kv_heads = heads if all_heads else getattr(cfg, "num_key_value_heads", None) or heads
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    per_head = {"int8": d + 4, "no scales": d, "fp32": 4 * d}[int8 if kv_dtype == "int8" else "fp32"]
+    d = cfg.hidden_size // kv_heads if head_dim_by_kv_heads else getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    per_head = {"int8": d + 4, "no scales": d, "fp32": 4 * d, "scale2": d + 2, "scale per token": d + 4 / kv_heads}[int8 if kv_dtype == "int8" else "fp32"]
     n_slots = tokens(n, bs) if tokens else math.ceil(n / bs) * bs
     return n_slots * kv * (1 if one_layer else cfg.num_hidden_layers) * kv_heads * per_head * bits
 
@@ -76,14 +77,23 @@ def _bytes(cfg, n, bs, kv_dtype, *, tokens=None, kv=2, one_layer=False, all_head
 # Typical mistakes: (:func:`_bytes`'s keywords, several: any of them; the hint when the learner's bytes are those).
 BYTES_MISTAKES = [
     ([dict(tokens=lambda n, bs: n)], "the K/V go over in whole blocks: the last one whole even if partly filled"),
+    ([dict(tokens=lambda n, bs: n // bs * bs)], "the number of blocks was rounded down: the last, partly filled block "
+                                                "goes over whole too"),
+    ([dict(tokens=lambda n, bs: math.ceil(n / bs))], "you counted blocks, not the tokens in them: each block holds "
+                                                     "block_size tokens' K/V"),
     ([dict(tokens=lambda n, bs: n + 1), dict(tokens=lambda n, bs: math.ceil((n + 1) / bs) * bs)],
      "the prefill computed the prompt's K/V only: the first new token was never fed, so it has no K/V yet"),
-    ([dict(kv=1)], "keys *and* values are stored, for every token, in every layer"),
+    ([dict(kv=1)], "half the bytes: keys *and* values are stored, for every token, in every layer -- and each "
+                   "value of this float32 pool takes 4 bytes (2 is float16's)"),
     ([dict(one_layer=True)], "every layer has its own keys and values"),
-    ([dict(all_heads=True)], "with grouped-query attention only the KV heads are cached (config.num_key_value_heads)"),
+    ([dict(all_heads=True), dict(head_dim_by_kv_heads=True)],
+     "you counted hidden_size values per token for K (and for V): with grouped-query attention only the KV heads are "
+     "cached (config.num_key_value_heads), each hidden_size / num_attention_heads wide"),
     ([dict(int8="no scales")], "int8 values are 1 byte each, but every (token, head) also stores one float32 scale, "
                                "for K and for V (cbteach.kv.int8)"),
     ([dict(int8="fp32")], "with kv_dtype='int8' each value takes 1 byte (plus a float32 scale per token and head)"),
+    ([dict(int8="scale2"), dict(int8="scale per token")],  # (a 2-byte scale, or one shared by K and V, is "scale2")
+     "too few bytes for the scales: every (token, head) keeps a float32 scale, 4 bytes, for K and another for V"),
     ([dict(bits=8)], "count bytes, not bits"),
 ]
 
@@ -107,14 +117,19 @@ def check_handover(handover, model, prompt_len: int | None = None) -> bool:
         if not all(isinstance(x, numbers.Real) and not isinstance(x, bool) for x in got):
             return fail(f"handover should return two numbers (bytes, seconds); got {got!r}")
         exp_bytes, exp_seconds = measured_handover(m, n, bs, kv_dtype, link)
-        if nbytes != exp_bytes:
-            gives = lambda keywords: any(nbytes == _bytes(m.config, n, bs, kv_dtype, **k) for k in keywords)  # noqa
+        if seconds == exp_bytes and nbytes != exp_bytes:
+            return fail(f"for {where} your second number is the bytes: handover returns (bytes, seconds), in that order")
+        if nbytes != exp_bytes:  # which mistake gives these bytes here, and on a prompt of 40 (where half the
+            probe = ask(handover, 40, m.config, 16, kv_dtype, link, shown=f"handover(40, ...) for {where}")  # bytes
+            probe = probe[0] if isinstance(probe, (tuple, list)) and len(probe) == 2 else None  # and floored blocks differ)
+            gives = lambda keywords: any(nbytes == _bytes(m.config, n, bs, kv_dtype, **k) and probe in (  # noqa: E731
+                None, _bytes(m.config, 40, 16, kv_dtype, **k)) for k in keywords)
             hint = first_mistake(BYTES_MISTAKES, gives) or ("bytes = whole blocks of the prompt × block_size × "
                                                             "2 (K, V) × layers × KV heads × bytes per head")
             return fail(f"for {where} you said {nbytes:,} bytes, {'more' if nbytes > exp_bytes else 'fewer'} than "
                         f"the server moved. Hint: {hint}")
         if not math.isclose(seconds, exp_seconds, rel_tol=1e-9, abs_tol=1e-15):
-            if math.isclose(seconds, 8 * exp_seconds, rel_tol=1e-9):
+            if math.isclose(seconds, 8 * exp_seconds, rel_tol=1e-9) or math.isclose(8 * seconds, exp_seconds, rel_tol=1e-9):
                 hint = "link_bytes_per_s is already in bytes per second: no factor 8"
             elif math.isclose(seconds * exp_seconds, 1.0, rel_tol=1e-6):
                 hint = "the division is upside down: seconds = bytes / (bytes per second)"
