@@ -82,7 +82,10 @@ WRONG = [  # (field, a wrong answer derived from the truth, what the hint must s
     ("static_steps", lambda t: sum(ex10.OUTPUT_LENS), "side by side"),
     ("static_steps", lambda t: 3 * max(ex10.OUTPUT_LENS), "its own longest"),
     ("static_steps", lambda t: t["continuous_steps"], "cannot refill a slot mid-wave"),
-    ("continuous_steps", lambda t: t["static_steps"], "no waves"),
+    ("continuous_steps", lambda t: t["static_steps"], "no waiting for a wave"),
+    ("static_steps", lambda t: ex10.FULL_WAVES, "leftover request is a wave of its own"),  # the last wave forgotten
+    ("continuous_steps", lambda t: ex10._refilled_late(), "no step in between"),  # a freed slot refilled a step late
+    ("prefill_steps", lambda t: ex10.LONG_PROMPT // (ex10.TOKEN_BUDGET - 1), "last, shorter chunk"),  # chunks floored
     ("continuous_steps", lambda t: max(math.ceil(sum(ex10.OUTPUT_LENS) / ex10.BATCH_SIZE), max(ex10.OUTPUT_LENS)),
      "lower bound"),
     ("continuous_steps", lambda t: t["continuous_steps"] + 1, "off by one"),

@@ -77,6 +77,16 @@ def _running_hint(got, m) -> str:
 
 WAVES = math.ceil(len(OUTPUT_LENS) / BATCH_SIZE)
 BOUND = max(math.ceil(sum(OUTPUT_LENS) / BATCH_SIZE), max(OUTPUT_LENS))  # a perfect packing's steps
+FULL_WAVES = sum(max(OUTPUT_LENS[i:i + BATCH_SIZE]) for i in range(0, len(OUTPUT_LENS) - BATCH_SIZE + 1, BATCH_SIZE))
+
+
+def _refilled_late(gap: int = 1) -> int:
+    """Continuous batching's steps if a freed slot were refilled ``gap`` steps late (FCFS, slot by slot)."""
+    free = [0] * BATCH_SIZE  # the step each slot may take its next request
+    for n in OUTPUT_LENS:
+        k = min(range(BATCH_SIZE), key=free.__getitem__)
+        free[k] += n + gap
+    return max(free) - gap
 N, C, P = "num_blocks", "num_computed_tokens", PROMPT_LENS[IDS.index(FOCUS)]
 
 # Per field: its typical mistakes, (the answers each gives, from the measured run m; its hint), and the hint for any
@@ -87,9 +97,14 @@ HINTS = {
         (lambda m: [WAVES * max(OUTPUT_LENS)], "each wave waits for its own longest request, not the workload's"),
         (lambda m: [m["static_steps"] + WAVES, m["static_steps"] - WAVES],
          "a wave's prefill step already makes each first token: a wave whose longest answer is L runs L steps"),
+        (lambda m: [FULL_WAVES] if len(OUTPUT_LENS) % BATCH_SIZE else [],
+         "the last wave is not full, but it runs too (the leftover request is a wave of its own); and static "
+         "batching cannot refill a slot mid-wave"),
         (lambda m: [m["continuous_steps"]], "static batching cannot refill a slot mid-wave: waves run one by one"),
         (None, "split the requests, in order, into waves of max_batch_size and add up each wave's longest answer")],
     "continuous_steps": [
+        (lambda m: [_refilled_late()], "a freed slot is refilled on the very next step -- no step in between, and no "
+                                       "waiting for a wave"),
         (lambda m: [m["static_steps"]], "continuous batching has no waves: a freed slot is refilled on the next step"),
         (lambda m: [BOUND], "that is the lower bound, a perfect packing: at the end, slots drain one by one"),
         (lambda m: [m["continuous_steps"] + 1, m["continuous_steps"] - 1],
@@ -106,8 +121,9 @@ HINTS = {
         (lambda m: [m[C], m["_fed"]], "count blocks of block_size tokens, not tokens"),
         (None, "a block table covers, in whole blocks, every token the cache holds once the step has run")],
     "prefill_steps": [
-        (lambda m: [math.ceil(LONG_PROMPT / TOKEN_BUDGET)],
-         "decodes are scheduled first: X's decode takes one token of the budget every step, Y's chunk the rest"),
+        (lambda m: [math.ceil(LONG_PROMPT / TOKEN_BUDGET), LONG_PROMPT // (TOKEN_BUDGET - 1)],
+         "decodes are scheduled first: X's decode takes one token of the budget every step, Y's chunk the rest -- "
+         "and the last, shorter chunk is a step too"),
         (lambda m: [1], "the prompt is longer than the token budget, so it is fed in chunks over several steps"),
         (lambda m: [m["prefill_steps"] + 1, m["prefill_steps"] - 1],
          "off by one: each step feeds what the budget leaves after the decode, the last chunk only what remains"),
