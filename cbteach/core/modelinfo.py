@@ -63,7 +63,7 @@ def check_supported(config, max_pos) -> None:
     """Refuse, with the reason, models whose attention the engine's masks cannot reproduce exactly."""
     layer_types = list(getattr(config, "layer_types", None) or [])
     window = getattr(config, "sliding_window", None)
-    if getattr(config, "attention_layers", None):  # GPT-Neo's own names: "global" and "local" (window_size)
+    if isinstance(getattr(config, "attention_layers", None), (list, tuple)):  # GPT-Neo's names: "global", "local"
         local = getattr(config, "window_size", None)
         layer_types += ["full_attention" if t == "global" else t for t in config.attention_layers
                         if t == "global" or not (max_pos is not None and isinstance(local, int) and local >= max_pos)]

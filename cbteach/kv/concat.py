@@ -30,8 +30,8 @@ cache (:mod:`cbteach.kv.paged`) moves only the ``N`` new tokens' K/V.
 """
 from __future__ import annotations
 
-import math
 import itertools
+import math
 import time
 from dataclasses import dataclass
 
