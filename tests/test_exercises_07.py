@@ -109,7 +109,46 @@ def warms_each_then_times_it(runs, repeat, clock):
     return {n: statistics.median(t) for n, t in times.items()}, same
 
 
-@pytest.mark.parametrize("honest", [right, shared_readings])
+def warm_up_timed_and_dropped(runs, repeat, clock):
+    """Also honest: the warm-up round is timed like the others, and its times are left out of the medians."""
+    first, same, times = None, True, {name: [] for name in runs}
+    for _ in range(repeat + 1):
+        for name, run in runs.items():
+            start = clock()
+            out = run()
+            times[name].append(clock() - start)
+            first = out if first is None else first
+            same = same and out == first
+    return {n: statistics.median(t[1:]) for n, t in times.items()}, same
+
+
+def last_comparison_only(runs, repeat, clock):
+    """``same`` overwritten by each run's comparison, not accumulated: only the last run decides it."""
+    first = [run() for run in runs.values()][0]
+    times, same = {name: [] for name in runs}, True
+    for _ in range(repeat):
+        for name, run in runs.items():
+            start = clock()
+            out = run()
+            times[name].append(clock() - start)
+            same = out == first
+    return {n: statistics.median(t) for n, t in times.items()}, same
+
+
+def last_round_only(runs, repeat, clock):
+    """Only the last round's tokens compared."""
+    first = [run() for run in runs.values()][0]
+    times = {name: [] for name in runs}
+    for _ in range(repeat):
+        outs = []
+        for name, run in runs.items():
+            start = clock()
+            outs.append(run())
+            times[name].append(clock() - start)
+    return {n: statistics.median(t) for n, t in times.items()}, all(o == first for o in outs)
+
+
+@pytest.mark.parametrize("honest", [right, shared_readings, warm_up_timed_and_dropped])
 def test_accepts_an_honest_harness(model, capsys, honest):
     assert ex07.check_benchmark(honest, model)
     assert capsys.readouterr().out.startswith("✓")
@@ -127,6 +166,10 @@ WRONG = {
     "exactly repeat times": lambda runs, repeat, clock: make()(runs, repeat - 1, clock),
     "the total": make(stat=sum),
     "not the upper of them": make(stat=lambda t: sorted(t)[len(t) // 2]),  # (passed while every repeat was odd)
+    "not the lower of them": make(stat=lambda t: sorted(t)[(len(t) - 1) // 2]),
+    "not milliseconds": make(stat=lambda t: 1000 * statistics.median(t)),
+    "compare the tokens of every run": last_comparison_only,  # (passed while the buggy engine ran last)
+    "a bug can show on a later run only (state left over)": last_round_only,  # (passed while the stale bug lasted to the end)
 }
 
 
