@@ -51,6 +51,9 @@ def test_solution_passes(run, capsys):
     (lambda r, w, h, k: list(range(r * k // w, (r + 1) * k // w)), "cannot be split"),  # split like query heads
     (lambda r, w, h, k: list(range(k)), "only the KV heads its own query heads read"),  # every KV head everywhere
     (lambda r, w, h, k: [r % k] if k < w else kv_right(r, w, h, k), "consecutive ranks"),  # round robin copies
+    (lambda r, w, h, k: list(range(r * h // w, (r + 1) * h // w)), "those are the query heads"),  # num_heads for kv
+    (lambda r, w, h, k: list(range(r // max(1, w // k), r // max(1, w // k) + max(1, k // w))),
+     "KV heads overlap"),  # the first head not times the heads per rank
 ])
 def test_kv_mistakes(run, capsys, wrong, idea):
     ok, out = check(run, capsys, kv=wrong)
@@ -72,6 +75,11 @@ def ring(N):
     (lambda L, T, h, b, N: 2 * L * ring(N) * T * h, "bytes, not elements"),
     (lambda L, T, h, b, N: 2 * L * ring(N) * T * (h / N) * b, "already full width"),  # a rank's slice
     (lambda L, T, h, b, N: 2 * L * ring(N) * h * b, "one row per token"),  # forgets the tokens
+    (lambda L, T, h, b, N: 2 * L * (2 * (N - 1) // N) * T * h * b, "rounded down by integer division"),
+    (lambda L, T, h, b, N: 2 * L * 2 * T * h * b, "N - 1 chunks, not N"),  # 2 N / N
+    (lambda L, T, h, b, N: 2 * L * 2 * (N - 1) / (N + 1) * T * h * b, "not 1/(N + 1)"),
+    (lambda L, T, h, b, N: bytes_right(L, T, h, N, b), "swapped"),
+    (lambda L, T, h, b, N: 8 * bytes_right(L, T, h, b, N), "bytes, not bits"),
 ])
 def test_bytes_mistakes(run, capsys, wrong, idea):
     ok, out = check(run, capsys, nbytes=wrong)
@@ -101,6 +109,19 @@ def test_the_check_and_the_simulator_agree(run):
     for n in (2, 4, 8):
         step = CostModel("llama-3-8b", "h100", n).step([0] * 3, [5] * 3)
         assert step.comm_bytes == pytest.approx(bytes_right(32, 15, 4096, 2, n))
+
+
+def test_one_head_as_a_numpy_integer_or_heads_as_a_tensor_pass(run, capsys):
+    import numpy as np
+    import torch
+
+    def numpy_scalar(rank, world_size, num_heads, num_kv_heads):
+        heads = np.array(kv_right(rank, world_size, num_heads, num_kv_heads))
+        return heads[0] if len(heads) == 1 else heads  # one head: a NumPy integer (was: "not iterable" from the check)
+
+    for kv in (numpy_scalar, lambda *a: torch.tensor(kv_right(*a))):
+        ok, out = check(run, capsys, kv=kv)
+        assert ok, out
 
 
 def test_bad_input_is_a_hint_not_a_traceback(run, capsys):

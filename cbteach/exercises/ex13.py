@@ -28,7 +28,7 @@ SHAPES = [Shape(num_heads=6, num_kv_heads=2, world_size=2), Shape(num_heads=4, n
           Shape(num_heads=64, num_kv_heads=8, world_size=16), Shape(num_heads=32, num_kv_heads=8, world_size=2)]
 
 
-def _kv_hint(got, rank, kv, world) -> str:
+def _kv_hint(got, rank, heads, kv, world) -> str:
     if kv < world and not got:
         return ("with fewer KV heads than ranks a KV head cannot be split: it is replicated, so every rank holds "
                 "one. Which one do this rank's query heads read?")
@@ -36,6 +36,13 @@ def _kv_hint(got, rank, kv, world) -> str:
         return "each rank keeps only the KV heads its own query heads read: its KV pool is smaller than the model's"
     if kv < world and got == [rank % kv]:
         return "the copies of one KV head sit on consecutive ranks, not round robin: KV head 0's readers come first"
+    per_rank, copies = max(1, kv // world), max(1, world // kv)
+    if got == list(range(rank * heads // world, (rank + 1) * heads // world)) and heads != kv:
+        return ("those are the query heads this rank computes (num_heads split over the ranks): which KV heads do they "
+                "read?")
+    if per_rank > 1 and got == list(range(rank // copies, rank // copies + per_rank)):
+        return (f"the ranks' KV heads overlap: each rank holds {per_rank} of them, so each rank's first KV head is "
+                f"{per_rank} past the one before it")
     return "a rank holds exactly the KV heads its own query heads read: which query heads does it compute?"
 
 
@@ -46,7 +53,14 @@ WORLD_SIZES = (2, 4, 8)
 # Typical mistakes: (the wrong answer from the right one t and the case's L, T, h, b, N; the hint).
 _MISTAKES = [
     (lambda t, L, T, h, b, N: t * N / (2 * (N - 1)), "that is the size of the all-reduced tensors, not what one rank "
-     "sends: a ring all-reduce is a reduce-scatter then an all-gather, each sending N - 1 chunks of 1/N"),
+     "sends (or the ring's factor 2 (N - 1) / N rounded down by integer division, //): a ring all-reduce is a "
+     "reduce-scatter then an all-gather, each sending N - 1 chunks of 1/N"),
+    (lambda t, L, T, h, b, N: t * N / (N - 1), "each half of the ring sends N - 1 chunks, not N: a rank never "
+     "sends its own chunk to itself"),
+    (lambda t, L, T, h, b, N: t * N / (N + 1), "a chunk is 1/N of the tensor (N ranks), not 1/(N + 1)"),
+    (lambda t, L, T, h, b, N: 2 * L * 2 * (b - 1) / b * T * h * N, "dtype_bytes and world_size are swapped: the "
+     "arguments come as (num_layers, num_tokens, hidden_size, dtype_bytes, world_size)"),
+    (lambda t, L, T, h, b, N: 8 * t, "count bytes, not bits"),
     (lambda t, L, T, h, b, N: 2 * t, "count what one rank sends, not what it sends and receives"),
     (lambda t, L, T, h, b, N: t * N, "a rank sends 2 (N - 1) chunks of 1/N of the tensor, not 2 (N - 1) whole tensors"),
     (lambda t, L, T, h, b, N: t / 2, "a Megatron layer has two row-parallel products, each all-reduced -- and each "
@@ -84,10 +98,15 @@ def _kv_wrong(kv_heads_of_rank) -> str | None:
             if got is None or isinstance(got, (str, float)):
                 raise Fail(f"kv_heads_of_rank returned {got!r}: return the list of KV head indices the "
                            "rank holds, e.g. [0] or [2, 3]")
-            got = [got] if isinstance(got, int) else list(got)
+            if isinstance(got, numbers.Integral) or getattr(got, "ndim", None) == 0:  # one head, maybe NumPy's or a 0-d tensor
+                got = [got]
+            if not hasattr(got, "__iter__"):
+                raise Fail(f"kv_heads_of_rank returned {got!r}: return the list of KV head indices the rank holds, "
+                           "e.g. [0] or [2, 3]")
+            got = [h.item() if hasattr(h, "item") else h for h in got]  # (NumPy's or torch's scalars as numbers)
             if got != list(layout.kv_heads(rank)):
                 return (f"kv_heads_of_rank({rank}, world_size={world}, num_heads={heads}, num_kv_heads={kv}) "
-                        f"returned {got}: " + _kv_hint(got, rank, kv, world))
+                        f"returned {got}: " + _kv_hint(got, rank, heads, kv, world))
     return None
 
 
