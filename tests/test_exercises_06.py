@@ -152,6 +152,10 @@ MISTAKES = [
      "gives its tokens back"),
     ("the running loop goes on after the asker was its own victim", "                break\n            plan.add",
      "                continue\n            plan.add", 4, "loop ends"),
+    ("the running loop ends at a request preempted a moment ago", "            if budget <= 0 or seq not in self.running:"
+     "  # budget spent, or preempted a moment ago\n                continue",
+     "            if budget <= 0:\n                continue\n            if seq not in self.running:\n                break",
+     4, "further down the list was left out"),
     ("admissions stop at the first request not yet arrived", ARRIVED,
      "for seq in list(self.waiting):\n            if seq.arrival_time > now:\n                break", 4,
      "skipped, not waited for"),
@@ -218,6 +222,9 @@ UPDATE_MISTAKES = [
      "calls the engine's Scheduler.update_from_output (through super().update_from_output)"),
     ("a finished request not returned", "                finished.append(seq)\n", "", "missing from the list"),
     ("the finished status not set", "                seq.status = RequestStatus.FINISHED\n", "", "RequestStatus.FINISHED"),
+    ("a request that finished while its step ran looked up with [], not .get",  # (passed: no step was in flight)
+     "            seq = self.requests.get(req_id)\n            if seq is None or tokens is None:",
+     "            seq = self.requests[req_id]\n            if tokens is None:", "self.requests.get(req_id)"),
     ("a stop inside accepted guesses does not drop the guesses after it",
      "                if seq.finish_reason:  # a stop inside", "                if False:  # a stop inside",
      "appended after the one that stopped"),

@@ -53,6 +53,30 @@ def content_chunks_plus_the_stop(events):
     return right(events)[0], n + (right(events)[2] == "stop"), right(events)[2]
 
 
+def counts_chunks_less_three(events):
+    """Chunks less the role, closing and usage chunks: right while every chunk carries one token."""
+    return right(events)[0], len(events) - 3, right(events)[2]
+
+
+def prompt_tokens(events):
+    return right(events)[0], events[-1]["usage"]["prompt_tokens"], right(events)[2]
+
+
+def stripped(events):
+    return right(events)[0].strip(), *right(events)[1:]
+
+
+def test_several_tokens_a_chunk_keeps_the_text_and_the_usage():
+    from cbteach.exercises.ex11 import several_tokens_a_chunk
+
+    events = [{"choices": [{"delta": {"role": "assistant", "content": ""}, "finish_reason": None}], "usage": None}]
+    events += [{"choices": [{"delta": {"content": w}, "finish_reason": None}], "usage": None} for w in "abcde"]
+    events += [{"choices": [{"delta": {}, "finish_reason": "length"}], "usage": None},
+               {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}}]
+    joined = several_tokens_a_chunk(events)
+    assert right(joined) == right(events) == ("abcde", 5, "length") and len(joined) == len(events) - 2
+
+
 def test_the_stop_case_stops_on_its_stop_string(url):
     from cbteach.exercises.ex11 import CASES, stream_events
 
@@ -72,7 +96,10 @@ def test_right_answer_passes(url, capsys):
                                          (reason_from_first_event, "finish_reason is set in the last chunk"),
                                          (joins_none, "stopped with TypeError"),
                                          (skips_first_token, "join the delta's content"),
-                                         (content_chunks_plus_the_stop, "count the answer's tokens from the usage")])
+                                         (content_chunks_plus_the_stop, "count the answer's tokens from the usage"),
+                                         (counts_chunks_less_three, "one chunk may carry several tokens"),
+                                         (prompt_tokens, "the answer's is completion_tokens"),
+                                         (stripped, "the text was stripped")])
 def test_typical_mistakes_fail_with_a_hint(url, capsys, wrong, hint):
     assert check_stream_summary(wrong, url) is False
     out = capsys.readouterr().out

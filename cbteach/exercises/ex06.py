@@ -12,7 +12,7 @@ import weakref
 
 from ..engine.scheduler import Scheduler
 from ..viz.schedule import first_difference, plan_of
-from . import bierce, fail, generated_all, guard, passed, self_check
+from . import bierce, fail, generated_all, guard, passed, raised, self_check
 from .rules import ROOM_STAGE, NotDone, SchedulerMistake, hint
 from .scheduler_check import Workload, leftovers, run, watched
 
@@ -55,7 +55,10 @@ STAGES = {
         W("priorities, arrivals mid-run, a tiny pool of 7 blocks and a token budget of 5",
           prompt_lens=(6, 3, 4, 3, 5, 8, 5), max_new_tokens=(11, 11, 10, 6, 7, 7, 8), max_batch_size=4,
           arrivals=(0, 0, 0.5, 2.5, 2.5, 3.5, 3.5), priorities=(2, 1, 1, 1, 2, 0, 0), token_budget=5, num_blocks=7,
-          policy="priority")],
+          policy="priority"),
+        W("priorities, arrivals mid-run, a pool of 7 blocks, a budget of 5: a victim ahead of the asking request",
+          prompt_lens=(8, 4, 2, 5, 6), max_new_tokens=(4, 10, 9, 7, 10), max_batch_size=4,
+          arrivals=(0, 1.5, 2.5, 3.5, 5.5), priorities=(0, 2, 1, 1, 0), token_budget=5, num_blocks=7, policy="priority")],
     5: [W("stops: an EOS, a stop token, lengths, ignore_eos; long prompts in chunks of a budget of 6",
           prompt_lens=(9, 4, 14, 3, 11, 5), max_new_tokens=(12, 14, 10, 16, 9, 13), max_batch_size=3,
           arrivals=(0, 0, 0, 1.5, 3.5, 6.5), token_budget=6, ignore_eos=False),
@@ -118,6 +121,10 @@ def diagnose(ref, mine, stage=None) -> str:
     if pre and set(got) > set(want):
         return ("after the request asking for room was itself the victim, later running requests were still "
                 "planned: when that happens the running loop ends (vLLM V1)")
+    left_out = [r for r in want if r not in adm_ref and r not in got]
+    if pre and left_out and all(got[r] == want.get(r) for r in got):
+        return ("after a preemption, a running request further down the list was left out: one preempted a moment "
+                "ago is skipped and the loop goes on -- it ends only when the request asking for room was the victim")
     if any(got.get(r, 0) < n for r, n in want.items() if r not in adm_ref):
         if pre:
             return ("after a preemption, a request got fewer tokens than the budget allowed: a victim already planned "
@@ -204,6 +211,25 @@ def _refuse(stage, cls) -> str | None:
 
 
 @self_check
+def _gone_hint(scheduler_cls, model) -> str | None:
+    """Under async scheduling a step's output can name a request that finished while it ran (V1's
+    ``update_from_output`` skips it): the update, handed such an output, must not trip over it."""
+    from ..core.scheduler_output import RunnerOutput, SchedulerOutput
+
+    eng = STAGES[5][0].engine(model, scheduler_cls)
+    try:
+        eng.scheduler.update_from_output(SchedulerOutput(num_scheduled_tokens={"gone": 1}, total_num_scheduled_tokens=1),
+                                         RunnerOutput(sampled=[[3]], req_ids=["gone"]), 0.0)
+    except KeyError:
+        return ("a step's output named a request that finished while that step ran (async scheduling) and your update "
+                "raised KeyError: look each request up with self.requests.get(req_id) and skip None")
+    except Exception as err:  # noqa: BLE001  (the learner's code)
+        return f"a step's output named a request that finished while that step ran, and your update raised {raised(err)}"
+    finally:
+        eng.close()
+    return None
+
+
 def check_stage(stage, scheduler_cls, model=None, *, prefix_caching: bool = True) -> bool:
     """Stage ``stage`` (1-5, :data:`STAGES`) for ``scheduler_cls`` on ``model`` (None: bierce); stage 5 checks
     ``update_from_output`` under the engine's own ``schedule``. ``prefix_caching=False`` leaves those workloads out."""
@@ -223,6 +249,10 @@ def check_stage(stage, scheduler_cls, model=None, *, prefix_caching: bool = True
             hint_ = str(err)
         if hint_ is not None:
             return fail(f"stage {stage} ({STAGE_NAMES[stage]}): {hint_}")
+    if stage == 5:
+        gone = _gone_hint(scheduler_cls, model)
+        if gone:
+            return fail(f"stage 5 ({STAGE_NAMES[5]}): {gone}")
     extra = ""
     if stage == 3 and _never_fits(model):
         extra = "; a request that could never fit was refused by the engine at add time (ValueError), never queued"
