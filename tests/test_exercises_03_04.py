@@ -93,6 +93,13 @@ def test_mask_hints(capsys):
     additive = torch.zeros(q, k).masked_fill(~block_diagonal_causal_mask(CACHED, NEW), float("-inf"))
     assert not check_mask(CACHED, NEW, additive)
     assert "additive_mask() makes the 0 / -inf form" in capsys.readouterr().out
+    right, c = block_diagonal_causal_mask(CACHED, NEW), sum(CACHED)
+    assert not check_mask(CACHED, NEW, ~right)
+    assert "the mask inverted" in capsys.readouterr().out
+    assert not check_mask(CACHED, NEW, right.T)
+    assert "transposed" in capsys.readouterr().out
+    assert not check_mask(CACHED, NEW, torch.cat([right[:, c:], right[:, :c]], dim=1))
+    assert "[all new | all cached]" in capsys.readouterr().out
 
 
 def test_key_labels_follow_the_concat_layout():

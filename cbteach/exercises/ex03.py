@@ -111,7 +111,9 @@ def check_mask(cached, new, answer) -> bool:
         got = got[0, 0]
     if tuple(got.shape) != (q, k):
         hint = ""
-        if got.dim() == 2 and got.shape[0] == q and got.shape[1] == sum(new):
+        if got.dim() == 2 and tuple(got.shape) == (k, q):
+            hint = " -- transposed: rows are queries, columns keys"
+        elif got.dim() == 2 and got.shape[0] == q and got.shape[1] == sum(new):
             hint = f" -- the keys include the {sum(cached)} cached ones, not only this step's {sum(new)}"
         return fail(f"the mask should have one row per query (sum(new) = {q}) and one column per key (sum(cached) + "
                     f"sum(new) = {k}): shape ({q}, {k}), got {tuple(got.shape)}{hint}")
@@ -123,6 +125,11 @@ def check_mask(cached, new, answer) -> bool:
         hints.append("that is a plain causal mask over the packed row: it lets sequences see each other")
     if torch.equal(got, per_sequence_causal_mask(cached, new)):
         hints.append("that is the per-sequence layout ([A all | B all]); the concat cache puts every cached key first")
+    c = sum(cached)
+    if c and torch.equal(got, torch.cat([expected[:, c:], expected[:, :c]], dim=1)):
+        hints.append("the keys are in the order [all new | all cached]; the concat cache puts every cached key first")
+    if torch.equal(got, ~expected):
+        hints.append("that is the mask inverted: True means the query *may* attend to the key")
     if not hints:
         hints = _kinds(cached, new, got, expected)
     return fail("the mask is not the block-diagonal causal mask" + "".join(f"\nhint: {h}" for h in hints))
