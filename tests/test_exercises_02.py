@@ -51,6 +51,17 @@ def round_robin(lengths, b):
     return max(sum(lengths[s::b]) for s in range(b))
 
 
+def _slots(lengths, b):
+    """(starts, ends) of each request, FCFS, each taking the slot that frees first."""
+    free, starts, ends = [0] * b, [], []
+    for n in lengths:
+        k = free.index(min(free))
+        starts.append(free[k])
+        free[k] += n
+        ends.append(free[k])
+    return starts, ends
+
+
 def test_engine_steps_match_the_reference_simulator(model):
     for lengths, b in ex02.CASES + [(LENGTHS, B)]:
         assert ex02.engine_steps(model, lengths, b) == fcfs(lengths, b), (lengths, b)
@@ -69,6 +80,10 @@ def test_ex02_accepts_a_right_simulator(model, capsys):
     (with_gap, "empty for one step"),
     (round_robin, "slot i % slots"),
     (lambda lengths, b: fcfs(sorted(lengths), b), "shortest requests first"),  # (was told "off by one")
+    (lambda lengths, b: max(lengths), "a slot of its own"),  # max_batch_size ignored
+    (lambda lengths, b: _slots(lengths, b)[1][-1], "last request admitted finishes"),  # not the last to finish
+    (lambda lengths, b: max(_slots(lengths, b)[0]), "last request starts"),  # a start, not an end
+    (lambda lengths, b: fcfs(lengths[::-1], b), "last in, first out"),
     (lambda lengths, b: float(fcfs(lengths, b)), "an int"),
     (lambda lengths, b: lengths[99], "IndexError"),
     (lambda lengths, b: None, "not done yet"),

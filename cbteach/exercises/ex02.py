@@ -32,6 +32,18 @@ def engine_steps(model, lengths, batch_size: int) -> int:
     return len(engine.records)
 
 
+def _fcfs(lengths, slots: int, order=None) -> tuple[list, list]:
+    """Each request's first and one-past-last step when it takes the slot that frees first (``order``: the
+    queue, default arrival order): the rule the engine follows, in a few lines, for the mistakes below."""
+    free, starts, ends = [0] * slots, [], []
+    for n in (lengths if order is None else order):
+        k = free.index(min(free))
+        starts.append(free[k])
+        free[k] += n
+        ends.append(free[k])
+    return starts, ends
+
+
 # Typical mistakes: (the counts each gives, from the lengths ls, the slots b, the engine's count e and the model m;
 # the hint). A mistake that only shows with fewer slots than requests gives nothing otherwise.
 MISTAKES = [
@@ -50,6 +62,14 @@ MISTAKES = [
      "you left a slot empty for one step after each finish; the next request prefills in it on the very next step"),
     (lambda ls, b, e, m: [sum(ls)],
      "that is the total number of new tokens: with one slot it is right, with more they run side by side"),
+    (lambda ls, b, e, m: [max(ls)] if b < len(ls) else [],
+     "every request got a slot of its own: at most max_batch_size requests run at once"),
+    (lambda ls, b, e, m: [_fcfs(ls, b)[1][-1]] if b < len(ls) else [],
+     "that is when the last request admitted finishes; one admitted before it may finish later"),
+    (lambda ls, b, e, m: [max(_fcfs(ls, b)[0])] if b < len(ls) else [],
+     "that is when the last request starts, not when the last one finishes"),
+    (lambda ls, b, e, m: [max(_fcfs(ls, b, ls[::-1])[1])] if b < len(ls) else [],
+     "you served the requests last in, first out; FCFS admits them in arrival order"),
 ]
 GENERIC = "follow the slots step by step: who is admitted when, and when does each finish?"
 
