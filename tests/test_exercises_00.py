@@ -125,6 +125,41 @@ def index_error(model, input_ids, max_new_tokens, eos_id):
     return [new[i + 1] for i in range(len(new))]  # one past the end
 
 
+def _loop(model, input_ids, max_new_tokens, eos_id, pick=lambda logits: logits[0, -1].argmax().item(),
+          feed=lambda t, model: torch.tensor([[t]], device=model.device), extra=lambda x, step, cached: {}):
+    """The right loop, with the token's choice, its feeding and the forward's other arguments swappable."""
+    new, cache, x, cached = [], None, input_ids, 0
+    for step in range(max_new_tokens):
+        out = model(input_ids=x, cache=cache, use_cache=True, **extra(x, step, cached))
+        cached += x.shape[-1]
+        cache, next_id = out.cache, pick(out.logits)
+        new.append(next_id)
+        if next_id == eos_id:
+            break
+        x = feed(next_id, model)
+    return new
+
+
+def positions_from_zero(model, input_ids, max_new_tokens, eos_id):
+    """Decode steps numbered from 0 (the prompt's length forgotten): passes on a model that barely notices."""
+    return _loop(model, input_ids, max_new_tokens, eos_id,
+                 extra=lambda x, step, cached: {"position_ids": torch.tensor([[step]], device=model.device)}
+                 if step else {})
+
+
+def mask_of_the_step(model, input_ids, max_new_tokens, eos_id):
+    """attention_mask=torch.ones_like(x) on every pass: a decode step's mask covers its one token only."""
+    return _loop(model, input_ids, max_new_tokens, eos_id, extra=lambda x, step, cached: {"attention_mask": torch.ones_like(x)})
+
+
+def flat_argmax(model, input_ids, max_new_tokens, eos_id):
+    return _loop(model, input_ids, max_new_tokens, eos_id, pick=lambda logits: logits.argmax().item())
+
+
+def one_d_ids(model, input_ids, max_new_tokens, eos_id):
+    return _loop(model, input_ids, max_new_tokens, eos_id, feed=lambda t, model: torch.tensor([t], device=model.device))
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen2", "gpt2"])
 def model(request):
     return tiny_model(request.param)
@@ -158,6 +193,10 @@ HINTS = [
     (stub, "not done yet"),
     (raises, "raised"),
     (index_error, "raised IndexError: list index out of range (line"),  # the learner's line, named
+    (positions_from_zero, "position_ids do not give its token's position"),
+    (mask_of_the_step, "attention_mask does not cover the cache plus the token fed"),
+    (flat_argmax, "token id past the vocabulary"),
+    (one_d_ids, "input_ids were not 2-D"),
 ]
 
 

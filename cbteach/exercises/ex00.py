@@ -96,6 +96,34 @@ def _work_hint(calls) -> str | None:
     return first_mistake(hints, lambda wrong: any(wrong(*c) for c in calls[1:]))
 
 
+def _record(ids, cached, kwargs, model):
+    """A pass as the check reads it: positions fed and cached, on the model's device, the last position id given
+    (None: none) and the attention mask's width (None: none)."""
+    pos, mask = kwargs.get("position_ids"), kwargs.get("attention_mask")
+    vocab = model.get_input_embeddings().num_embeddings
+    return (int(ids.shape[-1]), cached, ids.device == model.device,
+            int(pos.reshape(-1)[-1]) if torch.is_tensor(pos) and pos.numel() else None,
+            int(mask.shape[-1]) if torch.is_tensor(mask) and mask.dim() >= 1 else None,
+            ids.dim() != 2, bool(ids.numel()) and not ids.is_floating_point() and int(ids.max()) >= vocab)
+
+
+def _input_hint(calls) -> str | None:
+    """What a pass's position ids or attention mask get wrong (None: nothing)."""
+    for fed, cached, _, last, width, not_2d, past_vocab in calls:
+        if not_2d:
+            return "a step's input_ids were not 2-D: the model takes [batch, tokens], here [1, tokens]"
+        if past_vocab:
+            return ("a step fed a token id past the vocabulary: an argmax over the flattened logits gives a position "
+                    "in them, not a token id -- over which axis is the next token chosen?")
+        if last is not None and last != cached + fed - 1:
+            return ("a step's position_ids do not give its token's position in the sequence: the tokens before it "
+                    "count, the prompt's included (or pass none: the model counts them from its cache)")
+        if width is not None and width != cached + fed:
+            return ("a step's attention_mask does not cover the cache plus the token fed: it has one entry for every "
+                    "position the step attends to (or pass none)")
+    return None
+
+
 def _token_hint(got, expected, prompt, n, eos_id) -> str:
     ended = len(expected) < n or (expected and expected[-1] == eos_id)
     longer = len(got) > len(expected) and got[:len(expected)] == expected
@@ -141,11 +169,11 @@ def check_greedy_decode(greedy_decode, model, input_ids, max_new_tokens: int, eo
     cases = _cases(model, input_ids, max_new_tokens, eos_id)
     references = [generate_with_work(model, input_ids, n, eos) for n, eos in cases]  # (tokens, passes)
     for (n, eos), (expected, ref_calls) in zip(cases, references):
-        got, calls = run_barred(greedy_decode, model, (input_ids.clone(), n, eos), "greedy_decode")
+        got, calls = run_barred(greedy_decode, model, (input_ids.clone(), n, eos), "greedy_decode", _record)
         where = f"greedy_decode(model, <{input_ids.shape[1]}-token prompt>, max_new_tokens={n}, eos_id={eos})"
-        hint, ids = _work_hint([c[:2] for c in calls]), _as_ids(got)
+        hint, ids = _work_hint([c[:2] for c in calls]) or _input_hint(calls), _as_ids(got)
         if isinstance(got, Exception):
-            return fail(f"{where} raised {raised(got)}" + (f" (before that, {hint})" if hint else ""))
+            return fail(f"{where} raised {raised(got)}" + (f" -- {hint}" if hint else ""))
         if got is None and not calls:
             return fail("not done yet: greedy_decode returned None -- write it in the cell above")
         if ids is None:
@@ -153,7 +181,7 @@ def check_greedy_decode(greedy_decode, model, input_ids, max_new_tokens: int, eo
         if not calls:
             return fail("the check saw no forward pass; call the model itself, model(input_ids=..., "
                         "cache=..., use_cache=True), not model.forward")
-        if not all(on_device for _, _, on_device in calls):
+        if not all(c[2] for c in calls):
             return fail("a forward pass got its input on another device; make every tensor with device=model.device")
         if hint or ids != expected:
             return fail(f"{where}: {hint}" if hint else f"{where} gave other tokens than model.generate "
