@@ -123,6 +123,24 @@ def test_assembly_slips_get_a_hint_that_names_the_slip(llama):
     ok, out = check(no_options, pieces, llama)
     assert not ok and "pass them on" in out and "**options" in out, out
 
+    def twice(model, tok, **options):  # an option written in, and passed on in options too
+        return Engine(model, tok, kv="paged", **kw, max_batch_size=4, **options)
+
+    def scheduler_instance(model, tok, **options):
+        return Engine(model, tok, kv="paged", **{**kw, "scheduler_cls": kw["scheduler_cls"]()}, **options)
+
+    def swapped(model, tok, **options):
+        return Engine(model, tok, kv="paged", **{**kw, "attention": kw["slot_mapping"], "slot_mapping": kw["attention"]},
+                      **options)
+
+    def options_written_in(model, tok, **options):  # the check's numbers, but not its clock
+        return Engine(model, tok, kv="paged", **kw, **{k: v for k, v in options.items() if k != "clock"})
+
+    for slip, words in ((twice, "leave it to the options"), (scheduler_instance, "takes the class itself"),
+                        (swapped, "are swapped"), (options_written_in, "did not take the options")):
+        ok, out = check(slip, pieces, llama)
+        assert not ok and words in out, (slip.__name__, out)
+
 
 @pytest.mark.parametrize("answer, words", [(None, "not done yet"), (..., "not done yet"), (lambda m, t, **o: 3, "Engine"),
                                            (lambda m, t, **o: 1 / 0, "ZeroDivisionError")])

@@ -57,6 +57,9 @@ def _plugged(engine, pieces: Pieces) -> str | None:
     manager = engine.kv.manager
     if want.get("kv_manager") is not None and not isinstance(getattr(manager, "mine", manager), want["kv_manager"]):
         return "your engine does not use your KV manager: pass kv_manager= (the class, MyKVManager)"
+    if want.get("attention") is not None and want.get("slot_mapping") is not None and \
+            (engine.kv.attention, engine.kv.slot_mapping) == (want["slot_mapping"], want["attention"]):
+        return "attention= and slot_mapping= are swapped: each takes the piece of its own name"
     for piece in ("attention", "slot_mapping"):
         if want.get(piece) is not None and getattr(engine.kv, piece) is not want[piece]:
             return f"your engine does not use your {piece.replace('_', ' ')}: pass {PIECES[piece].engine_kwarg}="
@@ -70,11 +73,15 @@ def compare(my_engine, pieces: Pieces, model, tok=None) -> dict:
     """Run the course workload on ``my_engine(model, tok, **OPTIONS)`` and on the engine's own pieces,
     both on a step clock; what agreed (``plugged``, ``schedule``, ``tokens``, ``generate``, ``blocks``)."""
     requests = course_requests(model, tok)
+    clock = VirtualClock(step_time=0.01)
     try:
-        mine = my_engine(model, tok, clock=VirtualClock(step_time=0.01), **OPTIONS)
+        mine = my_engine(model, tok, clock=clock, **OPTIONS)
     except Exception as err:  # noqa: BLE001 -- the learner's my_engine, building its Engine
         return {"plugged": _build_hint(err)}
     out = {"plugged": _plugged(mine, pieces)}
+    if out["plugged"] is None and mine.clock is not clock:
+        out["plugged"] = ("your engine did not take the options the check passed (its clock, the batch size, the "
+                          "token budget...): pass them on, Engine(model, tok, ..., **options)")
     if out["plugged"] is not None:
         return out
     written = {piece: obj for piece, obj in pieces.objects.items() if obj is not None}
@@ -103,6 +110,12 @@ def compare(my_engine, pieces: Pieces, model, tok=None) -> dict:
 def _build_hint(err: Exception) -> str:
     """What to say when ``my_engine(model, tok, **options)`` raised before it returned an engine."""
     said = f"{type(err).__name__}: {err}"
+    if isinstance(err, TypeError) and "multiple values for keyword argument" in str(err):
+        return (f"my_engine(model, tok, **options) raised {said} -- you set it yourself and the options the check "
+                "passes set it too: leave it to the options")
+    if isinstance(err, TypeError) and "__init__() missing" in str(err) and "Scheduler" in str(err):
+        return (f"my_engine(model, tok, **options) raised {said} -- scheduler_cls takes the class itself: the engine "
+                "builds the scheduler, with its config and KV manager")
     if isinstance(err, TypeError) and ("keyword" in str(err) or "argument" in str(err)):
         return (f"my_engine(model, tok, **options) raised {said} -- the check calls it with options (a clock, "
                 "the batch size, the token budget): pass them on, Engine(model, tok, ..., **options)")
