@@ -53,6 +53,14 @@ def no_last_token_rule(prompts, bs):
     return [max([lcp(p, q) // bs * bs for q in prompts[:j]], default=0) for j, p in enumerate(prompts)]
 
 
+def in_blocks(prompts, bs):  # the number of blocks, not of tokens
+    return [n // bs for n in right_reuse(prompts, bs)]
+
+
+def two_short(prompts, bs):  # the prompt's last two tokens left out of the lookup
+    return [max([lcp(p[:-2], q) // bs * bs for q in prompts[:j]], default=0) for j, p in enumerate(prompts)]
+
+
 def previous_only(prompts, bs):
     return [lcp(p[:-1], prompts[j - 1]) // bs * bs if j else 0 for j, p in enumerate(prompts)]
 
@@ -106,6 +114,8 @@ def test_prefix_reuse_checks_the_notebooks_prompts_first(model, capsys):
     (first_not_zero, "empty cache"),
     (earlier_less_last, "only the *new* prompt stops one token short"),  # (both passed every case before)
     (longest_only, "*every* earlier request"),
+    (in_blocks, "you counted blocks"),
+    (two_short, "off by one"),
 ])
 def test_prefix_reuse_names_the_missed_rule(model, capsys, wrong, hint):
     ok, out = run(ex08.check_prefix_reuse, wrong, model, capsys=capsys)
@@ -181,6 +191,11 @@ def test_accept_is_checked_against_the_engine(capsys):
     (accepted_only, "at least one token more than it accepts"),
     (goes_on, "stop at the first mismatch"),
     (lambda d, t: [], "section 6's picture"),
+    (lambda d, t: [] if not d else right_accept(d, t), "plain decode"),  # (was told about the bonus token)
+    (lambda d, t: [x for x, _ in zip(d, [y for y in t[1:]])][:next((i for i, (x, y) in enumerate(zip(d, t[1:]))
+                                                                     if x != y), len(d))] +
+     [t[next((i for i, (x, y) in enumerate(zip(d, t[1:])) if x != y), len(d))]], "one position later"),
+    (lambda d, t: [t.pop(0) for _ in range(len(right_accept(d, t)))], "changed the lists it was given"),
 ])
 def test_accept_names_the_missed_rule(capsys, wrong, hint):
     ok, out = run(ex08.check_accept, wrong, capsys=capsys)

@@ -56,11 +56,11 @@ def engine_cached_tokens(model, prompts, block_size: int) -> list[int]:
 
 
 def _model(prompts, bs, *, last_rule=True, full_blocks=True, earlier="all", chained=True, ceil=False,
-           earlier_short=False):
+           earlier_short=False, short_by=1):
     """The engine's rule, with one part switched off at a time (to recognise a learner's mistake)."""
     out = []
     for j, p in enumerate(prompts):
-        usable = p[:-1] if last_rule else p
+        usable = p[:-short_by] if last_rule else p
         pool = {"all": prompts[:j], "previous": prompts[max(0, j - 1):j], "first": prompts[:1] if j else [],
                 "longest": [max(prompts[:j], key=len)] if j else []}[earlier]
         if earlier_short:
@@ -92,6 +92,8 @@ PREFIX_MISTAKES = [
     ([dict(chained=False)], "a block is found by a hash of its tokens *and of everything before it*: after the first "
                             "block that differs, nothing more can be reused"),
     ([dict(ceil=True)], "a partly filled block is never cached: round down to whole blocks, not up"),
+    ([dict(short_by=2)], "off by one: the lookup leaves out the prompt's last token only -- its logits give the first "
+                         "new token"),
 ]
 
 
@@ -101,6 +103,8 @@ def _prefix_hint(prompts, bs, got) -> str:
     hint = first_mistake(PREFIX_MISTAKES, lambda rules: any(got == _model(prompts, bs, **r) for r in rules))
     if hint:
         return hint.format(bs=bs)
+    if [g * bs for g in got] == _model(prompts, bs):
+        return f"you counted blocks; the answer is in tokens, {bs} a block"
     if any(g % bs for g in got):
         return f"reuse always comes in whole blocks, so every answer is a multiple of the block size ({bs})"
     return "walk each prompt (less its last token) block by block, and stop at the first block no earlier one computed"
@@ -151,6 +155,8 @@ NUM_RANDOM_ACCEPT_CASES = 200  # more, drawn from a seeded generator
 def _accept_hint(drafts, targets, got) -> str:
     """The misconception a wrong answer shows -- never which index to read or what to return."""
     j = next((i for i, (d, t) in enumerate(zip(drafts, targets)) if d != t), len(drafts))  # first mismatch
+    if not drafts and not got:
+        return "with no guesses the step is a plain decode: it yields exactly one token, the model's own"
     if j == len(drafts) and got == targets[:j]:
         return "when every guess was right, your rule throws away the bonus token: the prediction after the last guess"
     if j < len(drafts) and got == list(drafts[:j + 1]):
@@ -161,6 +167,9 @@ def _accept_hint(drafts, targets, got) -> str:
         return "stop at the first mismatch: every later prediction was made after a wrong guess"
     if not drafts:
         return "with no guesses the step is a plain decode: it yields exactly one token, the model's own"
+    k = next((i for i, (d, t) in enumerate(zip(drafts, targets[1:])) if d != t), len(drafts))
+    if got == list(drafts[:k]) + [targets[k]]:
+        return "each guess was compared with the model's prediction one position later than its own"
     return "keep the model's tokens while the guesses agree with them, and no further: follow section 6's picture"
 
 
@@ -188,7 +197,11 @@ def check_accept(accept) -> bool:
     need_function(accept, "accept")
     cases = _accept_cases()
     for drafts, targets in cases:
-        got = ask(accept, list(drafts), list(targets), shown=f"accept({drafts}, {targets})")
+        given = (list(drafts), list(targets))
+        got = ask(accept, *given, shown=f"accept({drafts}, {targets})")
+        if given != (list(drafts), list(targets)):
+            return fail(f"accept({drafts}, {targets}) changed the lists it was given: the engine reads them again "
+                        "after your rule returns -- leave drafts and targets as they are")
         if not isinstance(got, (list, tuple)) or not all(is_int(t) for t in got):
             return fail(f"accept({drafts}, {targets}) returned {got!r}; it should return a list of token ids (ints)")
         if [int(t) for t in got] != engine_accept(drafts, targets):
