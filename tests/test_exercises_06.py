@@ -156,6 +156,8 @@ MISTAKES = [
      "  # budget spent, or preempted a moment ago\n                continue",
      "            if budget <= 0:\n                continue\n            if seq not in self.running:\n                break",
      4, "further down the list was left out"),
+    ("a request arriving at now taken as not arrived yet", "s.arrival_time <= now]", "s.arrival_time < now]", 1,
+     "arrival_time is now has arrived"),
     ("admissions stop at the first request not yet arrived", ARRIVED,
      "for seq in list(self.waiting):\n            if seq.arrival_time > now:\n                break", 4,
      "skipped, not waited for"),
@@ -225,6 +227,11 @@ UPDATE_MISTAKES = [
     ("a request that finished while its step ran looked up with [], not .get",  # (passed: no step was in flight)
      "            seq = self.requests.get(req_id)\n            if seq is None or tokens is None:",
      "            seq = self.requests[req_id]\n            if tokens is None:", "self.requests.get(req_id)"),
+    ("first_token_time set on every token", "                if seq.first_token_time is None:\n"
+     "                    seq.first_token_time = now\n", "                seq.first_token_time = now\n",
+     "first_token_time is wrong"),
+    ("request ids returned, not the sequences", "                finished.append(seq)\n",
+     "                finished.append(seq.request_id)\n", "returned request ids"),
     ("a stop inside accepted guesses does not drop the guesses after it",
      "                if seq.finish_reason:  # a stop inside", "                if False:  # a stop inside",
      "appended after the one that stopped"),

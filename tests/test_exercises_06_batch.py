@@ -120,6 +120,10 @@ MISTAKES = {  # the mistake, made once in the solution -> the hint that must nam
                                                 "        if (row := batch.req_id_to_index.get(req_id)) or True:", "twice"),
     "a running request's table replaced by its new blocks": (
         "req_id in cached.resumed_req_ids | cached.replaced_req_ids\n", "True\n", "replaced"),
+    "the row set to where the step ends": (  # (was told the row still starts where it started before)
+        "        batch.num_computed_tokens[row] = state.num_computed_tokens  # in place: it keeps its row\n",
+        "        batch.num_computed_tokens[row] = state.num_computed_tokens + msg.num_scheduled_tokens[req_id]\n",
+        "computed_end"),
     "the row taken as the place in the message": ("        batch.num_computed_tokens[row] = state.num_computed_tokens",
                                                   "        batch.num_computed_tokens[i] = state.num_computed_tokens",
                                                   "wrong_row"),

@@ -31,6 +31,8 @@ HINTS = {
               "num_computed_tokens is the message's",
     "computed": "a running request's row still starts where it started in the step before: set "
                 "batch.num_computed_tokens[row] to the message's cached.num_computed_tokens[i]",
+    "computed_end": "a running request's row was set to where this step ends: it holds where the step starts, the "
+                    "message's cached.num_computed_tokens[i]",
     "computed_state": "a request's state (runner.requests) does not start where the message says: the state's "
                       "num_computed_tokens is the message's too, not only its row's",
     "computed_cached": "a cached request does not start at cached.num_computed_tokens[i], in its state and its row",
@@ -132,6 +134,8 @@ def _row_hint(b, row: int, state, e: Expect) -> str | None:
     if computed != e.num_computed_tokens:
         if e.how in ("new", "forked"):
             return HINTS["prefix"] if computed == 0 else HINTS["computed_other"]
+        if computed > e.num_computed_tokens and state.num_computed_tokens == e.num_computed_tokens:
+            return HINTS["computed_end"]
         return HINTS["computed"] if state.num_computed_tokens == e.num_computed_tokens else HINTS["computed_cached"]
     if state.num_computed_tokens != e.num_computed_tokens:
         return HINTS["computed_state"]

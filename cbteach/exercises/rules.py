@@ -36,7 +36,7 @@ ROOM_STAGE = 3  # the first stage with a pool that can refuse room (and so preem
 # key -> the hint; or (its start, the stage from which it says more, its end before, its end from then on)
 HINTS = {
     "idle": ("a step planned nothing although a request that had arrived could run: a request not arrived yet is "
-             "skipped, not waited for", 2, "", "; a long prompt is fed in chunks, not kept waiting to fit whole"),
+             "skipped, not waited for (and one whose arrival_time is now has arrived)", 2, "", "; a long prompt is fed in chunks, not kept waiting to fit whole"),
     "unfinished": ("requests were still unfinished after {} steps: is one never given its tokens?", ROOM_STAGE, "",
                    " Or are the same requests preempted over and over?"),
     "walked_waiting": "your loop walked self.waiting while admit() removed from it, so the request after each "

@@ -37,6 +37,7 @@ UPDATE_HINTS = {
     "status": "a finished request's status is not RequestStatus.FINISHED",
     "not_freed": "a finished request still holds its KV blocks: free them when it stops (self.kv_manager.free(seq))",
     "freed_early": "a finished request's blocks were freed before its last token was recorded: append it, then free",
+    "returned_ids": "update_from_output returned request ids: it returns the finished sequences themselves",
     "not_returned": "a request that finished in this step is missing from the list update_from_output returned",
     "returned_unfinished": "the list update_from_output returned holds a request that has not finished",
     "drafts_not_taken_back": "num_computed_tokens still counts the guesses the model rejected: take them back "
@@ -66,6 +67,7 @@ def check_update(sched, made, output, finished) -> None:
 
 
 def _update_rules(sched, made, output, finished):
+    yield "returned_ids", any(not hasattr(f, "request_id") for f in finished)
     plan = made.plan
     errors = getattr(output, "errors", None) or [None] * len(output.sampled)
     size = getattr(sched.kv_manager, "block_size", None)
@@ -107,7 +109,7 @@ def _token_rules(sched, seq, got, before: int):
     yield "early_stop", stopped and not rule
     yield "wrong_reason", stopped != rule
     yield "token_times", len(seq.token_times) != len(seq.output_ids)
-    yield "first_token_time", seq.first_token_time is None or (before == 0 and seq.first_token_time != seq.token_times[0])
+    yield "first_token_time", seq.first_token_time is None or bool(seq.token_times) and seq.first_token_time != seq.token_times[0]
 
 
 def _finished_rules(sched, seq, finished):
