@@ -133,6 +133,10 @@ MISTAKES = [
     ("admitting in a step that preempted", "if plan.preempted or len(", "if len(", 3, "admitted in a step that preempted"),
     ("a later request overtakes one that did not fit", "break  # nobody overtakes", "continue  # nobody overtakes", 3,
      "overtook an earlier one that did not fit"),
+    ("admitted before its room is granted",
+     "            " + ADMIT_ROOM + "\n                break  # nobody overtakes a request that does not fit\n" + START
+     + ADD_ADMITTED, "            self.admit(seq, plan)\n            " + ADMIT_ROOM + "\n                break\n" + START
+     + "            plan.add(seq, n)\n", 3, "admitted although it got no KV room"),
     ("V0's whole-prompt admission", ADMIT_ROOM,
      "if self.kv_manager.num_admittable_tokens(seq) < seq.num_tokens:\n                break\n            " + ADMIT_ROOM,
      3, "whole prompt"),

@@ -60,6 +60,8 @@ HINTS = {
     "start_mismatch": "a chunk was planned from another position than its room was given for: an admission passes "
                       "its cached blocks to allocate_slots (new_computed_blocks=cached) and starts past them "
                       "(seq.num_computed_tokens = num_cached_tokens)",
+    "admitted_without_room": "a request was admitted although it got no KV room: admit it only once allocate_slots "
+                             "has granted its chunk",
     "admitted_unplanned": "a request was admitted but not planned: admit() moves it into the batch, "
                           "plan.add(seq, n) plans its chunk -- an admission needs both",
     "twice_admitted": "a request admitted in this step was planned again as a running one: running requests come first",
@@ -187,7 +189,9 @@ def _plan_rules(sched, out, made, before, stage, exercise):
     if not exercise:
         return
     # vLLM V1's order: running requests first, in order, none skipped while budget is left
-    yield "admitted_unplanned", any(not includes(seqs, s) for s in plan.admitted if s in sched.running)
+    unplanned = [s for s in plan.admitted if s in sched.running and not includes(seqs, s)]
+    yield "admitted_without_room", any(not s.block_table for s in unplanned)
+    yield "admitted_unplanned", bool(unplanned)
     admitted = [s for s in seqs if includes(plan.admitted, s)]
     running = [s for s in seqs if not includes(plan.admitted, s)]
     yield "waiting_first", seqs != running + admitted
