@@ -66,6 +66,11 @@ def stripped(events):
     return right(events)[0].strip(), *right(events)[1:]
 
 
+def usage_of_the_first_chunk(events):
+    """The first chunk with a usage key: every chunk has one, null until the last."""
+    return right(events)[0], next(e["usage"] for e in events if "usage" in e)["completion_tokens"], right(events)[2]
+
+
 def test_several_tokens_a_chunk_keeps_the_text_and_the_usage():
     from cbteach.exercises.ex11 import several_tokens_a_chunk
 
@@ -99,7 +104,8 @@ def test_right_answer_passes(url, capsys):
                                          (content_chunks_plus_the_stop, "count the answer's tokens from the usage"),
                                          (counts_chunks_less_three, "one chunk may carry several tokens"),
                                          (prompt_tokens, "the answer's is completion_tokens"),
-                                         (stripped, "the text was stripped")])
+                                         (stripped, "the text was stripped"),
+                                         (usage_of_the_first_chunk, "null (None) in all but the last")])
 def test_typical_mistakes_fail_with_a_hint(url, capsys, wrong, hint):
     assert check_stream_summary(wrong, url) is False
     out = capsys.readouterr().out

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import NamedTuple
 
-from . import fail, is_int, need_function, passed, self_check
+from . import fail, is_int, need_function, passed, raised, self_check
 
 
 class Case(NamedTuple):
@@ -89,7 +89,13 @@ def check_stream_summary(summarize_stream, base_url: str, api_key: str | None = 
         sent = [(events, where)] + ([(several_tokens_a_chunk(events), where + ", sent with several tokens in some "
                                       "chunks, as speculative decoding sends them")] if k == len(CASES) - 1 else [])
         for stream, said in sent:
-            got = summarize_stream(json.loads(json.dumps(stream)))  # a copy: the learner may consume it
+            try:
+                got = summarize_stream(json.loads(json.dumps(stream)))  # a copy: the learner may consume it
+            except TypeError as err:
+                if "NoneType" not in str(err):
+                    raise
+                return fail(f"summarize_stream stopped with {raised(err)} -- every chunk has a usage key, null "
+                            "(None) in all but the last: look for the one whose usage is not None")
             if not isinstance(got, tuple) or len(got) != 3:
                 return fail(f"return a tuple (text, num_tokens, finish_reason); got {type(got).__name__} {got!r:.60}")
             if not isinstance(got[0], str) or not is_int(got[1]):
