@@ -133,6 +133,8 @@ MISTAKES = [
     ("admitting in a step that preempted", "if plan.preempted or len(", "if len(", 3, "admitted in a step that preempted"),
     ("a later request overtakes one that did not fit", "break  # nobody overtakes", "continue  # nobody overtakes", 3,
      "overtook an earlier one that did not fit"),
+    ("a newcomer's chunk counted from its num_computed_tokens, not past its cached prefix", ADMIT_N,
+     "n = min(seq.num_tokens - seq.num_computed_tokens, budget)", 3, "past its cached prefix"),
     ("admitted before its room is granted",
      "            " + ADMIT_ROOM + "\n                break  # nobody overtakes a request that does not fit\n" + START
      + ADD_ADMITTED, "            self.admit(seq, plan)\n            " + ADMIT_ROOM + "\n                break\n" + START

@@ -72,6 +72,8 @@ HINTS = {
     "not_running": ("the plan holds a request that is not running ", ROOM_STAGE, "(never admitted): admit() moves it "
                     "into the batch, plan.add(seq, n) plans it", "(preempted in this step, or never admitted): "
                     "preempt() takes a request out of the plan, and only plan.add puts one in"),
+    "over_lacks_cached": "a newcomer was given more tokens than it lacks past its cached prefix: its chunk is what "
+                         "it lacks past num_cached_tokens (get_computed_blocks), and it starts there",
     "over_lacks": "a request was given more tokens than it lacks (num_tokens - num_computed_tokens)",
     "budget": "the chunk exceeds the token budget: cut a prefill to the budget that is left (chunked prefill)",
     "batch": "more requests run than max_batch_size allows",
@@ -169,7 +171,9 @@ def _plan_rules(sched, out, made, before, stage, exercise):
                    else "no_tokens"), True
         yield "not_running", seq not in sched.running
         yield "not_started", seq.status is not RequestStatus.RUNNING
-        yield "over_lacks", c + n > seq.num_tokens + len(seq.draft_ids)
+        over = c + n > seq.num_tokens + len(seq.draft_ids)
+        yield "over_lacks_cached", over and seq in plan.admitted and c > 0 and c + n - seq.num_tokens <= c
+        yield "over_lacks", over
         grant = kv.granted.get(id(seq))
         yield "refused_planned", grant is None and id(seq) in kv.refused
         yield "start_mismatch", grant is not None and grant[0] != c
