@@ -112,6 +112,10 @@ MISTAKES = [
      "            while seq in self.running and self.kv_manager.allocate_slots(seq, seq.num_tokens - seq.num_computed_tokens)"
      " is None:", 2,
      "more tokens than the chunk planned"),
+    ("a running prefill that does not fit the budget skipped, not cut",
+     "n = min(seq.num_tokens + len(seq.draft_ids) - seq.num_computed_tokens, budget)  # 1 (+ guesses), or a chunk",
+     "n = seq.num_tokens + len(seq.draft_ids) - seq.num_computed_tokens\n            if n > budget:\n"
+     "                continue", 2, "cut to the budget that is left"),
     ("only decodes run", "or seq not in self.running:  # budget spent",
      "or seq not in self.running or not seq.output_ids:  # budget spent", 2, "fewer tokens"),
     # stage 3: KV room, preemption, prefix caching

@@ -126,6 +126,9 @@ def diagnose(ref, mine, stage=None) -> str:
         return ("after a preemption, a running request further down the list was left out: one preempted a moment "
                 "ago is skipped and the loop goes on -- it ends only when the request asking for room was the victim")
     if any(got.get(r, 0) < n for r, n in want.items() if r not in adm_ref):
+        if budget and adm and not pre and any(r not in got for r in want if r not in adm_ref):
+            return ("a running request got fewer tokens than it lacked (none) while a newcomer was admitted: running "
+                    "requests come first, and a prefill that does not fit is cut to the budget that is left")
         if pre:
             return ("after a preemption, a request got fewer tokens than the budget allowed: a victim already planned "
                     "in this step gives its tokens back to the budget (preempt returns how many)")
