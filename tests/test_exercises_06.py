@@ -139,6 +139,8 @@ MISTAKES = [
      "overtook an earlier one that did not fit"),
     ("a newcomer's chunk counted from its num_computed_tokens, not past its cached prefix", ADMIT_N,
      "n = min(seq.num_tokens - seq.num_computed_tokens, budget)", 3, "past its cached prefix"),
+    ("room asked again for the request that was its own victim", RETRY,
+     "while self.kv_manager.allocate_slots(seq, n) is None:", 3, "given KV room again afterwards"),
     ("admitted before its room is granted",
      "            " + ADMIT_ROOM + "\n                break  # nobody overtakes a request that does not fit\n" + START
      + ADD_ADMITTED, "            self.admit(seq, plan)\n            " + ADMIT_ROOM + "\n                break\n" + START

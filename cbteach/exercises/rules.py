@@ -83,6 +83,8 @@ HINTS = {
                        "returns None, preempt the policy's victim and ask again",
     "skipped": ("a running request was skipped while budget was left: every running request gets what it lacks", 2,
                 ", before anyone is admitted", ", cut to the budget, before anyone is admitted"),
+    "regranted": "a request preempted in this step was given KV room again afterwards: once it was the victim "
+                 "(perhaps of its own request for room), stop asking room for it",
     "held_victim": "a request taken out of the batch still holds its KV blocks: self.preempt(seq, plan) frees them",
     "held_waiting": "a waiting request holds KV blocks after the step: only running requests hold room",
     "left_unpreempted": "a request left the batch without self.preempt(seq, plan), which records it in plan.preempted",
@@ -187,6 +189,7 @@ def _plan_rules(sched, out, made, before, stage, exercise):
         yield "not_started", seq.status is not RequestStatus.RUNNING
     for seq in before:
         if seq not in sched.running and not seq.status.is_finished:
+            yield "regranted", seq.block_table and id(seq) in getattr(sched.kv_manager, "frees", {})
             yield "held_victim", seq.block_table
             yield "left_unpreempted", not includes(plan.preempted, seq)
     yield "held_waiting", any(s.block_table for s in sched.waiting)
