@@ -135,6 +135,19 @@ def last_comparison_only(runs, repeat, clock):
     return {n: statistics.median(t) for n, t in times.items()}, same
 
 
+def one_reading_a_round(runs, repeat, clock):
+    """The clock read once at the start of each round: each run's time counts the runs before it."""
+    first = [run() for run in runs.values()][0]
+    times, same = {name: [] for name in runs}, True
+    for _ in range(repeat):
+        start = clock()
+        for name, run in runs.items():
+            out = run()
+            times[name].append(clock() - start)
+            same = same and out == first
+    return {n: statistics.median(t) for n, t in times.items()}, same
+
+
 def last_round_only(runs, repeat, clock):
     """Only the last round's tokens compared."""
     first = [run() for run in runs.values()][0]
@@ -169,7 +182,8 @@ WRONG = {
     "not the lower of them": make(stat=lambda t: sorted(t)[(len(t) - 1) // 2]),
     "not milliseconds": make(stat=lambda t: 1000 * statistics.median(t)),
     "compare the tokens of every run": last_comparison_only,  # (passed while the buggy engine ran last)
-    "a bug can show on a later run only (state left over)": last_round_only,  # (passed while the stale bug lasted to the end)
+    "a bug can show on a later run only (state left over)": last_round_only,
+    "counts the runs before it in its round": one_reading_a_round,  # (was told "exactly repeat times")  # (passed while the stale bug lasted to the end)
 }
 
 

@@ -115,6 +115,22 @@ STATISTICS = [(statistics.fmean, "one slow run (a hiccup) pulls the mean along: 
               (lambda t: 1000 * statistics.median(t), "the clock reads seconds: report seconds, not milliseconds")]
 
 
+def _one_reading_a_round(events, names, repeat, medians) -> bool:
+    """Whether ``medians`` are those of times read from one reading at the start of each round (after one warm-up
+    run of each engine): each run's time the round's total so far."""
+    runs = [e for e in events if e[0] == "run"][len(names):]
+    if len(runs) != repeat * len(names):
+        return False
+    totals = {name: [] for name in names}
+    for r in range(repeat):
+        total = 0.0
+        for _, name, cost in runs[r * len(names):(r + 1) * len(names)]:
+            total += cost
+            totals[name].append(total)
+    return all(isinstance(medians.get(n), numbers.Real) and totals[n]
+               and math.isclose(medians[n], statistics.median(totals[n]), rel_tol=1e-6) for n in names)
+
+
 def _diagnose(events, names, repeat, medians, same, truth_same, wrong_from_the_start=False) -> str | None:
     """The first shortcut the clock's log or the answer shows, as a hint; None when all is right."""
     runs = [e[1] for e in events if e[0] == "run"]
@@ -136,6 +152,9 @@ def _diagnose(events, names, repeat, medians, same, truth_same, wrong_from_the_s
         return ("no single run was timed on its own: one slow run hides in a total; read the clock right before and "
                 "right after each run")
     if any(len(durations.get(name, [])) != repeat for name in names):
+        if _one_reading_a_round(events, names, repeat, medians):
+            return ("each run's time counts the runs before it in its round: read the clock right before each run, "
+                    "not once a round")
         return "each engine should be timed exactly repeat times (warm-up not counted), each run on its own"
     if any(sorted(order[r * len(names):(r + 1) * len(names)]) != sorted(names) for r in range(repeat)):
         return ("all of one engine's runs, then the next engine's: a machine that drifts (a hot CPU, another "
