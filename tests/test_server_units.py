@@ -122,6 +122,14 @@ def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(tok):
         checker.close()
 
 
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+def test_an_integer_past_floats_range_is_a_400_naming_the_field(field):
+    """JSON allows any integer; 10**400 overflows float() -- a 500 before."""
+    with pytest.raises(proto.APIError) as err:
+        proto.parse_completion({"prompt": "x", "max_tokens": 4, field: 10 ** 400}, proto.Limits("bierce", 100))
+    assert err.value.status == 400 and err.value.param == field and "must be in" in str(err.value)
+
+
 def test_a_null_field_is_the_same_as_a_missing_one():
     """``"max_tokens": null`` gets the server's default as a missing field does, never past the cap; ``n``,
     ``temperature`` and ``stop`` alike."""
@@ -257,15 +265,18 @@ def test_failures_are_not_counted_as_successes():
     assert got['cbteach:e2e_request_latency_seconds_count{model_name="m"}'] == 2
 
 
-@pytest.mark.parametrize("kv", ["paged", "concat"])
+@pytest.mark.parametrize("kv", ["paged", "concat", "paged, 2 ranks"])
 def test_an_injected_fault_fails_that_request_alone(bierce, kv):
     """The fault injector the tests' servers use: paged, a real failure in the forward pass (the engine reruns the
-    step one by one and ends only the marked request); concat, the request ended as such a failure would end it."""
+    step one by one and ends only the marked request); concat -- and paged over two tensor-parallel ranks, whose
+    model never runs in the core (it was ignored there) -- the request ended as such a failure would end it."""
     from cbteach import Engine, Request
     from cbteach.serving.faults import FaultInjector
 
     model, tok = bierce
-    with Engine(model, tok, max_batch_size=4, kv=kv, keep_records=False) as eng:
+    tp = kv == "paged, 2 ranks"
+    kv = "paged" if tp else kv
+    with Engine(model, tok, max_batch_size=4, kv=kv, keep_records=False, tensor_parallel_size=2 if tp else 1) as eng:
         faults = FaultInjector(eng)
         for rid, prompt in (("a", "CYNIC, n."), ("b", "BORE, n."), ("c", "ALONE, adj.")):
             eng.add_request(Request(prompt, 12, request_id=rid))
@@ -281,7 +292,7 @@ def test_an_injected_fault_fails_that_request_alone(bierce, kv):
             for rid in record.finished:
                 ended[rid] = (eng.sequences[rid].finish_reason, eng.sequences[rid].error)
         assert ended["b"][0] == "error" and "fault injected" in ended["b"][1]
-        if kv == "paged":
+        if kv == "paged" and not tp:
             assert len(eng.sequences["b"].output_ids) == 3  # it failed at its fourth token's forward pass
         for rid, prompt in (("a", "CYNIC, n."), ("c", "ALONE, adj.")):
             x = torch_ids(tok, prompt)

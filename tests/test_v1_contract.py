@@ -149,6 +149,32 @@ def test_a_request_whose_keys_and_values_are_nan_ends_alone_now_and_later(arch, 
         assert eng.kv_usage() == {"num_sequences": 0, "num_tokens": 0}
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_nan_request_fails_alone_when_a_neighbour_shares_its_prefix_in_the_same_step(arch):
+    """With prefix caching, a request of the same step reads as its cached prefix the blocks a failing request
+    fills -- NaN there (its masked later keys reach its earlier queries: 0 x NaN). The neighbour runs again alone,
+    computing those blocks itself, and equals generate; the failing one alone fails."""
+    model = tiny_model(arch)
+    head = list(range(10, 22))  # three full blocks of 4, shared
+    want = reference(model, head + [7, 8], 6)
+    marker = max(set(range(30, 96)) - set(want))  # a token the good request neither has nor makes
+
+    def nan_for_marker(module, args, output):
+        output[args[0] == marker] = float("nan")
+        return output
+
+    handle = model.get_input_embeddings().register_forward_hook(nan_for_marker)
+    try:
+        eng = Engine(model, max_batch_size=4, kv="paged", block_size=4, prefix_caching=True)
+        bad, good = eng.run([Request(head + [marker, 5, 6], 3, request_id="bad"),
+                             Request(head + [7, 8], 6, request_id="good")])
+        assert bad.finish_reason == "error" and good.output_ids == want, (good.finish_reason, good.error)
+        assert eng.run([Request(head + [7, 8], 6)])[0].output_ids == want  # and later, from the cache
+    finally:
+        handle.remove()
+    _no_leak(eng)
+
+
 def test_a_model_that_raises_on_one_requests_tokens_fails_only_that_request():
     model = tiny_model("qwen2")
 

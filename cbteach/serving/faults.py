@@ -9,8 +9,9 @@ blocks (the step's ``slot_mapping``). The engine then reruns the step one sequen
 only the marked request ends -- ``finish_reason="error"``, its blocks freed -- while its neighbours
 go on, exactly as they would have.
 
-The concatenating cache has no slots to recognise a request by; there the engine core ends the
-marked request itself, as such a failure would end it (aborted, ``finish_reason="error"``).
+The concatenating cache has no slots to recognise a request by, and under tensor parallelism the core's
+model never runs (the ranks run their shards); there the engine core ends the marked request itself, as
+such a failure would end it (aborted, ``finish_reason="error"``).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ class FaultInjector:
         self.after: dict = {}  # request id -> fail once it has this many tokens
         self.counts: dict = {}
         self.armed: set = set()  # request ids whose next forward pass fails
-        self.in_forward = engine.kv.kind == "paged"
+        self.in_forward = engine.kv.kind == "paged" and engine.config.tensor_parallel_size == 1
         if self.in_forward:
             engine.model.register_forward_pre_hook(self._hook, with_kwargs=True)
 

@@ -134,10 +134,10 @@ def _number(body: dict, name: str, default: float, low: float, high: float, low_
     v = body.get(name)
     if v is None:
         return default
-    if not isinstance(v, numbers.Real) or isinstance(v, bool) or not math.isfinite(v):
-        raise bad(f"'{name}' must be a number, got {type(v).__name__} {v!r}", name)
-    if v > high or v < low or (low_open and v == low):
-        raise bad(f"'{name}' must be in {'(' if low_open else '['}{low:g}, {high:g}], got {v!r}", name)
+    if not isinstance(v, numbers.Real) or isinstance(v, bool) or (not isinstance(v, int) and not math.isfinite(v)):
+        raise bad(f"'{name}' must be a number, got {type(v).__name__} {v!r}"[:300], name)
+    if v > high or v < low or (low_open and v == low):  # (an int past float's range compares exactly too)
+        raise bad(f"'{name}' must be in {'(' if low_open else '['}{low:g}, {high:g}], got {v!r}"[:300], name)
     return float(v)
 
 

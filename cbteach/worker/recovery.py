@@ -89,12 +89,19 @@ def redo_rows(runner, req_ids: list, starts: list, counts: list) -> None:
 
 def note_rows(runner, step, sampled: list, errors: list) -> tuple[list, list]:
     """After a step's rows ran: the blocks of each row without an error hold its K/V, the others never will.
-    The concatenating cache attends every row over the whole packed cache, masked -- and a masked key's
-    weight 0 times a NaN value is NaN -- so there a row whose logits or new K/V are not finite runs again
-    alone (its K/V of this step dropped first), in case the NaN was a neighbour's; one that is not finite
-    alone too fails. Returns ``(sampled, errors)``."""
+    A NaN can reach a neighbour's row: the concatenating cache attends every row over the whole packed cache,
+    masked -- and a masked key's weight 0 times a NaN value is NaN -- and a paged row may read, as its cached
+    prefix, blocks a failing row of the same step fills. So a row whose logits (or, concat, new K/V) are not
+    finite runs again alone -- concat: its K/V of this step dropped first; paged: the failing rows' blocks
+    counted as unwritten first, so it computes them itself -- and only one that fails alone too fails.
+    Returns ``(sampled, errors)``."""
     if runner.block_size is None:
         return _alone_again(runner, step, sampled, errors)
+    if len(step.rows) > 1 and NOT_FINITE in errors:
+        for i, e in enumerate(errors):
+            if e is not None:
+                written(runner, step.req_ids[i], step.starts[i], step.counts[i], ok=False)
+        sampled, errors = _alone_again(runner, step, sampled, errors)
     rows = range(len(errors)) if runner.unwritten_blocks else [i for i, e in enumerate(errors) if e is not None]
     for i in rows:
         written(runner, step.req_ids[i], step.starts[i], step.counts[i], ok=errors[i] is None)
@@ -108,7 +115,8 @@ def _alone_again(runner, step, sampled: list, errors: list) -> tuple[list, list]
     for i, rid in enumerate(step.req_ids):
         if (errors[i] != NOT_FINITE and i not in suspects) or rid not in runner.requests:
             continue
-        runner.kv_cache.truncate(rid, step.starts[i])
+        if runner.block_size is None:
+            runner.kv_cache.truncate(rid, step.starts[i])
         one = alone(runner, step, i)
         try:
             runner.forward(one)
@@ -120,6 +128,8 @@ def _alone_again(runner, step, sampled: list, errors: list) -> tuple[list, list]
             raise
         except Exception as e:  # noqa: BLE001  (the model failed on this row's tokens)
             sampled[i], errors[i] = None, f"the model failed on this request's tokens: {type(e).__name__}: {e}"
+        if runner.block_size is not None:  # the blocks it ran over, from where it started alone
+            written(runner, rid, one.starts[0], one.counts[0], ok=errors[i] is None)
     return sampled, errors
 
 
