@@ -71,6 +71,7 @@ class AsyncModelRunner:
 
     def __init__(self, runner):
         self.runner = runner
+        runner.read_ahead = True  # the step behind reads a step's tokens before it is finished: recovery runs none again
         self.device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cbteach-forward")
         self.flight: Flight | None = None  # the step on the device
         self.prev = None  # the last step's sampled tokens on the device, and {request id: index} (V1's prev_sampled_token_ids)
