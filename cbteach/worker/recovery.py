@@ -5,7 +5,9 @@ shuts down). A teaching engine that runs learners' pieces and a server's request
 better to fail only the request the model fails on, so the worker here:
 
 * gives a row whose sampling fails, or whose logits are not finite, an error instead of a token
-  (:func:`cbteach.worker.model_runner.sample_on_device`);
+  (:func:`cbteach.worker.model_runner.sample_on_device`) -- after running it again alone when it shared
+  its step with others (:func:`note_rows`): attention masks a key by giving it weight 0, and 0 times a
+  neighbour's NaN is NaN;
 * when the forward pass itself raises, runs each row of the step alone (:func:`recover`) -- paged K/V
   are written in place, so running a row again rewrites the same values -- and fails the rows the
   model still fails on. Rows of one step may share blocks (a prefix-cache hit on blocks another row of
