@@ -68,8 +68,10 @@ def _bytes(cfg, n, bs, kv_dtype, *, tokens=None, kv=2, one_layer=False, all_head
     """The bytes one handover moves -- or, with one keyword changed, what a typical mistake computes."""
     heads = cfg.num_attention_heads
     kv_heads = heads if all_heads else getattr(cfg, "num_key_value_heads", None) or heads
-    d = cfg.hidden_size // kv_heads if head_dim_by_kv_heads else getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    per_head = {"int8": d + 4, "no scales": d, "fp32": 4 * d, "scale2": d + 2, "scale per token": d + 4 / kv_heads}[int8 if kv_dtype == "int8" else "fp32"]
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    d = cfg.hidden_size // kv_heads if head_dim_by_kv_heads else d
+    per_head = {"int8": d + 4, "no scales": d, "fp32": 4 * d, "scale2": d + 2,
+                "scale per token": d + 4 / kv_heads}[int8 if kv_dtype == "int8" else "fp32"]
     n_slots = tokens(n, bs) if tokens else math.ceil(n / bs) * bs
     return n_slots * kv * (1 if one_layer else cfg.num_hidden_layers) * kv_heads * per_head * bits
 
@@ -119,9 +121,11 @@ def check_handover(handover, model, prompt_len: int | None = None) -> bool:
         exp_bytes, exp_seconds = measured_handover(m, n, bs, kv_dtype, link)
         if seconds == exp_bytes and nbytes != exp_bytes:
             return fail(f"for {where} your second number is the bytes: handover returns (bytes, seconds), in that order")
-        if nbytes != exp_bytes:  # which mistake gives these bytes here, and on a prompt of 40 (where half the
-            probe = ask(handover, 40, m.config, 16, kv_dtype, link, shown=f"handover(40, ...) for {where}")  # bytes
-            probe = probe[0] if isinstance(probe, (tuple, list)) and len(probe) == 2 else None  # and floored blocks differ)
+        if nbytes != exp_bytes:
+            # Which mistake gives these bytes here -- and on a prompt of 40, where some that agree here differ
+            # (half the bytes and floored blocks, on a prompt of 30).
+            probe = ask(handover, 40, m.config, 16, kv_dtype, link, shown=f"handover(40, ...) for {where}")
+            probe = probe[0] if isinstance(probe, (tuple, list)) and len(probe) == 2 else None
             gives = lambda keywords: any(nbytes == _bytes(m.config, n, bs, kv_dtype, **k) and probe in (  # noqa: E731
                 None, _bytes(m.config, 40, 16, kv_dtype, **k)) for k in keywords)
             hint = first_mistake(BYTES_MISTAKES, gives) or ("bytes = whole blocks of the prompt × block_size × "
