@@ -215,8 +215,9 @@ def _refuse(stage, cls) -> str | None:
 
 @self_check
 def _gone_hint(scheduler_cls, model) -> str | None:
-    """Under async scheduling a step's output can name a request that finished while it ran (V1's
-    ``update_from_output`` skips it): the update, handed such an output, must not trip over it."""
+    """Under async scheduling a step's output can name a request that finished while it ran -- V1's
+    ``update_from_output`` skips it (``vllm/v1/core/sched/scheduler.py``: "The request is already finished ...
+    in pipeline parallelism or async scheduling"): the update, handed such an output, must not trip over it."""
     from ..core.scheduler_output import RunnerOutput, SchedulerOutput
 
     eng = STAGES[5][0].engine(model, scheduler_cls)
