@@ -142,6 +142,18 @@ def test_assembly_slips_get_a_hint_that_names_the_slip(llama):
         assert not ok and words in out, (slip.__name__, out)
 
 
+def test_an_engine_built_without_the_tokenizer_is_named(bierce):
+    """Tokens alone cannot tell: an engine given ``None`` for the tokenizer generates the same ids."""
+    model, tok = bierce
+    pieces = pieces_of(SOLUTION)
+
+    def no_tokenizer(model, tok, **options):
+        return Engine(model, None, kv="paged", **pieces.engine_kwargs(), **options)
+
+    ok, out = check(no_tokenizer, pieces, model, tok)
+    assert not ok and "without the tokenizer" in out and "Engine(model, tok" in out, out
+
+
 @pytest.mark.parametrize("answer, words", [(None, "not done yet"), (..., "not done yet"), (lambda m, t, **o: 3, "Engine"),
                                            (lambda m, t, **o: 1 / 0, "ZeroDivisionError")])
 def test_anything_a_learner_passes_gets_a_hint(answer, words, llama):

@@ -82,6 +82,9 @@ def compare(my_engine, pieces: Pieces, model, tok=None) -> dict:
     if out["plugged"] is None and mine.clock is not clock:
         out["plugged"] = ("your engine did not take the options the check passed (its clock, the batch size, the "
                           "token budget...): pass them on, Engine(model, tok, ..., **options)")
+    if out["plugged"] is None and tok is not None and mine.tokenizer is not tok:
+        out["plugged"] = ("your engine was built without the tokenizer my_engine was given, so its answers have no "
+                          "text and it cannot stop on a stop string: pass it on, Engine(model, tok, ...)")
     if out["plugged"] is not None:
         return out
     written = {piece: obj for piece, obj in pieces.objects.items() if obj is not None}
