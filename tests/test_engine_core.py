@@ -145,17 +145,15 @@ def test_a_model_whose_attention_bypasses_the_interface_is_refused_paged():
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_model_that_drops_attention_kwargs_stops_the_paged_engine_naming_why(async_scheduling):
     """Nemotron's layers call the registered attention but do not pass the forward's keyword arguments on,
-    so the step's metadata never arrives: the paged engine stops with the reason (before, every request
-    ended with a per-request error that blamed its tokens); the concat engine runs it exactly."""
+    so the step's metadata would never arrive: the paged engine is refused with the reason (before, every
+    request ended with a per-request error that blamed its tokens); the concat engine runs it exactly."""
     from transformers import NemotronConfig, NemotronForCausalLM
-
-    from cbteach.errors import EngineRuleError
 
     model = _model(NemotronForCausalLM, NemotronConfig(max_position_embeddings=256, **SMALL))
     prompts = [list(range(6, 12)), [3, 4]]
-    with pytest.raises(EngineRuleError, match="NemotronAttention does not pass.*keyword arguments.*kv='concat'"):
-        Engine(model, max_batch_size=2, kv="paged", async_scheduling=async_scheduling).run(
-            [Request(p, 6) for p in prompts])
+    with pytest.raises(ValueError, match="NemotronForCausalLM's attention layers do not pass.*keyword arguments.*"
+                                         "kv='concat'"):
+        Engine(model, max_batch_size=2, kv="paged", async_scheduling=async_scheduling)
     got = Engine(model, max_batch_size=2, kv="concat").run([Request(p, 6) for p in prompts])
     assert [c.output_ids for c in got] == [reference(model, p, 6) for p in prompts]
 
@@ -197,20 +195,87 @@ def test_latent_attention_is_refused_paged_and_exact_concat():
     assert [c.output_ids for c in got] == [reference(model, p, 6) for p in prompts]
 
 
-def test_attention_the_paged_engine_does_not_apply_stops_it_naming_what():
+def test_attention_the_paged_engine_does_not_apply_is_refused_naming_what():
     """Gemma-2's logit soft-capping reaches the attention function as ``softcap=``; the paged attention has none,
     and gave wrong tokens without a word (here every layer is full attention, so the window check passes)."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    from cbteach.errors import EngineRuleError
-
     cfg = Gemma2Config(head_dim=16, max_position_embeddings=256, layer_types=["full_attention"] * 2,
                        attn_logit_softcapping=5.0, **SMALL)
     model = _model(Gemma2ForCausalLM, cfg, "eager")
-    with pytest.raises(EngineRuleError, match=r"\['softcap'\].*kv='concat'"):
-        Engine(model, max_batch_size=2, kv="paged").run([Request([6, 7, 8], 4)])
+    with pytest.raises(ValueError, match=r"\['softcap'\].*kv='concat'"):
+        Engine(model, max_batch_size=2, kv="paged")
     got = Engine(model, max_batch_size=2, kv="concat").run([Request([6, 7, 8], 6), Request([9, 10], 6)])
     assert [c.output_ids for c in got] == [reference(model, p, 6) for p in ([6, 7, 8], [9, 10])]
+
+
+def _reference_prompts(model, n=8):
+    prompts = [list(range(6, 25)), [9, 10], [30, 31, 32, 33, 34]]
+    return prompts, [reference(model, p, n) for p in prompts]
+
+
+def test_attention_called_twice_a_layer_or_with_a_mask_of_its_own_is_refused_paged_and_exact_concat():
+    """What a layer hands its attention function, seen in a one-token forward before the pool is sized
+    (``cbteach.kv.probe``). DiffLlama calls it twice per layer with two halves of the values (the second
+    write overwrote the first: wrong tokens from the second on); Doge passes a learned mask of its own, which the
+    paged attention dropped. Both were accepted and wrong; the concat engine runs them exactly."""
+    from transformers import DiffLlamaConfig, DiffLlamaForCausalLM, DogeConfig, DogeForCausalLM
+
+    diff = _model(DiffLlamaForCausalLM, DiffLlamaConfig(max_position_embeddings=256, **SMALL))
+    doge = _model(DogeForCausalLM, DogeConfig(max_position_embeddings=256, **SMALL))
+    with torch.no_grad():  # (zero at init, which makes its mask a constant: a trained Doge has it non-zero)
+        for name, p in doge.named_parameters():
+            if name.endswith("self_attn.A"):
+                p.normal_(0, 3.0)
+    for model, words in ((diff, "calls its attention function 2 times in one layer"), (doge, "a mask of its own")):
+        with pytest.raises(ValueError, match=f"{words}.*kv='concat'"):
+            Engine(model, max_batch_size=2, kv="paged")
+        prompts, want = _reference_prompts(model)
+        assert [c.output_ids for c in Engine(model, max_batch_size=2, kv="concat", token_budget=5).run(
+            [Request(p, 8) for p in prompts])] == want
+
+
+def test_the_pool_takes_the_key_shape_the_layers_use_not_the_configs():
+    """JetMoE's keys have more heads than ``config.num_key_value_heads``; GPTBigCode built with
+    ``multi_query=False`` keeps the default 12 there while its layers use 4; a GPT-2 config may carry a
+    ``num_key_value_heads`` GPT-2 ignores. The pool was sized from the config and every request ended in an
+    ``index_copy_`` shape error; sized from what the layers hand over, each is exact."""
+    import transformers as tf
+
+    gpt = dict(vocab_size=VOCAB, eos_token_id=EOS, bos_token_id=1, pad_token_id=EOS)
+    models = [
+        _model(tf.JetMoeForCausalLM, tf.JetMoeConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                     num_attention_heads=4, max_position_embeddings=256, **gpt)),
+        _model(tf.GPTBigCodeForCausalLM, tf.GPTBigCodeConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                                             n_positions=256, multi_query=False, **gpt)),
+        _model(tf.GPT2LMHeadModel,
+               tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=256, num_key_value_heads=2, **gpt)),
+    ]
+    for model in models:
+        prompts, want = _reference_prompts(model)
+        for opts in (dict(block_size=2, token_budget=5), dict(prefix_caching=True, async_scheduling=True)):
+            got = Engine(model, max_batch_size=2, kv="paged", **opts).run([Request(p, 8) for p in prompts])
+            assert [c.output_ids for c in got] == want, (type(model).__name__, opts, [c.error for c in got])
+
+
+def test_the_look_at_the_models_attention_fires_none_of_its_hooks_and_changes_nothing():
+    """The one-token forward that sizes the pool runs on a view of the model without its forward hooks: a
+    hook that counts the model's forward passes (a benchmark's timer) sees only the engine's steps."""
+    from cbteach.kv import probe
+
+    model = tiny_model("llama")
+    calls = []
+    handle = model.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        before = model.config.to_json_string()
+        engine = Engine(model, max_batch_size=2, kv="paged")
+        assert calls == [] and model.config.to_json_string() == before
+        assert engine.info.num_kv_heads == model.config.num_key_value_heads  # (what the layers use, here the config's)
+        engine.run([Request([6, 7, 8], 2)])
+        assert len(calls) == 2  # the engine's two forward passes: the prefill, one decode
+        assert probe.NAME not in (model.config._attn_implementation, engine.info.attn_implementation)
+    finally:
+        handle.remove()
 
 
 @pytest.mark.parametrize("arch", ["bloom", "mpt", "falcon-alibi"])

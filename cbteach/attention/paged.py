@@ -28,10 +28,6 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     if meta is None:  # (not one request's failure: no request can run on this model)
         raise EngineRuleError(f"{NAME!r} attention got no {STEP_KWARG}=: {type(module).__name__} does not pass the forward's "
                               "keyword arguments on to its attention function, so kv='paged' cannot run it: use kv='concat'")
-    unsupported = [k for k in ("softcap", "s_aux") if kwargs.get(k) is not None]
-    if unsupported:  # (Gemma-2's logit soft-capping, GPT-OSS's attention sinks: not in the engine's attention)
-        raise EngineRuleError(f"{type(module).__name__} hands its attention function {unsupported}, which the "
-                              "engine's paged attention does not apply: use kv='concat'")
     attend = meta.attention or default_attention
     out = attend(query, key, value, meta, module.layer_idx, scaling)
     if not isinstance(out, torch.Tensor) or out.shape != query.shape:

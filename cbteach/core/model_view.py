@@ -21,12 +21,13 @@ import copy
 import torch
 
 
-def model_view(model: torch.nn.Module, attn_implementation: str | None = None) -> torch.nn.Module:
+def model_view(model: torch.nn.Module, attn_implementation: str | None = None, share_hooks: bool = True) -> torch.nn.Module:
     """A view of ``model`` in eval mode; with ``attn_implementation``, its layers call that attention
     function (registered with transformers' ``AttentionInterface``) while ``model`` keeps its own.
     A model whose layers never look the function up (transformers' ``is_backend_compatible()`` is False:
     Falcon, StableLM, remote code) is refused: its own attention would run over the packed row instead,
-    across sequences and without their cached K/V, and give wrong tokens."""
+    across sequences and without their cached K/V, and give wrong tokens. ``share_hooks=False``: the model's
+    forward hooks do not fire on the view (a look at the model's attention that is not one of the engine's steps)."""
     compatible = getattr(type(model), "is_backend_compatible", None)
     if attn_implementation is not None and callable(compatible) and not compatible():
         raise ValueError(f"{type(model).__name__}'s attention layers do not call the attention functions "
@@ -40,7 +41,7 @@ def model_view(model: torch.nn.Module, attn_implementation: str | None = None) -
         _map_configs(config, view_config, configs)
         if attn_implementation is not None:
             view_config._attn_implementation = attn_implementation  # the copy's setter reaches its sub-configs
-    view = _shell(model, configs, {})
+    view = _shell(model, configs, {}, share_hooks)
     view.eval()  # the view's own training flags: the model's stay as they are
     return view
 
@@ -54,8 +55,9 @@ def _map_configs(original, copied, out: dict) -> None:
             _map_configs(sub, getattr(copied, key), out)
 
 
-def _shell(module: torch.nn.Module, configs: dict, memo: dict) -> torch.nn.Module:
-    """A new object of ``module``'s class with a copy of its attributes and views of its children."""
+def _shell(module: torch.nn.Module, configs: dict, memo: dict, share_hooks: bool = True) -> torch.nn.Module:
+    """A new object of ``module``'s class with a copy of its attributes and views of its children (with
+    ``share_hooks=False``, empty forward-hook dicts of its own)."""
     if id(module) in memo:  # a module used twice stays one module in the view
         return memo[id(module)]
     view = object.__new__(type(module))
@@ -64,9 +66,11 @@ def _shell(module: torch.nn.Module, configs: dict, memo: dict) -> torch.nn.Modul
     for name, value in attrs.items():
         if id(value) in configs:
             attrs[name] = configs[id(value)]
+        elif not share_hooks and name.startswith("_forward") and isinstance(value, dict):
+            attrs[name] = type(value)()  # torch's _forward_hooks, _forward_pre_hooks, ... (empty: the same kind)
     view.__dict__.update(attrs)
     # torch keeps child modules in a dict: the view needs its own, or adding a child would add it to both.
     object.__setattr__(view, "_modules", {})
     for name, child in module.named_children():
-        view.add_module(name, _shell(child, configs, memo))
+        view.add_module(name, _shell(child, configs, memo, share_hooks))
     return view
