@@ -467,6 +467,28 @@ def test_a_default_max_tokens_beyond_the_models_positions_is_refused_at_startup(
     assert "cannot start" in err and "--default-max-tokens 4096 leaves no room" in err and "4096 positions" in err
 
 
+def test_a_max_tokens_cap_beyond_the_models_positions_is_refused_at_startup(capsys):
+    """``--max-tokens-cap 10000`` on a 4096-position model was taken: requests for 9000 tokens got a 400 about the
+    prompt, and the cap the errors advertised (1 to 4096) held a value no request could have."""
+    assert srv.main(["--port", "0", "--max-tokens-cap", "10000"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot start" in err and "--max-tokens-cap 10000 leaves no room" in err and "at most 4095" in err
+
+
+def test_an_empty_api_key_is_refused_at_startup(capsys, monkeypatch):
+    """An empty key (``--api-key ""``, or ``CBTEACH_API_KEY=`` as compose files leave it) counted as no key for the
+    banner and the host check, and as a key for every route: no client could send it, so all got 401."""
+    for argv, env in ((["--api-key", ""], None), ([], ""), (["--api-key", " k "], None)):
+        if env is None:
+            monkeypatch.delenv("CBTEACH_API_KEY", raising=False)
+        else:
+            monkeypatch.setenv("CBTEACH_API_KEY", env)
+        with pytest.raises(SystemExit) as e:
+            srv.main(["--port", "0", *argv])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "--api-key" in err and ("must not be empty" in err or "space" in err), err
+
+
 def test_a_piece_that_does_not_import_is_refused_before_anything_starts(capsys):
     assert srv.main(["--port", "0", "--scheduler", "no_such_module_here:MyScheduler"]) == 2
     err = capsys.readouterr().err

@@ -73,6 +73,10 @@ def test_a_request_the_pool_can_never_hold_is_refused_by_the_engine_core(server)
     too_big = {"prompt": "x y", "max_tokens": 64}  # 66 tokens; the pool holds 4 blocks of 16
     r = httpx.post(server.url + "/v1/completions", json=too_big, headers=OK, timeout=WAIT_S)
     assert r.status_code == 400 and "KV" in r.json()["error"]["message"] and "'r" not in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "prompt"
+    two = httpx.post(server.url + "/v1/completions", json={"prompt": ["x", "x y"], "max_tokens": 64}, headers=OK,
+                     timeout=WAIT_S)  # a batch whose first prompt fits and second does not: named
+    assert two.status_code == 400 and "prompt 1 of this request" in two.json()["error"]["message"], two.text
 
 
 def test_live_view_listeners_are_capped(server):

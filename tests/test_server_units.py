@@ -142,6 +142,33 @@ def test_a_null_field_is_the_same_as_a_missing_one():
         proto.parse_completion({"prompt": "x", "max_tokens": None}, proto.Limits("bierce", max_tokens_cap=8))
 
 
+def test_what_a_field_holds_is_checked_too_and_null_model_is_the_default():
+    """Misspelt ``stream_options`` keys and answer-changing keys inside chat messages (``tool_calls`` on a user
+    message) passed silently, where a misspelt top-level field is refused; keys left null, as a client sends a
+    message back as it came, still pass. ``"model": null`` was refused where every other null is the default;
+    too many prompts was blamed on ``n``."""
+    limits = proto.Limits(served_model="bierce", max_tokens_cap=8, max_n=4)
+    with pytest.raises(proto.APIError) as e:
+        proto.parse_completion({"prompt": "x", "max_tokens": 2, "stream": True,
+                                "stream_options": {"include_usgae": True}}, limits)
+    assert (e.value.param, e.value.code) == ("stream_options", "unknown_parameter") and "include_usgae" in e.value.message
+    assert "'include_usage' only" in e.value.message
+    user = {"role": "user", "content": "hi"}
+    for extra in ({"tool_calls": [{"id": "x"}]}, {"bogus": 1}):
+        with pytest.raises(proto.APIError) as e:
+            proto.parse_chat({"messages": [{**user, **extra}], "max_tokens": 2}, limits, None)
+        assert e.value.param == "messages" and repr(next(iter(extra))) in e.value.message, e.value.message
+    back = {"role": "assistant", "content": "yo", "tool_calls": None, "refusal": None, "function_call": None}
+    assert proto.parse_chat({"messages": [user, back, user], "max_tokens": 2}, limits, None).max_tokens == 2
+    assert proto.parse_completion({"prompt": "x", "max_tokens": 2, "model": None}, limits).model == "bierce"
+    with pytest.raises(proto.APIError) as e:
+        proto.parse_completion({"prompt": list("abcde"), "max_tokens": 2}, limits)
+    assert e.value.param == "prompt"
+    with pytest.raises(proto.APIError) as e:
+        proto.parse_completion({"prompt": ["a", "b"], "max_tokens": 2, "n": 3}, limits)
+    assert e.value.param == "n"
+
+
 def test_messages_round_trip_compactly():
     out = msg.StepOutputs(core=1, step=7, t=0.5, outputs=[msg.SeqOutput(f"r{i}", [100 + i], i, "decode", 1)
                                                           for i in range(16)],

@@ -55,7 +55,11 @@ class Frontend:
         if args.default_max_tokens is not None and args.default_max_tokens >= ready.max_positions:
             raise ValueError(f"--default-max-tokens {args.default_max_tokens} leaves no room for a prompt in the "
                              f"model's {ready.max_positions} positions")
-        self.limits = proto.Limits(served_model=self.name, max_tokens_cap=args.max_tokens_cap or ready.max_positions,
+        if args.max_tokens_cap is not None and args.max_tokens_cap >= ready.max_positions:
+            raise ValueError(f"--max-tokens-cap {args.max_tokens_cap} leaves no room for a prompt in the model's "
+                             f"{ready.max_positions} positions: at most {ready.max_positions - 1}")
+        cap = args.max_tokens_cap or ready.max_positions - 1  # (a prompt takes one position at least)
+        self.limits = proto.Limits(served_model=self.name, max_tokens_cap=cap,
                                    max_n=args.max_n, default_max_tokens=args.default_max_tokens,
                                    default_temperature=ready.default_temperature, vocab_size=ready.vocab_size)
         self.max_model_len = ready.max_positions

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from ..core.sampling import SamplingParams
 
 ROLES = ("system", "developer", "user", "assistant")
+MESSAGE_KEYS = ("role", "content", "name")  # what a chat message may hold (the tokenizer's chat template sees all three)
 MAX_STOP = 4  # OpenAI allows up to four stop sequences
 MAX_STOP_TOKEN_IDS = 64
 # Fields that would change the answer, with the values that leave it as it is (the only ones taken). vLLM's
@@ -190,7 +191,8 @@ def _check_fields(body: dict, kind: str) -> None:
 
 
 def _common(body, limits: Limits, kind: str, prompts: tuple, max_tokens_names: tuple) -> GenerationRequest:
-    model = body.get("model", limits.served_model)
+    model = body.get("model")
+    model = limits.served_model if model is None else model  # (null: the default, as for every other field)
     if not isinstance(model, str):
         raise bad(f"'model' must be a string, got {type(model).__name__}", "model")
     if model != limits.served_model:
@@ -206,11 +208,15 @@ def _common(body, limits: Limits, kind: str, prompts: tuple, max_tokens_names: t
     n = _int(body, "n", 1, 1, limits.max_n)
     if n * len(prompts) > limits.max_n:
         raise bad(f"{len(prompts)} prompts x n={n} choices is more than this server's {limits.max_n} per request",
-                  "n")
+                  "n" if n > 1 else "prompt")
     stream = _bool(body, "stream")
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or not stream):
         raise bad("'stream_options' must be an object, and only goes with \"stream\": true", "stream_options")
+    unknown = sorted(k for k in options or {} if k != "include_usage")
+    if unknown:
+        raise bad(f"unknown key(s) {', '.join(map(repr, unknown))}"[:200] + " in 'stream_options'; it takes "
+                  "'include_usage' only", "stream_options", "unknown_parameter")
     include_usage = (options or {}).get("include_usage", False)
     if include_usage is None:
         include_usage = False
@@ -289,7 +295,15 @@ def parse_chat(body, limits: Limits, tokenizer) -> GenerationRequest:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise bad(f"messages[{i}] must be an object whose 'role' is one of {', '.join(ROLES)}", "messages")
-        clean.append({"role": m["role"], "content": _content(m.get("content"), i)})
+        other = sorted(k for k, v in m.items() if k not in MESSAGE_KEYS and v not in (None, "", [], {}))
+        if other:  # (a client that sends a message back as it came, with "tool_calls": null, still gets in)
+            raise bad(f"messages[{i}] has {', '.join(map(repr, other))}"[:200] + ", which this server does not take "
+                      f"(it would change the answer); a message takes {', '.join(MESSAGE_KEYS)}", "messages",
+                      "unsupported_parameter")
+        name = m.get("name")
+        if name is not None and not isinstance(name, str):
+            raise bad(f"messages[{i}].name must be a string, got {type(name).__name__}", "messages")
+        clean.append({"role": m["role"], "content": _content(m.get("content"), i), **({"name": name} if name else {})})
     prompt = render_chat(clean, tokenizer)
     if not prompt:
         raise bad("the messages hold no text", "messages")

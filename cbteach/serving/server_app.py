@@ -72,7 +72,9 @@ class Run:
                 pending.discard(index)
             elif event[0] == "rejected":
                 named = f"request {self.states[index].request_id!r}"  # an id the client never saw
-                errors.append(event[1].replace(named + ": ", "").replace(named, "this request"))
+                which = "this request" if len(self.req.prompts) == 1 else \
+                    f"prompt {index // (len(self.states) // len(self.req.prompts))} of this request"
+                errors.append(event[1].replace(named + ": ", "").replace(named, which))
                 self.finished[index] = ("error", 0, event[1])
                 pending.discard(index)
             else:
@@ -81,7 +83,7 @@ class Run:
                     pending.discard(index)
                 self.early.append((index, event))
         if errors:
-            raise APIError(400, errors[0])
+            raise APIError(400, errors[0], param="prompt")  # (what the cores refuse: a prompt and its max_tokens)
         failure = next((f for f in self.finished if f is not None and f[0] in FAILED), None)
         if failure is not None:
             raise _failure(failure)

@@ -99,6 +99,16 @@ def _name(text: str) -> str:
     return text
 
 
+def _api_key(text: str) -> str:
+    """``--api-key`` (or ``$CBTEACH_API_KEY``): a key a client can send -- an empty one would lock every client out."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty (no client can send an empty key, so none could get in): "
+                                         "give a key, or unset CBTEACH_API_KEY to serve without one")
+    if text != text.strip():
+        raise argparse.ArgumentTypeError("must not start or end with a space (clients' headers drop it)")
+    return text
+
+
 def _token_budget(text: str):
     """``--token-budget``: a whole number of tokens >= 1, or ``none`` (no limit: every prompt in one step)."""
     if text.strip().lower() == "none":
@@ -131,7 +141,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", type=_name, default=None, help="the name clients use in 'model' (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind; anything but loopback needs --api-key")
     p.add_argument("--port", type=_port, default=8000, help="port to listen on (0: any free port, announced at start)")
-    p.add_argument("--api-key", default=os.environ.get("CBTEACH_API_KEY"),
+    p.add_argument("--api-key", type=_api_key, default=os.environ.get("CBTEACH_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route but /health; the live view opens as "
                         "/?key=KEY (default: $CBTEACH_API_KEY, else none)")
     p.add_argument("--device", type=_device, default="cpu", help="cpu, cuda, mps, or auto (the best this machine has)")
