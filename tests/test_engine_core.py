@@ -158,6 +158,20 @@ def test_a_model_that_drops_attention_kwargs_stops_the_paged_engine_naming_why(a
     assert [c.output_ids for c in got] == [reference(model, p, 6) for p in prompts]
 
 
+def test_a_forward_without_keyword_arguments_is_refused_paged_with_the_reason():
+    """A forward that takes no ``**kwargs`` (older remote code) cannot carry the step's metadata: named at
+    construction, not as a ``TypeError`` in every request."""
+    model = tiny_model("llama")
+
+    class NoKwargs(type(model)):
+        def forward(self, input_ids=None, position_ids=None, use_cache=None, attention_mask=None):
+            return super().forward(input_ids=input_ids, position_ids=position_ids, use_cache=use_cache)
+
+    model.__class__ = NoKwargs
+    with pytest.raises(ValueError, match="NoKwargs's forward does not take keyword arguments on.*kv='concat'"):
+        Engine(model, max_batch_size=2, kv="paged")
+
+
 def test_gpt_neo_local_attention_is_refused_by_its_own_names():
     """GPT-Neo names its windowed layers ``attention_layers`` ("local") and the window ``window_size``, not
     ``layer_types`` and ``sliding_window``: the concat engine took it and drifted from generate past the window."""

@@ -61,9 +61,15 @@ def record_calls(model) -> list[Call]:
     view = model_view(model, NAME, share_hooks=False)
     device = next(model.parameters()).device
     calls: list[Call] = []
-    with torch.inference_mode():
-        view(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
-             position_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False, **{KWARG: calls})
+    try:
+        with torch.inference_mode():
+            view(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
+                 position_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False, **{KWARG: calls})
+    except TypeError as err:  # a forward without **kwargs: the step's metadata could not reach attention either
+        if "unexpected keyword argument" not in str(err):
+            raise
+        raise ValueError(f"{type(model).__name__}'s forward does not take keyword arguments on to its attention "
+                         f"function ({err}), so the paged cache's step metadata cannot reach it: use kv='concat'") from None
     return calls
 
 
