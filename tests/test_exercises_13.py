@@ -124,6 +124,20 @@ def test_one_head_as_a_numpy_integer_or_heads_as_a_tensor_pass(run, capsys):
         assert ok, out
 
 
+def test_a_right_formula_with_an_extra_argument_that_has_a_default_passes(run, capsys):
+    """The check called it with five arguments but refused any signature of another length (a sixth with a
+    default, or a keyword-only one, was "takes 6 arguments")."""
+    def sixth(num_layers, num_tokens, hidden_size, dtype_bytes, world_size, per_layer=2):
+        return per_layer / 2 * bytes_right(num_layers, num_tokens, hidden_size, dtype_bytes, world_size)
+
+    def keyword_only(num_layers, num_tokens, hidden_size, dtype_bytes, world_size, *, verbose=False):
+        return bytes_right(num_layers, num_tokens, hidden_size, dtype_bytes, world_size)
+
+    for fn in (sixth, keyword_only):
+        ok, out = check(run, capsys, nbytes=fn)
+        assert ok, out
+
+
 def test_bad_input_is_a_hint_not_a_traceback(run, capsys):
     assert not ex13.check_tp(None, bytes_right, **run)
     assert "pass your two functions" in capsys.readouterr().out
