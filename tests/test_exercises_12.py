@@ -142,6 +142,21 @@ def test_assembly_slips_get_a_hint_that_names_the_slip(llama):
         assert not ok and words in out, (slip.__name__, out)
 
 
+def test_what_my_engine_prints_is_shown_as_printed_before_the_verdict(llama):
+    """The check took the first two characters of whatever was printed for the verdict's mark: a learner's own
+    print lost them and got a ✓ in front."""
+    pieces = pieces_of(SOLUTION)
+    engine = my_engine_of(pieces)
+
+    def chatty(model, tok, **options):
+        print("building my engine with", sorted(options))
+        return engine(model, tok, **options)
+
+    ok, out = check(chatty, pieces, llama)
+    assert ok and out.startswith("building my engine with ['block_size'"), out
+    assert out.count("✓") == 1 and out.splitlines()[-1].startswith("✓ ") and len(out.splitlines()) == 2, out
+
+
 def test_an_engine_built_without_the_tokenizer_is_named(bierce):
     """Tokens alone cannot tell: an engine given ``None`` for the tokenizer generates the same ids."""
     model, tok = bierce

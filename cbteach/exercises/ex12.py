@@ -149,7 +149,11 @@ def check_my_engine(my_engine, pieces, model, tok=None) -> bool:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         ok = _check_my_engine(my_engine, pieces, model, tok)
-    text = out.getvalue().strip()[2:]
+    printed = out.getvalue()
+    mark = "\n" + ("✓ " if ok else "✗ ")  # the verdict is the check's last print; before it, my_engine's own
+    cut = ("\n" + printed).rfind(mark)  # (where the verdict's mark starts in printed)
+    print(printed[:max(cut, 0)], end="")  # what my_engine printed, as it printed it
+    text = printed[cut + 2:].strip() if cut >= 0 else printed.strip()
     _last[:] = [key, ok, text]
     return report(ok, text, text)
 
