@@ -445,6 +445,7 @@ WRONG_ATTENTION = [
     (wrong_attention(scale=False), "use the scaling the layer passes you"),
     (lambda *a: None, "not done yet"),
     (lambda q, *a: q.transpose(1, 2), "shaped like the queries"),
+    (lambda q, *a: q.double(), "return the queries' dtype"),  # (the check stopped with "Double did not match Float")
     (RightOnlyOnTheHandBuiltSteps(), "in the real engine"),
     (engine_style, "calls the engine's reference_attention"),
     (default_attention, "is the engine's default_attention"),

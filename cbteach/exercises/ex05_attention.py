@@ -241,6 +241,9 @@ def _attention_failure(attention, n: int, h: Heads, ran_plain: bool) -> Fail | N
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise Fail(f"your attention returned {got}; return a tensor shaped like the queries, [1, heads, "
                    f"tokens, head_dim] = {tuple(q.shape)} {where}")
+    if out.dtype != q.dtype:  # (the model's next layer takes the queries' dtype)
+        raise Fail(f"your attention returned {out.dtype} numbers; return the queries' dtype, {q.dtype} (compute in "
+                   "another if you like, then .to(query.dtype))")
     _check_writes(mine, before, k, v, 1)
     if _close(out, attend(q, k, v, _fresh(meta), 1, scale)):
         return None
