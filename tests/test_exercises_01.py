@@ -88,6 +88,22 @@ def test_the_solution_passes(model, capsys):
     assert out.startswith("✓") and "all 3 cases" in out
 
 
+def test_rows_of_tensors_or_arrays_pass(model, capsys):
+    """Rows of 0-d tensors (``.tolist()`` left out) or NumPy arrays were "static_wave returned list" -- it had."""
+    import numpy as np
+
+    wave = make_wave()
+
+    def tensors(*args):
+        return [[torch.tensor(t) for t in row] for row in wave(*args)]
+
+    def arrays(*args):
+        return [np.array(row) for row in wave(*args)]
+
+    for answer in (tensors, arrays):
+        assert ex01.check_static_wave(answer, model, PROMPTS, 10, EOS), capsys.readouterr().out
+
+
 def test_engine_passes_come_from_the_static_batcher(model):
     passes = ex01.engine_passes(model, PROMPTS, 6, EOS)
     assert passes[0] == (4, 7) and all(p == (4, 1) for p in passes[1:])

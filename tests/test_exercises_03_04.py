@@ -31,6 +31,16 @@ def test_hand_written_answers_pass(cached, new, capsys):
     assert capsys.readouterr().out.count("✓") == 5
 
 
+def test_right_answers_in_other_forms_pass(capsys):
+    """Right answers a learner writes in another form were refused as not "a list of integers" or not "a boolean
+    tensor": a tuple, a list of 0-d tensors, a list of row tensors, a ``[1, Q, K]`` mask."""
+    positions, mask = by_hand(CACHED, NEW)
+    for answer in (tuple(positions), list(torch.tensor(positions)), (p for p in positions)):
+        assert check_position_ids(CACHED, NEW, answer), capsys.readouterr().out
+    for answer in (list(mask), mask[None], tuple(tuple(row) for row in mask.tolist())):
+        assert check_mask(CACHED, NEW, answer), capsys.readouterr().out
+
+
 def test_wrong_positions_name_the_mistake_not_the_entries(capsys):
     assert not check_position_ids(CACHED, NEW, [0, 1, 2, 3, 4])
     out = capsys.readouterr().out
@@ -143,6 +153,14 @@ def test_gather_scatter_solution_passes_inside_the_engine(bierce_model, capsys):
     assert check_gather_scatter(gather, scatter, model, tok)
     out = capsys.readouterr().out
     assert out.startswith("✓") and "fused" in out and "(0 fused)" not in out
+
+
+def test_a_scatter_that_yields_its_pairs_passes(bierce_model, capsys):
+    """``yield`` one pair per sequence was "should return one (keys, values) pair per sequence" -- which it did."""
+    def yielding(packed_keys, packed_values, caches, num_scheduled):
+        yield from scatter(packed_keys, packed_values, caches, num_scheduled)
+
+    assert check_gather_scatter(gather, yielding, *bierce_model), capsys.readouterr().out
 
 
 def _g_dim(caches):

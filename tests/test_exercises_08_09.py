@@ -95,6 +95,15 @@ def test_prefix_reuse_accepts_the_rule(model, capsys):
     assert ok and out.startswith("✓") and f"all {len(ex08.PREFIX_CASES)} cases" in out
 
 
+def test_prefix_reuse_takes_a_tensor_or_an_array_of_counts(model, capsys):
+    """``torch.tensor([...])`` was "should return a list of 5 ints" (its items are 0-d tensors)."""
+    import numpy as np
+
+    for form in (torch.tensor, np.array):
+        ok, out = run(ex08.check_prefix_reuse, lambda p, bs: form(right_reuse(p, bs)), model, capsys=capsys)
+        assert ok, out
+
+
 def test_prefix_reuse_checks_the_notebooks_prompts_first(model, capsys):
     system = [10 + i % 70 for i in range(40)]
     prompts = [system + [3, 4], system + [5], system + [3, 4], [3, 4]]

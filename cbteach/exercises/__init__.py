@@ -147,3 +147,19 @@ def is_stub(obj) -> bool:
 def is_int(x) -> bool:
     """A whole number as an answer: a Python or NumPy integer (``True`` is not a count)."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def as_ints(got) -> list[int] | None:
+    """A flat answer of whole numbers as a list of ints -- whether the learner gave a list, a tuple, a generator, a
+    tensor or a NumPy array (``[N]``, or ``[1, N]``), of Python, NumPy or one-element tensor integers; None if
+    it is not one."""
+    if hasattr(got, "tolist") and hasattr(got, "shape"):  # a tensor, a NumPy array
+        if len(got.shape) == 2 and got.shape[0] == 1:
+            got = got[0]
+        if len(got.shape) != 1:
+            return None
+        got = got.tolist()
+    if isinstance(got, (str, bytes, dict)) or not hasattr(got, "__iter__"):
+        return None
+    got = [t.item() if hasattr(t, "item") and getattr(t, "shape", None) in ((), (1,)) else t for t in got]
+    return [int(t) for t in got] if all(is_int(t) for t in got) else None

@@ -12,7 +12,7 @@ import torch
 
 from ..core.request import Request
 from ..engine.static import static_batching
-from . import fail, is_int, need_function, passed, raised, self_check
+from . import as_ints, fail, need_function, passed, raised, self_check
 from .ex00 import run_barred
 
 
@@ -53,11 +53,13 @@ def engine_passes(model, prompts, max_new_tokens, eos_id) -> list[tuple[int, int
 
 def _as_outputs(got, n):
     """The learner's answer as ``n`` lists of ints, or None if it is not that."""
-    if not isinstance(got, (list, tuple)) or len(got) != n:
+    if torch.is_tensor(got) and got.dim() == 2:
+        got = list(got)  # one row per prompt
+    got = list(got) if hasattr(got, "__iter__") and not isinstance(got, (str, bytes, dict)) else None
+    if got is None or len(got) != n:
         return None
-    rows = [row.reshape(-1).tolist() if torch.is_tensor(row) else row for row in got]
-    ok = all(isinstance(row, (list, tuple)) and all(is_int(t) for t in row) for row in rows)
-    return [[int(t) for t in row] for row in rows] if ok else None
+    rows = [as_ints(row.reshape(-1) if torch.is_tensor(row) else row) for row in got]
+    return None if any(row is None for row in rows) else rows
 
 
 def _position_hint(calls) -> str | None:

@@ -10,7 +10,7 @@ import torch
 from ..attention.packing import block_diagonal_causal_mask, pack, per_sequence_causal_mask
 from ..viz.mask import key_groups
 from ..viz.style import seq_letter
-from . import fail, is_int, passed, self_check
+from . import as_ints, fail, passed, self_check
 
 def _lengths(cached, new):
     cached, new = [int(c) for c in cached], [int(n) for n in new]
@@ -40,9 +40,10 @@ def check_position_ids(cached, new, answer) -> bool:
         return fail("not done yet: write position_ids in the cell above, then run this check")
     expected = pack([[0] * n for n in new], cached).position_ids[0].tolist()
     got = _as_list(answer)
-    if isinstance(got, list) and len(got) == 1 and isinstance(got[0], list):
+    if isinstance(got, (list, tuple)) and len(got) == 1 and isinstance(got[0], (list, tuple)):
         got = got[0]  # a [1, T] answer, like pack() returns
-    if not isinstance(got, list) or not all(is_int(x) for x in got):
+    got = as_ints(got)
+    if got is None:
         return fail(f"answer should be a list of {len(expected)} integers, got {answer!r}")
     if len(got) != len(expected):
         return fail(f"the packed row has {sum(new)} tokens (sum of new = {new}), so it needs "
@@ -99,16 +100,17 @@ def check_mask(cached, new, answer) -> bool:
     expected = block_diagonal_causal_mask(cached, new)
     q, k = expected.shape
     try:
-        got = torch.as_tensor(_as_list(answer))
-    except (TypeError, ValueError):
+        rows = answer if isinstance(answer, (list, tuple)) and answer and all(torch.is_tensor(r) for r in answer) else None
+        got = torch.stack(list(rows)) if rows is not None else torch.as_tensor(_as_list(answer))  # (a list of rows)
+    except (TypeError, ValueError, RuntimeError):
         return fail(f"answer should be a boolean tensor (or nested lists) of shape ({q}, {k})")
     if got.dtype.is_floating_point:
         ones = bool(((got == 0) | (got == 1)).all())  # 1.0 / 0.0: the right pattern, the wrong type
         return fail("give the boolean mask (True = may attend)" + (
             ": your 1.0 / 0.0 entries are numbers -- build it with dtype=torch.bool (or compare: x > 0)" if ones
             else "; additive_mask() makes the 0 / -inf form the model receives out of it"))
-    if got.dim() == 4 and got.shape[:2] == (1, 1):
-        got = got[0, 0]
+    while got.dim() > 2 and got.shape[0] == 1:  # [1, 1, q, k] as the model takes it, or [1, q, k]
+        got = got[0]
     if tuple(got.shape) != (q, k):
         hint = ""
         if got.dim() == 2 and tuple(got.shape) == (k, q):

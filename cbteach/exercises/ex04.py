@@ -68,6 +68,8 @@ def _scatter_hint(scatter) -> str | None:
                         + [_labelled(s, c, n, kind) for s, (c, n) in enumerate(zip(cached, new))], dim=2)
               for kind in (0, 1)]
     got = scatter(*packed, _caches(cached), list(new))
+    if hasattr(got, "__iter__") and not isinstance(got, (list, tuple, str, bytes, dict)) and not torch.is_tensor(got):
+        got = list(got)  # a generator of pairs
     if got is None:
         return "not done yet: scatter returned None -- write it in the cell above"
     if not isinstance(got, (list, tuple)) or len(got) != len(cached):
@@ -120,6 +122,9 @@ def _plug(engine, gather, scatter):
         for layer in range(kv.num_layers):
             k_all, v_all = layer_kv(cache, layer)
             updated = scatter(k_all, v_all, caches_of(meta, layer), list(meta.num_scheduled_tokens))
+            if hasattr(updated, "__iter__") and not isinstance(updated, (list, tuple, str, bytes, dict)) \
+                    and not torch.is_tensor(updated):
+                updated = list(updated)  # a generator of pairs
             if not isinstance(updated, (list, tuple)) or len(updated) != len(meta.request_ids):
                 raise TypeError("scatter should return one (keys, values) pair per sequence of the step")
             for rid, pair in zip(meta.request_ids, updated):

@@ -188,7 +188,7 @@ def check_benchmark(benchmark, model) -> bool:
         clock = Clock()
         runs = engine_runs(model, clock, repeat, stale=bug == "stale", wrong=bug == "wrong")
         got = ask(benchmark, dict(runs), repeat, clock, shown="benchmark(runs, repeat, clock)")
-        if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], dict)
+        if not (isinstance(got, (tuple, list)) and len(got) == 2 and isinstance(got[0], dict)
                 and type(got[1]).__name__ in ("bool", "bool_")):  # (a NumPy bool is a bool too)
             return fail(f"benchmark should return a pair (dict of medians, bool); got {got!r:.80}")
         hint = _diagnose(clock.events, list(runs), repeat, got[0], bool(got[1]), truth_same=bug is None,

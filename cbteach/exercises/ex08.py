@@ -12,7 +12,7 @@ from ..worker import spec_runner
 from ..engine.engine import Engine
 from ..core.request import Request
 from ..engine.speculative import accept as engine_accept
-from . import ask, fail, first_mistake, is_int, need_function, passed, self_check
+from . import as_ints, ask, fail, first_mistake, is_int, need_function, passed, self_check
 
 # ---------------------------------------------------------------- prefix reuse ----------------
 
@@ -120,7 +120,7 @@ def check_prefix_reuse(predict, model, prompts=None, block_size=None) -> bool:
         cases.insert(0, PrefixCase("the notebook's prompts", [list(p) for p in prompts], block_size))
     for what, case, bs in cases:
         got = ask(predict, [list(p) for p in case], bs, shown=f"predict_reuse(...) (case: {what})")
-        got = list(got) if hasattr(got, "__iter__") else got
+        got = as_ints(got) or got  # a list, tuple, generator, tensor or NumPy array of ints
         if not isinstance(got, list) or len(got) != len(case) or not all(is_int(g) for g in got):
             return fail(f"predict should return a list of {len(case)} ints, one number per prompt; got {got!r} "
                         f"(case: {what})")
