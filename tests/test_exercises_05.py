@@ -413,6 +413,8 @@ WRONG_SLOTS = [
      "off by one at a block boundary"),
     (lambda t, c, s, bs: [t[0][p // bs] * bs + p % bs for cc, n in zip(c, s) for p in range(cc, cc + n)],
      "through sequence 0's block table"),
+    # [1, T], as the model's position ids: passed the hand-built steps, then the engine refused it as "returned Tensor"
+    (lambda t, c, s, bs: torch.tensor([slot_mapping(t, c, s, bs)]), "a tensor of shape (1, "),
 ]
 
 

@@ -101,7 +101,10 @@ def _as_slots(got, total: int) -> list[int]:
     if got is None:
         raise Fail("not done yet: your slot mapping returned None -- write it in the cell above")
     if isinstance(got, torch.Tensor):
-        got = got.flatten().tolist()
+        if got.dim() != 1:  # (the engine takes a flat list or a 1-D tensor: [T], as its own slot_mapping)
+            raise Fail(f"your slot mapping returned a tensor of shape {tuple(got.shape)}: return one flat list (or a "
+                       "1-D tensor) of pool slots, one per scheduled token in packed order")
+        got = got.tolist()
     try:
         got = list(got)
     except TypeError:

@@ -47,8 +47,9 @@ class PluggedPagedKVCache(PagedKVCache):
         try:
             mine = torch.as_tensor(list(got), dtype=torch.long, device=meta.slot_mapping.device)
         except (TypeError, ValueError, RuntimeError):
-            raise EngineRuleError(f"slot_mapping returned {type(got).__name__}: return one pool slot (an int) per "
-                                  "scheduled token, in packed order") from None
+            shape = f" of shape {tuple(got.shape)}" if hasattr(got, "shape") else ""
+            raise EngineRuleError(f"slot_mapping returned {type(got).__name__}{shape}: return one pool slot (an int) per "
+                                  "scheduled token, in packed order -- a flat list or a 1-D tensor") from None
         if mine.shape != meta.slot_mapping.shape:
             raise EngineRuleError(f"slot_mapping returned {mine.numel()} slots for {meta.slot_mapping.numel()} "
                                   "scheduled tokens: one slot per token fed this step, in packed order")
