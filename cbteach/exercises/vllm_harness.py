@@ -93,7 +93,8 @@ class Harness:
         ids = list(out.num_scheduled_tokens)
         tokens = [list(sampled[r]) if sampled.get(r) else None for r in ids]
         finished = self.scheduler.update_from_output(out, RunnerOutput(sampled=tokens, req_ids=ids), NOW + self.steps)
-        _returned("update_from_output", finished, "the list of the requests that finished", list)
+        _returned("update_from_output", finished, "the list of the requests that finished", (list, tuple))
+        finished = list(finished)  # (a tuple is a list of them too: the engine core only iterates over it)
         for seq in [*finished, *(self.scheduler.requests.get(r) for r in ids)]:  # as the engine core does
             if seq is not None and seq.status.is_finished and seq.request_id in self.scheduler.requests:
                 self.scheduler.forget(seq)
