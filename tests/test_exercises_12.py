@@ -458,6 +458,29 @@ def test_a_written_piece_that_fails_its_check_is_replaced_by_the_courses_marked_
     assert "def free(self, seq):\n        self.free_blocks.extend" in pieces.source  # serve and the tournament get it
 
 
+def test_a_helper_the_learner_wrote_in_a_cell_of_its_own_comes_with_the_piece(tmp_path, llama):
+    """Notebook 12 read only the exercise's cell (and the imports before it): a helper written in a cell of its own,
+    which the piece passed its check with in notebook 06b, was lost -- a NameError, and the course's piece stood in.
+    The functions of the learner's own that a piece calls (and those they call) now come with it."""
+    _learners_copy(tmp_path / "05_paged_kv_cache.ipynb", "05")
+    _learners_copy(tmp_path / "06_scheduling_and_latency.ipynb", "06")
+    _learners_copy(tmp_path / "06b_the_worker.ipynb", "06b")
+    path = tmp_path / "06b_the_worker.ipynb"
+    nb = json.loads(path.read_text())
+    at = next(i for i, c in enumerate(nb["cells"]) if "solution" in c["metadata"].get("tags", [])
+              and "def update_batch(" in "".join(c["source"]))
+    body = "".join(nb["cells"][at]["source"]).replace("def update_batch(", "def my_update_impl(")
+    helper = body + "\n\ndef my_update_entry(runner, scheduler_output):\n    return my_update_impl(runner, scheduler_output)\n"
+    nb["cells"][at]["source"] = "def update_batch(runner, scheduler_output):\n    return my_update_entry(runner, scheduler_output)\n"
+    nb["cells"].insert(at, {"cell_type": "code", "metadata": {}, "source": helper, "outputs": [], "execution_count": None})
+    path.write_text(json.dumps(nb))
+    pieces, said = read(folder=tmp_path)
+    assert not pieces.course and "update_batch" in pieces.yours, said
+    assert "a cell of your own" in pieces.source and "def my_update_impl(" in pieces.source
+    ok, out = check(my_engine_of(pieces), pieces, llama)
+    assert ok and out.startswith("✓ your engine"), out
+
+
 def test_a_piece_that_does_not_pass_yet_can_be_the_courses_on_request_marked_so(tmp_path, llama):
     _learners_copy(tmp_path / "05_paged_kv_cache.ipynb", "05")
     _learners_copy(tmp_path / "06_scheduling_and_latency.ipynb", "06")

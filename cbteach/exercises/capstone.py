@@ -105,6 +105,7 @@ def _read(folder=None, use_course_solutions: bool = False, use_course_for=(), fa
                          "notebooks 05, 06 and 06b -- name the folder you saved them in")
     piece_of = {name: piece for piece, spec in PIECES.items() for name in spec.names}
     imports, bodies, course, filled = ["import math"], [], set(), {}  # math: notebook 06 imports it
+    helpers = {}  # a function or class of the learner's own, in another cell of theirs: name -> (notebook, source)
     for number, path in found.items():
         try:
             course_path = where.find_notebook(course_dir(), number)
@@ -116,6 +117,10 @@ def _read(folder=None, use_course_solutions: bool = False, use_course_for=(), fa
             continue
         more, solutions, _ = where.cells(path or course_path, stubbed=path is None)
         imports += [i for i in more if i not in imports]
+        if path is not None:  # (the course's own demos are not the learner's helpers)
+            demos = set(where.helpers(course_path)) if course_path is not None else set()
+            helpers.update({n: (path.name, s) for n, s in where.helpers(path).items()
+                            if n not in demos and n not in piece_of})
         theirs = dict(zip(*where.cells(course_path)[1:])) if path is not None and course_path is not None else {}
         for i, s in enumerate(solutions):
             pieces = {piece_of[n] for n in where.defined(s) if n in piece_of}
@@ -132,7 +137,14 @@ def _read(folder=None, use_course_solutions: bool = False, use_course_for=(), fa
                 course |= pieces
         label = path.name if path is not None else f"{number} (not found: the student copy's stubs)"
         bodies += [f"# -- from {label} --\n{s.strip()}\n" for s in solutions]
-    used = {n.id for b in bodies for n in ast.walk(ast.parse(b)) if isinstance(n, ast.Name)}
+    used, taken = _names(bodies), []
+    while True:  # the helpers the pieces call, and those they call in turn
+        more = [n for n in helpers if n in used and n not in taken]
+        if not more:
+            break
+        taken += more
+        used |= _names([helpers[n][1] for n in more])
+    bodies[:0] = [f"# -- from {helpers[n][0]}, a cell of your own --\n{helpers[n][1]}\n" for n in taken]
     imports = [i for i in imports if where.binds(i) & used]  # only what the pieces use
     source = ('"""Your engine\'s pieces, written from notebooks 05 and 06 (cbteach.exercises.capstone)."""\n' +
               "\n".join(imports) + "\n\n\n" + "\n\n".join(bodies) +
@@ -141,6 +153,11 @@ def _read(folder=None, use_course_solutions: bool = False, use_course_for=(), fa
     if "scheduler" in course | set(filled):  # the tournament's table marks it (tournament_core.run_entry)
         source += f"\n\n{PIECES['scheduler'].names[0]}.course_solution = True  # the course's, not yours\n"
     return Pieces({}, source, found, course | set(filled), folders, filled)
+
+
+def _names(sources) -> set:
+    """Every name the sources read."""
+    return {n.id for s in sources for n in ast.walk(ast.parse(s)) if isinstance(n, ast.Name)}
 
 
 def pieces_source(folder=None, use_course_solutions: bool = False) -> tuple[str, dict]:

@@ -142,6 +142,25 @@ def cells(path: Path, stubbed: bool = False) -> tuple[list[str], list[str], list
     return imports, solutions, headings
 
 
+def helpers(path: Path) -> dict:
+    """``{name: source}`` of the functions and classes defined at the top of the code cells that are not
+    solutions (a helper a learner wrote in a cell of its own, beside the course's demos)."""
+    from ..student import SOLUTION_TAG
+
+    out = {}
+    for cell in json.loads(path.read_text(encoding="utf-8"))["cells"]:
+        src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+        if cell.get("cell_type") != "code" or SOLUTION_TAG in cell.get("metadata", {}).get("tags", []):
+            continue
+        try:
+            tree = ast.parse("\n".join(line for line in src.splitlines() if not line.lstrip().startswith(("%", "!"))))
+        except SyntaxError:
+            continue
+        out.update({n.name: ast.unparse(n) for n in tree.body
+                    if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))})
+    return out
+
+
 def binds(statement: str) -> set:
     """The names an import statement binds."""
     node = ast.parse(statement).body[0]
