@@ -118,3 +118,37 @@ def test_options_a_handover_cannot_take_are_refused_when_the_server_is_built(opt
     for phase in ("prefill_options", "decode_options"):
         with pytest.raises(ValueError, match="do not go with disaggregation"):
             DisaggregatedServer(model, max_batch_size=2, **{phase: options})
+
+
+def test_a_decode_scheduler_that_cannot_take_a_handover_is_refused_when_the_server_is_built():
+    """V1's scheduler (or a learner's subclass of it) was taken for the decode engine; the first handover raised
+    inside the prefill engine's step, its blocks held. A V0Scheduler subclass is taken."""
+    from cbteach.engine.scheduler import Scheduler
+    from cbteach.engine.scheduler_v0 import V0Scheduler
+
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="decode_options scheduler_cls='Scheduler'.*V0Scheduler"):
+        DisaggregatedServer(model, max_batch_size=2, decode_options={"scheduler_cls": Scheduler})
+
+    class Mine(V0Scheduler):
+        pass
+
+    got = DisaggregatedServer(model, max_batch_size=2, decode_options={"scheduler_cls": Mine}).run(
+        [Request([7, 8, 9], 5, request_id="m")])
+    assert got[0].output_ids == reference(model, [7, 8, 9], 5)
+
+
+def test_each_phase_is_sized_for_what_it_holds_and_a_refusal_names_the_phase():
+    """The prefill pool was checked against the whole request although it only ever holds the prompt and its
+    first token, so sizing the two phases apart (DistServe's point) refused what fits; a request too big for a
+    pool is refused naming the phase."""
+    model = tiny_model("llama")
+    server = DisaggregatedServer(model, max_batch_size=2, block_size=4, prefill_options={"num_blocks": 4},
+                                 decode_options={"num_blocks": 40})
+    r = Request(list(range(10, 18)), 20, request_id="x")  # 8 + 1 tokens prefill (3 blocks), 28 in all (7)
+    assert server.run([r])[0].output_ids == reference(model, r.prompt, 20)
+    assert server.prefill.kv_usage()["num_used_blocks"] == server.decode.kv_usage()["num_used_blocks"] == 0
+    with pytest.raises(ValueError, match=r"KV blocks.*\(the prefill engine's pool: prefill_options\)"):
+        server.run([Request(list(range(10, 30)), 2, request_id="long")])
+    with pytest.raises(ValueError, match=r"KV blocks.*\(the decode engine's pool: decode_options\)"):
+        server.run([Request(list(range(10, 18)), 200, request_id="far")])

@@ -61,6 +61,11 @@ class DisaggregatedServer:
                                  "in or out between steps, in one process, one sequence per request")
             # Each phase may be sized on its own (DistServe's point): its options override the common ones.
             options[phase] = {**common, **(given or {})}
+        chosen = options["decode"].get("scheduler_cls")
+        if chosen is not None and not (isinstance(chosen, type) and issubclass(chosen, V0Scheduler)):
+            raise ValueError(f"decode_options scheduler_cls={getattr(chosen, '__name__', chosen)!r} cannot take handed-over "
+                             "K/V: the decode engine takes them in the way V0's swapped-out blocks come back -- pass a "
+                             "subclass of cbteach.engine.scheduler_v0.V0Scheduler, or leave it out")
         for key, default in (("block_size", block_size), ("kv_dtype", None)):  # blocks are copied as they are
             p, d = (options[ph].get(key, default) for ph in ("prefill", "decode"))
             if p != d:
@@ -80,12 +85,17 @@ class DisaggregatedServer:
         :meth:`Engine.run`); completions in request order."""
         requests = as_request_list(requests, "DisaggregatedServer.run()")
         taken: set = set()
-        for r in requests:  # the decode pool must hold the whole request: refuse it up front otherwise
-            self.prefill.check_request(r, taken)
-            if r.sampling_params.n > 1:
+        for r in requests:  # refused up front: the prefill pool must hold the prompt and its first token, the
+            if r.sampling_params.n > 1:  # decode pool the whole request
                 raise ValueError(f"request {r.request_id!r} asks for n > 1 samples; the disaggregated simulation hands "
                                  "over one sequence per request")
-            self.decode.check_request(r, taken)
+            first = Request(r.prompt, 1, request_id=r.request_id, sampling_params=r.sampling_params)
+            for phase, engine, asked in (("prefill", self.prefill, first), ("decode", self.decode, r)):
+                try:
+                    engine.check_request(asked, taken)
+                except ValueError as err:
+                    where = f" (the {phase} engine's pool: {phase}_options)" if "KV blocks" in str(err) else ""
+                    raise ValueError(f"{err}{where}") from None
             taken.add(r.request_id)
         t_run = max(self.prefill.now(), self.decode.now())  # a later run starts where the last one ended
         for r in requests:
