@@ -364,6 +364,10 @@ def test_cli(capsys):
     assert main(["simulate", "run", "--tp", "3"]) == 2  # an error names the flag the user typed
     err = capsys.readouterr().err
     assert "--tp 3" in err and "tensor_parallel_size" not in err
+    for what in ("run", "capacity"):  # lengths past the model's positions: simulated before as if they could run
+        assert main(["simulate", what, "--model", "opt-13b", "--prompt", "5000,5000", "--output", "3000,3000",
+                     "--requests", "4"]) == 2
+        assert "(5000 + 3000 = 8000 tokens) is more than opt-13b's 2048 positions" in capsys.readouterr().err
     assert main(["simulate", "capacity", "--model", "bierce", "--device", "t4", "--prompt", "8,16", "--output", "4,8",
                  "--requests", "40", "--batch", "4"]) == 0
     out = capsys.readouterr()

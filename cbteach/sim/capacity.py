@@ -56,12 +56,23 @@ class Deployment:
     def cost_model(self) -> CostModel:
         return CostModel(self.model, self.device, self.tensor_parallel_size, block_size=self.block_size)
 
+    def check_lengths(self) -> None:
+        """``ValueError`` if the longest prompt and output do not fit the model's positions (the engine refuses such
+        a request; a simulation of it would be of nothing real)."""
+        shape = self.cost_model().shape
+        longest = self.prompt_lens[-1] + self.output_lens[-1]
+        if longest > shape.max_positions:
+            raise ValueError(f"the longest prompt + output ({self.prompt_lens[-1]} + {self.output_lens[-1]} = {longest} "
+                             f"tokens) is more than {shape.name}'s {shape.max_positions} positions: shorten --prompt or "
+                             "--output")
+
     def workload(self, rate: float | None, num_requests: int):
         """The first ``num_requests`` of one long stream of requests: a longer run extends a shorter one."""
         if not isinstance(num_requests, numbers.Integral) or isinstance(num_requests, bool) or num_requests < 1:
             raise ValueError(f"num_requests must be an integer >= 1, got {num_requests!r}")
         if num_requests > self.max_requests:
             raise ValueError(f"num_requests {num_requests} > max_requests {self.max_requests}")
+        self.check_lengths()
         pool = synthetic_workload(self.max_requests, rate, self.prompt_lens, self.output_lens, self.seed, self.spread)
         return pool[:num_requests]
 

@@ -104,8 +104,10 @@ def deployment(a):
 
     _names(a)
     CostModel(a.model, a.device, a.tp)  # a model, device or --tp it cannot use: named before anything runs
-    return Deployment(model=a.model, device=a.device, tensor_parallel_size=a.tp, prompt_lens=a.prompt,
-                      output_lens=a.output, num_requests=a.requests, max_batch_size=a.batch, token_budget=a.budget)
+    dep = Deployment(model=a.model, device=a.device, tensor_parallel_size=a.tp, prompt_lens=a.prompt,
+                     output_lens=a.output, num_requests=a.requests, max_batch_size=a.batch, token_budget=a.budget)
+    dep.check_lengths()  # (before a progress bar starts)
+    return dep
 
 
 def _device_warnings(a, result) -> list:
