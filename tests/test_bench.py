@@ -217,3 +217,23 @@ def test_targets_without_a_static_row_are_not_measured():
     (it used to divide by zero after the whole run)."""
     tg = targets({"cbteach_paged": {"steps": 40, "seconds": 1.0, "tokens_per_s": 100.0}})
     assert tg["paged_vs_ideal"]["met"] is None and tg["paged_vs_transformers_cb"]["met"] is None
+
+
+def test_without_generate_or_static_the_tokens_are_still_checked(bierce):
+    """``--engines cbteach_paged,cbteach_concat`` printed "same tokens as None" and ``matched: null``: exactness went
+    unchecked. Per-prompt generate now runs once, untimed, as the reference."""
+    model, tok = bierce
+    rows = compare(model, tok, wl.build("headwords", tok, 3, max_new_tokens=6), 2, ("cbteach_paged", "cbteach_concat"),
+                   full_warmup=())
+    assert {r["reference_engine"] for r in rows.values()} == {"hf_generate (untimed)"}
+    assert all(r["matched"] is True for r in rows.values()), rows
+    assert list(rows) == ["cbteach_paged", "cbteach_concat"]  # (the reference is not a row)
+
+
+def test_a_max_new_tokens_or_history_past_the_models_positions_is_an_argument_error(tmp_path, capsys):
+    """Every engine then failed every request, after the history experiment ran and the results were written."""
+    for flag in ("--max-new-tokens", "--history"):
+        with pytest.raises(SystemExit) as e:
+            cli([flag, "100000", "--requests", "2", "--engines", "cbteach_paged", "--json", str(tmp_path / "b.json")])
+        assert e.value.code == 2 and f"{flag} 100000 leaves no room for a prompt" in capsys.readouterr().err
+    assert not (tmp_path / "b.json").exists()

@@ -9,6 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..core.modelinfo import max_positions
 from ..models import load_model
 from ..serving import workloads as wl
 from . import measure
@@ -255,6 +256,10 @@ def cli(argv=None) -> int:
         model, tok = load_model(a.model, device=device)
     except ValueError as e:
         p.error(str(e))
+    limit = max_positions(model.config)
+    for flag, asked in (("--max-new-tokens", a.max_new_tokens), ("--history", a.history)):
+        if limit is not None and asked and asked >= limit:  # (every engine would refuse every request)
+            p.error(f"{flag} {asked} leaves no room for a prompt in {a.model}'s {limit} positions: at most {limit - 1}")
     if device.type == "cpu":
         torch.set_num_threads(a.threads)
     workload, rows, points_out, captured = _measure(a, engines, model, tok, device)
