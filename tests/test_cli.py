@@ -171,6 +171,14 @@ def test_mask_png_says_where_the_file_went(tmp_path, capsys):
     assert (tmp_path / "noext.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_mask_png_naming_a_folder_is_refused(tmp_path, capsys):
+    """A folder was taken as a name: "heatmap saved to FOLDER.png", beside it."""
+    with pytest.raises(SystemExit) as exc:
+        main(["mask", "--cached", "1", "--new", "1", "--png", str(tmp_path)])
+    assert exc.value.code == 2 and "is a folder" in capsys.readouterr().err
+    assert not tmp_path.with_suffix(".png").exists()
+
+
 def test_course_files_beside_the_notebooks_are_kept_too_and_a_copy_onto_itself_is_refused(tmp_path, capsys):
     dst = tmp_path / "course"
     dst.mkdir()

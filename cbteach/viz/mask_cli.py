@@ -12,6 +12,7 @@ This module also holds the small argparse types the rest of the command line sha
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 MAX_QUERIES, MAX_KEYS = 512, 2048  # a mask beyond this is neither readable nor cheap to draw
 
@@ -97,6 +98,8 @@ def cli(argv=None) -> int:
                 parser.error(f"block {b} appears twice in the block tables (sequences {taken[b]} and {seq}): a "
                              "block holds the K/V of one sequence's tokens")
             taken[b] = seq
+    if args.png and Path(args.png).is_dir():  # (savefig would write "FOLDER.png" beside it)
+        parser.error(f"--png {args.png} is a folder: name a file in it, e.g. --png {Path(args.png) / 'mask.png'}")
     kwargs = dict(cached=args.cached, new=args.new, layout=args.layout)
     if args.layout == "paged":
         kwargs.update(block_size=args.block_size or DEFAULT_BLOCK_SIZE, block_tables=args.block_tables)
