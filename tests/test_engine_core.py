@@ -249,6 +249,20 @@ def test_attention_called_twice_a_layer_or_with_a_mask_of_its_own_is_refused_pag
             [Request(p, 8) for p in prompts])] == want
 
 
+def test_a_mask_a_layer_brings_only_on_longer_steps_stops_the_engine_rather_than_being_dropped():
+    """The one-token look at construction sees a mask a layer always brings (Doge's); one a layer brought only for
+    longer steps would reach paged attention later: it stops the engine, naming it, rather than being dropped."""
+    from cbteach.errors import EngineRuleError
+
+    class Layer(torch.nn.Module):
+        layer_idx = 0
+
+    q = torch.zeros(1, 4, 3, 8)
+    with pytest.raises(EngineRuleError, match="Layer hands its attention function a mask of its own.*kv='concat'"):
+        paged_attention.paged_attention_forward(Layer(), q, q[:, :2], q[:, :2], torch.zeros(1, 1, 3, 3),
+                                                **{paged_attention.STEP_KWARG: object()})
+
+
 def test_the_pool_takes_the_key_shape_the_layers_use_not_the_configs():
     """JetMoE's keys have more heads than ``config.num_key_value_heads``; GPTBigCode built with
     ``multi_query=False`` keeps the default 12 there while its layers use 4; a GPT-2 config may carry a

@@ -28,6 +28,8 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     if meta is None:  # (not one request's failure: no request can run on this model)
         raise EngineRuleError(f"{NAME!r} attention got no {STEP_KWARG}=: {type(module).__name__} does not pass the forward's "
                               "keyword arguments on to its attention function, so kv='paged' cannot run it: use kv='concat'")
+    if attention_mask is not None:  # (transformers builds none for us: a layer's own, which block tables would drop)
+        raise EngineRuleError(f"{type(module).__name__} hands its attention function a mask of its own: use kv='concat'")
     attend = meta.attention or default_attention
     out = attend(query, key, value, meta, module.layer_idx, scaling)
     if not isinstance(out, torch.Tensor) or out.shape != query.shape:
