@@ -113,7 +113,8 @@ def test_rule_keepers_are_ranked_by_goodput_and_breakers_disqualified_with_their
         else:
             assert e.rank is None and e.disqualified and words in e.disqualified, (name, e.disqualified)
     ranked = [e for e in results if e.rank is not None]
-    assert [e.rank for e in ranked] == list(range(1, len(ranked) + 1))
+    score = lambda e: (e.goodput, -e.ttft_mean)  # noqa: E731
+    assert [e.rank for e in ranked] == [1 + sum(score(o) > score(e) for o in ranked) for e in ranked]  # ties share
     assert [e.goodput for e in ranked] == sorted((e.goodput for e in ranked), reverse=True)
     assert results[:len(ranked)] == ranked  # disqualified ones come last
 
@@ -236,6 +237,59 @@ def test_the_instructors_server_takes_submissions_and_ranks_them(tmp_path, model
     assert (tmp_path / "sjf.py").read_text() == ENTRANTS["shortest_first"][0]
     assert "Scheduler tournament" in client.get("/").text
     assert client.get("/plot.png").headers["content-type"] == "image/png"
+
+
+LOOPS = HEADER + "class MyScheduler(Scheduler):\n    def schedule(self, now):\n        while True:\n            pass\n"
+EXITS = HEADER + "class MyScheduler(Scheduler):\n    def schedule(self, now):\n        raise SystemExit(0)\n"
+
+
+def test_an_endless_loop_or_an_exit_is_disqualified_and_the_tournament_goes_on(tmp_path, model):
+    """An entrant whose schedule never returned hung the tournament (and the server, for everyone); sys.exit() at
+    the top of a file or in schedule ended the whole room, its table lost, with exit status 0."""
+    for name, src in (("loops", LOOPS), ("exits", EXITS), ("exits_at_import", "raise SystemExit(3)\n"),
+                      ("good", CORRECT)):
+        (tmp_path / f"{name}.py").write_text(src)
+    by = {e.name: e for e in T.run_tournament(T.load_schedulers(tmp_path), model,
+                                               T.Trace(num_requests=4, time_limit=5.0))}
+    assert "did not finish the trace within 5 s" in by["loops"].disqualified
+    assert "SystemExit" in by["exits"].disqualified and "SystemExit: 3" in by["exits_at_import"].disqualified
+    assert by["good"].rank == 1 and by[T.BASELINE].rank == 1  # (the same policy: they share the place)
+
+
+def test_a_fixed_file_of_the_same_size_written_at_once_is_the_one_loaded(tmp_path, monkeypatch):
+    """Loading went through Python's bytecode cache, which trusts a file's size and whole-second time: a fix of
+    the same size within the second ran the old code (where bytecode is written, as an instructor's Python does)."""
+    monkeypatch.setattr("sys.dont_write_bytecode", False)
+    path = tmp_path / "alice.py"
+    for version in (1, 2):
+        path.write_text(HEADER + f"VERSION = {version}\nclass MyScheduler(Scheduler):\n    def schedule(self, now):\n"
+                                 "        return super().schedule(now)\n")
+        assert T.load_scheduler(path).schedule.__globals__["VERSION"] == version
+
+
+def test_long_names_keep_the_courses_mark_and_the_json_says_it(tmp_path, model):
+    e = T.Entry("y" * 30, goodput=1.0, num_good=1, num_requests=1, ttft_p90=0.1, tpot_p90=0.01, ttft_mean=0.1,
+                course=True)
+    from cbteach.exercises.tournament_core import ranked
+    line = T.table(ranked([e]), T.Trace()).splitlines()[-1]
+    assert "(the course's)" in line and "…" in line, line
+    from cbteach.exercises.tournament_server import _row
+    assert _row(e)["course"] is True
+
+
+def test_the_server_refuses_names_the_room_would_not_load(tmp_path, model):
+    """``"abc\\n"`` passed the name pattern (``$`` matches before a final newline) and made a file named so;
+    ``_hidden`` was ranked by the server, then skipped by every later load of the room."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from cbteach.exercises.tournament_server import Board, make_app
+
+    client = TestClient(make_app(Board(tmp_path, model, T.Trace(num_requests=4)), "k"))
+    for name in ("abc\n", "_hidden"):
+        r = client.post("/submit", json={"name": name, "source": CORRECT}, headers={"Authorization": "Bearer k"})
+        assert r.status_code == 400 and "not starting with '_'" in r.json()["detail"], r.text
+    assert not list(tmp_path.glob("*.py"))
 
 
 def test_serving_the_tournament_needs_the_rooms_key(tmp_path, monkeypatch, model):

@@ -7,8 +7,9 @@ second meeting the TTFT and TPOT targets). The engine's own scheduler is the bas
 """
 from __future__ import annotations
 
-import importlib.util
 import random
+import threading
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +45,7 @@ class Trace:
     per_token: float = 0.0005
     ttft_slo: float = 0.5
     tpot_slo: float = 0.03
+    time_limit: float = 300.0  # wall seconds an entrant may take for the whole trace (an endless loop is then out)
 
     def requests(self, vocab_size: int) -> list[Request]:
         rng = random.Random(self.seed)
@@ -91,6 +93,12 @@ class Entry:
         """The name as the table and the plot show it: the course's scheduler marked."""
         return f"{self.name} (the course's)" if self.course else self.name
 
+    def short_label(self, width: int = 40) -> str:
+        """:attr:`label` in ``width`` characters: a long name is cut, never the course's mark."""
+        mark = " (the course's)" if self.course else ""
+        name = self.name if len(self.name) + len(mark) <= width else self.name[:width - len(mark) - 1] + "…"
+        return name + mark
+
 
 generate_outputs = generated_all  # per-prompt greedy model.generate, EOS off (the trace ignores it)
 
@@ -107,12 +115,15 @@ def load_schedulers(folder) -> dict:
 
 
 def load_scheduler(path: Path):
-    """The ``MyScheduler`` class the file at ``path`` defines, or the reason it cannot run (a str)."""
-    spec = importlib.util.spec_from_file_location(f"cbteach_tournament_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
+    """The ``MyScheduler`` class the file at ``path`` defines, or the reason it cannot run (a str). The file is
+    compiled from its text each time (no bytecode cache: a fixed resubmission of the same size within the same
+    second would load the old one)."""
+    path = Path(path)
+    module = types.ModuleType(f"cbteach_tournament_{path.stem}")
+    module.__file__ = str(path)
     try:
-        spec.loader.exec_module(module)
-    except Exception as err:  # noqa: BLE001 -- a learner's file
+        exec(compile(path.read_text(encoding="utf-8"), str(path), "exec"), module.__dict__)  # noqa: S102
+    except (Exception, SystemExit) as err:  # noqa: BLE001 -- a learner's file (sys.exit() too: it must not end the room)
         return f"the file did not run: {type(err).__name__}: {err}"
     cls = getattr(module, "MyScheduler", None)
     if cls is None:
@@ -132,7 +143,10 @@ def run_entry(name: str, cls, model, trace: Trace, expected: dict) -> Entry:
         return entry
     if cls is not Scheduler and guard.refusal("scheduler", cls):  # (super().schedule(): the course's, marked so)
         entry.course = True
-    result = run(model, trace, cls if cls is Scheduler else watched(cls, rules_="safety"), 40 * trace.num_requests)
+    result = _run_in_time(model, trace, cls if cls is Scheduler else watched(cls, rules_="safety"))
+    if isinstance(result, str):
+        entry.disqualified = result
+        return entry
     entry.steps, entry.preemptions = len(result.records), sum(len(r.preempted) for r in result.records)
     entry.disqualified = str(result.mistake) if result.mistake else leftovers(result.engine, expected)
     if entry.disqualified is None:  # TTFT counts from the arrival: a scheduler may not move it
@@ -147,6 +161,36 @@ def run_entry(name: str, cls, model, trace: Trace, expected: dict) -> Entry:
         for key in ("goodput", "num_good", "duration", "ttft_p90", "tpot_p90", "ttft_mean"):
             setattr(entry, key, entry.summary[key])
     return entry
+
+
+class OutOfTime(Exception):
+    """Raised inside an entrant's run that went past the trace's wall-clock limit, to end it."""
+
+
+def _run_in_time(model, trace: Trace, cls):
+    """:func:`~.scheduler_check.run` on a thread of its own, waited for ``trace.time_limit`` wall seconds: the
+    run, or why the entrant is out. Past the limit the run is ended by an exception raised in its thread
+    (CPython's ``PyThreadState_SetAsyncExc``, at the loop's next bytecode), so an endless loop neither hangs the
+    tournament nor keeps spinning beside the next entrant."""
+    import ctypes
+
+    got: list = []
+
+    def go():
+        try:
+            got.append(run(model, trace, cls, 40 * trace.num_requests))
+        except BaseException as err:  # noqa: BLE001 -- sys.exit() in a learner's schedule, or OutOfTime
+            got.append(f"the run stopped with {type(err).__name__}: {err}")
+
+    worker = threading.Thread(target=go, name="tournament entrant", daemon=True)
+    worker.start()
+    worker.join(trace.time_limit)
+    if worker.is_alive():
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(worker.ident), ctypes.py_object(OutOfTime))
+        worker.join(10.0)
+        return (f"MyScheduler did not finish the trace within {trace.time_limit:g} s of wall time (an endless loop?): "
+                "a step's plan must come back")
+    return got[0]
 
 
 def run_tournament(entrants: dict, model, trace: Trace = Trace(), baseline: bool = True,
@@ -171,12 +215,17 @@ def run_tournament(entrants: dict, model, trace: Trace = Trace(), baseline: bool
 
 
 def ranked(entries: list[Entry]) -> list[Entry]:
-    """``entries`` ranked by goodput (best first; ties by mean TTFT, then name), the disqualified last, unranked."""
-    good = sorted((e for e in entries if e.disqualified is None),
-                  key=lambda e: (-(e.goodput or 0.0), e.ttft_mean if e.ttft_mean is not None else float("inf"), e.name))
+    """``entries`` ranked by goodput (best first; ties by mean TTFT, listed by name), the disqualified last, unranked.
+    Entries equal in both share their place (1, 1, 3)."""
+    def score(e):
+        return -(e.goodput or 0.0), e.ttft_mean if e.ttft_mean is not None else float("inf")
+
+    good = sorted((e for e in entries if e.disqualified is None), key=lambda e: (*score(e), e.name))
     bad = sorted((e for e in entries if e.disqualified is not None), key=lambda e: e.name)
-    for i, e in enumerate(good + bad, 1):
-        e.rank = i if e.disqualified is None else None
+    for i, e in enumerate(good, 1):
+        e.rank = good[i - 2].rank if i > 1 and score(good[i - 2]) == score(e) else i
+    for e in bad:
+        e.rank = None
     return good + bad
 
 
@@ -189,8 +238,8 @@ def table(entries: list[Entry], trace: Trace) -> str:
                    f"{'steps':>6} {'preempt':>7}"]
     for e in entries:
         if e.disqualified is None:
-            lines.append(f"{e.rank:>4}  {e.label[:40]:40s} {e.goodput:8.3f} {e.num_good:>4}/{e.num_requests:<3} "
+            lines.append(f"{e.rank:>4}  {e.short_label():40s} {e.goodput:8.3f} {e.num_good:>4}/{e.num_requests:<3} "
                          f"{e.ttft_p90:8.3f}s {e.tpot_p90:8.4f}s {e.steps:>6} {e.preemptions:>7}")
         else:
-            lines.append(f"{'DQ':>4}  {e.label[:40]:40s} disqualified: {e.disqualified}")
+            lines.append(f"{'DQ':>4}  {e.short_label():40s} disqualified: {e.disqualified}")
     return "\n".join(lines)
