@@ -174,6 +174,14 @@ def write_course(src: Path, dst: Path, student: bool, force: bool = False, clear
     for extra in extras:
         if (src / extra).exists():
             (dst / extra).write_text((src / extra).read_text(encoding="utf-8"), encoding="utf-8")
+    for name in INSTRUCTOR_FILES if student else ():  # a full copy written there before: the student copy has none
+        left, ours = dst / name, src / name
+        if left.exists() and ours.exists() and left.read_bytes() == ours.read_bytes():
+            left.unlink()
+            say(f"{name}: removed (the course's instructor notes have no place in the student copy)")
+        elif left.exists():
+            say(f"!! {name} is still in {dst}: it is not the course's copy (your own notes?), so it was kept -- "
+                "remove it before handing the folder out")
     return [dst / p.name for p in notebooks]
 
 

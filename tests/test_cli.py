@@ -270,6 +270,21 @@ def test_student_copy(tmp_path):
     assert main(["student", str(src), str(tmp_path / "out"), "--force"]) == 0
 
 
+def test_a_student_copy_over_a_full_one_leaves_no_instructor_notes(tmp_path, capsys):
+    """``notebooks DIR`` then ``notebooks DIR --student --force`` said the student copy was written, and DIR still
+    held INSTRUCTOR.md and WORKSHOP_KIT.md; notes of the instructor's own (edited) are kept, with a warning."""
+    assert main(["notebooks", str(tmp_path / "nb")]) == 0
+    assert (tmp_path / "nb" / "INSTRUCTOR.md").exists()
+    assert main(["notebooks", str(tmp_path / "nb"), "--student", "--force"]) == 0
+    assert not (tmp_path / "nb" / "INSTRUCTOR.md").exists() and not (tmp_path / "nb" / "WORKSHOP_KIT.md").exists()
+    assert main(["notebooks", str(tmp_path / "full")]) == 0
+    (tmp_path / "full" / "INSTRUCTOR.md").write_text("my notes")
+    capsys.readouterr()
+    assert main(["student", str(tmp_path / "full"), str(tmp_path / "full2")]) == 0  # (a copy beside: none to remove)
+    assert main(["student", str(tmp_path / "nb"), str(tmp_path / "full"), "--force"]) == 0
+    assert (tmp_path / "full" / "INSTRUCTOR.md").read_text() == "my notes" and "it was kept" in capsys.readouterr().out
+
+
 def test_bench_runs_small_and_writes_json(tmp_path, capsys):
     args = ["bench", "--workload", "length_variance", "--cap", "6", "--requests", "4", "--batch-size", "2",
             "--engines", "static,cbteach_paged,transformers_cb", "--history", "6", "--out", str(tmp_path)]
