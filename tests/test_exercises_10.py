@@ -135,7 +135,7 @@ def test_running_hints_name_the_rule_not_the_answer(model, truth, capsys):
 
 
 @pytest.mark.parametrize("name,value,hint", [
-    ("static_steps", ..., "no answer yet"),
+    ("static_steps", ..., "not done yet"),
     ("continuous_steps", True, "whole number"),
     ("num_blocks", "2", "whole number"),
     ("running", ["C", "D"], "should be a dict"),

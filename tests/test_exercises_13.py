@@ -145,8 +145,14 @@ def test_bad_input_is_a_hint_not_a_traceback(run, capsys):
     assert "the check stopped with ZeroDivisionError" in capsys.readouterr().out
     assert not ex13.check_tp(kv_right, bytes_right, [], num_layers=2, hidden_size=64)
     capsys.readouterr()
-    assert not ex13.check_tp(lambda *a: None, lambda *a: None, **run)  # the student copy's stubs
+    assert not ex13.check_tp(lambda *a: None, lambda *a: None, **run)  # returning None
     assert "return the list of KV head indices" in capsys.readouterr().out
+
+    def kv_heads_of_rank(rank, world_size, num_heads, num_kv_heads):
+        ...  # the student copy's stub
+
+    assert not ex13.check_tp(kv_heads_of_rank, bytes_right, **run)
+    assert "not done yet: kv_heads_of_rank is still the stub" in capsys.readouterr().out
     assert not ex13.check_tp(kv_right, lambda *a: "many", **run)
     assert "return a number of bytes" in capsys.readouterr().out
     assert not ex13.check_tp(kv_right, lambda L, T, h, b: 2 * L * T * h * b, **run)  # the old four-argument form

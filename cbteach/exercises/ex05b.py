@@ -223,7 +223,7 @@ def check_attend_blocks(inner, model=None, tok=None) -> bool:
         return fail(NOT_INSTALLED)
     need_function(inner, "my_attend_blocks")
     if is_stub(inner):
-        return fail("my_attend_blocks is still the stub: write its loop below the cell's "
+        return fail("not done yet: my_attend_blocks is still the stub -- write its loop below the cell's "
                     "@triton.jit line (replace the ...), then run this cell again")
     if delegates(inner):
         return fail("your loop calls the course's own (cbteach's attend_blocks or another piece of "

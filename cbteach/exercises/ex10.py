@@ -142,7 +142,7 @@ GOOD = {
 def _problem(name, got, m) -> str:
     """What is wrong with the answer to ``name``: its form, else the first typical mistake that gives it."""
     if got is Ellipsis or got is None:
-        return "no answer yet: assign it in the cell above"
+        return "not done yet: assign it in the cell above"
     if name == "running" and (not isinstance(got, dict) or not all(v in ("prefill", "decode") for v in got.values())):
         return f'running should be a dict from request id to "prefill" or "decode", e.g. {{"A": "decode"}}; got {got!r}'
     if name != "running" and not is_int(got):
