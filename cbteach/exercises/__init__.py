@@ -151,9 +151,11 @@ def is_int(x) -> bool:
 
 def as_ints(got) -> list[int] | None:
     """A flat answer of whole numbers as a list of ints -- whether the learner gave a list, a tuple, a generator, a
-    tensor or a NumPy array (``[N]``, or ``[1, N]``), of Python, NumPy or one-element tensor integers; None if
-    it is not one."""
+    tensor or a NumPy array (``[N]``, ``[1, N]``, or one number), of Python, NumPy or one-element tensor integers;
+    None if it is not one."""
     if hasattr(got, "tolist") and hasattr(got, "shape"):  # a tensor, a NumPy array
+        if len(got.shape) == 0:
+            got = got.reshape(1)
         if len(got.shape) == 2 and got.shape[0] == 1:
             got = got[0]
         if len(got.shape) != 1:

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import Fail, fail, first_mistake, is_int, need_function, passed, raised, self_check
+from . import Fail, as_ints, fail, first_mistake, need_function, passed, raised, self_check
 
 CACHE_KWARGS = ("cache", "past_key_values")  # transformers 5 renamed past_key_values to cache
 
@@ -71,16 +71,6 @@ def generate_with_work(model, input_ids, max_new_tokens: int, eos_id: int, use_c
                              max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=eos_id,
                              use_cache=use_cache)
     return out[0, input_ids.shape[1]:].tolist(), calls
-
-
-def _as_ids(got):
-    """The learner's answer as a list of ints, or None if it is not a flat sequence of token ids."""
-    if torch.is_tensor(got):
-        got = got.reshape(-1).tolist() if got.dim() <= 1 or got.shape[0] == 1 else None
-    if got is None or isinstance(got, (str, bytes, dict)) or not hasattr(got, "__iter__"):
-        return None
-    got = [t.item() if torch.is_tensor(t) and t.numel() == 1 else t for t in got]
-    return [int(t) for t in got] if all(is_int(t) for t in got) else None
 
 
 def _work_hint(calls) -> str | None:
@@ -171,7 +161,7 @@ def check_greedy_decode(greedy_decode, model, input_ids, max_new_tokens: int, eo
     for (n, eos), (expected, ref_calls) in zip(cases, references):
         got, calls = run_barred(greedy_decode, model, (input_ids.clone(), n, eos), "greedy_decode", _record)
         where = f"greedy_decode(model, <{input_ids.shape[1]}-token prompt>, max_new_tokens={n}, eos_id={eos})"
-        hint, ids = _work_hint([c[:2] for c in calls]) or _input_hint(calls), _as_ids(got)
+        hint, ids = _work_hint([c[:2] for c in calls]) or _input_hint(calls), as_ints(got)
         if isinstance(got, Exception):
             return fail(f"{where} raised {raised(got)}" + (f" -- {hint}" if hint else ""))
         if got is None and not calls:

@@ -18,6 +18,13 @@ from . import fail, generated, need_function, passed, raised, self_check
 HEADS, DIM = 2, 3
 
 
+
+def _pairs(got):
+    """What ``scatter`` returned, a generator of ``(keys, values)`` pairs made a list (anything else as it is)."""
+    if hasattr(got, "__iter__") and not isinstance(got, (list, tuple, str, bytes, dict)) and not torch.is_tensor(got):
+        return list(got)
+    return got
+
 def _labelled(seq: int, start: int, n: int, kind: int) -> torch.Tensor:
     """``[1, HEADS, n, DIM]`` whose token ``t`` holds ``1000 * kind + 100 * seq + (start + t)`` everywhere."""
     pos = torch.arange(start, start + n, dtype=torch.float32)
@@ -67,9 +74,7 @@ def _scatter_hint(scatter) -> str | None:
     packed = [torch.cat([_labelled(s, 0, c, kind) for s, c in enumerate(cached) if c]  # the cached keys, then the new
                         + [_labelled(s, c, n, kind) for s, (c, n) in enumerate(zip(cached, new))], dim=2)
               for kind in (0, 1)]
-    got = scatter(*packed, _caches(cached), list(new))
-    if hasattr(got, "__iter__") and not isinstance(got, (list, tuple, str, bytes, dict)) and not torch.is_tensor(got):
-        got = list(got)  # a generator of pairs
+    got = _pairs(scatter(*packed, _caches(cached), list(new)))
     if got is None:
         return "not done yet: scatter returned None -- write it in the cell above"
     if not isinstance(got, (list, tuple)) or len(got) != len(cached):
@@ -121,10 +126,7 @@ def _plug(engine, gather, scatter):
         cache = packed.pop("cache")
         for layer in range(kv.num_layers):
             k_all, v_all = layer_kv(cache, layer)
-            updated = scatter(k_all, v_all, caches_of(meta, layer), list(meta.num_scheduled_tokens))
-            if hasattr(updated, "__iter__") and not isinstance(updated, (list, tuple, str, bytes, dict)) \
-                    and not torch.is_tensor(updated):
-                updated = list(updated)  # a generator of pairs
+            updated = _pairs(scatter(k_all, v_all, caches_of(meta, layer), list(meta.num_scheduled_tokens)))
             if not isinstance(updated, (list, tuple)) or len(updated) != len(meta.request_ids):
                 raise TypeError("scatter should return one (keys, values) pair per sequence of the step")
             for rid, pair in zip(meta.request_ids, updated):
