@@ -18,12 +18,12 @@ from . import fail, generated, need_function, passed, raised, self_check
 HEADS, DIM = 2, 3
 
 
-
 def _pairs(got):
     """What ``scatter`` returned, a generator of ``(keys, values)`` pairs made a list (anything else as it is)."""
     if hasattr(got, "__iter__") and not isinstance(got, (list, tuple, str, bytes, dict)) and not torch.is_tensor(got):
         return list(got)
     return got
+
 
 def _labelled(seq: int, start: int, n: int, kind: int) -> torch.Tensor:
     """``[1, HEADS, n, DIM]`` whose token ``t`` holds ``1000 * kind + 100 * seq + (start + t)`` everywhere."""
