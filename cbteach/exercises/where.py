@@ -134,11 +134,7 @@ def cells(path: Path, stubbed: bool = False) -> tuple[list[str], list[str], list
             solutions.append(stub(src) if stubbed else src)
             headings.append(heading)
             continue
-        try:
-            tree = ast.parse("\n".join(line for line in src.splitlines() if not line.lstrip().startswith(("%", "!"))))
-        except SyntaxError:
-            continue
-        imports += [ast.unparse(n) for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        imports += [ast.unparse(n) for n in _top_level(src) if isinstance(n, (ast.Import, ast.ImportFrom))]
     return imports, solutions, headings
 
 
@@ -152,13 +148,17 @@ def helpers(path: Path) -> dict:
         src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
         if cell.get("cell_type") != "code" or SOLUTION_TAG in cell.get("metadata", {}).get("tags", []):
             continue
-        try:
-            tree = ast.parse("\n".join(line for line in src.splitlines() if not line.lstrip().startswith(("%", "!"))))
-        except SyntaxError:
-            continue
-        out.update({n.name: ast.unparse(n) for n in tree.body
+        out.update({n.name: ast.unparse(n) for n in _top_level(src)
                     if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))})
     return out
+
+
+def _top_level(src: str) -> list:
+    """A code cell's top-level statements, its ``%`` and ``!`` lines left out ([] if it does not parse)."""
+    try:
+        return ast.parse("\n".join(line for line in src.splitlines() if not line.lstrip().startswith(("%", "!")))).body
+    except SyntaxError:
+        return []
 
 
 def binds(statement: str) -> set:
