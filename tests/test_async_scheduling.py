@@ -226,11 +226,13 @@ def test_step_n_plus_1_is_queued_on_the_device_before_step_n_is_waited_on():
 BAD = 95  # the model raises on any step that feeds this token
 
 
+@pytest.mark.parametrize("how", ["raises", "nan"])
 @pytest.mark.parametrize("seed", range(12))
-def test_async_with_requests_the_model_fails_on_stays_exact_for_the_others(seed):
-    """Randomised: prompts that share prefixes, some holding a token the model raises on, under chunked
-    prefill, tight pools and prefix caching. Async scheduling prepares step N+1 before it learns that N
-    failed: the worker runs N again a request at a time from their own states and prepares N+1 again.
+def test_async_with_requests_the_model_fails_on_stays_exact_for_the_others(seed, how):
+    """Randomised: prompts that share prefixes, some holding a token the model raises on (or gives NaN
+    for), under chunked prefill, tight pools and prefix caching. Async scheduling prepares step N+1 before
+    it learns that N failed: the worker runs N again a request at a time from their own states and
+    prepares N+1 again.
     Every request the model does not fail on gets generate's tokens, the failed ones end with an error,
     and no block is left in use."""
     g = random.Random(seed)
@@ -248,7 +250,8 @@ def test_async_with_requests_the_model_fails_on_stays_exact_for_the_others(seed)
     opts = dict(max_batch_size=g.randint(2, 4), block_size=bs, num_blocks=need + g.randint(1, 3 * need),
                 prefix_caching=g.random() < 0.7, token_budget=g.choice([None, g.randint(4, 12)]))
     eng = Engine(model, kv="paged", async_scheduling=True, **opts)
-    handle = model.register_forward_pre_hook(_refuse_bad, with_kwargs=True)
+    handle = (model.register_forward_pre_hook(_refuse_bad, with_kwargs=True) if how == "raises"
+              else model.get_input_embeddings().register_forward_hook(_nan_for_bad))
     try:
         got = eng.run(reqs)
     finally:
@@ -267,3 +270,39 @@ def test_async_with_requests_the_model_fails_on_stays_exact_for_the_others(seed)
 def _refuse_bad(module, args, kwargs):
     if bool((kwargs["input_ids"] == BAD).any()):
         raise RuntimeError(f"the model refuses token {BAD}")
+
+
+def _nan_for_bad(module, args, output):
+    output[args[0] == BAD] = float("nan")
+    return output
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_async_neighbour_reading_a_nan_requests_prefix_in_the_same_step_stays_exact(arch):
+    """The model gives NaN for a token of one prompt (its embedding output is NaN). A neighbour admitted in
+    the same step on that request's prefix -- a prefix-cache hit on blocks the failing request fills in
+    that step -- reads NaN K/V: its logits are not finite too. The synchronous engine runs it again alone;
+    under async scheduling the step behind must not read its token first. Only the request with the
+    token fails; the neighbour (greedy, and a seeded one) gets the tokens it gets on its own."""
+    model = tiny_model(arch)
+    head = list(range(10, 22))
+    good = Request(head + [7, 8], 6, request_id="good", ignore_eos=True)
+    seeded = Request(head + [9], 6, request_id="seeded", ignore_eos=True,
+                     sampling_params=SamplingParams(temperature=1.0, seed=3))
+    bad = Request(head + [BAD, 5, 6], 3, request_id="bad")
+    alone = Engine(model, max_batch_size=4, kv="paged", block_size=4).run([seeded])[0].output_ids
+    handle = model.get_input_embeddings().register_forward_hook(_nan_for_bad)
+    try:
+        eng = Engine(model, max_batch_size=4, kv="paged", block_size=4, prefix_caching=True,
+                     async_scheduling=True)
+        got = {c.request_id: c for c in eng.run([bad, good, seeded])}
+        again = eng.run([Request(good.prompt, 6, ignore_eos=True)])[0]
+    finally:
+        handle.remove()
+    assert eng.records[0].seqs[1].num_computed_tokens == len(head)  # (the case: a hit on blocks filled that step)
+    assert got["bad"].finish_reason == "error" and "not finite" in got["bad"].error
+    want = reference(model, good.prompt, 6, eos_id=-1)
+    assert got["good"].error is None and got["good"].output_ids == want
+    assert got["seeded"].error is None and got["seeded"].output_ids == alone
+    assert again.output_ids == want  # the blocks the failed request left are not read as a cached prefix
+    assert eng.kv_usage()["num_used_blocks"] == 0 and not eng.has_unfinished()

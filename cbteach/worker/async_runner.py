@@ -17,7 +17,10 @@ every process that runs one (the engine's, or each tensor-parallel rank's). One 
     wait for N     until N+1 has started (or, when N raised, has seen it and not run): N's tokens exist
                    on the device. A forward that raised is run again one request at a time (cbteach's
                    recovery), and then N+1 is prepared again (N may have left blocks unwritten that N+1
-                   reads) and queued again
+                   reads) and queued again. So is one whose logits were not finite for some row when N
+                   had several: a neighbour's NaN may have reached a row (see :func:`recovery.note_rows`),
+                   so N+1 does not run until N's rows are sorted out -- which the device thread learns by
+                   reading N's largest logits back (a wait for N on a GPU; ours, V1 has no such rule)
     finish N       N's tokens come to the host and join the rows and the states, while N+1's forward
                    pass runs; N's output is returned
 
@@ -71,12 +74,12 @@ class AsyncModelRunner:
 
     def __init__(self, runner):
         self.runner = runner
-        runner.read_ahead = True  # the step behind reads a step's tokens before it is finished: recovery runs none again
         self.device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cbteach-forward")
         self.flight: Flight | None = None  # the step on the device
         self.prev = None  # the last step's sampled tokens on the device, and {request id: index} (V1's prev_sampled_token_ids)
         self.recovered = False  # the last step waited for failed and was run again a request at a time
         self.broken = False  # a step on the device raised: the one queued behind it does not run
+        self.held = False  # ... or its logits were not finite for a row of several: nor does it
         self.copy_stream = torch.cuda.Stream(runner.device) if runner.device.type == "cuda" else None
 
     def execute_model(self, msg) -> RunnerOutput | None:
@@ -118,14 +121,15 @@ class AsyncModelRunner:
         """On the device thread: feed ``step`` the tokens of the step before, run and sample it; keep its
         sampled tokens, and ``rows`` (whose they are), for the step after."""
         try:
-            if self.broken:  # the step before raised: this one is prepared again after its recovery
-                return None
+            if self.broken or self.held:  # the step before raised or may have spread a NaN: this one is
+                return None               # prepared again after that one's rows are sorted out
             self.feed(step, pending)
             started.set()
             t0 = time.perf_counter()
             self.runner.forward(step)
             t1 = time.perf_counter()
             self.runner.sample(step)
+            self.held = len(step.rows) > 1 and not bool(step.sampled.finite.all())
             if self.copy_stream is not None:
                 step.sampled = copy_beside(step.sampled, self.copy_stream)
         except BaseException:
@@ -184,16 +188,27 @@ class AsyncModelRunner:
             self.broken = False
             output = recovery.recover(self.runner, step, err)  # (errors that stop the engine re-raise from here)
             output.forward_span = (launched, time.perf_counter())
-            tokens = [(s or [0])[-1] for s in output.sampled]  # the next step reads them as if one pass had sampled them
-            self.prev = (torch.tensor(tokens, device=self.runner.device), {rid: i for i, rid in enumerate(step.req_ids)})
-            self.recovered = True
+            self._recovered(output, step)
             return lambda: output
 
         def finish() -> RunnerOutput:
             output = self.runner.finish(step)
             output.forward_span = (t0, t1)
             return output
-        return finish
+        if not self.held:
+            return finish
+        self.held = False
+        if behind is not None:
+            behind.future.result()  # (it saw the hold and did not run)
+        output = finish()  # rows hit by a neighbour's NaN run again alone, now no step has read their tokens
+        self._recovered(output, step)
+        return lambda: output
+
+    def _recovered(self, output: RunnerOutput, step) -> None:
+        """``step``'s rows were run again: the step after it reads their tokens from ``output``, on the host."""
+        tokens = [(s or [0])[-1] for s in output.sampled]  # the next step reads them as if one pass had sampled them
+        self.prev = (torch.tensor(tokens, device=self.runner.device), {rid: i for i, rid in enumerate(step.req_ids)})
+        self.recovered = True
 
 
 def sampled_rows(step) -> dict:

@@ -95,12 +95,11 @@ def note_rows(runner, step, sampled: list, errors: list) -> tuple[list, list]:
     masked -- and a masked key's weight 0 times a NaN value is NaN -- and a paged row may read, as its cached
     prefix, blocks a failing row of the same step fills. So a row whose logits (or, concat, new K/V) are not
     finite runs again alone -- concat: its K/V of this step dropped first; paged: the failing rows' blocks
-    counted as unwritten first, so it computes them itself -- and only one that fails alone too fails. (Not
-    under async scheduling, ``runner.read_ahead``: the step behind has read this one's tokens already.)
-    Returns ``(sampled, errors)``."""
+    counted as unwritten first, so it computes them itself -- and only one that fails alone too fails. (Under
+    async scheduling the step behind waits for this: ``AsyncModelRunner.held``.) Returns ``(sampled, errors)``."""
     if runner.block_size is None:
         return _alone_again(runner, step, sampled, errors)
-    if len(step.rows) > 1 and NOT_FINITE in errors and not getattr(runner, "read_ahead", False):
+    if len(step.rows) > 1 and NOT_FINITE in errors:
         for i, e in enumerate(errors):
             if e is not None:
                 written(runner, step.req_ids[i], step.starts[i], step.counts[i], ok=False)
