@@ -335,3 +335,44 @@ def test_a_scheduler_cannot_escape_the_rules_by_changing_its_limits(model):
                   "        plan = StepPlan()")
     entry = T.run_tournament({"cheat": T.load_scheduler(_write(src))}, model, TRACE, baseline=False)[0]
     assert entry.disqualified and "token budget" in entry.disqualified
+
+
+def test_the_server_checks_the_key_before_it_reads_a_body_and_caps_the_body(tmp_path, model, monkeypatch):
+    """The body was parsed (any size, as JSON) before the key was looked at: anyone on the room's network could
+    make the instructor's machine read and hold a body of any size."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from cbteach.exercises import tournament_server as S
+
+    client = TestClient(S.make_app(S.Board(tmp_path, model, T.Trace(num_requests=4)), "k"))
+    read = []
+    monkeypatch.setattr(S.json, "loads", lambda body, _loads=json.loads: read.append(len(body)) or _loads(body))
+    assert client.post("/submit", content=b"{" * 300_000).status_code == 401
+    assert client.post("/submit", content=b"not json", headers={"Authorization": "Bearer no"}).status_code == 401
+    assert read == []  # neither body was parsed
+    key = {"Authorization": "Bearer k"}
+    assert client.post("/submit", content=b" " * 300_000, headers=key).status_code == 413
+    for body in (b"not json", b"[1, 2]"):
+        r = client.post("/submit", content=body, headers=key)
+        assert r.status_code == 400, r.text
+    r = client.post("/submit", json={"name": "ok", "source": CORRECT}, headers=key)
+    assert r.status_code == 200 and r.json()["entry"]["name"] == "ok"
+
+
+def test_serve_refuses_options_it_would_ignore_and_a_busy_port_before_running_anyone(tmp_path, model, monkeypatch):
+    """``--json``, ``--plot`` and ``--no-progress`` were silently ignored with ``--serve``; a busy port was found only
+    after every entrant in the folder had run."""
+    import socket
+
+    from cbteach.exercises import tournament_server as S
+
+    for flag in (["--json", str(tmp_path / "r.json")], ["--plot", str(tmp_path / "p.png")], ["--no-progress"]):
+        with pytest.raises(SystemExit) as exit_, contextlib.redirect_stderr(io.StringIO()) as err:
+            T.cli([str(tmp_path), "--serve", *flag])
+        assert exit_.value.code == 2 and "not with --serve" in err.getvalue()
+    monkeypatch.setenv("CBTEACH_API_KEY", "k")
+    monkeypatch.setattr(S, "Board", lambda *a, **k: pytest.fail("the board was computed before the port was tried"))
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        with pytest.raises(ValueError, match="cannot listen there"):
+            S.serve(tmp_path, model, T.Trace(num_requests=4), port=busy.getsockname()[1])

@@ -38,6 +38,9 @@ def cli(argv=None) -> int:
     a = p.parse_args(argv)
     if not 0 <= a.port <= 65535:
         p.error(f"argument --port: expected a port number in 0..65535, got {a.port}")
+    unused = [o for o, v in (("--json", a.json), ("--plot", a.plot), ("--no-progress", a.no_progress)) if v]
+    if a.serve and unused:
+        p.error(f"{', '.join(unused)}: not with --serve (the server shows its board at /, /leaderboard.json, /plot.png)")
     from ..bench.cli import unwritable
 
     for option, path in (("--json", a.json), ("--plot", a.plot)):

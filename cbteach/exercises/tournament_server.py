@@ -8,9 +8,11 @@ from __future__ import annotations
 import hashlib
 import html
 import io
+import json
 import os
 import re
 import secrets
+import socket
 import threading
 from pathlib import Path
 
@@ -65,20 +67,31 @@ def _row(e) -> dict:
 
 def make_app(board: Board, api_key: str):
     """The FastAPI app around ``board``; ``POST /submit`` needs ``api_key``."""
-    from fastapi import FastAPI, Header, HTTPException, Response
-    from fastapi.responses import HTMLResponse
+    from fastapi import FastAPI, HTTPException, Response
+    from fastapi.concurrency import run_in_threadpool
+    from fastapi.responses import HTMLResponse, JSONResponse
 
     app = FastAPI(title="cbteach scheduler tournament")
 
-    @app.post("/submit")
-    def submit(body: dict, authorization: str | None = Header(default=None)):
+    async def submit(request):  # (a plain route: the key is checked before the body is read)
+        authorization = request.headers.get("authorization")
         if authorization is None or not secrets.compare_digest(authorization, f"Bearer {api_key}"):
             raise HTTPException(status_code=401, detail="a submission needs Authorization: Bearer <the room's key>")
+        body = b""  # read only after the key, and only so much: a source is at most MAX_SOURCE bytes
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > 2 * MAX_SOURCE + 1024:  # (JSON may escape the source's characters)
+                raise HTTPException(status_code=413, detail=f"a submission is at most {MAX_SOURCE} bytes of source")
         try:
-            entry, entries = board.submit(body.get("name"), body.get("source"))
-        except ValueError as err:
+            fields = json.loads(body)
+            if not isinstance(fields, dict):
+                raise ValueError('the body must be a JSON object {"name": ..., "source": ...}')
+            entry, entries = await run_in_threadpool(board.submit, fields.get("name"), fields.get("source"))
+        except ValueError as err:  # (json's errors are ValueErrors too)
             raise HTTPException(status_code=400, detail=str(err)) from None
-        return {"entry": _row(entry), "leaderboard": [_row(e) for e in entries]}
+        return JSONResponse({"entry": _row(entry), "leaderboard": [_row(e) for e in entries]})
+
+    app.add_route("/submit", submit, methods=["POST"])
 
     @app.get("/leaderboard.json")
     def leaderboard():
@@ -120,6 +133,11 @@ def serve(folder, model, trace: Trace, host: str = "127.0.0.1", port: int = 8100
                          "(learners pass it to ex12.submit) and use it only on a network you trust")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    try:  # found now, not after every entrant in the folder has run
+        socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET).close()
+    except OSError as err:
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({err.strerror or err}); "
+                         "choose another port") from None
     import uvicorn
 
     board = Board(folder, model, trace)
