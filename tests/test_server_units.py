@@ -413,3 +413,37 @@ def test_fields_that_change_nothing_are_taken_and_the_others_refused_as_unsuppor
     with pytest.raises(proto.APIError) as e:
         proto.parse_completion({"prompt": "x", "max_tokens": 2, "max_token": 2}, limits)
     assert (e.value.param, e.value.code) == ("max_token", "unknown_parameter")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_step_of_several_tokens_ends_at_the_stop_string_as_single_tokens_do(tok, seed):
+    """A speculative step brings several tokens; the answer's ids and its usage went past the token that completed
+    a stop string (the text was cut): the same greedy request answered ``[221, 326, 298]``, 3 tokens, with
+    speculation and ``[221, 326]``, 2, without. Whatever the steps' sizes, the events are the same."""
+    g = random.Random(seed)
+    ids = [g.randrange(200, 400) for _ in range(12)]
+    stop = tok.decode(ids[g.randrange(3, 9)])[-1:] or "e"  # a character the answer reaches somewhere
+
+    def events(sizes):
+        async def go():
+            q = asyncio.Queue()
+            p = OutputProcessor()
+            p.load, p.abort_in_core = [0], lambda st: None
+            p.add(state("a", tok, q, max_tokens=len(ids), stop=(stop,)), 0)
+            at = 0
+            for n in sizes:
+                if "a" not in p.states:
+                    break
+                p.process(msg.StepOutputs(core=0, step=at, t=0, outputs=[msg.SeqOutput("a", ids[at:at + n])]))
+                at += n
+            got = [q.get_nowait()[1] for _ in range(q.qsize())]
+            text = "".join(e[1] for e in got if e[0] == "delta")
+            return text, [t for e in got if e[0] == "delta" for t in e[2]], [e for e in got if e[0] == "finish"]
+        return asyncio.run(go())
+
+    one_a_step = events([1] * len(ids))
+    sizes = []
+    while sum(sizes) < len(ids):
+        sizes.append(g.randint(1, 4))
+    assert events(sizes) == one_a_step
+    assert one_a_step[2] and one_a_step[2][0][1] == "stop" and one_a_step[2][0][2] == len(one_a_step[1])

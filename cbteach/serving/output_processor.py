@@ -118,13 +118,14 @@ class OutputProcessor:
         self.process_s += time.perf_counter() - t
 
     def _tokens(self, st: RequestState, ids, now: float) -> None:
+        ids, text = _until_stop(st.detok, ids)
         if self.metrics is not None:
             self.metrics.tokens(st, len(ids), now)
         if st.first_token_at is None:
             st.first_token_at = now
         st.last_token_at = now
         st.num_output_tokens += len(ids)
-        st.push(("delta", st.detok.add(ids), list(ids)))
+        st.push(("delta", text, list(ids)))
         self._charge(st)
 
     def end(self, st: RequestState, reason: str, error: str | None = None) -> None:
@@ -152,3 +153,16 @@ class OutputProcessor:
         for st in list(self.states.values()):
             if core is None or st.core == core:
                 self.end(st, reason, error)
+
+
+def _until_stop(detok: IncrementalDetokenizer, ids) -> tuple[list, str]:
+    """A step's new ids, and the text they add -- up to the token that completes a stop string. A speculative
+    step brings several tokens; the answer ends at that token, as it does when they come one a step."""
+    if len(ids) == 1 or not detok.stop:
+        return list(ids), detok.add(ids)
+    text = ""
+    for k, token in enumerate(ids):
+        text += detok.add([token])
+        if detok.stopped:
+            return list(ids[:k + 1]), text
+    return list(ids), text
