@@ -107,6 +107,22 @@ def test_unknown_options(model):
         Engine(model, max_batch_size=2, token_budget=0)
 
 
+def test_preempting_to_admit_under_a_policy_that_never_lets_anyone_is_refused(model):
+    """``preempt_to_admit=True`` with first come, first served was accepted and did nothing: no waiting request
+    outranks a running one there."""
+    from cbteach.engine.policies import FCFSQueue, PriorityQueue
+
+    for policy in ("fcfs", FCFSQueue()):
+        with pytest.raises(ValueError, match="preempt_to_admit=True does nothing under the policy 'fcfs'"):
+            Engine(model, max_batch_size=2, kv="paged", preempt_to_admit=True, policy=policy)
+
+    class Aging(FCFSQueue):  # a policy of one's own that says who may
+        def may_preempt(self, waiting, running):
+            return PriorityQueue.may_preempt(self, waiting, running)
+
+    Engine(model, max_batch_size=2, kv="paged", preempt_to_admit=True, policy=Aging())
+
+
 def test_request_larger_than_the_pool_is_refused(model):
     eng = Engine(tiny_model("llama"), max_batch_size=2, kv="paged", block_size=4, num_blocks=3)
     with pytest.raises(ValueError, match="needs up to 4 KV blocks of 4 tokens but the pool has only 3"):

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from ..core.request import RequestStatus, Sequence
 from ..core.scheduler_output import SchedulerOutput, StepPlan
+from .policies import WaitingQueue
 from .scheduler import Scheduler
 
 
@@ -78,6 +79,10 @@ class V0Scheduler(Scheduler):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.swapped: list[Sequence] = []  # swapped out (or handed over), waiting for room to come back
+        if self.config.preempt_to_admit and type(self.waiting).may_preempt is WaitingQueue.may_preempt:
+            raise ValueError(f"preempt_to_admit=True does nothing under the policy {self.waiting.name!r}: no waiting "
+                             "request may take a running one's place there; use policy='priority' (or a WaitingQueue "
+                             "whose may_preempt says who may)")
 
     def add_swapped(self, seq: Sequence) -> None:
         """Queue a sequence whose K/V wait in host memory (swapped out, or handed over by another
