@@ -348,11 +348,13 @@ def test_the_server_checks_the_key_before_it_reads_a_body_and_caps_the_body(tmp_
     client = TestClient(S.make_app(S.Board(tmp_path, model, T.Trace(num_requests=4)), "k"))
     read = []
     monkeypatch.setattr(S.json, "loads", lambda body, _loads=json.loads: read.append(len(body)) or _loads(body))
-    assert client.post("/submit", content=b"{" * 300_000).status_code == 401
+    assert client.post("/submit", content=b"{" * 500_000).status_code == 401
     assert client.post("/submit", content=b"not json", headers={"Authorization": "Bearer no"}).status_code == 401
     assert read == []  # neither body was parsed
     key = {"Authorization": "Bearer k"}
-    assert client.post("/submit", content=b" " * 300_000, headers=key).status_code == 413
+    assert client.post("/submit", content=b" " * 500_000, headers=key).status_code == 413
+    escaped = json.dumps({"name": "escaped", "source": CORRECT + "#" + "\x01" * (60_000 - len(CORRECT))})
+    assert len(escaped) > 300_000 and client.post("/submit", content=escaped, headers=key).status_code == 200
     for body in (b"not json", b"[1, 2]"):
         r = client.post("/submit", content=body, headers=key)
         assert r.status_code == 400, r.text
