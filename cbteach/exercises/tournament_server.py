@@ -80,7 +80,7 @@ def make_app(board: Board, api_key: str):
         body = b""  # read only after the key, and only so much: a source is at most MAX_SOURCE bytes
         async for chunk in request.stream():
             body += chunk
-            if len(body) > 6 * MAX_SOURCE + 1024:  # (JSON may escape a byte of the source as \\u0001)
+            if len(body) > 6 * MAX_SOURCE + 1024:  # (JSON may escape a byte of the source as \u0001)
                 raise HTTPException(status_code=413, detail=f"a submission is at most {MAX_SOURCE} bytes of source")
         try:
             fields = json.loads(body)
