@@ -289,6 +289,14 @@ def test_handover_names_the_missed_factor(model, capsys, wrong, hint):
     assert not ok and hint in out, out
 
 
+def test_a_mistake_the_check_does_not_know_gets_its_size_not_the_formula(model, capsys):
+    """The fallback hint spelt out the whole formula ("bytes = whole blocks of the prompt x block_size x ...")."""
+    ok, out = run(ex09.check_handover, scaled(tokens=lambda n, bs: math.ceil((n - 1) / bs) * bs), model, 30,
+                  capsys=capsys)
+    assert not ok and "times the bytes the server moved" in out and "×" not in out and "block_size" not in out.split(
+        "Hint:")[-1], out
+
+
 def test_handover_per_layer_hint(capsys):
     def one_layer(n, config, bs, kv_dtype, link):
         nbytes = right_handover(n, config, bs, kv_dtype, link)[0] // config.num_hidden_layers

@@ -80,12 +80,18 @@ def ring(N):
     (lambda L, T, h, b, N: 2 * L * 2 * (N - 1) / (N + 1) * T * h * b, "not 1/(N + 1)"),
     (lambda L, T, h, b, N: bytes_right(L, T, h, N, b), "swapped"),
     (lambda L, T, h, b, N: 8 * bytes_right(L, T, h, b, N), "bytes, not bits"),
+    # Mistakes the check does not know: the hint says what the wrong answers have in common, never the formula.
+    (lambda L, T, h, b, N: bytes_right(L, T, h, b, 2), "as if there were always 2 ranks"),
+    (lambda L, T, h, b, N: bytes_right(L, T, h, b, 4), "right at world_size 4, wrong at 2, 8"),
+    (lambda L, T, h, b, N: 0.75 * bytes_right(L, T, h, b, N), "every answer is 0.75 times"),
+    (lambda L, T, h, b, N: bytes_right(L, T + 1, h, b, N), "work one case out by hand"),
 ])
 def test_bytes_mistakes(run, capsys, wrong, idea):
     ok, out = check(run, capsys, nbytes=wrong)
     assert not ok and idea in out
     case = re.search(r"num_layers=(\d+), num_tokens=(\d+), hidden_size=(\d+), dtype_bytes=(\d+), world_size=(\d+)", out)
     assert f"{bytes_right(*map(int, case.groups())):g}" not in out  # the hint never gives the right value
+    assert "2 (world_size - 1)" not in out and "twice in every layer" not in out  # ... nor the formula
 
 
 def test_distinct_mistakes_give_distinct_hints(run, capsys):

@@ -128,8 +128,9 @@ def check_handover(handover, model, prompt_len: int | None = None) -> bool:
             probe = probe[0] if isinstance(probe, (tuple, list)) and len(probe) == 2 else None
             gives = lambda keywords: any(nbytes == _bytes(m.config, n, bs, kv_dtype, **k) and probe in (  # noqa: E731
                 None, _bytes(m.config, 40, 16, kv_dtype, **k)) for k in keywords)
-            hint = first_mistake(BYTES_MISTAKES, gives) or ("bytes = whole blocks of the prompt × block_size × "
-                                                            "2 (K, V) × layers × KV heads × bytes per head")
+            hint = first_mistake(BYTES_MISTAKES, gives) or (
+                f"not one of the typical mistakes the check knows; your count is {nbytes / exp_bytes:.4g} times the "
+                "bytes the server moved -- look for the factor that is off by that much")
             return fail(f"for {where} you said {nbytes:,} bytes, {'more' if nbytes > exp_bytes else 'fewer'} than "
                         f"the server moved. Hint: {hint}")
         if not math.isclose(seconds, exp_seconds, rel_tol=1e-9, abs_tol=1e-15):

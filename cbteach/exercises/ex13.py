@@ -53,7 +53,8 @@ WORLD_SIZES = (2, 4, 8)
 # Typical mistakes: (the wrong answer from the right one t and the case's L, T, h, b, N; the hint).
 _MISTAKES = [
     (lambda t, L, T, h, b, N: t * N / (2 * (N - 1)), "that is the size of the all-reduced tensors, not what one rank "
-     "sends (or the ring's factor 2 (N - 1) / N rounded down by integer division, //): a ring all-reduce is a "
+     "sends (or the ring's factor 2 (N - 1) / N rounded down by integer division, //, or world_size left out, as if "
+     "there were always 2 ranks): a ring all-reduce is a "
      "reduce-scatter then an all-gather, each sending N - 1 chunks of 1/N"),
     (lambda t, L, T, h, b, N: t * N / (N - 1), "each half of the ring sends N - 1 chunks, not N: a rank never "
      "sends its own chunk to itself"),
@@ -72,8 +73,21 @@ _MISTAKES = [
      "hidden states, not a rank's slice"),
     (lambda t, L, T, h, b, N: t / T, "the all-reduced tensor is the step's hidden states: one row per token"),
 ]
-_GENERIC = ("one step all-reduces a [tokens, hidden_size] tensor twice in every layer, and a ring all-reduce over "
-            "world_size ranks sends 2 (world_size - 1) / world_size of a tensor from each rank")
+
+
+def _generic(answers: list, cases: list) -> str:
+    """The hint for a mistake :data:`_MISTAKES` does not know: what the wrong cases have in common."""
+    wrong = sorted({args[4] for a, (args, t) in zip(answers, cases) if not _same(a, t)})
+    right = sorted({args[4] for args, _ in cases} - set(wrong))
+    if right:
+        return (f"right at world_size {', '.join(map(str, right))}, wrong at {', '.join(map(str, wrong))}: does your "
+                "answer change with world_size as what one rank sends does?")
+    ratios = {round(a / t, 9) for a, (_, t) in zip(answers, cases) if t}
+    if len(ratios) == 1:
+        return (f"not one of the typical mistakes the check knows; every answer is {ratios.pop():.4g} times what one "
+                "rank sends -- look for the factor that is off by that much")
+    return ("not one of the typical mistakes the check knows; work one case out by hand, for two ranks and then for "
+            "four: what one layer all-reduces, how often, and which share of it one rank sends")
 
 
 def _cases(comm_log, num_layers, hidden_size, dtype_bytes):
@@ -152,7 +166,7 @@ def check_tp(kv_heads_of_rank, all_reduce_bytes, comm_log, *, num_layers: int, h
         gives = lambda mistake: all(_same(a, mistake(t, *args)) for a, (args, t) in zip(answers, cases))  # noqa: E731
         return fail(f"all_reduce_bytes(num_layers={L}, num_tokens={T}, hidden_size={h}, dtype_bytes={b}, "
                     f"world_size={n}) returned {got:g}, not what one rank sends ({len(wrong)} of "
-                    f"{len(cases)} cases wrong): " + (first_mistake(_MISTAKES, gives) or _GENERIC)) and ok
+                    f"{len(cases)} cases wrong): " + (first_mistake(_MISTAKES, gives) or _generic(answers, cases))) and ok
     passed(f"all_reduce_bytes matches the ring's bytes per rank at {', '.join(map(str, WORLD_SIZES))} ranks, on "
            f"the tensors the two ranks really all-reduced and on a second model shape")
     return ok
