@@ -136,8 +136,13 @@ def test_assembly_slips_get_a_hint_that_names_the_slip(llama):
     def options_written_in(model, tok, **options):  # the check's numbers, but not its clock
         return Engine(model, tok, kv="paged", **kw, **{k: v for k, v in options.items() if k != "clock"})
 
+    def wrapped(model, tok, **options):  # the learner's attention, wrapped: it did pass attention=
+        import functools
+        return Engine(model, tok, kv="paged", **{**kw, "attention": functools.partial(kw["attention"])}, **options)
+
     for slip, words in ((twice, "leave it to the options"), (scheduler_instance, "takes the class itself"),
-                        (swapped, "are swapped"), (options_written_in, "did not take the options")):
+                        (swapped, "are swapped"), (options_written_in, "did not take the options"),
+                        (wrapped, "attention= got another function than the piece capstone gives you")):
         ok, out = check(slip, pieces, llama)
         assert not ok and words in out, (slip.__name__, out)
 

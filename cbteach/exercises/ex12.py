@@ -61,8 +61,12 @@ def _plugged(engine, pieces: Pieces) -> str | None:
             (engine.kv.attention, engine.kv.slot_mapping) == (want["slot_mapping"], want["attention"]):
         return "attention= and slot_mapping= are swapped: each takes the piece of its own name"
     for piece in ("attention", "slot_mapping"):
-        if want.get(piece) is not None and getattr(engine.kv, piece) is not want[piece]:
+        got = getattr(engine.kv, piece)
+        if want.get(piece) is not None and got is None:
             return f"your engine does not use your {piece.replace('_', ' ')}: pass {PIECES[piece].engine_kwarg}="
+        if want.get(piece) is not None and got is not want[piece]:
+            return (f"{PIECES[piece].engine_kwarg}= got another function than the piece capstone gives you (a wrapper, "
+                    "a functools.partial?): pass that piece itself, so the check knows the engine runs yours")
     runner = getattr(engine.executor, "runner", None)
     if want.get("update_batch") is not None and getattr(runner, "update_batch", None) is not want["update_batch"]:
         return "your engine's worker does not run your update_batch: pass update_batch= (the function itself)"
