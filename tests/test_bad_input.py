@@ -101,6 +101,14 @@ def test_unknown_options(model):
         Engine(model, max_batch_size=2, kv="ring")
     with pytest.raises(ValueError, match="unknown engine option"):
         Engine(model, max_batch_size=2, speculate=True)
+    with pytest.raises(ValueError, match="did you mean 'scheduler_cls' for 'scheduler'") as err:
+        Engine(model, max_batch_size=2, kv="paged", scheduler=object)
+    import inspect
+
+    from cbteach.core.config import BUILD_OPTIONS
+    from cbteach.engine.engine_core import EngineCore
+    own = [n for n, p in inspect.signature(EngineCore.__init__).parameters.items() if p.kind is p.KEYWORD_ONLY]
+    assert set(BUILD_OPTIONS) <= set(own) and all(n in str(err.value) for n in set(own) - {"max_batch_size", "kv"})
     with pytest.raises(ValueError, match="block_size must be an integer >= 1"):
         Engine(tiny_model("llama"), max_batch_size=2, kv="paged", block_size=0)
     with pytest.raises(ValueError, match="token_budget"):

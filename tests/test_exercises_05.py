@@ -94,6 +94,17 @@ class WholeSequence(Right):  # room for every token of the sequence, not for thi
         return super().allocate_slots(seq, seq.num_tokens - seq.num_computed_tokens)
 
 
+class PerCall(Right):  # blocks for this call's tokens alone, unless the table already has room for them
+    def need(self, seq, n):
+        covered = len(seq.block_table) * self.block_size >= seq.num_computed_tokens + n
+        return 0 if covered else math.ceil(n / self.block_size)
+
+
+class RefusesWithFalse(Right):
+    def allocate_slots(self, seq, n):
+        return False if self.need(seq, n) > len(self.free_blocks) else super().allocate_slots(seq, n)
+
+
 class MissingBlock(Right):
     def __init__(self, num_blocks, block_size):
         super().__init__(num_blocks, block_size)
@@ -136,6 +147,8 @@ class NoFreeList(Right):  # forgot to make the free list
     (Raises, "raised KeyError"),
     (MissingBlock, "every block 0 .. num_blocks - 1 free"),
     (WholeSequence, "make room for num_computed_tokens + num_new_tokens"),  # (passed while no prefill was chunked)
+    (PerCall, "make room for num_computed_tokens + num_new_tokens"),  # (passed while every chunk began a block)
+    (RefusesWithFalse, "returned False: to refuse, return None"),
 ])
 def test_ex05_names_what_is_wrong(model, capsys, wrong, words):
     assert not ex05.check_kv_manager(wrong, model)

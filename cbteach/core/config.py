@@ -16,6 +16,7 @@ other part of the engine reads these objects and never re-checks them (nano-vllm
 """
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
 from dataclasses import dataclass, field, fields
@@ -29,6 +30,7 @@ KV_DTYPES = (None, "int8", "int8_block")
 PARALLEL_SAMPLING = ("fanout", "fork")
 ENGINE_OPTIONS = ("speculative", "num_speculative_tokens", "parallel_sampling", "async_scheduling",
                   "tensor_parallel_size")
+BUILD_OPTIONS = ("clock", "scheduler_cls", "kv_manager", "attention", "slot_mapping", "update_batch")  # the engine's own
 POLICY_NAMES = ("fcfs", "priority")  # cbteach.engine.policies.POLICIES, named here so configs import no engine
 # The most sequences in one batch. The worker keeps a row per slot (tokens, block table), allocated when the engine
 # is built; 10**9 slots asked for terabytes. vLLM's max_num_seqs is 256 to 1,024 on a GPU.
@@ -203,9 +205,12 @@ class EngineConfig:
         cache_names = {f.name for f in fields(CacheConfig)} - {"kind"}
         unknown = sorted(set(options) - sched_names - cache_names - set(ENGINE_OPTIONS))
         if unknown:
-            raise ValueError(f"unknown engine option(s) {unknown}; allowed: {', '.join(sorted(sched_names))}, "
-                             f"{', '.join(ENGINE_OPTIONS)}, keep_records, and with kv='paged': "
-                             f"{', '.join(sorted(cache_names))}")
+            known = [*sched_names, *cache_names, *ENGINE_OPTIONS, *BUILD_OPTIONS, "keep_records"]
+            close = {u: difflib.get_close_matches(u, known, n=1, cutoff=0.6) for u in unknown}
+            guess = "".join(f" (did you mean {m[0]!r} for {u!r}?)" for u, m in close.items() if m)
+            raise ValueError(f"unknown engine option(s) {unknown}{guess}; allowed: {', '.join(sorted(sched_names))}, "
+                             f"{', '.join(ENGINE_OPTIONS)}, keep_records, {', '.join(BUILD_OPTIONS)}, and with "
+                             f"kv='paged': {', '.join(sorted(cache_names))}")
         sched = SchedulerConfig(max_batch_size=max_batch_size, **{k: v for k, v in options.items() if k in sched_names})
         cache = CacheConfig(kind=kv, **{k: v for k, v in options.items() if k in cache_names})
         if not isinstance(keep_records, bool):

@@ -94,6 +94,8 @@ class PluggedKVManager(KVCacheManager):
                 raise self.Error(f"{call} returned None although enough blocks were free: refuse only when the "
                                  "free list is shorter than the number of *new* blocks the sequence needs")
             return None
+        if new is False:  # (a refusal is None)
+            raise self.Error(f"{call} returned {new!r}: to refuse, return None (and change nothing)")
         if not isinstance(new, list) or list(seq.block_table) != before + new:
             raise self.Error(f"{call}: return the list of blocks you added, and append them at the end of "
                              "seq.block_table (block i of the table holds tokens i*block_size ...)")
