@@ -231,7 +231,7 @@ class KVWatch:
         return getattr(self.manager, name)
 
     def begin_step(self):
-        self.granted, self.refused, self.frees = {}, set(), {}
+        self.granted, self.refused, self.frees, self.trims = {}, set(), {}, set()
 
     def allocate_slots(self, seq, num_new_tokens, *args, **kwargs):
         tick()
@@ -247,6 +247,10 @@ class KVWatch:
     def free(self, seq):
         self.frees[id(seq)] = (len(seq.output_ids), seq.finish_reason)
         return self.manager.free(seq)
+
+    def trim(self, seq):
+        self.trims.add(id(seq))
+        return self.manager.trim(seq)
 
 
 def watched(cls: type, stage: int | None = None, rules_: str = "exercise") -> type:
@@ -293,6 +297,7 @@ def watched(cls: type, stage: int | None = None, rules_: str = "exercise") -> ty
 
         def update_from_output(self, scheduler_output, output, now):
             self.kv_manager.begin_step()
+            self.check_sampled = [None if t is None else list(t) for t in output.sampled]  # (the worker's: read only)
             try:
                 finished = super().update_from_output(scheduler_output, output, now)
             except TypeError as err:  # the commonest way to trip over a chunk that got no token

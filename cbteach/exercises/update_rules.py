@@ -21,6 +21,8 @@ UPDATE_HINTS = {
     "token_times": "every appended token needs its time: seq.token_times gets `now` for each (TTFT, ITL read them)",
     "token_missing": "a token the step sampled for a request was not appended to seq.output_ids",
     "tokens_wrong": "the tokens appended are not the ones the step sampled (output.sampled[i], in order)",
+    "output_changed": "your update changed the step's output (output.sampled): it is the worker's answer, read it "
+                      "without popping or editing it (copy it first if you need to)",
     "eos_not_recorded": "a request that stopped at EOS did not keep its EOS token: append the token, then check "
                         "the stop -- output_ids ends with the EOS id, as generate's does",
     "missed_eos": "a request that produced an EOS token went on: after each appended token check the stop "
@@ -46,6 +48,8 @@ UPDATE_HINTS = {
     "moved": "num_computed_tokens changed in update_from_output for a request that fed no guesses: schedule() "
              "already counted the planned tokens (update_after_schedule); the update only takes rejected guesses back",
     "not_trimmed": "blocks that held only rejected guesses were kept: give them back with self.kv_manager.trim(seq)",
+    "trimmed_early": "blocks that held only rejected guesses were kept: trim(seq) ran before num_computed_tokens was "
+                     "taken back, so they still counted as computed -- take the guesses back first, then trim",
     "drafts_kept": "seq.draft_ids still holds this step's guesses after the update: clear them",
 }
 
@@ -68,6 +72,7 @@ def check_update(sched, made, output, finished) -> None:
 
 def _update_rules(sched, made, output, finished):
     yield "returned_ids", any(not hasattr(f, "request_id") for f in finished)
+    yield "output_changed", [None if t is None else list(t) for t in output.sampled] != sched.check_sampled
     plan = made.plan
     errors = getattr(output, "errors", None) or [None] * len(output.sampled)
     size = getattr(sched.kv_manager, "block_size", None)
@@ -75,7 +80,7 @@ def _update_rules(sched, made, output, finished):
         j = output.req_id_to_index[seq.request_id]  # the worker's order, not the plan's
         if errors[j] is not None or seq.status is RequestStatus.ABORTED:
             continue  # a failure of its own, the engine's business
-        yield from _token_rules(sched, seq, output.sampled[j], sched.outputs_before[i])
+        yield from _token_rules(sched, seq, sched.check_sampled[j], sched.outputs_before[i])
         if seq.finish_reason:
             yield from _finished_rules(sched, seq, finished)
             continue
@@ -83,7 +88,8 @@ def _update_rules(sched, made, output, finished):
         want = c + n - d + (len(output.sampled[j]) - 1 if d else 0)
         if seq.num_computed_tokens != want:
             yield ("drafts_not_taken_back" if seq.num_computed_tokens > want else "drafts_over") if d else "moved", True
-        yield "not_trimmed", d and size and len(seq.block_table) > math.ceil(seq.num_computed_tokens / size)
+        kept = d and size and len(seq.block_table) > math.ceil(seq.num_computed_tokens / size)
+        yield "trimmed_early" if id(seq) in sched.kv_manager.trims else "not_trimmed", kept
         yield "drafts_kept", seq.draft_ids
     yield "returned_unfinished", any(not getattr(s, "finish_reason", None) for s in finished)
 
