@@ -105,6 +105,10 @@ MISTAKES = [
                               "out = (out * shrink[:, None] + tl.dot(w, vt, input_precision=\"ieee\")).to(tl.float16)")],
      "not within float32's rounding"),
     ("scale divided instead of multiplied", [(") * scale", ") / scale")], "divided by scale"),
+    ("KV head times the group", [("g = head // GROUP", "g = head * GROUP")], "reads KV head h // GROUP"),
+    ("one key past the length", [("in_seq = p_k < seq_len", "in_seq = p_k <= seq_len")], "seq_len itself is past"),
+    ("head's columns not masked", [("both = in_seq[:, None] & (cols < HEAD_DIM)[None, :]", "both = in_seq[:, None]")],
+     "mask the columns past HEAD_DIM"),
 ]
 
 
@@ -214,7 +218,7 @@ def test_without_triton_the_check_says_how_to_install_it(monkeypatch, capsys):
     assert 'pip install "cbteach[kernels]"' in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("i", [0, 1, 2, 7, 9, 10, 12, 16, 19], ids=[MISTAKES[i][0] for i in [0, 1, 2, 7, 9, 10, 12, 16, 19]])
+@pytest.mark.parametrize("i", [0, 1, 2, 7, 9, 10, 12, 16, 19, 29, 30, 31], ids=[MISTAKES[i][0] for i in [0, 1, 2, 7, 9, 10, 12, 16, 19, 29, 30, 31]])
 def test_the_steps_made_four_times_larger_for_a_gpu_still_name_each_mistake(tmp_path, i):
     """Compiled for a GPU, tl.dot wants tiles of 16 or more, so there the steps are four times larger
     (ex05b.scaled); here, in the interpreter, the larger steps must catch and name the same mistakes."""

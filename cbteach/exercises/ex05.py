@@ -27,13 +27,13 @@ class Case(NamedTuple):
 
 # Several blocks each and blocks reused after a finish; prompts shorter than a block; one-token blocks; a pool so
 # small it preempts; prompts prefilled in chunks of a token budget, so allocate_slots is asked for fewer tokens
-# than the sequence has.
+# than the sequence has -- chunks that start and end inside a block (6 tokens, blocks of 4).
 CASES = [Case(block_size=4, num_blocks=32, max_batch_size=2, prompt_lens=(5, 3, 9, 2), max_new_tokens=(7, 10, 4, 6)),
          Case(block_size=8, num_blocks=16, max_batch_size=3, prompt_lens=(3, 6, 2, 4), max_new_tokens=(2, 12, 9, 3)),
          Case(block_size=1, num_blocks=40, max_batch_size=2, prompt_lens=(3, 4, 2), max_new_tokens=(6, 5, 8)),
          Case(block_size=4, num_blocks=7, max_batch_size=3, prompt_lens=(6, 5, 7, 3), max_new_tokens=(12, 14, 10, 8)),
          Case(block_size=4, num_blocks=24, max_batch_size=3, prompt_lens=(13, 6, 9), max_new_tokens=(5, 8, 6),
-              token_budget=4)]
+              token_budget=6)]
 
 
 class Watched(PluggedKVManager):

@@ -32,8 +32,10 @@ class Step(NamedTuple):
 
 
 def _spec(*seqs, **kw) -> dict:
-    """Sequences ``(computed, scheduled)``; blocks of 4, tiles of 4 keys, one head, blocks shuffled, stale slots NaN."""
-    return dict(seqs=list(seqs), block_size=4, tile_n=4, heads=1, kv_heads=1, blocks="shuffled", stale="nan") | kw
+    """Sequences ``(computed, scheduled)``; blocks of 4, tiles of 4 keys, one head of :data:`HEAD_DIM`, blocks
+    shuffled, stale slots NaN."""
+    return dict(seqs=list(seqs), block_size=4, tile_n=4, heads=1, kv_heads=1, head_dim=HEAD_DIM, blocks="shuffled",
+                stale="nan") | kw
 
 
 IN_ORDER = dict(blocks="in order", stale="random")
@@ -62,6 +64,8 @@ STEPS = [
          "max_before_masking", _spec((2, 5), keys="spike")),
     Step("wrong_kv_head", "grouped-query attention: 4 query heads on 2 KV heads", "kv_head_is_head",
          _spec((5, 1), (2, 3), heads=4, kv_heads=2)),
+    Step("head_dim_columns", "heads of 6 numbers, 2 KV heads: a tile's BLOCK_D columns run past a head's own",
+         "head_columns_unmasked", _spec((5, 1), (2, 3), heads=2, kv_heads=2, head_dim=6)),
     Step("mixed", "decodes, chunks and a prompt together, blocks of 3, tiles of 8, 6 heads on 2 KV heads",
          "every step with one thing at a time passes, but a step with all of them together does not: look at what "
          "changes between sequences of one step -- each has its own length, queries and block table",
@@ -69,15 +73,15 @@ STEPS = [
 ]
 
 
-def make_step(seqs, block_size, heads, kv_heads, blocks="shuffled", stale="nan", keys="random", seed=0,
-              device="cpu", **_):
-    """A hand-built packed step ``(query [1, heads, T, HEAD_DIM], pool, meta)``. A loop reading past a sequence
+def make_step(seqs, block_size, heads, kv_heads, head_dim=HEAD_DIM, blocks="shuffled", stale="nan", keys="random",
+              seed=0, device="cpu", **_):
+    """A hand-built packed step ``(query [1, heads, T, head_dim], pool, meta)``. A loop reading past a sequence
     reads stale K/V (NaN or random), never outside the tensors (the interpreter would crash)."""
     g = torch.Generator().manual_seed(seed)
     need = [-(-(c + n) // block_size) for c, n in seqs]
     used = sum(need)
     pool = PagedKVPool(num_layers=1, num_blocks=2 * used + 3, block_size=block_size, num_kv_heads=kv_heads,
-                       head_dim=HEAD_DIM)  # as many blocks again hold other (stale) K/V, and spares after the last
+                       head_dim=head_dim)  # as many blocks again hold other (stale) K/V, and spares after the last
     for t in (pool.k[0], pool.v[0]):
         t.copy_(torch.full_like(t, float("nan")) if stale == "nan" else torch.randn(t.shape, generator=g))
     order = list(range(used))
@@ -87,21 +91,21 @@ def make_step(seqs, block_size, heads, kv_heads, blocks="shuffled", stale="nan",
     for k in need:  # padded with a stale block, at least block_size wide (a loop that swaps block and slot
         tables.append(order[taken:taken + k] + [2 * used + 2] * max(3, block_size - k))  # reads that far)
         taken += k
-    query = torch.randn(1, heads, sum(n for _, n in seqs), HEAD_DIM, generator=g)
+    query = torch.randn(1, heads, sum(n for _, n in seqs), head_dim, generator=g)
     for i, (c, n) in enumerate(seqs):
         pos = torch.arange(c + n)
         slots = torch.tensor(tables[i])[pos // block_size] * block_size + pos % block_size
-        k = torch.randn(c + n, kv_heads, HEAD_DIM, generator=g)
+        k = torch.randn(c + n, kv_heads, head_dim, generator=g)
         if keys == "rising":  # each block's keys point further along the query: the max grows tile by tile
             k = 0.5 * k + (pos // block_size + 1).float()[:, None, None] * query[0, :, -1].mean(0)
         elif keys == "extremes":  # every key along (or against) the decode's query: scores around 120 -- exp(120)
             along = query[0, :, sum(m for _, m in seqs[:i + 1]) - 1].mean(0)  # overflows float32 -- or -150
-            k = 0.5 * k + along * ((120.0 if i % 2 == 0 else -150.0) * HEAD_DIM ** 0.5 / (along @ along))
+            k = 0.5 * k + along * ((120.0 if i % 2 == 0 else -150.0) * head_dim ** 0.5 / (along @ along))
         elif keys == "spike":  # the last key scores 400 against the chunk's first query, who may not see it
             first = query[0, ::heads // kv_heads, sum(m for _, m in seqs[:i])]  # [kv_heads, D]
-            k[-1] = first * (400.0 * HEAD_DIM ** 0.5 / (first * first).sum(-1, keepdim=True))
-        pool.k[0].view(-1, kv_heads, HEAD_DIM)[slots] = k
-        pool.v[0].view(-1, kv_heads, HEAD_DIM)[slots] = torch.randn(c + n, kv_heads, HEAD_DIM, generator=g)
+            k[-1] = first * (400.0 * head_dim ** 0.5 / (first * first).sum(-1, keepdim=True))
+        pool.k[0].view(-1, kv_heads, head_dim)[slots] = k
+        pool.v[0].view(-1, kv_heads, head_dim)[slots] = torch.randn(c + n, kv_heads, head_dim, generator=g)
     if device != "cpu":
         pool.k[0], pool.v[0], query = pool.k[0].to(device), pool.v[0].to(device), query.to(device)
     meta = build([1] * query.shape[2], [c for c, _ in seqs], [n for _, n in seqs], device, block_tables=tables,

@@ -30,7 +30,8 @@ MISTAKES = {
     "scale_twice": "the scores were multiplied by scale twice: once, q . k times scale",
     "scale_divided": "the scores were divided by scale: scale is already 1 / sqrt(head_dim), multiply by it",
     "loads_unmasked": "the slots past the sequence's length hold stale K/V (here NaN), and your loop loaded them: "
-                      "mask the loads (mask=..., other=0.0), not only the scores",
+                      "mask the loads (mask=..., other=0.0), not only the scores -- its keys are at positions 0 .. "
+                      "seq_len - 1, seq_len itself is past the end",
     "masked_with_zero": "masked scores were set to 0, not -inf: exp(0 - m) is not 0, so a key a query may not see "
                         "still got weight",
     "no_causal": "a prefill chunk: its queries saw keys after their own positions. Query j of a chunk sits at "
@@ -40,6 +41,11 @@ MISTAKES = {
                           "in: the max must be taken over the scores that survive the masks",
     "kv_head_is_head": _KV_HEAD,
     "kv_head_modulo": _KV_HEAD + ", not every GROUP-th",
+    "kv_head_times_group": _KV_HEAD + ": query head h reads KV head h // GROUP, not h * GROUP",
+    "head_columns_unmasked": "a tile has BLOCK_D columns, a power of two, and a head here holds HEAD_DIM = 6 numbers: "
+                             "your loads read the columns past each head's own (the next head's, or a stale slot's: "
+                             "here NaN, and 0 times NaN is NaN) -- mask the columns past HEAD_DIM in the loads too, "
+                             "not only the keys",
     "no_running_max": "scores here reach the hundreds, and exp of a score above about 88 overflows float32 to inf: "
                       "subtract the running max before exp (section 3)",
     "max_starts_at_zero": "your running max starts at 0, above every score of a query whose scores all lie far "
@@ -91,6 +97,7 @@ def loop(query, pool, meta, tile_n: int, mistake: str | None = None, block_q: in
     kflat, vflat, tables = k_pool.reshape(-1), v_pool.reshape(-1), meta.block_tables.contiguous()
     tflat, group, scale = tables.reshape(-1), H // kv_heads, D ** -0.5
     seqs = list(zip(meta.num_computed_tokens, meta.num_scheduled_tokens))
+    block_q_given = block_q is not None  # (a GPU's programs: tiles of 16 or more)
     block_q = block_q or min(16, 1 << max(0, max(n for _, n in seqs) - 1).bit_length())  # a power of two
     dev, out = query.device, torch.empty_like(query)
     for i, (c, n) in enumerate(seqs):
@@ -100,12 +107,16 @@ def loop(query, pool, meta, tile_n: int, mistake: str | None = None, block_q: in
             q_pos = seq_len - n + rows
             num_keys = min(seq_len, seq_len - n + (tile + 1) * block_q)
             for h in range(H):
-                kv_head = {"kv_head_is_head": h, "kv_head_modulo": h % group}.get(mistake, h // group)
-                got = _inner(query[0, h, start_q + rows], q_pos, kv_head, i * tables.stride(0), num_keys, seq_len,
+                kv_head = {"kv_head_is_head": h, "kv_head_modulo": h % group, "kv_head_times_group": h * group
+                           }.get(mistake, h // group)
+                q = query[0, h, start_q + rows]
+                if mistake == "head_columns_unmasked":  # the tile's BLOCK_D columns, the query's padding 0
+                    q = torch.nn.functional.pad(q, (0, max(16 if block_q_given else 1, 1 << (D - 1).bit_length()) - D))
+                got = _inner(q, q_pos, kv_head, i * tables.stride(0), num_keys, seq_len,
                              tflat, kflat, vflat, (sb, ss, sh), B, tile_n, scale, mistake)
                 if got is None:
                     return None
-                out[0, h, start_q + rows] = got
+                out[0, h, start_q + rows] = got[:, :D]
     return out
 
 
