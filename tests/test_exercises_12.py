@@ -231,6 +231,14 @@ def test_serve_refuses_a_piece_that_fails_its_check_before_it_starts(pieces_dir)
     assert "failed its check" in err.getvalue() and "does not start" in err.getvalue()
     with pytest.raises(ValueError, match="cannot import"):
         capstone.refuse_broken_pieces(["--attention", "no_such_module:fn"])
+    # The learner's module itself broken: a traceback and exit 1 before (only ImportError was caught).
+    (pieces_dir / "typo_pieces.py").write_text("def f(:\n    pass\n")
+    (pieces_dir / "exits_pieces.py").write_text("raise SystemExit(0)\n")
+    for module, words in (("typo_pieces", "raised SyntaxError, line 1"), ("exits_pieces", "raised SystemExit")):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            assert main(["serve", "--port", "0", f"--scheduler={module}:MyScheduler"]) == 2
+        assert words in err.getvalue() and "Traceback" not in err.getvalue(), err.getvalue()
     with pytest.raises(ValueError, match="takes a value"):
         capstone.refuse_broken_pieces(["--kv-manager"])
 

@@ -82,6 +82,10 @@ def load_piece(spec: str, option: str):
         obj = importlib.import_module(module)
     except ImportError as err:
         raise ValueError(f"--{option.replace('_', '-')} {spec}: cannot import {module!r} ({err})") from None
+    except (Exception, SystemExit) as err:  # noqa: BLE001  (the learner's module: a SyntaxError, a raise at import)
+        where = f", line {err.lineno}" if isinstance(err, SyntaxError) else ""
+        raise ValueError(f"--{option.replace('_', '-')} {spec}: importing {module!r} raised "
+                         f"{type(err).__name__}{where}: {err}") from None
     for part in name.split("."):
         if not hasattr(obj, part):
             raise ValueError(f"--{option.replace('_', '-')} {spec}: {module!r} has no {name!r}")
