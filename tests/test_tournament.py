@@ -378,3 +378,21 @@ def test_serve_refuses_options_it_would_ignore_and_a_busy_port_before_running_an
     with socket.create_server(("127.0.0.1", 0)) as busy:
         with pytest.raises(ValueError, match="cannot listen there"):
             S.serve(tmp_path, model, T.Trace(num_requests=4), port=busy.getsockname()[1])
+
+
+def test_a_file_that_never_finishes_loading_is_disqualified_and_the_room_goes_on(tmp_path, model):
+    """A top-level ``while True: pass`` hung the room at load -- and the submission server for good, the file staying
+    in its folder -- where only ``schedule`` had a time limit. ``KeyboardInterrupt`` at import ended the room."""
+    (tmp_path / "loopy.py").write_text("while True:\n    pass\n")
+    (tmp_path / "interrupts.py").write_text("raise KeyboardInterrupt\n")
+    (tmp_path / "good.py").write_text(CORRECT)
+    assert "did not finish loading within 2 s" in T.load_scheduler(tmp_path / "loopy.py", time_limit=2.0)
+    assert "KeyboardInterrupt" in T.load_scheduler(tmp_path / "interrupts.py")
+    from cbteach.exercises import tournament_core
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tournament_core, "LOAD_TIME_LIMIT", 2.0)
+        loaded = T.load_schedulers(tmp_path)
+    assert isinstance(loaded["loopy"], str) and isinstance(loaded["interrupts"], str)
+    by = {e.name: e for e in T.run_tournament(loaded, model, T.Trace(num_requests=4))}
+    assert "did not finish loading" in by["loopy"].disqualified and by["good"].rank == 1

@@ -103,6 +103,9 @@ class Entry:
 generate_outputs = generated_all  # per-prompt greedy model.generate, EOS off (the trace ignores it)
 
 
+LOAD_TIME_LIMIT = 60.0  # wall seconds a file's top level may take to run when it is loaded
+
+
 def load_schedulers(folder) -> dict:
     """``{name: MyScheduler class, or the reason it cannot run}`` for every ``*.py`` file in ``folder``."""
     folder = Path(folder)
@@ -114,16 +117,20 @@ def load_schedulers(folder) -> dict:
     return {path.stem: load_scheduler(path) for path in files}
 
 
-def load_scheduler(path: Path):
+def load_scheduler(path: Path, time_limit: float | None = None):
     """The ``MyScheduler`` class the file at ``path`` defines, or the reason it cannot run (a str). The file is
     compiled from its text each time (no bytecode cache: a fixed resubmission of the same size within the same
-    second would load the old one)."""
+    second would load the old one), and its top level runs for at most ``time_limit`` wall seconds (default
+    :data:`LOAD_TIME_LIMIT`)."""
+    time_limit = LOAD_TIME_LIMIT if time_limit is None else time_limit
     path = Path(path)
     module = types.ModuleType(f"cbteach_tournament_{path.stem}")
     module.__file__ = str(path)
-    try:
-        exec(compile(path.read_text(encoding="utf-8"), str(path), "exec"), module.__dict__)  # noqa: S102
-    except (Exception, SystemExit) as err:  # noqa: BLE001 -- a learner's file (sys.exit() too: it must not end the room)
+    source = path.read_text(encoding="utf-8")
+    done, err = _in_time(lambda: exec(compile(source, str(path), "exec"), module.__dict__), time_limit)  # noqa: S102
+    if not done:
+        return f"the file did not finish loading within {time_limit:g} s of wall time (an endless loop at its top level?)"
+    if err is not None:  # a learner's file: sys.exit() and KeyboardInterrupt too, which must not end the room
         return f"the file did not run: {type(err).__name__}: {err}"
     cls = getattr(module, "MyScheduler", None)
     if cls is None:
@@ -172,8 +179,6 @@ def _run_in_time(model, trace: Trace, cls):
     run, or why the entrant is out. Past the limit the run is ended by an exception raised in its thread
     (CPython's ``PyThreadState_SetAsyncExc``, at the loop's next bytecode), so an endless loop neither hangs the
     tournament nor keeps spinning beside the next entrant."""
-    import ctypes
-
     got: list = []
 
     def go():
@@ -182,15 +187,34 @@ def _run_in_time(model, trace: Trace, cls):
         except BaseException as err:  # noqa: BLE001 -- sys.exit() in a learner's schedule, or OutOfTime
             got.append(f"the run stopped with {type(err).__name__}: {err}")
 
-    worker = threading.Thread(target=go, name="tournament entrant", daemon=True)
-    worker.start()
-    worker.join(trace.time_limit)
-    if worker.is_alive():
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(worker.ident), ctypes.py_object(OutOfTime))
-        worker.join(10.0)
+    if not _in_time(go, trace.time_limit)[0]:
         return (f"MyScheduler did not finish the trace within {trace.time_limit:g} s of wall time (an endless loop?): "
                 "a step's plan must come back")
     return got[0]
+
+
+def _in_time(fn, seconds: float) -> tuple[bool, BaseException | None]:
+    """``fn()`` on a thread of its own, waited for ``seconds``: ``(True, what it raised or None)``, or ``(False, None)``
+    when it ran past them -- ended then by an exception raised in its thread (CPython's
+    ``PyThreadState_SetAsyncExc``, at its next bytecode), so it does not keep spinning beside the next entrant."""
+    import ctypes
+
+    raised: list = [None]
+
+    def go():
+        try:
+            fn()
+        except BaseException as err:  # noqa: BLE001 -- a learner's code, or OutOfTime
+            raised[0] = err
+
+    worker = threading.Thread(target=go, name="tournament entrant", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(worker.ident), ctypes.py_object(OutOfTime))
+        worker.join(10.0)
+        return False, None
+    return True, raised[0]
 
 
 def run_tournament(entrants: dict, model, trace: Trace = Trace(), baseline: bool = True,
