@@ -83,3 +83,11 @@ def test_the_instructor_kit_counts_05b_s_steps_and_says_90_minutes_in_one_meanin
     assert f"on {words.get(len(STEPS), len(STEPS))} hand-built steps (`STEPS`" in kit
     assert "90-minute slot:" not in kit  # each notebook's cuts are "When time is short"
     assert "\nWhen time is short:" in kit
+
+
+def test_the_tournaments_time_limits_the_kit_states_are_the_codes():
+    from cbteach.exercises.tournament_core import LOAD_TIME_LIMIT
+
+    text = " ".join(KIT.split())
+    assert f"`Trace.time_limit` wall seconds ({Trace.time_limit:g};" in text
+    assert f"`LOAD_TIME_LIMIT` ({LOAD_TIME_LIMIT:g} s)" in text
