@@ -30,6 +30,17 @@ def number(kind, low, strict: bool = True):
 POSITIVE_INT, POSITIVE = number(int, 0), number(float, 0)
 
 
+def at_most(parse, most):
+    """An argparse type: what ``parse`` takes, up to ``most``."""
+    def bounded(text):
+        value = parse(text)
+        if value > most:
+            raise argparse.ArgumentTypeError(f"{value:,} is more than {most:,}")
+        return value
+    bounded.__name__ = f"{parse.__name__}, <= {most}"
+    return bounded
+
+
 def threads(text):
     """``--threads``: an integer from 1 to four per core this machine has (past that they only wait for each other;
     100,000 made torch's and the tokenizer's thread pools fail to start, and the process crash)."""

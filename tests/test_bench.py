@@ -237,3 +237,24 @@ def test_a_max_new_tokens_or_history_past_the_models_positions_is_an_argument_er
             cli([flag, "100000", "--requests", "2", "--engines", "cbteach_paged", "--json", str(tmp_path / "b.json")])
         assert e.value.code == 2 and f"{flag} 100000 leaves no room for a prompt" in capsys.readouterr().err
     assert not (tmp_path / "b.json").exists()
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--history", "1"], "give 0 (skip) or 2 or more"),  # ran everything, then: "no median for empty data"
+    (["--max-batch-size", "70000"], "70,000 is more than 65,536"),  # engines FAILED in the table, exit 0
+])
+def test_values_the_run_would_fail_on_are_argument_errors(tmp_path, capsys, argv, words):
+    with pytest.raises(SystemExit) as e:
+        cli([*argv, "--requests", "2", "--engines", "cbteach_paged", "--json", str(tmp_path / "b.json")])
+    assert e.value.code == 2 and words in capsys.readouterr().err
+    assert not (tmp_path / "b.json").exists()
+
+
+@pytest.mark.parametrize("argv", [["--rate", "1e-300"], ["--sweep", "1e-300,5"], ["--rate", "0.0001"]])
+def test_a_poisson_rate_the_run_would_wait_hours_for_is_an_argument_error(tmp_path, capsys, argv):
+    """--rate 1e-300 failed inside the engines (an OverflowError, exit 1); a rate of 0.01 waited in real time with no
+    output."""
+    with pytest.raises(SystemExit) as e:
+        cli(["--workload", "poisson", *argv, "--requests", "4", "--engines", "cbteach_paged",
+             "--json", str(tmp_path / "b.json")])
+    assert e.value.code == 2 and "which the benchmark waits out" in capsys.readouterr().err

@@ -396,3 +396,14 @@ def test_a_file_that_never_finishes_loading_is_disqualified_and_the_room_goes_on
     assert isinstance(loaded["loopy"], str) and isinstance(loaded["interrupts"], str)
     by = {e.name: e for e in T.run_tournament(loaded, model, T.Trace(num_requests=4))}
     assert "did not finish loading" in by["loopy"].disqualified and by["good"].rank == 1
+
+
+def test_a_rate_that_spreads_the_trace_past_any_clock_and_a_port_without_serve_are_argument_errors(tmp_path):
+    """--rate 1e-300 disqualified every entrant and the baseline ("looks like an absolute clock time") and exited 0;
+    --host and --port without --serve were ignored."""
+    (tmp_path / "good.py").write_text(CORRECT)
+    for argv, words in ((["--rate", "1e-300"], "give a larger rate"), (["--port", "9000"], "only with --serve"),
+                        (["--host", "0.0.0.0"], "only with --serve")):
+        with pytest.raises(SystemExit) as exit_, contextlib.redirect_stderr(io.StringIO()) as err:
+            T.cli([str(tmp_path), *argv, "--requests", "4", "--no-progress"])
+        assert exit_.value.code == 2 and words in err.getvalue(), err.getvalue()

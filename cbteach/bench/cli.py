@@ -9,12 +9,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..core.config import MAX_BATCH_SIZE
 from ..core.modelinfo import max_positions
 from ..models import load_model
 from ..serving import workloads as wl
 from . import measure
 from .experiments import machine_info, step_time_vs_history
-from ..argtypes import POSITIVE, POSITIVE_INT, number, threads
+from ..argtypes import POSITIVE, POSITIVE_INT, at_most, number, threads
 from .measure import (ALL_ENGINES, METRICS, REFERENCE, TOKEN_BUDGET, clean, compare, slot_steps, sweep,
                       targets)
 
@@ -123,13 +124,24 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         return text
 
 
+MAX_ARRIVAL_SPAN = 3600.0  # wall seconds a poisson workload's arrivals may take, on average
+
+
+def _history(text: str) -> int:
+    """``--history``: 0 (skip the experiment) or at least 2 (it times the decode steps after the first)."""
+    value = number(int, 0, strict=False)(text)
+    if value == 1:
+        raise argparse.ArgumentTypeError("1 step has no decode after the first to time: give 0 (skip) or 2 or more")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m cbteach bench", description=plain(measure.__doc__ or ""),
                                 formatter_class=_Formatter)
     p.add_argument("--workload", default="headwords", choices=wl.WORKLOADS, help="which requests (see above)")
     p.add_argument("--requests", type=POSITIVE_INT, default=32, help="requests in the workload")
-    p.add_argument("--max-batch-size", "--batch-size", dest="batch_size", type=POSITIVE_INT, default=8,
-                   help="most sequences running at once")
+    p.add_argument("--max-batch-size", "--batch-size", dest="batch_size", type=at_most(POSITIVE_INT, MAX_BATCH_SIZE),
+                   default=8, help="most sequences running at once")
     p.add_argument("--max-new-tokens", type=POSITIVE_INT, default=128, help="output cap of headwords and poisson")
     p.add_argument("--cap", type=POSITIVE_INT, default=64, help="length_variance: the cap on exponential output lengths")
     p.add_argument("--rate", type=POSITIVE, default=8.0, help="poisson: requests per second")
@@ -147,8 +159,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ttft-target", type=POSITIVE, default=1.0, help="goodput: TTFT target in seconds")
     p.add_argument("--tpot-target", type=POSITIVE, default=0.05, help="goodput: TPOT target in seconds")
     p.add_argument("--repeat", type=POSITIVE_INT, default=1, help="timed runs per engine (the median is reported)")
-    p.add_argument("--history", type=number(int, 0, strict=False), default=256,
-                   help="decode steps for the step-time experiment (0: skip)")
+    p.add_argument("--history", type=_history, default=256,
+                   help="decode steps for the step-time experiment (0: skip; else at least 2)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder for bench-<model>.json")
     p.add_argument("--json", type=Path, default=None, help="write the results to this file instead")
     p.add_argument("--threads", type=threads, default=1,
@@ -186,6 +198,11 @@ def _check(p: argparse.ArgumentParser, a, argv=()) -> tuple[list[str], Path]:
         p.error("--sweep values must be caps >= 1 (length_variance) or rates > 0 (poisson)")
     if a.sweep and a.workload == "length_variance" and any(v != int(v) for v in a.sweep):
         p.error("--sweep caps for length_variance are whole numbers of tokens (e.g. 8,32,128)")
+    slowest = min(a.sweep or [a.rate]) if a.workload == "poisson" else None
+    if slowest is not None and a.requests / slowest > MAX_ARRIVAL_SPAN:  # (the run waits for them in real time)
+        p.error(f"--{'sweep' if a.sweep else 'rate'}: {a.requests} requests at {slowest:g} a second arrive over about "
+                f"{a.requests / slowest:,.0f} s of wall time, which the benchmark waits out: give at least "
+                f"{a.requests / MAX_ARRIVAL_SPAN:g} a second")
     path = a.json or a.out / f"bench-{a.model.replace('/', '_')}.json"
     problem = unwritable(path)  # found now, not after minutes of measuring
     if problem:

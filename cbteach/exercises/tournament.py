@@ -13,6 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..argtypes import POSITIVE, POSITIVE_INT
+from ..core.validation import ABSOLUTE_TIME
 from .tournament_core import (BASELINE, Entry, Trace, generate_outputs, load_scheduler, load_schedulers,  # noqa: F401
                               run_entry, run_tournament, table)
 
@@ -41,6 +42,9 @@ def cli(argv=None) -> int:
     unused = [o for o, v in (("--json", a.json), ("--plot", a.plot), ("--no-progress", a.no_progress)) if v]
     if a.serve and unused:
         p.error(f"{', '.join(unused)}: not with --serve (the server shows its board at /, /leaderboard.json, /plot.png)")
+    where = [o for o, v, default in (("--host", a.host, "127.0.0.1"), ("--port", a.port, 8100)) if v != default]
+    if where and not a.serve:
+        p.error(f"{', '.join(where)}: only with --serve (without it the room is ranked here, no server is started)")
     from ..bench.cli import unwritable
 
     for option, path in (("--json", a.json), ("--plot", a.plot)):
@@ -51,6 +55,10 @@ def cli(argv=None) -> int:
 
     model = load_model(a.model)[0]
     trace = Trace(num_requests=a.requests, rate=a.rate, seed=a.seed, ttft_slo=a.ttft_slo, tpot_slo=a.tpot_slo)
+    last = trace.requests(model.config.vocab_size)[-1].arrival_time
+    if last >= ABSOLUTE_TIME:  # (the engine would refuse every request, the baseline's too)
+        p.error(f"argument --rate: at {a.rate:g} a second the trace's arrivals span {last:.3g} simulated seconds: "
+                "give a larger rate")
     if a.serve:
         from .tournament_server import serve
 
