@@ -131,6 +131,14 @@ def test_preempting_to_admit_under_a_policy_that_never_lets_anyone_is_refused(mo
     Engine(model, max_batch_size=2, kv="paged", preempt_to_admit=True, policy=Aging())
 
 
+def test_a_block_larger_than_the_models_positions_is_refused():
+    """``serve --block-size 100000`` on a 4,096-position model made a pool of 800,000 slots (2 GB) for nothing."""
+    model = tiny_model("llama")  # 256 positions
+    with pytest.raises(ValueError, match="block_size=257 is more than the model's 256 positions"):
+        Engine(model, max_batch_size=2, kv="paged", block_size=257)
+    Engine(model, max_batch_size=2, kv="paged", block_size=256)
+
+
 def test_request_larger_than_the_pool_is_refused(model):
     eng = Engine(tiny_model("llama"), max_batch_size=2, kv="paged", block_size=4, num_blocks=3)
     with pytest.raises(ValueError, match="needs up to 4 KV blocks of 4 tokens but the pool has only 3"):

@@ -55,6 +55,10 @@ def make_kv_cache(info, config, pieces: bool = False, swaps: bool = False):
     ``swaps``: see :func:`paged_cache_class`)."""
     cache = config.cache
     if cache.kind == "paged":  # with tensor parallelism the ranks hold the K/V: here only the block bookkeeping
+        if info.max_positions and cache.block_size > info.max_positions:
+            raise ValueError(f"block_size={cache.block_size:,} is more than the model's {info.max_positions:,} positions: "
+                             "no sequence could fill one block, and every block would hold that many slots -- give "
+                             f"at most {info.max_positions:,} (vLLM's default is 16)")
         pool_cls, max_batch_size = pool_class(cache.kv_dtype), config.scheduler.max_batch_size
         per_block = cache.block_size * pool_cls.bytes_per_token_for(info.num_layers, info.num_kv_heads, info.head_dim,
                                                                     block_size=cache.block_size, dtype=info.dtype)
