@@ -164,9 +164,9 @@ def write_course(src: Path, dst: Path, student: bool, force: bool = False, clear
     if there and not force:
         raise FileExistsError(f"{dst} already holds {len(there)} of the course's files ({there[0].name}, ...); "
                               "your work there is kept: choose another folder, or add --force to overwrite")
+    books = {path: _read_notebook(path) for path in notebooks}  # all of them first: a bad one stops before DST is made
     dst.mkdir(parents=True, exist_ok=True)
-    for path in notebooks:
-        nb = json.loads(path.read_text(encoding="utf-8"))
+    for path, nb in books.items():
         if student:
             nb, n = strip_solutions(nb, clear_outputs=clear_outputs)
             say(f"{path.name}: {n} solution cell(s) emptied")
@@ -183,6 +183,18 @@ def write_course(src: Path, dst: Path, student: bool, force: bool = False, clear
             say(f"!! {name} is still in {dst}: it is not the course's copy (your own notes?), so it was kept -- "
                 "remove it before handing the folder out")
     return [dst / p.name for p in notebooks]
+
+
+def _read_notebook(path: Path) -> dict:
+    """The notebook at ``path`` as JSON, or ``ValueError`` naming the file."""
+    try:
+        nb = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:  # (json's errors are ValueErrors)
+        raise ValueError(f"{path} is not a notebook: {err}") from None
+    if not isinstance(nb, dict) or not isinstance(nb.get("cells"), list) or \
+            not all(isinstance(c, dict) and isinstance(c.get("source", ""), (str, list)) for c in nb["cells"]):
+        raise ValueError(f"{path} is not a notebook: it has no list of cells")
+    return nb
 
 
 def cli(argv=None) -> int:

@@ -404,6 +404,15 @@ def test_demo_and_student_errors_are_one_line(tmp_path, capsys):
     blocker.write_text("x")
     assert main(["student", "notebooks", str(blocker / "out")]) == 2
     assert capsys.readouterr().err.startswith("python -m cbteach student: error:")
+    # A notebook that is not one: a traceback ({"cells": 5}), or a JSON error naming no file and an empty DST left.
+    for i, text in enumerate(('{"cells": 5}', "not json")):
+        src = tmp_path / f"src{i}"
+        src.mkdir()
+        (src / "00_x.ipynb").write_text(text)
+        assert main(["student", str(src), str(tmp_path / f"out{i}")]) == 2
+        err = capsys.readouterr().err
+        assert "00_x.ipynb is not a notebook" in err and "Traceback" not in err, err
+        assert not (tmp_path / f"out{i}").exists()
 
 
 def test_bierce_corpus_and_train_write_nowhere_by_default_and_say_what_is_missing(tmp_path, capsys, monkeypatch):
