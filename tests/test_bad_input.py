@@ -131,6 +131,12 @@ def test_preempting_to_admit_under_a_policy_that_never_lets_anyone_is_refused(mo
     Engine(model, max_batch_size=2, kv="paged", preempt_to_admit=True, policy=Aging())
 
 
+def test_options_that_would_be_silently_ignored_are_refused(model):
+    """``serve --speculative ''`` started without speculation."""
+    with pytest.raises(ValueError, match="speculative must be None"):
+        Engine(model, max_batch_size=2, kv="paged", speculative="")
+
+
 def test_a_block_larger_than_the_models_positions_is_refused():
     """``serve --block-size 100000`` on a 4,096-position model made a pool of 800,000 slots (2 GB) for nothing."""
     model = tiny_model("llama")  # 256 positions

@@ -109,6 +109,7 @@ def test_serve_help_says_each_default_once_and_explains_every_option(capsys):
     (["--kv", "concat", "--block-size", "16"], "--block-size"),  # refused even at the default's value
     (["--kv", "concat", "--num-blocks", "64", "--prefix-caching"], "--num-blocks, --prefix-caching"),
     (["--kv", "concat", "--kv-memory-bytes", "1000000"], "--kv-memory-bytes"),
+    (["--kv", "concat", "--preemption", "swap"], "--preemption"),  # (accepted, and V0's scheduler picked, before)
 ])
 def test_serve_refuses_paged_only_options_with_kv_concat(argv, named, capsys):
     from cbteach.serving.server import main

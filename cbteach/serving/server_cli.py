@@ -17,7 +17,7 @@ from ..argtypes import threads
 DEFAULT_TOKEN_BUDGET = 256  # chosen by benchmarks/serve/token_budget.py: see its README
 PAGED_ONLY = {"num_blocks": "--num-blocks", "kv_memory_bytes": "--kv-memory-bytes", "block_size": "--block-size",
               "prefix_caching": "--prefix-caching", "kv_manager": "--kv-manager", "attention": "--attention",
-              "slot_mapping": "--slot-mapping"}
+              "slot_mapping": "--slot-mapping", "preemption": "--preemption"}  # (concat never preempts)
 _UNSET = object()
 
 
