@@ -93,6 +93,7 @@ def test_the_stop_case_stops_on_its_stop_string(url):
 def test_right_answer_passes(url, capsys):
     assert check_stream_summary(right, url) is True
     assert "✓" in capsys.readouterr().out
+    assert check_stream_summary(lambda events: list(right(events)), url) is True  # the three as a list: as good
 
 
 @pytest.mark.parametrize("wrong, hint", [(counts_chunks, "a chunk is not a token"),
