@@ -428,6 +428,9 @@ WRONG_SLOTS = [
      "through sequence 0's block table"),
     # [1, T], as the model's position ids: passed the hand-built steps, then the engine refused it as "returned Tensor"
     (lambda t, c, s, bs: torch.tensor([slot_mapping(t, c, s, bs)]), "a tensor of shape (1, "),
+    # block_size typed in (vLLM's 16, or the notebook's 4): got "not where their block tables put them"
+    (lambda t, c, s, bs: slot_mapping(t, c, s, 16), "the argument block_size, not a number of your own"),
+    (lambda t, c, s, bs: slot_mapping(t, c, s, 4), "block_size, not a number of your own"),
 ]
 
 

@@ -31,12 +31,17 @@ SLOT_MISTAKES = {
                    "blocks of its own table, block_tables[i]"),
     "last_block": ("not every new token goes into the sequence's last block: a chunk can begin in a partly filled "
                    "block and run on into the next -- find each token's block from its own position"),
+    **dict.fromkeys(("fixed_16", "fixed_8", "fixed_4", "fixed_2"),
+                    "the block size is the argument block_size, not a number of your own: the steps here use "
+                    "blocks of 1, 2, 4 and 16 tokens"),
 }
 
 
 def slots(block_tables, num_computed_tokens, num_scheduled_tokens, block_size, mistake=None) -> list[int]:
     """The pool slot of every scheduled token, in packed order (with ``mistake``: that mistake's)."""
     out, row = [], 0
+    if mistake and mistake.startswith("fixed_"):  # a block size typed in, not the argument's
+        block_size = int(mistake.removeprefix("fixed_"))
     for table, c, n in zip(block_tables, num_computed_tokens, num_scheduled_tokens):
         if mistake == "table_zero":
             table = block_tables[0]
