@@ -340,6 +340,32 @@ def this_step_only(query, key, value, meta, layer, scaling):
     return out
 
 
+def read_layer_zero(query, key, value, meta, layer, scaling):
+    """Writes at its layer, reads the context from layer 0."""
+    meta.pool.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    out, bs, group = torch.empty_like(query), meta.block_size, query.shape[1] // key.shape[1]
+    for i, (c, n) in enumerate(zip(meta.num_computed_tokens, meta.num_scheduled_tokens)):
+        s, pos = int(meta.query_start_loc[i]), torch.arange(c + n)
+        k, v = meta.pool.read_slots(0, meta.block_tables[i, pos // bs] * bs + pos % bs)
+        k, v = k.transpose(0, 1).repeat_interleave(group, 0), v.transpose(0, 1).repeat_interleave(group, 0)
+        mask = torch.ones(n, c + n, dtype=torch.bool).tril(diagonal=c)
+        out[0, :, s:s + n] = F.scaled_dot_product_attention(query[0, :, s:s + n], k, v, attn_mask=mask, scale=scaling)
+    return out
+
+
+def float_mask(query, key, value, meta, layer, scaling):
+    """The causal mask as 0/1 floats: SDPA adds them to the scores."""
+    meta.pool.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    out, bs, group = torch.empty_like(query), meta.block_size, query.shape[1] // key.shape[1]
+    for i, (c, n) in enumerate(zip(meta.num_computed_tokens, meta.num_scheduled_tokens)):
+        s, pos = int(meta.query_start_loc[i]), torch.arange(c + n)
+        k, v = meta.pool.read_slots(layer, meta.block_tables[i, pos // bs] * bs + pos % bs)
+        k, v = k.transpose(0, 1).repeat_interleave(group, 0), v.transpose(0, 1).repeat_interleave(group, 0)
+        mask = torch.ones(n, c + n).tril(diagonal=c)
+        out[0, :, s:s + n] = F.scaled_dot_product_attention(query[0, :, s:s + n], k, v, attn_mask=mask, scale=scaling)
+    return out
+
+
 def gqa_not_repeated(query, key, value, meta, layer, scaling):
     return wrong_attention(heads="none")(query, key, value, meta, layer, scaling)
 
@@ -471,6 +497,8 @@ WRONG_ATTENTION = [
     (wrong_attention(row="zero"), "through another sequence's block table"),
     (this_step_only, "attended to this step's tokens only"),
     (wrong_attention(row="layer"), "through another sequence's block table"),
+    (read_layer_zero, "read from layer 0 of the pool"),  # (generic before: only a write at layer 0 was named)
+    (float_mask, "pass a boolean mask"),
 ]
 
 

@@ -95,6 +95,10 @@ ATTENTION_MISTAKES = {
     "table_zero": _OTHER_ROW,
     "table_layer": _OTHER_ROW,
     "no_scale": "use the scaling the layer passes you (scaling=): not every model scales scores by 1 / sqrt(head_dim)",
+    "read_layer_zero": ("the context was read from layer 0 of the pool: each layer keeps its own K/V -- read them at "
+                        "the layer you are given, as you write them"),
+    "mask_float": ("the mask went to scaled_dot_product_attention as numbers (0 and 1), which it adds to the scores "
+                   "instead of hiding keys: pass a boolean mask (True: the query may see that key)"),
 }
 
 
@@ -117,7 +121,7 @@ def attend(query, key, value, meta, layer: int, scaling=None, mistake=None) -> t
             pos, width = pos[:n] + c, n
         block, offset = (pos % bs, pos // bs) if mistake == "swapped" else (pos // bs, pos % bs)
         slot = table[block] * (1 if mistake == "no_times" else bs) + offset
-        k, v = pool.read_slots(layer, slot)  # [width, kv_heads, D]
+        k, v = pool.read_slots(0 if mistake == "read_layer_zero" else layer, slot)  # [width, kv_heads, D]
         k, v = k.transpose(0, 1).to(query.dtype), v.transpose(0, 1).to(query.dtype)  # [kv_heads, width, D]
         group = heads // kv_heads
         k, v = ((k.repeat(group, 1, 1), v.repeat(group, 1, 1)) if mistake == "gqa_tile"
@@ -136,6 +140,8 @@ def attend(query, key, value, meta, layer: int, scaling=None, mistake=None) -> t
             scores = scores.masked_fill(~mask, float("-inf")) if mask is not None else scores
             out[0, :, start:start + n] = scores.softmax(dim=-2) @ v
             continue
+        if mistake == "mask_float" and mask is not None:
+            mask = mask.to(q.dtype)
         out[0, :, start:start + n] = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     if mistake == "read_first":
         write()
