@@ -259,7 +259,8 @@ def slot_mapping(block_tables, num_computed_tokens, num_scheduled_tokens, block_
 
 
 def attention(query, key, value, meta, layer, scaling, *, order="write_first", diagonal=0, heads="interleave",
-              context="exact", slot="right", mask_decodes=True, scale=True, write_layer=None, softmax=None, row=None):
+              context="exact", slot="right", mask_decodes=True, scale=True, write_layer=None, softmax=None, row=None,
+              read_layer=None, mask_dtype=torch.bool):
     """The notebook's solution, with one mistake switched on by a keyword."""
     def write():
         meta.pool.write(layer if write_layer is None else write_layer, meta.slot_mapping,
@@ -276,13 +277,13 @@ def attention(query, key, value, meta, layer, scaling, *, order="write_first", d
         table = meta.block_tables[{None: i, "zero": 0, "layer": layer}[row]]
         slots = {"right": lambda: table[pos // bs] * bs + pos % bs, "swapped": lambda: table[pos % bs] * bs + pos // bs,
                  "no_times": lambda: table[pos // bs] + pos % bs}[slot]()
-        k, v = meta.pool.read_slots(layer, slots)
+        k, v = meta.pool.read_slots(layer if read_layer is None else read_layer, slots)
         k, v = k.transpose(0, 1), v.transpose(0, 1)
         if heads == "interleave":
             k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
         elif heads == "tile":
             k, v = k.repeat(group, 1, 1), v.repeat(group, 1, 1)
-        mask = torch.ones(n, length, dtype=torch.bool).tril(diagonal=c + diagonal if diagonal != "zero" else 0)
+        mask = torch.ones(n, length, dtype=mask_dtype).tril(diagonal=c + diagonal if diagonal != "zero" else 0)
         if n == 1 and not mask_decodes:
             mask = None
         if softmax is not None:  # written by hand: scores, the mask as -inf, a softmax along one axis
@@ -337,32 +338,6 @@ def this_step_only(query, key, value, meta, layer, scaling):
         k, v = meta.pool.read_slots(layer, meta.slot_mapping[s:s + n])
         k, v = k.transpose(0, 1).repeat_interleave(group, 0), v.transpose(0, 1).repeat_interleave(group, 0)
         out[0, :, s:s + n] = F.scaled_dot_product_attention(query[0, :, s:s + n], k, v, is_causal=True, scale=scaling)
-    return out
-
-
-def read_layer_zero(query, key, value, meta, layer, scaling):
-    """Writes at its layer, reads the context from layer 0."""
-    meta.pool.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
-    out, bs, group = torch.empty_like(query), meta.block_size, query.shape[1] // key.shape[1]
-    for i, (c, n) in enumerate(zip(meta.num_computed_tokens, meta.num_scheduled_tokens)):
-        s, pos = int(meta.query_start_loc[i]), torch.arange(c + n)
-        k, v = meta.pool.read_slots(0, meta.block_tables[i, pos // bs] * bs + pos % bs)
-        k, v = k.transpose(0, 1).repeat_interleave(group, 0), v.transpose(0, 1).repeat_interleave(group, 0)
-        mask = torch.ones(n, c + n, dtype=torch.bool).tril(diagonal=c)
-        out[0, :, s:s + n] = F.scaled_dot_product_attention(query[0, :, s:s + n], k, v, attn_mask=mask, scale=scaling)
-    return out
-
-
-def float_mask(query, key, value, meta, layer, scaling):
-    """The causal mask as 0/1 floats: SDPA adds them to the scores."""
-    meta.pool.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
-    out, bs, group = torch.empty_like(query), meta.block_size, query.shape[1] // key.shape[1]
-    for i, (c, n) in enumerate(zip(meta.num_computed_tokens, meta.num_scheduled_tokens)):
-        s, pos = int(meta.query_start_loc[i]), torch.arange(c + n)
-        k, v = meta.pool.read_slots(layer, meta.block_tables[i, pos // bs] * bs + pos % bs)
-        k, v = k.transpose(0, 1).repeat_interleave(group, 0), v.transpose(0, 1).repeat_interleave(group, 0)
-        mask = torch.ones(n, c + n).tril(diagonal=c)
-        out[0, :, s:s + n] = F.scaled_dot_product_attention(query[0, :, s:s + n], k, v, attn_mask=mask, scale=scaling)
     return out
 
 
@@ -497,8 +472,8 @@ WRONG_ATTENTION = [
     (wrong_attention(row="zero"), "through another sequence's block table"),
     (this_step_only, "attended to this step's tokens only"),
     (wrong_attention(row="layer"), "through another sequence's block table"),
-    (read_layer_zero, "read from layer 0 of the pool"),  # (generic before: only a write at layer 0 was named)
-    (float_mask, "pass a boolean mask"),
+    (wrong_attention(read_layer=0), "read from layer 0 of the pool"),  # (generic before: a write there was named)
+    (wrong_attention(mask_dtype=torch.float32), "pass a boolean mask"),  # (SDPA adds a float mask to the scores)
 ]
 
 
