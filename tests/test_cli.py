@@ -177,6 +177,10 @@ def test_mask_png_naming_a_folder_is_refused(tmp_path, capsys):
         main(["mask", "--cached", "1", "--new", "1", "--png", str(tmp_path)])
     assert exc.value.code == 2 and "is a folder" in capsys.readouterr().err
     assert not tmp_path.with_suffix(".png").exists()
+    for empty in ("", " "):  # saved nothing and said nothing
+        with pytest.raises(SystemExit) as exc:
+            main(["mask", "--cached", "1", "--new", "1", "--png", empty])
+        assert exc.value.code == 2 and "--png needs a file name" in capsys.readouterr().err
 
 
 def test_course_files_beside_the_notebooks_are_kept_too_and_a_copy_onto_itself_is_refused(tmp_path, capsys):

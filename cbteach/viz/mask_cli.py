@@ -98,6 +98,8 @@ def cli(argv=None) -> int:
                 parser.error(f"block {b} appears twice in the block tables (sequences {taken[b]} and {seq}): a "
                              "block holds the K/V of one sequence's tokens")
             taken[b] = seq
+    if args.png is not None and not args.png.strip():  # (an empty name saved nothing and said nothing)
+        parser.error("--png needs a file name, e.g. --png mask.png")
     if args.png and Path(args.png).is_dir():  # (savefig would write "FOLDER.png" beside it)
         parser.error(f"--png {args.png} is a folder: name a file in it, e.g. --png {Path(args.png) / 'mask.png'}")
     kwargs = dict(cached=args.cached, new=args.new, layout=args.layout)
