@@ -250,6 +250,24 @@ def test_values_the_run_would_fail_on_are_argument_errors(tmp_path, capsys, argv
     assert not (tmp_path / "b.json").exists()
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["--workload", "headwords", "--cap", "5"], "headwords would ignore --cap (--cap is read by length_variance only)"),
+    (["--workload", "chat", "--max-new-tokens", "5"], "chat would ignore --max-new-tokens"),
+    (["--seed", "3"], "headwords would ignore --seed"),
+    (["--workload", "length_variance", "--rate", "3"], "length_variance would ignore --rate"),
+    (["--workload", "poisson", "--sweep", "4,8", "--rate", "3"], "--sweep sets --rate at each point"),
+    (["--workload", "length_variance", "--sweep", "4,8", "--cap", "3"], "--sweep sets --cap at each point"),
+    (["--engines", "static,cbteach_paged", "--token-budget", "5"], "--engines does not run that engine"),
+])
+def test_an_option_the_run_would_ignore_is_an_argument_error(tmp_path, capsys, argv, words):
+    """``--cap 5`` with headwords, ``--rate`` beside a sweep of rates, a token budget for an engine not run: each ran
+    and measured without it, saying nothing."""
+    with pytest.raises(SystemExit) as e:
+        cli([*argv, "--requests", "2", "--json", str(tmp_path / "b.json")])
+    assert e.value.code == 2 and words in capsys.readouterr().err
+    assert not (tmp_path / "b.json").exists()
+
+
 @pytest.mark.parametrize("argv", [["--rate", "1e-300"], ["--sweep", "1e-300,5"], ["--rate", "0.0001"]])
 def test_a_poisson_rate_the_run_would_wait_hours_for_is_an_argument_error(tmp_path, capsys, argv):
     """--rate 1e-300 failed inside the engines (an OverflowError, exit 1); a rate of 0.01 waited in real time with no

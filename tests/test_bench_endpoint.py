@@ -61,6 +61,13 @@ def test_bench_serve_errors_name_the_flag_typed(argv, said, capsys):
     assert e.value.code == 2 and said in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, said", [(["--cap", "4"], "headwords would ignore --cap"),
+                                        (["--workload", "chat", "--rate", "2"], "chat would ignore --rate")])
+def test_bench_serve_refuses_an_option_its_workload_would_ignore(argv, said, capsys):
+    assert endpoint.main(["--endpoint", "http://127.0.0.1:9", *argv]) == 2
+    assert said in capsys.readouterr().err
+
+
 def test_bench_serve_help_never_prints_the_key(monkeypatch, capsys):
     monkeypatch.setenv("OPENAI_API_KEY", "sk-not-for-help-text")
     with pytest.raises(SystemExit):

@@ -177,9 +177,9 @@ WORKLOAD_OPTIONS = {"workload": "--workload", "requests": "--requests", "batch_s
 
 def _check(p: argparse.ArgumentParser, a, argv=()) -> tuple[list[str], Path]:
     """Every argument problem found before any measuring (``p.error`` exits); the engines and the output path."""
-    if a.reference:
-        from ..serving.server_cli import given
+    from ..serving.server_cli import given
 
+    if a.reference:
         wrong = given(_parser, argv, WORKLOAD_OPTIONS)
         if wrong:
             p.error(f"--reference is the fixed reference workload (headwords, {REFERENCE['requests']} requests, "
@@ -187,11 +187,17 @@ def _check(p: argparse.ArgumentParser, a, argv=()) -> tuple[list[str], Path]:
                     f"{', '.join(WORKLOAD_OPTIONS[d] for d in wrong)}")
         a.workload = "headwords"
         a.requests, a.max_new_tokens, a.batch_size = (REFERENCE[k] for k in ("requests", "max_new_tokens", "batch_size"))
+    else:  # (an option the workload would ignore is refused)
+        wrong = wl.unread(a.workload, given(_parser, argv, wl.READ_BY), sweep=bool(a.sweep))
+        if wrong:
+            p.error(wl.unread_error(a.workload, wrong))
     engines = list(dict.fromkeys(e for e in a.engines.split(",") if e))  # (each named once, in order)
     if not engines:
         p.error(f"--engines is empty; choose from {', '.join(ALL_ENGINES)}")
     if set(engines) - set(ALL_ENGINES):
         p.error(f"unknown engine(s) {sorted(set(engines) - set(ALL_ENGINES))}; choose from {', '.join(ALL_ENGINES)}")
+    if "cbteach_paged_budget" not in engines and given(_parser, argv, ["token_budget"]):
+        p.error("--token-budget is cbteach_paged_budget's token budget, and --engines does not run that engine")
     if a.sweep and a.workload not in ("length_variance", "poisson"):
         p.error("--sweep needs --workload length_variance (caps) or poisson (rates)")
     if a.sweep and (min(a.sweep) <= 0 or (a.workload == "length_variance" and min(a.sweep) < 1)):

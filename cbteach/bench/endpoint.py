@@ -203,7 +203,11 @@ def print_rows(rows: list) -> None:
 
 
 def main(argv=None) -> int:
-    a = parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    a = parser().parse_args(argv)
+    from ..serving.server_cli import given
+
+    ignored = wl.unread(a.workload, given(parser, argv, wl.READ_BY))
     try:
         levels = [int(x) for x in a.concurrency.split(",")]
     except ValueError:
@@ -211,7 +215,8 @@ def main(argv=None) -> int:
     url = urllib.parse.urlsplit(a.endpoint)
     wrong = [(not levels or min(levels) < 1, f"--concurrency takes integers >= 1 (e.g. 1,16), got {a.concurrency!r}"),
              (url.scheme not in ("http", "https") or not url.hostname,
-              f"--endpoint takes the server's http(s) URL, e.g. http://127.0.0.1:8000, got {a.endpoint!r}")]
+              f"--endpoint takes the server's http(s) URL, e.g. http://127.0.0.1:8000, got {a.endpoint!r}"),
+             (bool(ignored), wl.unread_error(a.workload, ignored))]
     said = next((why for bad, why in wrong if bad), None)
     if said is not None:
         print(f"python -m cbteach bench-serve: error: {said}", file=sys.stderr)

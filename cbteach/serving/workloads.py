@@ -273,3 +273,24 @@ def build(name: str, tok, n: int, *, max_new_tokens: int = 128, cap: int = 64, r
 
 
 WORKLOADS = ("headwords", "length_variance", "poisson", "chat")
+
+# The command-line options each workload reads (``build``'s keywords); a command refuses the others rather than
+# ignore them.
+READ_BY = {"max_new_tokens": ("headwords", "poisson"), "cap": ("length_variance",), "rate": ("poisson",),
+           "seed": ("length_variance", "poisson", "chat")}
+
+
+def unread(name: str, given, sweep: bool = False) -> list[str]:
+    """Of the options ``given`` (``build``'s keywords), those workload ``name`` would ignore: not its own, or the
+    one a sweep sets at each point (``cap`` of length_variance, ``rate`` of poisson)."""
+    swept = {"length_variance": "cap", "poisson": "rate"}.get(name) if sweep else None
+    return [d for d in given if name not in READ_BY.get(d, (name,)) or d == swept]
+
+
+def unread_error(name: str, wrong: list[str]) -> str:
+    """The argument error for :func:`unread`'s options."""
+    flag = lambda ds: ", ".join("--" + d.replace("_", "-") for d in ds)  # noqa: E731
+    swept = [d for d in wrong if name in READ_BY[d]]  # (its own option, which a sweep sets)
+    said = [f"--{d.replace('_', '-')} is read by {', '.join(READ_BY[d])} only" for d in wrong if d not in swept]
+    said += [f"--sweep sets {flag(swept)} at each point"] if swept else []
+    return f"--workload {name} would ignore {flag(wrong)} ({'; '.join(said)}): drop {'it' if len(wrong) == 1 else 'them'}"
