@@ -447,6 +447,15 @@ def test_live_steps_show_who_ran(server):
 
 
 # -- the command line ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("host, loopback", [("[::1]", True), ("::1", True), ("localhost", True), ("127.0.0.2", True),
+                                            ("[::]", False), ("0.0.0.0", False)])
+def test_a_bracketed_ipv6_host_is_the_address_inside(host, loopback):
+    """``--host [::1]`` (an address as a URL writes it) was taken for a public name: refused without a key, and with
+    one, not bindable."""
+    bound = srv.parser().parse_args(["--host", host]).host
+    assert "[" not in bound and srv.is_loopback(bound) is loopback
+
+
 def test_refuses_a_public_host_without_a_key_and_names_the_extra(capsys, monkeypatch):
     assert srv.main(["--host", "0.0.0.0"]) == 2
     assert "--api-key" in capsys.readouterr().err

@@ -155,6 +155,8 @@ def test_bench_reference_refuses_workload_options(argv, named, tmp_path, capsys)
 @pytest.mark.parametrize("argv, named", [
     (["--startup-timeout", "inf"], "argument --startup-timeout: must be a finite number > 0"),
     (["--served-model-name", " "], "argument --served-model-name: must not be empty"),
+    (["--served-model-name", " x"], "has spaces at an end"),  # (accepted; no client sending "x" was served)
+    (["--host", "[]"], "argument --host: '[]' is not a host name or address"),
 ])
 def test_serve_refuses_an_endless_timeout_and_an_empty_name(argv, named, capsys):
     from cbteach.serving.server import main

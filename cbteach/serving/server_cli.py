@@ -96,7 +96,18 @@ def _positive_float(text: str) -> float:
 def _name(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("must not be empty (clients send it as 'model')")
+    if text != text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} has spaces at an end, which a client's 'model' must then "
+                                         "match exactly: give the name without them")
     return text
+
+
+def _host(text: str) -> str:
+    """``--host``: a name or an address to bind; an IPv6 address may be bracketed as in a URL (``[::1]``)."""
+    host = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+    if not host.strip() or host != host.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a host name or address (e.g. 127.0.0.1, ::1, 0.0.0.0)")
+    return host
 
 
 def _api_key(text: str) -> str:
@@ -139,7 +150,7 @@ def parser() -> argparse.ArgumentParser:
                                             "runs in engine-core processes of its own (vLLM V1's split).")
     p.add_argument("--model", default="bierce", help="bierce (embedded, offline), bierce-draft, or a hub id / folder")
     p.add_argument("--served-model-name", type=_name, default=None, help="the name clients use in 'model' (default: --model)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind; anything but loopback needs --api-key")
+    p.add_argument("--host", type=_host, default="127.0.0.1", help="address to bind; anything but loopback needs --api-key")
     p.add_argument("--port", type=_port, default=8000, help="port to listen on (0: any free port, announced at start)")
     p.add_argument("--api-key", type=_api_key, default=os.environ.get("CBTEACH_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route but /health; the live view opens as "
