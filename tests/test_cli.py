@@ -214,6 +214,7 @@ def test_course_files_beside_the_notebooks_are_kept_too_and_a_copy_onto_itself_i
     (["bench", "--engines", "static", "--device", "meta"], "unknown device 'meta'"),
     (["demo", "--device", "xpu"], "unknown device 'xpu'"),  # torch knows the name; the course runs on cpu/cuda/mps
     (["demo", "--device", "meta"], "unknown device 'meta'"),
+    (["simulate"], "required: {validate,calibrate,run,capacity,static,devices,models}"),  # (was "required: what")
 ])
 def test_more_bad_arguments_are_one_line_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -225,6 +226,9 @@ def test_more_bad_arguments_are_one_line_errors(argv, message, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["simulate", "calibrate", "--max-context", "16"], "max_context (16) is shorter than its longest prompt"),
     (["simulate", "run", "--rate", "1e-300"], "raise the rate"),  # (zero latencies: a step's ms lost at 1e301 s)
+    # (a 100,000-token request to the 4,096-position model: "request 0: prompt (55461 tokens) ...", no option named)
+    (["simulate", "calibrate", "--max-context", "100000"], "model's 4096 positions: give a smaller --max-context"),
+    (["simulate", "calibrate", "--prompt", "4,4090", "--max-context", "4090"], "longest sequence would be 4138"),
 ])
 def test_simulate_refuses_a_workload_it_cannot_run_before_measuring(argv, message, capsys):
     assert main(argv) == 2

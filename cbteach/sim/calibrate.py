@@ -34,6 +34,7 @@ from .coverage import step_size
 from .devices import Device, load_device  # noqa: F401  (load_device: re-exported)
 from .measure import machine_info
 from .simulator import synthetic_workload
+from ..core.modelinfo import max_positions
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,17 @@ def measure_grid(model, grid=GRID, repeats: int = 3, clock: str = "wall") -> lis
     return runs
 
 
+def _check_positions(grid, shape: WorkloadShape, positions: int | None) -> None:
+    """A grid point whose longest prompt and output do not fit the model's positions is refused, naming the
+    shape's fields (and ``simulate calibrate``'s options) that set it."""
+    longest = max(_point(p)[1][1] + _point(p)[2][1] for p in grid)
+    if positions is not None and longest > positions:
+        raise ValueError(f"the calibration's longest sequence would be {longest} tokens (from the workload's "
+                         f"max_context {shape.max_context}, prompts up to {shape.prompt_lens[1]}, outputs up to "
+                         f"{shape.output_lens[1]}), more than the model's {positions} positions: give a smaller "
+                         "--max-context, --prompt or --output")
+
+
 def calibrate(model=None, grid=None, repeats: int = 3, clock: str = "wall", threads: int | None = 1,
               shape: WorkloadShape | None = None) -> dict:
     """Measure a grid on this machine and fit the device: ``{"device": Device, "calibration": {...}}``
@@ -170,6 +182,7 @@ def calibrate(model=None, grid=None, repeats: int = 3, clock: str = "wall", thre
         model, _ = load_model("bierce", device="cpu")
     shape = shape or WorkloadShape()
     grid = grid if grid is not None else covering_grid(shape)
+    _check_positions(grid, shape, max_positions(model.config))  # (before minutes of measuring)
     info = machine_info(clock)
     start = time.perf_counter()
     runs = measure_grid(model, grid, repeats, clock)

@@ -48,7 +48,7 @@ def parser() -> argparse.ArgumentParser:
                                 description="the engine's scheduler on a cost model: every number it prints is simulated",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    sub = p.add_subparsers(dest="what", required=True)
+    sub = p.add_subparsers(dest="what", required=True, help="what to simulate (each has its own --help)")
     v = sub.add_parser("validate", help="the cost model's error on measured bierce runs (TTFT, TPOT, E2E, throughput)",
                        description="Predict measured runs and report each metric's error. --data: a JSON object "
                        "{\"runs\": [...]}, each run either as benchmarks/sim/measure_cpu.py writes it ({\"spec\", "
@@ -85,6 +85,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default="a100-40gb")
     sub.add_parser("devices", help="the device table, with sources")
     sub.add_parser("models", help="the shipped model shapes, with sources")
+    sub.metavar = "{" + ",".join(sub.choices) + "}"  # (what a missing one's error names, rather than 'what')
     return p
 
 
