@@ -22,7 +22,9 @@ import time
 
 import torch
 
+from .core.modelinfo import max_positions
 from .core.request import Request
+from .core.validation import validate_request
 from .engine.engine import Engine
 from .engine.static import static_batching
 from .models import load_model
@@ -106,6 +108,8 @@ def run_demo(model_name: str = "bierce", batch_size: int = 3, max_new_tokens: in
         torch.set_num_threads(1)
     try:
         requests = make_requests(max_new_tokens)
+        for r in requests:  # (refused now, not after the warm-up and the first story)
+            validate_request(r, tokenizer=tok, vocab_size=model.config.vocab_size, max_pos=max_positions(model.config))
         say(f"cbteach demo: {len(requests)} requests on {model_name!r} (device {model.device.type}, "
             f"{str(model.dtype).removeprefix('torch.')}, {torch.get_num_threads()} CPU thread(s)), "
             f"batch size {batch_size}, max_new_tokens {max_new_tokens}")

@@ -399,6 +399,13 @@ def test_serve_refuses_bad_options_before_anything_starts(argv, message, capsys)
     assert e.value.code == 2 and message in err and "Traceback" not in err, err
 
 
+def test_demo_refuses_a_max_new_tokens_past_the_models_positions_before_it_runs_anything(capsys):
+    """It warmed up and began the static story, then failed there."""
+    assert main(["demo", "--max-new-tokens", "100000", "--device", "cpu"]) == 2
+    out, err = capsys.readouterr()
+    assert "exceeds the model's 4096 positions" in err and "warming up" not in out and "Static" not in out
+
+
 def test_demo_and_student_errors_are_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["demo", "--batch-size", "0"])
