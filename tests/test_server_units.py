@@ -415,6 +415,21 @@ def test_fields_that_change_nothing_are_taken_and_the_others_refused_as_unsuppor
     assert (e.value.param, e.value.code) == ("max_token", "unknown_parameter")
 
 
+@pytest.mark.parametrize("field, value", [("store", "yes"), ("metadata", [1]), ("metadata", {"k": 5}),
+                                          ("service_tier", 3), ("parallel_tool_calls", 1), ("modalities", "text"),
+                                          ("modalities", ["text", "audio"]), ("user", 5)])
+def test_a_bookkeeping_field_of_the_wrong_type_is_named(field, value):
+    """``store``, ``metadata``, ``service_tier``, ``parallel_tool_calls``, ``modalities`` change nothing here and were
+    taken with any value: ``modalities: ["audio"]`` asked for an answer this server cannot give."""
+    limits = proto.Limits(served_model="bierce", max_tokens_cap=8)
+    with pytest.raises(proto.APIError) as e:
+        proto.parse_chat({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, field: value}, limits, None)
+    assert e.value.status == 400 and e.value.param == field and f"'{field}' must be" in e.value.message
+    fine = {"store": True, "metadata": {"k": "v"}, "service_tier": "auto", "parallel_tool_calls": False,
+            "modalities": ["text"], "user": "u"}
+    assert proto.parse_completion({"prompt": "x", "max_tokens": 2, **fine}, limits).max_tokens == 2
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_a_step_of_several_tokens_ends_at_the_stop_string_as_single_tokens_do(tok, seed):
     """A speculative step brings several tokens; the answer's ids and its usage went past the token that completed

@@ -222,8 +222,7 @@ def _common(body, limits: Limits, kind: str, prompts: tuple, max_tokens_names: t
         include_usage = False
     if not isinstance(include_usage, bool):
         raise bad(f"'stream_options.include_usage' must be true or false, got {include_usage!r}", "stream_options")
-    if body.get("user") is not None and not isinstance(body["user"], str):
-        raise bad(f"'user' must be a string (an id for your end user), got {type(body['user']).__name__}", "user")
+    _ignored_fields(body)
     seed = body.get("seed")
     if seed is not None and (not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or seed < 0
                              or seed >= 2**63):
@@ -232,6 +231,26 @@ def _common(body, limits: Limits, kind: str, prompts: tuple, max_tokens_names: t
                              _number(body, "top_p", 1.0, 0, 1, low_open=True), seed, n, _stop(body),
                              _stop_token_ids(body, limits.vocab_size), stream,
                              include_usage, _bool(body, "ignore_eos"), _bool(body, "return_token_ids"), model)
+
+
+def _ignored_fields(body: dict) -> None:
+    """The bookkeeping fields (:data:`IGNORED`) change nothing, but a value of the wrong type is still a client's
+    mistake, named as OpenAI's API would name it."""
+    shapes = {"user": (str, "a string (an id for your end user)"), "store": (bool, "true or false"),
+              "service_tier": (str, "a string such as \"auto\""), "parallel_tool_calls": (bool, "true or false"),
+              "metadata": (dict, "an object whose keys and values are strings"),
+              "modalities": (list, 'a list of output kinds; this server answers ["text"]')}
+    for name, (kind, what) in shapes.items():
+        v = body.get(name)
+        if v is None:
+            continue
+        ok = isinstance(v, kind) and not (kind is not bool and isinstance(v, bool))
+        if name == "metadata" and ok:
+            ok = all(isinstance(k, str) and isinstance(x, str) for k, x in v.items())
+        if name == "modalities" and ok:
+            ok = v == ["text"] or v == []
+        if not ok:
+            raise bad(f"'{name}' must be {what}, got {json.dumps(v)[:100]}", name)
 
 
 def check_text(body) -> None:
