@@ -18,7 +18,8 @@ def model():
 def make_wave(pad_left=True, prefill_mask=True, decode_mask=True, grow_mask=True, positions=True,
               shared_positions=False, width_extra=0, extra_pass=False, skip_prefill_token=False,
               keep_after_eos=False, stop_at_first_eos=False, run_to_cap=False, use_cache=True, none=False,
-              drop_eos=False, pad_positions=False, zero_mask_column=False, model_eos=False, unclamped=False):
+              drop_eos=False, pad_positions=False, zero_mask_column=False, model_eos=False, unclamped=False,
+              from_one=False):
     """The notebook's solution, with one mistake switched on."""
     def static_wave(model, prompts, max_new_tokens, eos_id):
         if none:
@@ -34,6 +35,8 @@ def make_wave(pad_left=True, prefill_mask=True, decode_mask=True, grow_mask=True
         ids = torch.tensor([row(p, eos_id, p) for p in prompts], device=dev)
         mask = torch.tensor([row(p, 0, [1] * len(p)) for p in prompts], device=dev)
         pos = mask.cumsum(-1) - 1 if unclamped else (mask.cumsum(-1) - 1).clamp(min=0)
+        if from_one:  # each row's first real token numbered 1
+            pos = mask.cumsum(-1)
         if pad_positions:  # every row numbered from the rectangle's first column, pads included
             pos = torch.arange(width, device=dev).repeat(n, 1)
         outs, done, cache, step = [[] for _ in prompts], [False] * n, None, 0
@@ -135,6 +138,7 @@ WRONG = [
     (dict(none=True), "not done yet"),
     (dict(drop_eos=True), "generate keeps the EOS token"),
     (dict(pad_positions=True), "prefill's position ids count from the pads"),
+    (dict(from_one=True), "position ids count from 1: a row's first real token is its position 0"),
     (dict(zero_mask_column=True), "hides the token it feeds"),
     (dict(model_eos=True), "the id it is given"),
     (dict(unclamped=True), "a position id is negative"),

@@ -69,7 +69,10 @@ def _position_hint(calls) -> str | None:
             continue
         for pos, mask in zip(c["position_ids"], c["mask"]):
             seen = [sum(mask[:j + 1]) - 1 for j in range(len(mask))][-len(pos):]  # real tokens up to each column
-            if any(p != s for p, s, m in zip(pos, seen, mask[-len(pos):]) if m):
+            real = [(p, s) for p, s, m in zip(pos, seen, mask[-len(pos):]) if m]
+            if real and all(p == s + 1 for p, s in real):
+                return "the position ids count from 1: a row's first real token is its position 0"
+            if any(p != s for p, s in real):
                 return ("the prefill's position ids count from the pads: a row's first real token is its position 0"
                         if k == 0 else "a decode pass's position id is not the count of the row's real tokens "
                         "before the one it feeds")
