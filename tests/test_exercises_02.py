@@ -78,6 +78,7 @@ def test_ex02_accepts_a_right_simulator(model, capsys):
     (lambda lengths, b: fcfs(lengths, b) + 1, "off by one"),
     (lambda lengths, b: fcfs(lengths, b) - 1, "off by one"),
     (with_gap, "empty for one step"),
+    (lambda lengths, b: fcfs([n - 1 for n in lengths], b), "decode steps only (L - 1)"),  # (was the generic hint)
     (round_robin, "slot i % slots"),
     (lambda lengths, b: fcfs(sorted(lengths), b), "shortest requests first"),  # (was told "off by one")
     (lambda lengths, b: max(lengths), "a slot of its own"),  # max_batch_size ignored

@@ -56,6 +56,9 @@ MISTAKES = [
      "you gave request i to slot i % slots; the next request in the queue takes whichever slot frees first"),
     (lambda ls, b, e, m: [engine_steps(m, sorted(ls), b)] if b < len(ls) and sorted(ls) != ls else [],
      "you served the shortest requests first; FCFS admits them in arrival order, whatever their length"),
+    (lambda ls, b, e, m: [max(_fcfs([x - 1 for x in ls], b)[1])] if len(ls) > 1 else [],
+     "you counted each request's decode steps only (L - 1): its prefill step, which makes the first token, holds "
+     "the slot too"),
     (lambda ls, b, e, m: [e + 1, e - 1],
      "off by one: the prefill step already makes the first token, so L new tokens hold a slot L steps"),
     (lambda ls, b, e, m: [engine_steps(m, [x + 1 for x in ls], b) - 1] if b < len(ls) else [],
