@@ -86,6 +86,10 @@ def longest_only(prompts, bs):  # only the longest earlier prompt looked at
     return [lcp(p[:-1], max(prompts[:j], key=len)) // bs * bs if j else 0 for j, p in enumerate(prompts)]
 
 
+def summed(prompts, bs):  # the matches with every earlier prompt added up, not the best one
+    return [sum(lcp(p[:-1], q) // bs * bs for q in prompts[:j]) for j, p in enumerate(prompts)]
+
+
 def first_not_zero(prompts, bs):
     return [bs] + right_reuse(prompts, bs)[1:]
 
@@ -125,6 +129,7 @@ def test_prefix_reuse_checks_the_notebooks_prompts_first(model, capsys):
     (longest_only, "*every* earlier request"),
     (in_blocks, "you counted blocks"),
     (two_short, "off by one"),
+    (summed, "the matches overlap rather than add"),  # (was the generic hint)
 ])
 def test_prefix_reuse_names_the_missed_rule(model, capsys, wrong, hint):
     ok, out = run(ex08.check_prefix_reuse, wrong, model, capsys=capsys)

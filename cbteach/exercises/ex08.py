@@ -56,7 +56,7 @@ def engine_cached_tokens(model, prompts, block_size: int) -> list[int]:
 
 
 def _model(prompts, bs, *, last_rule=True, full_blocks=True, earlier="all", chained=True, ceil=False,
-           earlier_short=False, short_by=1):
+           earlier_short=False, short_by=1, summed=False):
     """The engine's rule, with one part switched off at a time (to recognise a learner's mistake)."""
     out = []
     for j, p in enumerate(prompts):
@@ -73,7 +73,7 @@ def _model(prompts, bs, *, last_rule=True, full_blocks=True, earlier="all", chai
                 n = sum(bs for i in range(0, min(len(usable), len(q)) - bs + 1, bs) if usable[i:i + bs] == q[i:i + bs])
             if full_blocks:
                 n = -(-n // bs) * bs if ceil else n // bs * bs
-            best = max(best, n)
+            best = best + n if summed else max(best, n)
         out.append(best)
     return out
 
@@ -81,6 +81,8 @@ def _model(prompts, bs, *, last_rule=True, full_blocks=True, earlier="all", chai
 # Typical mistakes: the engine's rule with one part switched off (:func:`_model`'s keywords; several: any of them),
 # and the hint when the learner's answers are that rule's.
 PREFIX_MISTAKES = [
+    ([dict(summed=True)], "you added up the matches with several earlier prompts; a prompt reuses one chain of cached "
+                          "blocks, so the matches overlap rather than add"),
     ([dict(last_rule=False)], "the prompt's last token is always computed, even when the whole prompt is cached: its "
                               "logits give the first new token -- so the lookup stops one token short of the prompt"),
     ([dict(full_blocks=False, last_rule=False), dict(full_blocks=False)],
