@@ -152,6 +152,12 @@ def mask_of_the_step(model, input_ids, max_new_tokens, eos_id):
     return _loop(model, input_ids, max_new_tokens, eos_id, extra=lambda x, step, cached: {"attention_mask": torch.ones_like(x)})
 
 
+def zero_mask(model, input_ids, max_new_tokens, eos_id):
+    """attention_mask=torch.zeros(...) of the right width: 0 taken for "attend" (the ones a tokenizer gives, inverted)."""
+    return _loop(model, input_ids, max_new_tokens, eos_id, extra=lambda x, step, cached: {
+        "attention_mask": torch.zeros(1, cached + x.shape[-1], dtype=torch.long, device=model.device)})
+
+
 def flat_argmax(model, input_ids, max_new_tokens, eos_id):
     return _loop(model, input_ids, max_new_tokens, eos_id, pick=lambda logits: logits.argmax().item())
 
@@ -197,6 +203,7 @@ HINTS = [
     (mask_of_the_step, "attention_mask does not cover the cache plus the token fed"),
     (flat_argmax, "token id past the vocabulary"),
     (one_d_ids, "input_ids were not 2-D"),
+    (zero_mask, "attention_mask has a 0: a 0 hides that position"),  # (was "other tokens" and a generic hint)
 ]
 
 

@@ -94,12 +94,13 @@ def _record(ids, cached, kwargs, model):
     return (int(ids.shape[-1]), cached, ids.device == model.device,
             int(pos.reshape(-1)[-1]) if torch.is_tensor(pos) and pos.numel() else None,
             int(mask.shape[-1]) if torch.is_tensor(mask) and mask.dim() >= 1 else None,
-            ids.dim() != 2, bool(ids.numel()) and not ids.is_floating_point() and int(ids.max()) >= vocab)
+            ids.dim() != 2, bool(ids.numel()) and not ids.is_floating_point() and int(ids.max()) >= vocab,
+            torch.is_tensor(mask) and bool((mask == 0).any()))
 
 
 def _input_hint(calls) -> str | None:
     """What a pass's position ids or attention mask get wrong (None: nothing)."""
-    for fed, cached, _, last, width, not_2d, past_vocab in calls:
+    for fed, cached, _, last, width, not_2d, past_vocab, masked in calls:
         if not_2d:
             return "a step's input_ids were not 2-D: the model takes [batch, tokens], here [1, tokens]"
         if past_vocab:
@@ -111,6 +112,9 @@ def _input_hint(calls) -> str | None:
         if width is not None and width != cached + fed:
             return ("a step's attention_mask does not cover the cache plus the token fed: it has one entry for every "
                     "position the step attends to (or pass none)")
+        if masked:
+            return ("a step's attention_mask has a 0: a 0 hides that position from attention, and every position here "
+                    "is a real token")
     return None
 
 
