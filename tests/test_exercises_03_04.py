@@ -251,7 +251,7 @@ class _LateBug:
 
 
 WRONG_GATHER = [(_g_dim, "raised RuntimeError"), (_g_reversed, "another order"), (_g_swapped, "swapped"),
-                (_g_no_none, "raised"), (_g_empty, "return None"), (lambda c: None, "not done yet"),
+                (_g_no_none, "its entry in caches is None, not a pair"), (_g_empty, "return None"), (lambda c: None, "not done yet"),
                 (lambda c: [1, 2], "(keys, values) pair"), (_g_none_if_any_uncached, "one sequence has nothing cached")]
 WRONG_SCATTER = [(_s_from_start, "cached part"), (_s_off_by_one, "cached part"), (_s_overwrite, "lost its history"),
                  (_s_split_by_cached, "another sequence's new keys"), (_s_all_new, "another sequence's new keys"),

@@ -156,6 +156,8 @@ def check_gather_scatter(gather, scatter, model, tokenizer) -> bool:
             hint = hint_of(fn)
         except Exception as err:  # the learner's code
             hint = f"it raised {raised(err)}"
+            if isinstance(err, TypeError) and "NoneType" in str(err):
+                hint += " -- the second sequence has nothing cached yet: its entry in caches is None, not a pair"
         if hint:
             return fail(f"{name}, on a step with sequences of 3, 0 and 2 cached tokens: {hint}")
     engine = Engine(model, tokenizer, max_batch_size=2, kv="concat")
