@@ -92,6 +92,11 @@ MISTAKES = [
     ("an admission's room never asked for", ADMIT_ROOM, "if False:", 1, "without KV room"),
     ("the plan not counted as computed", "        self.update_after_schedule(output)  # 4.", "        pass  # 4.", 1,
      "update_after_schedule"),
+    ("the plan counted as computed before the message was made",  # (was "given more tokens than it lacks")
+     "        output = self.make_output(plan)  # 3. the message for the model runner: plain data\n"
+     "        self.update_after_schedule(output)  # 4.", "        for seq, n in zip(plan.seqs, plan.num_scheduled_tokens):\n"
+     "            seq.num_computed_tokens += n\n        output = self.make_output(plan)\n        pass  # 4.", 1,
+     "the message was made after its tokens were counted as computed"),
     ("admitted but never planned", ADD_ADMITTED, "            self.admit(seq, plan)\n", 1, "admitted but not planned"),
     ("walking self.running while preempt() removes from it", "for seq in list(self.running):  # 1.",
      "for seq in self.running:  # 1.", 4, "walk a copy (list(self.running))"),

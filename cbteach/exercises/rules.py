@@ -47,6 +47,8 @@ HINTS = {
     "plan_none": "not done yet: schedule() returned None -- it must return the step's message, self.make_output(plan)",
     "no_message": "schedule() did not return the message made from its plan: end with output = "
                   "self.make_output(plan), self.update_after_schedule(output), return output",
+    "updated_before_message": "the message was made after its tokens were counted as computed, so it says each "
+                              "request starts where this step ends: make the message from the plan first, then count",
     "no_update_after_schedule": "the planned tokens were not counted as computed: call "
                                 "self.update_after_schedule(output) before return output (as vLLM V1 does)",
     "no_room": ("a chunk was planned without KV room: every planned chunk first gets room from "
@@ -173,10 +175,11 @@ def _plan_rules(sched, out, made, before, stage, exercise):
                    else "no_tokens"), True
         yield "not_running", seq not in sched.running
         yield "not_started", seq.status is not RequestStatus.RUNNING
+        grant = kv.granted.get(id(seq))
+        yield "updated_before_message", n > 0 and grant is not None and grant[0] == c - n == seq.num_computed_tokens - n
         over = c + n > seq.num_tokens + len(seq.draft_ids)
         yield "over_lacks_cached", over and seq in plan.admitted and c > 0 and c + n - seq.num_tokens <= c
         yield "over_lacks", over
-        grant = kv.granted.get(id(seq))
         yield "refused_planned", grant is None and id(seq) in kv.refused
         yield "start_mismatch", grant is not None and grant[0] != c
         yield "no_room", grant is None or grant[1] < n or len(seq.block_table) * kv.block_size < c + n
