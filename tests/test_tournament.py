@@ -239,6 +239,41 @@ def test_the_instructors_server_takes_submissions_and_ranks_them(tmp_path, model
     assert client.get("/plot.png").headers["content-type"] == "image/png"
 
 
+def test_the_board_answers_while_a_submission_runs(tmp_path, model, monkeypatch):
+    """GET /, /leaderboard.json and /plot.png waited for the lock a submission held for its whole run (a minute or
+    more at a workshop): the room's screen froze whenever anyone submitted."""
+    pytest.importorskip("fastapi")
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    from cbteach.exercises import tournament_server as S
+
+    board = S.Board(tmp_path, model, T.Trace(num_requests=4))
+    client = TestClient(S.make_app(board, "k"))
+    running, release, real = threading.Event(), threading.Event(), S.run_entry
+
+    def held(*args, **kwargs):  # the entrant's run, held until the board has been read
+        running.set()
+        release.wait(120)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(S, "run_entry", held)
+    submit = threading.Thread(target=board.submit, args=("late", CORRECT))
+    submit.start()
+    try:
+        assert running.wait(120), "the submission never started"
+        answered = []
+        reader = threading.Thread(target=lambda: answered.append(client.get("/leaderboard.json").json()))
+        reader.start()
+        reader.join(120)  # (bounded: before, it waited for the whole run)
+        assert answered and [e["name"] for e in answered[0]] == [T.BASELINE], "the board waited for the submission"
+    finally:
+        release.set()
+        submit.join(300)
+    assert {e["name"] for e in client.get("/leaderboard.json").json()} == {"late", T.BASELINE}
+
+
 LOOPS = HEADER + "class MyScheduler(Scheduler):\n    def schedule(self, now):\n        while True:\n            pass\n"
 EXITS = HEADER + "class MyScheduler(Scheduler):\n    def schedule(self, now):\n        raise SystemExit(0)\n"
 
