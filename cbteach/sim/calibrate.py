@@ -30,11 +30,11 @@ from pathlib import Path
 
 import numpy as np
 
+from ..core.modelinfo import max_positions
 from .coverage import step_size
 from .devices import Device, load_device  # noqa: F401  (load_device: re-exported)
 from .measure import machine_info
 from .simulator import synthetic_workload
-from ..core.modelinfo import max_positions
 
 
 @dataclass(frozen=True)
