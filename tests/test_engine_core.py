@@ -142,6 +142,24 @@ def test_a_model_whose_attention_bypasses_the_interface_is_refused_paged():
     assert model.config._attn_implementation == "sdpa"  # a refused engine leaves the model alone
 
 
+def test_a_model_whose_forward_takes_no_cache_is_refused_by_every_batcher_that_needs_one():
+    """OpenAI's GPT takes no cache argument: the concat engine was accepted and ended every request with an error,
+    static batching ignored the cache it passed (wrong tokens), and the paged refusal said "use kv='concat'"."""
+    from transformers import OpenAIGPTConfig, OpenAIGPTLMHeadModel
+
+    from cbteach.engine.static import static_batching
+
+    model = _model(OpenAIGPTLMHeadModel, OpenAIGPTConfig(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4,
+                                                          n_positions=256), attn="eager")
+    with pytest.raises(ValueError, match="forward takes no KV cache.*so kv='concat'"):
+        Engine(model, max_batch_size=2, kv="concat")
+    with pytest.raises(ValueError, match="forward takes no KV cache.*so static batching"):
+        static_batching(model, None, [Request([5, 6, 7], 4)], 2)
+    with pytest.raises(ValueError, match="AttentionInterface") as refused:
+        Engine(model, max_batch_size=2, kv="paged")
+    assert "kv='concat'" not in str(refused.value)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_model_that_drops_attention_kwargs_stops_the_paged_engine_naming_why(async_scheduling):
     """Nemotron's layers call the registered attention but do not pass the forward's keyword arguments on,

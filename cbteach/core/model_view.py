@@ -17,6 +17,7 @@ Forward hooks registered on the model are shared with the view, so a hook sees t
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
 
@@ -30,10 +31,13 @@ def model_view(model: torch.nn.Module, attn_implementation: str | None = None, s
     forward hooks do not fire on the view (a look at the model's attention that is not one of the engine's steps)."""
     compatible = getattr(type(model), "is_backend_compatible", None)
     if attn_implementation is not None and callable(compatible) and not compatible():
+        params = inspect.signature(model.forward).parameters
+        concat = ("kv='concat' (the model's own attention, with the engine's mask), or "
+                  if "cache" in params or "past_key_values" in params else "")  # (none without a cache argument)
         raise ValueError(f"{type(model).__name__}'s attention layers do not call the attention functions "
                          "registered with transformers' AttentionInterface (its is_backend_compatible() is False), "
-                         "so the paged KV cache cannot plug in: use kv='concat' (the model's own attention, with "
-                         "the engine's mask), or a model whose attention does (Llama, Qwen2, GPT-2, bierce)")
+                         f"so the paged KV cache cannot plug in: use {concat}a model whose attention does (Llama, "
+                         "Qwen2, GPT-2, bierce)")
     config = getattr(model, "config", None)
     configs: dict[int, object] = {}
     if config is not None:

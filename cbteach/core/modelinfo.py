@@ -28,7 +28,7 @@ class ModelInfo:
     head_dim: int
     dtype: torch.dtype
     device: torch.device
-    cache_kwarg: str  # "cache" in transformers >= 5.x, "past_key_values" before
+    cache_kwarg: str | None  # "cache" in transformers >= 5.x, "past_key_values" before; None: it takes no cache
     accepts_logits_to_keep: bool
     attn_implementation: str = "sdpa"
     v_head_dim: int | None = None  # set where a value head differs from a key head (DeepSeek's latent attention)
@@ -122,6 +122,15 @@ def check_weights(model, what: str = "") -> None:
                          "engine runs a model on one device: move it there (model.to(device))")
 
 
+def check_takes_cache(info: ModelInfo, what: str) -> None:
+    """``what`` (a batcher that keeps each sequence's K/V in the model's own cache between steps) needs a forward
+    that takes a cache: ``ValueError`` where it takes none (the cache would be ignored, and tokens wrong)."""
+    if info.cache_kwarg is None:
+        raise ValueError(f"this model's forward takes no KV cache (no 'cache' or 'past_key_values' argument), so "
+                         f"{what}, which hands each step the sequences' cached keys and values, cannot run it: use "
+                         "a model with a cache (Llama, Qwen2, GPT-2, bierce)")
+
+
 def describe(model, tokenizer=None) -> ModelInfo:
     """What the engine needs to know of ``model`` (a transformers causal LM), read once."""
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config") \
@@ -167,7 +176,7 @@ def describe(model, tokenizer=None) -> ModelInfo:
         head_dim=head_dim,
         dtype=param.dtype,
         device=param.device,
-        cache_kwarg="cache" if "cache" in params else "past_key_values",
+        cache_kwarg="cache" if "cache" in params else "past_key_values" if "past_key_values" in params else None,
         accepts_logits_to_keep="logits_to_keep" in params,
         attn_implementation=getattr(config, "_attn_implementation", None) or "eager",
         v_head_dim=v_head_dim if v_head_dim and v_head_dim != head_dim else None,

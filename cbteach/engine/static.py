@@ -85,6 +85,7 @@ def static_batching(model, tokenizer, requests, batch_size: int, progress: bool 
     """Serve ``requests`` in waves of ``batch_size`` with a batch barrier; returns a :class:`StaticResult`."""
     check_batch_size("batch_size", batch_size)
     info = modelinfo.describe(model, tokenizer)
+    modelinfo.check_takes_cache(info, "static batching")
     requests = as_request_list(requests, "static_batching()")
     prompts = [validate_request(r, tokenizer=tokenizer, vocab_size=info.vocab_size, max_pos=info.max_positions)
                for r in requests]
