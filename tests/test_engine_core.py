@@ -10,6 +10,7 @@ copies are counted as they happen; records can be switched off. And the vectoris
 equals the per-sequence reference.
 """
 import dataclasses
+import re
 import threading
 
 import pytest
@@ -140,6 +141,52 @@ def test_a_model_whose_attention_bypasses_the_interface_is_refused_paged():
     with pytest.raises(ValueError, match="FalconForCausalLM.*AttentionInterface.*kv='concat'"):
         Engine(model, max_batch_size=2, kv="paged")
     assert model.config._attn_implementation == "sdpa"  # a refused engine leaves the model alone
+
+
+def _refused_model(name):
+    """Models a helper's probe found accepted and wrong (or failing every request), each refused now."""
+    import transformers as tf
+
+    return {
+        "bert_encoder": lambda: _model(tf.BertLMHeadModel, tf.BertConfig(
+            vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+            max_position_embeddings=256, is_decoder=False, pad_token_id=0), attn="eager"),
+        "gemma_bidirectional": lambda: _model(tf.GemmaForCausalLM, tf.GemmaConfig(
+            head_dim=16, max_position_embeddings=256, use_bidirectional_attention=True, **SMALL)),
+        "llama4_temperature": lambda: _model(tf.Llama4ForCausalLM, tf.Llama4TextConfig(
+            intermediate_size_mlp=128, head_dim=16, max_position_embeddings=256, layer_types=["full_attention"] * 2,
+            attention_chunk_size=None, no_rope_layers=[0, 1], attn_temperature_tuning=True, floor_scale=4,
+            attn_scale=0.5, **SMALL)),
+        "xlm": lambda: _model(tf.XLMWithLMHeadModel, tf.XLMConfig(vocab_size=VOCAB, emb_dim=64, n_layers=2, n_heads=4,
+                                                                   causal=True), attn="eager"),
+        "glm4_moe_lite": lambda: _model(tf.Glm4MoeLiteForCausalLM, tf.Glm4MoeLiteConfig(
+            max_position_embeddings=256, **SMALL)),
+    }[name]()
+
+
+@pytest.mark.parametrize("name, kv, words", [
+    ("bert_encoder", "concat", "attends both ways (BertSelfAttention.is_causal is False)"),
+    ("bert_encoder", "paged", "attends both ways"),
+    ("gemma_bidirectional", "paged", "attends both ways (GemmaAttention.is_causal is False)"),
+    ("llama4_temperature", "paged", "attn_temperature_tuning"),
+    ("llama4_temperature", "concat", "attn_temperature_tuning"),  # (alone exact; packed behind another, wrong)
+    ("xlm", "concat", "fails on the concat cache's inputs (its own attention, a 4-D mask"),  # every request failed
+    ("glm4_moe_lite", "concat", "fails on the concat cache's inputs"),  # (its sdpa path mis-shapes a 4-D mask)
+])
+def test_models_the_engine_would_get_wrong_are_refused_at_construction(name, kv, words):
+    """BERT as an encoder (what AutoModelForCausalLM gives for bert-base-uncased) and Gemma with bidirectional
+    attention gave other tokens than generate; Llama 4's temperature tuning counts positions from the cache's
+    length; XLM and Glm4MoeLite were accepted by the concat engine and every request ended in an error."""
+    model = _refused_model(name)
+    with pytest.raises(ValueError, match=re.escape(words)):
+        Engine(model, max_batch_size=2, kv=kv)
+
+
+def test_glm4_moe_lite_refused_on_concat_is_exact_on_paged():
+    model = _refused_model("glm4_moe_lite")
+    prompts = [list(range(6, 14)), [3, 4, 5]]
+    got = Engine(model, max_batch_size=2, kv="paged").run([Request(p, 5) for p in prompts])
+    assert [c.output_ids for c in got] == [reference(model, p, 5) for p in prompts]
 
 
 def test_a_model_whose_forward_takes_no_cache_is_refused_by_every_batcher_that_needs_one():

@@ -83,6 +83,11 @@ def check_supported(config, max_pos) -> None:
     if getattr(config, "attention_chunk_size", None):
         raise ValueError(f"this model uses chunked attention (attention_chunk_size="
                          f"{config.attention_chunk_size}); cbteach's masks are full causal. Use a full-attention model")
+    no_rope = getattr(config, "no_rope_layers", None) or []
+    if getattr(config, "attn_temperature_tuning", False) and not all(no_rope):
+        raise ValueError("this model's layers without RoPE scale their queries by position (attn_temperature_tuning), "
+                         "counted from the cache's length rather than from position_ids; in a packed row that is not "
+                         "each token's own position. Use a model without it (Llama, Qwen2, GPT-2, bierce)")
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     rope_types = {r.get("rope_type", r.get("type")) for r in (rope.values() if all(isinstance(v, dict) for v in
                   rope.values()) and rope else [rope]) if isinstance(r, dict)}
@@ -144,6 +149,13 @@ def describe(model, tokenizer=None) -> ModelInfo:
     config = model.config
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     check_supported(text_config, max_positions(text_config))
+    bidirectional = next((m for m in model.modules() if getattr(m, "is_causal", None) is False
+                          and hasattr(m, "layer_idx") and not getattr(m, "is_cross_attention", False)), None)
+    if bidirectional is not None or getattr(text_config, "causal", True) is False:  # (BERT as an encoder; XLM)
+        raise ValueError(f"{type(model).__name__} attends both ways ("
+                         f"{type(bidirectional).__name__ + '.is_causal is False' if bidirectional is not None else 'causal=False'}"
+                         "): each token sees the ones after it, so it is no causal LM and generate's tokens depend on "
+                         "the whole prompt at once. Use a causal model (for BERT-style heads, is_decoder=True)")
     params = inspect.signature(model.forward).parameters
     if "position_ids" not in params or getattr(text_config, "alibi", False):
         raise ValueError(f"{type(model).__name__} does not take each token's position from position_ids (it reads "

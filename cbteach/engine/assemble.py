@@ -15,7 +15,7 @@ asked for:
 """
 from __future__ import annotations
 
-from ..kv.probe import paged_shape
+from ..kv.probe import check_concat_runs, paged_shape
 from ..core.model_view import model_view
 from ..executor import make_executor
 from ..kv.caches import make_kv_cache
@@ -61,6 +61,8 @@ def build_parts(core, model, tokenizer, scheduler_cls, kv_manager, attention, sl
     swaps = issubclass(sched_cls, V0Scheduler)  # V0's rules: the cache holds swapped-out blocks in host memory
     if config.cache.kind == "paged":  # the pool's shape as the layers use it, or the reason they cannot use it
         core.info = info = paged_shape(model, info)
+    else:
+        check_concat_runs(model, info)
     core.kv = make_kv_cache(info, config, pieces=attention is not None or slot_mapping is not None, swaps=swaps)
     plug_pieces(core.kv, kv_manager=kv_manager, attention=attention, slot_mapping=slot_mapping)
     if kv_manager is not None and config.cache.prefix_caching and getattr(core.kv.manager, "prefix_cache", None) is None:

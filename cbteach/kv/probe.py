@@ -114,3 +114,26 @@ def paged_shape(model, info):
                          f"this model has {v_heads} value heads and {kv_heads} key heads; the paged pool keeps as many "
                          "of both: use kv='concat'")
     return dataclasses.replace(info, num_layers=len(layers), num_kv_heads=kv_heads, head_dim=head_dim)
+
+
+def check_concat_runs(model, info) -> None:
+    """The concat cache hands the model its own attention with a 4-D mask over a packed row and a cache: one packed
+    prefill of two short sequences, through a view of the model and a cache of its own, shows now whether the
+    model takes those inputs (XLM asserts on the mask's shape; some sdpa paths mis-shape a mask with grouped
+    heads) -- rather than as an error in every request. ``ValueError`` with the model's own error."""
+    from ..core.model_view import model_view
+    from ..core.modelinfo import check_takes_cache
+    from .concat import ConcatKVCache
+
+    check_takes_cache(info, "kv='concat'")
+    kv = ConcatKVCache(info.num_layers, cache_kwarg=info.cache_kwarg, attn_implementation=info.attn_implementation,
+                       dtype=info.dtype)
+    meta = kv.build_metadata([1, 1, 1], [0, 0], [2, 1], info.device, request_ids=["a", "b"])  # (ids < any vocab)
+    try:
+        with torch.inference_mode():
+            model_view(model, share_hooks=False)(input_ids=meta.input_ids, position_ids=meta.positions,
+                                                **kv.forward_kwargs(meta))
+    except Exception as err:  # noqa: BLE001  (the model's own error, whatever it is, is the reason)
+        raise ValueError(f"{type(model).__name__} fails on the concat cache's inputs (its own attention, a 4-D mask "
+                         f"over a packed row, a cache): {type(err).__name__}: {str(err)[:200] or '(no message)'}; use "
+                         "kv='paged', or a model that takes them (Llama, Qwen2, GPT-2, bierce)") from None
