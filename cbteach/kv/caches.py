@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 
-from ..core.modelinfo import check_takes_cache
 from .concat import ConcatKVCache
 from .manager import KVCacheManager
 from .memory import check_pool_fits
@@ -72,6 +71,5 @@ def make_kv_cache(info, config, pieces: bool = False, swaps: bool = False):
                                                           allocate_pool=config.tensor_parallel_size == 1,
                                                           manager_cls=manager_class(config), pool_cls=pool_cls)
     # valid paged-pool options are accepted and ignored, so one call can switch kv= back and forth
-    check_takes_cache(info, "kv='concat'")
     return ConcatKVCache(info.num_layers, cache_kwarg=info.cache_kwarg, attn_implementation=info.attn_implementation,
                          dtype=info.dtype)
