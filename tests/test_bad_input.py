@@ -17,6 +17,9 @@ BAD = {
     "id too large": (lambda: Request([7, VOCAB], 3), f"outside the vocabulary; ids must be in [0, {VOCAB})"),
     "negative id": (lambda: Request([-1, 7], 3), "outside the vocabulary"),
     "not ids": (lambda: Request([7, "x"], 3), "must be ints"),
+    "tokenizer's input_ids": (lambda: Request(torch.tensor([[7, 8]]), 3),  # (said "token ids must be ints")
+                              "the prompt is a batch of 1 prompt(s), shaped like a tokenizer's input_ids"),
+    "nested list": (lambda: Request([[7, 8], [9]], 3), "a batch of 2 prompt(s)"),
     "set prompt": (lambda: Request({7, 8}, 3), "prompt must be a str or a list of token ids, not set"),
     "dict prompt": (lambda: Request({7: 8}, 3), "prompt must be a str or a list of token ids, not dict"),
     "stop id outside the vocabulary": (lambda: Request([7, 8], 3, sampling_params=SamplingParams(

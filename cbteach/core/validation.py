@@ -84,8 +84,12 @@ def validate_request(request, *, tokenizer, vocab_size: int, max_pos: int | None
         except TypeError:
             raise ValueError(f"request {rid!r}: prompt must be a str or a list of token ids, "
                              f"got {type(prompt).__name__}") from None
+        if ids and all(isinstance(t, (list, tuple)) for t in ids):  # [[5, 6, 7]]: a batch of prompts (input_ids)
+            raise ValueError(f"request {rid!r}: the prompt is a batch of {len(ids)} prompt(s), shaped like a "
+                             "tokenizer's input_ids [batch, tokens]; a Request takes one prompt's ids, a flat list "
+                             "(input_ids[0]), or one Request per prompt")
         if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
-            raise ValueError(f"request {rid!r}: prompt token ids must be ints")
+            raise ValueError(f"request {rid!r}: prompt token ids must be ints, got {str(ids)[:80]}")
         ids = [int(t) for t in ids]  # numpy or torch integers become plain ints
     if not ids:
         raise ValueError(f"request {rid!r}: the prompt is empty; give at least one token")
