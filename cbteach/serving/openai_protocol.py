@@ -50,8 +50,12 @@ UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "echo": (No
                "top_k": (None, -1, 0), "min_p": (None, 0), "min_tokens": (None, 0), "repetition_penalty": (None, 1),
                "use_beam_search": (None, False), "include_stop_str_in_output": (None, False),
                "skip_special_tokens": (None, True), "logprobs_mode": (None,), "prompt_logprobs": (None,)}
-# Fields taken that change nothing here (OpenAI's bookkeeping), and the fields each endpoint reads.
-IGNORED = ("user", "store", "metadata", "service_tier", "parallel_tool_calls", "modalities")
+# Fields taken that change nothing here (OpenAI's bookkeeping; each with the type it must have, and how an error
+# names it), and the fields each endpoint reads.
+IGNORED = {"user": (str, "a string (an id for your end user)"), "store": (bool, "true or false"),
+           "metadata": (dict, "an object whose keys and values are strings"), "service_tier": (str, 'a string such as "auto"'),
+           "parallel_tool_calls": (bool, "true or false"),
+           "modalities": (list, 'a list of output kinds; this server answers ["text"]')}
 COMMON = ("model", "n", "stop", "stream", "stream_options", "temperature", "top_p", "seed", "ignore_eos",
           "return_token_ids", "stop_token_ids", "cbteach_fail_after", *IGNORED, *UNSUPPORTED)
 KNOWN = {"completion": frozenset(("prompt", "max_tokens", *COMMON)),
@@ -236,11 +240,7 @@ def _common(body, limits: Limits, kind: str, prompts: tuple, max_tokens_names: t
 def _ignored_fields(body: dict) -> None:
     """The bookkeeping fields (:data:`IGNORED`) change nothing, but a value of the wrong type is still a client's
     mistake, named as OpenAI's API would name it."""
-    shapes = {"user": (str, "a string (an id for your end user)"), "store": (bool, "true or false"),
-              "service_tier": (str, "a string such as \"auto\""), "parallel_tool_calls": (bool, "true or false"),
-              "metadata": (dict, "an object whose keys and values are strings"),
-              "modalities": (list, 'a list of output kinds; this server answers ["text"]')}
-    for name, (kind, what) in shapes.items():
+    for name, (kind, what) in IGNORED.items():
         v = body.get(name)
         if v is None:
             continue
