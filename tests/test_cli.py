@@ -388,6 +388,7 @@ def test_bench_serve_refuses_an_endpoint_that_is_not_a_url(capsys):
     (["--port", "-1"], "argument --port: must be in 0..65535"),
     (["--device", "xpu"], "unknown device 'xpu'; use --device cpu, cuda, mps, or auto"),
     (["--threads", "100000"], "threads is more than 4 per core"),
+    (["--num-speculative-tokens", "3"], "no --speculative was given: add --speculative ngram"),
 ])
 def test_serve_refuses_bad_options_before_anything_starts(argv, message, capsys):
     pytest.importorskip("fastapi", reason="the serve extra is not installed")

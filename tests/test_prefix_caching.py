@@ -137,7 +137,7 @@ def test_speculative_steps_keep_their_blocks_findable():
     cached = {}
     for spec in (None, "ngram"):
         eng = Engine(MODEL, max_batch_size=2, kv="paged", block_size=4, num_blocks=64, prefix_caching=True,
-                     speculative=spec, num_speculative_tokens=3)
+                     **({"speculative": spec, "num_speculative_tokens": 3} if spec else {}))
         a = eng.run([Request(prompt, 40, ignore_eos=True, request_id="a")])[0]
         assert a.output_ids == reference(MODEL, prompt, 40, eos_id=-1)
         history = prompt + a.output_ids

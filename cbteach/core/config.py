@@ -219,5 +219,10 @@ class EngineConfig:
         if not isinstance(keep_records, bool):
             raise ValueError(f"keep_records must be True (keep every step's record: engine.records) or False, "
                              f"got {keep_records!r}")
-        return cls(scheduler=sched, cache=cache, keep_records=keep_records,
-                   **{k: options[k] for k in ENGINE_OPTIONS if k in options})
+        config = cls(scheduler=sched, cache=cache, keep_records=keep_records,
+                     **{k: options[k] for k in ENGINE_OPTIONS if k in options})
+        if config.speculative is None and "num_speculative_tokens" in options:  # (else silently unused)
+            raise ValueError(f"num_speculative_tokens={options['num_speculative_tokens']!r} sets how many tokens "
+                             "speculation guesses per step, and speculative is None (no speculation): give "
+                             "speculative='ngram' or a draft model, or leave num_speculative_tokens out")
+        return config

@@ -38,6 +38,9 @@ def check_mode(p: argparse.ArgumentParser, args, argv) -> None:
         if wrong:
             p.error(f"{', '.join(PAGED_ONLY[d] for d in wrong)} appl{'y' if len(wrong) > 1 else 'ies'} to the paged "
                     "KV cache only; --kv concat has no blocks (drop the option, or use --kv paged)")
+    if args.speculative is None and given(parser, argv, ["num_speculative_tokens"]):
+        p.error("--num-speculative-tokens sets how many tokens speculation guesses per step, and no --speculative "
+                "was given: add --speculative ngram (or a draft model), or drop --num-speculative-tokens")
     if args.num_blocks is not None and args.kv_memory_bytes is not None:
         p.error("give --num-blocks or --kv-memory-bytes, not both (each sizes the KV pool)")
     if args.default_max_tokens is not None and args.max_tokens_cap is not None \
