@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from dataclasses import dataclass
+
+from torch.nn.modules import module as torch_module
 
 from ..core import modelinfo
 from ..core.config import EngineConfig, check_clock
@@ -18,7 +21,27 @@ from ..core.records import StepRecord, fill_record
 from ..core.request import Completion, Sequence
 from ..errors import EngineClosedError, EngineDeadError
 from .assemble import build_parts
-from .fingerprint import ModelWatch
+from .fingerprint import check_unchanged, fingerprint
+
+
+# The model-changed check's cheap part (EngineCore.check_model): torch's registration hooks count the modules
+# and parameters set on a watched model's modules -- a module replaced, an adapter added (none in a step:
+# transformers' forward slices a ModuleList into a new one, which nobody watches).
+_registrations = [0]
+_watched: weakref.WeakSet = weakref.WeakSet()  # every module of every watched model (gone with the model)
+
+
+def _count_registration(module, *_args) -> None:
+    if module in _watched:
+        _registrations[0] += 1
+
+
+def _watch(model) -> None:
+    if not _registrations[0]:
+        _registrations[0] = 1  # (hooked once per process)
+        torch_module.register_module_module_registration_hook(_count_registration)
+        torch_module.register_module_parameter_registration_hook(_count_registration)
+    _watched.update(model.modules())
 
 
 @dataclass
@@ -55,7 +78,10 @@ class EngineCore:
         self.forward_seconds = 0.0  # the model's forward passes, all steps together (the rest is host work)
         self._t0 = time.perf_counter()
         self.clock = check_clock(clock)  # None: wall time; a VirtualClock: simulated time (cbteach.core.clock)
-        self._model_watch = ModelWatch(model, tokenizer)
+        _watch(model)
+        self._model_fingerprint = fingerprint(model, tokenizer)
+        self._model_params = list(model.parameters())
+        self._model_quick = self._quick_model_state()
         self._closed = False
         self._dead: EngineDeadError | None = None  # what stopped the engine (a worker process died)
 
@@ -186,7 +212,20 @@ class EngineCore:
             raise self._dead
         if self._closed:
             raise EngineClosedError("this engine was closed (Engine.close()); build a new one")
-        self._model_watch.check()
+        self.check_model()
+
+    def check_model(self) -> None:
+        """:class:`~cbteach.errors.ModelChangedError` if the model changed since the engine was built: a cheap
+        comparison every step, the whole :func:`~cbteach.engine.fingerprint.fingerprint` when it differs."""
+        if self._quick_model_state() != self._model_quick:
+            check_unchanged(self._model_fingerprint, self.model, self.tokenizer)  # raises, naming what changed
+            self._model_params = list(self.model.parameters())  # nothing the engine reads changed (a module set again)
+            self._model_quick = self._quick_model_state()
+
+    def _quick_model_state(self) -> tuple:
+        params, gen = self._model_params, getattr(self.model, "generation_config", None)
+        return (_registrations[0], (params[0].dtype, params[0].device) if params else None, sum(p._version for p in params),
+                repr(getattr(gen, "eos_token_id", None)), repr(getattr(self.model.config, "eos_token_id", None)))
 
     def _complete(self, seq: Sequence, now: float) -> None:
         seq.completion = Completion.of(seq, self.tokenizer, now)
