@@ -1,7 +1,7 @@
 """Step records: what each engine step did -- who ran, how many tokens from which position, who was
 admitted, preempted or finished -- the one thing the notebooks and visualisers read. The per-sequence
-view, the packed row and its mask are built when first read, not in the step; ``Engine(keep_records=False)``
-keeps no record past its step."""
+view (:mod:`cbteach.core.record_seqs`), the packed row and its mask are built when first read, not in
+the step; ``Engine(keep_records=False)`` keeps no record past its step."""
 from __future__ import annotations
 
 from collections.abc import Sequence as _Sequence
@@ -11,26 +11,7 @@ from functools import cached_property
 import torch
 
 from ..attention.packing import block_diagonal_causal_mask, per_sequence_causal_mask
-
-
-@dataclass
-class SeqStep:
-    """One sequence's part in one step."""
-
-    request_id: object
-    slot: int
-    kind: str  # "decode" (it feeds its last sampled token, all before it cached) or "prefill" (anything else)
-    num_computed_tokens: int  # tokens already in the KV cache before this step
-    num_scheduled_tokens: int  # tokens fed this step
-    token_ids: list[int]  # the tokens fed (empty when the engine keeps no records: Engine(keep_records=False))
-    sampled: int | None = None  # last token produced by this step (None for a partial prefill chunk)
-    new_token_ids: list[int] = field(default_factory=list)  # every token it produced this step
-    num_draft_tokens: int = 0  # guesses fed (and checked) in this step (V1's spec tokens)
-    finish_reason: str | None = None  # set if the sequence finished on this step
-
-    @property
-    def positions(self) -> range:
-        return range(self.num_computed_tokens, self.num_computed_tokens + self.num_scheduled_tokens)
+from .record_seqs import SeqStep, seq_steps
 
 
 @dataclass
@@ -138,7 +119,7 @@ class SeqSteps(_Sequence):
 
     @cached_property
     def _items(self) -> list[SeqStep]:
-        return _seq_steps(*self._kept)
+        return seq_steps(*self._kept)
 
     def __len__(self) -> int:
         return self._n  # (without building: the step reads it)
@@ -151,27 +132,3 @@ class SeqSteps(_Sequence):
 
     def __repr__(self) -> str:
         return repr(self._items)
-
-
-def _seq_steps(plan, seqs, num_generated, num_outputs_before, now, finished, fed) -> list[SeqStep]:
-    starts, ended = plan.num_computed_tokens_of(), {id(s) for s in finished}
-    guesses = plan.scheduled_spec_decode_tokens
-    steps = []
-    for s, g, b, (slot, after, reason) in zip(seqs, num_generated, num_outputs_before, now):
-        start, n = starts[s.request_id], plan.num_scheduled_tokens[s.request_id]
-        drafts = guesses.get(s.request_id, ()) if guesses else ()
-        # A decode feeds its last generated token, everything before it computed (Sequence.is_decoding).
-        kind = "decode" if g and start == len(s.prompt_ids) + g - 1 else "prefill"
-        steps.append(SeqStep(
-            request_id=s.request_id, slot=slot, kind=kind, num_computed_tokens=start, num_scheduled_tokens=n,
-            token_ids=_fed(s, start, n - len(drafts), drafts, len(s.prompt_ids) + after) if fed else [],
-            sampled=s.output_ids[after - 1] if after > b else None, new_token_ids=s.output_ids[b:after],
-            num_draft_tokens=len(drafts), finish_reason=reason if after > b or id(s) in ended else None))
-    return steps
-
-
-def _fed(seq, start: int, n: int, drafts, num_tokens: int) -> list[int]:
-    """The ids ``seq`` fed: its tokens ``start .. start + n - 1`` (0 where a failed step gave none), then
-    ``drafts``; ``num_tokens``: how many it had after the step."""
-    known = max(start, min(start + n, num_tokens))
-    return seq.token_ids(start, known) + [0] * (start + n - known) + list(drafts)
