@@ -50,6 +50,22 @@ def paged_cache_class(pieces: bool = False, swaps: bool = False) -> type:
     return cls
 
 
+def paged_cache_for(info, config, max_batch_size: int = 8, cache_cls=PagedKVCache, allocate_pool: bool = True,
+                    manager_cls=KVCacheManager, pool_cls=PagedKVPool) -> PagedKVCache:
+    """A paged cache (``cache_cls``) for the model ``info`` describes, its pool sized as ``config`` (a
+    :class:`~cbteach.core.config.CacheConfig`) says: :meth:`~cbteach.core.config.CacheConfig.pool_num_blocks`."""
+    if info.v_head_dim is not None:
+        raise ValueError(f"this model's value heads ({info.v_head_dim}) are not as wide as its key heads "
+                         f"({info.head_dim}) -- latent attention, as in DeepSeek-V2/V3 -- and the paged pool keeps "
+                         "one head size for both: use kv='concat'")
+    per_token = pool_cls.bytes_per_token_for(info.num_layers, info.num_kv_heads, info.head_dim,
+                                             block_size=config.block_size, dtype=info.dtype)
+    num_blocks = config.pool_num_blocks(info.max_positions, max_batch_size, config.block_size * per_token)
+    return cache_cls(config, num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
+                     num_blocks=num_blocks, dtype=info.dtype, device=info.device, allocate_pool=allocate_pool,
+                     manager_cls=manager_cls, pool_cls=pool_cls)
+
+
 def make_kv_cache(info, config, pieces: bool = False, swaps: bool = False):
     """The KV cache ``config`` asks for, sized for the model ``info`` describes (``pieces`` and
     ``swaps``: see :func:`paged_cache_class`)."""
@@ -67,9 +83,9 @@ def make_kv_cache(info, config, pieces: bool = False, swaps: bool = False):
                f"sequences of {min(info.max_positions or 4096, 4096):,} positions")
         check_pool_fits(cache.pool_num_blocks(info.max_positions, max_batch_size, per_block), per_block, info.device,
                         config.tensor_parallel_size, why)
-        return paged_cache_class(pieces, swaps).for_model(info, cache, max_batch_size=max_batch_size,
-                                                          allocate_pool=config.tensor_parallel_size == 1,
-                                                          manager_cls=manager_class(config), pool_cls=pool_cls)
+        return paged_cache_for(info, cache, max_batch_size=max_batch_size, cache_cls=paged_cache_class(pieces, swaps),
+                               allocate_pool=config.tensor_parallel_size == 1, manager_cls=manager_class(config),
+                               pool_cls=pool_cls)
     # valid paged-pool options are accepted and ignored, so one call can switch kv= back and forth
     return ConcatKVCache(info.num_layers, cache_kwarg=info.cache_kwarg, attn_implementation=info.attn_implementation,
                          dtype=info.dtype)

@@ -11,8 +11,7 @@ import torch
 from ..core.config import CacheConfig
 from ..core.model_view import model_view
 from ..core.modelinfo import describe
-from .caches import pool_class
-from .paged import PagedKVCache
+from .caches import paged_cache_for, pool_class
 
 
 @torch.no_grad()
@@ -25,7 +24,7 @@ def kv_loss(model, token_ids: list[int], kv_dtype=None, block_size: int = 16) ->
     info = describe(model)
     n = len(token_ids)
     config = CacheConfig(kind="paged", block_size=block_size, num_blocks=-(-n // block_size), kv_dtype=kv_dtype)
-    cache = PagedKVCache.for_model(info, config, pool_cls=pool_class(kv_dtype))
+    cache = paged_cache_for(info, config, pool_cls=pool_class(kv_dtype))
     meta = cache.build_metadata(list(token_ids), [0], [n], info.device, block_tables=[list(range(cache.num_blocks))])
     view = model_view(model, cache.attn_implementation)  # the model itself is left as it is
     logits = view(input_ids=meta.input_ids, position_ids=meta.positions, **cache.forward_kwargs(meta)).logits[0]

@@ -112,22 +112,6 @@ class PagedKVCache:
     block_size = property(lambda self: self.manager.block_size)
     num_blocks = property(lambda self: self.manager.num_blocks)
 
-    @classmethod
-    def for_model(cls, info, config: CacheConfig, max_batch_size: int = 8, allocate_pool: bool = True,
-                  manager_cls=KVCacheManager, pool_cls=PagedKVPool) -> PagedKVCache:
-        """A pool for the model ``info`` describes, sized as ``config`` says (see
-        :meth:`CacheConfig.pool_num_blocks`)."""
-        if info.v_head_dim is not None:
-            raise ValueError(f"this model's value heads ({info.v_head_dim}) are not as wide as its key heads "
-                             f"({info.head_dim}) -- latent attention, as in DeepSeek-V2/V3 -- and the paged pool keeps "
-                             "one head size for both: use kv='concat'")
-        per_token = pool_cls.bytes_per_token_for(info.num_layers, info.num_kv_heads, info.head_dim,
-                                                 block_size=config.block_size, dtype=info.dtype)
-        num_blocks = config.pool_num_blocks(info.max_positions, max_batch_size, config.block_size * per_token)
-        return cls(config, num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
-                   num_blocks=num_blocks, dtype=info.dtype, device=info.device, allocate_pool=allocate_pool,
-                   manager_cls=manager_cls, pool_cls=pool_cls)
-
     def slots(self, seq, start: int, end: int) -> torch.Tensor:
         """Pool slots of the sequence's tokens ``start..end-1``: ``block_table[p // B] * B + p % B``.
         (The engine computes the same for a whole step at once, on the device: ``slot_mapping``.)"""
