@@ -49,12 +49,12 @@ READ_ORDER = [
      "`v1/core/sched/scheduler.py`, `request_queue.py`"),
     ("4 the KV manager", ["kv/manager.py", "kv/paged.py"],
      "`v1/core/kv_cache_manager.py`, `block_pool.py`"),
-    ("5 the engine core", ["engine/engine_core.py", "executor/uniproc.py"], "`v1/engine/core.py`, `v1/executor/`"),
+    ("5 the engine core", ["engine/engine_core.py", "executor/uniproc.py"],
+     "`v1/engine/core.py`, `v1/executor/` (ours: the model-changed check)"),
     ("6 the worker", ["worker/input_batch.py", "worker/model_runner.py"],
      "`v1/worker/gpu_input_batch.py`, `block_table.py`, `gpu_model_runner.py`, `v1/sample/`"),
     ("7 attention", ["attention/metadata.py", "attention/paged.py"], "`v1/attention/backends/`"),
-    ("(bookkeeping)", ["core/records.py", "engine/fingerprint.py"],
-     "none: ours (step records, the model-changed check)"),
+    ("(bookkeeping)", ["core/records.py"], "none: ours (step records; their per-sequence view is built when read)"),
 ]
 
 
