@@ -159,12 +159,18 @@ def _one_at_a_time(model, prompts, max_new_tokens, eos_id):
     return outs
 
 
+def _sorted_by_length(model, prompts, max_new_tokens, eos_id):
+    """Pads less by sorting the prompts longest first -- and returns the answers in that order."""
+    return make_wave()(model, sorted(prompts, key=len, reverse=True), max_new_tokens, eos_id)
+
+
 def _calls_generate(model, prompts, max_new_tokens, eos_id):
     return [model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens)[0].tolist() for p in prompts]
 
 
 @pytest.mark.parametrize("fn, words", [
     (_one_at_a_time, "separate passes"),
+    (_sorted_by_length, "every request's tokens are there, in another order"),
     (_calls_generate, "called model.generate"),
     (lambda m, p, n, e: 1 / 0, "raised ZeroDivisionError"),
     (lambda m, p, n, e: [[1.5]] * len(p), "one list of new token ids"),

@@ -59,6 +59,14 @@ def test_wrong_positions_name_the_mistake_not_the_entries(capsys):
     assert "list of 5 integers" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("answer", [[2.0, 0.0, 1.0, 2.0, 3.0], torch.tensor([[2.0, 0.0, 1.0, 2.0, 3.0]]),
+                                    torch.arange(5.0)])
+def test_float_positions_are_named_as_floats(answer, capsys):
+    assert not check_position_ids(CACHED, NEW, answer)
+    out = capsys.readouterr().out
+    assert "the position ids are floats" in out and "list of 5 integers" not in out, out
+
+
 def _flipped(i, j):
     mask = block_diagonal_causal_mask(CACHED, NEW).clone()
     mask[i, j] = not mask[i, j]

@@ -201,6 +201,9 @@ def check_static_wave(static_wave, model, prompts, max_new_tokens: int, eos_id: 
         hint = _pass_hint(calls, ps, outputs, want)
         if hint:
             return fail(f"{where}: {hint}")
+        if outputs != want and sorted(outputs) == sorted(want):
+            return fail(f"{where}: every request's tokens are there, in another order: answer i is prompt i's "
+                        "(were the prompts sorted, by length say, and the answers not put back?)")
         i = next((i for i, (g, w) in enumerate(zip(outputs, want)) if g != w), None)
         if i is not None:
             own = getattr(m.generation_config, "eos_token_id", None)

@@ -42,7 +42,10 @@ def check_position_ids(cached, new, answer) -> bool:
     got = _as_list(answer)
     if isinstance(got, (list, tuple)) and len(got) == 1 and isinstance(got[0], (list, tuple)):
         got = got[0]  # a [1, T] answer, like pack() returns
-    got = as_ints(got)
+    numbers, got = got, as_ints(got)
+    if got is None and isinstance(numbers, (list, tuple)) and numbers and all(isinstance(x, float) for x in numbers):
+        return fail("the position ids are floats: a position indexes the model's table of positions, so it is an "
+                    "integer (a float tensor: .long(); torch.arange gives integers unless a bound is a float)")
     if got is None:
         return fail(f"answer should be a list of {len(expected)} integers, got {answer!r}")
     if len(got) != len(expected):
