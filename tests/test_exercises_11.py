@@ -58,6 +58,10 @@ def counts_chunks_less_three(events):
     return right(events)[0], len(events) - 3, right(events)[2]
 
 
+def indexes_content(events):
+    return "".join(c["delta"]["content"] for e in events for c in e["choices"]), *right(events)[1:]
+
+
 def prompt_tokens(events):
     return right(events)[0], events[-1]["usage"]["prompt_tokens"], right(events)[2]
 
@@ -99,8 +103,12 @@ def test_right_answer_passes(url, capsys):
 @pytest.mark.parametrize("wrong, hint", [(counts_chunks, "a chunk is not a token"),
                                          (counts_content_chunks_and_the_prompt, "prompt"),
                                          (reason_from_last_event, "stopped with IndexError"),
+                                         (reason_from_last_event, "last chunk carries the usage and no choice"),
                                          (reason_from_first_event, "finish_reason is set in the last chunk"),
-                                         (joins_none, "stopped with TypeError"),
+                                         (joins_none, "stopped with TypeError: sequence item"),
+                                         (joins_none, "the closing chunk's is {}): such a chunk adds no text"),
+                                         (indexes_content, "stopped with KeyError: 'content'"),
+                                         (indexes_content, "the closing chunk's is {}): such a chunk adds no text"),
                                          (skips_first_token, "join the delta's content"),
                                          (content_chunks_plus_the_stop, "count the answer's tokens from the usage"),
                                          (counts_chunks_less_three, "one chunk may carry several tokens"),

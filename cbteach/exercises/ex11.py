@@ -76,6 +76,20 @@ def _hint(events, got, want) -> str:
     return "join the delta's content of every chunk, in order; a chunk without content (the closing one) adds nothing"
 
 
+def _raised_hint(err: Exception) -> str | None:
+    """The stream's shape a reading that raised ``err`` missed (None: not one the check knows)."""
+    said = str(err)
+    if isinstance(err, TypeError) and "expected str instance, NoneType found" in said:
+        return "a chunk's delta can be without content (the closing chunk's is {}): such a chunk adds no text"
+    if isinstance(err, TypeError) and "NoneType" in said:
+        return "every chunk has a usage key, null (None) in all but the last: look for the one whose usage is not None"
+    if isinstance(err, IndexError):
+        return "the stream's last chunk carries the usage and no choice (its choices list is empty)"
+    if isinstance(err, KeyError) and err.args[:1] == ("content",):
+        return "a chunk's delta can be without content (the closing chunk's is {}): such a chunk adds no text"
+    return None
+
+
 @self_check
 def check_stream_summary(summarize_stream, base_url: str, api_key: str | None = None) -> bool:
     """Compare ``summarize_stream`` on real streams with the server's whole answers."""
@@ -91,11 +105,11 @@ def check_stream_summary(summarize_stream, base_url: str, api_key: str | None = 
         for stream, said in sent:
             try:
                 got = summarize_stream(json.loads(json.dumps(stream)))  # a copy: the learner may consume it
-            except TypeError as err:
-                if "NoneType" not in str(err):
+            except (TypeError, IndexError, KeyError) as err:
+                hint = _raised_hint(err)
+                if hint is None:
                     raise
-                return fail(f"summarize_stream stopped with {raised(err)} -- every chunk has a usage key, null "
-                            "(None) in all but the last: look for the one whose usage is not None")
+                return fail(f"summarize_stream stopped with {raised(err)} -- {hint}")
             if got is None and is_stub(summarize_stream):
                 return fail("not done yet: summarize_stream is still the stub -- write it in the cell above")
             if not isinstance(got, (tuple, list)) or len(got) != 3:  # (a list of the three is as good)
