@@ -22,6 +22,13 @@ import inspect
 import torch
 
 
+def cache_kwarg_of(model) -> str | None:
+    """The name of the KV cache argument of ``model``'s forward: ``"cache"`` (transformers 5),
+    ``"past_key_values"`` (before), or ``None`` where it takes none."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values" if "past_key_values" in params else None
+
+
 def model_view(model: torch.nn.Module, attn_implementation: str | None = None, share_hooks: bool = True) -> torch.nn.Module:
     """A view of ``model`` in eval mode; with ``attn_implementation``, its layers call that attention
     function (registered with transformers' ``AttentionInterface``) while ``model`` keeps its own.
@@ -31,9 +38,8 @@ def model_view(model: torch.nn.Module, attn_implementation: str | None = None, s
     forward hooks do not fire on the view (a look at the model's attention that is not one of the engine's steps)."""
     compatible = getattr(type(model), "is_backend_compatible", None)
     if attn_implementation is not None and callable(compatible) and not compatible():
-        params = inspect.signature(model.forward).parameters
         concat = ("kv='concat' (the model's own attention, with the engine's mask), or "
-                  if "cache" in params or "past_key_values" in params else "")  # (none without a cache argument)
+                  if cache_kwarg_of(model) is not None else "")  # (none without a cache argument)
         raise ValueError(f"{type(model).__name__}'s attention layers do not call the attention functions "
                          "registered with transformers' AttentionInterface (its is_backend_compatible() is False), "
                          f"so the paged KV cache cannot plug in: use {concat}a model whose attention does (Llama, "

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .model_view import cache_kwarg_of
 
 
 def max_positions(config) -> int | None:
@@ -188,7 +189,7 @@ def describe(model, tokenizer=None) -> ModelInfo:
         head_dim=head_dim,
         dtype=param.dtype,
         device=param.device,
-        cache_kwarg="cache" if "cache" in params else "past_key_values" if "past_key_values" in params else None,
+        cache_kwarg=cache_kwarg_of(model),
         accepts_logits_to_keep="logits_to_keep" in params,
         attn_implementation=getattr(config, "_attn_implementation", None) or "eager",
         v_head_dim=v_head_dim if v_head_dim and v_head_dim != head_dim else None,
