@@ -21,6 +21,7 @@ since the engine was made, or simulated: :mod:`cbteach.core.clock`). An ``arriva
 from __future__ import annotations
 
 import functools
+import time
 
 from ..core.request import Completion, Request, RequestStatus, Sequence
 from ..core.validation import as_request_list, validate_request
@@ -156,6 +157,28 @@ class Engine(EngineCore):
         if bar is not None:
             bar.close()
         return [self.completions[r.request_id] for r in requests]
+
+    def wait_for_arrival(self) -> None:
+        """Nothing could be scheduled: wait (sleep, or move a simulated clock) until the scheduler's next
+        event. With none due, work that cannot be scheduled is a scheduler bug: ``RuntimeError``."""
+        now = self.now()
+        # An event due between the last step's planning and now is due at once: step again.
+        nxt = self.scheduler.next_event_time(min(now, self._last_start))
+        if nxt is not None:
+            if nxt <= now:
+                return
+            if self.clock is not None:
+                self.clock.advance(nxt - now)
+            else:
+                time.sleep(nxt - now)
+        elif self.has_unfinished() and self._last_idle:  # (after a step that only preempted, step again)
+            raise RuntimeError(f"the scheduler made no progress with {len(self.scheduler.running)} running and "
+                               f"{len(self.scheduler.waiting)} waiting requests; please report this")
+
+    def sample_ids(self, request_id) -> list:
+        """The sequence ids of a request: ``[request_id]``, or ``[(request_id, i) ...]`` for ``n > 1``."""
+        group = self.groups.get(request_id)
+        return [request_id] if group is None else [s.request_id for s in group]
 
     def stream(self, requests=()):
         """Add ``requests`` (validated as in :meth:`run`) and yield a

@@ -73,7 +73,7 @@ class EngineCore:
         self.sequences: dict[object, Sequence] = {}  # every sequence ever added, by id ((id, i) for samples)
         self.groups: dict[object, list[Sequence]] = {}  # requests with n > 1 samples: id -> its samples
         self._num_steps = 0
-        self._last_idle = True  # whether the last step did nothing at all (see wait_for_arrival)
+        self._last_idle = True  # whether the last step did nothing at all (see Engine.wait_for_arrival)
         self._last_start = math.inf  # the engine time the last step was planned at (none yet)
         self.forward_seconds = 0.0  # the model's forward passes, all steps together (the rest is host work)
         self._t0 = time.perf_counter()
@@ -183,28 +183,6 @@ class EngineCore:
             if self.keep_records:
                 self.records.append(record)
         return record
-
-    def wait_for_arrival(self) -> None:
-        """Nothing could be scheduled: wait (sleep, or move a simulated clock) until the scheduler's next
-        event. With none due, work that cannot be scheduled is a scheduler bug: ``RuntimeError``."""
-        now = self.now()
-        # An event due between the last step's planning and now is due at once: step again.
-        nxt = self.scheduler.next_event_time(min(now, self._last_start))
-        if nxt is not None:
-            if nxt <= now:
-                return
-            if self.clock is not None:
-                self.clock.advance(nxt - now)
-            else:
-                time.sleep(nxt - now)
-        elif self.has_unfinished() and self._last_idle:  # (after a step that only preempted, step again)
-            raise RuntimeError(f"the scheduler made no progress with {len(self.scheduler.running)} running and "
-                               f"{len(self.scheduler.waiting)} waiting requests; please report this")
-
-    def sample_ids(self, request_id) -> list:
-        """The sequence ids of a request: ``[request_id]``, or ``[(request_id, i) ...]`` for ``n > 1``."""
-        group = self.groups.get(request_id)
-        return [request_id] if group is None else [s.request_id for s in group]
 
     # -- internals ---------------------------------------------------------------------------
     def _check_open(self) -> None:
