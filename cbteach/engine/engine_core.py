@@ -24,9 +24,10 @@ from .assemble import build_parts
 from .fingerprint import check_unchanged, fingerprint
 
 
-# The model-changed check's cheap part (EngineCore.check_model): torch's registration hooks count the modules
-# and parameters set on a watched model's modules -- a module replaced, an adapter added (none in a step:
-# transformers' forward slices a ModuleList into a new one, which nobody watches).
+# cbteach's, not V1's (vLLM loads the weights itself): the model-changed check's cheap part
+# (EngineCore.check_model). torch's registration hooks count the modules and parameters set on a watched
+# model's modules -- a module replaced, an adapter added (none in a step: transformers' forward slices a
+# ModuleList into a new one, which nobody watches).
 _registrations = [0]
 _watched: weakref.WeakSet = weakref.WeakSet()  # every module of every watched model (gone with the model)
 
