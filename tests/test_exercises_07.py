@@ -67,10 +67,11 @@ def test_the_clock_log_finds_the_timed_runs(model):
     durations, untimed, order = ex07._timed_runs(clock.events)
     assert untimed == list(runs) and order == list(runs) * 3 and not same
     assert all(abs(medians[n] - statistics.median(durations[n])) < 1e-9 for n in runs)
-    # the costs make every shortcut visible: the median differs from the mean, the minimum and the last run
+    # the costs make every shortcut visible: the median differs from the mean, the minimum, the last run and the
+    # middle run unsorted (of three runs, the last is then the fastest)
     for d in durations.values():
         assert len({round(statistics.median(d), 9), round(statistics.fmean(d), 9), round(min(d), 9),
-                    round(d[-1], 9)}) == 4
+                    round(d[len(d) // 2], 9)}) == 4 and d[-1] != statistics.median(d)
 
 
 def test_the_stale_engine_is_right_once_then_wrong(model):
@@ -185,6 +186,8 @@ WRONG = {
     "not the upper of them": make(stat=lambda t: sorted(t)[len(t) // 2]),  # (passed while every repeat was odd)
     "not the lower of them": make(stat=lambda t: sorted(t)[(len(t) - 1) // 2]),
     "not milliseconds": make(stat=lambda t: 1000 * statistics.median(t)),
+    "the middle of the times sorted": make(stat=lambda t: t[len(t) // 2]),  # (passed while the runs only slowed)
+    "not by duration": make(stat=lambda t: t[len(t) // 2] if len(t) % 2 else (t[len(t) // 2 - 1] + t[len(t) // 2]) / 2),
     "compare the tokens of every run": last_comparison_only,  # (passed while the buggy engine ran last)
     "a bug can show on a later run only (state left over)": last_round_only,
     "counts the runs before it in its round": one_reading_a_round,  # (was told "exactly repeat times")  # (passed while the stale bug lasted to the end)
