@@ -74,6 +74,29 @@ def unchained(prompts, bs):  # equal blocks at the same index count even after a
     return out
 
 
+def blocks_anywhere(prompts, bs):
+    """Blocks from the start whose tokens any earlier prompt holds as a block, at whatever place (no chain)."""
+    seen, out = set(), []
+    for p in prompts:
+        n = 0
+        for i in range(0, len(p) - bs, bs):
+            if tuple(p[i:i + bs]) not in seen:
+                break
+            n += bs
+        out.append(n)
+        seen.update(tuple(p[i:i + bs]) for i in range(0, len(p) - bs + 1, bs))
+    return out
+
+
+def cuts_the_prompts(prompts, bs):
+    """Leaves out each prompt's last token by popping it: the earlier prompts are cut short too."""
+    out = []
+    for j, p in enumerate(prompts):
+        p.pop()
+        out.append(max([lcp(p, q) // bs * bs for q in prompts[:j]], default=0))
+    return out
+
+
 def rounded_up(prompts, bs):
     return [max([math.ceil(lcp(p[:-1], q) / bs) * bs for q in prompts[:j]], default=0) for j, p in enumerate(prompts)]
 
@@ -130,6 +153,8 @@ def test_prefix_reuse_checks_the_notebooks_prompts_first(model, capsys):
     (in_blocks, "you counted blocks"),
     (two_short, "off by one"),
     (summed, "the matches overlap rather than add"),  # (was the generic hint)
+    (blocks_anywhere, "at another place in an earlier prompt are another block"),  # (passed every case)
+    (cuts_the_prompts, "predict changed the prompts it was given"),  # (was told the earlier prompts' rule)
 ])
 def test_prefix_reuse_names_the_missed_rule(model, capsys, wrong, hint):
     ok, out = run(ex08.check_prefix_reuse, wrong, model, capsys=capsys)
@@ -194,6 +219,12 @@ def goes_on(drafts, targets):
     return list(targets)
 
 
+def mismatch_at_zero_when_none(drafts, targets):
+    """The first mismatch's index, defaulting to 0 where there is none (every guess right)."""
+    j = next((i for i, (d, t) in enumerate(zip(drafts, targets)) if d != t), 0)
+    return targets[:j + 1]
+
+
 def test_accept_is_checked_against_the_engine(capsys):
     ok, out = run(ex08.check_accept, right_accept, capsys=capsys)
     assert ok and "kept the output exact" in out
@@ -210,6 +241,7 @@ def test_accept_is_checked_against_the_engine(capsys):
                                                                      if x != y), len(d))] +
      [t[next((i for i, (x, y) in enumerate(zip(d, t[1:])) if x != y), len(d))]], "one position later"),
     (lambda d, t: [t.pop(0) for _ in range(len(right_accept(d, t)))], "changed the lists it was given"),
+    (mismatch_at_zero_when_none, "there is no mismatch at all"),  # (was told it compared one position later)
 ])
 def test_accept_names_the_missed_rule(capsys, wrong, hint):
     ok, out = run(ex08.check_accept, wrong, capsys=capsys)

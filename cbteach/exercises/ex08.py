@@ -43,6 +43,7 @@ PREFIX_CASES = [
     PrefixCase(what="a prompt that is the start of an earlier one", prompts=[_L, _L[:9], _L[:8]]),
     PrefixCase(what="the same prompts, blocks of 2", prompts=[_S + _ids(3, 3), _S + _ids(4, 2), _S[:5]], block_size=2),
     PrefixCase(what="a prompt that extends an earlier one of whole blocks", prompts=[_ids(14, 16), _ids(14, 16) + _ids(15, 4)]),
+    PrefixCase(what="an earlier prompt's blocks in another order", prompts=[_ids(20, 4) + _S[:4] + [7], _S[:4] + _ids(20, 4) + [8]]),
     PrefixCase(what="a longer prompt in between that shares nothing",
                prompts=[_ids(16, 16) + _ids(17, 1), _ids(18, 24), _ids(16, 16) + _ids(19, 5)]),
 ]
@@ -55,7 +56,7 @@ def engine_cached_tokens(model, prompts, block_size: int) -> list[int]:
     return [c.num_cached_prompt_tokens for c in engine.run(reqs)]
 
 
-def _model(prompts, bs, *, last_rule=True, full_blocks=True, earlier="all", chained=True, ceil=False,
+def _model(prompts, bs, *, last_rule=True, full_blocks=True, earlier="all", chained=True, anywhere=False, ceil=False,
            earlier_short=False, short_by=1, summed=False):
     """The engine's rule, with one part switched off at a time (to recognise a learner's mistake)."""
     out = []
@@ -66,6 +67,10 @@ def _model(prompts, bs, *, last_rule=True, full_blocks=True, earlier="all", chai
         if earlier_short:
             pool = [q[:-1] for q in pool]
         best = 0
+        if anywhere:  # blocks from the start whose tokens an earlier prompt holds as a block, wherever it is
+            seen = {tuple(q[i:i + bs]) for q in pool for i in range(0, len(q) - bs + 1, bs)}
+            pool = [usable[:next((i for i in range(0, len(usable), bs) if tuple(usable[i:i + bs]) not in seen),
+                                 len(usable))]]
         for q in pool:
             if chained:
                 n = len(os.path.commonprefix([usable, q]))
@@ -93,6 +98,8 @@ PREFIX_MISTAKES = [
      "the cache keeps the full blocks of *every* earlier request, not only one of them"),
     ([dict(chained=False)], "a block is found by a hash of its tokens *and of everything before it*: after the first "
                             "block that differs, nothing more can be reused"),
+    ([dict(anywhere=True)], "a block is found by a hash of its tokens *and of everything before it*: the same tokens "
+                            "at another place in an earlier prompt are another block"),
     ([dict(ceil=True)], "a partly filled block is never cached: round down to whole blocks, not up"),
     ([dict(short_by=2)], "off by one: the lookup leaves out the prompt's last token only -- its logits give the first "
                          "new token"),
@@ -121,7 +128,11 @@ def check_prefix_reuse(predict, model, prompts=None, block_size=None) -> bool:
     if prompts is not None:
         cases.insert(0, PrefixCase("the notebook's prompts", [list(p) for p in prompts], block_size))
     for what, case, bs in cases:
-        got = ask(predict, [list(p) for p in case], bs, shown=f"predict_reuse(...) (case: {what})")
+        given = [list(p) for p in case]
+        got = ask(predict, given, bs, shown=f"predict_reuse(...) (case: {what})")
+        if given != [list(p) for p in case]:
+            return fail(f"case {what!r}: predict changed the prompts it was given (a pop, a del, a slice assignment), "
+                        "so a later prompt was compared with an earlier one cut short -- leave them as they are")
         got = as_ints(got) or got  # a list, tuple, generator, tensor or NumPy array of ints
         if not isinstance(got, list) or len(got) != len(case) or not all(is_int(g) for g in got):
             return fail(f"predict should return a list of {len(case)} ints, one number per prompt; got {got!r} "
@@ -154,13 +165,17 @@ ACCEPT_CASES = [
 NUM_RANDOM_ACCEPT_CASES = 200  # more, drawn from a seeded generator
 
 
-def _accept_hint(drafts, targets, got) -> str:
-    """The misconception a wrong answer shows -- never which index to read or what to return."""
+def _accept_hint(drafts, targets, got, right_at_mismatches: bool = False) -> str:
+    """The misconception a wrong answer shows -- never which index to read or what to return
+    (``right_at_mismatches``: the rule is right on every case where a guess is wrong)."""
     j = next((i for i, (d, t) in enumerate(zip(drafts, targets)) if d != t), len(drafts))  # first mismatch
     if not drafts and not got:
         return "with no guesses the step is a plain decode: it yields exactly one token, the model's own"
     if j == len(drafts) and got == targets[:j]:
         return "when every guess was right, your rule throws away the bonus token: the prediction after the last guess"
+    if j == len(drafts) and drafts and 0 < len(got) < j and right_at_mismatches:
+        return ("when every guess was right (there is no mismatch at all), every guess is kept, and the bonus token "
+                "after them")
     if j < len(drafts) and got == list(drafts[:j + 1]):
         return "at the first mismatch your rule keeps the wrong guess, not the model's own token"
     if j < len(drafts) and got == list(targets[:j]):
@@ -192,6 +207,14 @@ def _accept_cases() -> list[AcceptCase]:
     return cases
 
 
+def _gives(accept, drafts, targets) -> bool:
+    """Whether ``accept`` gives the engine's tokens on this case (what it raises counts as no)."""
+    try:
+        return [int(t) for t in accept(list(drafts), list(targets))] == engine_accept(drafts, targets)
+    except Exception:  # noqa: BLE001  (the learner's code; the case it failed on is reported already)
+        return False
+
+
 @self_check
 def check_accept(accept) -> bool:
     """``accept(drafts, targets)`` -> the tokens a verify step yields (``targets`` has one more entry
@@ -207,8 +230,9 @@ def check_accept(accept) -> bool:
         if not isinstance(got, (list, tuple)) or not all(is_int(t) for t in got):
             return fail(f"accept({drafts}, {targets}) returned {got!r}; it should return a list of token ids (ints)")
         if [int(t) for t in got] != engine_accept(drafts, targets):
+            at_mismatches = all(_gives(accept, d, t) for d, t in cases if engine_accept(d, t) != t)
             return fail(f"accept({drafts}, {targets}) returned {list(got)}, which is not what the engine "
-                        f"keeps. Hint: {_accept_hint(drafts, targets, [int(t) for t in got])}")
+                        f"keeps. Hint: {_accept_hint(drafts, targets, [int(t) for t in got], at_mismatches)}")
     # In the engine: a speculative run with the learner's rule must equal a run without speculation.
     requests = lambda: [Request(_ids(100 + i, 6), 24, request_id=i, ignore_eos=True) for i in range(4)]  # noqa: E731
     plain = [c.output_ids for c in Engine(loop_model(), None, max_batch_size=4, kv="paged").run(requests())]
