@@ -51,6 +51,17 @@ def round_robin(lengths, b):
     return max(sum(lengths[s::b]) for s in range(b))
 
 
+def one_admission_a_step(lengths, b):
+    """Admits at most one waiting request per step."""
+    queue, running, t = list(lengths), [], 0
+    while queue or running:
+        if queue and len(running) < b:
+            running.append(queue.pop(0))
+        t += 1
+        running = [r - 1 for r in running if r - 1 > 0]
+    return t
+
+
 def _slots(lengths, b):
     """(starts, ends) of each request, FCFS, each taking the slot that frees first."""
     free, starts, ends = [0] * b, [], []
@@ -85,6 +96,7 @@ def test_ex02_accepts_a_right_simulator(model, capsys):
     (lambda lengths, b: _slots(lengths, b)[1][-1], "last request admitted finishes"),  # not the last to finish
     (lambda lengths, b: max(_slots(lengths, b)[0]), "last request starts"),  # a start, not an end
     (lambda lengths, b: fcfs(lengths[::-1], b), "last in, first out"),
+    (one_admission_a_step, "you admitted one request a step"),  # (was told "off by one")
     (lambda lengths, b: float(fcfs(lengths, b)), "an int"),
     (lambda lengths, b: lengths[99], "IndexError"),
     (lambda lengths, b: None, "not done yet"),

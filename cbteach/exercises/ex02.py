@@ -44,6 +44,17 @@ def _fcfs(lengths, slots: int, order=None) -> tuple[list, list]:
     return starts, ends
 
 
+def _one_admission_a_step(lengths, slots: int) -> int:
+    """The steps when at most one waiting request is admitted per step (a mistake below)."""
+    queue, running, steps = list(lengths), [], 0
+    while queue or running:
+        if queue and len(running) < slots:
+            running.append(queue.pop(0))
+        steps += 1
+        running = [n - 1 for n in running if n > 1]
+    return steps
+
+
 # Typical mistakes: (the counts each gives, from the lengths ls, the slots b, the engine's count e and the model m;
 # the hint). A mistake that only shows with fewer slots than requests gives nothing otherwise.
 MISTAKES = [
@@ -59,6 +70,8 @@ MISTAKES = [
     (lambda ls, b, e, m: [max(_fcfs([x - 1 for x in ls], b)[1])] if len(ls) > 1 else [],
      "you counted each request's decode steps only (L - 1): its prefill step, which makes the first token, holds "
      "the slot too"),
+    (lambda ls, b, e, m: [_one_admission_a_step(ls, b)] if b > 1 and len(ls) > 1 else [],
+     "you admitted one request a step; every slot free at a step is filled on that step, from the queue in order"),
     (lambda ls, b, e, m: [e + 1, e - 1],
      "off by one: the prefill step already makes the first token, so L new tokens hold a slot L steps"),
     (lambda ls, b, e, m: [engine_steps(m, [x + 1 for x in ls], b) - 1] if b < len(ls) else [],
