@@ -89,6 +89,9 @@ MISTAKES = [
     ("walking self.waiting while admit() removes from it", ARRIVED,
      "for seq in self.waiting:\n            if seq.arrival_time > now:\n                continue", 1, "walk a copy"),
     ("a running request's room never asked for", RETRY, "while False:", 1, "without KV room"),
+    ("allocate_slots' [] (room, no new block) taken for a refusal", RETRY,  # (was "skipped while budget was left")
+     "if not self.kv_manager.allocate_slots(seq, n):\n                continue\n            while False:", 1,
+     "[] when the chunk fits the blocks the request has"),
     ("an admission's room never asked for", ADMIT_ROOM, "if False:", 1, "without KV room"),
     ("the plan not counted as computed", "        self.update_after_schedule(output)  # 4.", "        pass  # 4.", 1,
      "update_after_schedule"),
@@ -102,14 +105,20 @@ MISTAKES = [
      "for seq in self.running:  # 1.", 4, "walk a copy (list(self.running))"),
     # stage 2: the token budget
     ("budget off by one, under", "budget)  # 1 (+ guesses)", "budget - 1)  # 1 (+ guesses)", 2, "fewer tokens"),
+    ("the running requests' tokens never taken from the budget",  # (was told to cut a prefill to the budget)
+     "            plan.add(seq, n)\n            budget -= n\n        for seq in [s",
+     "            plan.add(seq, n)\n        for seq in [s", 2, "left after the chunks planned before it"),
+    ("a running request taken for a decode: one token", "n = min(seq.num_tokens + len(seq.draft_ids) - "
+     "seq.num_computed_tokens, budget)", "n = min(1 + len(seq.draft_ids), budget)", 2,
+     "given one token although it lacks more"),  # (was asked "an off-by-one?")
     ("budget off by one, over", "            budget -= n\n        output =", "            budget -= n - 1\n"
-     "        output =", 2, "exceeds the token budget"),
+     "        output =", 2, "exceed the token budget"),
     ("budget spent when below zero, not at zero", "or budget <= 0:", "or budget < 0:", 2, "no tokens"),
     ("every chunk cut to one less than the budget left", "budget)", "budget - 1)", 2, "not to one less"),
-    ("a long prompt admitted whole, not chunked", ADMIT_N, WHOLE, 2, "exceeds the token budget"),
+    ("a long prompt admitted whole, not chunked", ADMIT_N, WHOLE, 2, "exceed the token budget"),
     ("a long prompt kept waiting until it fits the budget whole", ADMIT_N,
      WHOLE + "\n            if n > budget:\n                break", 2, "fit whole"),
-    ("a running prefill not chunked", "budget)  # 1 (+ guesses)", "math.inf)  # 1 (+ guesses)", 2, "exceeds the token budget"),
+    ("a running prefill not chunked", "budget)  # 1 (+ guesses)", "math.inf)  # 1 (+ guesses)", 2, "exceed the token budget"),
     ("room asked for before the chunk is cut to the budget", "n = min(seq.num_tokens + len(seq.draft_ids) - "
      "seq.num_computed_tokens, budget)  # 1 (+ guesses), or a chunk\n"
      "            while seq in self.running and self.kv_manager.allocate_slots(seq, n) is None:",
@@ -235,6 +244,10 @@ UPDATE_MISTAKES = [
      "stop_token_ids"),
     ("the length rule off by one", "stop_reason(seq.output_ids, seq.request.max_new_tokens, " + STOP_ARGS, HAND_STOP,
      "past max_new_tokens"),
+    ("the length rule one short", "stop_reason(seq.output_ids, seq.request.max_new_tokens, " + STOP_ARGS,
+     HAND_STOP.replace("len(seq.output_ids) > seq.request.max_new_tokens",
+                       "len(seq.output_ids) + 1 >= seq.request.max_new_tokens"),
+     "one token before max_new_tokens"),  # (was told about EOS and ignore_eos)
     ("token times not recorded", "                seq.token_times.append(now)\n", "", "token_times"),
     ("blocks trimmed before the guesses are taken back", TAKE_BACK + "                self.kv_manager.trim(seq)  # blocks",
      "                self.kv_manager.trim(seq)\n" + TAKE_BACK + "                pass  # blocks", "trim(seq) ran before"),
@@ -355,6 +368,14 @@ def test_each_typical_update_mistake_fails_stage_5_with_a_hint(model, name, old,
     ok, out = check(5, with_mistake(old, new, UPDATE, "MyUpdate"), model)
     assert not ok and out.startswith("✗") and words in out, out
     assert not any(f"'{rid}'" in out for rid in ex06.ID8), out
+
+
+def test_preempting_on_an_empty_grant_names_what_a_refusal_is(model):
+    """``not allocate_slots(...)`` takes [] (room given, no new block needed) for a refusal and preempts: the hint
+    says which value refuses (it said only that nobody had been refused)."""
+    wrong = with_mistake(RETRY, "while seq in self.running and not self.kv_manager.allocate_slots(seq, n):")
+    ok, out = check(1, wrong, model)
+    assert not ok and "allocate_slots refuses with None only; [] is room given that needs no new block" in out, out
 
 
 def test_there_are_thirty_wrong_schedulers_and_every_stage_has_its_own():

@@ -116,7 +116,8 @@ def diagnose(ref, mine, stage=None) -> str:
     if pre_ref and not pre:
         return hint("skipped_refused", stage)
     if pre and not pre_ref:
-        return "a request was preempted although no request had been refused room"
+        return ("a request was preempted although no request had been refused room (allocate_slots refuses with "
+                "None only; [] is room given that needs no new block)")
     got, want = {r: n for r, _, n in plan}, {r: n for r, _, n in plan_ref}
     if pre and set(got) > set(want):
         return ("after the request asking for room was itself the victim, later running requests were still "
@@ -132,6 +133,11 @@ def diagnose(ref, mine, stage=None) -> str:
         if pre:
             return ("after a preemption, a request got fewer tokens than the budget allowed: a victim already planned "
                     "in this step gives its tokens back to the budget (preempt returns how many)")
+        running = [r for r in want if r not in adm_ref and r in got]
+        if running and all(got[r] == 1 for r in running) and any(want[r] > 1 for r in running):
+            return ("a running request was given one token although it lacks more: a running request may still be "
+                    "prefilling its prompt in chunks, and it gets what it lacks (num_tokens - num_computed_tokens)"
+                    + (", cut to the budget" if budget else ""))
         return ("a running request got fewer tokens than it lacked (or none)" + (" while budget was left" if budget
                 else "") + ": check the arithmetic on what a request lacks" + (" and on the budget" if budget else "")
                 + " -- an off-by-one?")

@@ -77,14 +77,19 @@ HINTS = {
     "over_lacks_cached": "a newcomer was given more tokens than it lacks past its cached prefix: its chunk is what "
                          "it lacks past num_cached_tokens (get_computed_blocks), and it starts there",
     "over_lacks": "a request was given more tokens than it lacks (num_tokens - num_computed_tokens)",
-    "budget": "the chunk exceeds the token budget: cut a prefill to the budget that is left (chunked prefill)",
+    "budget": "the step's tokens exceed the token budget: cut each chunk to the budget left after the chunks "
+              "planned before it (chunked prefill)",
     "batch": "more requests run than max_batch_size allows",
     "waiting_first": "a waiting request was planned before a running one: running requests come first",
     "running_order": "running requests were not planned in the running list's order (self.running)",
     "skipped_refused": "a running request was refused KV room and nobody was preempted: when allocate_slots "
                        "returns None, preempt the policy's victim and ask again",
-    "skipped": ("a running request was skipped while budget was left: every running request gets what it lacks", 2,
-                ", before anyone is admitted", ", cut to the budget, before anyone is admitted"),
+    "skipped": ("a running request was skipped", 2, ": every running request gets what it lacks, before anyone is "
+                "admitted", " while budget was left: every running request gets what it lacks, cut to the budget, "
+                "before anyone is admitted"),
+    "granted_skipped": "a running request was left out of the plan although allocate_slots gave it room: it returns "
+                       "the blocks it added -- [] when the chunk fits the blocks the request has -- and None only "
+                       "to refuse",
     "regranted": "a request preempted in this step was given KV room again afterwards: once it was the victim "
                  "(perhaps of its own request for room), stop asking room for it",
     "held_victim": "a request taken out of the batch still holds its KV blocks: self.preempt(seq, plan) frees them",
@@ -210,6 +215,7 @@ def _plan_rules(sched, out, made, before, stage, exercise):
     skipped = [s for s in sched.running if not includes(seqs, s)]
     if skipped and left > 0 and not plan.preempted:
         seq = skipped[0]
+        yield "granted_skipped", id(seq) in kv.granted
         refused = len(seq.block_table) * kv.block_size < seq.num_computed_tokens + min(
             seq.num_tokens - seq.num_computed_tokens, left)
         yield ("skipped_refused" if refused and (stage is None or stage >= ROOM_STAGE) else "skipped"), True

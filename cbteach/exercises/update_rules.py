@@ -32,6 +32,8 @@ UPDATE_HINTS = {
     "missed_length": "a request went past max_new_tokens: after each appended token check the stop (stop_reason)",
     "early_stop": "a request stopped although no stop rule held: EOS stops a request only without ignore_eos "
                   "(stop_reason says which rule holds, or None)",
+    "length_short": "a request stopped one token before max_new_tokens: it stops once its output holds "
+                    "max_new_tokens tokens, the last one counted (stop_reason says which rule holds, or None)",
     "wrong_reason": "finish_reason does not name the rule that stopped the request (stop_reason returns it)",
     "after_stop": "tokens were appended after the one that stopped the request: a stop drops the guesses after it",
     "left_running": "a finished request was left in self.running: it leaves the batch (self.running.remove(seq)), "
@@ -108,11 +110,13 @@ def _token_rules(sched, seq, got, before: int):
     missed = {"eos": "missed_eos", "stop": "missed_stop"}.get(rule, "missed_length")
     yield "tokens_wrong", new != got[:len(new)]
     yield ("after_stop" if stopped else missed), len(new) > k
+    early = "length_short" if stopped == "length" and len(seq.output_ids) == seq.request.max_new_tokens - 1 \
+        else "early_stop"
     if len(new) < k:
         eos_dropped = rule == "eos" and len(new) == k - 1 and stopped == "eos"
-        yield ("eos_not_recorded" if eos_dropped else "early_stop") if stopped else "token_missing", True
+        yield ("eos_not_recorded" if eos_dropped else early) if stopped else "token_missing", True
     yield missed, rule and not stopped
-    yield "early_stop", stopped and not rule
+    yield early, stopped and not rule
     yield "wrong_reason", stopped != rule
     yield "token_times", len(seq.token_times) != len(seq.output_ids)
     yield "first_token_time", seq.first_token_time is None or bool(seq.token_times) and seq.first_token_time != seq.token_times[0]
