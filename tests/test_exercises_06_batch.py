@@ -161,6 +161,16 @@ def test_ignoring_all_token_ids_changes_nothing_here_because_the_worker_holds_th
     assert ok, out
 
 
+def test_removing_rows_while_walking_the_batch_says_to_walk_a_copy(model):
+    wrong = with_mistake(
+        "    for req_id in set(batch.req_id_to_index) - (set(msg.num_scheduled_tokens) - cached.resumed_req_ids):\n",
+        "    for req_id in batch.req_id_to_index:\n"
+        "        if req_id in msg.num_scheduled_tokens and req_id not in cached.resumed_req_ids:\n"
+        "            continue\n")
+    ok, out = check(wrong, model)
+    assert not ok and "changed size during iteration" in out and "walk a copy, a list made before the loop" in out, out
+
+
 @pytest.mark.parametrize("answer,words", [
     (None, "not done yet"), (..., "not done yet"), (42, "pass your function itself"),
     (lambda runner: None, "stopped with TypeError"), (lambda runner, scheduler_output: None, "not done yet"),

@@ -92,7 +92,10 @@ def plugged(fn, seen: list):
         try:
             fn(runner, scheduler_output)
         except Exception as err:  # noqa: BLE001 -- the learner's code
-            raise Fail(f"your update_batch stopped with {raised(err)}") from None
+            more = (" -- remove_request changes batch.req_id_to_index (and popping changes runner.requests): walk "
+                    "a copy, a list made before the loop" if isinstance(err, RuntimeError)
+                    and "changed size during iteration" in str(err) else "")
+            raise Fail(f"your update_batch stopped with {raised(err)}{more}") from None
         said = state_hint(runner, scheduler_output, before, expected(scheduler_output, before), rows)
         if said is not None:
             raise Fail(said)
