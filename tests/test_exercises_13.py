@@ -54,6 +54,9 @@ def test_solution_passes(run, capsys):
     (lambda r, w, h, k: list(range(r * h // w, (r + 1) * h // w)), "those are the query heads"),  # num_heads for kv
     (lambda r, w, h, k: list(range(r // max(1, w // k), r // max(1, w // k) + max(1, k // w))),
      "KV heads overlap"),  # the first head not times the heads per rank
+    (lambda r, w, k, h: kv_right(r, w, h, k), "yours takes the head counts the other way round"),  # (a layout hint)
+    (lambda r, w, h, k: list(range(r // (w // k) * max(1, k // w), r // (w // k) * max(1, k // w) + max(1, k // w))),
+     "a count made with // is 0 for this shape"),  # replicas without max(1, ...) (was "the check stopped with")
 ])
 def test_kv_mistakes(run, capsys, wrong, idea):
     ok, out = check(run, capsys, kv=wrong)

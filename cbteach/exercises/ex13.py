@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from ..parallel.shard import Layout
 from ..sim.cost import ring_all_reduce_bytes
-from . import Fail, fail, first_mistake, guard, is_stub, passed, report, self_check
+from . import Fail, fail, first_mistake, guard, is_stub, passed, raised, report, self_check
 
 
 class Shape(NamedTuple):
@@ -102,13 +102,39 @@ def _same(a, b) -> bool:
     return abs(a - b) <= 1e-9 * max(abs(a), abs(b), 1.0)
 
 
+def _gives(fn, args, want) -> bool:
+    """Whether ``fn(*args)`` is ``want`` (what it raises counts as no)."""
+    try:
+        got = fn(*args)
+        return [h.item() if hasattr(h, "item") else h for h in got] == want
+    except Exception:  # noqa: BLE001  (the learner's code, tried on other arguments)
+        return False
+
+
+def _swapped_counts(fn) -> bool:
+    """Whether ``fn`` is right on every shape when given the head counts the other way round."""
+    return all(_gives(fn, (rank, world, kv, heads), list(_layout(heads, kv, world).kv_heads(rank)))
+               for heads, kv, world in SHAPES for rank in range(world))
+
+
+def _layout(heads: int, kv: int, world: int) -> Layout:
+    return Layout(arch="llama", world_size=world, num_heads=heads, num_kv_heads=kv, head_dim=8,
+                  hidden_size=8 * heads, intermediate_size=16 * world, num_layers=1)
+
+
 def _kv_wrong(kv_heads_of_rank) -> str | None:
     """What ``kv_heads_of_rank`` gets wrong on :data:`SHAPES` (None: nothing)."""
     for heads, kv, world in SHAPES:
-        layout = Layout(arch="llama", world_size=world, num_heads=heads, num_kv_heads=kv, head_dim=8,
-                        hidden_size=8 * heads, intermediate_size=16 * world, num_layers=1)
+        layout = _layout(heads, kv, world)
         for rank in range(world):
-            got = kv_heads_of_rank(rank, world, heads, kv)
+            call = f"kv_heads_of_rank({rank}, world_size={world}, num_heads={heads}, num_kv_heads={kv})"
+            try:
+                got = kv_heads_of_rank(rank, world, heads, kv)
+            except ZeroDivisionError as err:
+                raise Fail(f"{call} raised {raised(err)} -- a count made with // is 0 for this shape: with more KV "
+                           "heads than ranks a rank holds several of them, with fewer each is replicated") from None
+            except Exception as err:  # noqa: BLE001  (the learner's code: said with the shape it failed on)
+                raise Fail(f"{call} raised {raised(err)}") from None
             if got is None and is_stub(kv_heads_of_rank):
                 raise Fail("not done yet: kv_heads_of_rank is still the stub -- write it in the cell above")
             if got is None or isinstance(got, (str, float)):
@@ -121,8 +147,10 @@ def _kv_wrong(kv_heads_of_rank) -> str | None:
                            "e.g. [0] or [2, 3]")
             got = [h.item() if hasattr(h, "item") else h for h in got]  # (NumPy's or torch's scalars as numbers)
             if got != list(layout.kv_heads(rank)):
-                return (f"kv_heads_of_rank({rank}, world_size={world}, num_heads={heads}, num_kv_heads={kv}) "
-                        f"returned {got}: " + _kv_hint(got, rank, heads, kv, world))
+                if _swapped_counts(kv_heads_of_rank):
+                    return (f"{call} returned {got}: the arguments come as (rank, world_size, num_heads, "
+                            "num_kv_heads) -- yours takes the head counts the other way round")
+                return f"{call} returned {got}: " + _kv_hint(got, rank, heads, kv, world)
     return None
 
 
