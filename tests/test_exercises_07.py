@@ -186,6 +186,8 @@ WRONG = {
     "not the upper of them": make(stat=lambda t: sorted(t)[len(t) // 2]),  # (passed while every repeat was odd)
     "not the lower of them": make(stat=lambda t: sorted(t)[(len(t) - 1) // 2]),
     "not milliseconds": make(stat=lambda t: 1000 * statistics.median(t)),
+    "is negative: a run's time is the clock after it minus the clock before it":
+        make(stat=lambda t: -statistics.median(t)),  # (start - end; was "not the median of the runs")
     "the middle of the times sorted": make(stat=lambda t: t[len(t) // 2]),  # (passed while the runs only slowed)
     "not by duration": make(stat=lambda t: t[len(t) // 2] if len(t) % 2 else (t[len(t) // 2 - 1] + t[len(t) // 2]) / 2),
     "compare the tokens of every run": last_comparison_only,  # (passed while the buggy engine ran last)

@@ -170,6 +170,8 @@ def _diagnose(events, names, repeat, medians, same, truth_same, wrong_from_the_s
             return f"medians[{name!r}] should be a number of seconds; got {mine!r}"
         if not math.isclose(mine, statistics.median(durations[name]), rel_tol=1e-6):
             hint = first_mistake(STATISTICS, lambda stat: math.isclose(mine, stat(durations[name]), rel_tol=1e-6))
+            if hint is None and mine < 0:
+                hint = f"medians[{name!r}] is negative: a run's time is the clock after it minus the clock before it"
             return hint or f"medians[{name!r}] is not the median of the runs your harness timed"
     if same is not truth_same:
         if truth_same:
