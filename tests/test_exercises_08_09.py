@@ -309,6 +309,8 @@ def test_handover_accepts_the_right_bytes_and_seconds(model, capsys):
     (scaled(factor_bytes=8), "bytes, not bits"),
     (scaled(factor_seconds=8), "no factor 8"),
     (scaled(factor_seconds=1 / 8), "no factor 8"),
+    (scaled(factor_seconds=1000), "the link time in another unit"),  # milliseconds (was the formula restated)
+    (scaled(factor_seconds=1e-9), "the link time in another unit"),
     (scaled(tokens=lambda n, bs: n // bs * bs), "rounded down"),
     (scaled(tokens=lambda n, bs: math.ceil(n / bs)), "counted blocks, not the tokens"),
     (scaled(per_head=lambda c, d: c.head_dim + 4 if d == "int8" else 2 * c.head_dim), "2 is float16's"),

@@ -136,6 +136,9 @@ def check_handover(handover, model, prompt_len: int | None = None) -> bool:
         if not math.isclose(seconds, exp_seconds, rel_tol=1e-9, abs_tol=1e-15):
             if math.isclose(seconds, 8 * exp_seconds, rel_tol=1e-9) or math.isclose(8 * seconds, exp_seconds, rel_tol=1e-9):
                 hint = "link_bytes_per_s is already in bytes per second: no factor 8"
+            elif any(math.isclose(seconds, f * exp_seconds, rel_tol=1e-9) for f in (1e3, 1e6, 1e-3, 1e-9)):
+                hint = ("that is the link time in another unit (a factor of a thousand or more): the answer is in "
+                        "seconds, and link_bytes_per_s is bytes per second")
             elif math.isclose(seconds * exp_seconds, 1.0, rel_tol=1e-6):
                 hint = "the division is upside down: seconds = bytes / (bytes per second)"
             else:
