@@ -89,6 +89,7 @@ WRONG = [  # (field, a wrong answer derived from the truth, what the hint must s
     ("continuous_steps", lambda t: max(math.ceil(sum(ex10.OUTPUT_LENS) / ex10.BATCH_SIZE), max(ex10.OUTPUT_LENS)),
      "lower bound"),
     ("continuous_steps", lambda t: t["continuous_steps"] + 1, "off by one"),
+    ("continuous_steps", lambda t: ex10._refilled_late(0, sorted(ex10.OUTPUT_LENS)), "shortest requests first"),
     ("num_computed_tokens", lambda t: t["num_computed_tokens"] + 1, "before* the step"),
     ("num_computed_tokens", lambda t: t["num_computed_tokens"] - ex10.PROMPT_LENS[ex10.IDS.index(ex10.FOCUS)],
      "prompt's tokens too"),
@@ -124,6 +125,7 @@ def test_running_hints_name_the_rule_not_the_answer(model, truth, capsys):
         ({rid: truth["running"][rid]}, "missing"),
         ({r: "decode" for r in truth["running"]}, "not every kind is"),
         ({**truth["running"], "Z": "decode"}, "not a request of the workload"),
+        (truth["_near"][-1], "the steps are counted from 0"),  # (was told a request had finished)
     ]
     for guess, hint in cases:
         ok, out = run(model, capsys, **answers(truth, running=guess))

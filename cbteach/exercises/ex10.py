@@ -8,7 +8,7 @@ import math
 from ..engine.engine import Engine
 from ..core.request import Request
 from ..engine.static import static_batching
-from . import fail, first_mistake, is_int, passed, self_check
+from . import fail, is_int, passed, self_check
 
 # The main run: five requests served two at a time by a paged engine with tiny blocks.
 IDS = ("A", "B", "C", "D", "E")
@@ -56,6 +56,7 @@ def measure(model) -> dict:
         "num_computed_tokens": focus.num_computed_tokens,
         "num_blocks": len(rec.kv_usage["block_tables"][FOCUS]),  # the table during the step
         "prefill_steps": sum(s.kind == "prefill" for r in chunked.records for s in r.seqs if s.request_id == "Y"),
+        "_near": {d: {s.request_id: s.kind for s in engine.records[STEP + d].seqs} for d in (-1, 1)},
         "_admitted": admitted, "_finished": finished, "_fed": focus.num_computed_tokens + focus.num_scheduled_tokens,
     }
 
@@ -63,6 +64,9 @@ def measure(model) -> dict:
 # -- hints: each names the rule that was missed, never the value ---------------------------------
 def _running_hint(got, m) -> str:
     truth, admitted, finished = m["running"], m["_admitted"], m["_finished"]
+    if got in m["_near"].values() and set(got) != set(truth):
+        return (f"that is step {STEP - 1 if got == m['_near'][-1] else STEP + 1}'s batch: the steps are counted "
+                f"from 0, so step {STEP} is the {STEP + 1}th step the engine runs")
     for rid in got:
         if rid not in truth and rid not in admitted:
             return f"{rid!r} is not a request of the workload (the ids are {', '.join(IDS)})"
@@ -80,10 +84,11 @@ BOUND = max(math.ceil(sum(OUTPUT_LENS) / BATCH_SIZE), max(OUTPUT_LENS))  # a per
 FULL_WAVES = sum(max(OUTPUT_LENS[i:i + BATCH_SIZE]) for i in range(0, len(OUTPUT_LENS) - BATCH_SIZE + 1, BATCH_SIZE))
 
 
-def _refilled_late(gap: int = 1) -> int:
-    """Continuous batching's steps if a freed slot were refilled ``gap`` steps late (FCFS, slot by slot)."""
+def _refilled_late(gap: int = 1, lengths=OUTPUT_LENS) -> int:
+    """Continuous batching's steps if a freed slot were refilled ``gap`` steps late (FCFS, slot by slot), the
+    requests coming in the order of ``lengths``."""
     free = [0] * BATCH_SIZE  # the step each slot may take its next request
-    for n in OUTPUT_LENS:
+    for n in lengths:
         k = min(range(BATCH_SIZE), key=free.__getitem__)
         free[k] += n + gap
     return max(free) - gap
@@ -106,6 +111,8 @@ HINTS = {
         (lambda m: [_refilled_late()], "a freed slot is refilled on the very next step -- no step in between, and no "
                                        "waiting for a wave"),
         (lambda m: [m["static_steps"]], "continuous batching has no waves: a freed slot is refilled on the next step"),
+        (lambda m: [_refilled_late(0, sorted(OUTPUT_LENS))], "you served the shortest requests first; FCFS admits "
+                                                              "them in arrival order, whatever their length"),
         (lambda m: [BOUND], "that is the lower bound, a perfect packing: at the end, slots drain one by one"),
         (lambda m: [m["continuous_steps"] + 1, m["continuous_steps"] - 1],
          "off by one: a request with L new tokens holds its slot for L steps, and a freed slot is refilled next"),
@@ -148,7 +155,10 @@ def _problem(name, got, m) -> str:
     if name != "running" and not is_int(got):
         return f"{name} should be a whole number (an int); got {got!r}"
     table = HINTS[name]
-    why = table(got, m) if callable(table) else first_mistake(table, lambda gives: gives is None or got in gives(m))
+    if callable(table):
+        why = table(got, m)
+    else:  # (two mistakes can give the same number: both named)
+        why = " -- or ".join([h for gives, h in table if gives is not None and got in gives(m)][:2]) or table[-1][1]
     return f"{got!r} is not what the engine did -- {why}"
 
 
