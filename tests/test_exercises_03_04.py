@@ -258,7 +258,10 @@ class _LateBug:
         return out
 
 
-WRONG_GATHER = [(_g_dim, "raised RuntimeError"), (_g_reversed, "another order"), (_g_swapped, "swapped"),
+WRONG_GATHER = [(_g_dim, "raised RuntimeError"), (_g_dim, "they are joined along the token axis"),
+                (lambda c: [(k, v) for k, v in (x for x in c if x is not None)],  # a list of pairs (was "it raised")
+                 "gather, on a step with sequences of 3, 0 and 2 cached tokens: gather's result should be a (keys, "
+                 "values) pair of tensors, got list"), (_g_reversed, "another order"), (_g_swapped, "swapped"),
                 (_g_no_none, "its entry in caches is None, not a pair"), (_g_empty, "return None"), (lambda c: None, "not done yet"),
                 (lambda c: [1, 2], "(keys, values) pair"), (_g_none_if_any_uncached, "one sequence has nothing cached")]
 WRONG_SCATTER = [(_s_from_start, "cached part"), (_s_off_by_one, "cached part"), (_s_overwrite, "lost its history"),

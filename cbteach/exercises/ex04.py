@@ -40,9 +40,13 @@ def _labels(t) -> list[tuple[int, int, int]]:
     return [(int(v) // 1000, int(v) % 1000 // 100, int(v) % 100) for v in t[0, 0, :, 0].tolist()]
 
 
+class _NotAPair(Exception):
+    """A result that is not a (keys, values) pair: the check's finding, not something the learner's code raised."""
+
+
 def _pair(x, what):
     if not (isinstance(x, (tuple, list)) and len(x) == 2 and all(torch.is_tensor(t) for t in x)):
-        raise TypeError(f"{what} should be a (keys, values) pair of tensors, got {type(x).__name__}")
+        raise _NotAPair(f"{what} should be a (keys, values) pair of tensors, got {type(x).__name__}")
     return x
 
 
@@ -154,10 +158,15 @@ def check_gather_scatter(gather, scatter, model, tokenizer) -> bool:
     for name, fn, hint_of in (("gather", gather, _gather_hint), ("scatter", scatter, _scatter_hint)):
         try:
             hint = hint_of(fn)
+        except _NotAPair as err:
+            hint = str(err)
         except Exception as err:  # the learner's code
             hint = f"it raised {raised(err)}"
             if isinstance(err, TypeError) and "NoneType" in str(err):
                 hint += " -- the second sequence has nothing cached yet: its entry in caches is None, not a pair"
+            elif isinstance(err, RuntimeError) and "Sizes of tensors must match" in str(err):
+                hint += (" -- a cache's keys are [1, heads, tokens, head_dim] and the sequences' lengths differ: "
+                         "they are joined along the token axis")
         if hint:
             return fail(f"{name}, on a step with sequences of 3, 0 and 2 cached tokens: {hint}")
     engine = Engine(model, tokenizer, max_batch_size=2, kv="concat")
