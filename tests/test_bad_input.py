@@ -420,6 +420,18 @@ def test_static_batching_stops_on_stop_token_ids_as_the_engine_does(model):
     assert (got.output_ids, got.finish_reason) == (want.output_ids, want.finish_reason) == ([first], "stop")
 
 
+@pytest.mark.parametrize("given", [lambda ids: (t for t in ids), lambda ids: map(int, ids), lambda ids: iter(ids)])
+def test_stop_token_ids_from_a_generator_or_an_iterator_stop_the_request(model, given):
+    """A generator was used up by the check of its ids and kept as (): the request ran past its stop token."""
+    first = reference(model, [7, 8, 9], 1)[0]
+    params = SamplingParams(stop_token_ids=given([first]))
+    assert params.stop_token_ids == (first,)
+    got = Engine(model, max_batch_size=2).run([Request([7, 8, 9], 6, sampling_params=params)])[0]
+    assert (got.output_ids, got.finish_reason) == ([first], "stop")
+    with pytest.raises(ValueError, match="stop_token_ids must be a list of token ids"):
+        SamplingParams(stop_token_ids={first: 1})
+
+
 def test_a_tokenizer_that_cannot_decode_one_answer_fails_that_request_alone(bierce):
     """A sentencepiece tokenizer raises on an id past its vocabulary (a model may pad its own): the request
     whose answer will not decode ends with ``finish_reason="error"`` and its tokens; the others are exact."""

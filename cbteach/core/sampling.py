@@ -39,7 +39,9 @@ class SamplingParams:
         object.__setattr__(self, "temperature", float(t))
         object.__setattr__(self, "top_p", float(p))
         ids = self.stop_token_ids
-        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__") or not all(
+        if not isinstance(ids, (str, bytes, dict)) and hasattr(ids, "__iter__"):
+            ids = tuple(ids)  # (once: a generator or an iterator is read here, and only here)
+        if not isinstance(ids, tuple) or not all(
                 isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in ids):
             raise ValueError(f"stop_token_ids must be a list of token ids (ints >= 0), got {ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
