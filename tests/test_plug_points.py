@@ -118,6 +118,13 @@ def test_plug_points_need_the_paged_cache_and_functions():
         Engine(model, max_batch_size=2, kv="paged", attention="flash")
     with pytest.raises(ValueError, match="needs a method allocate_slots"):
         Engine(model, max_batch_size=2, kv="paged", kv_manager=object())
+    for kv in ("paged", "concat"):  # (it built, then every step raised TypeError)
+        with pytest.raises(ValueError, match=r"update_batch must be a function update_batch\(runner, scheduler_output\), "
+                                             "got int"):
+            Engine(model, max_batch_size=2, kv=kv, update_batch=5)
+        with pytest.raises(ValueError, match="'<lambda>' cannot take those two arguments"):
+            Engine(model, max_batch_size=2, kv=kv, update_batch=lambda: None)
+    assert Engine(model, max_batch_size=2, kv="paged", update_batch=lambda runner, msg, *more: None) is not None
 
     class NoFreeList(FreeListManager):
         def __init__(self, num_blocks, block_size):

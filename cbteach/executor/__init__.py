@@ -18,6 +18,8 @@ worker -- model runner, persistent batch, sampler -- in :mod:`cbteach.worker`, l
 """
 from __future__ import annotations
 
+import inspect
+
 from ..worker.async_runner import AsyncModelRunner
 from ..worker.variants import runner_cls
 from .uniproc import UniProcExecutor
@@ -32,6 +34,8 @@ def make_executor(model, view, info, kv_cache, config, update_batch=None, swaps:
     ``swaps``: the scheduler sends V0's swaps (:mod:`cbteach.worker.swap_runner` carries them out);
     ``forks``: parallel sampling by fork (:mod:`cbteach.worker.fork_runner`); ``spec``: the scheduler sends
     speculative guesses (:mod:`cbteach.worker.spec_runner`)."""
+    if update_batch is not None:
+        _check_update_batch(update_batch)
     if config.tensor_parallel_size == 1:
         runner = runner_cls(swaps, forks, spec)(view, kv_cache, device=info.device, accepts_logits_to_keep=info.accepts_logits_to_keep,
                             max_num_reqs=config.scheduler.max_batch_size, max_model_len=info.max_positions,
@@ -43,3 +47,18 @@ def make_executor(model, view, info, kv_cache, config, update_batch=None, swaps:
     from .multiproc import MultiprocExecutor  # its workers start here: errors before any process starts
 
     return MultiprocExecutor(model, info, kv_cache, config, swaps=swaps, forks=forks, spec=spec)
+
+
+def _check_update_batch(update_batch) -> None:
+    """A plugged-in ``update_batch`` is called as ``update_batch(runner, scheduler_output)``: ``ValueError`` now,
+    where it could not be, rather than a ``TypeError`` on the first step."""
+    if not callable(update_batch):
+        raise ValueError(f"update_batch must be a function update_batch(runner, scheduler_output), got "
+                         f"{type(update_batch).__name__}")
+    try:
+        inspect.signature(update_batch).bind(None, None)
+    except TypeError:
+        raise ValueError(f"update_batch is called as update_batch(runner, scheduler_output), and "
+                         f"{getattr(update_batch, '__name__', update_batch)!r} cannot take those two arguments") from None
+    except ValueError:  # no signature to read (a builtin): it is called as it is
+        pass
