@@ -22,7 +22,7 @@ class Request:
     _: KW_ONLY
     request_id: object = None
     arrival_time: float | None = None
-    priority: int = 0
+    priority: int = 0  # smaller = more urgent, read by policy='priority' (fcfs orders by arrival: one workload runs under both)
     ignore_eos: bool = False
     sampling_params: SamplingParams = GREEDY
 
