@@ -254,6 +254,8 @@ BAD = [
     ({"prompt": "x", "max_tokens": 4, "stop_token_ids": [2**64]}, 400, "stop_token_ids"),  # (a 500 once, and a slot lost)
     ({"prompt": "x", "max_tokens": 4, "stop_token_ids": [2048]}, 400, "stop_token_ids"),  # outside bierce's vocabulary
     ({"prompt": "x", "max_tokens": 4, "logprobs": 0}, 400, "logprobs"),  # (0 asks for the chosen token's logprob)
+    ({"prompt": "x", "max_tokens": 4, "priority": "high"}, 400, "priority"),
+    ({"prompt": "x", "max_tokens": 4, "priority": 2**40}, 400, "priority"),
     ({"prompt": "x", "max_tokens": 4, "stream": True, "stream_options": {"include_usage": "yes"}}, 400,
      "stream_options"),
 ]
@@ -264,7 +266,10 @@ BAD_CHAT = [({"messages": "hi", "max_tokens": 4}, 400, "messages"),
             ({"messages": [{"role": "user", "content": "x"}]}, 400, "max_completion_tokens"),
             (b'{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 4}', 400, "messages"),
             ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 4, "max_tokens": -1}, 400,
-             "max_tokens")]
+             "max_tokens"),
+            # two lengths: one was taken and the other ignored
+            ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 4, "max_tokens": 5}, 400,
+             "max_completion_tokens")]
 
 
 def _post(server, path, body):

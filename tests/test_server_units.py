@@ -462,3 +462,23 @@ def test_a_step_of_several_tokens_ends_at_the_stop_string_as_single_tokens_do(to
         sizes.append(g.randint(1, 4))
     assert events(sizes) == one_a_step
     assert one_a_step[2] and one_a_step[2][0][1] == "stop" and one_a_step[2][0][2] == len(one_a_step[1])
+
+
+def test_a_request_priority_reaches_the_engine_and_the_policy_reads_it():
+    """``priority`` (vLLM's extension) was refused as an unknown field, so ``serve --policy priority`` ordered
+    every request by arrival alone. It is read, and an engine core with the priority policy admits the urgent
+    request first."""
+    limits = proto.Limits("bierce", 100)
+    assert proto.parse_completion({"prompt": "x", "max_tokens": 4}, limits).priority == 0
+    assert proto.parse_completion({"prompt": "x", "max_tokens": 4, "priority": -3}, limits).priority == -3
+    same = {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 4, "max_tokens": 4}
+    assert proto.parse_chat(same, limits, None).max_tokens == 4
+    from cbteach import Engine
+    from cbteach.serving.engine_core import CoreSpec, EngineCore
+    from conftest import tiny_model
+
+    eng = Engine(tiny_model("llama"), max_batch_size=1, policy="priority")
+    core = EngineCore(CoreSpec(0, "", "", 0), eng, None, None)
+    core._add(msg.AddRequest("late", [7, 8, 9], 2, priority=5))
+    core._add(msg.AddRequest("urgent", [7, 8], 2, priority=-1))
+    assert core.rejected == [] and eng.step().admitted == ["urgent"]

@@ -39,6 +39,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     ignore_eos: bool = False
     fail_after: int | None = None  # fault injection (tests): fail this request after so many tokens
     stop_token_ids: tuple[int, ...] = ()  # more ids that end the request (SamplingParams.stop_token_ids)
+    priority: int = 0  # Request.priority (smaller = more urgent; read by policy="priority")
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True):

@@ -186,7 +186,7 @@ class EngineCore:
                                  stop_token_ids=m.stop_token_ids)
         try:
             self.engine.add_request(self.Request(m.prompt_token_ids, m.max_tokens, request_id=m.request_id,
-                                                 sampling_params=sp, ignore_eos=m.ignore_eos))
+                                                 sampling_params=sp, ignore_eos=m.ignore_eos, priority=m.priority))
         except ValueError as err:  # the engine's own checks: the KV pool, a duplicate id, ...
             self.rejected.append((m.request_id, str(err)))
             return

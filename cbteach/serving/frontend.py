@@ -100,7 +100,8 @@ class Frontend:
         st = RequestState(f"r{next(self._ids)}", ids, req.max_tokens, detok, queue, index, created=created,
                           http_id=http_id)
         self.client.submit(st, msg.AddRequest(st.request_id, ids, req.max_tokens, sampling.temperature, sampling.top_p,
-                                              sampling.seed, req.ignore_eos, fail_after, req.stop_token_ids))
+                                              sampling.seed, req.ignore_eos, fail_after, req.stop_token_ids,
+                                              req.priority))
         return st
 
     def abort_all(self) -> None:

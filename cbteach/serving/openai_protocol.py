@@ -22,7 +22,7 @@ chat template uses it (``apply_chat_template(..., add_generation_prompt=True)``)
 
 Extensions that vLLM also accepts: ``ignore_eos`` (benchmarks need fixed lengths),
 ``return_token_ids`` (each choice then carries its ``token_ids``, so a client can check tokens, not
-just text) and ``stop_token_ids`` (more ids that end the answer; as in vLLM the stop token counts in
+just text), ``priority`` (smaller is more urgent; ``serve --policy priority`` reads it) and ``stop_token_ids`` (more ids that end the answer; as in vLLM the stop token counts in
 ``usage`` and its text is left out). A field that would change the answer and is not implemented
 (``logprobs``, penalties, vLLM's ``top_k``...) is refused, not ignored; so is a field this server does
 not know (OpenAI's API does the same: a misspelt ``max_token`` must not pass as a default).
@@ -40,6 +40,7 @@ ROLES = ("system", "developer", "user", "assistant")
 MESSAGE_KEYS = ("role", "content", "name")  # what a chat message may hold (the tokenizer's chat template sees all three)
 MAX_STOP = 4  # OpenAI allows up to four stop sequences
 MAX_STOP_TOKEN_IDS = 64
+MAX_PRIORITY = 2**31 - 1  # a request's priority: an int32, as vLLM's
 # Fields that would change the answer, with the values that leave it as it is (the only ones taken). vLLM's
 # own sampling extensions are here too: a client that sends top_k=50 must not get a greedy answer silently.
 # (logprobs 0 is not among them: it asks for the chosen token's logprob)
@@ -56,7 +57,7 @@ IGNORED = {"user": (str, "a string (an id for your end user)"), "store": (bool, 
            "metadata": (dict, "an object whose keys and values are strings"), "service_tier": (str, 'a string such as "auto"'),
            "parallel_tool_calls": (bool, "true or false"),
            "modalities": (list, 'a list of output kinds; this server answers ["text"]')}
-COMMON = ("model", "n", "stop", "stream", "stream_options", "temperature", "top_p", "seed", "ignore_eos",
+COMMON = ("model", "n", "stop", "stream", "stream_options", "temperature", "top_p", "seed", "ignore_eos", "priority",
           "return_token_ids", "stop_token_ids", "cbteach_fail_after", *IGNORED, *UNSUPPORTED)
 KNOWN = {"completion": frozenset(("prompt", "max_tokens", *COMMON)),
          "chat": frozenset(("messages", "max_tokens", "max_completion_tokens", *COMMON))}
@@ -109,6 +110,7 @@ class GenerationRequest:
     ignore_eos: bool
     return_token_ids: bool
     model: str
+    priority: int = 0  # smaller = more urgent (serve --policy priority reads it; fcfs orders by arrival)
 
     def choices(self):
         """``(index, prompt, SamplingParams)`` per choice; a seeded request gives choice ``i`` the seed ``seed + i``
@@ -204,7 +206,11 @@ def _common(body, limits: Limits, kind: str, prompts: tuple, max_tokens_names: t
                             "(GET /v1/models)", param="model", code="model_not_found")
     _check_fields(body, kind)
     for other in max_tokens_names[1:]:  # chat: max_tokens is deprecated for max_completion_tokens; both are checked
-        _int(body, other, None, 1, limits.max_tokens_cap)
+        given = _int(body, other, None, 1, limits.max_tokens_cap)
+        first = _int(body, max_tokens_names[0], None, 1, limits.max_tokens_cap)
+        if given is not None and first is not None and first != given:
+            raise bad(f"'{max_tokens_names[0]}' is {first} and '{other}' is {given}: they say the same thing "
+                      f"({other} is its older name), so give one, or both equal", max_tokens_names[0])
     name = next((k for k in max_tokens_names if body.get(k) is not None), max_tokens_names[0])
     max_tokens = _int(body, name, limits.default_max_tokens, 1, limits.max_tokens_cap)
     if max_tokens is None:
@@ -234,7 +240,8 @@ def _common(body, limits: Limits, kind: str, prompts: tuple, max_tokens_names: t
     return GenerationRequest(kind, prompts, max_tokens, _number(body, "temperature", limits.default_temperature, 0, 2),
                              _number(body, "top_p", 1.0, 0, 1, low_open=True), seed, n, _stop(body),
                              _stop_token_ids(body, limits.vocab_size), stream,
-                             include_usage, _bool(body, "ignore_eos"), _bool(body, "return_token_ids"), model)
+                             include_usage, _bool(body, "ignore_eos"), _bool(body, "return_token_ids"), model,
+                             _int(body, "priority", 0, -MAX_PRIORITY, MAX_PRIORITY))
 
 
 def _ignored_fields(body: dict) -> None:
