@@ -389,6 +389,9 @@ def test_bench_serve_refuses_an_endpoint_that_is_not_a_url(capsys):
     (["--device", "xpu"], "unknown device 'xpu'; use --device cpu, cuda, mps, or auto"),
     (["--threads", "100000"], "threads is more than 4 per core"),
     (["--num-speculative-tokens", "3"], "no --speculative was given: add --speculative ngram"),
+    (["--speculative", " "], "--speculative must not be empty"),  # (speculation was silently off)
+    (["--stats-interval", "1"], "at --log-level warning none is: add --log-level info"),
+    (["--data-parallel-size", "100000"], "model processes, more than 4 per core"),  # (a traceback: too many files)
 ])
 def test_serve_refuses_bad_options_before_anything_starts(argv, message, capsys):
     pytest.importorskip("fastapi", reason="the serve extra is not installed")

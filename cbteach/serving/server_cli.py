@@ -38,6 +38,16 @@ def check_mode(p: argparse.ArgumentParser, args, argv) -> None:
         if wrong:
             p.error(f"{', '.join(PAGED_ONLY[d] for d in wrong)} appl{'y' if len(wrong) > 1 else 'ies'} to the paged "
                     "KV cache only; --kv concat has no blocks (drop the option, or use --kv paged)")
+    if args.speculative is not None and not args.speculative.strip():
+        p.error("--speculative must not be empty: give ngram (prompt lookup) or a draft model's name, or leave it out")
+    if args.log_level not in ("info", "debug") and given(parser, argv, ["stats_interval"]):
+        p.error(f"--stats-interval sets how often a stats line is logged at --log-level info (or debug); at "
+                f"--log-level {args.log_level} none is: add --log-level info, or drop --stats-interval")
+    processes, cores = args.data_parallel_size * args.tensor_parallel_size, os.cpu_count() or 1
+    if processes > 4 * cores:
+        p.error(f"--data-parallel-size {args.data_parallel_size} x --tensor-parallel-size "
+                f"{args.tensor_parallel_size} is {processes:,} model processes, more than 4 per core of this "
+                f"machine's {cores}: each holds a copy (or a shard) of the model")
     if args.speculative is None and given(parser, argv, ["num_speculative_tokens"]):
         p.error("--num-speculative-tokens sets how many tokens speculation guesses per step, and no --speculative "
                 "was given: add --speculative ngram (or a draft model), or drop --num-speculative-tokens")
