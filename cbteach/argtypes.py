@@ -3,13 +3,16 @@
 ``number(int, 0)`` takes ``"8"`` and refuses ``"0"``, ``"-3"``, ``"x"``, ``"nan"`` and ``"inf"`` with
 ``'0' is not an integer > 0``: argparse prints it as ``error: argument --requests: ...``, naming the
 option, and exits 2 -- never a traceback several frames deep in the code that got the bad value.
-(It sits on the package's lowest floor so every command, from bierce's trainer up, can use it.)
+(It sits on the package's lowest floor so every command, from bierce's trainer up, can use it.) And
+:func:`unwritable`: an output path checked before a long run, not after it.
 """
 from __future__ import annotations
 
 import argparse
 import math
 import os
+import tempfile
+from pathlib import Path
 
 
 def number(kind, low, strict: bool = True):
@@ -50,3 +53,22 @@ def threads(text):
         raise argparse.ArgumentTypeError(f"{value} threads is more than 4 per core of this machine's "
                                          f"{os.cpu_count() or 1} (at most {most})")
     return value
+
+
+def unwritable(path: Path) -> str | None:
+    """Why ``path`` cannot be written (None: it can): a folder there, a parent that cannot be made, or a file
+    that cannot be made in it -- tried for real (a temporary file, removed at once), since permission bits say
+    nothing for root and nothing at all in /proc."""
+    if path.is_dir():
+        return "it is a folder; give a file name"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            with open(path, "ab"):  # (appends nothing: the file is left as it is)
+                pass
+        else:
+            with tempfile.TemporaryFile(dir=path.parent):
+                pass
+    except OSError as e:
+        return e.strerror or str(e)
+    return None

@@ -201,12 +201,16 @@ def cli(argv=None) -> int:
     """``python -m cbteach student [SRC] [DST]``."""
     p = argparse.ArgumentParser(prog="python -m cbteach student", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("src", type=Path, nargs="?", default=None,
+    p.add_argument("src", nargs="?", default=None,
                    help="folder of notebooks (default: ./notebooks, else the course shipped with cbteach)")
-    p.add_argument("dst", type=Path, nargs="?", default=Path("student"), help="where to write (default: student)")
+    p.add_argument("dst", nargs="?", default="student", help="where to write (default: student)")
     p.add_argument("--clear-outputs", action="store_true", help="clear every cell's output, not only the checks'")
     p.add_argument("--force", action="store_true", help="overwrite notebooks already in DST")
     a = p.parse_args(argv)
+    for name, value in (("SRC", a.src), ("DST", a.dst)):
+        if value is not None and not value.strip():  # (Path("") would be the current folder)
+            p.error(f"{name} is empty: give a folder, e.g. `python -m cbteach student notebooks student`")
+    a.src, a.dst = (Path(a.src) if a.src is not None else None), Path(a.dst)
     src = a.src if a.src is not None else Path("notebooks") if any(Path("notebooks").glob("*.ipynb")) else course_dir()
     if not any(src.glob("*.ipynb")):
         p.error(f"no notebooks found in {src}")

@@ -211,6 +211,9 @@ def test_course_files_beside_the_notebooks_are_kept_too_and_a_copy_onto_itself_i
     (["bench", "--threads", "100000"], "threads is more than 4 per core"),  # (a crash in torch's thread pools)
     (["simulate", "calibrate", "--threads", "100000"], "threads is more than 4 per core"),
     (["notebooks", ""], "give the folder to write the notebooks into"),  # (wrote 16 notebooks into the cwd)
+    (["student", "notebooks", ""], "DST is empty: give a folder"),  # (the same, for the student copy)
+    (["student", "", "x"], "SRC is empty: give a folder"),
+    (["bench", "--json", "r.json", "--out", "results"], "give one, not both"),  # (--out was ignored)
     (["bench", "--engines", "static", "--device", "meta"], "unknown device 'meta'"),
     (["demo", "--device", "xpu"], "unknown device 'xpu'"),  # torch knows the name; the course runs on cpu/cuda/mps
     (["demo", "--device", "meta"], "unknown device 'meta'"),
@@ -229,6 +232,10 @@ def test_more_bad_arguments_are_one_line_errors(argv, message, capsys):
     # (a 100,000-token request to the 4,096-position model: "request 0: prompt (55461 tokens) ...", no option named)
     (["simulate", "calibrate", "--max-context", "100000"], "model's 4096 positions: give a smaller --max-context"),
     (["simulate", "calibrate", "--prompt", "4,4090", "--max-context", "4090"], "longest sequence would be 4138"),
+    # (an --out that cannot be written was found after the measuring, and not named)
+    (["simulate", "calibrate", "--out", "/"], "--out '/': cannot write the device file there: it is a folder"),
+    (["simulate", "calibrate", "--out", ""], "--out '': cannot write the device file there: it names no file"),
+    (["simulate", "capacity", "--rate-per-user", "5"], "--rate-per-user sizes the devices for --users"),
 ])
 def test_simulate_refuses_a_workload_it_cannot_run_before_measuring(argv, message, capsys):
     assert main(argv) == 2

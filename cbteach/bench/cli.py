@@ -6,7 +6,6 @@ import json
 import re
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 from ..core.config import MAX_BATCH_SIZE
@@ -15,7 +14,7 @@ from ..models import load_model
 from ..serving import workloads as wl
 from . import measure
 from .experiments import machine_info, step_time_vs_history
-from ..argtypes import POSITIVE, POSITIVE_INT, at_most, number, threads
+from ..argtypes import POSITIVE, POSITIVE_INT, at_most, number, threads, unwritable
 from .measure import (ALL_ENGINES, METRICS, REFERENCE, TOKEN_BUDGET, clean, compare, slot_steps, sweep,
                       targets)
 
@@ -86,25 +85,6 @@ _floats.__name__ = "sweep values"
 
 
 
-def unwritable(path: Path) -> str | None:
-    """Why ``path`` cannot be written (None: it can): a folder there, a parent that cannot be made, or a file
-    that cannot be made in it -- tried for real (a temporary file, removed at once), since permission bits say
-    nothing for root and nothing at all in /proc."""
-    if path.is_dir():
-        return "it is a folder; give a file name"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if path.exists():
-            with open(path, "ab"):  # (appends nothing: the file is left as it is)
-                pass
-        else:
-            with tempfile.TemporaryFile(dir=path.parent):
-                pass
-    except OSError as e:
-        return e.strerror or str(e)
-    return None
-
-
 def plain(doc: str) -> str:
     """A docstring as terminal text: reST's ``code``, **bold**, *emphasis* and :role:`target` unmarked."""
     doc = re.sub(r":\w+:`~?([^`]+)`", r"\1", doc)
@@ -161,7 +141,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=POSITIVE_INT, default=1, help="timed runs per engine (the median is reported)")
     p.add_argument("--history", type=_history, default=256,
                    help="decode steps for the step-time experiment (0: skip; else at least 2)")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder for bench-<model>.json")
+    p.add_argument("--out", type=Path, default=None, help="folder for bench-<model>.json (default benchmarks/results)")
     p.add_argument("--json", type=Path, default=None, help="write the results to this file instead")
     p.add_argument("--threads", type=threads, default=1,
                    help="CPU threads for torch (default 1: a 2M-parameter model gains nothing from more, "
@@ -209,7 +189,9 @@ def _check(p: argparse.ArgumentParser, a, argv=()) -> tuple[list[str], Path]:
         p.error(f"--{'sweep' if a.sweep else 'rate'}: {a.requests} requests at {slowest:g} a second arrive over about "
                 f"{a.requests / slowest:,.0f} s of wall time, which the benchmark waits out: give at least "
                 f"{a.requests / MAX_ARRIVAL_SPAN:g} a second")
-    path = a.json or a.out / f"bench-{a.model.replace('/', '_')}.json"
+    if a.json is not None and a.out is not None:
+        p.error("--json names the results file, --out the folder for bench-<model>.json: give one, not both")
+    path = a.json or (a.out or Path("benchmarks/results")) / f"bench-{a.model.replace('/', '_')}.json"
     problem = unwritable(path)  # found now, not after minutes of measuring
     if problem:
         p.error(f"cannot write the results to {path}: {problem}")

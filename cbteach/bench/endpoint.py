@@ -221,7 +221,7 @@ def main(argv=None) -> int:
     if said is not None:
         print(f"python -m cbteach bench-serve: error: {said}", file=sys.stderr)
         return 2
-    from .cli import unwritable
+    from ..argtypes import unwritable
 
     problem = a.json is not None and unwritable(a.json)
     if problem:  # found now, not after the whole benchmark has run

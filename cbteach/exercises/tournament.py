@@ -45,7 +45,7 @@ def cli(argv=None) -> int:
     where = [o for o, v, default in (("--host", a.host, "127.0.0.1"), ("--port", a.port, 8100)) if v != default]
     if where and not a.serve:
         p.error(f"{', '.join(where)}: only with --serve (without it the room is ranked here, no server is started)")
-    from ..bench.cli import unwritable
+    from ..argtypes import unwritable
 
     for option, path in (("--json", a.json), ("--plot", a.plot)):
         problem = path is not None and unwritable(path)

@@ -78,7 +78,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--tpot", type=POSITIVE, default=0.05, help="TPOT target, seconds (at --quantile)")
     c.add_argument("--quantile", type=float, default=0.9, choices=(0.5, 0.9))
     c.add_argument("--users", type=POSITIVE_INT, default=None, help="also: devices for this many users")
-    c.add_argument("--rate-per-user", type=POSITIVE, default=1 / 30, help="requests per second per user")
+    c.add_argument("--rate-per-user", type=POSITIVE, default=None,
+                   help="requests per second per user, with --users (default 1/30: one every 30 s)")
     c.add_argument("--price", type=POSITIVE, default=None, help="price per device-hour (default: the device's)")
     s = sub.add_parser("static", help="continuous vs static batching and the factors of the gap")
     s.add_argument("--model", default="opt-13b")
@@ -133,6 +134,8 @@ def _device_warnings(a, result) -> list:
 
 
 def _capacity(a) -> dict:
+    if a.rate_per_user is not None and a.users is None:
+        raise ValueError("--rate-per-user sizes the devices for --users: give --users too, or drop --rate-per-user")
     from tqdm.auto import tqdm
 
     from .capacity import cost_per_million_tokens, gpus_for_users, max_rate
@@ -157,7 +160,7 @@ def _capacity(a) -> dict:
                     "cost_per_million_output_tokens": cost_per_million_tokens(dep, cap, a.price)})
         out.update({k: v for k, v in st.items() if k.startswith(("ttft", "tpot"))})
         if a.users is not None:
-            out["devices_for_users"] = gpus_for_users(a.users, a.rate_per_user, cap.rate, a.tp)
+            out["devices_for_users"] = gpus_for_users(a.users, a.rate_per_user or 1 / 30, cap.rate, a.tp)
     if cap.result is not None and cap.result.coverage:
         out["steps_outside_calibration"] = f"{cap.result.coverage['outside']} of {cap.result.coverage['steps']}"
     warnings = _device_warnings(a, cap.result)

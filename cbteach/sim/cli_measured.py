@@ -53,6 +53,13 @@ def _shape(a):
 def calibrate_command(a) -> dict:
     from .calibrate import calibrate, save_device
 
+    from pathlib import Path
+
+    from ..argtypes import unwritable
+
+    problem = "it names no file" if not a.out.strip() else unwritable(Path(a.out))
+    if problem:  # found now, not after the measuring
+        raise ValueError(f"--out {a.out!r}: cannot write the device file there: {problem}")
     shape = _shape(a)
     cal = calibrate(repeats=a.repeats, clock=a.clock, threads=a.threads, shape=shape)
     path = save_device(cal, a.out)
