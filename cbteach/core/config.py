@@ -194,8 +194,8 @@ class EngineConfig:
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
         if isinstance(self.speculative, str) and not self.speculative.strip():
-            raise ValueError("speculative must be None (no speculation), 'ngram' or a draft model (a name, a folder or "
-                             f"a model object), got {self.speculative!r}")
+            raise ValueError("speculative must be None (no speculation), 'ngram' or a draft model (loaded: "
+                             f"cbteach.load_model(name)[0]), got {self.speculative!r}")
         if self.cache.watermark and self.scheduler.admission != "whole_prompt":
             raise ValueError("watermark is kept only with admission='whole_prompt' here (vLLM V0's rule; vLLM V1 has "
                              "one too, 0 by default): the default per-chunk admission keeps no watermark")
