@@ -193,7 +193,12 @@ def test_the_command_line_refuses_what_it_cannot_run(tmp_path):
     with contextlib.redirect_stderr(err):
         assert main(["tournament", str(tmp_path / "missing")]) == 2
         assert main(["tournament", str(tmp_path)]) == 2  # empty
-    assert "not a folder" in err.getvalue() and "no .py file" in err.getvalue()
+        # the room is read before the trace is drawn (100,000,000 requests ran for minutes, then "no .py file")
+        assert main(["tournament", str(tmp_path), "--requests", "100000"]) == 2
+        with pytest.raises(SystemExit):
+            main(["tournament", str(tmp_path), "--requests", "100000000"])
+    assert "not a folder" in err.getvalue() and err.getvalue().count("no .py file") == 2
+    assert "argument --requests: 100,000,000 is more than 100,000" in err.getvalue()
 
 
 def test_the_figure_has_titles_and_labels(results):

@@ -12,10 +12,13 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from ..argtypes import POSITIVE, POSITIVE_INT
+from ..argtypes import POSITIVE, POSITIVE_INT, at_most
 from ..core.validation import ABSOLUTE_TIME
 from .tournament_core import (BASELINE, Entry, Trace, generate_outputs, load_scheduler, load_schedulers,  # noqa: F401
                               run_entry, run_tournament, table)
+
+
+MAX_REQUESTS = 100_000  # a trace's requests: a room of schedulers each serves all of them
 
 
 def cli(argv=None) -> int:
@@ -24,7 +27,8 @@ def cli(argv=None) -> int:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("dir", type=Path, help="folder of schedulers: each *.py file defines MyScheduler")
     p.add_argument("--model", default="bierce", help="'bierce' (embedded, offline) or a hub id")
-    p.add_argument("--requests", type=POSITIVE_INT, default=Trace.num_requests, help="requests in the trace")
+    p.add_argument("--requests", type=at_most(POSITIVE_INT, MAX_REQUESTS), default=Trace.num_requests,
+                   help="requests in the trace")
     p.add_argument("--rate", type=POSITIVE, default=Trace.rate, help="arrivals per simulated second (Poisson)")
     p.add_argument("--seed", type=int, default=Trace.seed, help="the trace's random seed")
     p.add_argument("--ttft-slo", type=POSITIVE, default=Trace.ttft_slo, help="TTFT target, simulated seconds")
@@ -51,6 +55,7 @@ def cli(argv=None) -> int:
         problem = path is not None and unwritable(path)
         if problem:  # found now, not after the whole tournament has run
             raise ValueError(f"{option} {path}: {problem}")
+    schedulers = None if a.serve else load_schedulers(a.dir)  # (the room is read before the trace is drawn)
     from ..models import load_model
 
     model = load_model(a.model)[0]
@@ -63,7 +68,7 @@ def cli(argv=None) -> int:
         from .tournament_server import serve
 
         return serve(a.dir, model, trace, host=a.host, port=a.port)
-    entries = run_tournament(load_schedulers(a.dir), model, trace, progress=not a.no_progress)
+    entries = run_tournament(schedulers, model, trace, progress=not a.no_progress)
     print(table(entries, trace))
     if a.json is not None:
         a.json.write_text(json.dumps([{k: v for k, v in asdict(e).items() if k != "summary"} for e in entries],
