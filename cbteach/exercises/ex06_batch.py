@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 from dataclasses import dataclass, field
 
 from ..core.clock import VirtualClock
@@ -134,6 +135,12 @@ def check_update_batch(update_batch, model=None) -> bool:
     refused = guard.refusal("update_batch", update_batch)
     if refused:
         return fail(refused)
+    try:
+        inspect.signature(update_batch).bind(None, None)
+    except TypeError:
+        return fail("the worker calls update_batch(runner, scheduler_output): yours cannot take those two arguments")
+    except ValueError:  # no signature to read: it is called as it is
+        pass
     model = bierce() if model is None else model
     for w in WORKLOADS:
         eng, seen, said = run_workload(model, w, update_batch)
