@@ -277,8 +277,8 @@ def test_eos_ids_union_and_ignored_generation_settings():
     (dict(policy={}), "policy must be one of"),
     (dict(num_speculative_tokens=0), "num_speculative_tokens must be an integer >= 1"),
     (dict(speculative="ngram", num_speculative_tokens=0), "num_speculative_tokens must be an integer >= 1"),
-    (dict(speculative="bierce-draft"), r"speculative='bierce-draft' is a name: the engine takes the draft model "
-                                       r"itself, loaded \(speculative=cbteach.load_model\('bierce-draft'\)\[0\]\)"),
+    (dict(speculative="bierce-draft"), r"got 'bierce-draft': for a draft model by name, the engine takes the model "
+                                       r"itself, loaded \(speculative=cbteach.load_model\(name\)\[0\]\)"),
     (dict(num_speculative_tokens=5), r"num_speculative_tokens=5 sets how many tokens speculation guesses per step, "
                                      r"and speculative is None"),
     (dict(speculative=None, num_speculative_tokens=3), "give speculative='ngram' or a draft model, or leave"),

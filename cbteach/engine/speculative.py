@@ -94,9 +94,9 @@ def make_proposer(speculative, num_speculative_tokens: int, vocab_size: int | No
                              "model must share the model's vocabulary (the same tokenizer)")
         return proposer
     if isinstance(speculative, str):
-        raise ValueError(f"speculative={speculative!r} is a name: the engine takes the draft model itself, loaded "
-                         f"(speculative=cbteach.load_model({speculative!r})[0]), or 'ngram'; the command lines' "
-                         "--speculative loads a name for you")
+        raise ValueError(f"speculative must be None, 'ngram' or a draft model, got {speculative!r}: for a draft model "
+                         "by name, the engine takes the model itself, loaded (speculative=cbteach.load_model(name)[0]); "
+                         "the command lines' --speculative loads a name for you")
     raise ValueError(f"speculative must be None, 'ngram' or a draft model, got {speculative!r}")
 
 
