@@ -22,8 +22,9 @@ chat template uses it (``apply_chat_template(..., add_generation_prompt=True)``)
 
 Extensions that vLLM also accepts: ``ignore_eos`` (benchmarks need fixed lengths),
 ``return_token_ids`` (each choice then carries its ``token_ids``, so a client can check tokens, not
-just text), ``priority`` (smaller is more urgent; ``serve --policy priority`` reads it) and ``stop_token_ids`` (more ids that end the answer; as in vLLM the stop token counts in
-``usage`` and its text is left out). A field that would change the answer and is not implemented
+just text), ``priority`` (smaller is more urgent; ``serve --policy priority`` reads it) and
+``stop_token_ids`` (more ids that end the answer; as in vLLM the stop token counts in ``usage`` and
+its text is left out). A field that would change the answer and is not implemented
 (``logprobs``, penalties, vLLM's ``top_k``...) is refused, not ignored; so is a field this server does
 not know (OpenAI's API does the same: a misspelt ``max_token`` must not pass as a default).
 """

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
-from ..argtypes import POSITIVE_INT, threads
+from ..argtypes import POSITIVE_INT, threads, unwritable
 
 
 def calibrate_args(k: argparse.ArgumentParser, pair) -> None:
@@ -52,10 +53,6 @@ def _shape(a):
 
 def calibrate_command(a) -> dict:
     from .calibrate import calibrate, save_device
-
-    from pathlib import Path
-
-    from ..argtypes import unwritable
 
     problem = "it names no file" if not a.out.strip() else unwritable(Path(a.out))
     if problem:  # found now, not after the measuring
