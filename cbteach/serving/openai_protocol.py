@@ -41,7 +41,7 @@ ROLES = ("system", "developer", "user", "assistant")
 MESSAGE_KEYS = ("role", "content", "name")  # what a chat message may hold (the tokenizer's chat template sees all three)
 MAX_STOP = 4  # OpenAI allows up to four stop sequences
 MAX_STOP_TOKEN_IDS = 64
-MAX_PRIORITY = 2**31 - 1  # a request's priority: an int32, as vLLM's
+MAX_PRIORITY = 2**31 - 1  # a request's priority, bounded to an int32 (every real priority fits)
 # Fields that would change the answer, with the values that leave it as it is (the only ones taken). vLLM's
 # own sampling extensions are here too: a client that sends top_k=50 must not get a greedy answer silently.
 # (logprobs 0 is not among them: it asks for the chosen token's logprob)
