@@ -173,7 +173,8 @@ def test_removing_rows_while_walking_the_batch_says_to_walk_a_copy(model):
 
 @pytest.mark.parametrize("answer,words", [
     (None, "not done yet"), (..., "not done yet"), (42, "pass your function itself"),
-    (lambda runner: None, "the worker calls update_batch(runner, scheduler_output): yours cannot take those two"), (lambda runner, scheduler_output: None, "not done yet"),
+    (lambda runner: None, "update_batch is called as update_batch(runner, scheduler_output), and '<lambda>' "
+                          "cannot take those two arguments"), (lambda runner, scheduler_output: None, "not done yet"),
 ])
 def test_anything_a_learner_passes_gets_a_hint(answer, words, model):
     ok, out = check(answer, model)

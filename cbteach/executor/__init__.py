@@ -24,7 +24,7 @@ from ..worker.async_runner import AsyncModelRunner
 from ..worker.variants import runner_cls
 from .uniproc import UniProcExecutor
 
-__all__ = ["make_executor", "UniProcExecutor"]
+__all__ = ["check_update_batch_signature", "make_executor", "UniProcExecutor"]
 
 
 def make_executor(model, view, info, kv_cache, config, update_batch=None, swaps: bool = False, forks: bool = False,
@@ -35,7 +35,7 @@ def make_executor(model, view, info, kv_cache, config, update_batch=None, swaps:
     ``forks``: parallel sampling by fork (:mod:`cbteach.worker.fork_runner`); ``spec``: the scheduler sends
     speculative guesses (:mod:`cbteach.worker.spec_runner`)."""
     if update_batch is not None:
-        _check_update_batch(update_batch)
+        check_update_batch_signature(update_batch)
     if config.tensor_parallel_size == 1:
         runner = runner_cls(swaps, forks, spec)(view, kv_cache, device=info.device, accepts_logits_to_keep=info.accepts_logits_to_keep,
                             max_num_reqs=config.scheduler.max_batch_size, max_model_len=info.max_positions,
@@ -49,7 +49,7 @@ def make_executor(model, view, info, kv_cache, config, update_batch=None, swaps:
     return MultiprocExecutor(model, info, kv_cache, config, swaps=swaps, forks=forks, spec=spec)
 
 
-def _check_update_batch(update_batch) -> None:
+def check_update_batch_signature(update_batch) -> None:
     """A plugged-in ``update_batch`` is called as ``update_batch(runner, scheduler_output)``: ``ValueError`` now,
     where it could not be, rather than a ``TypeError`` on the first step."""
     if not callable(update_batch):
