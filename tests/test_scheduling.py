@@ -47,7 +47,7 @@ def check_invariants(eng, budget=None, record=None):
     swapped = getattr(sched, "swapped", [])  # V0Scheduler's (swap preemption)
     swap_space = getattr(kv, "swap_space", {})  # its cache's host copies (kv/swap.py)
     for seq in swapped:
-        assert seq.block_table == [] and seq.status is RequestStatus.SWAPPED
+        assert seq.block_table == [] and seq.status is RequestStatus.PREEMPTED
         # blocks conserved: the host copy holds exactly the blocks of its computed tokens
         assert swap_space[seq.request_id][0][0].shape[0] == math.ceil(seq.num_computed_tokens / kv.block_size)
     # (an aborted one's host copy goes at once: test_an_aborted_swapped_out_request_leaves_no_host_copy)

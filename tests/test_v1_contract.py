@@ -448,3 +448,43 @@ def test_a_suspended_stream_goes_on_reporting_its_own_request_after_its_id_is_re
     assert [e.token_id for e in again] == reference(model, [5, 6], 3, eos_id=None)
     if kv == "paged":
         _no_leak(eng)
+
+
+def _spoil_passes_with(model, token: int):
+    """A forward hook that makes every position of a pass NaN when any fed token is ``token``: run alone,
+    the request holding it writes NaN over every block it fills -- shared ones included."""
+    def spoil(module, args, output):
+        if bool((args[0] == token).any()):
+            return torch.full_like(output, float("nan"))
+    return model.get_input_embeddings().register_forward_hook(spoil)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_a_failing_owner_run_alone_after_its_sharer_does_not_leave_the_sharer_reading_what_it_wrote(arch):
+    """The row order is sharer first, owner second: ``f`` finishes in step 1 and frees row 0, which ``s``
+    takes in step 2, while ``o`` (row 1) fills its second chunk -- blocks ``s`` is admitted on in that same
+    step. The pass holds ``o``'s poison token, so both rows' logits are NaN and each runs again alone:
+    ``s`` first (it computes the shared blocks itself), then ``o``, whose failed run writes NaN over them.
+    ``s`` must not read that NaN in the steps after: it stays exact, ``o`` alone fails."""
+    model = tiny_model(arch)
+    head, poison = list(range(10, 26)), 95  # four full blocks of 4
+    o = Request(head + [poison, 40], 4, request_id="o", ignore_eos=True)
+    s = Request(head + [30, 31], 6, request_id="s", ignore_eos=True)
+    eng = Engine(model, max_batch_size=4, kv="paged", block_size=4, num_blocks=40, prefix_caching=True,
+                 token_budget=12)
+    handle = _spoil_passes_with(model, poison)
+    try:
+        eng.add_request(Request([50, 51, 52], 1, request_id="f", ignore_eos=True))
+        eng.add_request(o)
+        eng.step()
+        eng.add_request(s)
+        drain(eng)
+    finally:
+        handle.remove()
+    got = eng.completions
+    second = {q.request_id: q for q in eng.records[1].seqs}
+    assert second["s"].num_computed_tokens == len(head), "s was meant to be admitted on o's blocks filled that step"
+    assert second["o"].num_computed_tokens < len(head) and eng.records[0].finished == ["f"]
+    assert got["o"].finish_reason == "error"
+    assert got["s"].error is None and got["s"].output_ids == reference(model, s.prompt, 6, eos_id=-1)
+    _no_leak(eng)

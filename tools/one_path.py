@@ -31,10 +31,10 @@ PACKAGE = ROOT / "cbteach"
 
 # Words that name a variant (case-insensitive, matched anywhere in a line, comments and docstrings too:
 # a learner reads those). Kept broad on purpose -- a word the core needs for itself ("async" in
-# "asynchronous copy", say) is counted all the same.
+# "asynchronous copy", say) is counted all the same; only torch's ``uint8`` dtype is not int8 KV.
 VARIANT = re.compile(
     r"swap|watermark|\bfork|copy.on.write|\bcow\b|async|placeholder|speculat|\bdraft|guess|proposer|"
-    r"recover|unwritten|tensor.parallel|\btp\b|\brank|plug|learner|exercise|\bv0\b|int8|quantiz|"
+    r"recover|unwritten|tensor.parallel|\btp\b|\brank|plug|learner|exercise|\bv0\b|(?<!u)int8|quantiz|"
     r"disaggregat|handover|before_free|whole_prompt|preempt_to_admit|parallel_sampling|fanout",
     re.IGNORECASE,
 )

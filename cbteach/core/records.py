@@ -24,7 +24,6 @@ class StepRecord:
     admitted: list = field(default_factory=list)
     finished: list = field(default_factory=list)
     preempted: list = field(default_factory=list)
-    swapped_in: list = field(default_factory=list)
     num_waiting: int = 0
     start_time: float = 0.0  # seconds since the engine started
     duration: float = 0.0  # whole step, scheduling to bookkeeping
@@ -36,6 +35,7 @@ class StepRecord:
     num_all_reduces: int = 0  # a model sharded over processes: all-reduces in this step's forward pass
     all_reduce_bytes: int = 0  # ... and the bytes each process sent into them
     timings: dict = field(default_factory=dict)  # "schedule", "forward", "update" -> perf_counter (start, end)
+    more_lists = ()  # a subclass's lists of request ids, shown by repr as the three above are
 
     # -- derived views ---------------------------------------------------------------------
     @property
@@ -85,9 +85,8 @@ class StepRecord:
 
     def __repr__(self) -> str:
         parts = [f"{s.request_id}:{s.kind[0]}{s.num_scheduled_tokens}" for s in self.seqs]
-        lists = {"admitted": self.admitted, "finished": self.finished, "preempted": self.preempted,
-                 "swapped_in": self.swapped_in}
-        extra = "".join(f", {name}={ids}" for name, ids in lists.items() if ids)
+        lists = ("admitted", "finished", "preempted", *self.more_lists)
+        extra = "".join(f", {name}={getattr(self, name)}" for name in lists if getattr(self, name))
         return f"StepRecord(step={self.step}, tokens={self.num_tokens} [{' '.join(parts)}]{extra})"
 
 

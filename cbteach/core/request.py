@@ -91,7 +91,6 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, never run (or not arrived yet)
     RUNNING = "running"  # in the batch: it has a slot and KV blocks
     PREEMPTED = "preempted"  # taken out of the batch to free KV room; queued again, to be recomputed
-    SWAPPED = "swapped"  # its K/V blocks copied to host memory until room returns
     FINISHED = "finished"  # stopped at EOS or max_new_tokens
     ABORTED = "aborted"  # cancelled by Engine.abort
 
@@ -155,16 +154,20 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def num_generated(self) -> int:
+        """Output tokens, counting those a step in flight will give it (none when steps run one at a time)."""
+        return len(self.output_ids) + self.num_placeholders
+
+    @property
     def num_tokens_with_placeholders(self) -> int:
         """Known tokens plus those a step in flight will give it."""
-        return len(self.prompt_ids) + len(self.output_ids) + self.num_placeholders
+        return len(self.prompt_ids) + self.num_generated
 
     @property
     def is_decoding(self) -> bool:
         """Its next step is a decode: everything before its last sampled token is computed. Anything else
         -- a prompt, a chunk of one, a recompute after preemption -- is a prefill."""
-        generated = len(self.output_ids) + self.num_placeholders
-        return bool(generated) and self.num_computed_tokens == len(self.prompt_ids) + generated - 1
+        return bool(self.num_generated) and self.num_computed_tokens == len(self.prompt_ids) + self.num_generated - 1
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, prompt={len(self.prompt_ids)}, out={len(self.output_ids)}, "

@@ -21,7 +21,7 @@ from ..executor import make_executor
 from ..kv.caches import make_kv_cache
 from .plug import RuleGuard, plug_pieces
 from .scheduler import Scheduler
-from .scheduler_v0 import V0Scheduler, uses_v0_rules
+from .scheduler_v0 import V0Scheduler, V0StepRecord, uses_v0_rules
 
 
 def pick_scheduler_cls(config, scheduler_cls, proposer=None):
@@ -59,6 +59,8 @@ def build_parts(core, model, tokenizer, scheduler_cls, kv_manager, attention, sl
         proposer = make_proposer(config.speculative, config.num_speculative_tokens, vocab_size=info.vocab_size)
     sched_cls = pick_scheduler_cls(config, scheduler_cls, proposer)
     swaps = issubclass(sched_cls, V0Scheduler)  # V0's rules: the cache holds swapped-out blocks in host memory
+    if swaps or config.parallel_sampling == "fork":  # V0's message: its records say who was swapped in
+        core.record_cls = V0StepRecord
     if config.cache.kind == "paged":  # the pool's shape as the layers use it, or the reason they cannot use it
         core.info = info = paged_shape(model, info)
     else:

@@ -128,7 +128,7 @@ class AsyncStepper:
         the next plan may schedule that token before it exists."""
         starts = planned.plan.num_computed_tokens_of()
         expecting = [s for s, n in zip(planned.seqs, planned.plan.num_scheduled_tokens.values())
-                     if starts[s.request_id] + n >= s.num_tokens + s.num_placeholders]
+                     if starts[s.request_id] + n >= s.num_tokens_with_placeholders]
         for s in expecting:
             s.num_placeholders += 1
         return expecting

@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import time
 
-from ..core.request import Completion, Request, RequestStatus, Sequence
+from ..core.request import Completion, Request, Sequence
 from ..core.validation import as_request_list, validate_request
 from . import parallel_sampling
 from .engine_core import EngineCore
@@ -203,7 +203,7 @@ class Engine(EngineCore):
                              "swapped-out request can be aborted")
         if self.stepper is not None:
             self.stepper.drain()  # the step in flight ends first: nobody is aborted half-way through one
-        held_on_host = any(s.status is RequestStatus.SWAPPED for s in live)
+        held_on_host = any(s in getattr(self.scheduler, "swapped", ()) for s in live)  # (V0's swap)
         for seq in live:
             group = self.groups.get(seq.request.request_id, [seq])
             parallel_sampling.abort_sample(self.scheduler, seq, group)

@@ -59,6 +59,8 @@ class PlannedStep:
 class EngineCore:
     """The scheduler, the KV cache, the executor and the step that drives them (build an ``Engine``)."""
 
+    record_cls = StepRecord  # what a step's record is (a subclass may carry more)
+
     def __init__(self, model, tokenizer=None, *, max_batch_size: int, kv: str = "concat",
                  keep_records: bool = True, clock=None, scheduler_cls=None, kv_manager=None, attention=None,
                  slot_mapping=None, update_batch=None, **options):
@@ -143,8 +145,8 @@ class EngineCore:
         if self.rules is not None:
             self.rules.after_schedule(plan, start)
         seqs = [self.scheduler.requests[rid] for rid in plan.num_scheduled_tokens]
-        generated = [len(s.output_ids) + s.num_placeholders for s in seqs]
-        record = StepRecord(step=self._num_steps, kv_kind=self.kv.kind, start_time=start, **plan.record_fields())
+        generated = [s.num_generated for s in seqs]
+        record = self.record_cls(step=self._num_steps, kv_kind=self.kv.kind, start_time=start, **plan.record_fields())
         return PlannedStep(plan, seqs, generated, record)
 
     def advance_clock(self, plan, measured: float) -> None:

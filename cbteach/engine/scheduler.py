@@ -104,7 +104,7 @@ class Scheduler:
                 break
             if seq.status is not RequestStatus.RUNNING:  # preempted a moment ago to make room
                 continue
-            if len(seq.output_ids) + seq.num_placeholders >= seq.request.max_new_tokens:
+            if seq.num_generated >= seq.request.max_new_tokens:
                 continue  # the step in flight gives it its last token (V1 skips it too)
             # What it lacks: the rest of its prompt, or one token -- plus V1's spec tokens, if any.
             n = min(seq.num_tokens_with_placeholders + len(seq.draft_ids) - seq.num_computed_tokens, budget)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..core.records import StepRecord
 from ..core.request import RequestStatus, Sequence
 from ..core.scheduler_output import SchedulerOutput, StepPlan
 from .policies import WaitingQueue
@@ -56,6 +57,14 @@ class V0SchedulerOutput(SchedulerOutput):
     @property
     def is_empty(self) -> bool:
         return super().is_empty and not (self.blocks_to_swap_out or self.blocks_to_swap_in or self.block_copies)
+
+
+@dataclass(repr=False)
+class V0StepRecord(StepRecord):
+    """A step's record under V0's rules: also who came back from host memory (swapped in)."""
+
+    swapped_in: list = field(default_factory=list)
+    more_lists = ("swapped_in",)
 
 
 @dataclass
@@ -86,8 +95,9 @@ class V0Scheduler(Scheduler):
 
     def add_swapped(self, seq: Sequence) -> None:
         """Queue a sequence whose K/V wait in host memory (swapped out, or handed over by another
-        engine); it comes back when its ``ready_time`` has passed and its blocks fit."""
-        seq.status = RequestStatus.SWAPPED
+        engine); it comes back when its ``ready_time`` has passed and its blocks fit. Its status is
+        V1's ``PREEMPTED`` (V0 called it ``SWAPPED``): it is out of the batch, and in :attr:`swapped`."""
+        seq.status = RequestStatus.PREEMPTED
         self.requests[seq.request_id] = seq
         self.swapped.append(seq)
 

@@ -139,7 +139,7 @@ def preemption_events(records) -> list[tuple[int, str, object, int]]:
             events.append((i, "preempted", rid, last_slot.get(rid, 0)))
             out_of_batch.add(rid)
         slots = {s.request_id: s.slot for s in rec.seqs}
-        for rid in rec.swapped_in:
+        for rid in getattr(rec, "swapped_in", ()):  # (V0's records only)
             events.append((i, "swapped in", rid, slots.get(rid, 0)))
             out_of_batch.discard(rid)
         for rid in rec.admitted:

@@ -28,6 +28,7 @@ from ..core.scheduler_output import RunnerOutput
 from ..core.sampling import make_generator, sample
 from ..kv.fork import copy_blocks as copy_pool_blocks
 from .input_batch import CachedRequestState
+from . import recovery
 from .model_runner import ModelRunner
 from .step import Step
 
@@ -136,7 +137,8 @@ class ForkingModelRunner(ModelRunner):
         return ForkRunnerOutput(**vars(out), fork_tokens=fork_tokens if any(fork_tokens) else None)
 
     def join_outputs(self, req_ids: list, parts: list) -> ForkRunnerOutput:
-        """As the runner's, with each row's samples' first tokens."""
-        out = super().join_outputs(req_ids, parts)
+        """The rows of a failed step, run alone, as one output again (:func:`recovery.join`), with each
+        row's samples' first tokens."""
+        out = recovery.join(req_ids, parts)
         fork_tokens = [(getattr(p, "fork_tokens", None) or [None])[0] for p in parts]
         return ForkRunnerOutput(**vars(out), fork_tokens=fork_tokens if any(fork_tokens) else None)

@@ -153,13 +153,6 @@ class InputBatch:
         self.token_ids_np[rows, ends] = tokens
         self.num_tokens[rows] = ends + 1
 
-    def write_after_known(self, row: int, token_ids: list[int]) -> None:
-        """Tokens after ``row``'s known ones, where a step's gather reads them, not counted as known
-        (tokens fed on trust, checked by the step)."""
-        n = int(self.num_tokens[row])
-        self._fit_width(n + len(token_ids))
-        self.token_ids_np[row, n:n + len(token_ids)] = token_ids
-
     def token_row(self, row: int) -> list[int]:
         """``row``'s known tokens, as a list (for reading; steps gather from the tensor)."""
         return self.token_ids_np[row, :self.num_tokens[row]].tolist()

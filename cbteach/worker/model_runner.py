@@ -161,18 +161,23 @@ class ModelRunner:
 
     # -- a step ---------------------------------------------------------------------------------------
     def prepare_again(self, msg, first: Step) -> Step:
-        """``msg``'s step prepared again after the one before ``first`` failed, keeping what ``first`` made once."""
-        return self.prepare_inputs(msg)
+        """``msg``'s step prepared again after the one before ``first`` failed (it was planned before the
+        failure was known), keeping what ``first`` made once."""
+        return recovery.prepare_again(self, msg)
 
     def prepare_inputs(self, msg) -> Step:
-        """The step's inputs, read from the batch's rows."""
+        """The step's inputs, read from the batch's rows: each feeds its scheduled tokens from its
+        ``num_computed_tokens`` on."""
+        b = self.input_batch
+        counts = [msg.num_scheduled_tokens[rid] for rid in b.req_ids[:b.num_reqs]]
+        return self.pack_rows(msg, b.num_computed_tokens[:b.num_reqs].tolist(), counts)
+
+    def pack_rows(self, msg, starts: list, counts: list) -> Step:
+        """Row ``i`` feeds tokens ``starts[i] .. starts[i] + counts[i] - 1``: their ids in one gather, the
+        attention metadata, and what sampling reads."""
         b = self.input_batch
         B = b.num_reqs
         req_ids = b.req_ids[:B]
-        counts = [msg.num_scheduled_tokens[rid] for rid in req_ids]
-        starts = b.num_computed_tokens[:B].tolist()
-        if self.unwritten_blocks:  # a cached prefix whose K/V were never written is computed again
-            recovery.redo_rows(self, req_ids, starts, counts)
         samples = (np.add(starts, counts) >= b.num_tokens[:B]).tolist()
         # Token ids: one gather from the rows -- row i's tokens starts[i] .. starts[i] + counts[i] - 1.
         T = sum(counts)
@@ -238,10 +243,6 @@ class ModelRunner:
             errors = [(step.sampled.errors.get(i) or (None if f else NOT_FINITE)) if s else None
                       for i, (s, f) in enumerate(zip(step.samples, finite))]
         return [[t] if s and e is None else None for t, s, e in zip(tokens, step.samples, errors)], errors
-
-    def join_outputs(self, req_ids: list, parts: list) -> RunnerOutput:
-        """The rows of such a step, run alone, as one output again."""
-        return recovery.join(req_ids, parts)
 
     # -- internals ---------------------------------------------------------------------------------
     def _append_all(self, req_ids: list, sampled: list) -> None:

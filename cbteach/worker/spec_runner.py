@@ -56,7 +56,9 @@ class SpeculativeModelRunner(ModelRunner):
         super().update_states(msg)
         b = self.input_batch
         for rid, drafts in msg.scheduled_spec_decode_tokens.items():
-            b.write_after_known(b.req_id_to_index[rid], drafts)
+            row = b.req_id_to_index[rid]
+            b.append_token_ids(row, drafts)
+            b.num_tokens[row] -= len(drafts)  # written where the gather reads them, not counted as known
 
     def build_inputs(self, step: SpecStep, block_tables, num_blocks=None) -> None:
         """As the runner's; a guessing row keeps the logits of its last ``1 + k`` tokens."""
