@@ -62,8 +62,9 @@ def test_the_notebooks_solution_passes_on_bierce(bierce):
 
 @pytest.mark.parametrize("which", ["llama", "bierce"])
 def test_the_workloads_take_every_branch_of_the_update(which, model, bierce):
-    """Finished requests, prompts in chunks, rows of running requests left out of a step, preemption and
-    resumption (with token ids), prefix-cache hits, forked samples and tables replaced by copies on write --
+    """Finished requests (one aborted while it waited), prompts in chunks, rows of running requests left out of a
+    step, preemption and resumption (with token ids), prefix-cache hits, forked samples and tables replaced by
+    copies on write --
     on a tiny random model and on bierce, whose answers stop at EOS."""
     model = bierce[0] if which == "bierce" else model
     seen = []
@@ -79,6 +80,8 @@ def test_the_workloads_take_every_branch_of_the_update(which, model, bierce):
              "replaced": sum(len(m.scheduled_cached_reqs.replaced_req_ids) for _, m in seen),
              "prefix hits": sum(r.num_computed_tokens > 0 for _, m in seen for r in m.scheduled_new_reqs),
              "forks": sum(len(f) for _, m in seen for f in getattr(m, "scheduled_forks", {}).values()),  # fork's message
+             "finished while waiting": sum(r not in {q for _, p in seen[:i] for q in p.num_scheduled_tokens}
+                                           for i, (_, m) in enumerate(seen) for r in m.finished_req_ids),
              "left out": sum(r not in b.num_scheduled_tokens and r not in b.finished_req_ids
                              and r not in b.preempted_req_ids
                              for (wa, a), (wb, b) in zip(seen, seen[1:]) if wa is wb for r in a.num_scheduled_tokens)}
@@ -87,6 +90,8 @@ def test_the_workloads_take_every_branch_of_the_update(which, model, bierce):
 
 MISTAKES = {  # the mistake, made once in the solution -> the hint that must name it
     "a finished request's state kept": ("        runner.requests.pop(req_id, None)\n", "", "finished_state"),
+    "a finished request deleted, as if the worker held every one": (
+        "        runner.requests.pop(req_id, None)\n", "        del runner.requests[req_id]\n", "never_held"),
     "rows of requests not scheduled kept": ("        batch.remove_request(req_id)  # 2.", "        pass  # 2.",
                                             "unscheduled_row"),
     "a preempted request's state dropped": ("        batch.remove_request(req_id)  # 2.",

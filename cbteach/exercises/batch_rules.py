@@ -14,6 +14,8 @@ HINTS = {
     "finished_state": "a finished request (scheduler_output.finished_req_ids) still has its state in runner.requests",
     "finished_row": "a request in scheduler_output.finished_req_ids still has a row in the batch: "
                     "batch.remove_request(req_id)",
+    "never_held": "scheduler_output.finished_req_ids named {who}, a request the worker never held (aborted while it "
+                  "waited, as V1 sends it too): forgetting a request the worker does not hold must not fail",
     "state_dropped": "a request that has not finished lost its state (runner.requests): a request preempted or left "
                      "out of this step loses only its row",
     "new_no_state": "a new request (scheduler_output.scheduled_new_reqs) has no state in runner.requests: each gets a "

@@ -16,7 +16,7 @@ from ..engine.engine import Engine
 from ..executor import check_update_batch_signature
 from ..worker import model_runner
 from . import Fail, bierce, fail, generated_all, guard, is_stub, need_function, passed, raised, self_check
-from .batch_rules import Expect, state_hint
+from .batch_rules import HINTS, Expect, state_hint
 
 @dataclass(frozen=True)
 class Workload:
@@ -30,6 +30,7 @@ class Workload:
     shared_prefix: int = 0
     n: int = 1  # samples per prompt (seeded, temperature 0.8), compared with the engine's own run
     ignore_eos: bool = False
+    aborts: tuple = ()  # (step, request id): aborted before that step runs (while it waits, here)
 
     def requests(self, vocab_size: int) -> list[Request]:
         span = max(1, min(vocab_size, 97) - 3)  # ids 3.. kept clear of special tokens
@@ -43,9 +44,10 @@ class Workload:
 
 W = Workload
 WORKLOADS = [
-    W(name="requests that finish at different steps, prompts fed in chunks of a token budget of 3",
+    W(name="requests that finish at different steps, prompts fed in chunks of a token budget of 3, one aborted "
+      "while it waits",
       prompt_lens=(9, 3, 14, 5, 4, 11), max_new_tokens=(6, 9, 4, 8, 5, 7),
-      options=dict(max_batch_size=4, token_budget=3)),
+      options=dict(max_batch_size=4, token_budget=3), aborts=((2, "r5"),)),
     W(name="preemption and resumption under async scheduling (rows left out of a step, resumed requests sent their "
       "tokens), a pool of 7 blocks",
       prompt_lens=(10, 3, 13, 5, 4, 2), max_new_tokens=(9, 10, 6, 8, 7, 9),
@@ -93,6 +95,9 @@ def plugged(fn, seen: list):
         try:
             fn(runner, scheduler_output)
         except Exception as err:  # noqa: BLE001 -- the learner's code
+            if isinstance(err, KeyError) and err.args and err.args[0] in scheduler_output.finished_req_ids \
+                    and err.args[0] not in before:
+                raise Fail(HINTS["never_held"].format(who=repr(err.args[0]))) from None
             more = (" -- remove_request changes batch.req_id_to_index (and popping changes runner.requests): walk "
                     "a copy, a list made before the loop" if isinstance(err, RuntimeError)
                     and "changed size during iteration" in str(err) else "")
@@ -112,7 +117,14 @@ def run_workload(model, w: Workload, fn=None) -> tuple[Engine, list, Fail | None
                  update_batch=None if fn is None else plugged(fn, seen), **w.options)
     said = None
     try:
-        eng.run(w.requests(model.config.vocab_size))
+        if not w.aborts:
+            eng.run(w.requests(model.config.vocab_size))
+        for r in w.requests(model.config.vocab_size) if w.aborts else ():  # (no arrival times in such a workload)
+            eng.add_request(r)
+        while w.aborts and eng.has_unfinished():
+            for rid in [rid for at, rid in w.aborts if at == eng.num_steps]:
+                eng.abort(rid)
+            eng.step()
     except Fail as err:
         said = err
     finally:
@@ -145,9 +157,10 @@ def check_update_batch(update_batch, model=None) -> bool:
         where = f"on the workload '{w.name}'"
         if said is not None:
             return fail(f"{where}, message {len(seen)}: {said}")
+        aborted = {rid for _, rid in w.aborts}
         want = (_outputs(run_workload(model, w)[0]) if w.n > 1 else
-                generated_all(model, w.requests(model.config.vocab_size)))
-        if _outputs(eng) != want:
+                generated_all(model, [r for r in w.requests(model.config.vocab_size) if r.request_id not in aborted]))
+        if {rid: ids for rid, ids in _outputs(eng).items() if rid not in aborted} != want:
             return fail(f"{where}: the batch was right after every message, but the tokens differ from " +
                         ("the engine's own run" if w.n > 1 else "model.generate's") + " -- does your code change the "
                         "rows' tokens or generators after it has built them?")
