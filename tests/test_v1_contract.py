@@ -488,3 +488,27 @@ def test_a_failing_owner_run_alone_after_its_sharer_does_not_leave_the_sharer_re
     assert got["o"].finish_reason == "error"
     assert got["s"].error is None and got["s"].output_ids == reference(model, s.prompt, 6, eos_id=-1)
     _no_leak(eng)
+
+
+@pytest.mark.parametrize("kv", ["concat", "paged"])
+def test_a_forked_prompt_run_again_alone_still_starts_its_samples(kv):
+    """A request with two seeded samples by fork shares its prompt's step with a request whose token spoils
+    the whole pass: both rows' logits are NaN, and the prompt runs again alone. The second sample's first
+    token is drawn in that run, so it forks and finishes -- it used to wait for a prompt that was done, and
+    the run ended without its completion."""
+    model = tiny_model("llama")
+    params = SamplingParams(n=2, temperature=0.8, seed=3)
+    clean = Request([10, 11, 12, 13, 14], 4, request_id="clean", ignore_eos=True, sampling_params=params)
+    eng = Engine(model, max_batch_size=4, kv=kv, parallel_sampling="fork",
+                 **({"block_size": 4} if kv == "paged" else {}))
+    handle = _spoil_passes_with(model, 95)
+    try:
+        got = {c.request_id: c for c in eng.run([clean, Request([20, 95, 21], 3, request_id="bad")])}
+    finally:
+        handle.remove()
+    assert got["bad"].finish_reason == "error"
+    for i, each in enumerate(got["clean"].samples):
+        alone = Engine(model, max_batch_size=1).run([Request(clean.prompt, 4, ignore_eos=True,
+                                                             sampling_params=SamplingParams(temperature=0.8, seed=3 + i))])
+        assert each.error is None and each.output_ids == alone[0].output_ids, i
+    assert not eng.has_unfinished()

@@ -1,8 +1,13 @@
-"""A step record's per-sequence view (:class:`SeqStep`), built the first time a record's ``seqs`` is read
--- by a notebook, a drawing, a test -- never inside the step (a server reads none)."""
+"""What a step record says when it is read -- by a notebook, a drawing, a test -- never inside the step (a
+server reads none): each sequence's part (:class:`SeqStep`, built the first time a record's ``seqs`` is
+read) and what follows from them (:class:`RecordViews`: counts, the packed row, its mask)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import torch
+
+from ..attention.packing import block_diagonal_causal_mask, per_sequence_causal_mask
 
 
 @dataclass
@@ -51,3 +56,53 @@ def _fed(seq, start: int, n: int, drafts, num_tokens: int) -> list[int]:
     ``drafts``; ``num_tokens``: how many it had after the step."""
     known = max(start, min(start + n, num_tokens))
     return seq.token_ids(start, known) + [0] * (start + n - known) + list(drafts)
+
+
+class RecordViews:
+    """What a :class:`~cbteach.core.records.StepRecord` says, derived from its ``seqs`` when read."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Length of the packed row."""
+        return sum(s.num_scheduled_tokens for s in self.seqs)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_scheduled_tokens for s in self.seqs if s.kind == "prefill")
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(s.num_scheduled_tokens for s in self.seqs if s.kind == "decode")
+
+    @property
+    def is_fused(self) -> bool:
+        """A prefill rode in the same forward pass as other sequences' decodes."""
+        return {s.kind for s in self.seqs} == {"prefill", "decode"}
+
+    @property
+    def input_ids(self) -> list[int]:
+        return [t for s in self.seqs for t in s.token_ids]
+
+    @property
+    def position_ids(self) -> list[int]:
+        return [p for s in self.seqs for p in s.positions]
+
+    @property
+    def num_computed_tokens(self) -> list[int]:
+        return [s.num_computed_tokens for s in self.seqs]
+
+    @property
+    def num_scheduled_tokens(self) -> list[int]:
+        return [s.num_scheduled_tokens for s in self.seqs]
+
+    def mask(self) -> torch.Tensor:
+        """The step's boolean ``[queries, keys]`` mask, in its cache's key layout."""
+        if self.kv_kind == "paged":
+            return per_sequence_causal_mask(self.num_computed_tokens, self.num_scheduled_tokens)
+        return block_diagonal_causal_mask(self.num_computed_tokens, self.num_scheduled_tokens)
+
+    def __repr__(self) -> str:
+        parts = [f"{s.request_id}:{s.kind[0]}{s.num_scheduled_tokens}" for s in self.seqs]
+        lists = ("admitted", "finished", "preempted", *self.more_lists)
+        extra = "".join(f", {name}={getattr(self, name)}" for name in lists if getattr(self, name))
+        return f"StepRecord(step={self.step}, tokens={self.num_tokens} [{' '.join(parts)}]{extra})"

@@ -1,22 +1,20 @@
 """Step records: what each engine step did -- who ran, how many tokens from which position, who was
-admitted, preempted or finished -- the one thing the notebooks and visualisers read. The per-sequence
-view (:mod:`cbteach.core.record_seqs`), the packed row and its mask are built when first read, not in
-the step; ``Engine(keep_records=False)`` keeps no record past its step."""
+admitted, preempted or finished -- the one thing the notebooks and visualisers read. What a record says
+when read (:mod:`cbteach.core.record_seqs`: its per-sequence view, counts, packed row and mask) is built
+then, not in the step; ``Engine(keep_records=False)`` keeps no record past its step."""
 from __future__ import annotations
 
 from collections.abc import Sequence as _Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-import torch
-
-from ..attention.packing import block_diagonal_causal_mask, per_sequence_causal_mask
-from .record_seqs import SeqStep, seq_steps
+from .record_seqs import RecordViews, SeqStep, seq_steps
 
 
-@dataclass
-class StepRecord:
-    """What happened on one engine step."""
+@dataclass(repr=False)
+class StepRecord(RecordViews):
+    """What happened on one engine step (what it says when read -- counts, the packed row, the mask -- is
+    :class:`~cbteach.core.record_seqs.RecordViews`')."""
 
     step: int
     kv_kind: str  # "concat" or "paged": decides the key layout of the mask
@@ -37,57 +35,10 @@ class StepRecord:
     timings: dict = field(default_factory=dict)  # "schedule", "forward", "update" -> perf_counter (start, end)
     more_lists = ()  # a subclass's lists of request ids, shown by repr as the three above are
 
-    # -- derived views ---------------------------------------------------------------------
     @property
     def idle(self) -> bool:
         """No forward pass and no preemption (a step can preempt alone: its first request its own victim)."""
         return not self.seqs and not self.preempted
-
-    @property
-    def num_tokens(self) -> int:
-        """Length of the packed row."""
-        return sum(s.num_scheduled_tokens for s in self.seqs)
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(s.num_scheduled_tokens for s in self.seqs if s.kind == "prefill")
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return sum(s.num_scheduled_tokens for s in self.seqs if s.kind == "decode")
-
-    @property
-    def is_fused(self) -> bool:
-        """A prefill rode in the same forward pass as other sequences' decodes."""
-        return {s.kind for s in self.seqs} == {"prefill", "decode"}
-
-    @property
-    def input_ids(self) -> list[int]:
-        return [t for s in self.seqs for t in s.token_ids]
-
-    @property
-    def position_ids(self) -> list[int]:
-        return [p for s in self.seqs for p in s.positions]
-
-    @property
-    def num_computed_tokens(self) -> list[int]:
-        return [s.num_computed_tokens for s in self.seqs]
-
-    @property
-    def num_scheduled_tokens(self) -> list[int]:
-        return [s.num_scheduled_tokens for s in self.seqs]
-
-    def mask(self) -> torch.Tensor:
-        """The step's boolean ``[queries, keys]`` mask, in its cache's key layout."""
-        if self.kv_kind == "paged":
-            return per_sequence_causal_mask(self.num_computed_tokens, self.num_scheduled_tokens)
-        return block_diagonal_causal_mask(self.num_computed_tokens, self.num_scheduled_tokens)
-
-    def __repr__(self) -> str:
-        parts = [f"{s.request_id}:{s.kind[0]}{s.num_scheduled_tokens}" for s in self.seqs]
-        lists = ("admitted", "finished", "preempted", *self.more_lists)
-        extra = "".join(f", {name}={getattr(self, name)}" for name in lists if getattr(self, name))
-        return f"StepRecord(step={self.step}, tokens={self.num_tokens} [{' '.join(parts)}]{extra})"
 
 
 def fill_record(record: StepRecord, step, out, num_outputs_before: list[int], finished: list,

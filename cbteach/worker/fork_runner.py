@@ -51,6 +51,10 @@ class ForkStep(Step):
     def row(self, i: int, **changes) -> ForkStep:
         return super().row(i, forks={0: self.forks[i]} if i in self.forks else {}, fork_tokens={}, **changes)
 
+    def take_row(self, i: int, one: ForkStep) -> None:
+        """Row ``i``, run again alone: its samples' first tokens are the ones drawn then."""
+        self.fork_tokens[i] = one.fork_tokens.get(0, {})
+
 
 class ForkingModelRunner(ModelRunner):
     """A :class:`ModelRunner` that copies blocks on write and samples the forks (see the module)."""

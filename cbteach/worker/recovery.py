@@ -122,8 +122,6 @@ def rewrite_sharers(runner, step, errors: list) -> dict:
             one = alone(runner, step, i, start=step.starts[i] + step.counts[i])
             try:
                 runner.forward(one)
-                if one.meta.non_finite_rows:
-                    raise FloatingPointError("its K/V are not finite")
                 written(runner, step.req_ids[i], one.starts[0], one.counts[0], ok=True)
             except (EngineRuleError, EngineDeadError):
                 raise
@@ -172,6 +170,7 @@ def _alone_again(runner, step, sampled: list, errors: list) -> tuple[list, list]
             runner.forward(one)
             runner.sample(one)
             (sampled[i],), (errors[i],) = runner.sampled_tokens(one)
+            step.take_row(i, one)
             if one.meta.non_finite_rows:  # its own K/V are not finite: whatever it sampled, it failed
                 sampled[i], errors[i] = None, errors[i] or NOT_FINITE_KV
         except (EngineRuleError, EngineDeadError):

@@ -39,3 +39,7 @@ class Step:
                                                           "generators")}
         return replace(self, **cut, meta=None, kwargs=None, keep=None, logits=None, sampled=None, forward_time=0.0,
                        traffic=None, **changes)
+
+    def take_row(self, i: int, one: Step) -> None:
+        """Row ``i`` ran again alone, as ``one`` (:func:`~cbteach.worker.recovery.note_rows`): keep what else
+        it drew there (nothing here; a subclass's own draws)."""
