@@ -306,3 +306,78 @@ def test_async_neighbour_reading_a_nan_requests_prefix_in_the_same_step_stays_ex
     assert got["seeded"].error is None and got["seeded"].output_ids == alone
     assert again.output_ids == want  # the blocks the failed request left are not read as a cached prefix
     assert eng.kv_usage()["num_used_blocks"] == 0 and not eng.has_unfinished()
+
+
+class _StubRunner:
+    """A model runner without a model, for the async runner's own order: every step has two rows that
+    sample; a step named in ``nan_steps`` samples a non-finite logit for its second row. It counts how often
+    each step's forward pass runs."""
+
+    def __init__(self, nan_steps):
+        import numpy as np
+        import torch
+
+        self.device, self.nan_steps, self.forwards = torch.device("cpu"), set(nan_steps), {}
+        self.input_batch = type("Batch", (), {"num_tokens": np.full(2, 100)})()
+
+    def changes_pool_first(self, msg):
+        return False
+
+    def update_states(self, msg):
+        pass
+
+    def prepare_inputs(self, msg):
+        import types
+
+        import numpy as np
+        import torch
+        return types.SimpleNamespace(msg=msg, rows=[0, 1], req_ids=["a", "b"], starts=[0, 0], counts=[1, 1],
+                                     samples=[True, True], input_ids=np.zeros(2, dtype=np.int64),
+                                     meta=types.SimpleNamespace(input_ids=torch.zeros(1, 2, dtype=torch.long)))
+
+    def prepare_again(self, msg, first):
+        return self.prepare_inputs(msg)
+
+    def forward(self, step):
+        self.forwards[step.msg.name] = self.forwards.get(step.msg.name, 0) + 1
+
+    def sample(self, step):
+        import torch
+
+        from cbteach.worker.model_runner import DeviceSample
+        top = [0.0, float("nan") if step.msg.name in self.nan_steps else 0.0]
+        step.sampled = DeviceSample(tokens=torch.tensor([1, 2]), top=torch.tensor(top))
+
+    def finish(self, step):
+        from cbteach.core.scheduler_output import RunnerOutput
+        return RunnerOutput(sampled=[[1], [2]], req_ids=list(step.req_ids))
+
+    def close(self):
+        pass
+
+
+def test_a_step_is_held_by_its_own_non_finite_logits_not_by_the_step_queued_behind_it():
+    """Step 2's row has a non-finite logit; step 1 has none. While the caller waits for step 1, the device
+    thread may get as far as step 2's sampling and mark the runner held (the subclass plays it getting that
+    far before the caller looks: it sets the flag as soon as step 2 starts). Step 1 must still finish as a
+    step that holds nothing: read as held, it was finished as if recovered, and step 2 was prepared again
+    and run a second time (a seeded sample drew twice: wrong tokens, now and then, under load)."""
+    import types
+
+    from cbteach.worker.async_runner import AsyncModelRunner
+
+    class Ahead(AsyncModelRunner):
+        def feed(self, step, pending):
+            super().feed(step, pending)
+            if step.msg.name == "2":
+                self.held = True  # (what step 2's sampling sets, moments later)
+
+    stub = _StubRunner(nan_steps={"2"})
+    runner = Ahead(stub)
+    try:
+        for name in ("1", "2"):
+            runner.execute_model(types.SimpleNamespace(name=name, total_num_scheduled_tokens=2))
+        runner.drain()
+    finally:
+        runner.close()
+    assert stub.forwards == {"1": 1, "2": 1}

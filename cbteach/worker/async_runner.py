@@ -63,7 +63,7 @@ class Flight(NamedTuple):
     """A step handed to the device thread."""
 
     step: object  # the Step
-    future: object  # its (forward start, forward end), or what it raised
+    future: object  # its (forward start, forward end, holds the step after), or what it raised
     launched: float  # when it was queued (time.perf_counter)
     started: threading.Event  # set once its forward pass starts (or it will not run: the step before raised)
     rows: dict  # {request id: row} of its rows that sample a token (found here, not on the device thread)
@@ -119,7 +119,9 @@ class AsyncModelRunner:
 
     def _forward(self, step, pending, started, rows):
         """On the device thread: feed ``step`` the tokens of the step before, run and sample it; keep its
-        sampled tokens, and ``rows`` (whose they are), for the step after."""
+        sampled tokens, and ``rows`` (whose they are), for the step after. Returns its forward pass's span
+        and whether it holds the step after (read from here: by the time this thread is waited for, the
+        step after may have set ``self.held`` for itself)."""
         try:
             if self.broken or self.held:  # the step before raised or may have spread a NaN: this one is
                 return None               # prepared again after that one's rows are sorted out
@@ -129,7 +131,7 @@ class AsyncModelRunner:
             self.runner.forward(step)
             t1 = time.perf_counter()
             self.runner.sample(step)
-            self.held = len(step.rows) > 1 and not bool(step.sampled.finite.all())
+            self.held = held = len(step.rows) > 1 and not bool(step.sampled.finite.all())
             if self.copy_stream is not None:
                 step.sampled = copy_beside(step.sampled, self.copy_stream)
         except BaseException:
@@ -138,7 +140,7 @@ class AsyncModelRunner:
         finally:
             started.set()
         self.prev = (step.sampled.tokens, rows)
-        return t0, t1
+        return t0, t1, held
 
     def _prepare(self, msg, first=None) -> tuple:
         """The step's inputs (prepared again after ``first``, if given), and where its *pending* tokens
@@ -181,7 +183,7 @@ class AsyncModelRunner:
         if behind is not None:
             behind.started.wait()  # (it has started, so this one has sampled; or it saw this one raise)
         try:
-            t0, t1 = future.result()
+            t0, t1, held = future.result()
         except Exception as err:  # noqa: BLE001  (isolate: find whose tokens failed)
             if behind is not None:
                 behind.future.result()  # (it saw the failure and did not run)
@@ -195,9 +197,9 @@ class AsyncModelRunner:
             output = self.runner.finish(step)
             output.forward_span = (t0, t1)
             return output
-        if not self.held:
+        if not held:  # (this step's own: ``self.held`` may be the step behind's by now)
             return finish
-        self.held = False
+        self.held = False  # (the step behind saw it and did not run)
         if behind is not None:
             behind.future.result()  # (it saw the hold and did not run)
         output = finish()  # rows hit by a neighbour's NaN run again alone, now no step has read their tokens
