@@ -141,7 +141,8 @@ def note_rows(runner, step, sampled: list, errors: list) -> tuple[list, list]:
     async scheduling the step behind waits for this: ``AsyncModelRunner.held``.) Returns ``(sampled, errors)``."""
     if runner.block_size is None:
         return _alone_again(runner, step, sampled, errors)
-    if len(step.rows) > 1 and NOT_FINITE in errors:
+    ran_alone = len(step.rows) > 1 and NOT_FINITE in errors
+    if ran_alone:
         for i, e in enumerate(errors):
             if e is not None:
                 written(runner, step.req_ids[i], step.starts[i], step.counts[i], ok=False)
@@ -149,7 +150,7 @@ def note_rows(runner, step, sampled: list, errors: list) -> tuple[list, list]:
     rows = range(len(errors)) if runner.unwritten_blocks else [i for i, e in enumerate(errors) if e is not None]
     for i in rows:
         written(runner, step.req_ids[i], step.starts[i], step.counts[i], ok=errors[i] is None)
-    if len(step.rows) > 1 and any(e is not None for e in errors):
+    if ran_alone:  # (only a row run alone writes over blocks a neighbour computed; async: nothing runs behind)
         failed = rewrite_sharers(runner, step, errors)
         sampled = [None if i in failed else t for i, t in enumerate(sampled)]
         errors = [failed.get(i, e) for i, e in enumerate(errors)]
