@@ -512,3 +512,37 @@ def test_a_forked_prompt_run_again_alone_still_starts_its_samples(kv):
                                                              sampling_params=SamplingParams(temperature=0.8, seed=3 + i))])
         assert each.error is None and each.output_ids == alone[0].output_ids, i
     assert not eng.has_unfinished()
+
+
+def _nan_at(model, token: int):
+    """A hook that makes the embedding NaN at every position fed ``token`` (a model error on that token)."""
+    def nan_at(module, args, out):
+        hit = args[0] == token
+        if bool(hit.any()):
+            out = out.clone()
+            out[hit] = float("nan")
+            return out
+    return model.get_input_embeddings().register_forward_hook(nan_at)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_failed_requests_own_blocks_leave_the_prefix_cache_not_only_its_last_steps(arch):
+    """``bad``'s prompt holds a token the model gives NaN for, in its first chunk, which samples nothing: its
+    K/V there are NaN -- and so, through attention's 0 * NaN, are the K/V of the positions before it in that
+    pass. ``bad`` fails when its last chunk samples. ``later`` arrives then, sharing ``bad``'s first 12
+    tokens: it must not be offered the blocks ``bad`` computed (they used to stay cached past the failed
+    step's start), and comes out as ``generate`` gives it."""
+    model = tiny_model(arch)
+    head = list(range(10, 22))
+    bad = Request(head + [95] + list(range(30, 40)), 4, request_id="bad")
+    later = Request(head + [58], 6, request_id="later", ignore_eos=True)
+    eng = Engine(model, max_batch_size=4, kv="paged", block_size=4, prefix_caching=True, token_budget=16)
+    handle = _nan_at(model, 95)
+    try:
+        first, = eng.run([bad])
+        second, = eng.run([later])
+    finally:
+        handle.remove()
+    assert first.finish_reason == "error" and len(eng.records[0].seqs[0].token_ids) == 16  # (one chunk, no token)
+    assert second.error is None and second.output_ids == reference(model, later.prompt, 6, eos_id=-1)
+    _no_leak(eng)

@@ -61,6 +61,8 @@ def _fed(seq, start: int, n: int, drafts, num_tokens: int) -> list[int]:
 class RecordViews:
     """What a :class:`~cbteach.core.records.StepRecord` says, derived from its ``seqs`` when read."""
 
+    more_lists = ()  # a subclass's lists of request ids, shown by repr as admitted, finished and preempted are
+
     @property
     def num_tokens(self) -> int:
         """Length of the packed row."""

@@ -33,7 +33,6 @@ class StepRecord(RecordViews):
     num_all_reduces: int = 0  # a model sharded over processes: all-reduces in this step's forward pass
     all_reduce_bytes: int = 0  # ... and the bytes each process sent into them
     timings: dict = field(default_factory=dict)  # "schedule", "forward", "update" -> perf_counter (start, end)
-    more_lists = ()  # a subclass's lists of request ids, shown by repr as the three above are
 
     @property
     def idle(self) -> bool:

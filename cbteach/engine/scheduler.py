@@ -194,9 +194,10 @@ class Scheduler:
 
     def _fail(self, seq: Sequence, message: str, finished: list, computed_before: int) -> None:
         """The step failed for ``seq`` alone: it ends with ``finish_reason="error"``. Its computed count goes
-        back to the step's start first, so ``free`` drops from the prefix cache the blocks this step was
-        to fill (findable since their allocation, their K/V perhaps never written)."""
-        seq.num_computed_tokens = min(seq.num_computed_tokens, computed_before)
+        back to what it found in the prefix cache, so ``free`` drops from the cache every block it filled:
+        this step's (K/V perhaps never written) and earlier chunks' (a NaN spoils the positions before it
+        too, through attention's 0 * NaN, and a chunk that samples nothing is never checked)."""
+        seq.num_computed_tokens = min(seq.num_computed_tokens, computed_before, seq.num_cached_prompt_tokens)
         seq.finish_reason, seq.error = "error", message
         seq.draft_ids = []
         self._finish(seq, finished)
