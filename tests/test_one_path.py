@@ -49,7 +49,7 @@ def test_readme_holds_the_reading_map_at_todays_line_counts():
 
 # What the default step ran when this test was written (it started at 24 files, 3,732 lines and 357
 # variant lines by the tool's pattern). Lower is better: lower these when a change brings them down.
-KEPT = {"files": 14, "lines": 2438, "variant_lines": 25}
+KEPT = {"files": 14, "lines": 2432, "variant_lines": 25}
 
 
 @pytest.mark.parametrize("what", sorted(KEPT))

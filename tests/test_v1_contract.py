@@ -19,7 +19,7 @@ import torch
 from cbteach import Engine, Request, SamplingParams
 from cbteach.core.sampling import sample
 from cbteach.errors import EngineClosedError, ModelChangedError
-from conftest import ARCHS, drain, reference, tiny_model
+from conftest import ARCHS, drain, reference, sim_clock, tiny_model
 
 PROMPTS = [[7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18, 19, 20, 21, 22]]
 
@@ -545,4 +545,43 @@ def test_a_failed_requests_own_blocks_leave_the_prefix_cache_not_only_its_last_s
         handle.remove()
     assert first.finish_reason == "error" and len(eng.records[0].seqs[0].token_ids) == 16  # (one chunk, no token)
     assert second.error is None and second.output_ids == reference(model, later.prompt, 6, eos_id=-1)
+    _no_leak(eng)
+
+
+def test_a_sample_admitted_on_blocks_a_preempted_sibling_failed_to_write_computes_them_itself():
+    """Found by the failure fuzz (async scheduling, prefix caching, a pool of single-token blocks). ``r2``'s
+    first sample feeds the token the model refuses; its step is still in flight when the next plan preempts
+    it, so its blocks go back to the pool findable as computed. Its second sample, admitted later on them,
+    must compute them itself from the first unwritten one -- feeding the refused token, so it fails too --
+    rather than read K/V nobody wrote. Everyone else stays exact."""
+    model = tiny_model("qwen2")
+    head = [42, 89, 38, 69, 29, 14, 49, 21, 13, 32]
+    greedy = SamplingParams()
+    reqs = [Request(head + [65, 95, 25, 94, 90, 18, 58, 11, 51], 1, request_id="r0", arrival_time=0.05,
+                    sampling_params=SamplingParams(n=3)),
+            Request(head + [65, 13, 64, 45, 60, 20, 74, 86, 30, 42, 77, 84, 70], 3, request_id="r1", priority=2,
+                    sampling_params=SamplingParams(n=2)),
+            Request(head + [65, 24, 77, 22, 95, 45, 76, 49, 57, 50], 1, request_id="r2", priority=2,
+                    sampling_params=SamplingParams(temperature=0.9, seed=123, n=2)),
+            Request([46, 31], 7, request_id="r3", ignore_eos=True, sampling_params=greedy),
+            Request([30, 74, 40, 56, 14, 7, 14, 23, 69], 1, request_id="r4", priority=2, sampling_params=greedy),
+            Request(head + [95, 65, 20, 95, 33, 45, 25], 7, request_id="r5", ignore_eos=True,
+                    sampling_params=SamplingParams(n=2)),
+            Request([59, 9, 12], 2, request_id="r6", arrival_time=0.02, sampling_params=greedy)]
+    eng = Engine(model, max_batch_size=4, kv="paged", block_size=1, num_blocks=30, prefix_caching=True,
+                 token_budget=16, policy="priority", preempt_to_admit=True, async_scheduling=True,
+                 clock=sim_clock(0.01))
+    handle = _refuse_token(model, 95)
+    try:
+        got = {c.request_id: c for c in eng.run(reqs)}
+    finally:
+        handle.remove()
+    assert any(("r2", 0) in rec.preempted for rec in eng.records), "the case: r2's first sample preempted in flight"
+    for r in reqs:
+        for s in got[r.request_id].samples or [got[r.request_id]]:
+            if 95 in r.prompt:
+                assert s.finish_reason == "error", (r.request_id, s)
+            else:
+                assert s.error is None and s.output_ids == reference(
+                    model, r.prompt, r.max_new_tokens, eos_id=-1 if r.ignore_eos else 5), r.request_id
     _no_leak(eng)

@@ -54,7 +54,7 @@ READ_ORDER = [
     ("6 the worker", ["worker/input_batch.py", "worker/model_runner.py"],
      "`v1/worker/gpu_input_batch.py`, `block_table.py`, `gpu_model_runner.py`, `v1/sample/`"),
     ("7 attention", ["attention/metadata.py", "attention/paged.py"], "`v1/attention/backends/`"),
-    ("(bookkeeping)", ["core/records.py"], "none: ours (step records; their per-sequence view is built when read)"),
+    ("(bookkeeping)", ["core/records.py"], "none: ours (step records; what they say is built when read)"),
 ]
 
 

@@ -199,7 +199,6 @@ class Scheduler:
         too, through attention's 0 * NaN, and a chunk that samples nothing is never checked)."""
         seq.num_computed_tokens = min(seq.num_computed_tokens, computed_before, seq.num_cached_prompt_tokens)
         seq.finish_reason, seq.error = "error", message
-        seq.draft_ids = []
         self._finish(seq, finished)
 
     # -- the pieces a scheduler is built from ------------------------------------------------------

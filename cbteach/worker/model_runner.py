@@ -161,23 +161,18 @@ class ModelRunner:
 
     # -- a step ---------------------------------------------------------------------------------------
     def prepare_again(self, msg, first: Step) -> Step:
-        """``msg``'s step prepared again after the one before ``first`` failed (it was planned before the
-        failure was known), keeping what ``first`` made once."""
-        return recovery.prepare_again(self, msg)
+        """``msg``'s step prepared again after the one before ``first`` failed, keeping what ``first`` made once."""
+        return self.prepare_inputs(msg)
 
     def prepare_inputs(self, msg) -> Step:
-        """The step's inputs, read from the batch's rows: each feeds its scheduled tokens from its
-        ``num_computed_tokens`` on."""
-        b = self.input_batch
-        counts = [msg.num_scheduled_tokens[rid] for rid in b.req_ids[:b.num_reqs]]
-        return self.pack_rows(msg, b.num_computed_tokens[:b.num_reqs].tolist(), counts)
-
-    def pack_rows(self, msg, starts: list, counts: list) -> Step:
-        """Row ``i`` feeds tokens ``starts[i] .. starts[i] + counts[i] - 1``: their ids in one gather, the
-        attention metadata, and what sampling reads."""
+        """The step's inputs, read from the batch's rows."""
         b = self.input_batch
         B = b.num_reqs
         req_ids = b.req_ids[:B]
+        counts = [msg.num_scheduled_tokens[rid] for rid in req_ids]
+        starts = b.num_computed_tokens[:B].tolist()
+        if self.unwritten_blocks:  # a cached prefix whose K/V a failed step never wrote is computed again
+            recovery.redo_rows(self, req_ids, starts, counts)
         samples = (np.add(starts, counts) >= b.num_tokens[:B]).tolist()
         # Token ids: one gather from the rows -- row i's tokens starts[i] .. starts[i] + counts[i] - 1.
         T = sum(counts)

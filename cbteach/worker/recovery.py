@@ -13,13 +13,10 @@ better to fail only the request the model fails on, so the worker here:
   model still fails on. Rows of one step may share blocks (a prefix-cache hit on blocks another row of
   the same step fills): run alone, a row may come before the row that fills them, so every block the
   step was to fill counts as unwritten until the row that fills it has run;
-* remembers the blocks a failed row was to fill as **unwritten** (:func:`mark_written`), and leaves the
-  step with no live request reading one: a row that came out right, but shares blocks with a row that
-  failed after it, writes them again (:func:`rewrite_sharers`). The scheduler then takes the failed
-  request's blocks out of the prefix cache, so the next step is prepared without looking. Only a step
-  planned before the failure was known (async scheduling) may still hold a row admitted on them: it is
-  prepared again (:func:`prepare_again`), and such a row computes them itself, from the first unwritten
-  block on (:func:`redo_from`) -- the same tokens at the same positions give the same K/V.
+* remembers the blocks a failed row was to fill as **unwritten** (:func:`mark_written`). Another
+  request may read them as its cached prefix -- admitted on them, perhaps planned a step ahead (async
+  scheduling) before the failure was known. Such a row computes them again itself, from the first
+  unwritten block on (:func:`redo_from`): the same tokens at the same positions give the same K/V.
 
 Breaking a rule of the engine (:class:`~cbteach.errors.EngineRuleError`) is never one request's fault,
 and a dead worker process (:class:`~cbteach.errors.EngineDeadError`) is nobody's: both stop the step.
@@ -56,8 +53,6 @@ def recover(runner, step, err: Exception) -> RunnerOutput:
             written(runner, rid, start, count, ok=False)
             message = f"the model failed on this request's tokens: {type(e).__name__}: {e}"
             parts.append(RunnerOutput(sampled=[None], req_ids=[rid], errors=[message]))
-    for i, message in rewrite_sharers(runner, step, [p.error(0) for p in parts]).items():
-        parts[i] = RunnerOutput(sampled=[None], req_ids=[step.req_ids[i]], errors=[message])
     return getattr(runner, "join_outputs", join)(step.req_ids, parts)  # (a runner whose outputs carry more joins its own)
 
 
@@ -69,13 +64,12 @@ def join(req_ids: list, parts: list) -> RunnerOutput:
         errors=[p.error(0) for p in parts])
 
 
-def alone(runner, step, i: int, start: int | None = None, count: int = 0) -> Step:
-    """Row ``i`` of ``step`` as a step of its own (or, given ``start``, its ``count`` tokens from there), read
-    from the request's state and the step -- not from the batch's rows, which the next message may have
-    changed already (async scheduling). A row before it that failed leaves blocks unwritten that this one
-    may read: it computes them again."""
+def alone(runner, step, i: int) -> Step:
+    """Row ``i`` of ``step`` as a step of its own, read from the request's state and the step -- not from
+    the batch's rows, which the next message may have changed already (async scheduling). A row before
+    it that failed leaves blocks unwritten that this one may read: it computes them again."""
     state = runner.requests[step.req_ids[i]]
-    start, count = (step.starts[i], step.counts[i]) if start is None else (start, count)
+    start, count = step.starts[i], step.counts[i]
     if runner.unwritten_blocks and runner.block_size is not None:
         start, count = redo_from(runner.unwritten_blocks, state.block_ids, start, count, runner.block_size)
     # Each position's token: the request's, where known by now; else what the step fed there (tokens
@@ -88,47 +82,11 @@ def alone(runner, step, i: int, start: int | None = None, count: int = 0) -> Ste
     return one
 
 
-def prepare_again(runner, msg) -> Step:
-    """``msg``'s step, planned before the step ahead of it failed (async scheduling): a row whose cached
-    prefix holds blocks that step left unwritten -- admitted on a failed request's blocks before the
-    scheduler knew -- starts at the first of them, and computes them again."""
-    b = runner.input_batch
-    req_ids = b.req_ids[:b.num_reqs]
-    starts, counts = b.num_computed_tokens[:b.num_reqs].tolist(), [msg.num_scheduled_tokens[r] for r in req_ids]
-    if runner.unwritten_blocks:
-        for i, rid in enumerate(req_ids):
-            starts[i], counts[i] = redo_from(runner.unwritten_blocks, runner.requests[rid].block_ids, starts[i],
-                                             counts[i], runner.block_size)
-    return runner.pack_rows(msg, starts, counts)
-
-
-def rewrite_sharers(runner, step, errors: list) -> dict:
-    """After a step's rows ran alone: a row that came out right may share blocks with one that failed after
-    it (a prefix-cache hit, in the same step, on blocks that row fills), whose run may have written over
-    them. Each such row runs its tokens over them again -- the forward pass only: what it sampled stands --
-    so that when the step ends no live request reads a block left unwritten (the next step prepares its
-    rows without looking). Returns ``{row: error}`` for a row the model fails on this time."""
-    def reads_unwritten(i: int) -> bool:
-        state = runner.requests.get(step.req_ids[i])
-        end = step.starts[i] + step.counts[i]
-        return state is not None and redo_from(runner.unwritten_blocks, state.block_ids, end, 0, runner.block_size)[1] > 0
-
-    failed = {}
-    while runner.unwritten_blocks:
-        redo = [i for i in range(len(step.req_ids)) if errors[i] is None and i not in failed and reads_unwritten(i)]
-        if not redo:
-            break
-        for i in filter(reads_unwritten, redo):  # (one before it may have rewritten the blocks they share)
-            one = alone(runner, step, i, start=step.starts[i] + step.counts[i])
-            try:
-                runner.forward(one)
-                written(runner, step.req_ids[i], one.starts[0], one.counts[0], ok=True)
-            except (EngineRuleError, EngineDeadError):
-                raise
-            except Exception as e:  # noqa: BLE001  (the model failed on this row's tokens)
-                written(runner, step.req_ids[i], one.starts[0], one.counts[0], ok=False)
-                failed[i] = f"the model failed on this request's tokens: {type(e).__name__}: {e}"
-    return failed
+def redo_rows(runner, req_ids: list, starts: list, counts: list) -> None:
+    """A step's rows (``starts``/``counts``, changed in place) begin at the first unwritten block they read."""
+    for i, rid in enumerate(req_ids):
+        starts[i], counts[i] = redo_from(runner.unwritten_blocks, runner.requests[rid].block_ids, starts[i], counts[i],
+                                         runner.block_size)
 
 
 def note_rows(runner, step, sampled: list, errors: list) -> tuple[list, list]:
@@ -141,8 +99,7 @@ def note_rows(runner, step, sampled: list, errors: list) -> tuple[list, list]:
     async scheduling the step behind waits for this: ``AsyncModelRunner.held``.) Returns ``(sampled, errors)``."""
     if runner.block_size is None:
         return _alone_again(runner, step, sampled, errors)
-    ran_alone = len(step.rows) > 1 and NOT_FINITE in errors
-    if ran_alone:
+    if len(step.rows) > 1 and NOT_FINITE in errors:
         for i, e in enumerate(errors):
             if e is not None:
                 written(runner, step.req_ids[i], step.starts[i], step.counts[i], ok=False)
@@ -150,10 +107,6 @@ def note_rows(runner, step, sampled: list, errors: list) -> tuple[list, list]:
     rows = range(len(errors)) if runner.unwritten_blocks else [i for i, e in enumerate(errors) if e is not None]
     for i in rows:
         written(runner, step.req_ids[i], step.starts[i], step.counts[i], ok=errors[i] is None)
-    if ran_alone:  # (only a row run alone writes over blocks a neighbour computed; async: nothing runs behind)
-        failed = rewrite_sharers(runner, step, errors)
-        sampled = [None if i in failed else t for i, t in enumerate(sampled)]
-        errors = [failed.get(i, e) for i, e in enumerate(errors)]
     return sampled, errors
 
 
