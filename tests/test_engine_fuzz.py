@@ -68,6 +68,17 @@ def draw_case(seed: int) -> tuple[dict, list[Request], str]:
     return opts, reqs, arch + ("" if kv in ("concat", "paged") else "+" + kv)
 
 
+def case_pieces(label: str, opts: dict) -> dict:
+    """The plugged-in pieces a case's label names (``+reserve``, ``+freelist``, ``+pieces``), as ``Engine`` keywords."""
+    if label.endswith("+reserve"):
+        return {"kv_manager": ReservingKVManager(opts["num_blocks"])}
+    if label.endswith("+freelist"):
+        return {"kv_manager": FreeListManager}
+    if label.endswith("+pieces"):
+        return {"attention": my_attention, "slot_mapping": my_slot_mapping}
+    return {}
+
+
 def _alone(model, r: Request, i: int) -> list[int]:
     p = r.sampling_params
     eng = Engine(model, max_batch_size=1)
@@ -79,16 +90,8 @@ def _alone(model, r: Request, i: int) -> list[int]:
 @pytest.mark.parametrize("seed", range(int(__import__("os").environ.get("CBTEACH_FUZZ_CASES", "40"))))
 def test_every_feature_combination_is_exact_and_leaks_nothing(seed):
     opts, reqs, label = draw_case(seed)
-    arch = label.split("+")[0]
-    model = MODELS[arch]
-    pieces = {}
-    if label.endswith("+reserve"):
-        pieces["kv_manager"] = ReservingKVManager(opts["num_blocks"])
-    elif label.endswith("+freelist"):
-        pieces["kv_manager"] = FreeListManager
-    elif label.endswith("+pieces"):
-        pieces.update(attention=my_attention, slot_mapping=my_slot_mapping)
-    eng = Engine(model, clock=sim_clock(0.01), **opts, **pieces)
+    model = MODELS[label.split("+")[0]]
+    eng = Engine(model, clock=sim_clock(0.01), **opts, **case_pieces(label, opts))
     got = eng.run(reqs)
     for r, c in zip(reqs, got):
         samples = c.samples or [c]

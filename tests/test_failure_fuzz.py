@@ -17,29 +17,16 @@ import random
 import pytest
 
 from cbteach import Engine
-from cbteach.bench.memory_experiments import ReservingKVManager
 from conftest import reference, sim_clock
-from test_engine_fuzz import MODELS, _alone, draw_case
-from test_plug_points import FreeListManager, my_attention, my_slot_mapping
+from test_engine_fuzz import MODELS, _alone, case_pieces, draw_case
+from test_v1_contract import _nan_at, _refuse_token
 
 POISON = 95
 
 
-def _poisoning(model, mode: str) -> list:
-    """Hooks (public torch API) that make ``model`` fail on :data:`POISON`."""
-    if mode == "raise":
-        def refuse(module, args, kwargs):
-            if bool((kwargs["input_ids"] == POISON).any()):
-                raise RuntimeError(f"the model refuses token {POISON}")
-        return [model.register_forward_pre_hook(refuse, with_kwargs=True)]
-
-    def nan_at(module, args, out):
-        hit = args[0] == POISON
-        if bool(hit.any()):
-            out = out.clone()
-            out[hit] = float("nan")
-            return out
-    return [model.get_input_embeddings().register_forward_hook(nan_at)]
+def _poisoning(model, mode: str):
+    """A hook (public torch API) that makes ``model`` fail on :data:`POISON`: raise, or NaN at its position."""
+    return _refuse_token(model, POISON) if mode == "raise" else _nan_at(model, POISON)
 
 
 @pytest.mark.parametrize("seed", range(int(os.environ.get("CBTEACH_FAILURE_FUZZ_CASES", "30"))))
@@ -54,20 +41,12 @@ def test_a_failing_request_ends_alone_in_every_feature_combination(seed):
     if isinstance(opts.get("num_blocks"), int):
         opts["num_blocks"] += 1  # (the poison made a prompt one token longer)
     model = MODELS[label.split("+")[0]]
-    pieces = {}
-    if label.endswith("+reserve"):
-        pieces["kv_manager"] = ReservingKVManager(opts["num_blocks"])
-    elif label.endswith("+freelist"):
-        pieces["kv_manager"] = FreeListManager
-    elif label.endswith("+pieces"):
-        pieces.update(attention=my_attention, slot_mapping=my_slot_mapping)
-    hooks = _poisoning(model, mode)
+    hook = _poisoning(model, mode)
     try:
-        eng = Engine(model, clock=sim_clock(0.01), **opts, **pieces)
+        eng = Engine(model, clock=sim_clock(0.01), **opts, **case_pieces(label, opts))
         got = eng.run(reqs)
     finally:
-        for h in hooks:
-            h.remove()
+        hook.remove()
     for r, c in zip(reqs, got):
         for i, s in enumerate(c.samples or [c]):
             where = f"seed {seed} ({mode}, {label}, {opts}): request {r.request_id} sample {i}"
