@@ -585,3 +585,28 @@ def test_a_sample_admitted_on_blocks_a_preempted_sibling_failed_to_write_compute
                 assert s.error is None and s.output_ids == reference(
                     model, r.prompt, r.max_new_tokens, eos_id=-1 if r.ignore_eos else 5), r.request_id
     _no_leak(eng)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_prompt_sharing_a_prefix_spoiled_in_an_earlier_chunk_stays_exact(arch):
+    """``bad``'s first chunk holds a token the model gives NaN for; the chunk samples nothing, but its last
+    position's logits are NaN (it attends to that token), and through attention's 0 * NaN so are the K/V of the
+    chunk's earlier positions. ``later`` arrives the step after, sharing ``bad``'s first 12 tokens: it must not
+    read them from ``bad``'s blocks. (``bad`` fails at that first chunk, and its blocks leave the cache.)"""
+    model = tiny_model(arch)
+    head = list(range(10, 22))
+    bad = Request(head + [95] + list(range(30, 40)), 4, request_id="bad")
+    later = Request(head + [58], 6, request_id="later", ignore_eos=True)
+    eng = Engine(model, max_batch_size=4, kv="paged", block_size=4, prefix_caching=True, token_budget=16)
+    handle = _nan_at(model, 95)
+    try:
+        eng.add_request(bad)
+        eng.step()
+        eng.add_request(later)
+        drain(eng)
+    finally:
+        handle.remove()
+    got = eng.completions
+    assert got["bad"].finish_reason == "error"
+    assert got["later"].error is None and got["later"].output_ids == reference(model, later.prompt, 6, eos_id=-1)
+    _no_leak(eng)

@@ -231,12 +231,13 @@ class ModelRunner:
 
     def sampled_tokens(self, step: Step) -> tuple[list, list]:
         """Each row's new tokens (``None``: it samples nothing, or failed) and error (``None``: none), on
-        the host: the step's one device -> host copy."""
+        the host: the step's one device -> host copy. A prefill chunk that samples nothing fails too when its
+        last logits are not finite: a NaN among its K/V, which a later prompt might read as its cached prefix."""
         tokens, finite = step.sampled.to_host()
         errors = [None] * len(tokens)
         if step.sampled.errors or not all(finite):
-            errors = [(step.sampled.errors.get(i) or (None if f else NOT_FINITE)) if s else None
-                      for i, (s, f) in enumerate(zip(step.samples, finite))]
+            errors = [step.sampled.errors.get(i) if s else None for i, s in enumerate(step.samples)]
+            errors = [e or (None if f else NOT_FINITE) for e, f in zip(errors, finite)]
         return [[t] if s and e is None else None for t, s, e in zip(tokens, step.samples, errors)], errors
 
     # -- internals ---------------------------------------------------------------------------------
