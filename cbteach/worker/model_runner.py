@@ -230,14 +230,13 @@ class ModelRunner:
                             traffic=step.traffic, errors=errors if any(e is not None for e in errors) else None)
 
     def sampled_tokens(self, step: Step) -> tuple[list, list]:
-        """Each row's new tokens (``None``: it samples nothing, or failed) and error (``None``: none), on
-        the host: the step's one device -> host copy. A prefill chunk that samples nothing fails too when its
-        last logits are not finite: a NaN among its K/V, which a later prompt might read as its cached prefix."""
+        """Each row's new tokens (``None``: it samples nothing, or failed) and error, on the host: the step's one
+        device -> host copy. A chunk that samples nothing fails too if its last logits are not finite (NaN K/V)."""
         tokens, finite = step.sampled.to_host()
         errors = [None] * len(tokens)
         if step.sampled.errors or not all(finite):
-            errors = [step.sampled.errors.get(i) if s else None for i, s in enumerate(step.samples)]
-            errors = [e or (None if f else NOT_FINITE) for e, f in zip(errors, finite)]
+            errors = [(step.sampled.errors.get(i) if s else None) or (None if f else NOT_FINITE)
+                      for i, (s, f) in enumerate(zip(step.samples, finite))]
         return [[t] if s and e is None else None for t, s, e in zip(tokens, step.samples, errors)], errors
 
     # -- internals ---------------------------------------------------------------------------------
