@@ -317,6 +317,7 @@ def test_handover_accepts_the_right_bytes_and_seconds(model, capsys):
     (scaled(per_head=lambda c, d: c.hidden_size // c.num_key_value_heads * (1 if d == "int8" else 4)
             + (4 if d == "int8" else 0)), "each hidden_size / num_attention_heads wide"),
     (scaled(per_head=lambda c, d: c.head_dim + 2 if d == "int8" else 4 * c.head_dim), "float32 scale, 4 bytes"),
+    (scaled(per_head=lambda c, d: c.head_dim + 8 if d == "int8" else 4 * c.head_dim), "scales were counted twice"),
     (scaled(per_head=lambda c, d: c.head_dim + 4 / c.num_key_value_heads if d == "int8" else 4 * c.head_dim),
      "float32 scale, 4 bytes"),  # one scale per token, not per token and head
     (lambda n, c, bs, d, link: right_handover(n, c, bs, d, link)[::-1], "(bytes, seconds), in that order"),

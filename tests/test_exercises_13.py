@@ -81,6 +81,7 @@ def ring(N):
     (lambda L, T, h, b, N: 2 * L * (2 * (N - 1) // N) * T * h * b, "rounded down by integer division"),
     (lambda L, T, h, b, N: 2 * L * 2 * T * h * b, "N - 1 chunks, not N"),  # 2 N / N
     (lambda L, T, h, b, N: 2 * L * 2 * (N - 1) / (N + 1) * T * h * b, "not 1/(N + 1)"),
+    (lambda L, T, h, b, N: 2 * L * 2 * N / (N - 1) * T * h * b, "factor is upside down"),  # N / (N - 1) for (N - 1) / N
     (lambda L, T, h, b, N: bytes_right(L, T, h, N, b), "swapped"),
     (lambda L, T, h, b, N: 8 * bytes_right(L, T, h, b, N), "bytes, not bits"),
     # Mistakes the check does not know: the hint says what the wrong answers have in common, never the formula.

@@ -70,7 +70,7 @@ def _bytes(cfg, n, bs, kv_dtype, *, tokens=None, kv=2, one_layer=False, all_head
     kv_heads = heads if all_heads else getattr(cfg, "num_key_value_heads", None) or heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     d = cfg.hidden_size // kv_heads if head_dim_by_kv_heads else d
-    per_head = {"int8": d + 4, "no scales": d, "fp32": 4 * d, "scale2": d + 2,
+    per_head = {"int8": d + 4, "no scales": d, "fp32": 4 * d, "scale2": d + 2, "scales twice": d + 8,
                 "scale per token": d + 4 / kv_heads}[int8 if kv_dtype == "int8" else "fp32"]
     n_slots = tokens(n, bs) if tokens else math.ceil(n / bs) * bs
     return n_slots * kv * (1 if one_layer else cfg.num_hidden_layers) * kv_heads * per_head * bits
@@ -96,6 +96,8 @@ BYTES_MISTAKES = [
     ([dict(int8="fp32")], "with kv_dtype='int8' each value takes 1 byte (plus a float32 scale per token and head)"),
     ([dict(int8="scale2"), dict(int8="scale per token")],  # (a 2-byte scale, or one shared by K and V, is "scale2")
      "too few bytes for the scales: every (token, head) keeps a float32 scale, 4 bytes, for K and another for V"),
+    ([dict(int8="scales twice")], "the scales were counted twice: each (token, head) of K keeps one float32 scale "
+                                  "and each of V another -- already two, once the values of K and of V are counted"),
     ([dict(bits=8)], "count bytes, not bits"),
 ]
 

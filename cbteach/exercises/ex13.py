@@ -59,6 +59,8 @@ _MISTAKES = [
     (lambda t, L, T, h, b, N: t * N / (N - 1), "each half of the ring sends N - 1 chunks, not N: a rank never "
      "sends its own chunk to itself"),
     (lambda t, L, T, h, b, N: t * N / (N + 1), "a chunk is 1/N of the tensor (N ranks), not 1/(N + 1)"),
+    (lambda t, L, T, h, b, N: t * N * N / ((N - 1) * (N - 1)), "the ring's factor is upside down: a rank sends "
+     "2 (N - 1) / N of the tensor (N - 1 chunks of 1/N, twice), not 2 N / (N - 1)"),
     (lambda t, L, T, h, b, N: 2 * L * 2 * (b - 1) / b * T * h * N, "dtype_bytes and world_size are swapped: the "
      "arguments come as (num_layers, num_tokens, hidden_size, dtype_bytes, world_size)"),
     (lambda t, L, T, h, b, N: 8 * t, "count bytes, not bits"),
