@@ -117,14 +117,15 @@ def run_workload(model, w: Workload, fn=None) -> tuple[Engine, list, Fail | None
                  update_batch=None if fn is None else plugged(fn, seen), **w.options)
     said = None
     try:
-        if not w.aborts:
+        if w.aborts:  # stepped here, to abort on time (such a workload has no arrival times)
+            for r in w.requests(model.config.vocab_size):
+                eng.add_request(r)
+            while eng.has_requests():
+                for rid in [rid for at, rid in w.aborts if at == eng.num_steps]:
+                    eng.abort(rid)
+                eng.step()
+        else:
             eng.run(w.requests(model.config.vocab_size))
-        for r in w.requests(model.config.vocab_size) if w.aborts else ():  # (no arrival times in such a workload)
-            eng.add_request(r)
-        while w.aborts and eng.has_unfinished():
-            for rid in [rid for at, rid in w.aborts if at == eng.num_steps]:
-                eng.abort(rid)
-            eng.step()
     except Fail as err:
         said = err
     finally:
