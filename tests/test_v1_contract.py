@@ -526,12 +526,13 @@ def _nan_at(model, token: int):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_a_failed_requests_own_blocks_leave_the_prefix_cache_not_only_its_last_steps(arch):
-    """``bad``'s prompt holds a token the model gives NaN for, in its first chunk, which samples nothing: its
-    K/V there are NaN -- and so, through attention's 0 * NaN, are the K/V of the positions before it in that
-    pass. ``bad`` fails when its last chunk samples. ``later`` arrives then, sharing ``bad``'s first 12
-    tokens: it must not be offered the blocks ``bad`` computed (they used to stay cached past the failed
-    step's start), and comes out as ``generate`` gives it."""
+@pytest.mark.parametrize("later_comes", ["the step after", "once bad has failed"])
+def test_a_prompt_sharing_a_prefix_spoiled_in_an_earlier_chunk_stays_exact(arch, later_comes):
+    """``bad``'s first chunk holds a token the model gives NaN for. The chunk samples nothing, but its last
+    position's logits are NaN (it attends to that token), and through attention's 0 * NaN so are the K/V of the
+    chunk's earlier positions. ``later`` shares ``bad``'s first 12 tokens: arriving the step after, or once
+    ``bad`` has failed, it must not read them from ``bad``'s blocks -- ``bad`` fails at that chunk, and every
+    block it filled leaves the prefix cache (they used to stay there past the failed step's start)."""
     model = tiny_model(arch)
     head = list(range(10, 22))
     bad = Request(head + [95] + list(range(30, 40)), 4, request_id="bad")
@@ -539,12 +540,18 @@ def test_a_failed_requests_own_blocks_leave_the_prefix_cache_not_only_its_last_s
     eng = Engine(model, max_batch_size=4, kv="paged", block_size=4, prefix_caching=True, token_budget=16)
     handle = _nan_at(model, 95)
     try:
-        first, = eng.run([bad])
-        second, = eng.run([later])
+        eng.add_request(bad)
+        if later_comes == "the step after":
+            eng.step()
+        else:
+            drain(eng)
+        eng.add_request(later)
+        drain(eng)
     finally:
         handle.remove()
-    assert first.finish_reason == "error" and len(eng.records[0].seqs[0].token_ids) == 16  # (one chunk, no token)
-    assert second.error is None and second.output_ids == reference(model, later.prompt, 6, eos_id=-1)
+    got = eng.completions
+    assert got["bad"].finish_reason == "error" and len(eng.records[0].seqs[0].token_ids) == 16  # (a chunk, no token)
+    assert got["later"].error is None and got["later"].output_ids == reference(model, later.prompt, 6, eos_id=-1)
     _no_leak(eng)
 
 
@@ -584,29 +591,4 @@ def test_a_sample_admitted_on_blocks_a_preempted_sibling_failed_to_write_compute
             else:
                 assert s.error is None and s.output_ids == reference(
                     model, r.prompt, r.max_new_tokens, eos_id=-1 if r.ignore_eos else 5), r.request_id
-    _no_leak(eng)
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_a_prompt_sharing_a_prefix_spoiled_in_an_earlier_chunk_stays_exact(arch):
-    """``bad``'s first chunk holds a token the model gives NaN for; the chunk samples nothing, but its last
-    position's logits are NaN (it attends to that token), and through attention's 0 * NaN so are the K/V of the
-    chunk's earlier positions. ``later`` arrives the step after, sharing ``bad``'s first 12 tokens: it must not
-    read them from ``bad``'s blocks. (``bad`` fails at that first chunk, and its blocks leave the cache.)"""
-    model = tiny_model(arch)
-    head = list(range(10, 22))
-    bad = Request(head + [95] + list(range(30, 40)), 4, request_id="bad")
-    later = Request(head + [58], 6, request_id="later", ignore_eos=True)
-    eng = Engine(model, max_batch_size=4, kv="paged", block_size=4, prefix_caching=True, token_budget=16)
-    handle = _nan_at(model, 95)
-    try:
-        eng.add_request(bad)
-        eng.step()
-        eng.add_request(later)
-        drain(eng)
-    finally:
-        handle.remove()
-    got = eng.completions
-    assert got["bad"].finish_reason == "error"
-    assert got["later"].error is None and got["later"].output_ids == reference(model, later.prompt, 6, eos_id=-1)
     _no_leak(eng)
