@@ -113,6 +113,8 @@ def load_model(name: str = DEFAULT_MODEL, device=None, dtype=None):
         raise ValueError(f"model name must be a non-empty string such as {DEFAULT_MODEL!r} or 'gpt2'")
     dev = pick_device(device)
     dt = pick_dtype(dev, dtype)
+    if name.startswith("~"):  # a folder under the home directory, as a shell would read it
+        name = str(Path(name).expanduser())
     source = EMBEDDED.get(name, name)
     tokenizer_source = BIERCE_DIR if name in EMBEDDED else name
     bars = hf_logging.is_progress_bar_enabled()

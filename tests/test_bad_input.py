@@ -302,6 +302,8 @@ def test_not_a_model_or_not_a_list_of_requests(model):
         eng.run(Request([7], 2))
     with pytest.raises(ValueError, match="takes a list of Requests, got NoneType"):
         eng.run(None)
+    with pytest.raises(ValueError, match=r"got dict; for a dict of them pass list\(d.values\(\)\)"):
+        eng.run({"a": Request([7], 2)})
     with pytest.raises(ValueError, match="expected a cbteach.Request, got tuple"):
         static_batching(model, None, [([7], 2)], 2)
     with pytest.raises(ValueError, match="takes a list of Requests"):
@@ -461,3 +463,100 @@ def test_a_tokenizer_that_cannot_decode_one_answer_fails_that_request_alone(bier
     a, b = static_batching(model, Picky(), [Request("Ink", 3), Request("The engine", 6)], 2)  # (and static batching)
     assert (a.finish_reason, a.output_ids, a.text) == ("error", bad, None) and "IndexError" in a.error
     assert (b.output_ids, b.text) == (want, tok.decode(want, skip_special_tokens=True))
+
+
+@pytest.mark.parametrize("kv", ["concat", "paged"])
+def test_a_tokenizer_that_cannot_decode_one_streamed_answer_ends_that_request_alone(bierce, kv):
+    """The same in a stream: the request whose tokens will not decode gets a closing event with
+    ``finish_reason="error"`` as soon as it happens, and gives its blocks back; the other streams on, exact."""
+    model, tok = bierce
+    a_ids, b_ids = tok("CYNIC, n.")["input_ids"], tok("EXECUTIVE, n.")["input_ids"]
+    want_a = reference(model, a_ids, 12, eos_id=model.generation_config.eos_token_id)
+    want_b = reference(model, b_ids, 12, eos_id=model.generation_config.eos_token_id)
+    bad = next(t for t in want_b[1:] if t not in want_a)  # b says it after its first token, a never does
+
+    class Picky:  # the real tokenizer, but it cannot decode that id (sentencepiece past its vocabulary)
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+        def __call__(self, *args, **kwargs):
+            return tok(*args, **kwargs)
+
+        def decode(self, ids, **kwargs):
+            if bad in list(ids):
+                raise IndexError("piece id is out of range")
+            return tok.decode(ids, **kwargs)
+
+    eng = Engine(model, Picky(), max_batch_size=2, kv=kv)
+    events = list(eng.stream([Request(a_ids, 12, request_id="a"), Request(b_ids, 12, request_id="b")]))
+    mine = {rid: [e for e in events if e.request_id == rid] for rid in "ab"}
+    assert [e.token_id for e in mine["a"]] == want_a and mine["a"][-1].finish_reason is not None
+    assert "".join(e.text for e in mine["a"]) == tok.decode(want_a, skip_special_tokens=True)
+    closing = mine["b"][-1]
+    assert (closing.token_id, closing.finish_reason) == (None, "error")
+    assert [e.finish_reason for e in mine["b"]].count("error") == 1 and all(e.finish_reason is None
+                                                                             for e in mine["b"][:-1])
+    assert [e.token_id for e in mine["b"][:-1]] == want_b[:want_b.index(bad)]  # up to the token that will not decode
+    got = eng.completions["b"]
+    assert got.finish_reason == "error" and "IndexError" in got.error and got.output_ids == want_b[:len(got.output_ids)]
+    assert eng.completions["a"].output_ids == want_a and not eng.has_unfinished()
+    if kv == "paged":
+        assert eng.kv_usage()["num_used_blocks"] == 0
+
+
+def test_an_arrival_a_clock_reading_away_is_refused_and_a_long_wait_is_said(model, monkeypatch):
+    """``time.perf_counter()`` or ``time.monotonic()`` passed as an arrival_time would make the engine sleep
+    for as long as the machine has been up: over a day away on the wall clock, it is refused with the reason."""
+    import cbteach.engine.engine as engine_module
+
+    eng = Engine(model, max_batch_size=2)
+    for add in (lambda r: eng.run([Request([7], 2), r]), eng.add_request):
+        with pytest.raises(ValueError, match=r"not a reading of time.perf_counter\(\) or time.monotonic\(\)"):
+            add(Request([8], 2, arrival_time=2 * 86_400.0))
+    assert not eng.has_unfinished() and not eng.sequences  # nothing was queued
+    slept = []
+    monkeypatch.setattr(engine_module.time, "sleep", slept.append)  # (no real wait: the clock is read, not slept)
+    eng.add_request(Request([8], 2, arrival_time=eng.now() + 3_600.0))
+    eng.step()
+    with pytest.warns(UserWarning, match="idle until the next arrival_time, 3,600 s from now"):
+        eng.wait_for_arrival()
+    assert slept and 3_500 < slept[0] <= 3_600
+    eng.close()
+
+
+@pytest.mark.parametrize("base", ["llama", "gpt2"])
+def test_a_base_model_without_a_language_model_head_is_refused(base):
+    body = tiny_model(base).base_model  # LlamaModel, GPT2Model: hidden states, no logits
+    with pytest.raises(ValueError, match="base model without a language-model head"):
+        Engine(body, max_batch_size=2)
+
+
+def test_odd_types_for_stop_ids_managers_callbacks_and_tokenizers_get_a_value_error(model):
+    import numpy as np
+
+    assert SamplingParams(stop_token_ids=torch.tensor([3, 4])).stop_token_ids == (3, 4)  # as prompts may be tensors
+    assert SamplingParams(stop_token_ids=np.array([5])).stop_token_ids == (5,)
+    with pytest.raises(ValueError, match="stop_token_ids must be a list of token ids"):
+        SamplingParams(stop_token_ids=torch.tensor(3))
+    with pytest.raises(ValueError, match=r"builds the class as object\(num_blocks, block_size\)"):
+        Engine(model, max_batch_size=2, kv="paged", kv_manager=object)
+    eng = Engine(model, max_batch_size=2, kv="paged")
+    with pytest.raises(ValueError, match="on_release.. takes a function"):
+        eng.on_release(5)
+
+    class Odd:  # a tokenizer that gives a plain list, or raises
+        eos_token_id = EOS
+
+        def __call__(self, text, **kwargs):
+            if text == "boom":
+                raise RuntimeError("boom")
+            return [7, 8]
+
+        def decode(self, ids, **kwargs):
+            return ""
+
+    eng = Engine(model, Odd(), max_batch_size=2)
+    for text in ("hi", "boom"):
+        with pytest.raises(ValueError, match="the tokenizer could not encode the prompt"):
+            eng.run([Request([7], 2), Request(text, 2)])
+    assert not eng.sequences

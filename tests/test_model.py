@@ -65,3 +65,12 @@ def test_model_card_and_corpus_ship():
     stats = json.loads((BIERCE_DIR / "training_stats.json").read_text())
     assert str(stats["parameters"]) in card.replace(",", "")
     assert "Devil's Dictionary" in card
+
+
+def test_a_model_folder_under_home_is_read_as_a_shell_reads_it(monkeypatch, tmp_path):
+    import shutil
+
+    shutil.copytree(BIERCE_DIR, tmp_path / "my-bierce")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    model, tok = load_model("~/my-bierce")
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in load_model()[0].parameters())

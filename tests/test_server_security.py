@@ -77,6 +77,9 @@ def test_a_request_the_pool_can_never_hold_is_refused_by_the_engine_core(server)
     two = httpx.post(server.url + "/v1/completions", json={"prompt": ["x", "x y"], "max_tokens": 64}, headers=OK,
                      timeout=WAIT_S)  # a batch whose first prompt fits and second does not: named
     assert two.status_code == 400 and "prompt 1 of this request" in two.json()["error"]["message"], two.text
+    chat = httpx.post(server.url + "/v1/chat/completions", headers=OK, timeout=WAIT_S,
+                      json={"messages": [{"role": "user", "content": "x y"}], "max_completion_tokens": 64})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages", chat.text  # (a chat has no prompt)
 
 
 def test_live_view_listeners_are_capped(server):

@@ -143,10 +143,15 @@ def describe(model, tokenizer=None) -> ModelInfo:
             or not hasattr(model, "get_input_embeddings"):
         raise ValueError(f"model must be a transformers causal LM (cbteach.load_model() gives one), "
                          f"got {type(model).__name__}")
+    head = getattr(model, "get_output_embeddings", None)
+    if callable(head) and head() is None:  # (AutoModel's LlamaModel, GPT2Model: hidden states, no logits)
+        raise ValueError(f"{type(model).__name__} is a base model without a language-model head: it gives hidden "
+                         "states, not logits over the vocabulary. Load the causal LM "
+                         "(AutoModelForCausalLM.from_pretrained, or cbteach.load_model)")
     check_weights(model)
     if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):  # (every completion decodes)
         raise ValueError(f"tokenizer must be None or a transformers tokenizer (with decode(ids)), "
-                         f"got {type(tokenizer).__name__} {tokenizer!r}"[:300])
+                         f"got {type(tokenizer).__name__} {repr(tokenizer).splitlines()[0][:80]}")
     config = model.config
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     check_supported(text_config, max_positions(text_config))

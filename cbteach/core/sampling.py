@@ -38,7 +38,7 @@ class SamplingParams:
         # A Fraction or a NumPy number is a valid value; torch divides by floats.
         object.__setattr__(self, "temperature", float(t))
         object.__setattr__(self, "top_p", float(p))
-        ids = self.stop_token_ids
+        ids = getattr(self.stop_token_ids, "tolist", lambda: self.stop_token_ids)()  # (an array or a tensor: a list)
         if not isinstance(ids, (str, bytes, dict)) and hasattr(ids, "__iter__"):
             ids = tuple(ids)  # (once: a generator or an iterator is read here, and only here)
         if not isinstance(ids, tuple) or not all(

@@ -28,8 +28,9 @@ def as_request_list(requests, where: str) -> list:
     are checked one by one by :func:`validate_request`)."""
     if isinstance(requests, Request):
         raise ValueError(f"{where} takes a list of Requests; for one request pass [request]")
-    if isinstance(requests, (str, bytes)) or not hasattr(requests, "__iter__"):
-        raise ValueError(f"{where} takes a list of Requests, got {type(requests).__name__}")
+    if isinstance(requests, (str, bytes, dict)) or not hasattr(requests, "__iter__"):  # (a dict: its keys)
+        more = "; for a dict of them pass list(d.values())" if isinstance(requests, dict) else ""
+        raise ValueError(f"{where} takes a list of Requests, got {type(requests).__name__}{more}")
     return list(requests)
 
 
@@ -74,7 +75,12 @@ def validate_request(request, *, tokenizer, vocab_size: int, max_pos: int | None
         if not callable(tokenizer):
             raise ValueError(f"request {rid!r}: a text prompt needs a tokenizer that can be called on text "
                              f"(a transformers tokenizer); the engine's is a {type(tokenizer).__name__}")
-        ids = list(tokenizer(prompt)["input_ids"])
+        try:
+            ids = list(tokenizer(prompt)["input_ids"])
+        except Exception as err:  # noqa: BLE001  (the tokenizer failed on this text: this request is refused, whole)
+            raise ValueError(f"request {rid!r}: the tokenizer could not encode the prompt ({type(err).__name__}: "
+                             f"{err}); the engine's tokenizer is called as tokenizer(text)['input_ids'], as a "
+                             "transformers tokenizer is") from err
         if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
             raise ValueError(f"request {rid!r}: the tokenizer gave {str(ids)[:80]} for the prompt, not a flat list of "
                              "token ids; the engine's tokenizer must turn one text into one list of ints")

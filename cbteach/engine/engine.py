@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 
 from ..core.request import Completion, Request, Sequence
 from ..core.validation import as_request_list, validate_request
@@ -30,6 +31,9 @@ from .engine_core import EngineCore
 from .plug import plug_pieces
 from .scheduler_v0 import V0StepPlan
 from .streaming import StreamEvent, stream_events  # noqa: F401  (StreamEvent: part of the engine's API)
+
+MAX_WALL_WAIT = 86_400.0  # seconds: on the wall clock, an arrival_time further ahead than a day is refused
+LONG_WAIT = 60.0  # seconds: waiting this long for an arrival on the wall clock is said (a warning)
 
 
 class Engine(EngineCore):
@@ -83,7 +87,9 @@ class Engine(EngineCore):
         An explicit ``arrival_time`` is a time on the engine's clock (:meth:`now`); ``None`` means now."""
         self._check_open()
         prompt_ids = self.check_request(request)
-        at = self.now() if request.arrival_time is None else float(request.arrival_time)
+        now = self.now()
+        at = now if request.arrival_time is None else float(request.arrival_time)
+        self._check_wait(request, at - now)
         self._enqueue(request, prompt_ids, at)
         return request.request_id
 
@@ -116,6 +122,8 @@ class Engine(EngineCore):
         ships them from there (:meth:`copy_kv_out`). Paged only. The KV manager's ``free`` is wrapped,
         on this engine's manager only (a second call replaces the first callback): the manager V1's
         path reads has no such hook."""
+        if not callable(callback):
+            raise ValueError(f"on_release() takes a function called as callback(seq), got {type(callback).__name__}")
         if self.config.tensor_parallel_size > 1:
             raise ValueError("on_release() needs the K/V in this process; with tensor_parallel_size > 1 the ranks hold them")
         if self.kv.kind != "paged" or self.stepper is not None:
@@ -169,8 +177,12 @@ class Engine(EngineCore):
                 return
             if self.clock is not None:
                 self.clock.advance(nxt - now)
-            else:
-                time.sleep(nxt - now)
+                return
+            if nxt - now >= LONG_WAIT:
+                warnings.warn(f"the engine is idle until the next arrival_time, {nxt - now:,.0f} s from now on its wall "
+                              "clock: arrival times count seconds on the engine's clock (Engine.now()), or from the "
+                              "call for run() -- not time.perf_counter() or time.monotonic() readings", stacklevel=2)
+            time.sleep(nxt - now)
         elif self.has_unfinished() and self._last_idle:  # (after a step that only preempted, step again)
             raise RuntimeError(f"the scheduler made no progress with {len(self.scheduler.running)} running and "
                                f"{len(self.scheduler.waiting)} waiting requests; please report this")
@@ -189,10 +201,11 @@ class Engine(EngineCore):
         self._check_open()
         return stream_events(self, self._add_all(requests))
 
-    def abort(self, request_id) -> Completion:
+    def abort(self, request_id, error: str | None = None) -> Completion:
         """Cancel a queued, running or swapped-out request -- all its samples, or one sample given its
         id ``(request_id, i)`` (vLLM's rule). Its KV blocks are freed at once, and its
-        :class:`Completion` (``finish_reason="aborted"``, with what it generated so far) is returned."""
+        :class:`Completion` (``finish_reason="aborted"``, with what it generated so far) is returned;
+        with ``error`` (what went wrong for this request alone), ``finish_reason="error"`` instead."""
         try:
             seqs = self.groups.get(request_id) or [self.sequences[request_id]]
         except (TypeError, KeyError):
@@ -207,7 +220,7 @@ class Engine(EngineCore):
         for seq in live:
             group = self.groups.get(seq.request.request_id, [seq])
             parallel_sampling.abort_sample(self.scheduler, seq, group)
-            seq.finish_reason = "aborted"
+            seq.finish_reason, seq.error = ("aborted", seq.error) if error is None else ("error", str(error))
             self._complete(seq, self.now())
         if held_on_host:  # V0's swap: the worker keeps a host copy until a message says the request finished
             self.executor.execute_model(self.scheduler.make_output(V0StepPlan()))  # -- send that message now
@@ -261,11 +274,22 @@ class Engine(EngineCore):
         checked = []
         for r in requests:  # check them all before queuing any
             checked.append(self.check_request(r, taken))
+            self._check_wait(r, r.arrival_time or 0.0)
             taken.update(_ids_of(r.request_id, r.sampling_params.n))
         t_run = self.now()
         for r, prompt_ids in zip(requests, checked):
             self._enqueue(r, prompt_ids, t_run + (r.arrival_time or 0.0), claimed=True)
         return requests
+
+    def _check_wait(self, request: Request, wait: float) -> None:
+        """On the wall clock an arrival is waited for in real time: one over a day away is a clock reading."""
+        if self.clock is None and wait > MAX_WALL_WAIT:
+            raise ValueError(
+                f"request {request.request_id!r}: arrival_time={request.arrival_time!r} is {wait:,.0f} s from now on "
+                "this engine's wall clock, and the engine would wait that long for it: an arrival_time counts seconds "
+                "on the engine's clock (Engine.now(): since it was built) for add_request, and from the call for "
+                "run() and stream() -- it is not a reading of time.perf_counter() or time.monotonic(). For a trace "
+                "longer than a day, give the engine a simulated clock (cbteach.core.clock.VirtualClock)")
 
     def _enqueue(self, request: Request, prompt_ids: list[int], arrival_time: float, claimed: bool = False):
         mode = self.config.parallel_sampling

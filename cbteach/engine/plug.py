@@ -35,7 +35,13 @@ def plug_pieces(kv, kv_manager=None, attention=None, slot_mapping=None) -> None:
     if kv.kind != "paged":
         raise ValueError("kv_manager, attention and slot_mapping plug into the paged KV cache: use kv='paged'")
     if kv_manager is not None:
-        manager = kv_manager(kv.num_blocks, kv.block_size) if isinstance(kv_manager, type) else kv_manager
+        manager = kv_manager
+        if isinstance(kv_manager, type):
+            try:
+                manager = kv_manager(kv.num_blocks, kv.block_size)
+            except TypeError as err:
+                raise ValueError(f"kv_manager={kv_manager.__name__}: the engine builds the class as "
+                                 f"{kv_manager.__name__}(num_blocks, block_size), which raised TypeError: {err}") from err
         if not isinstance(manager, KVManager):
             free = getattr(manager, "free_blocks", None)
             if not isinstance(kv_manager, type) and hasattr(free, "__len__") and len(free) != kv.num_blocks:

@@ -138,14 +138,28 @@ def _catch_up(engine, covered: _Covered, shown: dict):
         for j in range(covered.emitted[id(seq)], len(out)):
             last = done and seq.finish_reason not in ENDED_WITHOUT_TOKEN and j == len(out) - 1
             reason = seq.finish_reason if last else None
-            text = _increment(engine.tokenizer, seq, j + 1, shown, reason)
+            try:
+                text = _increment(engine.tokenizer, seq, j + 1, shown, reason)
+            except Exception as err:  # noqa: BLE001  (its tokenizer failed on its ids: it alone ends, as in run())
+                yield _failed(engine, covered, seq, f"the tokenizer could not decode this request's tokens: "
+                                                    f"{type(err).__name__}: {err}")
+                break
             covered.emitted[id(seq)] = j + 1
             yield StreamEvent(rid, out[j], text, reason, seq.token_times[j])
-        if done:
-            covered.closed.add(id(seq))
-            if seq.finish_reason in ENDED_WITHOUT_TOKEN or not out:  # no last token carries it: a closing event alone
-                yield StreamEvent(rid, None, None if engine.tokenizer is None else "", seq.finish_reason,
-                                  engine.now())
+        else:
+            if done:
+                covered.closed.add(id(seq))
+                if seq.finish_reason in ENDED_WITHOUT_TOKEN or not out:  # no last token carries it: a closing event
+                    yield StreamEvent(rid, None, None if engine.tokenizer is None else "", seq.finish_reason,
+                                      engine.now())
+
+
+def _failed(engine, covered: _Covered, seq, error: str) -> StreamEvent:
+    """``seq`` fails alone: ended with ``error`` (its blocks given back) unless it had finished, and closed."""
+    if not seq.status.is_finished:
+        engine.abort(seq.request_id, error=error)
+    covered.closed.add(id(seq))
+    return StreamEvent(seq.request_id, None, "", "error", engine.now())
 
 
 def _increment(tokenizer, seq, upto: int, shown: dict, finish_reason) -> str | None:

@@ -179,7 +179,7 @@ class KVCacheManager:
         if need > self.num_blocks:
             raise ValueError(f"request {request_id!r} needs up to {need} KV blocks of {self.block_size} tokens "
                              f"but the pool has only {self.num_blocks}: shorten it (its prompt or its max tokens), "
-                             "or give the pool more blocks (num_blocks)")
+                             "or give the pool more blocks (num_blocks; --num-blocks on the command line)")
 
     def usage(self) -> dict:
         """The pool's bookkeeping now: blocks, tokens stored, how well the used blocks are filled."""

@@ -83,7 +83,8 @@ class Run:
                     pending.discard(index)
                 self.early.append((index, event))
         if errors:
-            raise APIError(400, errors[0], param="prompt")  # (what the cores refuse: a prompt and its max_tokens)
+            raise APIError(400, errors[0], param="messages" if self.req.kind == "chat" else "prompt")  # (what the
+            # cores refuse: a prompt and its max_tokens)
         failure = next((f for f in self.finished if f is not None and f[0] in FAILED), None)
         if failure is not None:
             raise _failure(failure)
