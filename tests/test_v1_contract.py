@@ -232,13 +232,19 @@ def test_whole_prompt_admission_reserves_the_whole_prompt():
 
 
 # -- the model changing under an engine -------------------------------------------------------------------
-@pytest.mark.parametrize("change", ["dtype", "embeddings", "eos", "weights"])
+@pytest.mark.parametrize("change", ["dtype", "dtype of one layer", "embeddings", "eos", "weights",
+                                    "weights through .data"])
 def test_changing_the_model_under_an_engine_is_refused(change):
     model = tiny_model("llama")
     eng = Engine(model, max_batch_size=2, kv="paged", block_size=4)
     eng.run([Request([7, 8], 2)])
     if change == "dtype":
         model.to(torch.float64)
+    elif change == "dtype of one layer":  # (the first weight keeps its dtype: the check looks at every weight)
+        model.lm_head.to(torch.float64)
+    elif change == "weights through .data":  # other weights loaded as vector_to_parameters loads them
+        torch.nn.utils.vector_to_parameters(torch.nn.utils.parameters_to_vector(
+            tiny_model("llama", seed=7).parameters()), model.parameters())
     elif change == "embeddings":
         model.resize_token_embeddings(model.config.vocab_size + 8)
     elif change == "eos":
@@ -250,8 +256,38 @@ def test_changing_the_model_under_an_engine_is_refused(change):
         eng.run([Request([7, 8], 2)])
     with pytest.raises(ModelChangedError):
         eng.step()
+    if change == "dtype of one layer":
+        return  # (a model of two dtypes runs nowhere: generate refuses it too)
     fresh = Engine(model, max_batch_size=2, kv="paged", block_size=4)  # a new engine for the model as it is
     assert fresh.run([Request([7, 8], 2)])[0].output_ids == reference(model, [7, 8], 2, eos_id=model.generation_config.eos_token_id)
+
+
+def test_a_compiled_model_runs_in_the_engine_as_its_own_eval_mode_forward_and_is_left_as_it_was():
+    """``model.compile()`` gives the model a compiled call of itself; the engine's view must not take it (it would
+    run the model's own forward: its training flag, dropout on, and its attention, not the paged one)."""
+    model = tiny_model("gpt2")
+    want = reference(model, [7, 8, 9, 10, 11], 10)
+    model.train()
+    model.compile(backend="eager")
+    for kv in ("concat", "paged"):
+        assert Engine(model, max_batch_size=2, kv=kv).run([Request([7, 8, 9, 10, 11], 10)])[0].output_ids == want
+    assert model.training
+
+
+def test_engines_leave_modules_that_are_not_hashable_buildable():
+    """The per-step check counts modules registered anywhere in the process (torch's global registration hooks):
+    a module class that defines __eq__ without __hash__ (a dataclass module, say) must still build."""
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def __eq__(self, other):
+            return self is other
+
+    with Engine(tiny_model("llama"), max_batch_size=2) as eng:
+        assert isinstance(Head(), Head)  # (a TypeError from the engine's hook, before)
+        assert eng.run([Request([7, 8, 9], 3)])[0].output_ids == reference(eng.model, [7, 8, 9], 3)
 
 
 def test_a_model_built_elsewhere_is_not_a_change_but_a_replaced_layer_found_by_step_alone():

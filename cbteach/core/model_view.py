@@ -73,6 +73,8 @@ def _shell(module: torch.nn.Module, configs: dict, memo: dict, share_hooks: bool
     view = object.__new__(type(module))
     memo[id(module)] = view
     attrs = dict(module.__dict__)  # parameters and buffers: the same dicts, so the same tensors
+    if attrs.get("_compiled_call_impl") is not None:  # model.compile(): a compiled call of the *model* (its training
+        attrs["_compiled_call_impl"] = None           # flag, its config); the view runs its own forward, eagerly
     for name, value in attrs.items():
         if id(value) in configs:
             attrs[name] = configs[id(value)]

@@ -33,7 +33,7 @@ _watched: weakref.WeakSet = weakref.WeakSet()  # every module of every watched m
 
 
 def _count_registration(module, *_args) -> None:
-    if module in _watched:
+    if type(module).__hash__ is not None and module in _watched:  # (a module class with __eq__, no __hash__: not ours)
         _registrations[0] += 1
 
 
@@ -42,7 +42,7 @@ def _watch(model) -> None:
         _registrations[0] = 1  # (hooked once per process)
         torch_module.register_module_module_registration_hook(_count_registration)
         torch_module.register_module_parameter_registration_hook(_count_registration)
-    _watched.update(model.modules())
+    _watched.update(m for m in model.modules() if type(m).__hash__ is not None)
 
 
 @dataclass
@@ -205,7 +205,7 @@ class EngineCore:
 
     def _quick_model_state(self) -> tuple:
         params, gen = self._model_params, getattr(self.model, "generation_config", None)
-        return (_registrations[0], (params[0].dtype, params[0].device) if params else None, sum(p._version for p in params),
+        return (_registrations[0], tuple((p.data_ptr(), p._version) for p in params),  # (a new dtype: new storage)
                 repr(getattr(gen, "eos_token_id", None)), repr(getattr(self.model.config, "eos_token_id", None)))
 
     def _complete(self, seq: Sequence, now: float) -> None:
