@@ -151,7 +151,7 @@ def describe(model, tokenizer=None) -> ModelInfo:
     check_weights(model)
     if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):  # (every completion decodes)
         raise ValueError(f"tokenizer must be None or a transformers tokenizer (with decode(ids)), "
-                         f"got {type(tokenizer).__name__} {repr(tokenizer).splitlines()[0][:80]}")
+                         f"got {type(tokenizer).__name__} {(repr(tokenizer).splitlines() or [''])[0][:80]}")
     config = model.config
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     check_supported(text_config, max_positions(text_config))

@@ -97,7 +97,7 @@ def make_proposer(speculative, num_speculative_tokens: int, vocab_size: int | No
         raise ValueError(f"speculative must be None, 'ngram' or a draft model, got {speculative!r}: for a draft model "
                          "by name, the engine takes the model itself, loaded (speculative=cbteach.load_model(name)[0]); "
                          "the command lines' --speculative loads a name for you")
-    shown = repr(speculative).splitlines()[0][:80]  # (a module's repr is its whole tree)
+    shown = (repr(speculative).splitlines() or [""])[0][:80]  # (a module's repr is its whole tree)
     raise ValueError(f"speculative must be None, 'ngram' or a draft model (a causal LM, with generate), got "
                      f"{type(speculative).__name__} {shown}")
 
