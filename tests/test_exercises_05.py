@@ -105,6 +105,14 @@ class RefusesWithFalse(Right):
         return False if self.need(seq, n) > len(self.free_blocks) else super().allocate_slots(seq, n)
 
 
+class MovesComputed(Right):  # counts the new tokens as computed itself: the scheduler's job
+    def allocate_slots(self, seq, n):
+        new = super().allocate_slots(seq, n)
+        if new is not None:
+            seq.num_computed_tokens += n
+        return new
+
+
 class MissingBlock(Right):
     def __init__(self, num_blocks, block_size):
         super().__init__(num_blocks, block_size)
@@ -149,6 +157,7 @@ class NoFreeList(Right):  # forgot to make the free list
     (WholeSequence, "make room for num_computed_tokens + num_new_tokens"),  # (passed while no prefill was chunked)
     (PerCall, "make room for num_computed_tokens + num_new_tokens"),  # (passed while every chunk began a block)
     (RefusesWithFalse, "returned False: to refuse, return None"),
+    (MovesComputed, "changed seq.num_computed_tokens"),  # (was told "too few for its tokens", which was false)
 ])
 def test_ex05_names_what_is_wrong(model, capsys, wrong, words):
     assert not ex05.check_kv_manager(wrong, model)

@@ -82,10 +82,13 @@ class PluggedKVManager(KVCacheManager):
     def allocate_slots(self, seq, num_new_tokens: int, new_computed_blocks=(), num_lookahead_tokens: int = 0):
         if new_computed_blocks or num_lookahead_tokens:
             raise self.Error("a plugged-in KV manager has no prefix cache and no whole-prompt reservation")
-        before, free_before = list(seq.block_table), list(self.mine.free_blocks)
-        call = f"allocate_slots({seq.request_id}, {num_new_tokens}) with {seq.num_computed_tokens} tokens computed"
+        before, free_before, computed = list(seq.block_table), list(self.mine.free_blocks), seq.num_computed_tokens
+        call = f"allocate_slots({seq.request_id}, {num_new_tokens}) with {computed} tokens computed"
         new = self.call_mine(call, "allocate_slots", seq, num_new_tokens)
-        need = math.ceil((seq.num_computed_tokens + num_new_tokens) / self.block_size) - len(before)
+        if seq.num_computed_tokens != computed:
+            raise self.Error(f"{call} changed seq.num_computed_tokens to {seq.num_computed_tokens}: the KV manager "
+                             "only reads it (the scheduler moves it on, when the step is planned)")
+        need = math.ceil((computed + num_new_tokens) / self.block_size) - len(before)
         if new is None:
             if list(seq.block_table) != before or list(self.mine.free_blocks) != free_before:
                 raise self.Error(f"{call} returned None but changed the block table or the free list: refuse "
