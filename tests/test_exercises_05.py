@@ -269,7 +269,7 @@ def slot_mapping(block_tables, num_computed_tokens, num_scheduled_tokens, block_
 
 def attention(query, key, value, meta, layer, scaling, *, order="write_first", diagonal=0, heads="interleave",
               context="exact", slot="right", mask_decodes=True, scale=True, write_layer=None, softmax=None, row=None,
-              read_layer=None, mask_dtype=torch.bool):
+              read_layer=None, mask_dtype=torch.bool, invert_mask=False, scale_queries=False):
     """The notebook's solution, with one mistake switched on by a keyword."""
     def write():
         meta.pool.write(layer if write_layer is None else write_layer, meta.slot_mapping,
@@ -295,12 +295,15 @@ def attention(query, key, value, meta, layer, scaling, *, order="write_first", d
         mask = torch.ones(n, length, dtype=mask_dtype).tril(diagonal=c + diagonal if diagonal != "zero" else 0)
         if n == 1 and not mask_decodes:
             mask = None
+        if invert_mask:  # True read as "hidden"
+            mask = ~mask
+        q = query[0, :, start:start + n] * (scaling if scale_queries else 1)
         if softmax is not None:  # written by hand: scores, the mask as -inf, a softmax along one axis
             scores = (query[0, :, start:start + n] @ k.transpose(-1, -2)) * scaling
             scores = scores.masked_fill(~mask, float("-inf"))
             out[0, :, start:start + n] = scores.softmax(dim={"keys": -1, "queries": -2}[softmax]) @ v
             continue
-        out[0, :, start:start + n] = F.scaled_dot_product_attention(query[0, :, start:start + n], k, v, attn_mask=mask,
+        out[0, :, start:start + n] = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                                                     scale=scaling if scale else None)
     if order == "write_after":
         write()
@@ -436,6 +439,9 @@ WRONG_SLOTS = [
      "off by one at a block boundary"),
     (lambda t, c, s, bs: [t[0][p // bs] * bs + p % bs for cc, n in zip(c, s) for p in range(cc, cc + n)],
      "through sequence 0's block table"),
+    # a table's blocks taken as side by side: named "swapped" before (equal to it on the step of one-token blocks)
+    (lambda t, c, s, bs: [x[0] * bs + p for x, cc, n in zip(t, c, s) for p in range(cc, cc + n)],
+     "need not lie side by side in the pool"),
     # [1, T], as the model's position ids: passed the hand-built steps, then the engine refused it as "returned Tensor"
     (lambda t, c, s, bs: torch.tensor([slot_mapping(t, c, s, bs)]), "a tensor of shape (1, "),
     # block_size typed in (vLLM's 16, or the notebook's 4): got "not where their block tables put them"
@@ -483,6 +489,8 @@ WRONG_ATTENTION = [
     (wrong_attention(row="layer"), "through another sequence's block table"),
     (wrong_attention(read_layer=0), "read from layer 0 of the pool"),  # (generic before: a write there was named)
     (wrong_attention(mask_dtype=torch.float32), "pass a boolean mask"),  # (SDPA adds a float mask to the scores)
+    (wrong_attention(invert_mask=True), "the mask is the wrong way round"),  # (generic before: NaN everywhere)
+    (wrong_attention(scale_queries=True), "the scores were scaled twice"),  # q * scaling, and scale= too
 ]
 
 

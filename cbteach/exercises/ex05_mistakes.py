@@ -13,6 +13,8 @@ _BOUNDARY = ("the block index is off by one at a block boundary: position p is i
 
 # name -> hint, in the order the check tries them
 SLOT_MISTAKES = {
+    "contiguous": ("a sequence's blocks need not lie side by side in the pool: look each position's block up in its "
+                   "own table (entry position // block_size), rather than counting on from the table's first block"),
     "swapped": _SWAPPED,
     "offset_times": _SWAPPED,
     "no_times": ("a slot is an address in the pool seen as one long row of slots: block b starts at slot "
@@ -47,6 +49,10 @@ def slots(block_tables, num_computed_tokens, num_scheduled_tokens, block_size, m
             table = block_tables[0]
         for j in range(n):
             p = {"from_zero": j, "plus_one": c + j + 1, "packed_index": row}.get(mistake, c + j)
+            if mistake == "contiguous":  # the first block's slot, counted on from there
+                out.append(table[0] * block_size + p)
+                row += 1
+                continue
             block = {"block_up": -(-p // block_size), "block_next": (p + 1) // block_size, "last_block": -1,
                      "block_before": (p - 1) // block_size, "block_plus": p // block_size + 1,
                      }.get(mistake, p // block_size)
@@ -95,6 +101,10 @@ ATTENTION_MISTAKES = {
     "table_zero": _OTHER_ROW,
     "table_layer": _OTHER_ROW,
     "no_scale": "use the scaling the layer passes you (scaling=): not every model scales scores by 1 / sqrt(head_dim)",
+    "scaled_twice": ("the scores were scaled twice: multiply the queries by scaling, or pass it to "
+                     "scaled_dot_product_attention as scale=, not both"),
+    "mask_inverted": ("the mask is the wrong way round: in scaled_dot_product_attention's boolean attn_mask, True "
+                      "means the query may see that key and False hides it"),
     "read_layer_zero": ("the context was read from layer 0 of the pool: each layer keeps its own K/V -- read them at "
                         "the layer you are given, as you write them"),
     "mask_float": ("the mask went to scaled_dot_product_attention as numbers (0 and 1), which it adds to the scores "
@@ -134,6 +144,10 @@ def attend(query, key, value, meta, layer: int, scaling=None, mistake=None) -> t
         if (mistake == "no_mask" and n > 1) or (mistake in ("whole_blocks", "padded_row") and n == 1):
             mask = None
         scale = head_dim ** -0.5 if mistake == "no_scale" else scaling
+        if mistake == "scaled_twice":  # the queries multiplied by the scale, and SDPA told it too
+            scale = (scaling if scaling is not None else head_dim ** -0.5) ** 2
+        if mistake == "mask_inverted" and mask is not None:
+            mask = ~mask
         q = query[0, :, start:start + n]
         if mistake == "softmax_axis":  # written by hand, normalised along the queries
             scores = (q @ k.transpose(-1, -2)) * (scale if scale is not None else head_dim ** -0.5)
