@@ -116,6 +116,10 @@ MISTAKES = {  # the mistake, made once in the solution -> the hint that must nam
                                                 "cached.all_token_ids[req_id]", "all_tokens"),
     "a forked sample given a fresh generator": ("held.generator if held else new_generator(new)", "new_generator(new)",
                                                 "forked"),
+    "a forked sample's held state kept as it was": (  # (was told about prefix-cache hits)
+        "        held = runner.requests.get(new.req_id)",
+        "        held = runner.requests.get(new.req_id)\n        if held is not None:\n            to_add.append(held)\n"
+        "            continue", "forked_stale"),
     "a seeded request given no generator": ("held.generator if held else new_generator(new)",
                                             "held.generator if held else None", "seeded"),
     "a request without a row never added back": ("            to_add.append(state)  # (added below)\n", "",

@@ -55,6 +55,9 @@ HINTS = {
     "params": "a row's sampling parameters are not its request's",
     "forked": "a forked sample (a new request the worker already holds a state for: runner.requests.get(new.req_id)) "
               "got a fresh random stream, which draws its first token's number again: keep the held state's generator",
+    "forked_stale": "a forked sample (a new request the worker already holds a state for) kept the held state as it "
+                    "was: it is a new request of the message, whose prompt, block ids and num_computed_tokens its "
+                    "state takes -- only the held state's generator is kept",
     "seeded": "a new seeded request's random stream is not new_generator(new) (its seed plus its sample index)",
     "kept_generator": "a cached request's random stream was replaced: a cached request keeps its state's generator",
     "row_generator": "a row's generator is not its request's state's generator",
@@ -133,6 +136,8 @@ def _wrong_row(b, expect: dict) -> str | None:
 
 def _row_hint(b, row: int, state, e: Expect) -> str | None:
     computed = int(b.num_computed_tokens[row])
+    if e.how == "forked" and (computed, list(state.block_ids)) != (e.num_computed_tokens, e.blocks):
+        return HINTS["forked_stale"]
     if computed != e.num_computed_tokens:
         if e.how in ("new", "forked"):
             return HINTS["prefix"] if computed == 0 else HINTS["computed_other"]
