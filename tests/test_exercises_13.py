@@ -57,6 +57,7 @@ def test_solution_passes(run, capsys):
     (lambda r, w, k, h: kv_right(r, w, h, k), "yours takes the head counts the other way round"),  # (a layout hint)
     (lambda r, w, h, k: list(range(r // (w // k) * max(1, k // w), r // (w // k) * max(1, k // w) + max(1, k // w))),
      "a count made with // is 0 for this shape"),  # replicas without max(1, ...) (was "the check stopped with")
+    (lambda r, w, h, k: [r * k // w], "a rank holds 2 of them"),  # one head each, wherever a rank holds several
 ])
 def test_kv_mistakes(run, capsys, wrong, idea):
     ok, out = check(run, capsys, kv=wrong)

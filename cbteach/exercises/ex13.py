@@ -40,6 +40,9 @@ def _kv_hint(got, rank, heads, kv, world) -> str:
     if got == list(range(rank * heads // world, (rank + 1) * heads // world)) and heads != kv:
         return ("those are the query heads this rank computes (num_heads split over the ranks): which KV heads do they "
                 "read?")
+    if per_rank > 1 and len(got) == 1:
+        return (f"one KV head per rank: with more KV heads than ranks ({kv} over {world}) a rank holds {per_rank} of "
+                "them, all those its query heads read")
     if per_rank > 1 and got == list(range(rank // copies, rank // copies + per_rank)):
         return (f"the ranks' KV heads overlap: each rank holds {per_rank} of them, so each rank's first KV head is "
                 f"{per_rank} past the one before it")
