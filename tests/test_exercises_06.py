@@ -234,6 +234,8 @@ UPDATE_MISTAKES = [
      "                seq.num_computed_tokens -= drafts\n", "more than the rejected guesses"),
     ("blocks of rejected guesses kept", "                self.kv_manager.trim(seq)  # blocks", "                pass  # blocks",
      "kv_manager.trim"),
+    ("a request with rejected guesses freed, not trimmed", "                self.kv_manager.trim(seq)  # blocks",
+     "                self.kv_manager.free(seq)  # blocks", "a request that goes on was freed"),  # (was generic)
     ("guesses kept after the step", "            seq.draft_ids = []\n", "", "draft_ids"),
     ("num_computed_tokens moved a second time (V0's habit)", "            drafts = scheduler_output",
      "            seq.num_computed_tokens += scheduler_output.num_scheduled_tokens[req_id]\n"

@@ -49,6 +49,8 @@ UPDATE_HINTS = {
     "drafts_over": "num_computed_tokens went down by more than the rejected guesses: take back only those",
     "moved": "num_computed_tokens changed in update_from_output for a request that fed no guesses: schedule() "
              "already counted the planned tokens (update_after_schedule); the update only takes rejected guesses back",
+    "freed_running": "a request that goes on was freed: free(seq) gives back every block it holds, for a request "
+                     "that finished; the blocks of rejected guesses go back with self.kv_manager.trim(seq)",
     "not_trimmed": "blocks that held only rejected guesses were kept: give them back with self.kv_manager.trim(seq)",
     "trimmed_early": "blocks that held only rejected guesses were kept: trim(seq) ran before num_computed_tokens was "
                      "taken back, so they still counted as computed -- take the guesses back first, then trim",
@@ -86,6 +88,7 @@ def _update_rules(sched, made, output, finished):
         if seq.finish_reason:
             yield from _finished_rules(sched, seq, finished)
             continue
+        yield "freed_running", id(seq) in sched.kv_manager.frees
         d = made.output.num_draft_tokens(seq.request_id)
         want = c + n - d + (len(output.sampled[j]) - 1 if d else 0)
         if seq.num_computed_tokens != want:
