@@ -1,4 +1,5 @@
 """Notebook 05's self-check runs the real engine on the learner's KV manager and names what is wrong."""
+import dataclasses
 import math
 
 import pytest
@@ -490,6 +491,8 @@ WRONG_ATTENTION = [
     (wrong_attention(read_layer=0), "read from layer 0 of the pool"),  # (generic before: a write there was named)
     (wrong_attention(mask_dtype=torch.float32), "pass a boolean mask"),  # (SDPA adds a float mask to the scores)
     (wrong_attention(invert_mask=True), "the mask is the wrong way round"),  # (generic before: NaN everywhere)
+    (lambda q, k, v, meta, *a: attention(q, k, v, dataclasses.replace(meta, block_size=8), *a),  # a global bs = 8
+     "a block holds meta.block_size tokens"),  # (was a bare IndexError)
     (wrong_attention(scale_queries=True), "the scores were scaled twice"),  # q * scaling, and scale= too
 ]
 

@@ -236,7 +236,10 @@ def _attention_failure(attention, n: int, h: Heads, ran_plain: bool) -> Fail | N
         gqa = h.heads != h.kv_heads and ran_plain
         more = (f"\n  It ran when every query head had its own KV head; here {h.heads} query heads share "
                 f"{h.kv_heads} KV heads (grouped-query attention): each KV head serves a group of "
-                f"{h.heads // h.kv_heads} consecutive query heads") if gqa else ""
+                f"{h.heads // h.kv_heads} consecutive query heads") if gqa else (
+            "\n  An index past the pool or a block table: a block holds meta.block_size tokens (here "
+            f"{STEPS[h.step].block_size}; the steps use blocks of 1, 2, 4 and 16), not a number of your own"
+            if isinstance(err, IndexError) else "")
         return Fail(f"your attention raised {raised(err)}\n  on the step {where}{more}", named=gqa)
     if out is None:
         raise Fail("not done yet: your attention returned None -- write it in the cell above")
