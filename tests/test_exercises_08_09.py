@@ -315,7 +315,9 @@ def test_handover_accepts_the_right_bytes_and_seconds(model, capsys):
     (scaled(tokens=lambda n, bs: math.ceil(n / bs)), "counted blocks, not the tokens"),
     (scaled(per_head=lambda c, d: c.head_dim + 4 if d == "int8" else 2 * c.head_dim), "2 is float16's"),
     (scaled(per_head=lambda c, d: c.hidden_size // c.num_key_value_heads * (1 if d == "int8" else 4)
-            + (4 if d == "int8" else 0)), "each hidden_size / num_attention_heads wide"),
+            + (4 if d == "int8" else 0)), "each config.head_dim wide"),
+    (scaled(per_head=lambda c, d: (lambda w: w + 4 if d == "int8" else 4 * w)(c.hidden_size // c.num_attention_heads)),
+     "need not be hidden_size / num_attention_heads"),  # right wherever the heads are hidden / heads wide
     (scaled(per_head=lambda c, d: c.head_dim + 2 if d == "int8" else 4 * c.head_dim), "float32 scale, 4 bytes"),
     (scaled(per_head=lambda c, d: c.head_dim + 8 if d == "int8" else 4 * c.head_dim), "scales were counted twice"),
     (scaled(per_head=lambda c, d: c.head_dim + 4 / c.num_key_value_heads if d == "int8" else 4 * c.head_dim),

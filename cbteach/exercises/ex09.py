@@ -19,7 +19,8 @@ class Shape(NamedTuple):
     layers: int
     heads: int  # query heads
     kv_heads: int
-    hidden: int  # head_dim = hidden / heads
+    hidden: int
+    head_dim: int | None = None  # None: hidden / heads (a model may make its heads wider: Qwen3, Gemma)
 
 
 class Handover(NamedTuple):
@@ -32,13 +33,16 @@ class Handover(NamedTuple):
 
 SHAPES = {"gqa": Shape(layers=2, heads=4, kv_heads=2, hidden=64),
           "mqa": Shape(layers=3, heads=4, kv_heads=1, hidden=32),
-          "mha": Shape(layers=1, heads=2, kv_heads=2, hidden=32)}
+          "mha": Shape(layers=1, heads=2, kv_heads=2, hidden=32),
+          "wide heads": Shape(layers=2, heads=4, kv_heads=2, hidden=32, head_dim=12)}
 CASES = [Handover(shape="gqa", prompt_len=16, block_size=16, kv_dtype=None, link_bytes_per_s=10e9),
          Handover(shape="gqa", prompt_len=17, block_size=16, kv_dtype=None, link_bytes_per_s=10e9),
          Handover(shape="mqa", prompt_len=9, block_size=8, kv_dtype=None, link_bytes_per_s=25e9),
          Handover(shape="gqa", prompt_len=5, block_size=4, kv_dtype="int8", link_bytes_per_s=1e9),
          Handover(shape="mqa", prompt_len=9, block_size=8, kv_dtype="int8", link_bytes_per_s=25e9),
-         Handover(shape="mha", prompt_len=30, block_size=16, kv_dtype="int8", link_bytes_per_s=64e9)]
+         Handover(shape="mha", prompt_len=30, block_size=16, kv_dtype="int8", link_bytes_per_s=64e9),
+         Handover(shape="wide heads", prompt_len=7, block_size=4, kv_dtype=None, link_bytes_per_s=10e9),
+         Handover(shape="wide heads", prompt_len=7, block_size=4, kv_dtype="int8", link_bytes_per_s=10e9)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,7 +52,7 @@ def small_model(shape: str):
     s = SHAPES[shape]
     cfg = LlamaConfig(vocab_size=97, hidden_size=s.hidden, intermediate_size=2 * s.hidden, num_hidden_layers=s.layers,
                       num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, max_position_embeddings=256,
-                      eos_token_id=5, bos_token_id=1, pad_token_id=5)
+                      eos_token_id=5, bos_token_id=1, pad_token_id=5, **({"head_dim": s.head_dim} if s.head_dim else {}))
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).eval()
 
@@ -64,11 +68,12 @@ def measured_handover(model, prompt_len: int, block_size: int, kv_dtype=None, li
 
 
 def _bytes(cfg, n, bs, kv_dtype, *, tokens=None, kv=2, one_layer=False, all_heads=False, int8="int8", bits=1,
-           head_dim_by_kv_heads=False):
+           head_dim_by_kv_heads=False, head_dim_from_hidden=False):
     """The bytes one handover moves -- or, with one keyword changed, what a typical mistake computes."""
     heads = cfg.num_attention_heads
     kv_heads = heads if all_heads else getattr(cfg, "num_key_value_heads", None) or heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    d = cfg.hidden_size // heads if head_dim_from_hidden else d
     d = cfg.hidden_size // kv_heads if head_dim_by_kv_heads else d
     per_head = {"int8": d + 4, "no scales": d, "fp32": 4 * d, "scale2": d + 2, "scales twice": d + 8,
                 "scale per token": d + 4 / kv_heads}[int8 if kv_dtype == "int8" else "fp32"]
@@ -90,7 +95,9 @@ BYTES_MISTAKES = [
     ([dict(one_layer=True)], "every layer has its own keys and values"),
     ([dict(all_heads=True), dict(head_dim_by_kv_heads=True)],
      "you counted hidden_size values per token for K (and for V): with grouped-query attention only the KV heads are "
-     "cached (config.num_key_value_heads), each hidden_size / num_attention_heads wide"),
+     "cached (config.num_key_value_heads), each config.head_dim wide"),
+    ([dict(head_dim_from_hidden=True)], "a head is config.head_dim wide, which need not be hidden_size / "
+                                        "num_attention_heads: a model may make its heads wider (Qwen3, Gemma do)"),
     ([dict(int8="no scales")], "int8 values are 1 byte each, but every (token, head) also stores one float32 scale, "
                                "for K and for V (cbteach.kv.int8)"),
     ([dict(int8="fp32")], "with kv_dtype='int8' each value takes 1 byte (plus a float32 scale per token and head)"),
@@ -112,8 +119,8 @@ def check_handover(handover, model, prompt_len: int | None = None) -> bool:
     for shape, n, bs, kv_dtype, link in cases + CASES:
         m = model if shape is None else small_model(shape)
         where = (f"prompt_len={n}, block_size={bs}, kv_dtype={kv_dtype!r}, link {link:.0e} B/s, " + (
-            "the notebook's model" if shape is None else f"a small model ({shape}: layers, heads, kv heads, hidden = "
-                                                         f"{tuple(SHAPES[shape])})"))
+            "the notebook's model" if shape is None else f"a small model ({shape}: " + ", ".join(
+                f"{k} {v}" for k, v in SHAPES[shape]._asdict().items() if v is not None) + ")"))
         got = ask(handover, n, m.config, bs, kv_dtype, link, shown=f"handover(...) for {where}")
         if not (isinstance(got, (tuple, list)) and len(got) == 2):
             return fail(f"handover did not return (bytes, seconds) for {where}: got {got!r}")
