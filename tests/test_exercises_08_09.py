@@ -155,6 +155,7 @@ def test_prefix_reuse_checks_the_notebooks_prompts_first(model, capsys):
     (summed, "the matches overlap rather than add"),  # (was the generic hint)
     (blocks_anywhere, "at another place in an earlier prompt are another block"),  # (passed every case)
     (cuts_the_prompts, "predict changed the prompts it was given"),  # (was told the earlier prompts' rule)
+    (lambda prompts, bs: right_reuse(prompts, 16), "not a number of your own"),  # vLLM's 16 typed in (was generic)
 ])
 def test_prefix_reuse_names_the_missed_rule(model, capsys, wrong, hint):
     ok, out = run(ex08.check_prefix_reuse, wrong, model, capsys=capsys)

@@ -112,6 +112,9 @@ def _prefix_hint(prompts, bs, got) -> str:
     hint = first_mistake(PREFIX_MISTAKES, lambda rules: any(got == _model(prompts, bs, **r) for r in rules))
     if hint:
         return hint.format(bs=bs)
+    typed = next((n for n in (16, 8, 4, 32, 2) if n != bs and got == _model(prompts, n)), None)
+    if typed is not None:
+        return f"the block size is the argument block_size, not a number of your own: here it is not {typed}"
     if [g * bs for g in got] == _model(prompts, bs):
         return f"you counted blocks; the answer is in tokens, {bs} a block"
     if any(g % bs for g in got):
