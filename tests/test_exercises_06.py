@@ -153,6 +153,8 @@ MISTAKES = [
      "overtook an earlier one that did not fit"),
     ("a newcomer's chunk counted from its num_computed_tokens, not past its cached prefix", ADMIT_N,
      "n = min(seq.num_tokens - seq.num_computed_tokens, budget)", 3, "past its cached prefix"),
+    ("a resumed request's chunk counted from its prompt alone", ADMIT_N,  # (was the generic "compare your loop")
+     "n = min(len(seq.prompt_ids) - num_cached_tokens, budget)", 3, "comes back with the tokens it had generated"),
     ("room asked again for the request that was its own victim", RETRY,
      "while self.kv_manager.allocate_slots(seq, n) is None:", 3, "given KV room again afterwards"),
     ("admitted before its room is granted",

@@ -104,9 +104,10 @@ def reference_run(model, workload: Workload, eos_ids=None):
     return runs[key]
 
 
-def diagnose(ref, mine, stage=None) -> str:
+def diagnose(ref, mine, stage=None, preempted_before=None) -> str:
     """Name the misconception behind the first step where ``mine``'s schedule differs from ``ref``'s.
-    The steps before it were identical, so both schedulers saw the same state."""
+    The steps before it were identical, so both schedulers saw the same state. ``preempted_before``: the
+    prompt length of each request preempted in an earlier step."""
     t_ref, plan_ref, adm_ref, pre_ref = plan_of(ref)
     t, plan, adm, pre = plan_of(mine)
     room, budget = stage is None or stage >= ROOM_STAGE, stage is None or stage >= 2
@@ -155,6 +156,11 @@ def diagnose(ref, mine, stage=None) -> str:
                 + ", ".join(causes) + ")" + tail)
     if any(got.get(r, 0) != n for r, n in want.items()):
         return "an admitted request's chunk is not what it lacks" + (", cut to the budget that is left" if budget else "")
+    back = preempted_before or {}
+    if any(r not in adm_ref and r in back and starts[r] + got[r] == back[r] for r in adm):
+        return ("a request preempted earlier was admitted with a chunk that ends where its prompt ends: it comes back "
+                "with the tokens it had generated, so what it lacks is num_tokens - num_computed_tokens, outputs "
+                "included -- and its room must fit that")
     return "the step's plan differs from the engine's scheduler's on the same state: compare your loop with the rules"
 
 
@@ -185,7 +191,8 @@ def _check_workload(cls, model, w: Workload, stage: int, with_generate: bool) ->
     if isinstance(mine.mistake, NotDone):
         return str(mine.mistake)
     if diff is not None and diff < len(mine.records) and diff < len(ref.records):
-        return f"{where}, step {diff}: {diagnose(ref.records[diff], mine.records[diff], stage)}"
+        back = {rid: len(ref.engine.sequences[rid].prompt_ids) for rec in ref.records[:diff] for rid in rec.preempted}
+        return f"{where}, step {diff}: {diagnose(ref.records[diff], mine.records[diff], stage, back)}"
     if mine.mistake is not None:
         return f"{where}, step {len(mine.records)}: {mine.mistake}"
     if diff is not None:
