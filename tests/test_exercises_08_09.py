@@ -156,6 +156,8 @@ def test_prefix_reuse_checks_the_notebooks_prompts_first(model, capsys):
     (blocks_anywhere, "at another place in an earlier prompt are another block"),  # (passed every case)
     (cuts_the_prompts, "predict changed the prompts it was given"),  # (was told the earlier prompts' rule)
     (lambda prompts, bs: right_reuse(prompts, 16), "not a number of your own"),  # vLLM's 16 typed in (was generic)
+    (lambda prompts, bs: [right_reuse(prompts[:prompts.index(p) + 1], bs)[-1] for p in prompts],  # (was generic)
+     "finds the first copy"),  # each prompt's earlier requests found with prompts.index
 ])
 def test_prefix_reuse_names_the_missed_rule(model, capsys, wrong, hint):
     ok, out = run(ex08.check_prefix_reuse, wrong, model, capsys=capsys)

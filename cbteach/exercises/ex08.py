@@ -57,10 +57,11 @@ def engine_cached_tokens(model, prompts, block_size: int) -> list[int]:
 
 
 def _model(prompts, bs, *, last_rule=True, full_blocks=True, earlier="all", chained=True, anywhere=False, ceil=False,
-           earlier_short=False, short_by=1, summed=False):
+           earlier_short=False, short_by=1, summed=False, by_index=False):
     """The engine's rule, with one part switched off at a time (to recognise a learner's mistake)."""
     out = []
     for j, p in enumerate(prompts):
+        j = prompts.index(p) if by_index else j  # (list.index finds a prompt's first copy)
         usable = p[:-short_by] if last_rule else p
         pool = {"all": prompts[:j], "previous": prompts[max(0, j - 1):j], "first": prompts[:1] if j else [],
                 "longest": [max(prompts[:j], key=len)] if j else []}[earlier]
@@ -103,6 +104,8 @@ PREFIX_MISTAKES = [
     ([dict(ceil=True)], "a partly filled block is never cached: round down to whole blocks, not up"),
     ([dict(short_by=2)], "off by one: the lookup leaves out the prompt's last token only -- its logits give the first "
                          "new token"),
+    ([dict(by_index=True)], "a prompt sent twice: its second copy finds the first one's blocks. Find the requests "
+                            "before it by position (enumerate), not with prompts.index, which finds the first copy"),
 ]
 
 
