@@ -270,7 +270,7 @@ def slot_mapping(block_tables, num_computed_tokens, num_scheduled_tokens, block_
 
 def attention(query, key, value, meta, layer, scaling, *, order="write_first", diagonal=0, heads="interleave",
               context="exact", slot="right", mask_decodes=True, scale=True, write_layer=None, softmax=None, row=None,
-              read_layer=None, mask_dtype=torch.bool, invert_mask=False, scale_queries=False):
+              read_layer=None, mask_dtype=torch.bool, invert_mask=False, scale_queries=False, heads_of=None):
     """The notebook's solution, with one mistake switched on by a keyword."""
     def write():
         meta.pool.write(layer if write_layer is None else write_layer, meta.slot_mapping,
@@ -278,7 +278,7 @@ def attention(query, key, value, meta, layer, scaling, *, order="write_first", d
     if order == "write_first":
         write()
     out, bs = torch.empty_like(query), meta.block_size
-    group = query.shape[1] // key.shape[1]
+    group = (query.shape[1] if heads_of is None else heads_of) // key.shape[1]
     for i, (c, n) in enumerate(zip(meta.num_computed_tokens, meta.num_scheduled_tokens)):
         start = int(meta.query_start_loc[i])
         length = {"exact": c + n, "floor": (c + n) // bs * bs, "whole_blocks": math.ceil((c + n) / bs) * bs,
@@ -493,6 +493,7 @@ WRONG_ATTENTION = [
     (wrong_attention(invert_mask=True), "the mask is the wrong way round"),  # (generic before: NaN everywhere)
     (lambda q, k, v, meta, *a: attention(q, k, v, dataclasses.replace(meta, block_size=8), *a),  # a global bs = 8
      "a block holds meta.block_size tokens"),  # (was a bare IndexError)
+    (wrong_attention(heads_of=6), "read the head counts from the tensors"),  # a global of another model's heads
     (wrong_attention(scale_queries=True), "the scores were scaled twice"),  # q * scaling, and scale= too
 ]
 

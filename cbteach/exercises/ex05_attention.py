@@ -239,7 +239,9 @@ def _attention_failure(attention, n: int, h: Heads, ran_plain: bool) -> Fail | N
                 f"{h.heads // h.kv_heads} consecutive query heads") if gqa else (
             "\n  An index past the pool or a block table: a block holds meta.block_size tokens (here "
             f"{STEPS[h.step].block_size}; the steps use blocks of 1, 2, 4 and 16), not a number of your own"
-            if isinstance(err, IndexError) else "")
+            if isinstance(err, IndexError) else "\n  Sizes that do not match: read the head counts from the tensors "
+            "you are given (query.shape[1] query heads, key.shape[1] KV heads), not from a model of your own"
+            if isinstance(err, RuntimeError) and "size" in str(err) else "")
         return Fail(f"your attention raised {raised(err)}\n  on the step {where}{more}", named=gqa)
     if out is None:
         raise Fail("not done yet: your attention returned None -- write it in the cell above")
